@@ -1,0 +1,126 @@
+"""One frozen configuration for the offline API and the server.
+
+`LLM(model=..., page_size=16)` and `python -m minisgl.server --page-size 16` build the same
+`ServerArgs`: every field is a CLI flag with dashes and an `LLM` keyword with underscores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from dataclasses import dataclass, fields
+from typing import Any, Literal
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 1919
+# On CPU there is no "free device memory" to take a fraction of: give the KV pool a fixed budget.
+DEFAULT_CPU_KV_CACHE_GB = 1.0
+DISABLE_OVERLAP_ENV = "MINISGL_DISABLE_OVERLAP_SCHEDULING"
+
+CacheType = Literal["radix", "naive"]
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in {"1", "true", "yes", "on"}
+
+
+@dataclass(frozen=True)
+class ServerArgs:
+    model: str | None = None  # local HF folder or hub id; None serves the bundled default model
+    served_model_name: str | None = None  # the name clients send; defaults to --model
+    tokenizer: str | None = None
+    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
+    device: str = "auto"  # auto: cuda if available, else cpu
+    tp_size: int = 1
+    # KV cache
+    page_size: int = 1
+    num_pages: int | None = None  # explicit pool size; overrides the memory budget
+    kv_cache_gb: float | None = None  # explicit pool budget in GiB
+    mem_fraction_static: float = 0.85  # CUDA: fraction of device memory for weights + KV
+    cache_type: CacheType = "radix"
+    # scheduling
+    max_running_requests: int = 256
+    max_prefill_tokens: int = 8192  # token budget of one batch's prefill work (chunked prefill)
+    max_model_len: int | None = None  # defaults to the model's max_position_embeddings
+    disable_overlap: bool = False
+    attention_backend: str = "auto"  # auto: flashinfer on CUDA when installed, else torch
+    cuda_graph_max_bs: int = 0  # 0: no CUDA graphs
+    seed: int = 0
+    # server
+    host: str = DEFAULT_HOST
+    port: int = DEFAULT_PORT
+    api_key: str | None = None
+    log_level: str = "info"
+    # multi-node tensor parallelism
+    nnodes: int = 1
+    node_rank: int = 0
+    dist_init_addr: str | None = None
+
+    def __post_init__(self) -> None:
+        def check(ok: bool, name: str, msg: str) -> None:
+            if not ok:
+                raise ValueError(f"{name}: {msg}")
+
+        check(self.page_size >= 1, "page_size", "must be >= 1")
+        check(self.num_pages is None or self.num_pages >= 1, "num_pages", "must be >= 1")
+        check(self.tp_size >= 1, "tp_size", "must be >= 1")
+        check(self.max_running_requests >= 1, "max_running_requests", "must be >= 1")
+        check(self.max_prefill_tokens >= 1, "max_prefill_tokens", "must be >= 1")
+        check(self.cache_type in ("radix", "naive"), "cache_type", "must be 'radix' or 'naive'")
+        check(self.dtype in ("auto", "float32", "float16", "bfloat16"), "dtype", "unknown dtype")
+        check(0 < self.mem_fraction_static < 1, "mem_fraction_static", "must be in (0, 1)")
+        check(self.nnodes >= 1 and 0 <= self.node_rank < self.nnodes, "node_rank", "out of range")
+
+    @property
+    def overlap_scheduling(self) -> bool:
+        return not (self.disable_overlap or _env_flag(DISABLE_OVERLAP_ENV))
+
+    def replace(self, **changes: Any) -> ServerArgs:
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> ServerArgs:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise TypeError(f"unknown option(s): {', '.join(unknown)}")
+        return cls(**kwargs)
+
+
+# Aliases users of Mini-SGLang / SGLang / vLLM type.
+_ALIASES: dict[str, list[str]] = {
+    "model": ["--model-path"],
+    "tp_size": ["--tp"],
+    "cache_type": ["--cache"],
+    "max_model_len": ["--context-length"],
+    "max_running_requests": ["--max-num-seqs"],
+}
+
+
+def build_arg_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m minisgl.server", description=__doc__)
+    for f in fields(ServerArgs):
+        flags = ["--" + f.name.replace("_", "-"), *_ALIASES.get(f.name, [])]
+        default = f.default
+        if f.type in ("bool",) or isinstance(default, bool):
+            parser.add_argument(*flags, dest=f.name, action="store_true", default=default)
+            continue
+        kind: Any = str
+        type_name = str(f.type)
+        if "int" in type_name:
+            kind = int
+        elif "float" in type_name:
+            kind = float
+        kwargs: dict[str, Any] = {"dest": f.name, "type": kind, "default": default}
+        if f.name == "cache_type":
+            kwargs["choices"] = ["radix", "naive"]
+        parser.add_argument(*flags, **kwargs)
+    parser.add_argument("--shell", action="store_true", help="chat in this terminal")
+    return parser
+
+
+def parse_server_args(argv: list[str] | None = None) -> tuple[ServerArgs, argparse.Namespace]:
+    ns = build_arg_parser().parse_args(argv)
+    values = {f.name: getattr(ns, f.name) for f in fields(ServerArgs)}
+    return ServerArgs(**values), ns

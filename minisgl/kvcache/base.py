@@ -1,0 +1,113 @@
+"""The prefix-cache contract shared by the radix tree and the no-reuse cache.
+
+Units: everything is counted in tokens; a "slot" is one token's row in the KV pool
+(slot = page * page_size + offset). The cache stores slot indices, never KV data, and never talks
+to the page allocator: slots it gives back (evict, reset, insert's refusals) are the caller's to
+free. Keys and slot lists are page-aligned: their length is a multiple of `page_size`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class MatchResult:
+    handle: Any  # opaque: give it back to lock/unlock
+    slot_indices: torch.Tensor  # int64 [matched_len], slots of the matched prefix in order
+
+    @property
+    def matched_len(self) -> int:
+        return int(self.slot_indices.numel())
+
+
+class PrefixCache(ABC):
+    """Maps token-id prefixes to the KV slots that hold them.
+
+    Ownership: a slot is in exactly one place: the page allocator's free list, this cache, or a
+    running request. `lock` protects a matched prefix from eviction while a request uses it;
+    every `lock` is paired with one `unlock` of the same handle.
+    """
+
+    def __init__(self, page_size: int) -> None:
+        self.page_size = page_size
+
+    @abstractmethod
+    def match_prefix(self, token_ids: Sequence[int]) -> MatchResult:
+        """Longest cached prefix of `token_ids` (page-aligned). Updates LRU access time."""
+
+    @abstractmethod
+    def lock(self, handle: Any) -> None:
+        """Protect the matched prefix (and its ancestors) from eviction."""
+
+    @abstractmethod
+    def unlock(self, handle: Any) -> None:
+        """Undo one `lock`."""
+
+    @abstractmethod
+    def insert(self, token_ids: Sequence[int], slot_indices: torch.Tensor) -> int:
+        """Offer a computed sequence; len(token_ids) == len(slot_indices), page-aligned.
+
+        Returns `n`: the cache did not take `slot_indices[:n]` (it already held that prefix, or
+        it keeps nothing); it owns `slot_indices[n:]` from now on. The caller frees the slots in
+        `[its own matched_len, n)`; slots below its matched_len were the cache's to begin with.
+        The returned handle semantics: nothing new is locked by insert.
+        """
+
+    @abstractmethod
+    def evict(self, num_tokens: int) -> torch.Tensor:
+        """Drop unlocked entries, least recently used leaves first, until at least `num_tokens`
+        slots are released or nothing evictable remains. Returns the released slots (int64)."""
+
+    @abstractmethod
+    def reset(self) -> torch.Tensor:
+        """Drop everything (no entry may be locked). Returns all slots the cache held."""
+
+    @property
+    @abstractmethod
+    def evictable_size(self) -> int:
+        """Tokens held in unlocked entries (can be evicted now)."""
+
+    @property
+    @abstractmethod
+    def protected_size(self) -> int:
+        """Tokens held in locked entries."""
+
+    @property
+    def total_size(self) -> int:
+        return self.evictable_size + self.protected_size
+
+
+class NaiveCache(PrefixCache):
+    """No reuse: matches nothing, keeps nothing (`--cache-type naive`)."""
+
+    def match_prefix(self, token_ids: Sequence[int]) -> MatchResult:
+        return MatchResult(None, torch.empty(0, dtype=torch.int64))
+
+    def lock(self, handle: Any) -> None:
+        pass
+
+    def unlock(self, handle: Any) -> None:
+        pass
+
+    def insert(self, token_ids: Sequence[int], slot_indices: torch.Tensor) -> int:
+        return len(token_ids)
+
+    def evict(self, num_tokens: int) -> torch.Tensor:
+        return torch.empty(0, dtype=torch.int64)
+
+    def reset(self) -> torch.Tensor:
+        return torch.empty(0, dtype=torch.int64)
+
+    @property
+    def evictable_size(self) -> int:
+        return 0
+
+    @property
+    def protected_size(self) -> int:
+        return 0
