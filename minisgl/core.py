@@ -11,6 +11,7 @@ import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 # Seeds are folded into 31 bits: the sampler's counter-based hash works on 32-bit lanes.
 SEED_MASK = (1 << 31) - 1
@@ -125,6 +126,12 @@ class Req:
     device_len: int = 0
     num_sampled: int = 0  # tokens scheduled for sampling, in-flight included
     num_cached_prompt_tokens: int = 0  # prefix-cache hit at first admission, for usage reporting
+    seed: int = 0  # the request's sampling seed (drawn by the scheduler when the client gave none)
+    # KV ownership, managed by the scheduler's cache manager
+    page_ids: list[int] = field(default_factory=list)  # pages backing positions, in order
+    cache_handle: Any = None  # locked prefix-cache node of the matched prefix
+    cache_matched_len: int = 0  # tokens whose pages belong to the prefix cache, not this request
+    num_retractions: int = 0
     finish_reason: FinishReason | None = None
     arrival_time: float = 0.0
 

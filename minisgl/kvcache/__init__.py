@@ -1,0 +1,15 @@
+"""Prefix caches: which token prefixes already have KV in the pool (contract: base.py)."""
+
+from minisgl.kvcache.base import MatchResult, NaiveCache, PrefixCache
+from minisgl.kvcache.radix import RadixCache
+
+__all__ = ["MatchResult", "NaiveCache", "PrefixCache", "RadixCache", "create_prefix_cache"]
+
+
+def create_prefix_cache(cache_type: str, page_size: int) -> PrefixCache:
+    """Build the cache named by `--cache-type`: "radix" shares prefixes, "naive" keeps nothing."""
+    if cache_type == "radix":
+        return RadixCache(page_size)
+    if cache_type == "naive":
+        return NaiveCache(page_size)
+    raise ValueError(f"unknown cache type {cache_type!r}: expected 'radix' or 'naive'")

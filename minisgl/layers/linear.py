@@ -1,0 +1,81 @@
+"""Tensor-parallel linear layers.
+
+Each layer owns only this rank's shard of the weight and knows how to cut its shard out of a full
+checkpoint tensor (`weight_loader`), so loading never materializes a whole layer per rank.
+Column parallel: the output dim is split, no communication. Row parallel: the input dim is split,
+partial results are all-reduced.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from minisgl.distributed import all_reduce, divide, get_tp_info
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T with W's rows (outputs) split across ranks, possibly several logical weights merged.
+
+    `output_sizes` are the full (unsharded) sizes of the merged parts, e.g. [q, k, v] or
+    [gate, up]; each part is split evenly, and this rank holds its slice of every part.
+    `replicate_parts` marks parts every rank holds whole (KV heads when there are fewer KV heads
+    than ranks).
+    """
+
+    def __init__(
+        self,
+        input_size: int,
+        output_sizes: list[int],
+        bias: bool,
+        part_names: list[str] | None = None,
+        shard_sizes: list[int] | None = None,
+    ) -> None:
+        super().__init__()
+        tp = get_tp_info()
+        self.input_size = input_size
+        self.full_sizes = output_sizes
+        self.shard_sizes = shard_sizes or [
+            divide(size, tp.size, "output size") for size in output_sizes
+        ]
+        self.part_names = part_names or [str(i) for i in range(len(output_sizes))]
+        out = sum(self.shard_sizes)
+        self.weight = nn.Parameter(torch.empty(out, input_size), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out), requires_grad=False) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    def load_part(self, param: nn.Parameter, full: torch.Tensor, part: str, shard_rank: int) -> None:
+        """Copy this rank's slice of checkpoint tensor `full` (the whole of one part)."""
+        index = self.part_names.index(part)
+        shard = self.shard_sizes[index]
+        start = sum(self.shard_sizes[:index])
+        piece = full.narrow(0, shard_rank * shard, shard)
+        param.data.narrow(0, start, shard).copy_(piece)
+
+
+class RowParallelLinear(nn.Module):
+    """y = x W^T with W's columns (inputs) split across ranks; partial sums are all-reduced."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool) -> None:
+        super().__init__()
+        tp = get_tp_info()
+        self.input_shard = divide(input_size, tp.size, "input size")
+        self.weight = nn.Parameter(torch.empty(output_size, self.input_shard), requires_grad=False)
+        # The bias is added once, after the reduction, so it is held whole on every rank.
+        self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = all_reduce(F.linear(x, self.weight))
+        if self.bias is not None:
+            y = y + self.bias
+        return y
+
+    def load_weight(self, param: nn.Parameter, full: torch.Tensor) -> None:
+        if param is self.bias:
+            param.data.copy_(full)
+            return
+        rank = get_tp_info().rank
+        param.data.copy_(full.narrow(1, rank * self.input_shard, self.input_shard))

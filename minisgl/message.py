@@ -1,0 +1,279 @@
+"""Messages between minisgl processes, their codec and the queue that carries them.
+
+Process layout (tp=1):
+
+    API server --TokenizedRequest/AbortRequest-->  scheduler       (scheduler_in, PULL)
+    API server --StatsRequest------------------->  scheduler ctl   (scheduler_ctl, PULL)
+    scheduler  --DetokenizeInit/BatchTokenOutput-> detokenizer     (detokenizer_in, PULL)
+    detokenizer --AbortRequest (stop string)----->  scheduler       (scheduler_in)
+    detokenizer --BatchDetokenizedOutput--------->  API server      (api_in, PULL)
+    scheduler ctl --StatsReply------------------->  API server      (api_in)
+
+Every receiver binds its PULL socket; senders connect. The codec is msgpack with an explicit
+registry: each message dataclass has a fixed tag and is encoded as an ext value holding
+[tag, field values...]; nested dataclasses (SamplingParams, ReqOutput, TokenLogprob) and enums
+travel the same way. Arrays decode as tuples, so sequence fields are typed as tuples.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+import msgpack
+import zmq
+import zmq.asyncio
+
+from minisgl.core import FinishReason, ReqOutput, SamplingParams, TokenLogprob
+
+# ---------------------------------------------------------------------------------------------
+# Messages
+
+
+@dataclass(frozen=True)
+class TokenizedRequest:
+    """A new request for the scheduler: the prompt is already token ids."""
+
+    rid: str
+    input_ids: tuple[int, ...]
+    sampling_params: SamplingParams
+
+
+@dataclass(frozen=True)
+class AbortRequest:
+    """Stop a request (client gone, or a stop string seen); its KV pages are freed."""
+
+    rid: str
+
+
+@dataclass(frozen=True)
+class DetokenizeInit:
+    """Sent by the scheduler ahead of a request's first output, on the same socket, so the
+    detokenizer always knows a request before its tokens arrive."""
+
+    rid: str
+    prompt_tail_ids: tuple[int, ...]  # the last few prompt tokens seed the decoding window
+    sampling_params: SamplingParams
+    eos_token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class BatchTokenOutput:
+    """One scheduler step's results."""
+
+    outputs: tuple[ReqOutput, ...]
+
+
+@dataclass(frozen=True)
+class DetokenizedOutput:
+    """One request's progress as text, for the API server."""
+
+    rid: str
+    text: str  # new text, safe to show (no partial characters, no stop string)
+    token_ids: tuple[int, ...]  # new tokens whose text is shown (a final eos is not)
+    num_new_tokens: int  # new tokens generated, a hidden final eos included (for usage)
+    logprobs: tuple[TokenLogprob, ...] = ()
+    finish_reason: FinishReason | None = None
+    prompt_len: int = 0
+    num_cached_prompt_tokens: int = 0
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class BatchDetokenizedOutput:
+    outputs: tuple[DetokenizedOutput, ...]
+
+
+@dataclass(frozen=True)
+class StatsRequest:
+    """Ping + stats query; the scheduler answers with a StatsReply carrying the same id."""
+
+    request_id: int
+
+
+@dataclass(frozen=True)
+class StatsReply:
+    request_id: int
+    max_model_len: int
+    vocab_size: int
+    num_running_reqs: int = 0
+    num_queue_reqs: int = 0
+    kv_cache_usage_ratio: float = 0.0
+    num_free_pages: int = 0
+    num_total_pages: int = 0
+    prompt_tokens_total: int = 0
+    generation_tokens_total: int = 0
+    cached_prompt_tokens_total: int = 0
+    eos_token_ids: tuple[int, ...] = field(default=())
+
+
+# ---------------------------------------------------------------------------------------------
+# Codec
+
+# msgpack ext type codes: one for registered dataclasses, one for registered enums.
+EXT_DATACLASS = 1
+EXT_ENUM = 2
+
+# Tags are part of the wire format between processes of one launch: append, never renumber.
+_DATACLASS_TAGS: dict[type, int] = {
+    SamplingParams: 1,
+    TokenLogprob: 2,
+    ReqOutput: 3,
+    TokenizedRequest: 10,
+    AbortRequest: 11,
+    DetokenizeInit: 12,
+    BatchTokenOutput: 13,
+    DetokenizedOutput: 14,
+    BatchDetokenizedOutput: 15,
+    StatsRequest: 16,
+    StatsReply: 17,
+}
+_ENUM_TAGS: dict[type, int] = {FinishReason: 1}
+
+_DATACLASS_BY_TAG = {tag: cls for cls, tag in _DATACLASS_TAGS.items()}
+_ENUM_BY_TAG = {tag: cls for cls, tag in _ENUM_TAGS.items()}
+_INIT_FIELDS = {
+    cls: tuple(f.name for f in dataclasses.fields(cls) if f.init) for cls in _DATACLASS_TAGS
+}
+
+
+def _default(obj: Any) -> Any:
+    cls = type(obj)
+    if cls is tuple:
+        return list(obj)
+    if cls in _DATACLASS_TAGS:
+        values = [_DATACLASS_TAGS[cls], *(getattr(obj, name) for name in _INIT_FIELDS[cls])]
+        return msgpack.ExtType(EXT_DATACLASS, _pack(values))
+    if cls in _ENUM_TAGS:
+        return msgpack.ExtType(EXT_ENUM, _pack([_ENUM_TAGS[cls], obj.value]))
+    raise TypeError(f"cannot encode {cls.__name__}: not in the message registry")
+
+
+def _ext_hook(code: int, data: bytes) -> Any:
+    values = msgpack.unpackb(data, ext_hook=_ext_hook, use_list=False)
+    if code == EXT_DATACLASS:
+        cls = _DATACLASS_BY_TAG[values[0]]
+        return cls(*values[1:])
+    if code == EXT_ENUM:
+        return _ENUM_BY_TAG[values[0]](values[1])
+    raise ValueError(f"unknown msgpack ext code {code}")
+
+
+def _pack(obj: Any) -> bytes:
+    # strict_types: FinishReason is a str subclass and must reach _default, not pack as a str.
+    return msgpack.packb(obj, default=_default, strict_types=True)
+
+
+def encode(message: Any) -> bytes:
+    return _pack(message)
+
+
+def decode(data: bytes) -> Any:
+    return msgpack.unpackb(data, ext_hook=_ext_hook, use_list=False)
+
+
+# ---------------------------------------------------------------------------------------------
+# Endpoints and the queue
+
+
+@dataclass(frozen=True)
+class Endpoints:
+    """ipc:// socket paths inside one private per-launch folder."""
+
+    root: str
+
+    @classmethod
+    def create(cls) -> Endpoints:
+        # mkdtemp makes the folder with mode 0700: other users cannot connect to our sockets.
+        return cls(tempfile.mkdtemp(prefix="minisgl-"))
+
+    def _path(self, name: str) -> str:
+        return f"ipc://{os.path.join(self.root, name)}"
+
+    @property
+    def scheduler_in(self) -> str:
+        return self._path("scheduler_in")
+
+    @property
+    def scheduler_ctl(self) -> str:
+        return self._path("scheduler_ctl")
+
+    @property
+    def detokenizer_in(self) -> str:
+        return self._path("detokenizer_in")
+
+    @property
+    def api_in(self) -> str:
+        return self._path("api_in")
+
+    def remove(self) -> None:
+        shutil.rmtree(self.root, ignore_errors=True)
+
+    def exists(self) -> bool:
+        return Path(self.root).is_dir()
+
+
+SocketKind = Literal["push", "pull", "pub", "sub"]
+_SOCKET_TYPES = {"push": zmq.PUSH, "pull": zmq.PULL, "pub": zmq.PUB, "sub": zmq.SUB}
+_RECEIVERS = ("pull", "sub")
+# Sends must never block a process's loop: no high-water mark, and closing drops unsent data
+# after this long instead of hanging on a peer that is gone.
+LINGER_MS = 500
+
+T = TypeVar("T")
+
+
+class MessageQueue:
+    """A typed message pipe over one ZeroMQ socket (push/pull or pub/sub).
+
+    `asyncio=True` uses pyzmq's asyncio socket, for the API server's event loop: then `aget` is
+    the way to receive. `put` never blocks either way.
+    """
+
+    def __init__(
+        self, kind: SocketKind, endpoint: str, bind: bool, *, asyncio: bool = False
+    ) -> None:
+        self.kind = kind
+        self.endpoint = endpoint
+        context: zmq.Context = zmq.asyncio.Context.instance() if asyncio else zmq.Context.instance()
+        self._socket = context.socket(_SOCKET_TYPES[kind])
+        self._socket.setsockopt(zmq.LINGER, LINGER_MS)
+        self._socket.setsockopt(zmq.SNDHWM, 0)
+        self._socket.setsockopt(zmq.RCVHWM, 0)
+        if kind == "sub":
+            self._socket.setsockopt(zmq.SUBSCRIBE, b"")
+        if bind:
+            self._socket.bind(endpoint)
+        else:
+            self._socket.connect(endpoint)
+
+    def put(self, message: Any) -> None:
+        assert self.kind not in _RECEIVERS, f"cannot send on a {self.kind} socket"
+        self._socket.send(encode(message), copy=False)
+
+    def get(self, timeout_s: float | None = None) -> Any | None:
+        """Next message; None if nothing arrives within timeout_s (0: do not wait)."""
+        if timeout_s is not None:
+            if not self._socket.poll(int(timeout_s * 1000), zmq.POLLIN):
+                return None
+        return decode(self._socket.recv())
+
+    def get_all(self) -> list[Any]:
+        """Every message already waiting, without blocking."""
+        messages = []
+        while self._socket.poll(0, zmq.POLLIN):
+            messages.append(decode(self._socket.recv()))
+        return messages
+
+    async def aget(self) -> Any:
+        data = await self._socket.recv()  # type: ignore[misc]
+        return decode(data)
+
+    def close(self) -> None:
+        self._socket.close()

@@ -1,0 +1,112 @@
+"""The parts of an HF config.json that the engine needs, read once into a frozen dataclass."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+# architectures -> our model family; all are the same decoder with small switches.
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    theta: float
+    rope_type: str = "default"  # default | linear | llama3 | yarn
+    params: dict[str, Any] = field(default_factory=dict)  # the rest of rope_scaling
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    family: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    rope: RopeConfig
+    tie_word_embeddings: bool
+    attention_bias: bool  # bias on q/k/v projections (Qwen2 always)
+    mlp_bias: bool
+    qk_norm: bool  # per-head RMSNorm on q and k before rope (Qwen3)
+    hidden_act: str
+    eos_token_ids: tuple[int, ...]
+    torch_dtype: str | None
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+
+def _rope_config(raw: dict[str, Any]) -> RopeConfig:
+    # transformers < 5 writes rope_theta + rope_scaling; 5.x writes rope_parameters.
+    params = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
+    theta = float(params.pop("rope_theta", raw.get("rope_theta", 10000.0)))
+    rope_type = str(params.pop("rope_type", params.pop("type", "default")) or "default")
+    if rope_type not in ("default", "linear", "llama3", "yarn"):
+        raise ValueError(f"rope type '{rope_type}' is not supported (default, linear, llama3, yarn)")
+    return RopeConfig(theta=theta, rope_type=rope_type, params=params)
+
+
+def _eos_ids(model_dir: Path, raw: dict[str, Any]) -> tuple[int, ...]:
+    # generation_config.json is what HF generate() stops on; it may hold a list.
+    eos: Any = None
+    gen_path = model_dir / "generation_config.json"
+    if gen_path.exists():
+        eos = json.loads(gen_path.read_text()).get("eos_token_id")
+    if eos is None:
+        eos = raw.get("eos_token_id")
+    if eos is None:
+        return ()
+    return tuple(int(e) for e in eos) if isinstance(eos, list) else (int(eos),)
+
+
+def load_model_config(model_dir: Path) -> ModelConfig:
+    raw = json.loads((model_dir / "config.json").read_text())
+    archs = raw.get("architectures") or []
+    arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+    if arch is None:
+        raise ValueError(
+            f"unsupported architecture {archs} in {model_dir}: "
+            f"supported are {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    family = SUPPORTED_ARCHITECTURES[arch]
+    num_heads = int(raw["num_attention_heads"])
+    hidden = int(raw["hidden_size"])
+    return ModelConfig(
+        architecture=arch,
+        family=family,
+        vocab_size=int(raw["vocab_size"]),
+        hidden_size=hidden,
+        intermediate_size=int(raw["intermediate_size"]),
+        num_layers=int(raw["num_hidden_layers"]),
+        num_heads=num_heads,
+        num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
+        head_dim=int(raw.get("head_dim") or hidden // num_heads),
+        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
+        rope=_rope_config(raw),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        attention_bias=family == "qwen2" or bool(raw.get("attention_bias", False)),
+        mlp_bias=bool(raw.get("mlp_bias", False)),
+        qk_norm=family == "qwen3",
+        hidden_act=str(raw.get("hidden_act", "silu")),
+        eos_token_ids=_eos_ids(model_dir, raw),
+        torch_dtype=raw.get("dtype") or raw.get("torch_dtype"),
+    )

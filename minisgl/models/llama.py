@@ -1,0 +1,136 @@
+"""One decoder for Llama, Mistral-style dense, Qwen2 and Qwen3 checkpoints.
+
+The families differ only in switches read from the config: q/k/v bias (Qwen2), per-head q/k
+RMSNorm (Qwen3), tied embeddings, head_dim, rope scaling. Every projection is tensor parallel.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from minisgl.distributed import divide, get_tp_info
+from minisgl.engine.context import get_forward_context
+from minisgl.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from minisgl.layers.linear import ColumnParallelLinear, RowParallelLinear
+from minisgl.layers.norm import RMSNorm
+from minisgl.layers.rope import RotaryEmbedding
+from minisgl.models.config import ModelConfig
+
+
+def local_head_counts(cfg: ModelConfig) -> tuple[int, int]:
+    """(query heads, KV heads) held by this rank. KV heads are replicated when scarcer than ranks."""
+    tp = get_tp_info().size
+    num_heads = divide(cfg.num_heads, tp, "num_attention_heads")
+    if cfg.num_kv_heads >= tp:
+        return num_heads, divide(cfg.num_kv_heads, tp, "num_key_value_heads")
+    if tp % cfg.num_kv_heads != 0:
+        raise ValueError(
+            f"tp size ({tp}) must be a multiple of num_key_value_heads ({cfg.num_kv_heads}) "
+            "when it exceeds it"
+        )
+    return num_heads, 1
+
+
+def kv_head_shard_rank(cfg: ModelConfig) -> int:
+    """Which slice of the checkpoint's KV heads this rank holds (several ranks may share one)."""
+    tp = get_tp_info()
+    if cfg.num_kv_heads >= tp.size:
+        return tp.rank
+    return tp.rank // (tp.size // cfg.num_kv_heads)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int, rope: RotaryEmbedding) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.head_dim = cfg.head_dim
+        self.num_heads, self.num_kv_heads = local_head_counts(cfg)
+        q_size, kv_size = self.num_heads * cfg.head_dim, self.num_kv_heads * cfg.head_dim
+        self.qkv_proj = ColumnParallelLinear(
+            cfg.hidden_size,
+            [cfg.q_size, cfg.kv_size, cfg.kv_size],
+            bias=cfg.attention_bias,
+            part_names=["q", "k", "v"],
+            shard_sizes=[q_size, kv_size, kv_size],
+        )
+        self.o_proj = RowParallelLinear(cfg.q_size, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.rope = rope
+        self.scale = cfg.head_dim**-0.5
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        qkv = self.qkv_proj(hidden)
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rope(positions, q, k)
+        ctx = get_forward_context()
+        out = ctx.backend.forward(q, k, v, self.layer_id, self.scale, ctx.kv_pool, ctx.metadata)
+        return self.o_proj(out.reshape(num_tokens, q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        if cfg.hidden_act != "silu":
+            raise ValueError(f"hidden_act '{cfg.hidden_act}' is not supported (silu)")
+        self.gate_up_proj = ColumnParallelLinear(
+            cfg.hidden_size,
+            [cfg.intermediate_size, cfg.intermediate_size],
+            bias=cfg.mlp_bias,
+            part_names=["gate", "up"],
+        )
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int, rope: RotaryEmbedding) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, layer_id, rope)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden))
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class CausalLM(nn.Module):
+    """Parameter names follow HF (`model.layers.N.self_attn...`) so the loader maps them 1:1."""
+
+    def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
+        super().__init__()
+        self.cfg = cfg
+        rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope)
+        self.model = nn.Module()
+        self.model.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
+        self.model.layers = nn.ModuleList(
+            DecoderLayer(cfg, i, rope) for i in range(cfg.num_layers)
+        )
+        self.model.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, logit_indices: torch.Tensor
+    ) -> torch.Tensor:
+        """input_ids, positions: [tokens]; returns logits [len(logit_indices), vocab] in fp32."""
+        hidden = self.model.embed_tokens(input_ids)
+        for layer in self.model.layers:
+            hidden = layer(positions, hidden)
+        hidden = self.model.norm(hidden[logit_indices])
+        return self.lm_head.compute_logits(hidden).float()

@@ -1,0 +1,151 @@
+"""KV page ownership for the scheduler: free pages, the prefix cache, and request rows.
+
+Invariant (checked by `check_page_accounting`): every page is in exactly one place: the free
+list, the prefix cache, or the `page_ids` of one live request (a request's first
+`cache_matched_len / page_size` pages are the cache's, merely borrowed under a lock).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from minisgl.core import Req
+from minisgl.kvcache import create_prefix_cache
+
+
+class PageAllocator:
+    def __init__(self, num_pages: int) -> None:
+        self.num_pages = num_pages
+        # A stack: recently freed pages are reused first (warm in cache).
+        self._free: list[int] = list(range(num_pages - 1, -1, -1))
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def alloc(self, num: int) -> list[int] | None:
+        if num > len(self._free):
+            return None
+        pages = self._free[len(self._free) - num :]
+        del self._free[len(self._free) - num :]
+        return pages
+
+    def free(self, pages: Iterable[int]) -> None:
+        self._free.extend(pages)
+
+
+class CacheManager:
+    def __init__(
+        self,
+        num_pages: int,
+        page_size: int,
+        cache_type: str,
+        page_table: torch.Tensor,
+        token_table: torch.Tensor,
+    ) -> None:
+        self.page_size = page_size
+        self.allocator = PageAllocator(num_pages)
+        self.prefix_cache = create_prefix_cache(cache_type, page_size)
+        self.page_table = page_table
+        self.token_table = token_table
+        self.free_rows = list(range(page_table.shape[0] - 1, -1, -1))
+
+    # ---- accounting ------------------------------------------------------------------------
+
+    @property
+    def num_total_pages(self) -> int:
+        return self.allocator.num_pages
+
+    @property
+    def num_available_pages(self) -> int:
+        """Pages obtainable now: free ones plus what the prefix cache could evict."""
+        return self.allocator.num_free + self.prefix_cache.evictable_size // self.page_size
+
+    @property
+    def num_used_pages(self) -> int:
+        """Pages holding KV of running requests or of locked cache entries."""
+        return self.num_total_pages - self.num_available_pages
+
+    def check_page_accounting(self, live: Iterable[Req]) -> None:
+        owned = sum(len(r.page_ids) - r.cache_matched_len // self.page_size for r in live)
+        cached = self.prefix_cache.total_size // self.page_size
+        total = self.allocator.num_free + cached + owned
+        assert total == self.num_total_pages, (
+            f"KV page leak: free {self.allocator.num_free} + cached {cached} + owned {owned} "
+            f"!= {self.num_total_pages}"
+        )
+
+    # ---- request life cycle -----------------------------------------------------------------
+
+    def admit(self, req: Req) -> bool:
+        """Give `req` a table row and its cached prefix. False when no row is free."""
+        if not self.free_rows:
+            return False
+        req.table_row = row = self.free_rows.pop()
+        all_ids = req.all_ids
+        # Keep at least one token to compute: its logits give the next token.
+        match = self.prefix_cache.match_prefix(all_ids[: len(all_ids) - 1])
+        self.prefix_cache.lock(match.handle)
+        req.cache_handle = match.handle
+        req.cache_matched_len = req.cached_len = match.matched_len
+        req.device_len = len(all_ids)
+        req.page_ids = self._slots_to_pages(match.slot_indices)
+        self.token_table[row, : len(all_ids)] = torch.tensor(all_ids, dtype=torch.int32)
+        if match.matched_len:
+            self.page_table[row, : match.matched_len] = match.slot_indices.to(torch.int32)
+        return True
+
+    def reserve(self, req: Req, end_len: int) -> bool:
+        """Make positions [0, end_len) of `req` have KV slots, evicting cached entries if needed."""
+        have = len(req.page_ids)
+        need = -(-end_len // self.page_size) - have
+        if need <= 0:
+            return True
+        pages = self._alloc_pages(need)
+        if pages is None:
+            return False
+        req.page_ids.extend(pages)
+        offsets = torch.arange(self.page_size, dtype=torch.int32)
+        slots = (torch.tensor(pages, dtype=torch.int32)[:, None] * self.page_size + offsets).flatten()
+        start = have * self.page_size
+        self.page_table[req.table_row, start : start + slots.numel()] = slots
+        return True
+
+    def _alloc_pages(self, num: int) -> list[int] | None:
+        short = num - self.allocator.num_free
+        if short > 0:
+            if short * self.page_size > self.prefix_cache.evictable_size:
+                return None
+            self.allocator.free(self._slots_to_pages(self.prefix_cache.evict(short * self.page_size)))
+        return self.allocator.alloc(num)
+
+    def release(self, req: Req) -> None:
+        """Return everything `req` holds: computed full pages go to the prefix cache (so a later
+        request, or this one after retraction, can reuse them); the rest to the free list."""
+        ps = self.page_size
+        computed = min(req.cached_len, len(req.all_ids))
+        num_full_pages = min(computed // ps, len(req.page_ids))
+        aligned = num_full_pages * ps
+        if aligned:
+            slots = self.page_table[req.table_row, :aligned].to(torch.int64).cpu()
+            not_taken = self.prefix_cache.insert(req.all_ids[:aligned], slots)
+        else:
+            not_taken = 0
+        matched_pages = req.cache_matched_len // ps
+        # Pages in [matched, not_taken) duplicate what the cache already held: free them.
+        self.allocator.free(req.page_ids[matched_pages : not_taken // ps])
+        self.allocator.free(req.page_ids[num_full_pages:])
+        self.prefix_cache.unlock(req.cache_handle)
+        self.free_rows.append(req.table_row)
+        req.page_ids, req.cache_handle, req.cache_matched_len = [], None, 0
+        req.table_row, req.cached_len = -1, 0
+
+    def flush(self) -> None:
+        """Empty the prefix cache (only valid when no request is live)."""
+        self.allocator.free(self._slots_to_pages(self.prefix_cache.reset()))
+
+    def _slots_to_pages(self, slots: torch.Tensor) -> list[int]:
+        # The cache hands back whole pages, each as page_size consecutive slots in order.
+        return slots[:: self.page_size].div(self.page_size, rounding_mode="floor").tolist()

@@ -1,0 +1,106 @@
+"""The API server's side of the IPC: send requests, route results to per-request queues.
+
+One asyncio task reads the detokenizer's socket and dispatches each output to the queue of the
+request group it belongs to; handlers only ever await their own queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from dataclasses import dataclass
+
+from minisgl.core import SamplingParams
+from minisgl.message import (
+    AbortRequest,
+    BatchDetokenizedOutput,
+    DetokenizedOutput,
+    Endpoints,
+    MessageQueue,
+    StatsReply,
+    StatsRequest,
+    TokenizedRequest,
+)
+
+logger = logging.getLogger(__name__)
+
+# Put on a group's queue when its client disconnects, so the handler wakes up and aborts.
+DISCONNECTED = object()
+
+
+@dataclass
+class RoutedOutput:
+    index: int  # choice index inside the request group
+    output: DetokenizedOutput
+
+
+class EngineClient:
+    def __init__(self, endpoints: Endpoints) -> None:
+        # Sends go through plain sockets: with no high-water mark they never block the loop.
+        self._to_scheduler = MessageQueue("push", endpoints.scheduler_in, bind=False)
+        self._to_scheduler_ctl = MessageQueue("push", endpoints.scheduler_ctl, bind=False)
+        self._inbox = MessageQueue("pull", endpoints.api_in, bind=True, asyncio=True)
+        self._routes: dict[str, tuple[asyncio.Queue, int]] = {}
+        self._stats_waiters: dict[int, asyncio.Future[StatsReply]] = {}
+        self._stats_ids = itertools.count()
+        self._reader: asyncio.Task | None = None
+        self.last_stats: StatsReply | None = None
+
+    def start(self) -> None:
+        self._reader = asyncio.create_task(self._read_loop(), name="minisgl-engine-reader")
+
+    async def close(self) -> None:
+        if self._reader is not None:
+            self._reader.cancel()
+            await asyncio.gather(self._reader, return_exceptions=True)
+        for queue in (self._to_scheduler, self._to_scheduler_ctl, self._inbox):
+            queue.close()
+
+    async def _read_loop(self) -> None:
+        while True:
+            message = await self._inbox.aget()
+            if isinstance(message, BatchDetokenizedOutput):
+                for output in message.outputs:
+                    route = self._routes.get(output.rid)
+                    if route is None:
+                        continue  # aborted by us: the client is gone
+                    queue, index = route
+                    if output.finish_reason is not None:
+                        del self._routes[output.rid]
+                    queue.put_nowait(RoutedOutput(index, output))
+            elif isinstance(message, StatsReply):
+                self.last_stats = message
+                waiter = self._stats_waiters.pop(message.request_id, None)
+                if waiter is not None and not waiter.done():
+                    waiter.set_result(message)
+            else:
+                logger.warning("api server: unexpected message %s", type(message).__name__)
+
+    def submit(
+        self, rid: str, index: int, input_ids: list[int], params: SamplingParams, queue: asyncio.Queue
+    ) -> None:
+        """Start one sequence; its outputs arrive on `queue` tagged with `index`."""
+        self._routes[rid] = (queue, index)
+        self._to_scheduler.put(TokenizedRequest(rid, tuple(input_ids), params))
+
+    def abort(self, rid: str) -> None:
+        if self._routes.pop(rid, None) is not None:
+            self._to_scheduler.put(AbortRequest(rid))
+
+    async def stats(self, timeout_s: float) -> StatsReply | None:
+        """Ask the scheduler for its stats; None if it does not answer in time."""
+        request_id = next(self._stats_ids)
+        waiter = asyncio.get_running_loop().create_future()
+        self._stats_waiters[request_id] = waiter
+        self._to_scheduler_ctl.put(StatsRequest(request_id))
+        try:
+            return await asyncio.wait_for(waiter, timeout_s)
+        except asyncio.TimeoutError:
+            return None
+        finally:
+            self._stats_waiters.pop(request_id, None)
+
+    @property
+    def num_active_requests(self) -> int:
+        return len(self._routes)
