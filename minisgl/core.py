@@ -9,7 +9,6 @@ from __future__ import annotations
 import enum
 import itertools
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,7 +54,9 @@ class SamplingParams:
             stop = (stop,)
         object.__setattr__(self, "stop", tuple(stop or ()))
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids or ()))
-        _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens", "must be >= 1")
+        _check(
+            isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens", "must be >= 1"
+        )
         _check(
             math.isfinite(self.temperature) and self.temperature >= 0,
             "temperature",
@@ -71,7 +72,9 @@ class SamplingParams:
         )
         _check(-2 <= self.presence_penalty <= 2, "presence_penalty", "must be in [-2, 2]")
         _check(-2 <= self.frequency_penalty <= 2, "frequency_penalty", "must be in [-2, 2]")
-        _check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
+        _check(
+            all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings"
+        )
         _check(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids", "must be >= 0")
         _check(self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", "must be in [0, 20]")
 
@@ -172,13 +175,3 @@ class ReqOutput:
     prompt_len: int = 0
     num_cached_prompt_tokens: int = 0
     error: str | None = None
-
-
-def as_token_lists(prompts: Sequence[str] | Sequence[Sequence[int]] | str) -> list:
-    """Normalize a single prompt or a list of prompts into a list."""
-    if isinstance(prompts, str):
-        return [prompts]
-    prompts = list(prompts)
-    if prompts and isinstance(prompts[0], int):
-        return [prompts]
-    return prompts

@@ -69,9 +69,12 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
+        conversations: list[list[dict]]
         if messages_list and isinstance(messages_list[0], dict):
-            messages_list = [messages_list]  # type: ignore[list-item]
-        prompts = [apply_chat_template(self.tokenizer, list(m)) for m in messages_list]
+            conversations = [list(messages_list)]  # type: ignore[arg-type]
+        else:
+            conversations = [list(m) for m in messages_list]  # type: ignore[arg-type]
+        prompts = [apply_chat_template(self.tokenizer, m) for m in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     @staticmethod
@@ -93,7 +96,9 @@ class LLM:
         by_rid = {req.rid: (req, out) for req, out in zip(reqs, outputs, strict=True)}
         detoks = {
             req.rid: IncrementalDetokenizer(
-                self.tokenizer, req.input_ids, req.sampling_params.stop,
+                self.tokenizer,
+                req.input_ids,
+                req.sampling_params.stop,
                 req.sampling_params.skip_special_tokens,
             )
             for req in reqs
@@ -134,9 +139,10 @@ class LLM:
                 detok.add(out.token_ids[len(out.token_ids) - 1 :])
                 detok.flush()
             return detok.text
-        return self.tokenizer.decode(
+        text = self.tokenizer.decode(
             out.token_ids, skip_special_tokens=req.sampling_params.skip_special_tokens
         )
+        return str(text)
 
     def check_page_accounting(self) -> None:
         """Assert every KV page is free, cached or owned by a live request (tests call this)."""

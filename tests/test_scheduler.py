@@ -73,9 +73,7 @@ def test_outputs_do_not_depend_on_knobs(tiny_qwen3, baseline, name):
 @pytest.mark.parametrize("page_size", [1, 4])
 def test_retraction_under_tiny_pool_keeps_outputs(tiny_qwen3, baseline, page_size):
     # Longest request: 150 + 12 tokens; 200 tokens of pool cannot hold the whole batch.
-    tokens, llm = run_llm(
-        tiny_qwen3, workload(), num_pages=200 // page_size, page_size=page_size
-    )
+    tokens, llm = run_llm(tiny_qwen3, workload(), num_pages=200 // page_size, page_size=page_size)
     try:
         assert llm.scheduler.stats().num_retractions_total > 0
         assert tokens == baseline

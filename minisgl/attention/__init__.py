@@ -26,7 +26,9 @@ def create_backend(name: str, device: torch.device) -> AttentionBackend:
         ):
             name = "flashinfer"
     if name not in _REGISTRY:
-        raise ValueError(f"attention_backend: unknown '{name}' (choose from {', '.join(_REGISTRY)})")
+        raise ValueError(
+            f"attention_backend: unknown '{name}' (choose from {', '.join(_REGISTRY)})"
+        )
     module_name, class_name = _REGISTRY[name].split(":")
     backend_cls = getattr(importlib.import_module(module_name), class_name)
     return backend_cls()

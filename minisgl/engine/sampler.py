@@ -143,8 +143,5 @@ def sample(logits: torch.Tensor, sb: SamplingBatch) -> SampleResult:
     # Logprobs of the model's own distribution (before penalties and temperature), as vLLM.
     logprobs = torch.log_softmax(raw_logits, dim=-1)
     chosen = logprobs.gather(1, token_ids[:, None]).squeeze(1)
-    top_logprobs, top_ids = logprobs.topk(sb.max_logprobs, dim=-1) if sb.max_logprobs else (
-        logprobs[:, :0],
-        token_ids[:, None][:, :0],
-    )
+    top_logprobs, top_ids = logprobs.topk(sb.max_logprobs, dim=-1)  # k = 0 gives empty
     return SampleResult(token_ids, chosen, top_ids, top_logprobs)

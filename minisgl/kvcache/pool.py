@@ -29,7 +29,13 @@ class KVPool:
         self.head_dim = cfg.head_dim
         # [layer, k/v, slot, kv_head, head_dim]
         self.buffer = torch.zeros(
-            cfg.num_layers, 2, self.num_slots, num_kv_heads, cfg.head_dim, dtype=dtype, device=device
+            cfg.num_layers,
+            2,
+            self.num_slots,
+            num_kv_heads,
+            cfg.head_dim,
+            dtype=dtype,
+            device=device,
         )
 
     def k_cache(self, layer_id: int) -> torch.Tensor:

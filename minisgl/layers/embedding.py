@@ -17,9 +17,7 @@ class VocabParallelEmbedding(nn.Module):
         # Round up so every rank holds the same number of rows; padded rows stay zero.
         self.shard_vocab = (vocab_size + tp.size - 1) // tp.size
         self.vocab_start = tp.rank * self.shard_vocab
-        self.weight = nn.Parameter(
-            torch.zeros(self.shard_vocab, hidden_size), requires_grad=False
-        )
+        self.weight = nn.Parameter(torch.zeros(self.shard_vocab, hidden_size), requires_grad=False)
 
     def load_weight(self, param: nn.Parameter, full: torch.Tensor) -> None:
         rows = max(0, min(self.shard_vocab, full.shape[0] - self.vocab_start))

@@ -16,7 +16,7 @@ from minisgl.distributed import all_reduce, divide, get_tp_info
 
 
 class ColumnParallelLinear(nn.Module):
-    """y = x W^T with W's rows (outputs) split across ranks, possibly several logical weights merged.
+    """y = x W^T with W's rows (outputs) split across ranks; several logical weights may merge.
 
     `output_sizes` are the full (unsharded) sizes of the merged parts, e.g. [q, k, v] or
     [gate, up]; each part is split evenly, and this rank holds its slice of every part.
@@ -47,7 +47,9 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
 
-    def load_part(self, param: nn.Parameter, full: torch.Tensor, part: str, shard_rank: int) -> None:
+    def load_part(
+        self, param: nn.Parameter, full: torch.Tensor, part: str, shard_rank: int
+    ) -> None:
         """Copy this rank's slice of checkpoint tensor `full` (the whole of one part)."""
         index = self.part_names.index(part)
         shard = self.shard_sizes[index]

@@ -22,9 +22,7 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, p: dict) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
-def _yarn_inv_freq(
-    base: float, dim: int, p: dict, max_pos: int
-) -> tuple[torch.Tensor, float]:
+def _yarn_inv_freq(base: float, dim: int, p: dict, max_pos: int) -> tuple[torch.Tensor, float]:
     factor = p["factor"]
     orig_max = p.get("original_max_position_embeddings") or max_pos
 

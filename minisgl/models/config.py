@@ -60,7 +60,9 @@ def _rope_config(raw: dict[str, Any]) -> RopeConfig:
     theta = float(params.pop("rope_theta", raw.get("rope_theta", 10000.0)))
     rope_type = str(params.pop("rope_type", params.pop("type", "default")) or "default")
     if rope_type not in ("default", "linear", "llama3", "yarn"):
-        raise ValueError(f"rope type '{rope_type}' is not supported (default, linear, llama3, yarn)")
+        raise ValueError(
+            f"rope type '{rope_type}' is not supported (default, linear, llama3, yarn)"
+        )
     return RopeConfig(theta=theta, rope_type=rope_type, params=params)
 
 

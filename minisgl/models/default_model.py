@@ -59,10 +59,10 @@ def _convert_gguf(gguf_dir: Path, target: Path) -> None:
     tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=GGUF_FILE_NAME)
     # save_pretrained refuses a model loaded from GGUF; a fresh model with the same weights saves.
     config = gguf_model.config
-    # The converted folder holds plain fp32 weights: drop the GGUF marker so loaders don't requantize.
+    # The converted folder holds plain fp32 weights: drop the GGUF marker (no requantizing).
     if hasattr(config, "quantization_config"):
         del config.quantization_config
-    model = LlamaForCausalLM(config)
+    model = LlamaForCausalLM(config)  # type: ignore[arg-type]
     model.load_state_dict(gguf_model.state_dict())
     model.generation_config = gguf_model.generation_config
 

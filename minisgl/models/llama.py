@@ -20,7 +20,7 @@ from minisgl.models.config import ModelConfig
 
 
 def local_head_counts(cfg: ModelConfig) -> tuple[int, int]:
-    """(query heads, KV heads) held by this rank. KV heads are replicated when scarcer than ranks."""
+    """(query heads, KV heads) on this rank; KV heads are replicated when scarcer than ranks."""
     tp = get_tp_info().size
     num_heads = divide(cfg.num_heads, tp, "num_attention_heads")
     if cfg.num_kv_heads >= tp:
@@ -108,6 +108,14 @@ class DecoderLayer(nn.Module):
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
+class DecoderStack(nn.Module):
+    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, rope) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
 class CausalLM(nn.Module):
     """Parameter names follow HF (`model.layers.N.self_attn...`) so the loader maps them 1:1."""
 
@@ -115,12 +123,7 @@ class CausalLM(nn.Module):
         super().__init__()
         self.cfg = cfg
         rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope)
-        self.model = nn.Module()
-        self.model.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
-        self.model.layers = nn.ModuleList(
-            DecoderLayer(cfg, i, rope) for i in range(cfg.num_layers)
-        )
-        self.model.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.model = DecoderStack(cfg, rope)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight

@@ -41,7 +41,7 @@ def load_weights(model: CausalLM, model_dir: Path) -> None:
     loaded: set[str] = set()
     for path in checkpoint_files(model_dir):
         with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
                 if _IGNORED_RE.search(name):
                     continue
                 if name == "lm_head.weight" and cfg.tie_word_embeddings:
@@ -75,12 +75,12 @@ def _load_one(
         raise ValueError(f"unexpected weight '{name}' in checkpoint")
     module = modules[name.rsplit(".", 1)[0]]
     param = params[name]
-    if isinstance(module, RowParallelLinear):
-        module.load_weight(param, tensor)
-    elif isinstance(module, VocabParallelEmbedding):
+    if isinstance(module, (RowParallelLinear, VocabParallelEmbedding)):
         module.load_weight(param, tensor)
     else:
         if param.shape != tensor.shape:
-            raise ValueError(f"weight '{name}': checkpoint {tuple(tensor.shape)}, model {param.shape}")
+            raise ValueError(
+                f"weight '{name}': checkpoint {tuple(tensor.shape)}, model {param.shape}"
+            )
         param.data.copy_(tensor)
     return name

@@ -16,7 +16,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from minisgl.config import ServerArgs
-from minisgl.core import FinishReason, Req, ReqOutput, SEED_MASK
+from minisgl.core import SEED_MASK, FinishReason, Req, ReqOutput, SamplingParams
 from minisgl.engine.engine import Engine, ForwardBatch, ForwardOutput
 from minisgl.scheduler.cache_manager import CacheManager
 from minisgl.scheduler.stats import SchedulerStats
@@ -68,7 +68,9 @@ class Scheduler:
         """Raise ValueError for a request that could never run: checked before queueing."""
         bad = [t for t in req.input_ids if not 0 <= t < self.vocab_size]
         if bad:
-            raise ValueError(f"prompt: token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+            raise ValueError(
+                f"prompt: token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})"
+            )
         total = req.prompt_len + req.sampling_params.max_tokens
         if total > self.max_model_len:
             raise ValueError(
@@ -208,9 +210,13 @@ class Scheduler:
         need_pages = -(-need_tokens // self.page_size) + len(self.running)
         return self.cache.num_available_pages >= need_pages or not self.running
 
-    def _build_batch(self, items: list[tuple[Req, int]]) -> tuple[ForwardBatch, list[Req], list[Req]]:
-        reqs, sampled = [], []
-        rows, prefix_lens, extend_lens, sampling, seeds, prompt_lens = [], [], [], [], [], []
+    def _build_batch(
+        self, items: list[tuple[Req, int]]
+    ) -> tuple[ForwardBatch, list[Req], list[Req]]:
+        reqs: list[Req] = []
+        sampled: list[Req] = []
+        sampling: list[SamplingParams | None] = []
+        rows, prefix_lens, extend_lens, seeds, prompt_lens = [], [], [], [], []
         for req, num_tokens in items:
             reqs.append(req)
             rows.append(req.table_row)
