@@ -108,7 +108,9 @@ class CacheManager:
             return False
         req.page_ids.extend(pages)
         offsets = torch.arange(self.page_size, dtype=torch.int32)
-        slots = (torch.tensor(pages, dtype=torch.int32)[:, None] * self.page_size + offsets).flatten()
+        slots = (
+            torch.tensor(pages, dtype=torch.int32)[:, None] * self.page_size + offsets
+        ).flatten()
         start = have * self.page_size
         self.page_table[req.table_row, start : start + slots.numel()] = slots
         return True
@@ -118,7 +120,9 @@ class CacheManager:
         if short > 0:
             if short * self.page_size > self.prefix_cache.evictable_size:
                 return None
-            self.allocator.free(self._slots_to_pages(self.prefix_cache.evict(short * self.page_size)))
+            self.allocator.free(
+                self._slots_to_pages(self.prefix_cache.evict(short * self.page_size))
+            )
         return self.allocator.alloc(num)
 
     def release(self, req: Req) -> None:
