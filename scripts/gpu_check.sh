@@ -20,9 +20,9 @@ run() {  # name, command...
   tail -n 5 "/tmp/gpu_check_${name}.log"
 }
 
-# The parity and scheduler suites on the CUDA device (fp32 for exact comparison with HF).
-run parity_cuda env MINISGL_TEST_DEVICE=cuda python -m pytest -q -x tests/test_model_parity.py
-run scheduler_cuda env MINISGL_TEST_DEVICE=cuda python -m pytest -q -x tests/test_scheduler.py
+# The parity and scheduler suites pick CUDA by themselves (device auto) and pin fp32.
+run parity_cuda python -m pytest -q -x tests/test_model_parity.py
+run scheduler_cuda python -m pytest -q -x tests/test_scheduler.py
 run bench_offline python benchmark/offline/bench.py --num-requests 256
 
 echo

@@ -65,7 +65,7 @@ def check_against_hf(model_dir, llm: LLM, prompts: list[list[int]], new_tokens: 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_tiny_models_match_hf(tiny_models, arch):
-    llm = LLM(str(tiny_models[arch]), num_pages=512, page_size=4, max_running_requests=8)
+    llm = LLM(str(tiny_models[arch]), dtype="float32", num_pages=512, page_size=4, max_running_requests=8)
     try:
         check_against_hf(tiny_models[arch], llm, _prompts(), NUM_NEW_TOKENS)
         stats = llm.scheduler.stats()
@@ -97,7 +97,7 @@ def test_rope_scaling_variants_load_and_match(tmp_path):
     }
     for name, rope in scalings.items():
         path = build_tiny_checkpoint(tmp_path / name, "llama", rope_parameters=rope)
-        llm = LLM(str(path), num_pages=256, page_size=1, max_running_requests=4)
+        llm = LLM(str(path), dtype="float32", num_pages=256, page_size=1, max_running_requests=4)
         try:
             check_against_hf(path, llm, _prompts()[:2], 8)
         finally:
@@ -114,7 +114,7 @@ SMOL_CHATS = [
 
 def test_smollm2_chat_greedy_matches_hf_generate(default_model_dir):
     """The bundled model: 32 greedy tokens of real chat prompts equal HF generate's text."""
-    llm = LLM(None, num_pages=2048, max_running_requests=8)
+    llm = LLM(None, dtype="float32", num_pages=2048, max_running_requests=8)
     try:
         hf = AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32).eval()
         messages = [[{"role": "user", "content": c}] for c in SMOL_CHATS]

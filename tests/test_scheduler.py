@@ -31,7 +31,7 @@ def workload() -> list[list[int]]:
 
 
 def run_llm(model_dir, prompts, **options) -> tuple[list[list[int]], LLM]:
-    llm = LLM(str(model_dir), **{"num_pages": 2048, "max_running_requests": 16, **options})
+    llm = LLM(str(model_dir), **{"dtype": "float32", "num_pages": 2048, "max_running_requests": 16, **options})
     outs = llm.generate(prompts, GREEDY)
     llm.check_page_accounting()
     return [o.token_ids for o in outs], llm
@@ -84,7 +84,7 @@ def test_retraction_under_tiny_pool_keeps_outputs(tiny_qwen3, baseline, page_siz
 
 
 def test_radix_reuse_computes_only_the_tail(tiny_qwen3):
-    llm = LLM(str(tiny_qwen3), num_pages=1024, max_running_requests=8)
+    llm = LLM(str(tiny_qwen3), dtype="float32", num_pages=1024, max_running_requests=8)
     try:
         prompt = list(range(100, 200))
         first = llm.generate([prompt], GREEDY)[0]
@@ -143,6 +143,7 @@ def sched(request, tiny_qwen3):
     s = Scheduler(
         ServerArgs(
             model=str(tiny_qwen3),
+            dtype="float32",
             num_pages=600,
             max_running_requests=4,
             max_prefill_tokens=16,
