@@ -35,12 +35,16 @@ class LLM:
     def __init__(self, model: str | None = None, **options: Any) -> None:
         self.args = ServerArgs.from_kwargs(model=model, **options)
         if self.args.tp_size > 1:
-            from minisgl.engine.tp_driver import TPScheduler
+            from minisgl.scheduler.tp import TPScheduler
 
             self.scheduler: Scheduler = TPScheduler(self.args)  # type: ignore[assignment]
         else:
             self.scheduler = Scheduler(self.args)
-        self.tokenizer = load_tokenizer(self.args.tokenizer or self.scheduler.engine.model_path)
+        try:
+            self.tokenizer = load_tokenizer(self.args.tokenizer or self.scheduler.engine.model_path)
+        except BaseException:
+            self.scheduler.shutdown()  # with tp_size > 1: no follower processes left behind
+            raise
 
     def generate(
         self,
@@ -150,3 +154,9 @@ class LLM:
 
     def shutdown(self) -> None:
         self.scheduler.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.shutdown()  # with tp_size > 1 this also stops the other ranks' processes

@@ -17,7 +17,7 @@ from minisgl.attention import create_backend
 from minisgl.attention.base import AttentionBatch
 from minisgl.config import DEFAULT_CPU_KV_CACHE_GB, ServerArgs
 from minisgl.core import SamplingParams, TokenLogprob
-from minisgl.distributed import get_tp_info
+from minisgl.distributed import broadcast_from_primary, get_tp_info, ranks_per_node
 from minisgl.engine.context import ForwardContext, forward_context
 from minisgl.engine.sampler import SamplingBatch, sample
 from minisgl.kvcache.pool import KVPool, bytes_per_token
@@ -32,9 +32,12 @@ GIB = 1 << 30
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-def resolve_device(name: str) -> torch.device:
+def resolve_device(name: str, local_rank: int = 0) -> torch.device:
+    """local_rank: this tp rank's index on its node; each rank of a node owns one GPU."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda":
+        return torch.device("cuda", local_rank)
     return torch.device(name)
 
 
@@ -74,7 +77,9 @@ class ForwardOutput:
 class Engine:
     def __init__(self, args: ServerArgs) -> None:
         self.args = args
-        self.device = resolve_device(args.device)
+        tp = get_tp_info()
+        local_rank = tp.rank % ranks_per_node(tp.size, args.nnodes) if tp.size > 1 else 0
+        self.device = resolve_device(args.device, local_rank)
         self.dtype = resolve_dtype(args.dtype, self.device)
         self.model_path = resolve_model_path(args.model)
         self.model_config: ModelConfig = load_model_config(self.model_path)
@@ -94,7 +99,11 @@ class Engine:
         self.backend = create_backend(args.attention_backend, self.device)
         logger.info(
             "engine ready: %s on %s (%s), %d KV pages x %d tokens",
-            cfg.architecture, self.device, self.dtype, self.num_pages, self.page_size,
+            cfg.architecture,
+            self.device,
+            self.dtype,
+            self.num_pages,
+            self.page_size,
         )
 
     def _build_model(self) -> CausalLM:
@@ -181,22 +190,33 @@ class Engine:
         )
         rows = torch.tensor([batch.table_rows[i] for i in seqs], device=self.device)
         if any(p.has_penalties for p in sample_params):
-            self._add_penalties(sb, sample_params, rows, [batch.prompt_lens[i] for i in seqs],
-                                next_pos.tolist())
+            self._add_penalties(
+                sb, sample_params, rows, [batch.prompt_lens[i] for i in seqs], next_pos.tolist()
+            )
         result = sample(logits, sb)
+        if get_tp_info().size > 1:
+            # Ranks compute the same logits only up to float rounding (reduction order), so a
+            # near-tie could pick different tokens and the ranks' KV caches would then diverge:
+            # everyone takes rank 0's choice.
+            result.token_ids = broadcast_from_primary(result.token_ids)
+            if result.logprobs is not None:  # the same rows want logprobs on every rank
+                result.logprobs = broadcast_from_primary(result.logprobs)
+            if result.top_ids is not None and result.top_logprobs is not None:
+                result.top_ids = broadcast_from_primary(result.top_ids)
+                result.top_logprobs = broadcast_from_primary(result.top_logprobs)
         # The sampled token becomes the next input: write it where the next step will read it.
         self.token_table[rows, next_pos.to(self.device)] = result.token_ids.to(torch.int32)
         token_ids = result.token_ids.tolist()
         logprobs: list[TokenLogprob | None] = [None] * len(seqs)
         if result.logprobs is not None:
             chosen = result.logprobs.tolist()
-            top_ids = result.top_ids.tolist() if result.top_ids is not None else None
-            top_lps = result.top_logprobs.tolist() if result.top_logprobs is not None else None
+            assert result.top_ids is not None and result.top_logprobs is not None
+            top_ids, top_lps = result.top_ids.tolist(), result.top_logprobs.tolist()
             for j, p in enumerate(sample_params):
                 if p.logprobs is None:
                     continue
                 k = p.logprobs
-                top = tuple(zip(top_ids[j][:k], top_lps[j][:k], strict=True)) if top_ids else ()
+                top = tuple(zip(top_ids[j][:k], top_lps[j][:k], strict=True))
                 logprobs[j] = TokenLogprob(token_ids[j], chosen[j], top)
         return ForwardOutput(token_ids, logprobs)
 
