@@ -18,7 +18,6 @@ travel the same way. Arrays decode as tuples, so sequence fields are typed as tu
 from __future__ import annotations
 
 import dataclasses
-import enum
 import os
 import shutil
 import tempfile
@@ -111,6 +110,7 @@ class StatsReply:
     generation_tokens_total: int = 0
     cached_prompt_tokens_total: int = 0
     eos_token_ids: tuple[int, ...] = field(default=())
+    kv_capacity_tokens: int = 0  # total pages x page size; 0: unknown
 
 
 # ---------------------------------------------------------------------------------------------
@@ -259,9 +259,8 @@ class MessageQueue:
 
     def get(self, timeout_s: float | None = None) -> Any | None:
         """Next message; None if nothing arrives within timeout_s (0: do not wait)."""
-        if timeout_s is not None:
-            if not self._socket.poll(int(timeout_s * 1000), zmq.POLLIN):
-                return None
+        if timeout_s is not None and not self._socket.poll(int(timeout_s * 1000), zmq.POLLIN):
+            return None
         return decode(self._socket.recv())
 
     def get_all(self) -> list[Any]:

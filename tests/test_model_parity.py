@@ -65,7 +65,9 @@ def check_against_hf(model_dir, llm: LLM, prompts: list[list[int]], new_tokens: 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_tiny_models_match_hf(tiny_models, arch):
-    llm = LLM(str(tiny_models[arch]), dtype="float32", num_pages=512, page_size=4, max_running_requests=8)
+    llm = LLM(
+        str(tiny_models[arch]), dtype="float32", num_pages=512, page_size=4, max_running_requests=8
+    )
     try:
         check_against_hf(tiny_models[arch], llm, _prompts(), NUM_NEW_TOKENS)
         stats = llm.scheduler.stats()

@@ -31,7 +31,10 @@ def workload() -> list[list[int]]:
 
 
 def run_llm(model_dir, prompts, **options) -> tuple[list[list[int]], LLM]:
-    llm = LLM(str(model_dir), **{"dtype": "float32", "num_pages": 2048, "max_running_requests": 16, **options})
+    llm = LLM(
+        str(model_dir),
+        **{"dtype": "float32", "num_pages": 2048, "max_running_requests": 16, **options},
+    )
     outs = llm.generate(prompts, GREEDY)
     llm.check_page_accounting()
     return [o.token_ids for o in outs], llm

@@ -11,7 +11,7 @@ import itertools
 import logging
 from dataclasses import dataclass
 
-from minisgl.core import SamplingParams
+from minisgl.core import FinishReason, SamplingParams
 from minisgl.message import (
     AbortRequest,
     BatchDetokenizedOutput,
@@ -78,11 +78,24 @@ class EngineClient:
                 logger.warning("api server: unexpected message %s", type(message).__name__)
 
     def submit(
-        self, rid: str, index: int, input_ids: list[int], params: SamplingParams, queue: asyncio.Queue
+        self,
+        rid: str,
+        index: int,
+        input_ids: list[int],
+        params: SamplingParams,
+        queue: asyncio.Queue,
     ) -> None:
         """Start one sequence; its outputs arrive on `queue` tagged with `index`."""
         self._routes[rid] = (queue, index)
         self._to_scheduler.put(TokenizedRequest(rid, tuple(input_ids), params))
+
+    def abort_all(self) -> None:
+        """Shutdown: end every open request now, as aborted, so no handler waits on a scheduler
+        that is about to stop."""
+        for rid, (queue, index) in list(self._routes.items()):
+            self.abort(rid)
+            ended = DetokenizedOutput(rid, "", (), 0, finish_reason=FinishReason.ABORT)
+            queue.put_nowait(RoutedOutput(index, ended))
 
     def abort(self, rid: str) -> None:
         if self._routes.pop(rid, None) is not None:

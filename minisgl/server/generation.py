@@ -13,7 +13,7 @@ import functools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from starlette.requests import Request
 from transformers import PreTrainedTokenizerBase
@@ -26,6 +26,7 @@ from minisgl.server.protocol import SamplingFields
 
 # Token id -> text is asked for every token when logprobs are on: cache the common ones.
 TOKEN_TEXT_CACHE_SIZE = 1 << 16
+HTTP_SERVER_ERROR = 500
 SAMPLING_FIELDS = (
     "temperature",
     "top_p",
@@ -47,7 +48,8 @@ class RequestError(Exception):
         self.status_code = status_code
         self.message = message
         self.param = param
-        self.err_type = err_type or ("invalid_request_error" if status_code < 500 else "server_error")
+        client_error = status_code < HTTP_SERVER_ERROR
+        self.err_type = err_type or ("invalid_request_error" if client_error else "server_error")
 
 
 class ClientDisconnected(Exception):
@@ -65,6 +67,7 @@ class ServingContext:
     accepted_model_names: frozenset[str]
     max_model_len: int
     vocab_size: int
+    kv_capacity_tokens: int  # the most tokens one sequence can hold in the KV pool
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model not in self.accepted_model_names:
@@ -76,32 +79,46 @@ class ServingContext:
     def token_text(self) -> Any:
         @functools.lru_cache(maxsize=TOKEN_TEXT_CACHE_SIZE)
         def decode_one(token_id: int) -> str:
-            return self.tokenizer.decode([token_id], skip_special_tokens=False)
+            return cast(str, self.tokenizer.decode([token_id], skip_special_tokens=False))
 
         return decode_one
 
 
 def resolve_max_tokens(
-    requested: int | None, prompt_len: int, max_model_len: int, prompt_param: str
+    requested: int | None,
+    prompt_len: int,
+    max_model_len: int,
+    kv_capacity_tokens: int,
+    prompt_param: str,
 ) -> int:
-    """vLLM's rule: without max_tokens, generate up to the context length that is left."""
+    """vLLM's rule: without max_tokens, generate up to the context length that is left (here also
+    bounded by what the KV pool can hold, which can be less than the context length)."""
     if requested is not None and requested < 1:
         raise RequestError(400, "max_tokens: must be >= 1", param="max_tokens")
-    if requested is None:
-        if prompt_len >= max_model_len:
-            raise RequestError(
-                400,
-                f"This model's maximum context length is {max_model_len} tokens. However, your "
-                f"prompt has {prompt_len} tokens, which leaves no room for the completion.",
-                param=prompt_param,
-            )
-        return max_model_len - prompt_len
-    if prompt_len + requested > max_model_len:
+    if requested is not None and prompt_len + requested > max_model_len:
         raise RequestError(
             400,
             f"This model's maximum context length is {max_model_len} tokens. However, you "
             f"requested {prompt_len + requested} tokens ({prompt_len} in the prompt, {requested} "
             f"for the completion). Please reduce the prompt or max_tokens.",
+            param="max_tokens",
+        )
+    limit = min(max_model_len, kv_capacity_tokens) if kv_capacity_tokens > 0 else max_model_len
+    if requested is None:
+        if prompt_len >= limit:
+            what = "context length" if limit == max_model_len else "KV cache capacity"
+            raise RequestError(
+                400,
+                f"This model's maximum {what} is {limit} tokens. However, your prompt has "
+                f"{prompt_len} tokens, which leaves no room for the completion.",
+                param=prompt_param,
+            )
+        return limit - prompt_len
+    if prompt_len + requested > limit:
+        raise RequestError(
+            400,
+            f"prompt plus max_tokens ({prompt_len + requested} tokens) exceeds the KV cache "
+            f"({limit} tokens)",
             param="max_tokens",
         )
     return requested
@@ -249,7 +266,9 @@ class GenerationGroup:
         """Collect every output (non-streaming); raises ClientDisconnected if the client leaves."""
         try:
             while not self.done:
-                await self.next_output()
+                _, output = await self.next_output()
+                if output.finish_reason == FinishReason.ERROR:
+                    break  # the response is an error: the other choices are not needed
         finally:
             self.close()
 

@@ -35,20 +35,22 @@ class _SchedulerStatsCollector(Collector):
         counters = {
             "prompt_tokens": ("Prompt tokens processed", stats.prompt_tokens_total),
             "generation_tokens": ("Tokens generated", stats.generation_tokens_total),
-            "cached_prompt_tokens": ("Prompt tokens served from the prefix cache",
-                                     stats.cached_prompt_tokens_total),
+            "cached_prompt_tokens": (
+                "Prompt tokens served from the prefix cache",
+                stats.cached_prompt_tokens_total,
+            ),
         }
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(PREFIX + name, doc, value=value)
-        gauges = {
+        gauges: dict[str, tuple[str, float]] = {
             "num_running_reqs": ("Requests in the running batch", stats.num_running_reqs),
             "num_queue_reqs": ("Requests waiting to be scheduled", stats.num_queue_reqs),
             "kv_cache_usage_ratio": ("Fraction of KV pages in use", stats.kv_cache_usage_ratio),
             "num_free_kv_pages": ("Free KV pages", stats.num_free_pages),
             "num_total_kv_pages": ("KV pages in the pool", stats.num_total_pages),
         }
-        for name, (doc, value) in gauges.items():
-            yield GaugeMetricFamily(PREFIX + name, doc, value=value)
+        for name, (doc, gauge_value) in gauges.items():
+            yield GaugeMetricFamily(PREFIX + name, doc, value=gauge_value)
 
 
 class ServerMetrics:

@@ -61,7 +61,9 @@ class ChatCompletionRequest(SamplingFields):
 
     @property
     def requested_max_tokens(self) -> int | None:
-        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens
+        return self.max_tokens
 
     @property
     def num_logprobs(self) -> int | None:
@@ -106,6 +108,9 @@ def usage_dict(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -
 
 
 def error_dict(
-    message: str, err_type: str = "invalid_request_error", param: str | None = None, code: Any = None
+    message: str,
+    err_type: str = "invalid_request_error",
+    param: str | None = None,
+    code: Any = None,
 ) -> dict[str, Any]:
     return {"error": {"message": message, "type": err_type, "param": param, "code": code}}

@@ -48,7 +48,11 @@ async def create_chat_completion(
     except ValueError as exc:
         raise RequestError(400, str(exc), param="messages") from None
     max_tokens = resolve_max_tokens(
-        body.requested_max_tokens, len(prompt_ids), ctx.max_model_len, "messages"
+        body.requested_max_tokens,
+        len(prompt_ids),
+        ctx.max_model_len,
+        ctx.kv_capacity_tokens,
+        "messages",
     )
     params = [build_sampling_params(body, max_tokens, body.num_logprobs, i) for i in range(body.n)]
     request_id = new_id("chatcmpl")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Sequence
-from typing import Any
+from typing import Any, cast
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -44,7 +44,7 @@ def tokenize_prompts(ctx: ServingContext, prompt: Any) -> tuple[list[list[int]],
                 raise RequestError(
                     400, f"prompt: token ids must be in [0, {ctx.vocab_size})", param="prompt"
                 )
-            text = ctx.tokenizer.decode(ids)
+            text = cast(str, ctx.tokenizer.decode(ids))
         if not ids:
             raise RequestError(400, "prompt: must not be empty", param="prompt")
         ids_per_prompt.append(ids)
@@ -80,7 +80,9 @@ async def create_completion(
     params = []
     for ids in prompts:
         # Without max_tokens each prompt may use whatever context its own length leaves.
-        max_tokens = resolve_max_tokens(body.max_tokens, len(ids), ctx.max_model_len, "prompt")
+        max_tokens = resolve_max_tokens(
+            body.max_tokens, len(ids), ctx.max_model_len, ctx.kv_capacity_tokens, "prompt"
+        )
         params.append(
             [build_sampling_params(body, max_tokens, body.logprobs, j) for j in range(body.n)]
         )

@@ -32,7 +32,7 @@ def message_text(content: Any, index: int) -> str:
                 raise ValueError(f"messages: message {index} has a content part that is not text")
             text = part.get("text")
             if not isinstance(text, str):
-                raise ValueError(f"messages: message {index} has a text part without a 'text' string")
+                raise ValueError(f"messages: message {index} has a text part without 'text'")
             texts.append(text)
         return "".join(texts)
     raise ValueError(f"messages: message {index} content must be a string or a list of text parts")
@@ -56,12 +56,12 @@ def normalize_messages(messages: Any) -> list[dict[str, str]]:
 def apply_chat_template(tokenizer: PreTrainedTokenizerBase, messages: list[dict]) -> list[int]:
     """Render messages with the tokenizer's chat template, ready for the assistant's reply."""
     if not getattr(tokenizer, "chat_template", None):
-        raise ValueError("messages: this model's tokenizer has no chat template; use /v1/completions")
+        raise ValueError("messages: the tokenizer has no chat template; use /v1/completions")
     encoded = tokenizer.apply_chat_template(
         normalize_messages(messages), add_generation_prompt=True, tokenize=True
     )
     # transformers 5 returns a dict-like BatchEncoding; older versions return the id list itself.
-    ids = encoded["input_ids"] if isinstance(encoded, Mapping) else encoded
+    ids: Any = encoded["input_ids"] if isinstance(encoded, Mapping) else encoded
     return [int(t) for t in ids]
 
 

@@ -19,6 +19,7 @@ when it spans several tokens.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import cast
 
 from transformers import PreTrainedTokenizerBase
 
@@ -68,11 +69,12 @@ class IncrementalDetokenizer:
         return self._release(final=True)
 
     def _decode(self, ids: Sequence[int]) -> str:
-        return self._tokenizer.decode(
+        text = self._tokenizer.decode(
             list(ids),
             skip_special_tokens=self._skip_special_tokens,
             clean_up_tokenization_spaces=False,
         )
+        return cast(str, text)
 
     def _decode_ready(self) -> str:
         """Decode the window; return the new text unless it ends mid-character."""

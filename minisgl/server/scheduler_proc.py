@@ -1,0 +1,193 @@
+"""The scheduler process: feed requests to the Scheduler, step it, ship its outputs.
+
+Loop: when idle, block on the input socket (with a timeout, to refresh stats and notice
+shutdown); when busy, only drain what is already waiting, so decoding never waits for input.
+
+Tensor parallelism: this process is rank 0. With tp_size > 1 the scheduler is a TPScheduler
+(minisgl.scheduler.tp, same API), which spawns ranks 1..N-1 and broadcasts each step's
+add_request/abort_request calls to them, so this loop does not change.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from minisgl.config import ServerArgs
+from minisgl.core import FinishReason, Req, ReqOutput
+from minisgl.message import (
+    AbortRequest,
+    BatchTokenOutput,
+    DetokenizeInit,
+    Endpoints,
+    MessageQueue,
+    StatsReply,
+    StatsRequest,
+    TokenizedRequest,
+)
+from minisgl.tokenizer.detokenizer import PROMPT_CONTEXT_TOKENS
+
+logger = logging.getLogger(__name__)
+
+IDLE_POLL_TIMEOUT_S = 0.05
+# Stats are read from the scheduler by the loop itself (never concurrently with step()) and
+# handed to the thread that answers pings; refreshing this often is cheap and fresh enough.
+STATS_REFRESH_INTERVAL_S = 0.05
+CTL_POLL_TIMEOUT_S = 0.1
+
+
+class StatsResponder:
+    """Answers StatsRequest pings from its own thread, so /health works even during a long step.
+
+    It only reads `snapshot`, which the scheduler loop replaces (never mutates) between steps.
+    If the scheduler process dies, nobody answers and /health turns 503.
+    """
+
+    def __init__(self, endpoints: Endpoints, snapshot: StatsReply) -> None:
+        self.snapshot = snapshot
+        self._endpoints = endpoints
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="stats-responder", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        # zmq sockets belong to one thread: this thread makes its own.
+        inbox = MessageQueue("pull", self._endpoints.scheduler_ctl, bind=True)
+        to_api = MessageQueue("push", self._endpoints.api_in, bind=False)
+        try:
+            while not self._stop.is_set():
+                message = inbox.get(timeout_s=CTL_POLL_TIMEOUT_S)
+                if isinstance(message, StatsRequest):
+                    to_api.put(dataclasses.replace(self.snapshot, request_id=message.request_id))
+        finally:
+            inbox.close()
+            to_api.close()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=1.0)
+
+
+class SchedulerLoop:
+    def __init__(self, scheduler: Any, endpoints: Endpoints) -> None:
+        self.scheduler = scheduler
+        self._inbox = MessageQueue("pull", endpoints.scheduler_in, bind=True)
+        self._to_detokenizer = MessageQueue("push", endpoints.detokenizer_in, bind=False)
+        self._stats_time_s = 0.0
+        self._responder = StatsResponder(endpoints, self._stats_snapshot())
+        self._stopped = False
+
+    def _stats_snapshot(self) -> StatsReply:
+        stats = self.scheduler.stats()
+        return StatsReply(
+            request_id=-1,
+            max_model_len=self.scheduler.max_model_len,
+            vocab_size=self.scheduler.vocab_size,
+            num_running_reqs=stats.num_running_reqs,
+            num_queue_reqs=stats.num_queue_reqs,
+            kv_cache_usage_ratio=float(stats.kv_cache_usage_ratio),
+            num_free_pages=stats.num_free_pages,
+            num_total_pages=stats.num_total_pages,
+            prompt_tokens_total=stats.prompt_tokens_total,
+            generation_tokens_total=stats.generation_tokens_total,
+            cached_prompt_tokens_total=stats.cached_prompt_tokens_total,
+            eos_token_ids=tuple(self.scheduler.eos_token_ids),
+            kv_capacity_tokens=stats.num_total_pages * getattr(self.scheduler, "page_size", 1),
+        )
+
+    def _refresh_stats(self, force: bool = False) -> None:
+        now_s = time.monotonic()
+        if force or now_s - self._stats_time_s >= STATS_REFRESH_INTERVAL_S:
+            self._responder.snapshot = self._stats_snapshot()
+            self._stats_time_s = now_s
+
+    def _receive(self, timeout_s: float) -> list[Any]:
+        first = self._inbox.get(timeout_s=timeout_s)
+        if first is None:
+            return []
+        return [first, *self._inbox.get_all()]
+
+    def _handle(self, message: Any) -> ReqOutput | None:
+        """Feed one message to the scheduler; a rejected request becomes an error output."""
+        if isinstance(message, AbortRequest):
+            self.scheduler.abort_request(message.rid)
+            return None
+        if not isinstance(message, TokenizedRequest):
+            logger.warning("scheduler: unexpected message %s", type(message).__name__)
+            return None
+        eos_token_ids = tuple(self.scheduler.eos_token_ids)
+        # Ahead of any output, on the same socket: the detokenizer learns of the request first.
+        self._to_detokenizer.put(
+            DetokenizeInit(
+                rid=message.rid,
+                prompt_tail_ids=message.input_ids[-PROMPT_CONTEXT_TOKENS:],
+                sampling_params=message.sampling_params,
+                eos_token_ids=eos_token_ids,
+            )
+        )
+        try:
+            req = Req(
+                message.rid,
+                list(message.input_ids),
+                message.sampling_params,
+                eos_token_ids=eos_token_ids,
+            )
+            req.arrival_time = time.monotonic()
+            self.scheduler.add_request(req)
+        except ValueError as exc:
+            return ReqOutput(
+                rid=message.rid,
+                new_token_ids=(),
+                finish_reason=FinishReason.ERROR,
+                prompt_len=len(message.input_ids),
+                error=str(exc),
+            )
+        return None
+
+    def run_once(self, idle_timeout_s: float = IDLE_POLL_TIMEOUT_S) -> None:
+        busy = self.scheduler.has_work()
+        messages = self._receive(0.0 if busy else idle_timeout_s)
+        outputs = [out for out in map(self._handle, messages) if out is not None]
+        if messages or self.scheduler.has_work():
+            outputs.extend(self.scheduler.step())
+        if outputs:
+            self._to_detokenizer.put(BatchTokenOutput(tuple(outputs)))
+        # After going idle, publish at once: clients poll the gauges for "back to zero".
+        self._refresh_stats(force=busy and not self.scheduler.has_work())
+
+    def run(self) -> None:
+        while not self._stopped:
+            self.run_once()
+
+    def close(self) -> None:
+        self._stopped = True
+        self._responder.close()
+        self._inbox.close()
+        self._to_detokenizer.close()
+
+
+def run_scheduler_process(
+    args: ServerArgs, endpoints: Endpoints, report_ready: Callable[[dict], None]
+) -> None:
+    # Heavy (torch): imported in this child only. With tp_size > 1, TPScheduler (same API) runs
+    # rank 0 here, spawns ranks 1..N-1 and broadcasts each step's requests and aborts to them.
+    scheduler: Any
+    if args.tp_size > 1:
+        from minisgl.scheduler.tp import TPScheduler
+
+        scheduler = TPScheduler(args)
+    else:
+        from minisgl.scheduler.scheduler import Scheduler
+
+        scheduler = Scheduler(args)
+    loop = SchedulerLoop(scheduler, endpoints)
+    report_ready({"max_model_len": scheduler.max_model_len, "vocab_size": scheduler.vocab_size})
+    try:
+        loop.run()
+    finally:
+        loop.close()
+        scheduler.shutdown()

@@ -1,0 +1,115 @@
+"""Start and stop a real `python -m minisgl.server` for tests; read its /metrics."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import psutil
+
+STARTUP_TIMEOUT_S = 180.0
+SHUTDOWN_TIMEOUT_S = 30.0
+POLL_INTERVAL_S = 0.25
+# A small KV pool and context keep startup fast and memory low on 2 cores.
+TEST_SERVER_FLAGS = ("--num-pages", "4096", "--max-model-len", "1024")
+_METRIC_LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})? (\S+)$")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Prometheus text -> {name{labels}: value} (comments skipped)."""
+    values = {}
+    for line in text.splitlines():
+        match = _METRIC_LINE.match(line)
+        if match:
+            values[match.group(1) + (match.group(2) or "")] = float(match.group(3))
+    return values
+
+
+@dataclass
+class ServerProcess:
+    proc: subprocess.Popen
+    port: int
+    log_path: Path
+    api_key: str | None = None
+    children: list[psutil.Process] = field(default_factory=list)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_healthy(self, timeout_s: float = STARTUP_TIMEOUT_S) -> None:
+        deadline_s = time.monotonic() + timeout_s
+        while time.monotonic() < deadline_s:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited ({self.proc.returncode}):\n{self.log()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=5.0).status_code == 200:
+                    self.children = psutil.Process(self.proc.pid).children(recursive=True)
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(POLL_INTERVAL_S)
+        self.stop()
+        raise TimeoutError(f"server not healthy after {timeout_s} s:\n{self.log()}")
+
+    def metrics(self) -> dict[str, float]:
+        return parse_metrics(httpx.get(self.url + "/metrics", timeout=10.0).text)
+
+    def stop(self, sig: int = signal.SIGTERM) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout=SHUTDOWN_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=SHUTDOWN_TIMEOUT_S)
+        for child in self.children:  # never leave strays behind, even when a test failed
+            if alive(child):
+                child.kill()
+        self.log_path.unlink(missing_ok=True)
+        return int(self.proc.returncode)
+
+
+def alive(process: psutil.Process) -> bool:
+    try:
+        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def start_server(*extra_args: str, api_key: str | None = None) -> ServerProcess:
+    port = free_port()
+    fd, log_name = tempfile.mkstemp(prefix="minisgl-server-", suffix=".log")
+    args = [sys.executable, "-m", "minisgl.server", "--port", str(port), *TEST_SERVER_FLAGS]
+    if api_key:
+        args += ["--api-key", api_key]
+    with os.fdopen(fd, "wb") as log_file:  # the child keeps its own copy of the descriptor
+        proc = subprocess.Popen(
+            [*args, *extra_args],
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+    return ServerProcess(proc, port, Path(log_name), api_key)

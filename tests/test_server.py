@@ -1,0 +1,641 @@
+"""The OpenAI-compatible server end to end: real processes, the official SDK and httpx.
+
+One server (the bundled SmolLM2-135M-Instruct) is shared by the module; the last test stops it
+with SIGTERM. A second server covers --api-key, /health turning 503 and a child dying.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+
+import httpx
+import openai
+import psutil
+import pytest
+
+from minisgl.models.resolve import resolve_model_path
+from minisgl.tokenizer import apply_chat_template, load_tokenizer
+from tests.server_utils import ServerProcess, alive, start_server
+
+MODEL = "SmolLM2-135M-Instruct"
+MAX_MODEL_LEN = 1024  # matches TEST_SERVER_FLAGS
+REQUEST_TIMEOUT_S = 120.0
+DRAIN_TIMEOUT_S = 30.0
+NUM_CONCURRENT_CLIENTS = 32
+SMALL_KV_POOL_PAGES = 256
+TP_SIZE = 3
+USER_MESSAGES = [
+    {"role": "user", "content": "Write a short story about a robot who learns to paint."}
+]
+PROMPT = "The history of the city of Paris began"
+
+
+@pytest.fixture(scope="module")
+def server():
+    try:
+        resolve_model_path(None)
+    except Exception as exc:  # the default model package is missing
+        pytest.skip(f"default model unavailable: {exc}")
+    srv = start_server()
+    try:
+        srv.wait_healthy()
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server: ServerProcess) -> openai.OpenAI:
+    return openai.OpenAI(
+        base_url=server.url + "/v1", api_key="unused", timeout=REQUEST_TIMEOUT_S, max_retries=0
+    )
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer(resolve_model_path(None))
+
+
+def post(server: ServerProcess, path: str, body, **kwargs) -> httpx.Response:
+    kwargs.setdefault("timeout", REQUEST_TIMEOUT_S)
+    return httpx.post(server.url + path, json=body, **kwargs)
+
+
+def sse_events(response: httpx.Response) -> list:
+    events = []
+    for line in response.iter_lines():
+        if line.startswith("data: "):
+            payload = line[len("data: ") :]
+            events.append(payload if payload == "[DONE]" else json.loads(payload))
+    return events
+
+
+def greedy_chat(client: openai.OpenAI, max_tokens: int = 24, **extra) -> str:
+    response = client.chat.completions.create(
+        model=MODEL, messages=USER_MESSAGES, max_tokens=max_tokens, temperature=0, **extra
+    )
+    return response.choices[0].message.content or ""
+
+
+# ---- basics --------------------------------------------------------------------------------
+
+
+def test_models_health_metrics(server: ServerProcess, client: openai.OpenAI):
+    models = httpx.get(server.url + "/v1/models").json()
+    assert models["data"][0]["id"] == MODEL
+    assert models["data"][0]["object"] == "model"
+    assert models["data"][0]["owned_by"] == "minisgl"
+    assert models["data"][0]["max_model_len"] == MAX_MODEL_LEN
+    assert [m.id for m in client.models.list()] == [MODEL]
+    assert httpx.get(server.url + "/health").status_code == 200
+    greedy_chat(client, max_tokens=2)
+    metrics = server.metrics()
+    for name in (
+        "minisgl:prompt_tokens_total",
+        "minisgl:generation_tokens_total",
+        "minisgl:cached_prompt_tokens_total",
+        "minisgl:aborted_requests_total",
+        "minisgl:num_running_reqs",
+        "minisgl:num_queue_reqs",
+        "minisgl:kv_cache_usage_ratio",
+        "minisgl:time_to_first_token_seconds_count",
+        "minisgl:inter_token_latency_seconds_count",
+        "minisgl:e2e_request_latency_seconds_count",
+    ):
+        assert name in metrics, name
+    assert metrics["minisgl:generation_tokens_total"] >= 2
+    assert metrics["minisgl:time_to_first_token_seconds_count"] >= 1
+
+
+def test_chat_stream_matches_non_stream(client: openai.OpenAI, tokenizer):
+    response = client.chat.completions.create(
+        model=MODEL, messages=USER_MESSAGES, max_tokens=20, temperature=0
+    )
+    assert response.object == "chat.completion" and response.id
+    choice = response.choices[0]
+    assert choice.index == 0 and choice.message.role == "assistant"
+    assert choice.finish_reason in ("stop", "length")
+    usage = response.usage
+    assert usage.prompt_tokens == len(apply_chat_template(tokenizer, USER_MESSAGES))
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+    if choice.finish_reason == "length":
+        assert usage.completion_tokens == 20
+    assert usage.prompt_tokens_details.cached_tokens >= 0
+
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=USER_MESSAGES,
+        max_tokens=20,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    finishes = [c for c in chunks if c.choices and c.choices[0].finish_reason is not None]
+    assert len(finishes) == 1 and finishes[0].choices[0].finish_reason == choice.finish_reason
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == choice.message.content
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens == usage.completion_tokens
+    assert chunks[-1].usage.prompt_tokens == usage.prompt_tokens
+    # The same prompt again: the radix cache serves (most of) it.
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens > 0
+
+
+def test_chat_content_parts_and_system(client: openai.OpenAI):
+    parts = [
+        {"type": "text", "text": "Write a short story "},
+        {"type": "text", "text": "about a robot who learns to paint."},
+    ]
+    response = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": parts}], max_tokens=24, temperature=0
+    )
+    assert response.choices[0].message.content == greedy_chat(client)
+    response = client.chat.completions.create(
+        model=MODEL,
+        messages=[
+            {"role": "system", "content": "You are terse."},
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Hello."},
+            {"role": "user", "content": "Bye"},
+        ],
+        max_completion_tokens=5,
+        temperature=0,
+    )
+    assert response.usage.completion_tokens <= 5
+
+
+def test_completion_prompt_shapes(server: ServerProcess, client: openai.OpenAI, tokenizer):
+    ids = tokenizer(PROMPT)["input_ids"]
+    by_text = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0)
+    assert by_text.object == "text_completion"
+    assert by_text.usage.prompt_tokens == len(ids)
+    by_ids = client.completions.create(model=MODEL, prompt=ids, max_tokens=8, temperature=0)
+    assert by_ids.choices[0].text == by_text.choices[0].text
+    many = client.completions.create(
+        model=MODEL, prompt=[PROMPT, "Once upon a time"], max_tokens=4, temperature=0
+    )
+    assert [c.index for c in many.choices] == [0, 1]
+    assert many.usage.prompt_tokens == len(ids) + len(tokenizer("Once upon a time")["input_ids"])
+    many_ids = client.completions.create(
+        model=MODEL, prompt=[ids, ids[:3]], max_tokens=4, temperature=0
+    )
+    assert len(many_ids.choices) == 2
+    assert many_ids.choices[0].text == many.choices[0].text
+    echoed = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0, echo=True
+    )
+    assert echoed.choices[0].text == PROMPT + by_text.choices[0].text
+
+
+def test_completion_stream_matches_non_stream(client: openai.OpenAI):
+    full = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0)
+    chunks = list(
+        client.completions.create(
+            model=MODEL,
+            prompt=PROMPT,
+            max_tokens=16,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == full.choices[0].text
+    finishes = [
+        c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason
+    ]
+    assert finishes == [full.choices[0].finish_reason]
+    assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+
+
+def test_default_max_tokens_uses_remaining_context(client: openai.OpenAI, tokenizer):
+    room = 3
+    ids = (tokenizer(PROMPT)["input_ids"] * MAX_MODEL_LEN)[: MAX_MODEL_LEN - room]
+    response = client.completions.create(model=MODEL, prompt=ids, temperature=0)
+    assert response.usage.completion_tokens <= room
+    if response.choices[0].finish_reason == "length":
+        assert response.usage.completion_tokens == room
+
+
+# ---- stopping ------------------------------------------------------------------------------
+
+
+def test_stop_strings(client: openai.OpenAI):
+    reference = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0)
+    text = reference.choices[0].text
+    assert len(text) > 12, text
+    # Start mid-word, a few characters in: such a stop string usually spans token boundaries.
+    stop = text[5:11]
+    expected = text[: text.index(stop)]
+    for stream in (False, True):
+        response = client.completions.create(
+            model=MODEL,
+            prompt=PROMPT,
+            max_tokens=24,
+            temperature=0,
+            stop=[stop, "zzzz"],
+            stream=stream,
+        )
+        if stream:
+            chunks = [c for c in response if c.choices]
+            got = "".join(c.choices[0].text for c in chunks)
+            finish = [c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason]
+            assert finish == ["stop"]
+        else:
+            got, finish = response.choices[0].text, [response.choices[0].finish_reason]
+        assert got == expected and finish == ["stop"] and stop not in got
+
+    chat_text = greedy_chat(client)
+    chat_stop = chat_text[3:8]
+    stopped = greedy_chat(client, stop=chat_stop)
+    assert stopped == chat_text[: chat_text.index(chat_stop)]
+    streamed = client.chat.completions.create(
+        model=MODEL,
+        messages=USER_MESSAGES,
+        max_tokens=24,
+        temperature=0,
+        stop=chat_stop,
+        stream=True,
+    )
+    chunks = [c for c in streamed if c.choices]
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == stopped
+    assert [c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason] == ["stop"]
+
+
+def test_stop_token_ids_and_eos(client: openai.OpenAI, tokenizer):
+    reference = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0)
+    ids = tokenizer(reference.choices[0].text, add_special_tokens=False)["input_ids"]
+    stop_id = ids[2]
+    first = ids.index(stop_id)
+    response = client.completions.create(
+        model=MODEL,
+        prompt=PROMPT,
+        max_tokens=8,
+        temperature=0,
+        extra_body={"stop_token_ids": [stop_id]},
+    )
+    assert response.choices[0].finish_reason == "stop"
+    assert response.choices[0].text == tokenizer.decode(ids[:first])
+    assert response.usage.completion_tokens == first + 1
+
+    eos_text = tokenizer.eos_token
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Say hi."}], max_tokens=64, temperature=0
+    )
+    assert eos_text not in chat.choices[0].message.content
+    forced = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Say hi."}],
+        max_tokens=chat.usage.completion_tokens + 4,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    assert forced.choices[0].finish_reason == "length"
+    assert forced.usage.completion_tokens == chat.usage.completion_tokens + 4
+
+
+# ---- sampling ------------------------------------------------------------------------------
+
+
+def test_n_and_seed(client: openai.OpenAI):
+    def sample(seed: int | None) -> list[str]:
+        response = client.chat.completions.create(
+            model=MODEL, messages=USER_MESSAGES, max_tokens=16, temperature=1.0, n=2, seed=seed
+        )
+        assert [c.index for c in response.choices] == [0, 1]
+        assert 2 <= response.usage.completion_tokens <= 2 * 16
+        return [c.message.content for c in response.choices]
+
+    first = sample(1234)
+    assert sample(1234) == first
+    assert first[0] != first[1]  # seed + i per choice: different sequences
+    assert len(sample(None)) == 2
+
+    stream = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=6, temperature=1.0, n=2, seed=7, stream=True
+    )
+    chunks = [c for c in stream if c.choices]
+    finished = sorted(c.choices[0].index for c in chunks if c.choices[0].finish_reason)
+    assert finished == [0, 1]
+
+
+def test_every_sampling_field_is_accepted(server: ServerProcess):
+    body = {
+        "model": MODEL,
+        "messages": USER_MESSAGES,
+        "max_tokens": 4,
+        "temperature": 0.7,
+        "top_p": 0.9,
+        "top_k": 20,
+        "min_p": 0.05,
+        "presence_penalty": 0.5,
+        "frequency_penalty": 0.5,
+        "repetition_penalty": 1.1,
+        "seed": 3,
+        "stop": "\n\n",
+        "stop_token_ids": [0],
+        "ignore_eos": False,
+        "n": 1,
+        "user": "tester",
+        "some_future_openai_field": {"x": 1},
+    }
+    response = post(server, "/v1/chat/completions", body)
+    assert response.status_code == 200, response.text
+    completion = {k: v for k, v in body.items() if k != "messages"} | {
+        "prompt": PROMPT,
+        "echo": False,
+        "logprobs": 1,
+    }
+    response = post(server, "/v1/completions", completion)
+    assert response.status_code == 200, response.text
+
+
+def test_logprobs(client: openai.OpenAI):
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=USER_MESSAGES,
+        max_tokens=6,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
+    )
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens
+    for entry in content:
+        assert entry.logprob <= 0 and len(entry.top_logprobs) == 3
+        assert entry.token == entry.top_logprobs[0].token  # greedy picks the top token
+    assert "".join(e.token for e in content) == chat.choices[0].message.content
+
+    streamed = client.chat.completions.create(
+        model=MODEL,
+        messages=USER_MESSAGES,
+        max_tokens=6,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+        stream=True,
+    )
+    entries = [
+        e
+        for c in streamed
+        if c.choices and c.choices[0].logprobs
+        for e in c.choices[0].logprobs.content
+    ]
+    assert [e.token for e in entries] == [e.token for e in content]
+
+    completion = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, logprobs=2
+    )
+    logprobs = completion.choices[0].logprobs
+    num_tokens = completion.usage.completion_tokens
+    assert (
+        len(logprobs.tokens)
+        == len(logprobs.token_logprobs)
+        == len(logprobs.text_offset)
+        == num_tokens
+    )
+    assert all(1 <= len(top) <= 2 for top in logprobs.top_logprobs)
+    assert logprobs.text_offset == sorted(logprobs.text_offset) and logprobs.text_offset[0] == 0
+    assert "".join(logprobs.tokens) == completion.choices[0].text
+
+
+# ---- errors --------------------------------------------------------------------------------
+
+
+def _error(response: httpx.Response, status: int) -> dict:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) >= {"message", "type", "param", "code"}
+    return error
+
+
+def test_bad_requests(server: ServerProcess, client: openai.OpenAI, tokenizer):
+    chat = {"model": MODEL, "messages": USER_MESSAGES, "max_tokens": 4}
+    assert (
+        _error(post(server, "/v1/chat/completions", chat | {"temperature": -1}), 400)["param"]
+        == "temperature"
+    )
+    assert (
+        _error(post(server, "/v1/chat/completions", chat | {"top_p": 2}), 400)["param"] == "top_p"
+    )
+    assert (
+        _error(post(server, "/v1/chat/completions", chat | {"max_tokens": "many"}), 400)["param"]
+        == "max_tokens"
+    )
+    assert _error(post(server, "/v1/chat/completions", chat | {"n": 0}), 400)["param"] == "n"
+    assert (
+        _error(
+            post(
+                server,
+                "/v1/chat/completions",
+                chat | {"messages": [{"role": "robot", "content": "x"}]},
+            ),
+            400,
+        )["param"]
+        == "messages"
+    )
+    assert (
+        _error(post(server, "/v1/completions", {"model": MODEL, "prompt": ""}), 400)["param"]
+        == "prompt"
+    )
+    assert (
+        _error(post(server, "/v1/completions", {"model": MODEL, "prompt": [10**9]}), 400)["param"]
+        == "prompt"
+    )
+    not_json = httpx.post(
+        server.url + "/v1/chat/completions",
+        content=b"{not json",
+        headers={"Content-Type": "application/json"},
+    )
+    _error(not_json, 400)
+    assert (
+        _error(post(server, "/v1/chat/completions", chat | {"model": "gpt-4"}), 404)["code"] == 404
+    )
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="nope", messages=USER_MESSAGES, max_tokens=2)
+
+    long_prompt = "hello " * MAX_MODEL_LEN
+    num_prompt_tokens = len(tokenizer(long_prompt)["input_ids"])
+    error = _error(
+        post(server, "/v1/completions", {"model": MODEL, "prompt": long_prompt, "max_tokens": 10}),
+        400,
+    )
+    assert (
+        str(MAX_MODEL_LEN) in error["message"] and str(num_prompt_tokens + 10) in error["message"]
+    )
+    short_ids = tokenizer(PROMPT)["input_ids"]
+    error = _error(
+        post(
+            server,
+            "/v1/completions",
+            {"model": MODEL, "prompt": short_ids, "max_tokens": MAX_MODEL_LEN},
+        ),
+        400,
+    )
+    assert (
+        str(MAX_MODEL_LEN) in error["message"]
+        and str(len(short_ids) + MAX_MODEL_LEN) in error["message"]
+    )
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, temperature=-3)
+    # No bad request disturbed the server.
+    assert greedy_chat(client, max_tokens=3)
+    assert server.metrics()["minisgl:num_running_reqs"] == 0
+
+
+# ---- load and disconnects ------------------------------------------------------------------
+
+
+def _wait_idle(server: ServerProcess) -> dict[str, float]:
+    deadline_s = time.monotonic() + DRAIN_TIMEOUT_S
+    metrics = server.metrics()
+    while time.monotonic() < deadline_s:
+        metrics = server.metrics()
+        if (
+            metrics["minisgl:num_running_reqs"] == 0
+            and metrics["minisgl:kv_cache_usage_ratio"] == 0
+        ):
+            return metrics
+        time.sleep(0.2)
+    raise AssertionError(f"requests not freed within {DRAIN_TIMEOUT_S} s: {metrics}")
+
+
+def test_client_disconnect_aborts(server: ServerProcess):
+    body = {"model": MODEL, "messages": USER_MESSAGES, "max_tokens": 900, "ignore_eos": True}
+    aborted_before = server.metrics()["minisgl:aborted_requests_total"]
+    with httpx.stream(
+        "POST",
+        server.url + "/v1/chat/completions",
+        json=body | {"stream": True},
+        timeout=REQUEST_TIMEOUT_S,
+    ) as response:
+        lines = response.iter_lines()
+        for _ in range(8):  # a few tokens in, then hang up
+            next(lines)
+    assert server.metrics()["minisgl:num_running_reqs"] <= 1
+    _wait_idle(server)
+    # Non-streaming: the client gives up (timeout) while the request still runs.
+    with pytest.raises(httpx.TimeoutException):
+        post(server, "/v1/chat/completions", body, timeout=1.0)
+    metrics = _wait_idle(server)
+    assert metrics["minisgl:aborted_requests_total"] >= aborted_before + 2
+    assert metrics["minisgl:generation_tokens_total"] < 1800  # both stopped early
+
+
+def test_concurrent_clients(server: ServerProcess):
+    async def one(http: httpx.AsyncClient, i: int) -> dict:
+        body = {
+            "model": MODEL,
+            "prompt": f"{i} little pigs went",
+            "max_tokens": 6,
+            "temperature": 0,
+        }
+        response = await http.post("/v1/completions", json=body)
+        assert response.status_code == 200, response.text
+        return response.json()
+
+    async def main() -> list[dict]:
+        async with httpx.AsyncClient(base_url=server.url, timeout=REQUEST_TIMEOUT_S) as http:
+            return await asyncio.gather(*(one(http, i) for i in range(NUM_CONCURRENT_CLIENTS)))
+
+    results = asyncio.run(main())
+    assert len(results) == NUM_CONCURRENT_CLIENTS
+    assert all(r["usage"]["completion_tokens"] >= 1 for r in results)
+    assert len({r["id"] for r in results}) == NUM_CONCURRENT_CLIENTS
+    _wait_idle(server)
+
+
+# ---- process lifecycle ---------------------------------------------------------------------
+
+
+def test_api_key_health_and_child_death():
+    """Second server: 401 without the key, 503 while the scheduler is frozen, and a non-zero
+    exit (with no stray processes) when the scheduler dies."""
+    srv = start_server("--num-pages", str(SMALL_KV_POOL_PAGES), api_key="sekrit")
+    try:
+        srv.wait_healthy()
+        body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 2}
+        _error(post(srv, "/v1/completions", body), 401)
+        _error(post(srv, "/v1/completions", body, headers={"Authorization": "Bearer wrong"}), 401)
+        assert post(srv, "/v1/completions", body, headers=srv.headers).status_code == 200
+        keyed = openai.OpenAI(base_url=srv.url + "/v1", api_key="sekrit", max_retries=0)
+        assert keyed.models.list().data[0].id == MODEL
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=srv.url + "/v1", api_key="bad", max_retries=0).models.list()
+        assert httpx.get(srv.url + "/health").status_code == 200  # /health and /metrics: no key
+
+        # A KV pool smaller than the context: rejected up front (stream or not) ...
+        too_big = body | {"max_tokens": SMALL_KV_POOL_PAGES + 10}
+        for stream in (False, True):
+            request = too_big | {"stream": stream}
+            rejected = _error(post(srv, "/v1/completions", request, headers=srv.headers), 400)
+            assert "KV cache" in rejected["message"] and rejected["param"] == "max_tokens"
+        # ... and the default max_tokens fits what the pool can hold, not the whole context.
+        no_limit = {"model": MODEL, "prompt": PROMPT, "temperature": 0, "stop": "."}
+        response = post(srv, "/v1/completions", no_limit, headers=srv.headers)
+        assert response.status_code == 200, response.text
+        assert response.json()["usage"]["total_tokens"] <= SMALL_KV_POOL_PAGES
+
+        scheduler = next(p for p in srv.children if p.name() == "minisgl:sched")
+        scheduler.suspend()  # alive but not answering
+        try:
+            assert httpx.get(srv.url + "/health", timeout=10.0).status_code == 503
+        finally:
+            scheduler.resume()
+        assert httpx.get(srv.url + "/health", timeout=10.0).status_code == 200
+
+        scheduler.kill()
+        srv.proc.wait(timeout=20.0)
+        assert srv.proc.returncode != 0
+        time.sleep(1.0)
+        assert not [p for p in srv.children if alive(p)]
+    finally:
+        srv.stop()
+
+
+def test_tensor_parallel_server_matches(client: openai.OpenAI):
+    """--tp 3 (SmolLM2 has 9 heads and 3 KV heads): same greedy text, clean shutdown."""
+    reference = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0)
+    srv = start_server("--tp", str(TP_SIZE))
+    try:
+        srv.wait_healthy()
+        children = psutil.Process(srv.proc.pid).children(recursive=True)
+        body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 8, "temperature": 0}
+        response = post(srv, "/v1/completions", body)
+        assert response.json()["choices"][0]["text"] == reference.choices[0].text
+        assert srv.stop() == 0
+        deadline_s = time.monotonic() + 10.0
+        while any(alive(p) for p in children) and time.monotonic() < deadline_s:
+            time.sleep(0.1)
+        assert not [p for p in children if alive(p)]
+    finally:
+        srv.stop()
+
+
+def test_sigterm_stops_everything(server: ServerProcess):
+    """Runs last: it stops the module's server. An open stream ends cleanly, as aborted."""
+    children = psutil.Process(server.proc.pid).children(recursive=True)
+    assert len(children) >= 3
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 900, "ignore_eos": True, "stream": True}
+    with httpx.stream(
+        "POST", server.url + "/v1/completions", json=body, timeout=REQUEST_TIMEOUT_S
+    ) as response:
+        lines = response.iter_lines()
+        assert next(lines).startswith("data: ")
+        os.kill(server.proc.pid, signal.SIGTERM)
+        rest = [line for line in lines if line.startswith("data: ")]
+    assert rest[-1] == "data: [DONE]"
+    assert json.loads(rest[-2][len("data: ") :])["choices"][0]["finish_reason"] == "abort"
+    assert server.proc.wait(timeout=30.0) == 0
+    deadline_s = time.monotonic() + 10.0
+    while any(alive(p) for p in children) and time.monotonic() < deadline_s:
+        time.sleep(0.1)
+    assert not [p for p in children if alive(p)]
+    assert "minisgl serving" in server.log()
