@@ -61,7 +61,8 @@ async def one_request(
                     continue
                 chunk = json.loads(line[len("data: ") :])
                 now = time.perf_counter()
-                if chunk.get("choices"):
+                # The first chunk only carries the role: time the first one with text.
+                if any(c.get("delta", {}).get("content") for c in chunk.get("choices", [])):
                     if not first:
                         first = now
                     elif last:
