@@ -1,0 +1,446 @@
+"""Offline throughput benchmark: minisgl's continuous batching vs HF transformers `generate`.
+
+Workloads (token-id prompts drawn from the vocabulary with a fixed seed, ignore_eos, greedy):
+  random         N requests with uniform random input and output lengths
+  shared-prefix  groups of requests sharing a long system prompt, each with a short suffix
+
+By default the benchmark steps `llm.scheduler` itself (the loop `LLM.generate` runs) so it can time
+each request's first token; `--via-generate` goes through `LLM.generate(use_tqdm=True)` instead.
+`--hf` runs the same workload through HF `generate` (fp32, left-padded batches) in the same process;
+`--compare` runs the workload under radix vs naive cache and overlap on vs off.
+
+    python benchmark/offline/bench.py                      # random workload, minisgl only
+    python benchmark/offline/bench.py --hf                 # plus HF generate and the speedup
+    python benchmark/offline/bench.py --workload shared-prefix --compare
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import random
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from minisgl import LLM, SamplingParams
+from minisgl.core import Req, next_request_id
+from minisgl.models.config import load_model_config
+from minisgl.models.resolve import resolve_model_path
+
+WARMUP_PROMPT_LEN = 16
+WARMUP_OUTPUT_LEN = 4
+WARMUP_NUM_REQUESTS = 2
+MS_PER_S = 1000.0
+COMPARE_CONFIGS = (("radix", False), ("radix", True), ("naive", False), ("naive", True))
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    prompts: list[list[int]]
+    output_lens: list[int]
+
+    @property
+    def num_input_tokens(self) -> int:
+        return sum(len(p) for p in self.prompts)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return sum(self.output_lens)
+
+
+@dataclass
+class RunResult:
+    label: str
+    num_requests: int
+    num_input_tokens: int
+    num_output_tokens: int  # useful output only: each request's own requested tokens
+    total_s: float
+    cpu_s: float  # process CPU time (all threads): less sensitive to other load than wall time
+    ttft_s: list[float] = field(default_factory=list)  # per request, from the start of the run
+    prompt_tokens: int = 0  # from scheduler stats (minisgl only)
+    cached_prompt_tokens: int = 0
+
+    @property
+    def output_tok_s(self) -> float:
+        return self.num_output_tokens / self.total_s
+
+    @property
+    def total_tok_s(self) -> float:
+        return (self.num_input_tokens + self.num_output_tokens) / self.total_s
+
+    @property
+    def ttft_mean_ms(self) -> float | None:
+        return statistics.fmean(self.ttft_s) * MS_PER_S if self.ttft_s else None
+
+    @property
+    def ttft_p50_ms(self) -> float | None:
+        return statistics.median(self.ttft_s) * MS_PER_S if self.ttft_s else None
+
+    @property
+    def cache_hit(self) -> float | None:
+        return self.cached_prompt_tokens / self.prompt_tokens if self.prompt_tokens else None
+
+
+# ---- workloads -----------------------------------------------------------------------------------
+
+
+def _random_ids(rng: random.Random, vocab_size: int, length: int) -> list[int]:
+    return [rng.randrange(vocab_size) for _ in range(length)]
+
+
+def random_workload(args: argparse.Namespace, vocab_size: int) -> Workload:
+    rng = random.Random(args.seed)
+    prompts, output_lens = [], []
+    for _ in range(args.num_requests):
+        input_len = rng.randint(args.min_input_len, args.max_input_len)
+        prompts.append(_random_ids(rng, vocab_size, input_len))
+        output_lens.append(rng.randint(args.min_output_len, args.max_output_len))
+    return Workload("random", prompts, output_lens)
+
+
+def shared_prefix_workload(args: argparse.Namespace, vocab_size: int) -> Workload:
+    """`num_groups` system prompts of `prefix_len` tokens, `group_size` suffixes each; the
+    requests are shuffled so groups interleave, as they would arriving at a server."""
+    rng = random.Random(args.seed)
+    requests = []
+    for _ in range(args.num_groups):
+        prefix = _random_ids(rng, vocab_size, args.prefix_len)
+        for _ in range(args.group_size):
+            suffix_len = rng.randint(args.min_suffix_len, args.max_suffix_len)
+            output_len = rng.randint(args.min_output_len, args.max_output_len)
+            requests.append((prefix + _random_ids(rng, vocab_size, suffix_len), output_len))
+    rng.shuffle(requests)
+    return Workload("shared-prefix", [p for p, _ in requests], [n for _, n in requests])
+
+
+def build_workload(args: argparse.Namespace) -> Workload:
+    vocab_size = load_model_config(resolve_model_path(args.model)).vocab_size
+    if args.workload == "shared-prefix":
+        return shared_prefix_workload(args, vocab_size)
+    return random_workload(args, vocab_size)
+
+
+def sampling_params(output_lens: list[int]) -> list[SamplingParams]:
+    return [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in output_lens]
+
+
+# ---- minisgl -------------------------------------------------------------------------------------
+
+
+def engine_options(args: argparse.Namespace, cache_type: str, disable_overlap: bool) -> dict:
+    options: dict[str, Any] = {
+        "page_size": args.page_size,
+        "max_running_requests": args.max_running_requests,
+        "max_prefill_tokens": args.max_prefill_tokens,
+        "cache_type": cache_type,
+        "disable_overlap": disable_overlap,
+    }
+    if args.num_pages is not None:
+        options["num_pages"] = args.num_pages
+    return options
+
+
+def warm_up(llm: LLM) -> None:
+    """One tiny batch so lazy initialisation is not timed; then empty the prefix cache."""
+    prompts = [list(range(1, WARMUP_PROMPT_LEN + 1))] * WARMUP_NUM_REQUESTS
+    llm.generate(prompts, SamplingParams(max_tokens=WARMUP_OUTPUT_LEN, ignore_eos=True))
+    llm.scheduler.flush_cache()
+
+
+def step_scheduler(llm: LLM, workload: Workload, use_tqdm: bool) -> tuple[float, list[float], int]:
+    """Drive the scheduler as `LLM.generate` does, timing each request's first output token.
+    Returns (total seconds, TTFT seconds per request, output tokens received)."""
+    scheduler = llm.scheduler
+    reqs = [
+        Req(next_request_id(), list(prompt), sp)
+        for prompt, sp in zip(workload.prompts, sampling_params(workload.output_lens), strict=True)
+    ]
+    first_token_s: dict[str, float] = {}
+    pending = {req.rid for req in reqs}
+    num_output_tokens = 0
+    bar = tqdm(total=len(reqs), disable=not use_tqdm, desc="minisgl", unit="req")
+    start = time.perf_counter()
+    for req in reqs:
+        scheduler.add_request(req)
+    while pending:
+        outputs = scheduler.step()
+        now = time.perf_counter()
+        for out in outputs:
+            if out.error is not None:
+                raise RuntimeError(f"{out.rid}: {out.error}")
+            if out.new_token_ids and out.rid not in first_token_s:
+                first_token_s[out.rid] = now - start
+            num_output_tokens += len(out.new_token_ids)
+            if out.finish_reason is not None and out.rid in pending:
+                pending.discard(out.rid)
+                bar.update(1)
+    total_s = time.perf_counter() - start
+    bar.close()
+    return total_s, [first_token_s[req.rid] for req in reqs], num_output_tokens
+
+
+def time_minisgl_once(llm: LLM, workload: Workload, label: str, via_generate: bool) -> RunResult:
+    llm.scheduler.flush_cache()  # every repeat starts from an empty prefix cache
+    before = llm.scheduler.stats()
+    ttft: list[float] = []
+    cpu_start = time.process_time()
+    if via_generate:
+        start = time.perf_counter()
+        outs = llm.generate(workload.prompts, sampling_params(workload.output_lens), True)
+        total_s = time.perf_counter() - start
+        num_output_tokens = sum(len(o.token_ids) for o in outs)
+    else:
+        total_s, ttft, num_output_tokens = step_scheduler(llm, workload, use_tqdm=True)
+    cpu_s = time.process_time() - cpu_start
+    after = llm.scheduler.stats()
+    if num_output_tokens != workload.num_output_tokens:
+        wanted = workload.num_output_tokens
+        raise RuntimeError(f"got {num_output_tokens} output tokens, wanted {wanted}")
+    print(
+        f"prefill computed {after.prefill_tokens_total - before.prefill_tokens_total} tokens, "
+        f"retractions {after.num_retractions_total - before.num_retractions_total}"
+    )
+    return RunResult(
+        label,
+        len(workload.prompts),
+        workload.num_input_tokens,
+        workload.num_output_tokens,
+        total_s,
+        cpu_s,
+        ttft,
+        prompt_tokens=after.prompt_tokens_total - before.prompt_tokens_total,
+        cached_prompt_tokens=after.cached_prompt_tokens_total - before.cached_prompt_tokens_total,
+    )
+
+
+def run_minisgl(
+    args: argparse.Namespace, workload: Workload, cache_type: str, disable_overlap: bool
+) -> RunResult:
+    label = f"minisgl {cache_type} overlap={'off' if disable_overlap else 'on'}"
+    print(f"\n== {label}: loading", flush=True)
+    llm = LLM(model=args.model, **engine_options(args, cache_type, disable_overlap))
+    try:
+        warm_up(llm)
+        runs = []
+        for _ in range(args.repeat):
+            runs.append(time_minisgl_once(llm, workload, label, args.via_generate))
+            print_result(runs[-1])
+    finally:
+        llm.shutdown()
+        del llm
+        gc.collect()
+    return fastest(runs)
+
+
+def fastest(runs: list[RunResult]) -> RunResult:
+    """Other load on the machine only ever slows a run down: the fastest repeat is the estimate."""
+    best = min(runs, key=lambda r: r.total_s)
+    if len(runs) > 1:
+        times = ", ".join(f"{r.total_s:.1f}" for r in runs)
+        print(f"{best.label}: {len(runs)} repeats ({times} s), keeping the fastest")
+    return best
+
+
+# ---- HF transformers -----------------------------------------------------------------------------
+
+
+class _FirstCallClock:
+    """A logits processor that only notes when it is first called: right after the prefill, i.e.
+    when the batch's first tokens exist."""
+
+    def __init__(self) -> None:
+        self.first_call_s: float | None = None
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if self.first_call_s is None:
+            self.first_call_s = time.perf_counter()
+        return scores
+
+
+def _left_padded(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for i, prompt in enumerate(prompts):
+        ids[i, width - len(prompt) :] = torch.tensor(prompt)
+        mask[i, width - len(prompt) :] = 1
+    return ids, mask
+
+
+def _hf_generate(
+    model: Any, prompts: list[list[int]], num_new: int, pad_id: int, clock: _FirstCallClock | None
+) -> None:
+    from transformers import LogitsProcessorList
+
+    ids, mask = _left_padded(prompts, pad_id)
+    with torch.inference_mode():
+        model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=num_new,
+            min_new_tokens=num_new,  # EOS is suppressed until then: ignore_eos
+            do_sample=False,
+            pad_token_id=pad_id,
+            logits_processor=LogitsProcessorList([clock] if clock else []),
+        )
+
+
+def run_hf(args: argparse.Namespace, workload: Workload) -> RunResult:
+    from transformers import AutoModelForCausalLM
+
+    label = f"HF generate bs={args.hf_batch_size}"
+    print(f"\n== {label}: loading", flush=True)
+    path = resolve_model_path(args.model)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    pad_id = model.generation_config.pad_token_id
+    if pad_id is None:
+        pad_id = model.config.eos_token_id or 0
+    if isinstance(pad_id, list):
+        pad_id = pad_id[0]
+
+    warmup = [list(range(1, WARMUP_PROMPT_LEN + 1))] * WARMUP_NUM_REQUESTS
+    _hf_generate(model, warmup, WARMUP_OUTPUT_LEN, pad_id, None)
+    runs = []
+    for _ in range(args.repeat):
+        runs.append(time_hf_once(model, workload, args.hf_batch_size, pad_id, label))
+        print_result(runs[-1])
+    del model
+    gc.collect()
+    return fastest(runs)
+
+
+def time_hf_once(
+    model: Any, workload: Workload, batch_size: int, pad_id: int, label: str
+) -> RunResult:
+    """Requests in workload order, `batch_size` at a time; a batch runs until its longest output
+    (min_new_tokens holds EOS off), but only each request's own output counts as useful."""
+    ttft: list[float] = []
+    batches = range(0, len(workload.prompts), batch_size)
+    start, cpu_start = time.perf_counter(), time.process_time()
+    for first in tqdm(batches, desc="hf", unit="batch"):
+        prompts = workload.prompts[first : first + batch_size]
+        clock = _FirstCallClock()
+        num_new = max(workload.output_lens[first : first + batch_size])
+        _hf_generate(model, prompts, num_new, pad_id, clock)
+        assert clock.first_call_s is not None
+        ttft += [clock.first_call_s - start] * len(prompts)
+    total_s, cpu_s = time.perf_counter() - start, time.process_time() - cpu_start
+    return RunResult(
+        label,
+        len(workload.prompts),
+        workload.num_input_tokens,
+        workload.num_output_tokens,
+        total_s,
+        cpu_s,
+        ttft,
+    )
+
+
+# ---- reporting -----------------------------------------------------------------------------------
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "n/a" if value is None else format(value, spec)
+
+
+def print_result(r: RunResult) -> None:
+    line = (
+        f"{r.label}: {r.num_requests} reqs, {r.num_input_tokens} in + {r.num_output_tokens} out "
+        f"tokens in {r.total_s:.2f} s (CPU {r.cpu_s:.1f} s) | output {r.output_tok_s:.1f} tok/s | "
+        f"total {r.total_tok_s:.1f} tok/s | mean TTFT {_fmt(r.ttft_mean_ms, '.0f')} ms"
+    )
+    if r.cache_hit is not None:
+        line += f" | prefix-cache hit {r.cache_hit:.1%}"
+    print(line, flush=True)
+
+
+def print_table(results: list[RunResult], workload: Workload) -> None:
+    header = (
+        f"{'run':<32} {'time s':>8} {'CPU s':>7} {'out tok/s':>10} {'total tok/s':>12} "
+        f"{'TTFT mean ms':>13} {'TTFT p50 ms':>12} {'cache hit':>10}"
+    )
+    print(
+        f"\n==== summary: {workload.name} workload, {len(workload.prompts)} requests, "
+        f"{workload.num_input_tokens} input + {workload.num_output_tokens} output tokens, "
+        f"{torch.get_num_threads()} torch threads"
+    )
+    print(header)
+    print("-" * len(header))
+    for r in results:
+        hit = "n/a" if r.cache_hit is None else f"{r.cache_hit:.1%}"
+        print(
+            f"{r.label:<32} {r.total_s:>8.2f} {r.cpu_s:>7.1f} "
+            f"{r.output_tok_s:>10.1f} {r.total_tok_s:>12.1f} "
+            f"{_fmt(r.ttft_mean_ms, '.0f'):>13} {_fmt(r.ttft_p50_ms, '.0f'):>12} {hit:>10}"
+        )
+    hf = [r for r in results if r.label.startswith("HF")]
+    if hf:
+        for r in results:
+            if r is not hf[0]:
+                speedup = r.output_tok_s / hf[0].output_tok_s
+                print(f"speedup of {r.label} over {hf[0].label}: {speedup:.2f}x (output tok/s)")
+
+
+# ---- CLI -----------------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--workload", choices=["random", "shared-prefix"], default="random")
+    p.add_argument("--num-requests", type=int, default=64, help="random workload")
+    p.add_argument("--min-input-len", type=int, default=32)
+    p.add_argument("--max-input-len", type=int, default=256)
+    p.add_argument("--min-output-len", type=int, default=32)
+    p.add_argument("--max-output-len", type=int, default=128)
+    p.add_argument("--num-groups", type=int, default=4, help="shared-prefix workload")
+    p.add_argument("--group-size", type=int, default=8)
+    p.add_argument("--prefix-len", type=int, default=512)
+    p.add_argument("--min-suffix-len", type=int, default=16)
+    p.add_argument("--max-suffix-len", type=int, default=64)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--repeat", type=int, default=1, help="timed runs per config; keeps the fastest")
+    # engine options (the LLM / ServerArgs fields of the same names)
+    p.add_argument("--model", default=None, help="HF folder or hub id; default: bundled model")
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--num-pages", type=int, default=None)
+    p.add_argument("--max-running-requests", type=int, default=256)
+    p.add_argument("--max-prefill-tokens", type=int, default=8192)
+    p.add_argument("--cache-type", choices=["radix", "naive"], default="radix")
+    p.add_argument("--disable-overlap", action="store_true")
+    # modes
+    p.add_argument("--via-generate", action="store_true", help="time LLM.generate (no TTFT)")
+    p.add_argument("--hf", action="store_true", help="also run HF transformers generate")
+    p.add_argument("--hf-batch-size", type=int, default=16)
+    p.add_argument(
+        "--compare", action="store_true", help="radix vs naive x overlap on vs off, fresh LLM each"
+    )
+    args = p.parse_args(argv)
+    if args.min_input_len > args.max_input_len or args.min_output_len > args.max_output_len:
+        p.error("--min-* must not exceed --max-*")
+    if args.min_suffix_len > args.max_suffix_len:
+        p.error("--min-suffix-len must not exceed --max-suffix-len")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    workload = build_workload(args)
+    print(
+        f"workload {workload.name}: {len(workload.prompts)} requests, "
+        f"{workload.num_input_tokens} input tokens, {workload.num_output_tokens} output tokens"
+    )
+    configs = COMPARE_CONFIGS if args.compare else ((args.cache_type, args.disable_overlap),)
+    results = [run_minisgl(args, workload, cache, no_overlap) for cache, no_overlap in configs]
+    if args.hf:
+        results.append(run_hf(args, workload))
+    print_table(results, workload)
+
+
+if __name__ == "__main__":
+    main()
