@@ -73,15 +73,20 @@ def test_outputs_do_not_depend_on_knobs(tiny_qwen3, baseline, name):
         llm.shutdown()
 
 
+POOL_TOKENS = 168
+
+
 @pytest.mark.parametrize("page_size", [1, 4])
 def test_retraction_under_tiny_pool_keeps_outputs(tiny_qwen3, baseline, page_size):
-    # Longest request: 150 + 12 tokens; 200 tokens of pool cannot hold the whole batch.
-    tokens, llm = run_llm(tiny_qwen3, workload(), num_pages=200 // page_size, page_size=page_size)
+    # Longest request: 150 + 12 tokens; the pool barely holds it, never the whole batch.
+    tokens, llm = run_llm(
+        tiny_qwen3, workload(), num_pages=POOL_TOKENS // page_size, page_size=page_size
+    )
     try:
         assert llm.scheduler.stats().num_retractions_total > 0
         assert tokens == baseline
         llm.scheduler.flush_cache()
-        assert llm.scheduler.cache.allocator.num_free == 200 // page_size
+        assert llm.scheduler.cache.allocator.num_free == POOL_TOKENS // page_size
     finally:
         llm.shutdown()
 
@@ -217,3 +222,28 @@ def test_requests_that_can_never_fit_are_rejected(sched):
     with pytest.raises(ValueError, match="KV cache"):
         sched.add_request(too_big)
     assert not sched.has_work()
+
+
+def test_shared_prefix_burst_reuses_the_prefix(tiny_qwen3):
+    """Requests sharing a system prompt, all queued at once: the prefix is computed once."""
+    system = list(range(2000, 2100))
+    group = [system + [5, 6, i] for i in range(6)]
+    radix = LLM(str(tiny_qwen3), dtype="float32", num_pages=2048, max_running_requests=8)
+    naive = LLM(
+        str(tiny_qwen3), dtype="float32", num_pages=2048, max_running_requests=8, cache_type="naive"
+    )
+    try:
+        got = radix.generate(group, GREEDY)
+        want = naive.generate(group, GREEDY)
+        assert [o.token_ids for o in got] == [o.token_ids for o in want]
+        stats = radix.scheduler.stats()
+        # The first request computes all 103 tokens; the other five share its first 102 (cached
+        # right after its prefill, not at its finish) and compute only their last token.
+        assert stats.prefill_tokens_total == 103 + 5 * 1
+        assert sum(o.num_cached_tokens for o in got) == 5 * 102
+        radix.check_page_accounting()
+        radix.scheduler.flush_cache()
+        assert radix.scheduler.cache.allocator.num_free == 2048
+    finally:
+        radix.shutdown()
+        naive.shutdown()

@@ -125,6 +125,33 @@ class CacheManager:
             )
         return self.allocator.alloc(num)
 
+    def cache_prefix(self, req: Req) -> None:
+        """Share `req`'s computed prompt prefix now, not only when it finishes (SGLang's "cache
+        unfinished request"), so requests that arrive meanwhile with the same prefix reuse it.
+
+        Called right after a prefill chunk is scheduled. The chunk's KV is written by a batch that
+        runs before any later batch, so a request admitted in a later step reads finished KV.
+        The tree takes the new full pages under `req`'s lock; ownership moves with
+        `cache_matched_len`, so nothing is copied or freed.
+        """
+        ps = self.page_size
+        aligned = min(req.cached_len, req.prompt_len + len(req.output_ids)) // ps * ps
+        if aligned <= req.cache_matched_len:
+            return
+        ids = req.all_ids[:aligned]
+        # Only extend what this request matched: if another request cached more of this prefix
+        # meanwhile, its pages and ours would duplicate; that is sorted out at release instead.
+        if self.prefix_cache.match_prefix(ids).matched_len != req.cache_matched_len:
+            return
+        slots = self.page_table[req.table_row, :aligned].to(torch.int64).cpu()
+        not_taken = self.prefix_cache.insert(ids, slots)
+        if not_taken != req.cache_matched_len:  # a cache that keeps nothing (naive)
+            return
+        match = self.prefix_cache.match_prefix(ids)
+        self.prefix_cache.lock(match.handle)
+        self.prefix_cache.unlock(req.cache_handle)
+        req.cache_handle, req.cache_matched_len = match.handle, aligned
+
     def release(self, req: Req) -> None:
         """Return everything `req` holds: computed full pages go to the prefix cache (so a later
         request, or this one after retraction, can reuse them); the rest to the free list."""

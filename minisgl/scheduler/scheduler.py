@@ -23,6 +23,9 @@ from minisgl.scheduler.stats import SchedulerStats
 
 logger = logging.getLogger(__name__)
 
+# Two prompts agreeing on this many leading tokens are taken to share a prefix worth caching.
+SHARED_PREFIX_PROBE_LEN = 32
+
 
 @dataclass
 class _Launched:
@@ -168,12 +171,22 @@ class Scheduler:
                 break
             items.append((req, chunk))
             budget -= chunk
+        # Requests whose prompt starts like one admitted in this same step wait one step: by then
+        # the first one's prefix is in the radix tree and they compute only their own suffix.
+        admitted_keys: set[tuple[int, ...]] = set()
+        deferred: list[Req] = []
         while self.waiting and budget > 0:
             req = self.waiting[0]
             if not self._can_admit(req, len(items)):
                 break
             self.waiting.popleft()
+            key = self._prefix_key(req)
+            if key is not None and key in admitted_keys:
+                deferred.append(req)
+                continue
             self.cache.admit(req)
+            if key is not None and req.cached_len < len(key):
+                admitted_keys.add(key)
             self.running.append(req)
             chunk = min(req.remaining_prefill_len, budget)
             if not self.cache.reserve(req, req.cached_len + chunk):
@@ -188,9 +201,20 @@ class Scheduler:
                 self._counters["prompt"] += req.prompt_len
             items.append((req, chunk))
             budget -= chunk
+        self.waiting.extendleft(reversed(deferred))
         if not items:
             return None
-        return self._build_batch(items)
+        batch = self._build_batch(items)
+        for req, num_tokens in items:
+            if num_tokens > 1:  # a prefill chunk: share its prefix right away
+                self.cache.cache_prefix(req)
+        return batch
+
+    def _prefix_key(self, req: Req) -> tuple[int, ...] | None:
+        """The first tokens of a prompt, to spot requests sharing a prefix in one step."""
+        if self.args.cache_type != "radix" or req.prompt_len <= SHARED_PREFIX_PROBE_LEN:
+            return None
+        return tuple(req.input_ids[:SHARED_PREFIX_PROBE_LEN])
 
     def _decodable(self) -> list[Req]:
         return [
