@@ -27,9 +27,13 @@ class _Prefill:
 class TorchNativeMetadata:
     out_slots: torch.Tensor
     decode_token_index: torch.Tensor  # int64 [decodes]: query rows of the decodes
-    decode_kv_slots: torch.Tensor  # int64 [decodes, max_kv_len] (padding points at slot 0)
+    decode_kv_slots: torch.Tensor  # int64 [decodes * max_kv_len] (padding points at slot 0)
     decode_mask: torch.Tensor  # bool [decodes, 1, 1, max_kv_len]
     prefills: list[_Prefill]
+    # Gather buffers for the decodes' K and V, allocated at the first layer and reused by every
+    # layer: a fresh allocation per layer costs more than the copy itself on CPU.
+    decode_k: torch.Tensor | None = None
+    decode_v: torch.Tensor | None = None
 
 
 class TorchNativeBackend(AttentionBackend):
@@ -64,7 +68,7 @@ class TorchNativeBackend(AttentionBackend):
         return TorchNativeMetadata(
             out_slots=batch.out_slots,
             decode_token_index=torch.tensor(decode_rows, dtype=torch.long, device=device),
-            decode_kv_slots=slots.masked_fill(~valid, 0),
+            decode_kv_slots=slots.masked_fill(~valid, 0).flatten(),
             decode_mask=valid[:, None, None, :],
             prefills=prefills,
         )
@@ -83,10 +87,18 @@ class TorchNativeBackend(AttentionBackend):
         k_cache, v_cache = pool.k_cache(layer_id), pool.v_cache(layer_id)
         out = torch.empty_like(q)
         # SDPA wants [batch, heads, len, head_dim]; GQA repeats KV heads inside the kernel.
-        if metadata.decode_token_index.numel() > 0:
+        num_decodes = metadata.decode_token_index.numel()
+        if num_decodes > 0:
             dq = q[metadata.decode_token_index].unsqueeze(2)  # [decodes, heads, 1, head_dim]
-            dk = k_cache[metadata.decode_kv_slots].transpose(1, 2)  # [decodes, kv_heads, L, D]
-            dv = v_cache[metadata.decode_kv_slots].transpose(1, 2)
+            if metadata.decode_k is None or metadata.decode_v is None:
+                shape = (metadata.decode_kv_slots.numel(), *k_cache.shape[1:])
+                metadata.decode_k = k_cache.new_empty(shape)
+                metadata.decode_v = v_cache.new_empty(shape)
+            torch.index_select(k_cache, 0, metadata.decode_kv_slots, out=metadata.decode_k)
+            torch.index_select(v_cache, 0, metadata.decode_kv_slots, out=metadata.decode_v)
+            # [decodes * L, kv_heads, D] -> [decodes, kv_heads, L, D]
+            dk = metadata.decode_k.view(num_decodes, -1, *k_cache.shape[1:]).transpose(1, 2)
+            dv = metadata.decode_v.view(num_decodes, -1, *v_cache.shape[1:]).transpose(1, 2)
             o = F.scaled_dot_product_attention(
                 dq, dk, dv, attn_mask=metadata.decode_mask, scale=scale, enable_gqa=True
             )
