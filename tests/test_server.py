@@ -619,6 +619,26 @@ def test_tensor_parallel_server_matches(client: openai.OpenAI):
         srv.stop()
 
 
+def test_tensor_parallel_rank_death_stops_server():
+    """Killing one tp rank makes the whole server exit non-zero, leaving no process behind."""
+    srv = start_server("--tp", str(TP_SIZE))
+    try:
+        srv.wait_healthy()
+        everyone = psutil.Process(srv.proc.pid).children(recursive=True)
+        sched = next(p for p in everyone if p.name().startswith("minisgl:sched"))
+        followers = sched.children()
+        assert len(followers) == TP_SIZE - 1
+        followers[0].kill()
+        srv.proc.wait(timeout=60.0)
+        assert srv.proc.returncode != 0
+        deadline_s = time.monotonic() + 10.0
+        while any(alive(p) for p in everyone) and time.monotonic() < deadline_s:
+            time.sleep(0.1)
+        assert not [p for p in everyone if alive(p)]
+    finally:
+        srv.stop()
+
+
 def test_sigterm_stops_everything(server: ServerProcess):
     """Runs last: it stops the module's server. An open stream ends cleanly, as aborted."""
     children = psutil.Process(server.proc.pid).children(recursive=True)

@@ -355,6 +355,9 @@ class Scheduler:
             aborted_requests_total=c["aborted"],
         )
 
+    def check_health(self) -> None:
+        """Single process: nothing can die behind our back (TPScheduler checks its ranks)."""
+
     def check_page_accounting(self) -> None:
         live = list(self.running)
         if self._inflight is not None:

@@ -456,6 +456,15 @@ class TPScheduler:
             self._broken = failure or f"rank 0: {type(exc).__name__}: {exc}"
             raise TPRankError(f"tensor-parallel group broken: {self._broken}") from exc
 
+    def check_health(self) -> None:
+        """Raise TPRankError if a rank on this node has died (the idle server calls this: with no
+        step to run there is no collective that would fail)."""
+        self._raise_if_broken()
+        failure = self._followers.failure()
+        if failure is not None:
+            self._broken = failure
+            raise TPRankError(f"tensor-parallel group broken: {failure}")
+
     def _raise_if_broken(self) -> None:
         if self._closed:
             raise RuntimeError("the TPScheduler is shut down")

@@ -154,6 +154,8 @@ class SchedulerLoop:
         outputs = [out for out in map(self._handle, messages) if out is not None]
         if messages or self.scheduler.has_work():
             outputs.extend(self.scheduler.step())
+        else:
+            self.scheduler.check_health()  # idle: a dead tp rank shows up here, not in a step
         if outputs:
             self._to_detokenizer.put(BatchTokenOutput(tuple(outputs)))
         # After going idle, publish at once: clients poll the gauges for "back to zero".
