@@ -138,3 +138,16 @@ def test_smollm2_chat_greedy_matches_hf_generate(default_model_dir):
         llm.check_page_accounting()
     finally:
         llm.shutdown()
+
+
+def test_sharded_checkpoint_loads_like_a_single_file(tmp_path, tiny_models):
+    """A checkpoint saved in several safetensors shards gives the same tokens."""
+    hf = AutoModelForCausalLM.from_pretrained(tiny_models["llama"], dtype=torch.float32)
+    sharded = tmp_path / "sharded"
+    hf.save_pretrained(sharded, max_shard_size="5MB")
+    assert len(list(sharded.glob("*.safetensors"))) > 1
+    llm = LLM(str(sharded), dtype="float32", num_pages=256, max_running_requests=4)
+    try:
+        check_against_hf(tiny_models["llama"], llm, _prompts()[:2], 8)
+    finally:
+        llm.shutdown()
