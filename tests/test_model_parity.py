@@ -6,11 +6,14 @@ token's), for the prefill step and every decode step; greedy tokens must equal H
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 from minisgl import LLM, SamplingParams
+from tests.conftest import qwen3_tokenizer_dir
 
 LOGPROB_ATOL = 2e-4  # fp32; batch composition changes rounding slightly
 NUM_NEW_TOKENS = 16
@@ -146,6 +149,8 @@ def test_sharded_checkpoint_loads_like_a_single_file(tmp_path, tiny_models):
     sharded = tmp_path / "sharded"
     hf.save_pretrained(sharded, max_shard_size="5MB")
     assert len(list(sharded.glob("*.safetensors"))) > 1
+    for f in qwen3_tokenizer_dir().iterdir():
+        shutil.copy(f, sharded / f.name)
     llm = LLM(str(sharded), dtype="float32", num_pages=256, max_running_requests=4)
     try:
         check_against_hf(tiny_models["llama"], llm, _prompts()[:2], 8)
