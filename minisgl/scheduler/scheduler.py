@@ -177,7 +177,7 @@ class Scheduler:
         deferred: list[Req] = []
         while self.waiting and budget > 0:
             req = self.waiting[0]
-            if not self._can_admit(req, len(items)):
+            if not self._can_admit(req):
                 break
             self.waiting.popleft()
             key = self._prefix_key(req)
@@ -225,7 +225,7 @@ class Scheduler:
             and r.num_sampled < r.sampling_params.max_tokens
         ]
 
-    def _can_admit(self, req: Req, num_items: int) -> bool:
+    def _can_admit(self, req: Req) -> bool:
         if len(self.running) >= self.args.max_running_requests or not self.cache.free_rows:
             return False
         # Optimistic admission: the first chunk's pages plus one page of headroom per running
@@ -269,7 +269,7 @@ class Scheduler:
         if len(self.running) == 1:
             raise RuntimeError("KV pool too small for a single request (admission let it in)")
         self.running.pop()
-        self._release_kv(victim)
+        self.cache.release(victim)
         victim.device_len = len(victim.all_ids)
         victim.num_retractions += 1
         self._counters["retractions"] += 1
@@ -304,7 +304,7 @@ class Scheduler:
                 req.finish_reason = reason
                 self._release(req)
         for req in launched.release_after:
-            self._release_kv(req)
+            self.cache.release(req)
 
     def _finish_reason(self, req: Req, token_id: int) -> FinishReason | None:
         params = req.sampling_params
@@ -331,10 +331,7 @@ class Scheduler:
         if self._inflight is not None and req in self._inflight.reqs:
             self._inflight.release_after.append(req)
         else:
-            self._release_kv(req)
-
-    def _release_kv(self, req: Req) -> None:
-        self.cache.release(req)
+            self.cache.release(req)
 
     # ---- introspection -------------------------------------------------------------------------
 
