@@ -107,6 +107,7 @@ def create_app(args: ServerArgs, endpoints: Endpoints, tokenizer_path: str | Pat
         try:
             yield
         finally:
+            app.state.ctx.tokenize_pool.shutdown(wait=False, cancel_futures=True)
             await engine.close()
 
     app = FastAPI(title="minisgl", lifespan=lifespan)

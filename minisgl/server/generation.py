@@ -11,9 +11,10 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 from starlette.requests import Request
 from transformers import PreTrainedTokenizerBase
@@ -52,6 +53,9 @@ class RequestError(Exception):
         self.err_type = err_type or ("invalid_request_error" if client_error else "server_error")
 
 
+_T = TypeVar("_T")
+
+
 class ClientDisconnected(Exception):
     pass
 
@@ -68,6 +72,14 @@ class ServingContext:
     max_model_len: int
     vocab_size: int
     kv_capacity_tokens: int  # the most tokens one sequence can hold in the KV pool
+    # Tokenizing a long prompt takes milliseconds: done on this one thread, not on the event loop,
+    # so streams of other requests keep flowing. One thread: encodes never run concurrently.
+    tokenize_pool: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="minisgl-tokenize")
+    )
+
+    async def off_loop(self, fn: Callable[..., _T], *args: Any) -> _T:
+        return await asyncio.get_running_loop().run_in_executor(self.tokenize_pool, fn, *args)
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model not in self.accepted_model_names:

@@ -44,7 +44,7 @@ async def create_chat_completion(
 ) -> Response:
     ctx.check_model(body.model)
     try:
-        prompt_ids = apply_chat_template(ctx.tokenizer, body.messages)
+        prompt_ids = await ctx.off_loop(apply_chat_template, ctx.tokenizer, body.messages)
     except ValueError as exc:
         raise RequestError(400, str(exc), param="messages") from None
     max_tokens = resolve_max_tokens(

@@ -76,7 +76,7 @@ async def create_completion(
     ctx: ServingContext, body: CompletionRequest, request: Request
 ) -> Response:
     ctx.check_model(body.model)
-    prompts, prompt_texts = tokenize_prompts(ctx, body.prompt)
+    prompts, prompt_texts = await ctx.off_loop(tokenize_prompts, ctx, body.prompt)
     params = []
     for ids in prompts:
         # Without max_tokens each prompt may use whatever context its own length leaves.
