@@ -17,6 +17,8 @@ DEFAULT_PORT = 1919
 # On CPU there is no "free device memory" to take a fraction of: give the KV pool a fixed budget.
 DEFAULT_CPU_KV_CACHE_GB = 1.0
 DISABLE_OVERLAP_ENV = "MINISGL_DISABLE_OVERLAP_SCHEDULING"
+DEFAULT_CUDA_MAX_PREFILL_TOKENS = 8192
+DEFAULT_CPU_MAX_PREFILL_TOKENS = 1024
 
 CacheType = Literal["radix", "naive"]
 
@@ -41,7 +43,9 @@ class ServerArgs:
     cache_type: CacheType = "radix"
     # scheduling
     max_running_requests: int = 256
-    max_prefill_tokens: int = 8192  # token budget of one batch's prefill work (chunked prefill)
+    # Token budget of one batch's prefill work (chunked prefill). None: 8192 on CUDA, 1024 on CPU,
+    # where a chunk of 8192 tokens takes seconds and stalls every running decode meanwhile.
+    max_prefill_tokens: int | None = None
     max_model_len: int | None = None  # defaults to the model's max_position_embeddings
     disable_overlap: bool = False
     attention_backend: str = "auto"  # auto: flashinfer on CUDA when installed, else torch
@@ -66,7 +70,11 @@ class ServerArgs:
         check(self.num_pages is None or self.num_pages >= 1, "num_pages", "must be >= 1")
         check(self.tp_size >= 1, "tp_size", "must be >= 1")
         check(self.max_running_requests >= 1, "max_running_requests", "must be >= 1")
-        check(self.max_prefill_tokens >= 1, "max_prefill_tokens", "must be >= 1")
+        check(
+            self.max_prefill_tokens is None or self.max_prefill_tokens >= 1,
+            "max_prefill_tokens",
+            "must be >= 1",
+        )
         check(self.cache_type in ("radix", "naive"), "cache_type", "must be 'radix' or 'naive'")
         check(self.dtype in ("auto", "float32", "float16", "bfloat16"), "dtype", "unknown dtype")
         check(0 < self.mem_fraction_static < 1, "mem_fraction_static", "must be in (0, 1)")

@@ -410,7 +410,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--num-pages", type=int, default=None)
     p.add_argument("--max-running-requests", type=int, default=256)
-    p.add_argument("--max-prefill-tokens", type=int, default=8192)
+    p.add_argument(
+        "--max-prefill-tokens", type=int, default=None, help="default: 8192 on CUDA, 1024 on CPU"
+    )
     p.add_argument("--cache-type", choices=["radix", "naive"], default="radix")
     p.add_argument("--disable-overlap", action="store_true")
     # modes

@@ -15,7 +15,11 @@ from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from minisgl.config import ServerArgs
+from minisgl.config import (
+    DEFAULT_CPU_MAX_PREFILL_TOKENS,
+    DEFAULT_CUDA_MAX_PREFILL_TOKENS,
+    ServerArgs,
+)
 from minisgl.core import SEED_MASK, FinishReason, Req, ReqOutput, SamplingParams
 from minisgl.engine.engine import Engine, ForwardBatch, ForwardOutput
 from minisgl.scheduler.cache_manager import CacheManager
@@ -47,6 +51,11 @@ class Scheduler:
         self.vocab_size = self.engine.model_config.vocab_size
         self.eos_token_ids = self.engine.model_config.eos_token_ids
         self.page_size = args.page_size
+        self.max_prefill_tokens = args.max_prefill_tokens or (
+            DEFAULT_CUDA_MAX_PREFILL_TOKENS
+            if self.engine.device.type == "cuda"
+            else DEFAULT_CPU_MAX_PREFILL_TOKENS
+        )
         self.cache = CacheManager(
             self.engine.num_pages,
             self.page_size,
@@ -160,7 +169,7 @@ class Scheduler:
                 items.append((req, 1))
         items = [(r, n) for r, n in items if r.table_row >= 0]
         # 2. chunked prefills already under way, then 3. new requests, within the token budget
-        budget = self.args.max_prefill_tokens
+        budget = self.max_prefill_tokens
         for req in self.running:
             if budget <= 0:
                 break
@@ -230,7 +239,7 @@ class Scheduler:
             return False
         # Optimistic admission: the first chunk's pages plus one page of headroom per running
         # request, not the whole max_tokens (retraction handles the rare overflow).
-        need_tokens = min(req.prompt_len + len(req.output_ids), self.args.max_prefill_tokens)
+        need_tokens = min(req.prompt_len + len(req.output_ids), self.max_prefill_tokens)
         need_pages = -(-need_tokens // self.page_size) + len(self.running)
         return self.cache.num_available_pages >= need_pages or not self.running
 
