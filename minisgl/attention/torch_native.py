@@ -1,7 +1,7 @@
 """Attention in plain torch (SDPA) over the paged pool: the CPU path and the CUDA fallback.
 
-Decodes (one query each) are batched into one padded SDPA call; prefill chunks run one SDPA call
-per sequence with a causal mask offset by the cached prefix length.
+Decodes (one query each) are grouped by KV length into a few padded SDPA calls; prefill chunks
+run one SDPA call per sequence with a causal mask offset by the cached prefix length.
 """
 
 from __future__ import annotations
@@ -14,6 +14,10 @@ import torch.nn.functional as F
 from minisgl.attention.base import AttentionBackend, AttentionBatch
 from minisgl.kvcache.pool import KVPool
 
+# A decode joins the current group while its KV length is at least this fraction of the group's
+# longest: every group is then at least this full, and there are at most log2(max/min) groups.
+MIN_DECODE_GROUP_FILL = 0.5
+
 
 @dataclass
 class _Prefill:
@@ -24,23 +28,29 @@ class _Prefill:
 
 
 @dataclass
+class _DecodeGroup:
+    """Decodes of similar KV length, computed as one padded SDPA call."""
+
+    token_index: torch.Tensor  # int64 [decodes]: query rows of these decodes
+    kv_slots: torch.Tensor  # int64 [decodes * max_kv_len] (padding points at slot 0)
+    mask: torch.Tensor  # bool [decodes, 1, 1, max_kv_len]
+    # Gather buffers, allocated at the first layer and reused by every layer: a fresh allocation
+    # per layer costs more than the copy itself on CPU.
+    k_buf: torch.Tensor | None = None
+    v_buf: torch.Tensor | None = None
+
+
+@dataclass
 class TorchNativeMetadata:
     out_slots: torch.Tensor
-    decode_token_index: torch.Tensor  # int64 [decodes]: query rows of the decodes
-    decode_kv_slots: torch.Tensor  # int64 [decodes * max_kv_len] (padding points at slot 0)
-    decode_mask: torch.Tensor  # bool [decodes, 1, 1, max_kv_len]
+    decode_groups: list[_DecodeGroup]
     prefills: list[_Prefill]
-    # Gather buffers for the decodes' K and V, allocated at the first layer and reused by every
-    # layer: a fresh allocation per layer costs more than the copy itself on CPU.
-    decode_k: torch.Tensor | None = None
-    decode_v: torch.Tensor | None = None
 
 
 class TorchNativeBackend(AttentionBackend):
     def prepare(self, batch: AttentionBatch) -> TorchNativeMetadata:
         device = batch.out_slots.device
-        decode_rows: list[int] = []
-        decode_seq: list[int] = []
+        decodes: list[tuple[int, int, int]] = []  # (kv_len, query row, sequence index)
         prefills: list[_Prefill] = []
         token_start = 0
         for i, (prefix_len, kv_len) in enumerate(
@@ -48,8 +58,7 @@ class TorchNativeBackend(AttentionBackend):
         ):
             q_len = kv_len - prefix_len
             if q_len == 1:
-                decode_rows.append(token_start)
-                decode_seq.append(i)
+                decodes.append((kv_len, token_start, i))
             else:
                 row = batch.page_table[batch.table_rows[i], :kv_len].long()
                 mask = None
@@ -58,20 +67,33 @@ class TorchNativeBackend(AttentionBackend):
                     mask = torch.arange(kv_len, device=device)[None, :] <= q_pos[:, None]
                 prefills.append(_Prefill(token_start, token_start + q_len, row, mask))
             token_start += q_len
+        return TorchNativeMetadata(batch.out_slots, self._group_decodes(batch, decodes), prefills)
 
-        seq_index = torch.tensor(decode_seq, dtype=torch.long, device=device)
-        max_kv = max((batch.kv_lens_cpu[i] for i in decode_seq), default=0)
-        kv_lens = batch.kv_lens[seq_index]
-        positions = torch.arange(max_kv, device=device)
-        valid = positions[None, :] < kv_lens[:, None]  # [decodes, max_kv]
-        slots = batch.page_table[batch.table_rows[seq_index], :max_kv].long()
-        return TorchNativeMetadata(
-            out_slots=batch.out_slots,
-            decode_token_index=torch.tensor(decode_rows, dtype=torch.long, device=device),
-            decode_kv_slots=slots.masked_fill(~valid, 0).flatten(),
-            decode_mask=valid[:, None, None, :],
-            prefills=prefills,
-        )
+    @staticmethod
+    def _group_decodes(
+        batch: AttentionBatch, decodes: list[tuple[int, int, int]]
+    ) -> list[_DecodeGroup]:
+        device = batch.out_slots.device
+        groups: list[list[tuple[int, int, int]]] = []
+        for entry in sorted(decodes, reverse=True):
+            if not groups or entry[0] < MIN_DECODE_GROUP_FILL * groups[-1][0][0]:
+                groups.append([])
+            groups[-1].append(entry)
+        result = []
+        for members in groups:
+            max_kv = members[0][0]
+            seq_index = torch.tensor([m[2] for m in members], dtype=torch.long, device=device)
+            kv_lens = batch.kv_lens[seq_index]
+            valid = torch.arange(max_kv, device=device)[None, :] < kv_lens[:, None]
+            slots = batch.page_table[batch.table_rows[seq_index], :max_kv].long()
+            result.append(
+                _DecodeGroup(
+                    token_index=torch.tensor([m[1] for m in members], device=device),
+                    kv_slots=slots.masked_fill(~valid, 0).flatten(),
+                    mask=valid[:, None, None, :],  # [decodes, 1, 1, max_kv]
+                )
+            )
+        return result
 
     def forward(
         self,
@@ -87,22 +109,21 @@ class TorchNativeBackend(AttentionBackend):
         k_cache, v_cache = pool.k_cache(layer_id), pool.v_cache(layer_id)
         out = torch.empty_like(q)
         # SDPA wants [batch, heads, len, head_dim]; GQA repeats KV heads inside the kernel.
-        num_decodes = metadata.decode_token_index.numel()
-        if num_decodes > 0:
-            dq = q[metadata.decode_token_index].unsqueeze(2)  # [decodes, heads, 1, head_dim]
-            if metadata.decode_k is None or metadata.decode_v is None:
-                shape = (metadata.decode_kv_slots.numel(), *k_cache.shape[1:])
-                metadata.decode_k = k_cache.new_empty(shape)
-                metadata.decode_v = v_cache.new_empty(shape)
-            torch.index_select(k_cache, 0, metadata.decode_kv_slots, out=metadata.decode_k)
-            torch.index_select(v_cache, 0, metadata.decode_kv_slots, out=metadata.decode_v)
+        for group in metadata.decode_groups:
+            num_decodes = group.token_index.numel()
+            if group.k_buf is None or group.v_buf is None:
+                shape = (group.kv_slots.numel(), *k_cache.shape[1:])
+                group.k_buf, group.v_buf = k_cache.new_empty(shape), v_cache.new_empty(shape)
+            torch.index_select(k_cache, 0, group.kv_slots, out=group.k_buf)
+            torch.index_select(v_cache, 0, group.kv_slots, out=group.v_buf)
             # [decodes * L, kv_heads, D] -> [decodes, kv_heads, L, D]
-            dk = metadata.decode_k.view(num_decodes, -1, *k_cache.shape[1:]).transpose(1, 2)
-            dv = metadata.decode_v.view(num_decodes, -1, *v_cache.shape[1:]).transpose(1, 2)
+            dk = group.k_buf.view(num_decodes, -1, *k_cache.shape[1:]).transpose(1, 2)
+            dv = group.v_buf.view(num_decodes, -1, *v_cache.shape[1:]).transpose(1, 2)
+            dq = q[group.token_index].unsqueeze(2)  # [decodes, heads, 1, head_dim]
             o = F.scaled_dot_product_attention(
-                dq, dk, dv, attn_mask=metadata.decode_mask, scale=scale, enable_gqa=True
+                dq, dk, dv, attn_mask=group.mask, scale=scale, enable_gqa=True
             )
-            out[metadata.decode_token_index] = o.squeeze(2)
+            out[group.token_index] = o.squeeze(2)
         for p in metadata.prefills:
             pq = q[p.token_start : p.token_end].transpose(0, 1).unsqueeze(0)  # [1, H, q_len, D]
             pk = k_cache[p.kv_slots].transpose(0, 1).unsqueeze(0)  # [1, KVH, kv_len, D]
