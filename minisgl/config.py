@@ -49,7 +49,6 @@ class ServerArgs:
     max_model_len: int | None = None  # defaults to the model's max_position_embeddings
     disable_overlap: bool = False
     attention_backend: str = "auto"  # auto: flashinfer on CUDA when installed, else torch
-    cuda_graph_max_bs: int = 0  # 0: no CUDA graphs
     seed: int = 0
     # server
     host: str = DEFAULT_HOST
