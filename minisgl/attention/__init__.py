@@ -1,33 +1,31 @@
-"""Attention backends by name, imported lazily so optional GPU packages stay optional."""
+"""Attention backends by name, imported lazily so optional GPU packages stay optional.
+
+A CUDA backend (FlashInfer) registers here as "flashinfer" once it exists; "auto" will prefer it
+on CUDA when the package is installed. Today every device runs the torch-native backend.
+"""
 
 from __future__ import annotations
 
 import importlib
-import importlib.util
 
 import torch
 
 from minisgl.attention.base import AttentionBackend, AttentionBatch
 
-# name -> "module:Class"
+# name -> "module:Class", imported on first use
 _REGISTRY = {
     "torch": "minisgl.attention.torch_native:TorchNativeBackend",
-    "flashinfer": "minisgl.attention.flashinfer:FlashInferBackend",
 }
+# What "auto" picks, best first, per device type.
+_AUTO_PREFERENCE = {"cuda": ["torch"], "cpu": ["torch"]}
 
 
 def create_backend(name: str, device: torch.device) -> AttentionBackend:
     if name == "auto":
-        name = "torch"
-        if (
-            device.type == "cuda"
-            and importlib.util.find_spec("flashinfer") is not None
-            and importlib.util.find_spec("minisgl.attention.flashinfer") is not None
-        ):
-            name = "flashinfer"
+        name = _AUTO_PREFERENCE.get(device.type, ["torch"])[0]
     if name not in _REGISTRY:
         raise ValueError(
-            f"attention_backend: unknown '{name}' (choose from {', '.join(_REGISTRY)})"
+            f"attention_backend: unknown '{name}' (choose from auto, {', '.join(_REGISTRY)})"
         )
     module_name, class_name = _REGISTRY[name].split(":")
     backend_cls = getattr(importlib.import_module(module_name), class_name)
