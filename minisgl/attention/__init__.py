@@ -16,13 +16,11 @@ from minisgl.attention.base import AttentionBackend, AttentionBatch
 _REGISTRY = {
     "torch": "minisgl.attention.torch_native:TorchNativeBackend",
 }
-# What "auto" picks, best first, per device type.
-_AUTO_PREFERENCE = {"cuda": ["torch"], "cpu": ["torch"]}
 
 
 def create_backend(name: str, device: torch.device) -> AttentionBackend:
     if name == "auto":
-        name = _AUTO_PREFERENCE.get(device.type, ["torch"])[0]
+        name = "torch"  # the only backend today, on every device
     if name not in _REGISTRY:
         raise ValueError(
             f"attention_backend: unknown '{name}' (choose from auto, {', '.join(_REGISTRY)})"
