@@ -177,21 +177,20 @@ class Engine:
     def _sample(
         self, batch: ForwardBatch, seqs: list[int], kv_lens: torch.Tensor, logits: torch.Tensor
     ) -> ForwardOutput:
-        params = [batch.sampling[i] for i in seqs]
-        assert all(p is not None for p in params)
-        sample_params: list[SamplingParams] = [p for p in params if p is not None]
+        sample_params = [p for p in (batch.sampling[i] for i in seqs) if p is not None]
         next_pos = kv_lens[seqs]
+        next_pos_cpu = next_pos.tolist()
         sb = SamplingBatch.build(
             sample_params,
             [batch.seeds[i] for i in seqs],
-            next_pos.tolist(),
+            next_pos_cpu,
             self.model_config.vocab_size,
             self.device,
         )
         rows = torch.tensor([batch.table_rows[i] for i in seqs], device=self.device)
         if any(p.has_penalties for p in sample_params):
             self._add_penalties(
-                sb, sample_params, rows, [batch.prompt_lens[i] for i in seqs], next_pos.tolist()
+                sb, sample_params, rows, [batch.prompt_lens[i] for i in seqs], next_pos_cpu
             )
         result = sample(logits, sb)
         if get_tp_info().size > 1:

@@ -167,7 +167,6 @@ class Scheduler:
                     break
             else:
                 items.append((req, 1))
-        items = [(r, n) for r, n in items if r.table_row >= 0]
         # 2. chunked prefills already under way, then 3. new requests, within the token budget
         budget = self.max_prefill_tokens
         for req in self.running:
