@@ -1,10 +1,10 @@
-"""The attention-backend contract: torch-native on CPU, FlashInfer on CUDA."""
+"""The attention-backend contract: torch-native (CPU, CUDA fallback), Triton and FlashInfer."""
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -28,10 +28,20 @@ class AttentionBatch:
     page_table: torch.Tensor  # int32 [max_rows, max_len], token slots
     prefix_lens_cpu: list[int]
     kv_lens_cpu: list[int]
+    page_size: int = 1  # slot = page * page_size + offset; pages are page_size aligned slots
 
     @property
     def extend_lens_cpu(self) -> list[int]:
         return [kv - pre for kv, pre in zip(self.kv_lens_cpu, self.prefix_lens_cpu, strict=True)]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.kv_lens_cpu)
+
+    @property
+    def is_decode(self) -> bool:
+        """Every sequence computes exactly one query (the batches CUDA graphs replay)."""
+        return all(e == 1 for e in self.extend_lens_cpu)
 
 
 class AttentionBackend(ABC):
@@ -41,7 +51,18 @@ class AttentionBackend(ABC):
     Contract: `prepare` runs once per forward and returns metadata reused by every layer;
     `forward` first stores the layer's new K/V at `batch.out_slots`, then returns attention
     output of shape [tokens, heads, head_dim] for q of shape [tokens, heads, head_dim].
+
+    CUDA graphs (decode-only batches): a backend with `supports_graphs` lets the engine capture
+    its `forward` for fixed batch sizes. The engine owns static input buffers (table rows, KV
+    lengths, output slots) sized for the largest graph; before capturing it calls
+    `init_graph_state` once, then `prepare_graph` for each batch size (capturing=True) and
+    captures the forward with the metadata returned. Before every replay it fills its static
+    buffers and calls `prepare_graph` again (capturing=False) with the same tensors: the backend
+    must then refresh, in place, whatever the captured kernels read (never allocate a tensor the
+    graph reads after capture). Padding sequences point at a dummy table row with KV length 1.
     """
+
+    supports_graphs: ClassVar[bool] = False
 
     @abstractmethod
     def prepare(self, batch: AttentionBatch) -> Any: ...
@@ -57,3 +78,11 @@ class AttentionBackend(ABC):
         pool: KVPool,
         metadata: Any,
     ) -> torch.Tensor: ...
+
+    def init_graph_state(self, max_batch_size: int) -> None:
+        """Allocate buffers that captured graphs read (for up to `max_batch_size` decodes)."""
+        raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")
+
+    def prepare_graph(self, batch: AttentionBatch, capturing: bool) -> Any:
+        """Metadata for a decode-only batch over the engine's static buffers (see class doc)."""
+        raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")

@@ -20,7 +20,7 @@ from minisgl.core import SamplingParams, TokenLogprob
 from minisgl.distributed import broadcast_from_primary, get_tp_info, ranks_per_node
 from minisgl.engine.context import ForwardContext, forward_context
 from minisgl.engine.sampler import SamplingBatch, sample
-from minisgl.kvcache.pool import KVPool, bytes_per_token
+from minisgl.kvcache.pool import KVPool, KVShape
 from minisgl.models.config import ModelConfig, load_model_config
 from minisgl.models.llama import CausalLM, local_head_counts
 from minisgl.models.loader import load_weights
@@ -84,13 +84,17 @@ class Engine:
         self.model_path = resolve_model_path(args.model)
         self.model_config: ModelConfig = load_model_config(self.model_path)
         cfg = self.model_config
-        local_head_counts(cfg)  # fail early, with the numbers, if heads don't divide by tp
+        # fails early, with the numbers, if heads don't divide by tp
+        _, num_kv_heads = local_head_counts(cfg)
+        self.kv_shape = KVShape(cfg.num_layers, num_kv_heads, cfg.head_dim)
         self.max_model_len = args.max_model_len or cfg.max_position_embeddings
         self.page_size = args.page_size
 
         self.model = self._build_model()
         self.num_pages = self._num_kv_pages()
-        self.kv_pool = KVPool(cfg, self.num_pages, self.page_size, self.dtype, self.device)
+        self.kv_pool = KVPool(
+            self.kv_shape, self.num_pages, self.page_size, self.dtype, self.device
+        )
         # Table rows are request slots; width covers the longest sequence rounded up to a page.
         width = -(-(self.max_model_len + 1) // self.page_size) * self.page_size
         rows = args.max_running_requests
@@ -128,7 +132,7 @@ class Engine:
                 budget = free - total * (1 - self.args.mem_fraction_static)
             else:
                 budget = DEFAULT_CPU_KV_CACHE_GB * GIB
-            per_page = bytes_per_token(self.model_config, self.dtype) * self.page_size
+            per_page = self.kv_shape.bytes_per_token(self.dtype) * self.page_size
             num_pages = int(budget // per_page)
         if get_tp_info().size > 1:  # every rank must agree: take the smallest
             t = torch.tensor([num_pages], device=self.device)
@@ -166,6 +170,7 @@ class Engine:
             page_table=self.page_table,
             prefix_lens_cpu=batch.prefix_lens,
             kv_lens_cpu=kv_lens.tolist(),
+            page_size=self.page_size,
         )
         ctx = ForwardContext(self.backend, self.kv_pool, self.backend.prepare(attn))
         with forward_context(ctx):

@@ -3,11 +3,20 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
 
-from minisgl.models.config import RopeConfig
+
+@dataclass(frozen=True)
+class RopeConfig:
+    """Rotary settings read from a checkpoint's config (models/config.py parses them)."""
+
+    theta: float
+    rope_type: str = "default"  # default | linear | llama3 | yarn
+    params: dict[str, Any] = field(default_factory=dict)  # the rest of rope_scaling
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, p: dict) -> torch.Tensor:

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from minisgl.layers.rope import RopeConfig
 
 # architectures -> our model family; all are the same decoder with small switches.
 SUPPORTED_ARCHITECTURES = {
@@ -14,13 +16,6 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
 }
-
-
-@dataclass(frozen=True)
-class RopeConfig:
-    theta: float
-    rope_type: str = "default"  # default | linear | llama3 | yarn
-    params: dict[str, Any] = field(default_factory=dict)  # the rest of rope_scaling
 
 
 @dataclass(frozen=True)
