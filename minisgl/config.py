@@ -21,6 +21,8 @@ DEFAULT_CUDA_MAX_PREFILL_TOKENS = 8192
 DEFAULT_CPU_MAX_PREFILL_TOKENS = 1024
 
 CacheType = Literal["radix", "naive"]
+OverlapMode = Literal["auto", "on", "off"]
+ATTENTION_BACKENDS = ("auto", "flashinfer", "triton", "torch")
 
 
 def _env_flag(name: str) -> bool:
@@ -47,8 +49,17 @@ class ServerArgs:
     # where a chunk of 8192 tokens takes seconds and stalls every running decode meanwhile.
     max_prefill_tokens: int | None = None
     max_model_len: int | None = None  # defaults to the model's max_position_embeddings
-    disable_overlap: bool = False
-    attention_backend: str = "auto"  # auto: flashinfer on CUDA when installed, else torch
+    # Overlap scheduling: schedule batch N+1 while batch N computes. auto: on for CUDA (the host
+    # work hides behind the GPU), off for CPU (the forward already uses every core, so the
+    # scheduling thread only competes with it: 3-15% slower in benchmark/RESULTS.md).
+    overlap: OverlapMode = "auto"
+    disable_overlap: bool = False  # the same as --overlap off (as does MINISGL_DISABLE_...=1)
+    # auto: flashinfer on CUDA when installed, else triton on CUDA when installed, else torch
+    attention_backend: str = "auto"
+    # Decode batches up to this size replay CUDA graphs (padded to captured sizes); 0 disables.
+    # None: 256 on CUDA (capped by max_running_requests), 0 on CPU. On CPU a positive value runs
+    # the same padded path eagerly (used to test the padding).
+    cuda_graph_max_bs: int | None = None
     seed: int = 0
     # server
     host: str = DEFAULT_HOST
@@ -77,11 +88,30 @@ class ServerArgs:
         check(self.cache_type in ("radix", "naive"), "cache_type", "must be 'radix' or 'naive'")
         check(self.dtype in ("auto", "float32", "float16", "bfloat16"), "dtype", "unknown dtype")
         check(0 < self.mem_fraction_static < 1, "mem_fraction_static", "must be in (0, 1)")
+        check(self.overlap in ("auto", "on", "off"), "overlap", "must be auto, on or off")
+        check(
+            self.attention_backend in ATTENTION_BACKENDS,
+            "attention_backend",
+            f"must be one of {', '.join(ATTENTION_BACKENDS)}",
+        )
+        check(
+            self.cuda_graph_max_bs is None or self.cuda_graph_max_bs >= 0,
+            "cuda_graph_max_bs",
+            "must be >= 0",
+        )
         check(self.nnodes >= 1 and 0 <= self.node_rank < self.nnodes, "node_rank", "out of range")
 
-    @property
-    def overlap_scheduling(self) -> bool:
-        return not (self.disable_overlap or _env_flag(DISABLE_OVERLAP_ENV))
+    def overlap_enabled(self, device_type: str) -> bool:
+        if self.disable_overlap or _env_flag(DISABLE_OVERLAP_ENV) or self.overlap == "off":
+            return False
+        return self.overlap == "on" or device_type == "cuda"
+
+    def resolved_max_prefill_tokens(self, device_type: str) -> int:
+        if self.max_prefill_tokens is not None:
+            return self.max_prefill_tokens
+        if device_type == "cuda":
+            return DEFAULT_CUDA_MAX_PREFILL_TOKENS
+        return DEFAULT_CPU_MAX_PREFILL_TOKENS
 
     def replace(self, **changes: Any) -> ServerArgs:
         return dataclasses.replace(self, **changes)
@@ -122,6 +152,10 @@ def build_arg_parser() -> argparse.ArgumentParser:
         kwargs: dict[str, Any] = {"dest": f.name, "type": kind, "default": default}
         if f.name == "cache_type":
             kwargs["choices"] = ["radix", "naive"]
+        elif f.name == "overlap":
+            kwargs["choices"] = ["auto", "on", "off"]
+        elif f.name == "attention_backend":
+            kwargs["choices"] = list(ATTENTION_BACKENDS)
         parser.add_argument(*flags, **kwargs)
     parser.add_argument("--shell", action="store_true", help="chat in this terminal")
     return parser

@@ -13,6 +13,7 @@ from tqdm import tqdm
 
 from minisgl.config import ServerArgs
 from minisgl.core import FinishReason, Req, SamplingParams, TokenLogprob, next_request_id
+from minisgl.scheduler.protocol import SchedulerAPI
 from minisgl.scheduler.scheduler import Scheduler
 from minisgl.tokenizer.chat import apply_chat_template, load_tokenizer
 from minisgl.tokenizer.detokenizer import IncrementalDetokenizer
@@ -34,14 +35,15 @@ class RequestOutput:
 class LLM:
     def __init__(self, model: str | None = None, **options: Any) -> None:
         self.args = ServerArgs.from_kwargs(model=model, **options)
+        self.scheduler: SchedulerAPI
         if self.args.tp_size > 1:
             from minisgl.scheduler.tp import TPScheduler
 
-            self.scheduler: Scheduler = TPScheduler(self.args)  # type: ignore[assignment]
+            self.scheduler = TPScheduler(self.args)
         else:
             self.scheduler = Scheduler(self.args)
         try:
-            self.tokenizer = load_tokenizer(self.args.tokenizer or self.scheduler.engine.model_path)
+            self.tokenizer = load_tokenizer(self.args.tokenizer or self.scheduler.model_path)
         except BaseException:
             self.scheduler.shutdown()  # with tp_size > 1: no follower processes left behind
             raise

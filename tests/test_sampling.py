@@ -6,7 +6,10 @@ import pytest
 import torch
 
 from minisgl import LLM, SamplingParams
+from minisgl.engine.device import Device
 from minisgl.engine.sampler import SamplingBatch, sample, seeded_uniform
+
+CPU = Device(torch.device("cpu"))
 
 
 @pytest.fixture(scope="module")
@@ -107,12 +110,12 @@ def test_sampling_frequencies_follow_probabilities():
     rows = 4000
     logits = probs.log().repeat(rows, 1)
     sp = [SamplingParams(temperature=1.0)] * rows
-    sb = SamplingBatch.build(sp, list(range(rows)), [0] * rows, 4, torch.device("cpu"))
+    sb = SamplingBatch.build(sp, list(range(rows)), [0] * rows, 4, CPU)
     counts = torch.bincount(sample(logits, sb).token_ids, minlength=4).float() / rows
     assert torch.allclose(counts, probs, atol=0.03), counts
     # top_p=0.6 keeps the two tokens needed to reach 0.6 mass, renormalized.
     sb = SamplingBatch.build(
-        [SamplingParams(top_p=0.6)] * rows, list(range(rows)), [0] * rows, 4, torch.device("cpu")
+        [SamplingParams(top_p=0.6)] * rows, list(range(rows)), [0] * rows, 4, CPU
     )
     counts = torch.bincount(sample(logits, sb).token_ids, minlength=4).float() / rows
     assert torch.allclose(counts, torch.tensor([0.625, 0.375, 0, 0]), atol=0.03), counts

@@ -7,17 +7,22 @@ Workloads (token-id prompts drawn from the vocabulary with a fixed seed, ignore_
 By default the benchmark steps `llm.scheduler` itself (the loop `LLM.generate` runs) so it can time
 each request's first token; `--via-generate` goes through `LLM.generate(use_tqdm=True)` instead.
 `--hf` runs the same workload through HF `generate` (fp32, left-padded batches) in the same process;
-`--compare` runs the workload under radix vs naive cache and overlap on vs off.
+`--compare` runs the workload under radix vs naive cache and overlap on vs off; `--gpu-matrix`
+runs it for each attention backend with overlap on/off and CUDA graphs on/off (one table).
 
     python benchmark/offline/bench.py                      # random workload, minisgl only
     python benchmark/offline/bench.py --hf                 # plus HF generate and the speedup
     python benchmark/offline/bench.py --workload shared-prefix --compare
+    python benchmark/offline/bench.py --model /tmp/qwen3-0.6b --num-requests 256 \
+        --min-input-len 100 --max-input-len 1024 --min-output-len 100 --max-output-len 1024 \
+        --gpu-matrix --backends flashinfer,triton      # Mini-SGLang's workload, on CUDA
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import logging
 import random
 import statistics
 import time
@@ -36,7 +41,30 @@ WARMUP_PROMPT_LEN = 16
 WARMUP_OUTPUT_LEN = 4
 WARMUP_NUM_REQUESTS = 2
 MS_PER_S = 1000.0
-COMPARE_CONFIGS = (("radix", False), ("radix", True), ("naive", False), ("naive", True))
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """The knobs one benchmark run varies; the rest come from the command line."""
+
+    cache_type: str
+    overlap: str  # auto | on | off
+    attention_backend: str = "auto"
+    graphs: bool | None = None  # None: the engine's default (on for CUDA)
+
+    @property
+    def label(self) -> str:
+        label = f"minisgl {self.cache_type} overlap={self.overlap}"
+        if self.attention_backend != "auto":
+            label += f" {self.attention_backend}"
+        if self.graphs is not None:
+            label += f" graphs={'on' if self.graphs else 'off'}"
+        return label
+
+
+COMPARE_CONFIGS = tuple(
+    EngineConfig(cache, overlap) for cache in ("radix", "naive") for overlap in ("on", "off")
+)
 
 
 @dataclass(frozen=True)
@@ -133,14 +161,18 @@ def sampling_params(output_lens: list[int]) -> list[SamplingParams]:
 # ---- minisgl -------------------------------------------------------------------------------------
 
 
-def engine_options(args: argparse.Namespace, cache_type: str, disable_overlap: bool) -> dict:
+def engine_options(args: argparse.Namespace, config: EngineConfig) -> dict:
     options: dict[str, Any] = {
         "page_size": args.page_size,
         "max_running_requests": args.max_running_requests,
         "max_prefill_tokens": args.max_prefill_tokens,
-        "cache_type": cache_type,
-        "disable_overlap": disable_overlap,
+        "cache_type": config.cache_type,
+        "overlap": config.overlap,
+        "attention_backend": config.attention_backend,
+        "dtype": args.dtype,
     }
+    if config.graphs is not None:
+        options["cuda_graph_max_bs"] = None if config.graphs else 0
     if args.num_pages is not None:
         options["num_pages"] = args.num_pages
     return options
@@ -219,12 +251,10 @@ def time_minisgl_once(llm: LLM, workload: Workload, label: str, via_generate: bo
     )
 
 
-def run_minisgl(
-    args: argparse.Namespace, workload: Workload, cache_type: str, disable_overlap: bool
-) -> RunResult:
-    label = f"minisgl {cache_type} overlap={'off' if disable_overlap else 'on'}"
+def run_minisgl(args: argparse.Namespace, workload: Workload, config: EngineConfig) -> RunResult:
+    label = config.label
     print(f"\n== {label}: loading", flush=True)
-    llm = LLM(model=args.model, **engine_options(args, cache_type, disable_overlap))
+    llm = LLM(model=args.model, **engine_options(args, config))
     try:
         warm_up(llm)
         runs = []
@@ -362,7 +392,7 @@ def print_result(r: RunResult) -> None:
 
 def print_table(results: list[RunResult], workload: Workload) -> None:
     header = (
-        f"{'run':<32} {'time s':>8} {'CPU s':>7} {'out tok/s':>10} {'total tok/s':>12} "
+        f"{'run':<52} {'time s':>8} {'CPU s':>7} {'out tok/s':>10} {'total tok/s':>12} "
         f"{'TTFT mean ms':>13} {'TTFT p50 ms':>12} {'cache hit':>10}"
     )
     print(
@@ -375,7 +405,7 @@ def print_table(results: list[RunResult], workload: Workload) -> None:
     for r in results:
         hit = "n/a" if r.cache_hit is None else f"{r.cache_hit:.1%}"
         print(
-            f"{r.label:<32} {r.total_s:>8.2f} {r.cpu_s:>7.1f} "
+            f"{r.label:<52} {r.total_s:>8.2f} {r.cpu_s:>7.1f} "
             f"{r.output_tok_s:>10.1f} {r.total_tok_s:>12.1f} "
             f"{_fmt(r.ttft_mean_ms, '.0f'):>13} {_fmt(r.ttft_p50_ms, '.0f'):>12} {hit:>10}"
         )
@@ -414,7 +444,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--max-prefill-tokens", type=int, default=None, help="default: 8192 on CUDA, 1024 on CPU"
     )
     p.add_argument("--cache-type", choices=["radix", "naive"], default="radix")
-    p.add_argument("--disable-overlap", action="store_true")
+    p.add_argument("--disable-overlap", action="store_true", help="the same as --overlap off")
+    p.add_argument("--overlap", choices=["auto", "on", "off"], default="auto")
+    p.add_argument("--attention-backend", default="auto")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument(
+        "--cuda-graphs",
+        choices=["default", "on", "off"],
+        default="default",
+        help="decode CUDA graphs (default: the engine's, on for CUDA)",
+    )
     # modes
     p.add_argument("--via-generate", action="store_true", help="time LLM.generate (no TTFT)")
     p.add_argument("--hf", action="store_true", help="also run HF transformers generate")
@@ -422,6 +461,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--compare", action="store_true", help="radix vs naive x overlap on vs off, fresh LLM each"
     )
+    p.add_argument(
+        "--gpu-matrix",
+        action="store_true",
+        help="each of --backends x overlap on/off x graphs on/off, fresh LLM each",
+    )
+    p.add_argument("--backends", default="flashinfer,triton", help="for --gpu-matrix")
     args = p.parse_args(argv)
     if args.min_input_len > args.max_input_len or args.min_output_len > args.max_output_len:
         p.error("--min-* must not exceed --max-*")
@@ -430,15 +475,31 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def configs_to_run(args: argparse.Namespace) -> tuple[EngineConfig, ...]:
+    if args.compare:
+        return COMPARE_CONFIGS
+    if args.gpu_matrix:
+        return tuple(
+            EngineConfig(args.cache_type, overlap, backend, graphs)
+            for backend in args.backends.split(",")
+            for graphs in (True, False)
+            for overlap in ("on", "off")
+        )
+    overlap = "off" if args.disable_overlap else args.overlap
+    graphs = {"default": None, "on": True, "off": False}[args.cuda_graphs]
+    return (EngineConfig(args.cache_type, overlap, args.attention_backend, graphs),)
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    # The engine logs its memory plan, attention backend and CUDA-graph capture at INFO.
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     workload = build_workload(args)
     print(
         f"workload {workload.name}: {len(workload.prompts)} requests, "
         f"{workload.num_input_tokens} input tokens, {workload.num_output_tokens} output tokens"
     )
-    configs = COMPARE_CONFIGS if args.compare else ((args.cache_type, args.disable_overlap),)
-    results = [run_minisgl(args, workload, cache, no_overlap) for cache, no_overlap in configs]
+    results = [run_minisgl(args, workload, config) for config in configs_to_run(args)]
     if args.hf:
         results.append(run_hf(args, workload))
     print_table(results, workload)

@@ -12,6 +12,23 @@ from minisgl.kvcache.pool import KVPool
 
 
 @dataclass(frozen=True)
+class AttentionConfig:
+    """What a backend may size itself by, fixed at start-up (head counts are this rank's)."""
+
+    num_qo_heads: int
+    num_kv_heads: int
+    head_dim: int
+    page_size: int
+    max_seq_len: int  # width of the page table: no sequence is longer
+    dtype: torch.dtype  # of queries and of the KV pool
+    device: torch.device
+
+    @property
+    def scale(self) -> float:
+        return float(self.head_dim**-0.5)
+
+
+@dataclass(frozen=True)
 class AttentionBatch:
     """Shape of one forward, per sequence, as the backend needs it (tensors on the device).
 

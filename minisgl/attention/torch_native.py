@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from minisgl.attention.base import AttentionBackend, AttentionBatch
+from minisgl.attention.base import AttentionBackend, AttentionBatch, AttentionConfig
 from minisgl.kvcache.pool import KVPool
 
 # A decode joins the current group while its KV length is at least this fraction of the group's
@@ -48,6 +48,9 @@ class TorchNativeMetadata:
 
 
 class TorchNativeBackend(AttentionBackend):
+    def __init__(self, cfg: AttentionConfig) -> None:
+        self.cfg = cfg
+
     def prepare(self, batch: AttentionBatch) -> TorchNativeMetadata:
         device = batch.out_slots.device
         decodes: list[tuple[int, int, int]] = []  # (kv_len, query row, sequence index)

@@ -1,25 +1,33 @@
 """The engine: model weights, paged KV pool, token/page tables, attention backend and sampler.
 
 One engine per tensor-parallel rank. It knows nothing of requests or queues: the scheduler hands
-it a `ForwardBatch` (which table rows, which positions) and gets sampled token ids back.
+it a `ForwardBatch` (which table rows, which positions) and gets a `PendingOutput` back.
 Input ids are read from the device-side token table, and sampled ids are written back there, so
 the next batch can be launched before this one's tokens reach the host (overlap scheduling).
+
+On CUDA, `forward` only launches work on the engine's stream: host metadata goes over in staged
+non-blocking copies, sampled ids come back in a non-blocking copy, and the only wait is in
+`PendingOutput.result()`. Decode-only steps replay CUDA graphs (engine/graph.py).
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 
 import torch
 
-from minisgl.attention import create_backend
-from minisgl.attention.base import AttentionBatch
-from minisgl.config import DEFAULT_CPU_KV_CACHE_GB, ServerArgs
-from minisgl.core import SamplingParams, TokenLogprob
+from minisgl.attention import create_backend, resolve_backend_name
+from minisgl.attention.base import AttentionBatch, AttentionConfig
+from minisgl.config import ServerArgs
+from minisgl.core import SamplingParams
 from minisgl.distributed import broadcast_from_primary, get_tp_info, ranks_per_node
+from minisgl.engine.batch import ForwardBatch, ForwardOutput, PendingOutput
 from minisgl.engine.context import ForwardContext, forward_context
+from minisgl.engine.device import Device, nvtx_range
+from minisgl.engine.graph import GraphRunner
+from minisgl.engine.memory import plan_kv_pages
 from minisgl.engine.sampler import SamplingBatch, sample
+from minisgl.engine.tables import DeviceTables
 from minisgl.kvcache.pool import KVPool, KVShape
 from minisgl.models.config import ModelConfig, load_model_config
 from minisgl.models.llama import CausalLM, local_head_counts
@@ -28,8 +36,11 @@ from minisgl.models.resolve import resolve_model_path
 
 logger = logging.getLogger(__name__)
 
-GIB = 1 << 30
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# CUDA graphs are captured up to this many decodes when --cuda-graph-max-bs is not given.
+DEFAULT_CUDA_GRAPH_MAX_BS = 256
+
+__all__ = ["Engine", "ForwardBatch", "ForwardOutput", "PendingOutput"]
 
 
 def resolve_device(name: str, local_rank: int = 0) -> torch.device:
@@ -48,67 +59,78 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return _DTYPES[name]
 
 
-@dataclass(frozen=True)
-class ForwardBatch:
-    """One step's work, as plain host data. Sequence i computes positions
-    [prefix_lens[i], prefix_lens[i] + extend_lens[i]) of table row table_rows[i]; when
-    sampling[i] is set it also samples the token at the next position."""
-
-    table_rows: list[int]
-    prefix_lens: list[int]
-    extend_lens: list[int]
-    sampling: list[SamplingParams | None]
-    seeds: list[int]
-    prompt_lens: list[int]  # where the output starts (frequency / presence penalties)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(self.extend_lens)
-
-
-@dataclass(frozen=True)
-class ForwardOutput:
-    """Sampled tokens, one per sequence with sampling set, in batch order."""
-
-    token_ids: list[int]
-    logprobs: list[TokenLogprob | None]
-
-
 class Engine:
     def __init__(self, args: ServerArgs) -> None:
         self.args = args
         tp = get_tp_info()
         local_rank = tp.rank % ranks_per_node(tp.size, args.nnodes) if tp.size > 1 else 0
         self.device = resolve_device(args.device, local_rank)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        self.dev = Device(self.device)
         self.dtype = resolve_dtype(args.dtype, self.device)
         self.model_path = resolve_model_path(args.model)
         self.model_config: ModelConfig = load_model_config(self.model_path)
         cfg = self.model_config
         # fails early, with the numbers, if heads don't divide by tp
-        _, num_kv_heads = local_head_counts(cfg)
+        num_qo_heads, num_kv_heads = local_head_counts(cfg)
         self.kv_shape = KVShape(cfg.num_layers, num_kv_heads, cfg.head_dim)
         self.max_model_len = args.max_model_len or cfg.max_position_embeddings
         self.page_size = args.page_size
+        self.max_prefill_tokens = args.resolved_max_prefill_tokens(self.device.type)
 
         self.model = self._build_model()
-        self.num_pages = self._num_kv_pages()
-        self.kv_pool = KVPool(
-            self.kv_shape, self.num_pages, self.page_size, self.dtype, self.device
-        )
         # Table rows are request slots; width covers the longest sequence rounded up to a page.
         width = -(-(self.max_model_len + 1) // self.page_size) * self.page_size
-        rows = args.max_running_requests
-        self.page_table = torch.zeros(rows, width, dtype=torch.int32, device=self.device)
-        self.token_table = torch.zeros(rows, width, dtype=torch.int32, device=self.device)
-        self.backend = create_backend(args.attention_backend, self.device)
+        self.tables = DeviceTables(args.max_running_requests, width, self.dev)
+        self.backend_name = resolve_backend_name(
+            args.attention_backend, self.device.type, self.dtype
+        )
+        self.backend = create_backend(
+            self.backend_name,
+            AttentionConfig(
+                num_qo_heads,
+                num_kv_heads,
+                cfg.head_dim,
+                self.page_size,
+                width,
+                self.dtype,
+                self.device,
+            ),
+        )
+        graph_bs = self._graph_max_batch_size()
+        self.graphs: GraphRunner | None = None  # set after the pool exists (warm-up runs eager)
+        self.num_pages = plan_kv_pages(self, graph_bs)
+        # One extra page, never handed out: padded graph entries write their K/V there.
+        self.kv_pool = KVPool(
+            self.kv_shape, self.num_pages + 1, self.page_size, self.dtype, self.device
+        )
+        self.tables.point_dummy_row(self.num_pages * self.page_size)
+        if graph_bs > 0:
+            self.graphs = GraphRunner(
+                self.model, self.backend, self.kv_pool, self.tables, self.dev, graph_bs
+            )
+            if self.dev.is_cuda:
+                self.graphs.capture()
         logger.info(
-            "engine ready: %s on %s (%s), %d KV pages x %d tokens",
+            "engine ready: %s on %s (%s), attention %s, %d KV pages x %d tokens, "
+            "CUDA graphs up to batch %d",
             cfg.architecture,
             self.device,
             self.dtype,
+            self.backend_name,
             self.num_pages,
             self.page_size,
+            graph_bs if self.dev.is_cuda else 0,
         )
+
+    @property
+    def page_table(self) -> torch.Tensor:
+        return self.tables.page_table
+
+    @property
+    def token_table(self) -> torch.Tensor:
+        return self.tables.token_table
 
     def _build_model(self) -> CausalLM:
         previous = torch.get_default_dtype()
@@ -121,32 +143,33 @@ class Engine:
         load_weights(model, self.model_path)
         return model.eval()
 
-    def _num_kv_pages(self) -> int:
-        if self.args.num_pages is not None:
-            num_pages = self.args.num_pages
-        else:
-            if self.args.kv_cache_gb is not None:
-                budget = self.args.kv_cache_gb * GIB
-            elif self.device.type == "cuda":
-                free, total = torch.cuda.mem_get_info(self.device)
-                budget = free - total * (1 - self.args.mem_fraction_static)
-            else:
-                budget = DEFAULT_CPU_KV_CACHE_GB * GIB
-            per_page = self.kv_shape.bytes_per_token(self.dtype) * self.page_size
-            num_pages = int(budget // per_page)
-        if get_tp_info().size > 1:  # every rank must agree: take the smallest
-            t = torch.tensor([num_pages], device=self.device)
-            torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN)
-            num_pages = int(t.item())
-        if num_pages < 1:
-            raise ValueError("no memory left for the KV cache: lower --mem-fraction-static use")
-        return num_pages
+    def _graph_max_batch_size(self) -> int:
+        """0 disables. On CUDA graphs need a backend that supports them; on CPU an explicit
+        --cuda-graph-max-bs runs the padded decode path eagerly (what CI checks)."""
+        requested = self.args.cuda_graph_max_bs
+        if requested is None:
+            if not self.dev.is_cuda:
+                return 0
+            requested = DEFAULT_CUDA_GRAPH_MAX_BS
+        requested = min(requested, self.args.max_running_requests)
+        if requested > 0 and self.dev.is_cuda and not self.backend.supports_graphs:
+            logger.warning("CUDA graphs off: the %s backend cannot be captured", self.backend_name)
+            return 0
+        return requested
 
     # ---- the forward pass ------------------------------------------------------------------
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch) -> ForwardOutput:
-        device = self.device
+    def forward(self, batch: ForwardBatch) -> PendingOutput:
+        with self.dev.on_stream(), nvtx_range("forward", self.dev.is_cuda):
+            self.tables.flush()
+            if self.graphs is not None and self.graphs.can_run(batch):
+                logits = self.graphs.run(batch)
+            else:
+                logits = self._forward_eager(batch)
+            return self._sample(batch, logits)
+
+    def _forward_eager(self, batch: ForwardBatch) -> torch.Tensor:
         extend = torch.tensor(batch.extend_lens, dtype=torch.int64)
         rows = torch.tensor(batch.table_rows, dtype=torch.int64)
         prefix = torch.tensor(batch.prefix_lens, dtype=torch.int64)
@@ -156,16 +179,17 @@ class Engine:
         starts = torch.cumsum(extend, 0) - extend
         positions = torch.arange(int(extend.sum())) - starts.repeat_interleave(extend)
         positions += prefix.repeat_interleave(extend)
-        token_rows, positions = token_rows.to(device), positions.to(device)
-        input_ids = self.token_table[token_rows, positions].long()
-        out_slots = self.page_table[token_rows, positions].long()
-
         sample_seq = [i for i, p in enumerate(batch.sampling) if p is not None]
-        last_token_index = (starts + extend - 1)[sample_seq].to(device)
+        last_token_index = (starts + extend - 1)[sample_seq]
+        rows_d, prefix_d, kv_d, token_rows_d, positions_d, last_d = self.dev.stage(
+            rows, prefix, kv_lens, token_rows, positions, last_token_index
+        )
+        input_ids = self.token_table[token_rows_d, positions_d].long()
+        out_slots = self.page_table[token_rows_d, positions_d].long()
         attn = AttentionBatch(
-            table_rows=rows.to(device),
-            prefix_lens=prefix.to(device),
-            kv_lens=kv_lens.to(device),
+            table_rows=rows_d,
+            prefix_lens=prefix_d,
+            kv_lens=kv_d,
             out_slots=out_slots,
             page_table=self.page_table,
             prefix_lens_cpu=batch.prefix_lens,
@@ -174,29 +198,25 @@ class Engine:
         )
         ctx = ForwardContext(self.backend, self.kv_pool, self.backend.prepare(attn))
         with forward_context(ctx):
-            logits = self.model(input_ids, positions, last_token_index)
-        if not sample_seq:
-            return ForwardOutput([], [])
-        return self._sample(batch, sample_seq, kv_lens, logits)
+            return self.model(input_ids, positions_d, last_d)
 
-    def _sample(
-        self, batch: ForwardBatch, seqs: list[int], kv_lens: torch.Tensor, logits: torch.Tensor
-    ) -> ForwardOutput:
-        sample_params = [p for p in (batch.sampling[i] for i in seqs) if p is not None]
-        next_pos = kv_lens[seqs]
-        next_pos_cpu = next_pos.tolist()
+    def _sample(self, batch: ForwardBatch, logits: torch.Tensor) -> PendingOutput:
+        seqs = [i for i, p in enumerate(batch.sampling) if p is not None]
+        if not seqs:
+            return PendingOutput.empty()
+        params = [p for p in (batch.sampling[i] for i in seqs) if p is not None]
+        kv_lens = batch.kv_lens
+        next_pos = [kv_lens[i] for i in seqs]
+        rows = [batch.table_rows[i] for i in seqs]
         sb = SamplingBatch.build(
-            sample_params,
+            params,
             [batch.seeds[i] for i in seqs],
-            next_pos_cpu,
+            next_pos,
             self.model_config.vocab_size,
-            self.device,
+            self.dev,
         )
-        rows = torch.tensor([batch.table_rows[i] for i in seqs], device=self.device)
-        if any(p.has_penalties for p in sample_params):
-            self._add_penalties(
-                sb, sample_params, rows, [batch.prompt_lens[i] for i in seqs], next_pos_cpu
-            )
+        if any(p.has_penalties for p in params):
+            self._add_penalties(sb, params, rows, [batch.prompt_lens[i] for i in seqs], next_pos)
         result = sample(logits, sb)
         if get_tp_info().size > 1:
             # Ranks compute the same logits only up to float rounding (reduction order), so a
@@ -209,26 +229,23 @@ class Engine:
                 result.top_ids = broadcast_from_primary(result.top_ids)
                 result.top_logprobs = broadcast_from_primary(result.top_logprobs)
         # The sampled token becomes the next input: write it where the next step will read it.
-        self.token_table[rows, next_pos.to(self.device)] = result.token_ids.to(torch.int32)
-        token_ids = result.token_ids.tolist()
-        logprobs: list[TokenLogprob | None] = [None] * len(seqs)
-        if result.logprobs is not None:
-            chosen = result.logprobs.tolist()
-            assert result.top_ids is not None and result.top_logprobs is not None
-            top_ids, top_lps = result.top_ids.tolist(), result.top_logprobs.tolist()
-            for j, p in enumerate(sample_params):
-                if p.logprobs is None:
-                    continue
-                k = p.logprobs
-                top = tuple(zip(top_ids[j][:k], top_lps[j][:k], strict=True))
-                logprobs[j] = TokenLogprob(token_ids[j], chosen[j], top)
-        return ForwardOutput(token_ids, logprobs)
+        rows_d, next_pos_d = self.dev.stage(torch.tensor(rows), torch.tensor(next_pos))
+        self.token_table[rows_d, next_pos_d] = result.token_ids.to(torch.int32)
+        host = self.dev.to_host_async
+        return PendingOutput(
+            params=params,
+            token_ids=host(result.token_ids),
+            logprobs=None if result.logprobs is None else host(result.logprobs),
+            top_ids=None if result.top_ids is None else host(result.top_ids),
+            top_logprobs=None if result.top_logprobs is None else host(result.top_logprobs),
+            ready=self.dev.record_event(),
+        )
 
     def _add_penalties(
         self,
         sb: SamplingBatch,
         params: list[SamplingParams],
-        rows: torch.Tensor,
+        rows: list[int],
         prompt_lens: list[int],
         seq_lens: list[int],
     ) -> None:
@@ -242,6 +259,8 @@ class Engine:
             out_ids = ids[prompt_lens[j] :]
             counts[j].index_add_(0, out_ids, torch.ones_like(out_ids, dtype=torch.float32))
         sb.seen_mask, sb.output_counts = seen, counts
-        sb.repetition = torch.tensor([p.repetition_penalty for p in params], device=self.device)
-        sb.presence = torch.tensor([p.presence_penalty for p in params], device=self.device)
-        sb.frequency = torch.tensor([p.frequency_penalty for p in params], device=self.device)
+        sb.repetition, sb.presence, sb.frequency = self.dev.stage(
+            torch.tensor([p.repetition_penalty for p in params], dtype=torch.float32),
+            torch.tensor([p.presence_penalty for p in params], dtype=torch.float32),
+            torch.tensor([p.frequency_penalty for p in params], dtype=torch.float32),
+        )

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from minisgl.core import SamplingParams
+from minisgl.engine.device import Device
 
 _MASK32 = 0xFFFFFFFF
 _UNIFORM_BITS = 24  # float32 mantissa: more bits would round away
@@ -65,21 +66,30 @@ class SamplingBatch:
         seeds: list[int],
         positions: list[int],
         vocab_size: int,
-        device: torch.device,
+        device: Device,
     ) -> SamplingBatch:
-        def f32(values: list[float]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.float32, device=device)
-
         top_k = [p.top_k if p.top_k > 0 else vocab_size for p in params]
         wants = [p.logprobs for p in params if p.logprobs is not None]
+        all_greedy = all(p.is_greedy for p in params)
+        # One staged copy per dtype: building each tensor on the device would wait for the stream.
+        temperatures, top_p, min_p = device.stage(
+            torch.tensor([p.temperature for p in params], dtype=torch.float32),
+            torch.tensor([p.top_p for p in params], dtype=torch.float32),
+            torch.tensor([p.min_p for p in params], dtype=torch.float32),
+        )
+        top_k_t, seeds_t, positions_t = device.stage(
+            torch.tensor(top_k, dtype=torch.int64),
+            torch.tensor(seeds, dtype=torch.int64),
+            torch.tensor(positions, dtype=torch.int64),
+        )
         return SamplingBatch(
-            temperatures=f32([p.temperature for p in params]),
-            top_k=torch.tensor(top_k, dtype=torch.int64, device=device),
-            top_p=f32([p.top_p for p in params]),
-            min_p=f32([p.min_p for p in params]),
-            seeds=torch.tensor(seeds, dtype=torch.int64, device=device),
-            positions=torch.tensor(positions, dtype=torch.int64, device=device),
-            all_greedy=all(p.is_greedy for p in params),
+            temperatures=temperatures,
+            top_k=top_k_t,
+            top_p=top_p,
+            min_p=min_p,
+            seeds=seeds_t,
+            positions=positions_t,
+            all_greedy=all_greedy,
             needs_filter=any(
                 k < vocab_size or p.top_p < 1 or p.min_p > 0
                 for k, p in zip(top_k, params, strict=True)

@@ -1,4 +1,4 @@
-"""KV page ownership for the scheduler: free pages, the prefix cache, and request rows.
+"""KV page ownership for the scheduler: free pages, the prefix cache, and what requests hold.
 
 Invariant (checked by `check_page_accounting`): every page is in exactly one place: the free
 list, the prefix cache, or the `page_ids` of one live request (a request's first
@@ -13,6 +13,7 @@ import torch
 
 from minisgl.core import Req
 from minisgl.kvcache import create_prefix_cache
+from minisgl.scheduler.table import TableManager
 
 
 class PageAllocator:
@@ -42,15 +43,13 @@ class CacheManager:
         num_pages: int,
         page_size: int,
         cache_type: str,
-        page_table: torch.Tensor,
-        token_table: torch.Tensor,
+        table: TableManager,
     ) -> None:
         self.page_size = page_size
         self.allocator = PageAllocator(num_pages)
         self.prefix_cache = create_prefix_cache(cache_type, page_size)
-        self.page_table = page_table
-        self.token_table = token_table
-        self.free_rows = list(range(page_table.shape[0] - 1, -1, -1))
+        self.table = table
+        self._page_offsets = torch.arange(page_size, dtype=torch.int64)
 
     # ---- accounting ------------------------------------------------------------------------
 
@@ -81,9 +80,10 @@ class CacheManager:
 
     def admit(self, req: Req) -> bool:
         """Give `req` a table row and its cached prefix. False when no row is free."""
-        if not self.free_rows:
+        row = self.table.alloc_row()
+        if row is None:
             return False
-        req.table_row = row = self.free_rows.pop()
+        req.table_row = row
         all_ids = req.all_ids
         # Keep at least one token to compute: its logits give the next token.
         match = self.prefix_cache.match_prefix(all_ids[: len(all_ids) - 1])
@@ -92,9 +92,8 @@ class CacheManager:
         req.cache_matched_len = req.cached_len = match.matched_len
         req.device_len = len(all_ids)
         req.page_ids = self._slots_to_pages(match.slot_indices)
-        self.token_table[row, : len(all_ids)] = torch.tensor(all_ids, dtype=torch.int32)
-        if match.matched_len:
-            self.page_table[row, : match.matched_len] = match.slot_indices.to(torch.int32)
+        self.table.write_tokens(row, 0, all_ids)
+        self.table.write_slots(row, 0, match.slot_indices)
         return True
 
     def reserve(self, req: Req, end_len: int) -> bool:
@@ -107,12 +106,7 @@ class CacheManager:
         if pages is None:
             return False
         req.page_ids.extend(pages)
-        offsets = torch.arange(self.page_size, dtype=torch.int32)
-        slots = (
-            torch.tensor(pages, dtype=torch.int32)[:, None] * self.page_size + offsets
-        ).flatten()
-        start = have * self.page_size
-        self.page_table[req.table_row, start : start + slots.numel()] = slots
+        self.table.write_slots(req.table_row, have * self.page_size, self._pages_to_slots(pages))
         return True
 
     def _alloc_pages(self, num: int) -> list[int] | None:
@@ -143,7 +137,7 @@ class CacheManager:
         # meanwhile, its pages and ours would duplicate; that is sorted out at release instead.
         if self.prefix_cache.match_prefix(ids).matched_len != req.cache_matched_len:
             return
-        slots = self.page_table[req.table_row, :aligned].to(torch.int64).cpu()
+        slots = self._pages_to_slots(req.page_ids[: aligned // ps])
         not_taken = self.prefix_cache.insert(ids, slots)
         if not_taken != req.cache_matched_len:  # a cache that keeps nothing (naive)
             return
@@ -160,7 +154,7 @@ class CacheManager:
         num_full_pages = min(computed // ps, len(req.page_ids))
         aligned = num_full_pages * ps
         if aligned:
-            slots = self.page_table[req.table_row, :aligned].to(torch.int64).cpu()
+            slots = self._pages_to_slots(req.page_ids[:num_full_pages])
             not_taken = self.prefix_cache.insert(req.all_ids[:aligned], slots)
         else:
             not_taken = 0
@@ -169,13 +163,19 @@ class CacheManager:
         self.allocator.free(req.page_ids[matched_pages : not_taken // ps])
         self.allocator.free(req.page_ids[num_full_pages:])
         self.prefix_cache.unlock(req.cache_handle)
-        self.free_rows.append(req.table_row)
+        self.table.free_row(req.table_row)
         req.page_ids, req.cache_handle, req.cache_matched_len = [], None, 0
         req.table_row, req.cached_len = -1, 0
 
     def flush(self) -> None:
         """Empty the prefix cache (only valid when no request is live)."""
         self.allocator.free(self._slots_to_pages(self.prefix_cache.reset()))
+
+    def _pages_to_slots(self, pages: list[int]) -> torch.Tensor:
+        """The slots of `pages`, in order (int64): the same values the page table holds, computed
+        on the host so the scheduler never reads the device table."""
+        page_ids = torch.tensor(pages, dtype=torch.int64)
+        return (page_ids[:, None] * self.page_size + self._page_offsets).flatten()
 
     def _slots_to_pages(self, slots: torch.Tensor) -> list[int]:
         # The cache hands back whole pages, each as page_size consecutive slots in order.

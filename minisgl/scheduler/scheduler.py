@@ -1,46 +1,47 @@
-"""The scheduler: admission, chunked prefill mixed with decode, retraction, and the overlap loop.
+"""The scheduler: one step = schedule a batch, launch it, process results (nano-vllm's beats).
 
-`step()` is nano-vllm's three beats: schedule a batch, run it, process results. With overlap on,
-batch N+1 is scheduled and launched (on a worker thread) before batch N's results are processed,
-so host-side scheduling hides behind the forward. Requests that finish in batch N may still be
-in batch N+1: their extra token is dropped and their pages and table row are released only after
-N+1 completes, so nothing in flight ever reads a row or page that was handed to someone else.
+The parts: `PrefillManager` (queue, admission, prompt chunks), `DecodeManager` (running
+requests, retraction), `CacheManager` (KV pages and the prefix cache), `TableManager` (table
+rows). This class composes them and owns the overlap loop.
+
+Overlap: batch N+1 is scheduled and launched before batch N's results are processed, so
+host-side scheduling hides behind the forward. On CUDA "launched" means queued on the engine's
+stream (nothing waits until N's results are read); on CPU, where overlap is opt-in, the forward
+runs on a worker thread. Requests that finish in batch N may still be in batch N+1: their extra
+token is dropped and their pages and table row are released only after N+1 completes, so
+nothing in flight ever reads a row or page that was handed to someone else.
 """
 
 from __future__ import annotations
 
-import logging
 import random
-from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from minisgl.config import (
-    DEFAULT_CPU_MAX_PREFILL_TOKENS,
-    DEFAULT_CUDA_MAX_PREFILL_TOKENS,
-    ServerArgs,
-)
+from minisgl.config import ServerArgs
 from minisgl.core import SEED_MASK, FinishReason, Req, ReqOutput, SamplingParams
-from minisgl.engine.engine import Engine, ForwardBatch, ForwardOutput
+from minisgl.engine.batch import ForwardBatch, ForwardOutput, PendingOutput
+from minisgl.engine.device import nvtx_range
+from minisgl.engine.engine import Engine
 from minisgl.scheduler.cache_manager import CacheManager
+from minisgl.scheduler.decode import DecodeManager, NeedDrain
+from minisgl.scheduler.prefill import PrefillManager
 from minisgl.scheduler.stats import SchedulerStats
-
-logger = logging.getLogger(__name__)
-
-# Two prompts agreeing on this many leading tokens are taken to share a prefix worth caching.
-SHARED_PREFIX_PROBE_LEN = 32
+from minisgl.scheduler.table import TableManager
 
 
 @dataclass
 class _Launched:
     reqs: list[Req]
     sampled: list[Req]  # the requests that sample a token in this batch, in output order
-    future: Future[ForwardOutput]
+    pending: PendingOutput | Future[PendingOutput]
     release_after: list[Req] = field(default_factory=list)
 
-
-class _NeedDrain(Exception):
-    """Scheduling must see the in-flight batch's results first (retraction)."""
+    def result(self) -> ForwardOutput:
+        pending = self.pending
+        if isinstance(pending, Future):
+            pending = pending.result()
+        return pending.result()
 
 
 class Scheduler:
@@ -51,28 +52,42 @@ class Scheduler:
         self.vocab_size = self.engine.model_config.vocab_size
         self.eos_token_ids = self.engine.model_config.eos_token_ids
         self.page_size = args.page_size
-        self.max_prefill_tokens = args.max_prefill_tokens or (
-            DEFAULT_CUDA_MAX_PREFILL_TOKENS
-            if self.engine.device.type == "cuda"
-            else DEFAULT_CPU_MAX_PREFILL_TOKENS
-        )
+        self.table = TableManager(self.engine.tables)
         self.cache = CacheManager(
-            self.engine.num_pages,
-            self.page_size,
-            args.cache_type,
-            self.engine.page_table,
-            self.engine.token_table,
+            self.engine.num_pages, self.page_size, args.cache_type, self.table
         )
-        self.overlap = args.overlap_scheduling
-        self._executor = ThreadPoolExecutor(1, "minisgl-forward") if self.overlap else None
+        self.prefill = PrefillManager(
+            self.cache,
+            self.page_size,
+            self.engine.max_prefill_tokens,
+            args.max_running_requests,
+            share_prefixes=args.cache_type == "radix",
+        )
+        self.decode = DecodeManager(self.cache, self.prefill.requeue_front)
+        self.overlap = args.overlap_enabled(self.engine.device.type)
+        self._profile = self.engine.dev.is_cuda  # NVTX ranges
+        # CPU overlap needs a thread to run the forward; CUDA launches are asynchronous anyway.
+        self._executor = (
+            ThreadPoolExecutor(1, "minisgl-forward")
+            if self.overlap and not self.engine.dev.is_cuda
+            else None
+        )
         self._rng = random.Random(args.seed)
-        self.waiting: deque[Req] = deque()
-        self.running: list[Req] = []  # admitted, in admission order
         self._inflight: _Launched | None = None
         self._outputs: list[ReqOutput] = []
-        self._counters = dict.fromkeys(
-            ("prompt", "generation", "cached", "prefill", "retractions", "aborted"), 0
-        )
+        self._counters = dict.fromkeys(("prompt", "generation", "cached", "prefill", "aborted"), 0)
+
+    @property
+    def model_path(self) -> str:
+        return str(self.engine.model_path)
+
+    @property
+    def running(self) -> list[Req]:
+        return self.decode.running
+
+    @property
+    def waiting(self) -> list[Req]:
+        return list(self.prefill.waiting)
 
     # ---- requests in ---------------------------------------------------------------------------
 
@@ -105,14 +120,13 @@ class Scheduler:
         ) & SEED_MASK
         if not req.eos_token_ids:
             req.eos_token_ids = self.eos_token_ids
-        self.waiting.append(req)
+        self.prefill.add(req)
 
     def abort_request(self, rid: str) -> None:
-        for req in self.waiting:
-            if req.rid == rid:
-                self.waiting.remove(req)
-                self._finish(req, FinishReason.ABORT)
-                return
+        waiting = self.prefill.remove(rid)
+        if waiting is not None:
+            self._finish(waiting, FinishReason.ABORT)
+            return
         for req in self.running:
             if req.rid == rid and not req.finished:
                 self._finish(req, FinishReason.ABORT)
@@ -122,24 +136,27 @@ class Scheduler:
     # ---- the loop ------------------------------------------------------------------------------
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self._inflight or self._outputs)
+        return bool(self.prefill.waiting or self.running or self._inflight or self._outputs)
 
     def step(self) -> list[ReqOutput]:
-        batch = self._schedule()
+        with nvtx_range("schedule", self._profile):
+            batch = self._schedule()
         previous, self._inflight = self._inflight, None
         if batch is not None:
-            fb, reqs, sampled = batch
-            if self._executor is not None:
-                future = self._executor.submit(self.engine.forward, fb)
-                self._inflight = _Launched(reqs, sampled, future)
+            launched = self._launch(*batch)
+            if self.overlap:
+                self._inflight = launched
             else:
-                done: Future[ForwardOutput] = Future()
-                done.set_result(self.engine.forward(fb))
-                self._process(_Launched(reqs, sampled, done))
+                self._process(launched)
         if previous is not None:
             self._process(previous)
         outputs, self._outputs = self._outputs, []
         return outputs
+
+    def _launch(self, fb: ForwardBatch, reqs: list[Req], sampled: list[Req]) -> _Launched:
+        if self._executor is not None:
+            return _Launched(reqs, sampled, self._executor.submit(self.engine.forward, fb))
+        return _Launched(reqs, sampled, self.engine.forward(fb))
 
     def _drain(self) -> None:
         launched, self._inflight = self._inflight, None
@@ -151,65 +168,17 @@ class Scheduler:
     def _schedule(self) -> tuple[ForwardBatch, list[Req], list[Req]] | None:
         while True:
             try:
-                return self._try_schedule()
-            except _NeedDrain:
+                items = self.decode.schedule(inflight=self._inflight is not None)
+                break
+            except NeedDrain:
                 self._drain()
-
-    def _try_schedule(self) -> tuple[ForwardBatch, list[Req], list[Req]] | None:
-        items: list[tuple[Req, int]] = []  # (request, tokens to compute this step)
-        # 1. decodes first: one token each, latency matters most
-        for req in self._decodable():
-            if req.table_row < 0:  # retracted while making room for an older request
-                continue
-            while not self.cache.reserve(req, req.device_len):
-                self._retract_one()
-                if req.table_row < 0:  # it was the newest and got retracted itself
-                    break
-            else:
-                items.append((req, 1))
-        # 2. chunked prefills already under way, then 3. new requests, within the token budget
-        budget = self.max_prefill_tokens
-        for req in self.running:
-            if budget <= 0:
-                break
-            if req.finished or req.remaining_prefill_len <= 1:
-                continue
-            chunk = min(req.remaining_prefill_len, budget)
-            if not self.cache.reserve(req, req.cached_len + chunk):
-                break
-            items.append((req, chunk))
-            budget -= chunk
-        # Requests whose prompt starts like one admitted in this same step wait one step: by then
-        # the first one's prefix is in the radix tree and they compute only their own suffix.
-        admitted_keys: set[tuple[int, ...]] = set()
-        deferred: list[Req] = []
-        while self.waiting and budget > 0:
-            req = self.waiting[0]
-            if not self._can_admit(req):
-                break
-            self.waiting.popleft()
-            key = self._prefix_key(req)
-            if key is not None and key in admitted_keys:
-                deferred.append(req)
-                continue
-            self.cache.admit(req)
-            if key is not None and req.cached_len < len(key):
-                admitted_keys.add(key)
-            self.running.append(req)
-            chunk = min(req.remaining_prefill_len, budget)
-            if not self.cache.reserve(req, req.cached_len + chunk):
-                # The estimate was optimistic (its cached prefix got locked): undo, retry later.
-                self.running.pop()
-                self.cache.release(req)
-                self.waiting.appendleft(req)
-                break
+        plan = self.prefill.schedule(self.running)
+        for req in plan.admitted:
             if req.num_retractions == 0 and req.num_sampled == 0:
                 req.num_cached_prompt_tokens = req.cached_len
                 self._counters["cached"] += req.cached_len
                 self._counters["prompt"] += req.prompt_len
-            items.append((req, chunk))
-            budget -= chunk
-        self.waiting.extendleft(reversed(deferred))
+        items += plan.items
         if not items:
             return None
         batch = self._build_batch(items)
@@ -217,30 +186,6 @@ class Scheduler:
             if num_tokens > 1:  # a prefill chunk: share its prefix right away
                 self.cache.cache_prefix(req)
         return batch
-
-    def _prefix_key(self, req: Req) -> tuple[int, ...] | None:
-        """The first tokens of a prompt, to spot requests sharing a prefix in one step."""
-        if self.args.cache_type != "radix" or req.prompt_len <= SHARED_PREFIX_PROBE_LEN:
-            return None
-        return tuple(req.input_ids[:SHARED_PREFIX_PROBE_LEN])
-
-    def _decodable(self) -> list[Req]:
-        return [
-            r
-            for r in self.running
-            if not r.finished
-            and r.remaining_prefill_len == 1
-            and r.num_sampled < r.sampling_params.max_tokens
-        ]
-
-    def _can_admit(self, req: Req) -> bool:
-        if len(self.running) >= self.args.max_running_requests or not self.cache.free_rows:
-            return False
-        # Optimistic admission: the first chunk's pages plus one page of headroom per running
-        # request, not the whole max_tokens (retraction handles the rare overflow).
-        need_tokens = min(req.prompt_len + len(req.output_ids), self.max_prefill_tokens)
-        need_pages = -(-need_tokens // self.page_size) + len(self.running)
-        return self.cache.num_available_pages >= need_pages or not self.running
 
     def _build_batch(
         self, items: list[tuple[Req, int]]
@@ -269,50 +214,36 @@ class Scheduler:
         fb = ForwardBatch(rows, prefix_lens, extend_lens, sampling, seeds, prompt_lens)
         return fb, reqs, sampled
 
-    def _retract_one(self) -> None:
-        """Free the newest running request's KV and send it back to the queue front."""
-        if self._inflight is not None:
-            raise _NeedDrain
-        victim = self.running[-1]
-        if len(self.running) == 1:
-            raise RuntimeError("KV pool too small for a single request (admission let it in)")
-        self.running.pop()
-        self.cache.release(victim)
-        victim.device_len = len(victim.all_ids)
-        victim.num_retractions += 1
-        self._counters["retractions"] += 1
-        self.waiting.appendleft(victim)
-        logger.debug("retracted %s at %d tokens", victim.rid, victim.device_len)
-
     # ---- results -------------------------------------------------------------------------------
 
     def _process(self, launched: _Launched) -> None:
-        result = launched.future.result()
-        for req, token_id, logprob in zip(
-            launched.sampled, result.token_ids, result.logprobs, strict=True
-        ):
-            if req.finished:
-                continue  # the one extra token after a finish under overlap: dropped
-            req.output_ids.append(token_id)
-            if logprob is not None:
-                req.output_logprobs.append(logprob)
-            self._counters["generation"] += 1
-            reason = self._finish_reason(req, token_id)
-            self._outputs.append(
-                ReqOutput(
-                    req.rid,
-                    (token_id,),
-                    reason,
-                    (logprob,) if logprob is not None else (),
-                    req.prompt_len,
-                    req.num_cached_prompt_tokens,
+        result = launched.result()
+        with nvtx_range("process", self._profile):
+            for req, token_id, logprob in zip(
+                launched.sampled, result.token_ids, result.logprobs, strict=True
+            ):
+                if req.finished:
+                    continue  # the one extra token after a finish under overlap: dropped
+                req.output_ids.append(token_id)
+                if logprob is not None:
+                    req.output_logprobs.append(logprob)
+                self._counters["generation"] += 1
+                reason = self._finish_reason(req, token_id)
+                self._outputs.append(
+                    ReqOutput(
+                        req.rid,
+                        (token_id,),
+                        reason,
+                        (logprob,) if logprob is not None else (),
+                        req.prompt_len,
+                        req.num_cached_prompt_tokens,
+                    )
                 )
-            )
-            if reason is not None:
-                req.finish_reason = reason
-                self._release(req)
-        for req in launched.release_after:
-            self.cache.release(req)
+                if reason is not None:
+                    req.finish_reason = reason
+                    self._release(req)
+            for req in launched.release_after:
+                self.cache.release(req)
 
     def _finish_reason(self, req: Req, token_id: int) -> FinishReason | None:
         params = req.sampling_params
@@ -348,7 +279,7 @@ class Scheduler:
         c = self._counters
         return SchedulerStats(
             num_running_reqs=len(self.running),
-            num_queue_reqs=len(self.waiting),
+            num_queue_reqs=len(self.prefill.waiting),
             kv_cache_usage_ratio=self.cache.num_used_pages / total,
             num_free_pages=self.cache.num_available_pages,
             num_total_pages=total,
@@ -356,7 +287,7 @@ class Scheduler:
             generation_tokens_total=c["generation"],
             cached_prompt_tokens_total=c["cached"],
             prefill_tokens_total=c["prefill"],
-            num_retractions_total=c["retractions"],
+            num_retractions_total=self.decode.num_retractions,
             aborted_requests_total=c["aborted"],
         )
 

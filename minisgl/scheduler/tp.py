@@ -153,6 +153,10 @@ class TPScheduler:
         logger.info("tp group of %d ranks ready (rendezvous %s)", args.tp_size, args.dist_init_addr)
 
     @property
+    def model_path(self) -> str:
+        return self.scheduler.model_path
+
+    @property
     def follower_pids(self) -> list[int]:
         """This node's follower processes (tests kill one to check failure handling)."""
         return self._followers.pids

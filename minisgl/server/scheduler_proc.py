@@ -15,7 +15,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from minisgl.config import ServerArgs
 from minisgl.core import FinishReason, Req, ReqOutput
@@ -30,6 +30,9 @@ from minisgl.message import (
     TokenizedRequest,
 )
 from minisgl.tokenizer.detokenizer import PROMPT_CONTEXT_TOKENS
+
+if TYPE_CHECKING:
+    from minisgl.scheduler.protocol import SchedulerAPI
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +76,7 @@ class StatsResponder:
 
 
 class SchedulerLoop:
-    def __init__(self, scheduler: Any, endpoints: Endpoints) -> None:
+    def __init__(self, scheduler: SchedulerAPI, endpoints: Endpoints) -> None:
         self.scheduler = scheduler
         self._inbox = MessageQueue("pull", endpoints.scheduler_in, bind=True)
         self._to_detokenizer = MessageQueue("push", endpoints.detokenizer_in, bind=False)
@@ -96,7 +99,7 @@ class SchedulerLoop:
             generation_tokens_total=stats.generation_tokens_total,
             cached_prompt_tokens_total=stats.cached_prompt_tokens_total,
             eos_token_ids=tuple(self.scheduler.eos_token_ids),
-            kv_capacity_tokens=stats.num_total_pages * getattr(self.scheduler, "page_size", 1),
+            kv_capacity_tokens=stats.num_total_pages * self.scheduler.page_size,
         )
 
     def _refresh_stats(self, force: bool = False) -> None:
@@ -177,7 +180,7 @@ def run_scheduler_process(
 ) -> None:
     # Heavy (torch): imported in this child only. With tp_size > 1, TPScheduler (same API) runs
     # rank 0 here, spawns ranks 1..N-1 and broadcasts each step's requests and aborts to them.
-    scheduler: Any
+    scheduler: SchedulerAPI
     if args.tp_size > 1:
         from minisgl.scheduler.tp import TPScheduler
 

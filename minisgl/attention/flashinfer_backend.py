@@ -1,0 +1,191 @@
+"""FlashInfer attention on CUDA: paged prefill (with cached prefixes) and paged decode.
+
+FlashInfer reads K/V by page: our pool's `[slots, kv_heads, head_dim]` buffer of a layer is
+viewed as `[pages, page_size, kv_heads, head_dim]` (NHD), and each sequence's page ids are
+`page_table[row, 0::page_size] // page_size`. The new tokens' K/V are stored in the pool first,
+so every sequence (prefill chunk or decode) attends to pages only: one wrapper call per layer.
+
+Per forward: one `plan` (host-side work scheduling; index arrays built on the device, lengths
+from the host) shared by every layer. Decode-only batches use the decode wrapper, with tensor
+cores when the GQA group is large enough to feed them (as SGLang decides); batches with any
+prefill chunk use the prefill wrapper for all sequences (decodes are one-query "prefills").
+
+CUDA graphs: one decode wrapper per captured batch size, in FlashInfer's graph mode over fixed
+index buffers that `prepare_graph` refills (and re-plans) before every replay.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from minisgl.attention.base import AttentionBackend, AttentionBatch, AttentionConfig
+from minisgl.kvcache.pool import KVPool
+
+# FlashInfer's recommended float workspace (split-KV partial results), allocated once.
+WORKSPACE_BYTES = 256 << 20
+# Tensor-core decode pays off once a KV head serves this many query heads.
+TENSOR_CORE_MIN_GQA = 4
+# FA2 kernels for prefill: FA3 (Hopper) JIT-compiles far longer for a small gain on chunks.
+PREFILL_KERNEL_BACKEND = "fa2"
+
+
+@dataclass
+class FlashInferMetadata:
+    wrapper: Any  # the planned prefill or decode wrapper
+    out_slots: torch.Tensor
+
+
+class FlashInferBackend(AttentionBackend):
+    supports_graphs = True
+
+    def __init__(self, cfg: AttentionConfig) -> None:
+        import flashinfer  # lazily: an optional CUDA-only package
+
+        if cfg.device.type != "cuda":
+            raise ValueError("attention_backend flashinfer needs a CUDA device")
+        if cfg.dtype not in (torch.float16, torch.bfloat16):
+            raise ValueError(
+                f"attention_backend flashinfer supports float16 and bfloat16, not {cfg.dtype} "
+                "(use --dtype bfloat16, or --attention-backend triton/torch for float32)"
+            )
+        self.cfg = cfg
+        self._flashinfer = flashinfer
+        self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=cfg.device)
+        self.use_tensor_cores = cfg.num_qo_heads // cfg.num_kv_heads >= TENSOR_CORE_MIN_GQA
+        self.decode_wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            self.workspace, "NHD", use_tensor_cores=self.use_tensor_cores
+        )
+        self.prefill_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+            self.workspace, "NHD", backend=PREFILL_KERNEL_BACKEND
+        )
+        self._graph_wrappers: dict[int, Any] = {}
+        self._graph_indices: torch.Tensor | None = None
+
+    # ---- metadata --------------------------------------------------------------------------
+
+    def _page_lists(self, batch: AttentionBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(indptr int32 host, page ids int32 device, last page lengths int32 host)."""
+        ps = self.cfg.page_size
+        kv_lens = torch.tensor(batch.kv_lens_cpu, dtype=torch.int32)
+        num_pages = (kv_lens + ps - 1) // ps
+        indptr = torch.zeros(len(batch.kv_lens_cpu) + 1, dtype=torch.int32)
+        torch.cumsum(num_pages, 0, out=indptr[1:])
+        last_page_len = (kv_lens - 1) % ps + 1
+        total = int(indptr[-1])
+        device = batch.table_rows.device
+        # Page k of sequence i is the page holding position k * page_size of its table row;
+        # built on the device from the table, so nothing waits for the host.
+        num_pages_d = num_pages.pin_memory().to(device, non_blocking=True)
+        seq = torch.repeat_interleave(
+            torch.arange(len(batch.kv_lens_cpu), device=device), num_pages_d, output_size=total
+        )
+        first = torch.repeat_interleave(
+            indptr[:-1].long().pin_memory().to(device, non_blocking=True),
+            num_pages_d,
+            output_size=total,
+        )
+        page_pos = (torch.arange(total, device=device) - first) * ps
+        slots = batch.page_table[batch.table_rows[seq], page_pos]
+        return indptr.pin_memory(), (slots // ps).to(torch.int32), last_page_len.pin_memory()
+
+    def _plan_kwargs(self) -> dict[str, Any]:
+        cfg = self.cfg
+        return dict(q_data_type=cfg.dtype, kv_data_type=cfg.dtype, sm_scale=cfg.scale)
+
+    def prepare(self, batch: AttentionBatch) -> FlashInferMetadata:
+        cfg = self.cfg
+        indptr, indices, last_page_len = self._page_lists(batch)
+        if batch.is_decode:
+            wrapper = self.decode_wrapper
+            wrapper.plan(
+                indptr,
+                indices,
+                last_page_len,
+                cfg.num_qo_heads,
+                cfg.num_kv_heads,
+                cfg.head_dim,
+                cfg.page_size,
+                **self._plan_kwargs(),
+            )
+        else:
+            wrapper = self.prefill_wrapper
+            qo_indptr = torch.zeros(batch.num_seqs + 1, dtype=torch.int32)
+            torch.cumsum(
+                torch.tensor(batch.extend_lens_cpu, dtype=torch.int32), 0, out=qo_indptr[1:]
+            )
+            wrapper.plan(
+                qo_indptr.pin_memory(),
+                indptr,
+                indices,
+                last_page_len,
+                cfg.num_qo_heads,
+                cfg.num_kv_heads,
+                cfg.head_dim,
+                cfg.page_size,
+                causal=True,
+                **self._plan_kwargs(),
+            )
+        return FlashInferMetadata(wrapper, batch.out_slots)
+
+    # ---- the forward -----------------------------------------------------------------------
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer_id: int,
+        scale: float,
+        pool: KVPool,
+        metadata: FlashInferMetadata,
+    ) -> torch.Tensor:
+        # The scale is baked into the plan (one per forward, shared by all layers).
+        assert abs(scale - self.cfg.scale) < 1e-6 * self.cfg.scale, (scale, self.cfg.scale)
+        pool.store(layer_id, metadata.out_slots, k, v)
+        ps = pool.page_size
+        shape = (pool.num_slots // ps, ps, pool.num_kv_heads, pool.head_dim)
+        k_cache = pool.k_cache(layer_id).view(shape)
+        v_cache = pool.v_cache(layer_id).view(shape)
+        return metadata.wrapper.run(q.contiguous(), (k_cache, v_cache))
+
+    # ---- CUDA graphs -----------------------------------------------------------------------
+
+    def init_graph_state(self, max_batch_size: int) -> None:
+        cfg = self.cfg
+        max_pages = max_batch_size * (-(-cfg.max_seq_len // cfg.page_size))
+        self._graph_indices = torch.zeros(max_pages, dtype=torch.int32, device=cfg.device)
+        self._graph_indptr = torch.zeros(max_batch_size + 1, dtype=torch.int32, device=cfg.device)
+        self._graph_last = torch.zeros(max_batch_size, dtype=torch.int32, device=cfg.device)
+
+    def prepare_graph(self, batch: AttentionBatch, capturing: bool) -> FlashInferMetadata:
+        cfg = self.cfg
+        size = batch.num_seqs
+        wrapper = self._graph_wrappers.get(size)
+        if wrapper is None:
+            assert capturing and self._graph_indices is not None
+            wrapper = self._flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                self.workspace,
+                "NHD",
+                use_cuda_graph=True,
+                use_tensor_cores=self.use_tensor_cores,
+                paged_kv_indptr_buffer=self._graph_indptr[: size + 1],
+                paged_kv_indices_buffer=self._graph_indices,
+                paged_kv_last_page_len_buffer=self._graph_last[:size],
+            )
+            self._graph_wrappers[size] = wrapper
+        indptr, indices, last_page_len = self._page_lists(batch)
+        # In graph mode plan() copies into the fixed buffers the captured kernels read.
+        wrapper.plan(
+            indptr,
+            indices,
+            last_page_len,
+            cfg.num_qo_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            cfg.page_size,
+            **self._plan_kwargs(),
+        )
+        return FlashInferMetadata(wrapper, batch.out_slots)

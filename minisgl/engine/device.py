@@ -1,0 +1,85 @@
+"""What the engine needs from the device beyond tensors: a stream, events, host staging, NVTX.
+
+On CPU every piece is a no-op or a plain copy, so the scheduler and the engine have one code
+path; nothing here touches CUDA unless the device is CUDA (nothing CUDA-only at import time).
+
+Why staging: `torch.tensor(values, device="cuda")` copies from pageable memory and then waits
+for the whole stream, which would stall the scheduler behind the batch in flight. Staged
+tensors go host -> pinned buffer -> device with one non-blocking copy in stream order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+
+
+class Device:
+    """The engine's device: its compute stream and the host<->device copies around it."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.is_cuda = device.type == "cuda"
+        # The forward runs on its own stream, so the scheduler thread never queues work behind
+        # it on the default stream (and a profile shows the engine's work on one lane).
+        self.stream: Any = torch.cuda.Stream(device) if self.is_cuda else None
+
+    @contextlib.contextmanager
+    def on_stream(self) -> Iterator[None]:
+        if self.stream is None:
+            yield
+            return
+        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
+            yield
+
+    def stage(self, *host: torch.Tensor) -> list[torch.Tensor]:
+        """Copy 1-D host tensors of one dtype to the device in a single non-blocking copy."""
+        if not self.is_cuda:
+            return [t.to(self.device) for t in host]
+        lengths = [t.numel() for t in host]
+        packed = torch.cat(host).pin_memory()
+        on_device = packed.to(self.device, non_blocking=True)
+        return list(on_device.split(lengths))
+
+    def tensor(self, values: Sequence[Any], dtype: torch.dtype) -> torch.Tensor:
+        """`torch.tensor(values, dtype, device)` without a stream-wide wait on CUDA."""
+        return self.stage(torch.tensor(values, dtype=dtype))[0]
+
+    def to_host_async(self, x: torch.Tensor) -> torch.Tensor:
+        """Start copying `x` to host memory; read the result only after `record_event().wait`."""
+        if not self.is_cuda:
+            return x
+        out = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+        out.copy_(x, non_blocking=True)
+        return out
+
+    def record_event(self) -> Event:
+        return Event(self)
+
+    def synchronize(self) -> None:
+        if self.stream is not None:
+            self.stream.synchronize()
+
+
+class Event:
+    """Marks the current point of the engine's stream; `wait` blocks the host until it passes."""
+
+    def __init__(self, device: Device) -> None:
+        self._event: Any = None
+        if device.stream is not None:
+            self._event = torch.cuda.Event()
+            self._event.record(device.stream)
+
+    def wait(self) -> None:
+        if self._event is not None:
+            self._event.synchronize()
+
+
+def nvtx_range(name: str, enabled: bool) -> contextlib.AbstractContextManager[Any]:
+    """An NVTX range on CUDA (profiles show schedule / forward / process), nothing on CPU."""
+    if not enabled:
+        return contextlib.nullcontext()
+    return torch.cuda.nvtx.range(name)

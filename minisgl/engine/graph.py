@@ -1,0 +1,169 @@
+"""CUDA graphs for decode: capture once per padded batch size, replay for decode-only steps.
+
+A decode step launches a few hundred small kernels (a dozen per layer); on a GPU their launch
+cost exceeds their run time at small batches. A captured graph replays them with one launch.
+
+Shapes are frozen at capture, so batches are padded up to the next captured size. Padding
+entries point at the dummy table row (position 0, KV length 1), whose only slot is the pool's
+dummy page: they compute garbage nobody reads, and no real request's KV is touched.
+
+The same runner works without capture (CPU, or `capture=False`): it pads the batch and runs the
+forward eagerly over the same static buffers. That is what CI checks on CPU: a padded batch
+gives the tokens of the unpadded one.
+
+Mixed steps (prefill chunks + decodes) always run eagerly: their shapes vary every step, and
+their cost is dominated by the prefill's matmuls, not by launches.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from minisgl.attention.base import AttentionBackend, AttentionBatch
+from minisgl.engine.batch import ForwardBatch
+from minisgl.engine.context import ForwardContext, forward_context
+from minisgl.engine.device import Device
+from minisgl.engine.tables import DeviceTables
+from minisgl.kvcache.pool import KVPool
+
+logger = logging.getLogger(__name__)
+
+# Padded sizes: every small size, then steps that waste at most ~1/8 of a batch.
+_SMALL_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64)
+_LARGE_STEP = 16
+
+
+def graph_batch_sizes(max_batch_size: int) -> list[int]:
+    sizes = [s for s in _SMALL_SIZES if s < max_batch_size]
+    size = _SMALL_SIZES[-1] + _LARGE_STEP
+    while size < max_batch_size:
+        sizes.append(size)
+        size += _LARGE_STEP if size < 128 else 2 * _LARGE_STEP
+    sizes.append(max_batch_size)
+    return sorted(set(sizes))
+
+
+ModelFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class GraphRunner:
+    def __init__(
+        self,
+        model: ModelFn,
+        backend: AttentionBackend,
+        pool: KVPool,
+        tables: DeviceTables,
+        device: Device,
+        max_batch_size: int,
+    ) -> None:
+        self.model = model
+        self.backend = backend
+        self.pool = pool
+        self.tables = tables
+        self.device = device
+        self.max_batch_size = max_batch_size
+        self.sizes = graph_batch_sizes(max_batch_size)
+        dev = device.device
+        # Static inputs: every replay reads these addresses.
+        self.table_rows = torch.zeros(max_batch_size, dtype=torch.int64, device=dev)
+        self.positions = torch.zeros(max_batch_size, dtype=torch.int64, device=dev)
+        self.kv_lens = torch.ones(max_batch_size, dtype=torch.int64, device=dev)
+        self.out_slots = torch.zeros(max_batch_size, dtype=torch.int64, device=dev)
+        self.logit_index = torch.arange(max_batch_size, dtype=torch.int64, device=dev)
+        self._graphs: dict[int, tuple[Any, torch.Tensor]] = {}  # size -> (graph, logits)
+        if backend.supports_graphs:
+            backend.init_graph_state(max_batch_size)
+
+    def padded_size(self, num_seqs: int) -> int | None:
+        for size in self.sizes:
+            if size >= num_seqs:
+                return size
+        return None
+
+    def can_run(self, batch: ForwardBatch) -> bool:
+        return batch.is_decode and batch.num_seqs <= self.max_batch_size
+
+    def run(self, batch: ForwardBatch) -> torch.Tensor:
+        """Logits [num_seqs, vocab] of a decode-only batch (replayed, or padded and eager)."""
+        num_seqs = batch.num_seqs
+        size = self.padded_size(num_seqs)
+        assert size is not None and batch.is_decode
+        pad = size - num_seqs
+        rows = batch.table_rows + [self.tables.dummy_row] * pad
+        positions = batch.prefix_lens + [0] * pad
+        attn = self._fill(size, rows, positions)
+        graph = self._graphs.get(size)
+        if graph is not None:
+            self.backend.prepare_graph(attn, capturing=False)
+            graph[0].replay()
+            return graph[1][:num_seqs]
+        metadata = (
+            self.backend.prepare_graph(attn, capturing=False)
+            if self.backend.supports_graphs
+            else self.backend.prepare(attn)
+        )
+        return self._forward(size, metadata)[:num_seqs]
+
+    def _fill(self, size: int, rows: list[int], positions: list[int]) -> AttentionBatch:
+        """Write one step's rows and positions into the static buffers (all device values of the
+        returned batch are this step's when the backend prepares)."""
+        kv_lens = [p + 1 for p in positions]
+        rows_d, pos_d, kv_d = self.device.stage(
+            torch.tensor(rows, dtype=torch.int64),
+            torch.tensor(positions, dtype=torch.int64),
+            torch.tensor(kv_lens, dtype=torch.int64),
+        )
+        self.table_rows[:size].copy_(rows_d)
+        self.positions[:size].copy_(pos_d)
+        self.kv_lens[:size].copy_(kv_d)
+        table_rows, pos = self.table_rows[:size], self.positions[:size]
+        self.out_slots[:size].copy_(self.tables.page_table[table_rows, pos])
+        return AttentionBatch(
+            table_rows=table_rows,
+            prefix_lens=pos,
+            kv_lens=self.kv_lens[:size],
+            out_slots=self.out_slots[:size],
+            page_table=self.tables.page_table,
+            prefix_lens_cpu=positions,
+            kv_lens_cpu=kv_lens,
+            page_size=self.pool.page_size,
+        )
+
+    def _forward(self, size: int, metadata: Any) -> torch.Tensor:
+        table_rows, pos = self.table_rows[:size], self.positions[:size]
+        input_ids = self.tables.token_table[table_rows, pos].long()
+        with forward_context(ForwardContext(self.backend, self.pool, metadata)):
+            return self.model(input_ids, pos, self.logit_index[:size])
+
+    def capture(self) -> None:
+        """Capture one graph per padded size, largest first (smaller ones reuse its memory)."""
+        assert self.device.is_cuda and self.backend.supports_graphs
+        start_s = time.perf_counter()
+        free_before, _ = torch.cuda.mem_get_info(self.device.device)
+        mempool = torch.cuda.graph_pool_handle()
+        dummy = self.tables.dummy_row
+        for size in reversed(self.sizes):
+            with self.device.on_stream():
+                attn = self._fill(size, [dummy] * size, [0] * size)
+                metadata = self.backend.prepare_graph(attn, capturing=True)
+                self._forward(size, metadata)  # warm-up: lazy inits and autotuning run here
+            self.device.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=mempool, stream=self.device.stream):
+                logits = self._forward(size, metadata)
+            self._graphs[size] = (graph, logits)
+        self.device.synchronize()
+        free_after, _ = torch.cuda.mem_get_info(self.device.device)
+        logger.info(
+            "captured %d CUDA graphs (batch sizes %d..%d) in %.1f s using %.2f GiB",
+            len(self.sizes),
+            self.sizes[0],
+            self.sizes[-1],
+            time.perf_counter() - start_s,
+            (free_before - free_after) / (1 << 30),
+        )

@@ -1,0 +1,92 @@
+"""The device-side page table and token table, written by the scheduler, read by the forward.
+
+- page table `[rows, width]` int32: row r, column p is the KV slot of position p of the request
+  in table row r.
+- token table `[rows, width]` int32: the token ids of each request. The engine reads a batch's
+  input ids from it and writes sampled ids back, so batch N+1 can be launched before the host has
+  seen batch N's tokens (overlap scheduling).
+
+The scheduler's writes (a new request's prompt, new pages' slots) are queued on the host and
+applied by the engine at the start of the next forward, in stream order, with one non-blocking
+copy: the scheduler never waits for the device. On CPU they are applied at once.
+
+The last row is the dummy row that padded (CUDA-graph) batch entries point at: position 0 maps
+to the pool's dummy page, which no request ever owns.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from minisgl.engine.device import Device
+
+
+class DeviceTables:
+    def __init__(self, num_rows: int, width: int, device: Device) -> None:
+        self.device = device
+        self.width = width
+        self.num_rows = num_rows  # rows requests may use; row `num_rows` is the dummy row
+        self.dummy_row = num_rows
+        shape = (num_rows + 1, width)
+        self.page_table = torch.zeros(shape, dtype=torch.int32, device=device.device)
+        self.token_table = torch.zeros(shape, dtype=torch.int32, device=device.device)
+        # Pending writes: flat indices into the tables and the int32 values to put there.
+        self._page_index: list[torch.Tensor] = []
+        self._page_values: list[torch.Tensor] = []
+        self._token_index: list[torch.Tensor] = []
+        self._token_values: list[torch.Tensor] = []
+
+    def point_dummy_row(self, dummy_slot: int) -> None:
+        """Every position of the dummy row maps to `dummy_slot` (a slot no request owns)."""
+        self.page_table[self.dummy_row].fill_(dummy_slot)
+        self.token_table[self.dummy_row].zero_()
+
+    def write_tokens(self, row: int, start: int, token_ids: list[int]) -> None:
+        self._write(self._token_index, self._token_values, row, start, torch.tensor(token_ids))
+
+    def write_slots(self, row: int, start: int, slots: torch.Tensor) -> None:
+        self._write(self._page_index, self._page_values, row, start, slots)
+
+    def _write(
+        self,
+        index: list[torch.Tensor],
+        values: list[torch.Tensor],
+        row: int,
+        start: int,
+        data: torch.Tensor,
+    ) -> None:
+        if data.numel() == 0:
+            return
+        assert 0 <= row < self.num_rows and start + data.numel() <= self.width
+        index.append(torch.arange(data.numel(), dtype=torch.int64) + (row * self.width + start))
+        values.append(data.to(torch.int64))
+        if not self.device.is_cuda:
+            self.flush()
+
+    def flush(self) -> None:
+        """Apply pending writes (on the engine's stream: call inside `Device.on_stream`)."""
+        for table, index, values in (
+            (self.page_table, self._page_index, self._page_values),
+            (self.token_table, self._token_index, self._token_values),
+        ):
+            if not index:
+                continue
+            flat_index, flat_values = self.device.stage(*_last_writes(index, values))
+            table.view(-1).index_copy_(0, flat_index, flat_values.to(torch.int32))
+            index.clear()
+            values.clear()
+
+
+def _last_writes(
+    index: list[torch.Tensor], values: list[torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Concatenate queued writes, keeping only the last write to each position: a row freed and
+    reused within one step gets two writes to the same cells, and `index_copy_` applies
+    duplicates in no defined order on CUDA."""
+    flat_index, flat_values = torch.cat(index), torch.cat(values)
+    unique, inverse = torch.unique(flat_index, return_inverse=True)
+    if unique.numel() == flat_index.numel():
+        return flat_index, flat_values
+    order = torch.arange(flat_index.numel())
+    last = torch.full_like(unique, -1).scatter_reduce_(0, inverse, order, "amax")
+    return flat_index[last], flat_values[last]

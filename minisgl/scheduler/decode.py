@@ -1,0 +1,69 @@
+"""Decode: every running request past its prompt computes one token per step.
+
+When a decode cannot get a page, even after evicting unlocked cache entries, the newest running
+request is retracted: its computed prefix goes into the radix tree, its pages are freed, and it
+returns to the queue front; re-admission reuses that prefix.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from minisgl.core import Req
+from minisgl.scheduler.cache_manager import CacheManager
+
+logger = logging.getLogger(__name__)
+
+
+class NeedDrain(Exception):
+    """Scheduling must see the in-flight batch's results first (retraction)."""
+
+
+class DecodeManager:
+    def __init__(self, cache: CacheManager, requeue: Callable[[Req], None]) -> None:
+        self.cache = cache
+        self._requeue = requeue  # where retracted requests go (the waiting queue's front)
+        self.running: list[Req] = []  # admitted, in admission order
+        self.num_retractions = 0
+
+    def decodable(self) -> list[Req]:
+        return [
+            r
+            for r in self.running
+            if not r.finished
+            and r.remaining_prefill_len == 1
+            and r.num_sampled < r.sampling_params.max_tokens
+        ]
+
+    def schedule(self, inflight: bool) -> list[tuple[Req, int]]:
+        """One token for each decodable request, retracting the newest ones if KV runs out.
+
+        Raises NeedDrain when a retraction is needed while a batch is in flight: that batch may
+        still use the victim's pages.
+        """
+        items: list[tuple[Req, int]] = []
+        for req in self.decodable():
+            if req.table_row < 0:  # retracted while making room for an older request
+                continue
+            while not self.cache.reserve(req, req.device_len):
+                if inflight:
+                    raise NeedDrain
+                self._retract_newest()
+                if req.table_row < 0:  # it was the newest and got retracted itself
+                    break
+            else:
+                items.append((req, 1))
+        return items
+
+    def _retract_newest(self) -> None:
+        victim = self.running[-1]
+        if len(self.running) == 1:
+            raise RuntimeError("KV pool too small for a single request (admission let it in)")
+        self.running.pop()
+        self.cache.release(victim)
+        victim.device_len = len(victim.all_ids)
+        victim.num_retractions += 1
+        self.num_retractions += 1
+        self._requeue(victim)
+        logger.debug("retracted %s at %d tokens", victim.rid, victim.device_len)

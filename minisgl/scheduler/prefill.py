@@ -1,0 +1,115 @@
+"""Admission and chunked prefill: which waiting requests start, and how much prompt each step
+computes.
+
+Each step's prefill work fits in `max_prefill_tokens`: chunks of prompts already under way
+first (oldest first), then new requests from the queue front. Admission is optimistic: a request
+needs its first chunk's pages plus one page of headroom per running request, not its whole
+`max_tokens` (retraction handles the rare overflow).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from minisgl.core import Req
+from minisgl.scheduler.cache_manager import CacheManager
+
+# Two prompts agreeing on this many leading tokens are taken to share a prefix worth caching.
+SHARED_PREFIX_PROBE_LEN = 32
+
+
+@dataclass
+class PrefillPlan:
+    """This step's prefill work: (request, tokens to compute) pairs and who was admitted."""
+
+    items: list[tuple[Req, int]] = field(default_factory=list)
+    admitted: list[Req] = field(default_factory=list)
+
+
+class PrefillManager:
+    def __init__(
+        self,
+        cache: CacheManager,
+        page_size: int,
+        max_prefill_tokens: int,
+        max_running_requests: int,
+        share_prefixes: bool,
+    ) -> None:
+        self.cache = cache
+        self.page_size = page_size
+        self.max_prefill_tokens = max_prefill_tokens
+        self.max_running_requests = max_running_requests
+        self.share_prefixes = share_prefixes  # radix cache: defer same-step prefix siblings
+        self.waiting: deque[Req] = deque()
+
+    def add(self, req: Req) -> None:
+        self.waiting.append(req)
+
+    def requeue_front(self, req: Req) -> None:
+        """A retracted request goes first: it was admitted before anything still waiting."""
+        self.waiting.appendleft(req)
+
+    def remove(self, rid: str) -> Req | None:
+        for req in self.waiting:
+            if req.rid == rid:
+                self.waiting.remove(req)
+                return req
+        return None
+
+    def schedule(self, running: list[Req]) -> PrefillPlan:
+        """Chunks for running prefills, then new admissions (appended to `running`)."""
+        plan = PrefillPlan()
+        budget = self.max_prefill_tokens
+        for req in running:
+            if budget <= 0:
+                break
+            if req.finished or req.remaining_prefill_len <= 1:
+                continue
+            chunk = min(req.remaining_prefill_len, budget)
+            if not self.cache.reserve(req, req.cached_len + chunk):
+                break
+            plan.items.append((req, chunk))
+            budget -= chunk
+        # Requests whose prompt starts like one admitted in this same step wait one step: by then
+        # the first one's prefix is in the radix tree and they compute only their own suffix.
+        admitted_keys: set[tuple[int, ...]] = set()
+        deferred: list[Req] = []
+        while self.waiting and budget > 0:
+            req = self.waiting[0]
+            if not self._can_admit(req, running):
+                break
+            self.waiting.popleft()
+            key = self._prefix_key(req)
+            if key is not None and key in admitted_keys:
+                deferred.append(req)
+                continue
+            self.cache.admit(req)
+            if key is not None and req.cached_len < len(key):
+                admitted_keys.add(key)
+            running.append(req)
+            chunk = min(req.remaining_prefill_len, budget)
+            if not self.cache.reserve(req, req.cached_len + chunk):
+                # The estimate was optimistic (its cached prefix got locked): undo, retry later.
+                running.pop()
+                self.cache.release(req)
+                self.waiting.appendleft(req)
+                break
+            plan.admitted.append(req)
+            plan.items.append((req, chunk))
+            budget -= chunk
+        self.waiting.extendleft(reversed(deferred))
+        return plan
+
+    def _prefix_key(self, req: Req) -> tuple[int, ...] | None:
+        """The first tokens of a prompt, to spot requests sharing a prefix in one step."""
+        if not self.share_prefixes or req.prompt_len <= SHARED_PREFIX_PROBE_LEN:
+            return None
+        return tuple(req.input_ids[:SHARED_PREFIX_PROBE_LEN])
+
+    def _can_admit(self, req: Req, running: list[Req]) -> bool:
+        if len(running) >= self.max_running_requests or not self.cache.table.num_free_rows:
+            return False
+        need_tokens = min(req.prompt_len + len(req.output_ids), self.max_prefill_tokens)
+        need_pages = -(-need_tokens // self.page_size) + len(running)
+        return self.cache.num_available_pages >= need_pages or not running

@@ -1,0 +1,59 @@
+"""The CUDA-graph decode path minus the capture: padded batches must not change any token.
+
+On CPU `cuda_graph_max_bs > 0` runs decode-only steps through `GraphRunner` eagerly: the batch
+is padded to the next graph size with entries pointing at the dummy table row and page. Same
+code as on CUDA, where the padded forward is what gets captured and replayed.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from minisgl import LLM, SamplingParams
+from minisgl.engine.graph import GraphRunner, graph_batch_sizes
+
+NEW_TOKENS = 10
+
+
+def test_graph_batch_sizes_cover_every_batch():
+    for max_bs in (1, 3, 8, 20, 64, 100, 160, 256):
+        sizes = graph_batch_sizes(max_bs)
+        assert sizes == sorted(set(sizes)) and sizes[-1] == max_bs and sizes[0] == 1
+        for bs in range(1, max_bs + 1):
+            padded = min(s for s in sizes if s >= bs)
+            assert padded <= max(bs + 4, bs * 3 // 2), (bs, padded)  # bounded waste
+
+
+def _prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(3)
+    return [torch.randint(0, 5000, (n,), generator=g).tolist() for n in (5, 9, 23, 40, 3, 17, 60)]
+
+
+def _generate(model_dir, **options) -> list[list[int]]:
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    seeded = SamplingParams(temperature=0.8, top_p=0.9, seed=5, max_tokens=NEW_TOKENS)
+    with LLM(str(model_dir), dtype="float32", num_pages=1024, **options) as llm:
+        prompts = _prompts()
+        outs = llm.generate(prompts, [params] * (len(prompts) - 1) + [seeded])
+        llm.check_page_accounting()
+        return [o.token_ids for o in outs]
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_padded_decode_matches_unpadded(tiny_qwen3, monkeypatch, page_size):
+    padded_runs: list[tuple[int, int]] = []  # (real, padded) batch sizes
+    original = GraphRunner.run
+
+    def spy(self, batch):
+        padded_runs.append((batch.num_seqs, self.padded_size(batch.num_seqs)))
+        return original(self, batch)
+
+    monkeypatch.setattr(GraphRunner, "run", spy)
+    expected = _generate(tiny_qwen3, page_size=page_size, cuda_graph_max_bs=0)
+    assert not padded_runs
+    got = _generate(tiny_qwen3, page_size=page_size, cuda_graph_max_bs=8)
+    assert got == expected
+    # 7 requests decode together with a graph size of 8: one padding entry each step.
+    assert any(padded > real for real, padded in padded_runs), padded_runs
+    assert all(padded <= 8 for _, padded in padded_runs)
