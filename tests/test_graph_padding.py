@@ -57,3 +57,32 @@ def test_padded_decode_matches_unpadded(tiny_qwen3, monkeypatch, page_size):
     # 7 requests decode together with a graph size of 8: one padding entry each step.
     assert any(padded > real for real, padded in padded_runs), padded_runs
     assert all(padded <= 8 for _, padded in padded_runs)
+
+
+def test_flashinfer_page_lists_follow_the_page_table():
+    """The page ids FlashInfer gets are the pages of each row's positions, in order (CPU check
+    of the index arithmetic; the kernels themselves run in tests/test_cuda.py)."""
+    from minisgl.attention.base import AttentionBatch
+    from minisgl.attention.flashinfer_backend import paged_kv_lists
+
+    page_size, width = 4, 64
+    page_table = torch.zeros(5, width, dtype=torch.int32)
+    pages_of_row = {0: [7, 2, 9], 3: [1], 4: [5, 11, 0, 3]}
+    for row, pages in pages_of_row.items():
+        slots = [p * page_size + o for p in pages for o in range(page_size)]
+        page_table[row, : len(slots)] = torch.tensor(slots, dtype=torch.int32)
+    kv_lens = [9, 4, 13]  # rows 0, 3, 4: 3, 1 and 4 pages; last pages hold 1, 4 and 1 tokens
+    batch = AttentionBatch(
+        table_rows=torch.tensor([0, 3, 4]),
+        prefix_lens=torch.tensor([8, 3, 12]),
+        kv_lens=torch.tensor(kv_lens),
+        out_slots=torch.zeros(3, dtype=torch.int64),
+        page_table=page_table,
+        prefix_lens_cpu=[8, 3, 12],
+        kv_lens_cpu=kv_lens,
+        page_size=page_size,
+    )
+    indptr, page_ids, last = paged_kv_lists(batch, page_size)
+    assert indptr.tolist() == [0, 3, 4, 8]
+    assert page_ids.tolist() == [7, 2, 9, 1, 5, 11, 0, 3]
+    assert last.tolist() == [1, 4, 1]

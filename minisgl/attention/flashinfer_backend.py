@@ -32,6 +32,38 @@ TENSOR_CORE_MIN_GQA = 4
 PREFILL_KERNEL_BACKEND = "fa2"
 
 
+def paged_kv_lists(
+    batch: AttentionBatch, page_size: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """FlashInfer's paged-KV description of a batch: (indptr int32 on the host, page ids int32 on
+    the device, last page lengths int32 on the host). Host tensors are pinned on CUDA."""
+    kv_lens = torch.tensor(batch.kv_lens_cpu, dtype=torch.int32)
+    num_pages = (kv_lens + page_size - 1) // page_size
+    indptr = torch.zeros(len(batch.kv_lens_cpu) + 1, dtype=torch.int32)
+    torch.cumsum(num_pages, 0, out=indptr[1:])
+    last_page_len = (kv_lens - 1) % page_size + 1
+    total = int(indptr[-1])
+    device = batch.table_rows.device
+    pin = device.type == "cuda"
+
+    def to_device(x: torch.Tensor) -> torch.Tensor:
+        return (x.pin_memory() if pin else x).to(device, non_blocking=True)
+
+    # Page k of sequence i is the page holding position k * page_size of its table row; built
+    # on the device from the table, so nothing waits for the host.
+    num_pages_d = to_device(num_pages)
+    seq = torch.repeat_interleave(
+        torch.arange(len(batch.kv_lens_cpu), device=device), num_pages_d, output_size=total
+    )
+    first = torch.repeat_interleave(to_device(indptr[:-1].long()), num_pages_d, output_size=total)
+    page_pos = (torch.arange(total, device=device) - first) * page_size
+    slots = batch.page_table[batch.table_rows[seq], page_pos]
+    page_ids = (slots // page_size).to(torch.int32)
+    if pin:
+        indptr, last_page_len = indptr.pin_memory(), last_page_len.pin_memory()
+    return indptr, page_ids, last_page_len
+
+
 @dataclass
 class FlashInferMetadata:
     wrapper: Any  # the planned prefill or decode wrapper
@@ -67,29 +99,7 @@ class FlashInferBackend(AttentionBackend):
     # ---- metadata --------------------------------------------------------------------------
 
     def _page_lists(self, batch: AttentionBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(indptr int32 host, page ids int32 device, last page lengths int32 host)."""
-        ps = self.cfg.page_size
-        kv_lens = torch.tensor(batch.kv_lens_cpu, dtype=torch.int32)
-        num_pages = (kv_lens + ps - 1) // ps
-        indptr = torch.zeros(len(batch.kv_lens_cpu) + 1, dtype=torch.int32)
-        torch.cumsum(num_pages, 0, out=indptr[1:])
-        last_page_len = (kv_lens - 1) % ps + 1
-        total = int(indptr[-1])
-        device = batch.table_rows.device
-        # Page k of sequence i is the page holding position k * page_size of its table row;
-        # built on the device from the table, so nothing waits for the host.
-        num_pages_d = num_pages.pin_memory().to(device, non_blocking=True)
-        seq = torch.repeat_interleave(
-            torch.arange(len(batch.kv_lens_cpu), device=device), num_pages_d, output_size=total
-        )
-        first = torch.repeat_interleave(
-            indptr[:-1].long().pin_memory().to(device, non_blocking=True),
-            num_pages_d,
-            output_size=total,
-        )
-        page_pos = (torch.arange(total, device=device) - first) * ps
-        slots = batch.page_table[batch.table_rows[seq], page_pos]
-        return indptr.pin_memory(), (slots // ps).to(torch.int32), last_page_len.pin_memory()
+        return paged_kv_lists(batch, self.cfg.page_size)
 
     def _plan_kwargs(self) -> dict[str, Any]:
         cfg = self.cfg

@@ -140,6 +140,7 @@ class GraphRunner:
         with forward_context(ForwardContext(self.backend, self.pool, metadata)):
             return self.model(input_ids, pos, self.logit_index[:size])
 
+    @torch.inference_mode()
     def capture(self) -> None:
         """Capture one graph per padded size, largest first (smaller ones reuse its memory)."""
         assert self.device.is_cuda and self.backend.supports_graphs
