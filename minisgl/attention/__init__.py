@@ -1,12 +1,13 @@
 """Attention backends by name, imported lazily so optional GPU packages stay optional.
 
-A CUDA backend (FlashInfer) registers here as "flashinfer" once it exists; "auto" will prefer it
-on CUDA when the package is installed. Today every device runs the torch-native backend.
+"auto" picks FlashInfer on CUDA when the package is installed (and registered here), else our
+Triton kernels on CUDA when Triton is installed, else torch-native (every CPU run).
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 
 import torch
 
@@ -15,19 +16,46 @@ from minisgl.attention.base import AttentionBackend, AttentionBatch
 # name -> "module:Class", imported on first use
 _REGISTRY = {
     "torch": "minisgl.attention.torch_native:TorchNativeBackend",
+    "triton": "minisgl.attention.triton_backend:TritonBackend",
 }
+# name -> the package it needs, looked up (not imported) when "auto" chooses
+_REQUIRED_PACKAGE = {"flashinfer": "flashinfer", "triton": "triton"}
+_CUDA_PREFERENCE = ("flashinfer", "triton")
 
 
-def create_backend(name: str, device: torch.device) -> AttentionBackend:
+def _installed(name: str) -> bool:
+    return name in _REGISTRY and importlib.util.find_spec(_REQUIRED_PACKAGE[name]) is not None
+
+
+def resolve_backend_name(name: str, device: torch.device) -> str:
     if name == "auto":
-        name = "torch"  # the only backend today, on every device
+        if device.type == "cuda":
+            return next((n for n in _CUDA_PREFERENCE if _installed(n)), "torch")
+        return "torch"
     if name not in _REGISTRY:
         raise ValueError(
             f"attention_backend: unknown '{name}' (choose from auto, {', '.join(_REGISTRY)})"
         )
+    package = _REQUIRED_PACKAGE.get(name)
+    if package is not None and importlib.util.find_spec(package) is None:
+        raise ValueError(f"attention_backend '{name}' needs the '{package}' package installed")
+    return name
+
+
+def create_backend(name: str, device: torch.device) -> AttentionBackend:
+    name = resolve_backend_name(name, device)
     module_name, class_name = _REGISTRY[name].split(":")
-    backend_cls = getattr(importlib.import_module(module_name), class_name)
-    return backend_cls()
+    module = importlib.import_module(module_name)
+    if name == "triton" and device.type != "cuda":
+        from minisgl.attention.triton_kernels import INTERPRETER
+
+        if not INTERPRETER:
+            raise ValueError(
+                "attention_backend 'triton' runs on CUDA; on CPU only in Triton's interpreter "
+                "(set TRITON_INTERPRET=1 before start-up; slow, meant for tests)"
+            )
+    backend: AttentionBackend = getattr(module, class_name)()
+    return backend
 
 
-__all__ = ["AttentionBackend", "AttentionBatch", "create_backend"]
+__all__ = ["AttentionBackend", "AttentionBatch", "create_backend", "resolve_backend_name"]
