@@ -72,13 +72,15 @@ run tests_triton_torch 200 python3 -m pytest -q -s -x -p no:cacheprovider tests/
 wait "$warmup_pid"; echo "flashinfer warm-up exit $?, at ${SECONDS}s"; tail -n 3 "$OUT_DIR/flashinfer_warmup.log"
 run tests_flashinfer 150 python3 -m pytest -q -s -x -p no:cacheprovider tests/test_cuda.py \
   -k flashinfer
+run kernel_bench 60 python3 benchmark/kernels/bench_attention.py
 run tests_tiny_parity 60 python3 -m pytest -q -x -p no:cacheprovider tests/test_model_parity.py \
   -k tiny
 
 BENCH=(python3 benchmark/offline/bench.py --model "$MODEL" --num-requests 256 --page-size 16
   --min-input-len 100 --max-input-len 1024 --min-output-len 100 --max-output-len 1024)
-for config in flashinfer:on:on flashinfer:off:on flashinfer:on:off flashinfer:off:off \
-  triton:on:on triton:off:on triton:on:off triton:off:off; do
+# Most telling first: each backend at its best, then overlap off, then graphs off.
+for config in flashinfer:on:on triton:on:on flashinfer:off:on flashinfer:on:off \
+  triton:off:on triton:on:off flashinfer:off:off triton:off:off; do
   IFS=: read -r backend overlap graphs <<< "$config"
   run "bench_${backend}_ov-${overlap}_g-${graphs}" 75 "${BENCH[@]}" \
     --attention-backend "$backend" --overlap "$overlap" --cuda-graphs "$graphs"

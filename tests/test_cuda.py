@@ -245,9 +245,10 @@ def test_graphs_and_overlap_keep_tokens(qwen3_06b, name, dtype):
             assert same >= 0.9 * sum(len(x) for x in baseline), (key, tokens, baseline)
 
 
-def test_graphs_are_captured_and_replayed(qwen3_06b):
+@pytest.mark.parametrize("name", _backends(torch.bfloat16))
+def test_graphs_are_captured_and_replayed(qwen3_06b, name):
     with LLM(str(qwen3_06b), dtype="bfloat16", num_pages=1024, page_size=16,
-             max_running_requests=16) as llm:  # fmt: skip
+             max_running_requests=16, attention_backend=name) as llm:  # fmt: skip
         engine = llm.scheduler.engine
         assert engine.graphs is not None and engine.graphs._graphs
         replays = 0

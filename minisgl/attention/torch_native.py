@@ -48,8 +48,9 @@ class TorchNativeMetadata:
 
 
 class TorchNativeBackend(AttentionBackend):
-    def __init__(self, cfg: AttentionConfig) -> None:
-        self.cfg = cfg
+    def __init__(self, cfg: AttentionConfig | None = None) -> None:
+        """Sizes nothing ahead: every buffer follows the batch (cfg is the registry's common
+        constructor argument)."""
 
     def prepare(self, batch: AttentionBatch) -> TorchNativeMetadata:
         device = batch.out_slots.device

@@ -83,9 +83,7 @@ class Engine:
         # Table rows are request slots; width covers the longest sequence rounded up to a page.
         width = -(-(self.max_model_len + 1) // self.page_size) * self.page_size
         self.tables = DeviceTables(args.max_running_requests, width, self.dev)
-        self.backend_name = resolve_backend_name(
-            args.attention_backend, self.device.type, self.dtype
-        )
+        self.backend_name = resolve_backend_name(args.attention_backend, self.device, self.dtype)
         self.backend = create_backend(
             self.backend_name,
             AttentionConfig(
