@@ -21,6 +21,9 @@ torch.set_num_threads(min(2, os.cpu_count() or 1))
 # other, and a kernel interpreted with compiled helpers fails.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# No test may reach the real hub (set before huggingface_hub is imported, which reads it once).
+# tests/test_hub_download.py gives its subprocesses a fake hub instead.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 QWEN3_VOCAB = 151669  # tokenizer size of the Qwen3 tokenizer files
 
