@@ -34,6 +34,9 @@ run() {  # name, command...
 run parity python3 -m pytest -q -x -p no:cacheprovider tests/test_model_parity.py -k "not smollm2"
 run scheduler python3 -m pytest -q -x -p no:cacheprovider tests/test_scheduler.py \
   tests/test_sampling.py tests/test_bad_input.py
+# The fused Triton MoE kernel compiled for CUDA (fp32 and bf16) and Qwen3-MoE HF parity through it.
+run moe python3 -m pytest -q -x -p no:cacheprovider tests/test_fused_moe.py tests/test_moe.py \
+  --deselect "tests/test_moe.py::test_qwen3_moe_matches_hf[2]"
 run make_model python3 scripts/make_random_checkpoint.py /tmp/qwen3-0.6b --preset qwen3-0.6b
 run bench_overlap python3 benchmark/offline/bench.py --model /tmp/qwen3-0.6b \
   --num-requests 256 --page-size 16
