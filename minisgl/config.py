@@ -66,6 +66,10 @@ class ServerArgs:
     port: int = DEFAULT_PORT
     api_key: str | None = None
     log_level: str = "info"
+    # hub downloads (when --model is a hub id; see minisgl/models/resolve.py)
+    revision: str | None = None  # branch, tag or commit; default: the repo's default branch
+    download_dir: str | None = None  # cache folder to download into; default: HF_HUB_CACHE
+    offline: bool = False  # the local cache only, never the hub (like HF_HUB_OFFLINE=1)
     # multi-node tensor parallelism
     nnodes: int = 1
     node_rank: int = 0

@@ -73,6 +73,10 @@ wait "$warmup_pid"; echo "flashinfer warm-up exit $?, at ${SECONDS}s"; tail -n 3
 run tests_flashinfer 150 python3 -m pytest -q -s -x -p no:cacheprovider tests/test_cuda.py \
   -k flashinfer
 run kernel_bench 60 python3 benchmark/kernels/bench_attention.py
+# The fused Triton MoE kernel compiled for CUDA (fp32 and bf16) and Qwen3-MoE HF parity through it
+# (tp 2 needs two GPUs).
+run tests_moe 90 python3 -m pytest -q -x -p no:cacheprovider tests/test_fused_moe.py \
+  tests/test_moe.py --deselect "tests/test_moe.py::test_qwen3_moe_matches_hf[2]"
 run tests_tiny_parity 60 python3 -m pytest -q -x -p no:cacheprovider tests/test_model_parity.py \
   -k tiny
 

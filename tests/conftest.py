@@ -16,6 +16,14 @@ import torch
 
 # Two cores: keep torch from oversubscribing when tests start several processes.
 torch.set_num_threads(min(2, os.cpu_count() or 1))
+# Without a GPU, Triton kernels run under Triton's interpreter. Set before anything imports triton:
+# its own jit'd helpers (tl.zeros, tl.sigmoid) are decorated once, at import, in one mode or the
+# other, and a kernel interpreted with compiled helpers fails.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+# No test may reach the real hub (set before huggingface_hub is imported, which reads it once).
+# tests/test_hub_download.py gives its subprocesses a fake hub instead.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 QWEN3_VOCAB = 151669  # tokenizer size of the Qwen3 tokenizer files
 
@@ -26,8 +34,20 @@ def qwen3_tokenizer_dir() -> Path:
     return Path(list(spec.submodule_search_locations)[0]) / "tokenizer_files"
 
 
+# Tiny Qwen3-MoE: 8 experts, top-2; layer 1 stays dense (mlp_only_layers), 0 and 2 are sparse.
+TINY_MOE = dict(
+    num_hidden_layers=3,
+    num_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    norm_topk_prob=True,
+    decoder_sparse_step=1,
+    mlp_only_layers=[1],
+)
+
+
 def _tiny_config(arch: str, **overrides):
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
     common = dict(
         vocab_size=QWEN3_VOCAB,
@@ -47,6 +67,8 @@ def _tiny_config(arch: str, **overrides):
         return Qwen2Config(tie_word_embeddings=True, **common)
     if arch == "qwen3":
         return Qwen3Config(head_dim=32, tie_word_embeddings=False, **common)
+    if arch == "qwen3_moe":
+        return Qwen3MoeConfig(head_dim=32, tie_word_embeddings=False, **{**common, **TINY_MOE})
     raise ValueError(arch)
 
 

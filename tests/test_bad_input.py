@@ -57,10 +57,20 @@ def test_bad_prompts_raise_and_leave_the_engine_working(tiny_qwen3):
 
 
 def test_missing_model_gives_one_clear_line(tmp_path):
-    from minisgl.models.resolve import ModelNotFoundError, resolve_model_path
+    from minisgl.models.resolve import (
+        HubOptions,
+        ModelDownloadError,
+        ModelNotFoundError,
+        resolve_model_path,
+    )
 
-    with pytest.raises(ModelNotFoundError, match="not found.*Qwen/NoSuchModel"):
-        resolve_model_path("Qwen/NoSuchModel")
+    offline = HubOptions(download_dir=str(tmp_path / "cache"), offline=True)
+    with pytest.raises(
+        ModelDownloadError, match="'Qwen/NoSuchModel'.*not in the local .*--offline"
+    ):
+        resolve_model_path("Qwen/NoSuchModel", offline)
+    with pytest.raises(ModelNotFoundError, match="no folder at .*not a hub id"):
+        resolve_model_path(str(tmp_path / "no" / "such" / "dir"))
     (tmp_path / "empty").mkdir()
     with pytest.raises(ModelNotFoundError, match="config.json"):
         resolve_model_path(str(tmp_path / "empty"))

@@ -32,7 +32,7 @@ from minisgl.kvcache.pool import KVPool, KVShape
 from minisgl.models.config import ModelConfig, load_model_config
 from minisgl.models.llama import CausalLM, local_head_counts
 from minisgl.models.loader import load_weights
-from minisgl.models.resolve import resolve_model_path
+from minisgl.models.resolve import resolve_model_path_for
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +69,7 @@ class Engine:
             torch.cuda.set_device(self.device)
         self.dev = Device(self.device)
         self.dtype = resolve_dtype(args.dtype, self.device)
-        self.model_path = resolve_model_path(args.model)
+        self.model_path = resolve_model_path_for(args)
         self.model_config: ModelConfig = load_model_config(self.model_path)
         cfg = self.model_config
         # fails early, with the numbers, if heads don't divide by tp

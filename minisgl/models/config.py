@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from minisgl.layers.moe import MoeConfig
 from minisgl.layers.rope import RopeConfig
 
 # architectures -> our model family; all are the same decoder with small switches.
@@ -15,7 +16,14 @@ SUPPORTED_ARCHITECTURES = {
     "MistralForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
+_QK_NORM_FAMILIES = ("qwen3", "qwen3_moe")
+
+# transformers' Qwen3MoeConfig defaults, for keys a config.json leaves out.
+_DEFAULT_NUM_EXPERTS = 128
+_DEFAULT_TOP_K = 8
+_DEFAULT_MOE_INTERMEDIATE = 768
 
 
 @dataclass(frozen=True)
@@ -39,6 +47,7 @@ class ModelConfig:
     hidden_act: str
     eos_token_ids: tuple[int, ...]
     torch_dtype: str | None
+    moe: MoeConfig | None = None  # sparse experts (Qwen3-MoE); None: every layer is dense
 
     @property
     def q_size(self) -> int:
@@ -59,6 +68,23 @@ def _rope_config(raw: dict[str, Any]) -> RopeConfig:
             f"rope type '{rope_type}' is not supported (default, linear, llama3, yarn)"
         )
     return RopeConfig(theta=theta, rope_type=rope_type, params=params)
+
+
+def _moe_config(family: str, raw: dict[str, Any]) -> MoeConfig | None:
+    if family != "qwen3_moe":
+        return None
+    # transformers 5.x writes num_local_experts; hub checkpoints say num_experts.
+    num_experts = raw.get("num_experts", raw.get("num_local_experts", _DEFAULT_NUM_EXPERTS))
+    if not num_experts:
+        return None  # transformers builds dense MLPs everywhere when there are no experts
+    return MoeConfig(
+        num_experts=int(num_experts),
+        top_k=int(raw.get("num_experts_per_tok", _DEFAULT_TOP_K)),
+        intermediate_size=int(raw.get("moe_intermediate_size", _DEFAULT_MOE_INTERMEDIATE)),
+        norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
+        sparse_step=int(raw.get("decoder_sparse_step", 1)),
+        mlp_only_layers=tuple(int(i) for i in raw.get("mlp_only_layers") or ()),
+    )
 
 
 def _eos_ids(model_dir: Path, raw: dict[str, Any]) -> tuple[int, ...]:
@@ -102,8 +128,9 @@ def load_model_config(model_dir: Path) -> ModelConfig:
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         attention_bias=family == "qwen2" or bool(raw.get("attention_bias", False)),
         mlp_bias=bool(raw.get("mlp_bias", False)),
-        qk_norm=family == "qwen3",
+        qk_norm=family in _QK_NORM_FAMILIES,
         hidden_act=str(raw.get("hidden_act", "silu")),
         eos_token_ids=_eos_ids(model_dir, raw),
         torch_dtype=raw.get("dtype") or raw.get("torch_dtype"),
+        moe=_moe_config(family, raw),
     )

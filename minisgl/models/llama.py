@@ -1,7 +1,8 @@
-"""One decoder for Llama, Mistral-style dense, Qwen2 and Qwen3 checkpoints.
+"""One decoder for Llama, Mistral-style dense, Qwen2, Qwen3 and Qwen3-MoE checkpoints.
 
 The families differ only in switches read from the config: q/k/v bias (Qwen2), per-head q/k
-RMSNorm (Qwen3), tied embeddings, head_dim, rope scaling. Every projection is tensor parallel.
+RMSNorm (Qwen3), tied embeddings, head_dim, rope scaling, and which layers replace the dense MLP
+with a sparse MoE block (Qwen3-MoE). Every projection is tensor parallel.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from minisgl.distributed import divide, get_tp_info
 from minisgl.engine.context import get_forward_context
 from minisgl.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from minisgl.layers.linear import ColumnParallelLinear, RowParallelLinear
+from minisgl.layers.moe import SparseMoeBlock
 from minisgl.layers.norm import RMSNorm
 from minisgl.layers.rope import RotaryEmbedding
 from minisgl.models.config import ModelConfig
@@ -80,8 +82,6 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        if cfg.hidden_act != "silu":
-            raise ValueError(f"hidden_act '{cfg.hidden_act}' is not supported (silu)")
         self.gate_up_proj = ColumnParallelLinear(
             cfg.hidden_size,
             [cfg.intermediate_size, cfg.intermediate_size],
@@ -98,10 +98,16 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int, rope: RotaryEmbedding) -> None:
         super().__init__()
+        if cfg.hidden_act != "silu":  # dense MLPs and experts alike
+            raise ValueError(f"hidden_act '{cfg.hidden_act}' is not supported (silu)")
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, layer_id, rope)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp: MLP | SparseMoeBlock
+        if cfg.moe is not None and cfg.moe.is_sparse(layer_id):
+            self.mlp = SparseMoeBlock(cfg.hidden_size, cfg.moe)
+        else:
+            self.mlp = MLP(cfg)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden))

@@ -1,37 +1,223 @@
-"""Turn what the user typed after --model into a local checkpoint folder."""
+"""Turn what the user typed after --model into a local checkpoint folder.
+
+- None: the bundled default model (converted once from GGUF, no download).
+- An existing folder: itself.
+- Anything else is a hub id, fetched through huggingface_hub into its cache (HF_HUB_CACHE, or
+  --download-dir): only what serving needs (config, safetensors, tokenizer, generation config,
+  chat template), at --revision; HF_TOKEN authenticates. With --offline or HF_HUB_OFFLINE=1 the
+  cache alone is used. When the hub cannot be reached, a complete cached copy is used.
+
+Several processes on one node (tp ranks, replicas) may resolve the same hub id at once: a file
+lock in the cache folder lets one download while the others wait, then read the cache.
+Every failure is a one-line `ModelNotFoundError` / `ModelDownloadError` naming the cause.
+"""
 
 from __future__ import annotations
 
+import logging
+import sys
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+from minisgl.config import ServerArgs
+from minisgl.models.checkpoint import INDEX_FILE, WEIGHTS_PATTERN, checkpoint_files, index_shards
 from minisgl.models.default_model import default_model_path
+
+logger = logging.getLogger(__name__)
+
+CONFIG_FILE = "config.json"
+# Everything but the weights. Patterns match top-level files only (see _TOP_LEVEL_ONLY).
+METADATA_PATTERNS = (
+    CONFIG_FILE,
+    "generation_config.json",
+    INDEX_FILE,
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.json",
+    "chat_template.jinja",
+)
+# Subfolders hold other formats or copies (original/, onnx/, ...): never download them.
+_TOP_LEVEL_ONLY = ["*/*"]
+LOCK_DIR = ".locks"
+# Without a terminal (server logs) a progress bar prints a line per update: at most this often.
+LOG_PROGRESS_INTERVAL_S = 10.0
 
 
 class ModelNotFoundError(FileNotFoundError):
     pass
 
 
-def resolve_model_path(model: str | None) -> Path:
-    """None -> the bundled default model; a folder -> itself; else a hub id in the local HF cache.
+class ModelDownloadError(OSError):
+    """A hub id could not be fetched; the message is one line naming the cause."""
 
-    Never downloads: this project runs on machines without hub access.
-    """
+
+@dataclass(frozen=True)
+class HubOptions:
+    revision: str | None = None  # branch, tag or commit; None: the repo's default branch
+    download_dir: str | None = None  # cache folder; None: huggingface_hub's (HF_HUB_CACHE)
+    offline: bool = False  # cache only (HF_HUB_OFFLINE=1 has the same effect)
+
+
+def resolve_model_path(model: str | None, hub: HubOptions | None = None) -> Path:
+    """None -> the bundled default model; a folder -> itself; else a hub id (see module doc)."""
     if model is None:
         return default_model_path()
     path = Path(model).expanduser()
     if path.is_dir():
-        if not (path / "config.json").exists():
-            raise ModelNotFoundError(f"model folder {path} has no config.json")
+        if not (path / CONFIG_FILE).exists():
+            raise ModelNotFoundError(f"model folder {path} has no {CONFIG_FILE}")
         return path
-    try:
-        from huggingface_hub import snapshot_download
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
 
-        cached = Path(snapshot_download(repo_id=model, local_files_only=True))
-    except Exception as exc:  # not a repo id, or not in the local cache
+    try:
+        validate_repo_id(model)
+    except HFValidationError:
         raise ModelNotFoundError(
-            f"model '{model}' not found: no local folder at {path.resolve()} and no hub id "
-            f"'{model}' in the local Hugging Face cache ({type(exc).__name__})"
+            f"model '{model}' not found: no folder at {path.resolve()}, and not a hub id"
         ) from None
-    if not (cached / "config.json").exists():
-        raise ModelNotFoundError(f"model '{model}' in the HF cache at {cached} has no config.json")
-    return cached
+    return fetch_from_hub(model, hub or HubOptions())
+
+
+def resolve_model_path_for(args: ServerArgs) -> Path:
+    """The checkpoint folder `args` name, with its hub flags (--revision, --download-dir, ...)."""
+    return resolve_model_path(
+        args.model, HubOptions(args.revision, args.download_dir, args.offline)
+    )
+
+
+def download_lock_path(repo_id: str, download_dir: str | None) -> Path:
+    from huggingface_hub import constants
+
+    cache = Path(download_dir or constants.HF_HUB_CACHE).expanduser()
+    return cache / LOCK_DIR / f"minisgl--{repo_id.replace('/', '--')}.lock"
+
+
+def fetch_from_hub(repo_id: str, hub: HubOptions) -> Path:
+    from filelock import FileLock, Timeout
+    from huggingface_hub import constants
+
+    if hub.offline or constants.is_offline_mode():
+        return _snapshot(repo_id, hub, local_only=True)
+    lock_path = download_lock_path(repo_id, hub.download_dir)
+    lock = FileLock(str(lock_path))
+    try:
+        lock_path.parent.mkdir(parents=True, exist_ok=True)
+        lock.acquire(blocking=False)
+        waited = False
+    except Timeout:
+        logger.info("another process is downloading '%s'; waiting for it", repo_id)
+        lock.acquire()
+        waited = True
+    except OSError as exc:  # a read-only cache: nothing can be downloaded into it anyway
+        logger.warning("no download lock at %s (%s); going on without one", lock_path, exc)
+        return _snapshot(repo_id, hub, local_only=False)
+    try:
+        if waited:  # the other process has just fetched it: read the cache, no hub requests
+            try:
+                return _snapshot(repo_id, hub, local_only=True)
+            except ModelDownloadError:
+                pass  # it failed: try ourselves, and report our own error
+        return _snapshot(repo_id, hub, local_only=False)
+    finally:
+        lock.release()
+
+
+def _snapshot(repo_id: str, hub: HubOptions, local_only: bool) -> Path:
+    from huggingface_hub import snapshot_download
+
+    common: dict[str, Any] = dict(
+        repo_id=repo_id,
+        cache_dir=hub.download_dir,
+        local_files_only=local_only,
+        ignore_patterns=_TOP_LEVEL_ONLY,
+        tqdm_class=_progress_bar_class(),
+    )
+    try:
+        folder = Path(
+            snapshot_download(
+                revision=hub.revision, allow_patterns=list(METADATA_PATTERNS), **common
+            )
+        )
+        # An index names the shards; without one, any *.safetensors. The snapshot folder is named
+        # by its commit: pin it, so a branch that moves meanwhile cannot mix two commits.
+        shards = index_shards(folder)
+        weights = sorted(shards) if shards is not None else [WEIGHTS_PATTERN]
+        snapshot_download(revision=folder.name, allow_patterns=weights, **common)
+    except Exception as exc:
+        raise ModelDownloadError(_explain(exc, repo_id, hub, local_only)) from exc
+    at = f"'{repo_id}' (revision {folder.name[:12]})"
+    if not (folder / CONFIG_FILE).exists():
+        raise ModelDownloadError(f"model {at} has no {CONFIG_FILE}: not a transformers checkpoint")
+    try:
+        checkpoint_files(folder)
+    except FileNotFoundError as exc:
+        if shards is None:
+            raise ModelDownloadError(
+                f"model {at} has no {WEIGHTS_PATTERN} weights: minisgl loads safetensors only"
+            ) from None
+        raise ModelDownloadError(f"model {at} is incomplete in the cache: {exc}") from None
+    return folder
+
+
+def _explain(exc: Exception, repo_id: str, hub: HubOptions, local_only: bool) -> str:
+    from huggingface_hub import constants
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        HfHubHTTPError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    endpoint = constants.ENDPOINT
+    cache = hub.download_dir or constants.HF_HUB_CACHE
+    revision = hub.revision or constants.DEFAULT_REVISION
+    if isinstance(exc, GatedRepoError):
+        return (
+            f"model '{repo_id}' is gated on the hub: accept its terms on the model page, then set "
+            "HF_TOKEN to a token of an account with access"
+        )
+    if isinstance(exc, RepositoryNotFoundError):
+        return (
+            f"model '{repo_id}' not found on the hub ({endpoint}): no such repository, or it is "
+            "private and HF_TOKEN grants no access to it"
+        )
+    if isinstance(exc, RevisionNotFoundError):
+        return f"model '{repo_id}' has no revision '{revision}' on the hub ({endpoint})"
+    if local_only:
+        why = "--offline" if hub.offline else "HF_HUB_OFFLINE=1"
+        return (
+            f"model '{repo_id}' (revision {revision}) is not in the local Hugging Face cache "
+            f"({cache}) and downloads are off ({why})"
+        )
+    if isinstance(exc, LocalEntryNotFoundError):  # the hub could not be reached, nothing cached
+        cause = exc.__cause__ or exc
+        return (
+            f"cannot reach the Hugging Face hub at {endpoint} ({type(cause).__name__}), and model "
+            f"'{repo_id}' (revision {revision}) is not fully in the local cache ({cache})"
+        )
+    if isinstance(exc, HfHubHTTPError) and exc.response is not None:
+        return f"downloading '{repo_id}' from {endpoint} failed: HTTP {exc.response.status_code}"
+    first_line = (str(exc).strip().splitlines() or [""])[0]
+    return f"downloading '{repo_id}' from {endpoint} failed: {type(exc).__name__}: {first_line}"
+
+
+def _progress_bar_class() -> type:
+    """tqdm that also shows in logs (huggingface_hub's hides itself without a terminal)."""
+    from huggingface_hub.utils import are_progress_bars_disabled
+    from tqdm.auto import tqdm
+
+    class DownloadProgress(tqdm):  # type: ignore[misc]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            kwargs.setdefault("disable", are_progress_bars_disabled())
+            if not sys.stderr.isatty():
+                kwargs.setdefault("mininterval", LOG_PROGRESS_INTERVAL_S)
+            super().__init__(*args, **kwargs)
+
+    return DownloadProgress

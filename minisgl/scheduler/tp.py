@@ -44,7 +44,7 @@ from minisgl.distributed import (
 from minisgl.engine.engine import Engine
 from minisgl.models.config import load_model_config
 from minisgl.models.llama import local_head_counts
-from minisgl.models.resolve import resolve_model_path
+from minisgl.models.resolve import resolve_model_path_for
 from minisgl.scheduler.scheduler import Scheduler
 from minisgl.scheduler.stats import SchedulerStats
 from minisgl.scheduler.tp_ranks import (
@@ -79,7 +79,7 @@ def check_tp_compatible(args: ServerArgs) -> None:
     Leaves the tp info set to rank 0 of tp_size on success; resets it on failure.
     """
     ranks_per_node(args.tp_size, args.nnodes)
-    cfg = load_model_config(resolve_model_path(args.model))
+    cfg = load_model_config(resolve_model_path_for(args))
     set_tp_info(0, args.tp_size)
     try:
         local_head_counts(cfg)

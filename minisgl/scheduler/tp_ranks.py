@@ -109,9 +109,11 @@ def cpu_threads_per_rank(args: ServerArgs) -> int | None:
 
 
 def _adopt(own: ServerArgs, primary: ServerArgs) -> ServerArgs:
-    """Rank 0's args, so every rank schedules alike; a node keeps its own --model path if given."""
+    """Rank 0's args, so every rank schedules alike; a node keeps its own --model path and
+    --download-dir if given (both are paths on that node)."""
     model = own.model if own.model is not None else primary.model
-    return primary.replace(model=model, node_rank=own.node_rank)
+    download_dir = own.download_dir or primary.download_dir
+    return primary.replace(model=model, download_dir=download_dir, node_rank=own.node_rank)
 
 
 # ---- ranks 1..N-1 ------------------------------------------------------------------------------

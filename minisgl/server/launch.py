@@ -23,7 +23,7 @@ from typing import Any
 
 from minisgl.config import ServerArgs
 from minisgl.message import Endpoints
-from minisgl.models.resolve import resolve_model_path
+from minisgl.models.resolve import resolve_model_path_for
 from minisgl.server.model_names import served_model_name
 from minisgl.server.process import child_main, setup_logging
 
@@ -69,7 +69,7 @@ class ServerStack:
 
     def start(self) -> None:
         try:
-            model_path = str(resolve_model_path(self.args.model))  # converts the default once
+            model_path = str(resolve_model_path_for(self.args))  # converts the default once
         except (FileNotFoundError, OSError, ValueError) as exc:
             raise StackError(str(exc)) from None
         tokenizer_path = self.args.tokenizer or model_path

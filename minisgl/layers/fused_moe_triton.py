@@ -1,0 +1,182 @@
+"""Fused MoE on CUDA in Triton: pairs sorted by expert, grouped GEMMs, SiLU-and-mul fused.
+
+Top-k routing gives `tokens * top_k` (token, slot) pairs; pair p belongs to token p // top_k.
+
+1. `align_pairs_by_expert` sorts the pairs by expert and pads each expert's run to a multiple of
+   BLOCK_M, so every program instance multiplies rows of a single expert. Torch ops with static
+   shapes and no host sync (the grid is sized by an upper bound; blocks past the end exit at once),
+   so the whole layer can be captured in a CUDA graph.
+2. Gate/up pass: h[p] = silu(x[t] W_gate^T) * (x[t] W_up^T); both halves accumulate in the same
+   sweep over x, and the activation is applied in the epilogue (no [pairs, 2 * inter] buffer).
+3. Down pass: y[p] = w[p] * (h[p] W_down^T), scaled by the routing weight in fp32.
+4. out[t] = sum of the token's top_k rows of y (torch).
+
+Importing this module imports triton: callers import it lazily (CUDA only). Under
+TRITON_INTERPRET=1 (set before this module is imported) the same kernels run on CPU tensors,
+which is how the tests check them against `moe_torch` on machines without a GPU.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# tl.dot needs every block dim >= 16. Small batches (decode) put few rows on each expert: a
+# 16-row block wastes less padding; large batches amortise weight loads over 64 rows.
+SMALL_BLOCK_M = 16
+LARGE_BLOCK_M = 64
+ROWS_PER_EXPERT_FOR_LARGE_BLOCK = 32
+BLOCK_N = 64
+BLOCK_K = 64
+BLOCK_K_FP32 = 32  # fp32 tiles take twice the registers / shared memory
+NUM_WARPS = 4
+NUM_STAGES = 3
+
+
+def align_pairs_by_expert(
+    topk_ids: torch.Tensor, num_experts: int, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sort routed pairs by expert, each expert's run padded to a multiple of block_m.
+
+    Returns (sorted_pair_ids [padded_len] int32, block_experts [padded_len // block_m] int32):
+    sorted_pair_ids holds pair indices (token * top_k + slot) in expert order, padding slots hold
+    num_pairs (the kernels skip them); block_experts[b] is the expert of rows
+    [b * block_m, (b + 1) * block_m), or num_experts for blocks past the last expert's run.
+    """
+    device = topk_ids.device
+    flat = topk_ids.flatten().to(torch.int64)
+    num_pairs = flat.numel()
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))  # bincount without a host sync
+    padded = (counts + block_m - 1) // block_m * block_m
+    padded_end = padded.cumsum(0)
+    padded_start = padded_end - padded
+    run_start = counts.cumsum(0) - counts
+    sorted_experts, order = torch.sort(flat, stable=True)
+    rank_in_run = torch.arange(num_pairs, device=device) - run_start[sorted_experts]
+    # Each expert that receives a pair adds at most block_m - 1 padding rows.
+    bound = num_pairs + min(num_experts, num_pairs) * (block_m - 1)
+    padded_len = triton.cdiv(bound, block_m) * block_m
+    sorted_pair_ids = torch.full((padded_len,), num_pairs, dtype=torch.int32, device=device)
+    sorted_pair_ids[padded_start[sorted_experts] + rank_in_run] = order.to(torch.int32)
+    block_starts = torch.arange(0, padded_len, block_m, device=device)
+    # Experts with padded_end <= start have all finished: their count is this block's expert.
+    block_experts = torch.searchsorted(padded_end, block_starts, right=True).to(torch.int32)
+    return sorted_pair_ids, block_experts
+
+
+@triton.jit
+def _grouped_gemm_kernel(
+    a_ptr,  # gate/up: x [tokens, K]; down: h [pairs, K]
+    w_ptr,  # gate/up: [experts, 2 * N, K]; down: [experts, N, K]
+    out_ptr,  # [pairs, N]
+    pair_weights_ptr,  # [pairs] fp32 routing weights (down pass only)
+    sorted_pair_ids_ptr,
+    block_experts_ptr,
+    num_pairs,
+    num_experts,
+    top_k,
+    # N and K are fixed per model, so compile-time constants cost no extra compiles; runtime ints
+    # in range() also trip Triton's interpreter under numpy 2.x.
+    N: tl.constexpr,
+    K: tl.constexpr,
+    stride_am,
+    stride_we,
+    stride_wn,
+    stride_om,
+    GATE_UP: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,  # "ieee" for fp32 parity, else "tf32" (ignored for bf16)
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    expert = tl.load(block_experts_ptr + pid_m).to(tl.int64)
+    if expert == num_experts:  # past the last expert's run
+        return
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pairs = tl.load(sorted_pair_ids_ptr + offs_m).to(tl.int64)
+    row_ok = pairs < num_pairs  # padding rows hold num_pairs
+    if GATE_UP:  # noqa: SIM108 (a compile-time branch: Triton's documented form)
+        a_rows = pairs // top_k  # x rows are tokens
+    else:
+        a_rows = pairs  # h rows are pairs
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :]
+    # B tile [BLOCK_K, BLOCK_N] = W[expert, n, k] transposed
+    w_ptrs = w_ptr + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = offs_k < K - k0
+        a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        w_mask = k_ok[:, None] & col_ok[None, :]
+        acc += tl.dot(a, tl.load(w_ptrs, mask=w_mask, other=0.0), input_precision=INPUT_PRECISION)
+        if GATE_UP:  # the up rows sit N rows below the gate rows
+            w_up = tl.load(w_ptrs + N * stride_wn, mask=w_mask, other=0.0)
+            acc_up += tl.dot(a, w_up, input_precision=INPUT_PRECISION)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    if GATE_UP:
+        result = acc * tl.sigmoid(acc) * acc_up
+    else:
+        result = acc * tl.load(pair_weights_ptr + pairs, mask=row_ok, other=0.0)[:, None]
+    out_ptrs = out_ptr + pairs[:, None] * stride_om + offs_n[None, :]
+    tl.store(out_ptrs, result.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+def _launch(
+    a: torch.Tensor,
+    w: torch.Tensor,
+    out: torch.Tensor,
+    pair_weights: torch.Tensor,
+    sorted_pair_ids: torch.Tensor,
+    block_experts: torch.Tensor,
+    top_k: int,
+    gate_up: bool,
+    block_m: int,
+) -> None:
+    num_pairs, n = out.shape
+    k = a.shape[1]
+    assert a.stride(1) == 1 and w.stride(2) == 1, "the kernel assumes a unit stride along K"
+    block_k = BLOCK_K_FP32 if a.dtype == torch.float32 else BLOCK_K
+    grid = (block_experts.numel(), triton.cdiv(n, BLOCK_N))
+    _grouped_gemm_kernel[grid](
+        a, w, out, pair_weights, sorted_pair_ids, block_experts,
+        num_pairs, w.shape[0], top_k, n, k,
+        a.stride(0), w.stride(0), w.stride(1), out.stride(0),
+        GATE_UP=gate_up, INPUT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+        BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=block_k,
+        num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+    )  # fmt: skip
+
+
+def fused_moe(
+    x: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> torch.Tensor:
+    """Same contract as `moe_torch`: x [tokens, hidden]; gate_up [experts, 2 * inter, hidden];
+    down [experts, hidden, inter]; topk_weights / topk_ids [tokens, top_k]."""
+    num_tokens, hidden = x.shape
+    num_experts, inter = down.shape[0], down.shape[2]
+    top_k = topk_ids.shape[1]
+    num_pairs = num_tokens * top_k
+    if num_tokens == 0:
+        return torch.zeros_like(x)
+    x = x.contiguous()
+    rows_per_expert = num_pairs / num_experts
+    block_m = LARGE_BLOCK_M if rows_per_expert >= ROWS_PER_EXPERT_FOR_LARGE_BLOCK else SMALL_BLOCK_M
+    sorted_pair_ids, block_experts = align_pairs_by_expert(topk_ids, num_experts, block_m)
+    pair_weights = topk_weights.flatten().to(torch.float32).contiguous()
+    h = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
+    _launch(x, gate_up, h, pair_weights, sorted_pair_ids, block_experts, top_k, True, block_m)
+    y = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
+    _launch(h, down, y, pair_weights, sorted_pair_ids, block_experts, top_k, False, block_m)
+    return y.view(num_tokens, top_k, hidden).sum(dim=1)

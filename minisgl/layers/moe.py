@@ -1,0 +1,193 @@
+"""Sparse mixture-of-experts block (Qwen3-MoE): a top-k softmax router over SiLU-gated experts.
+
+Experts are tensor parallel over their intermediate dimension, exactly like a dense MLP: every
+rank holds a slice of every expert's gate/up rows and down columns, the router is replicated (so
+every rank routes every token the same way), and the partial outputs are all-reduced once.
+
+Weights are stored fused per layer: `experts.gate_up_proj` [experts, 2 * inter_shard, hidden]
+(gate rows, then up rows) and `experts.down_proj` [experts, hidden, inter_shard], the layout
+transformers 5.x keeps in memory. Hub checkpoints store one tensor per expert and projection
+(`experts.{e}.gate_proj.weight`); both load (`load_expert`, `load_fused`).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from minisgl.distributed import all_reduce, divide, get_tp_info
+
+logger = logging.getLogger(__name__)
+
+# The per-expert projections of the hub layout, in the order they sit in `gate_up_proj` / alone.
+GATE_UP_PIECES = ("gate_proj", "up_proj")
+DOWN_PIECE = "down_proj"
+EXPERT_PIECES = (*GATE_UP_PIECES, DOWN_PIECE)
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    """Where and how a decoder uses experts (models/config.py parses it from config.json)."""
+
+    num_experts: int
+    top_k: int  # experts per token (num_experts_per_tok)
+    intermediate_size: int  # per expert (moe_intermediate_size)
+    norm_topk_prob: bool  # renormalise the top-k probabilities to sum to 1
+    sparse_step: int = 1  # decoder_sparse_step: every sparse_step-th layer is sparse
+    mlp_only_layers: tuple[int, ...] = ()  # layers that keep a dense MLP regardless
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.top_k <= self.num_experts:
+            raise ValueError(
+                f"num_experts_per_tok ({self.top_k}) must be in "
+                f"[1, num_experts ({self.num_experts})]"
+            )
+        if self.sparse_step < 1:
+            raise ValueError(f"decoder_sparse_step ({self.sparse_step}) must be >= 1")
+
+    def is_sparse(self, layer_id: int) -> bool:
+        """Same rule as transformers' Qwen3MoeDecoderLayer."""
+        return layer_id not in self.mlp_only_layers and (layer_id + 1) % self.sparse_step == 0
+
+
+class TopKRouter(nn.Module):
+    """Softmax over all experts in fp32, keep the top k (optionally renormalised)."""
+
+    def __init__(self, hidden_size: int, cfg: MoeConfig) -> None:
+        super().__init__()
+        self.top_k = cfg.top_k
+        self.norm_topk_prob = cfg.norm_topk_prob
+        self.weight = nn.Parameter(torch.empty(cfg.num_experts, hidden_size), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [tokens, hidden] -> (weights [tokens, top_k] fp32, expert ids [tokens, top_k])."""
+        probs = torch.softmax(F.linear(x, self.weight), dim=-1, dtype=torch.float32)
+        weights, expert_ids = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights, expert_ids
+
+
+class Experts(nn.Module):
+    """This rank's slice of every expert; forward returns the partial (pre-all-reduce) output."""
+
+    def __init__(self, hidden_size: int, cfg: MoeConfig) -> None:
+        super().__init__()
+        self.num_experts = cfg.num_experts
+        self.full_inter = cfg.intermediate_size
+        self.inter_shard = divide(
+            cfg.intermediate_size, get_tp_info().size, "moe_intermediate_size"
+        )
+        shape_gate_up = (cfg.num_experts, 2 * self.inter_shard, hidden_size)
+        shape_down = (cfg.num_experts, hidden_size, self.inter_shard)
+        self.gate_up_proj = nn.Parameter(torch.empty(shape_gate_up), requires_grad=False)
+        self.down_proj = nn.Parameter(torch.empty(shape_down), requires_grad=False)
+
+    def _inter_slice(self) -> slice:
+        start = get_tp_info().rank * self.inter_shard
+        return slice(start, start + self.inter_shard)
+
+    def load_expert(self, name: str, full: torch.Tensor, expert: int, piece: str) -> None:
+        """Copy this rank's slice of one hub-layout tensor (`experts.{expert}.{piece}.weight`)."""
+        if not 0 <= expert < self.num_experts:
+            raise ValueError(
+                f"weight '{name}': expert {expert} out of range (config.json says "
+                f"num_experts={self.num_experts})"
+            )
+        hidden = self.down_proj.shape[1]
+        inter = self._inter_slice()
+        if piece == DOWN_PIECE:
+            _check_shape(name, full, (hidden, self.full_inter))
+            self.down_proj.data[expert].copy_(full[:, inter])
+            return
+        _check_shape(name, full, (self.full_inter, hidden))
+        offset = GATE_UP_PIECES.index(piece) * self.inter_shard
+        self.gate_up_proj.data[expert, offset : offset + self.inter_shard].copy_(full[inter])
+
+    def load_fused(self, name: str, full: torch.Tensor, param: nn.Parameter) -> None:
+        """Copy this rank's slice of a fused tensor (transformers 5.x in-memory layout)."""
+        hidden = self.down_proj.shape[1]
+        inter = self._inter_slice()
+        if param is self.down_proj:
+            _check_shape(name, full, (self.num_experts, hidden, self.full_inter))
+            self.down_proj.data.copy_(full[:, :, inter])
+            return
+        _check_shape(name, full, (self.num_experts, 2 * self.full_inter, hidden))
+        gate, up = full.split(self.full_inter, dim=1)
+        self.gate_up_proj.data[:, : self.inter_shard].copy_(gate[:, inter])
+        self.gate_up_proj.data[:, self.inter_shard :].copy_(up[:, inter])
+
+    def forward(
+        self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    ) -> torch.Tensor:
+        if x.is_cuda and triton_available():
+            from minisgl.layers.fused_moe_triton import fused_moe
+
+            return fused_moe(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids)
+        return moe_torch(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids)
+
+
+def _check_shape(name: str, tensor: torch.Tensor, expected: tuple[int, ...]) -> None:
+    if tuple(tensor.shape) != expected:
+        raise ValueError(
+            f"weight '{name}': checkpoint shape {tuple(tensor.shape)}, expected {expected} "
+            "from config.json (num_experts, hidden_size, moe_intermediate_size)"
+        )
+
+
+@functools.cache
+def triton_available() -> bool:
+    if importlib.util.find_spec("triton") is None:
+        logger.warning("triton is not installed: MoE layers use the slower torch path on CUDA")
+        return False
+    return True
+
+
+def moe_torch(
+    x: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> torch.Tensor:
+    """Reference path (CPU): loop over the experts that received tokens.
+
+    x [tokens, hidden]; gate_up [experts, 2 * inter, hidden]; down [experts, hidden, inter];
+    topk_weights / topk_ids [tokens, top_k]. Returns sum_k w_k * expert_k(x) per token.
+    """
+    top_k = topk_ids.shape[1]
+    flat_ids = topk_ids.flatten()
+    order = torch.argsort(flat_ids, stable=True)  # (token, slot) pairs grouped by expert
+    counts = torch.bincount(flat_ids, minlength=gate_up.shape[0]).tolist()
+    flat_weights = topk_weights.flatten().to(x.dtype)
+    out = torch.zeros_like(x)
+    start = 0
+    for expert, count in enumerate(counts):
+        if count == 0:
+            continue
+        pairs = order[start : start + count]
+        start += count
+        tokens = pairs // top_k
+        gate, up = F.linear(x[tokens], gate_up[expert]).chunk(2, dim=-1)
+        y = F.linear(F.silu(gate) * up, down[expert])
+        out.index_add_(0, tokens, y * flat_weights[pairs, None])
+    return out
+
+
+class SparseMoeBlock(nn.Module):
+    """Drop-in for a dense MLP: [tokens, hidden] -> [tokens, hidden], reduced over tp ranks."""
+
+    def __init__(self, hidden_size: int, cfg: MoeConfig) -> None:
+        super().__init__()
+        self.gate = TopKRouter(hidden_size, cfg)  # HF name: mlp.gate.weight
+        self.experts = Experts(hidden_size, cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        topk_weights, topk_ids = self.gate(x)
+        return all_reduce(self.experts(x, topk_weights, topk_ids))
