@@ -16,8 +16,11 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
 CHECK_BUDGET_S=${CHECK_BUDGET_S:-460}
-OUT_DIR=${OUT:-/tmp/gpu_check}
-mkdir -p "$OUT_DIR"
+# Logs stay here; $OUT (what comes back from the device, at most 8 files) gets one tarball of
+# them, the compiled FlashInfer modules and the console output.
+OUT_DIR=/tmp/gpu_check
+RETURN_DIR=${OUT:-/tmp/gpu_check_out}
+mkdir -p "$OUT_DIR" "$RETURN_DIR"
 SITE=/tmp/site
 export PYTHONPATH="$PWD"
 if [ -d .whl ]; then
@@ -40,10 +43,11 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda', torc
 python3 -c "import flashinfer; print('flashinfer', flashinfer.__version__)" || true
 
 results=()
+SKIP_STEPS=${SKIP_STEPS:-}  # e.g. "tests_moe kernel_bench": steps a rerun need not repeat
 run() {  # name, time limit in seconds, command...
   local name=$1 limit=$2; shift 2
   local left=$((CHECK_BUDGET_S - SECONDS)) start=$SECONDS status
-  if [ "$left" -lt 20 ]; then
+  if [ "$left" -lt 20 ] || [[ " $SKIP_STEPS " == *" $name "* ]]; then
     results+=("$(printf '%-28s %-8s %5ss' "$name" skipped 0)")
     return
   fi
@@ -67,42 +71,34 @@ timeout 300 python3 -c "from minisgl import LLM; LLM('$MODEL', attention_backend
 num_pages=512, max_running_requests=8).shutdown(); print('flashinfer warm')" \
   > "$OUT_DIR/flashinfer_warmup.log" 2>&1 &
 warmup_pid=$!
-run tests_triton_torch 200 python3 -m pytest -q -s -x -p no:cacheprovider tests/test_cuda.py \
+run tests_triton_torch 150 python3 -m pytest -q -s -x -p no:cacheprovider tests/test_cuda.py \
   -k "not flashinfer"
 wait "$warmup_pid"; echo "flashinfer warm-up exit $?, at ${SECONDS}s"; tail -n 3 "$OUT_DIR/flashinfer_warmup.log"
-run tests_flashinfer 150 python3 -m pytest -q -s -x -p no:cacheprovider tests/test_cuda.py \
+run tests_flashinfer 120 python3 -m pytest -q -s -x -p no:cacheprovider tests/test_cuda.py \
   -k flashinfer
-run kernel_bench 60 python3 benchmark/kernels/bench_attention.py
-# The fused Triton MoE kernel compiled for CUDA (fp32 and bf16) and Qwen3-MoE HF parity through it
-# (tp 2 needs two GPUs).
-run tests_moe 90 python3 -m pytest -q -x -p no:cacheprovider tests/test_fused_moe.py \
-  tests/test_moe.py --deselect "tests/test_moe.py::test_qwen3_moe_matches_hf[2]"
+# One process, a fresh engine per config: FlashInfer then Triton, each with graphs on/off and
+# overlap on/off (results print as they finish, so a time limit still leaves the first ones).
+run bench_matrix 400 python3 benchmark/offline/bench.py --model "$MODEL" --num-requests 256 \
+  --page-size 16 --min-input-len 100 --max-input-len 1024 --min-output-len 100 \
+  --max-output-len 1024 --gpu-matrix --backends flashinfer,triton
+run kernel_bench 40 python3 benchmark/kernels/bench_attention.py
 run tests_tiny_parity 60 python3 -m pytest -q -x -p no:cacheprovider tests/test_model_parity.py \
   -k tiny
-
-BENCH=(python3 benchmark/offline/bench.py --model "$MODEL" --num-requests 256 --page-size 16
-  --min-input-len 100 --max-input-len 1024 --min-output-len 100 --max-output-len 1024)
-# Most telling first: each backend at its best, then overlap off, then graphs off.
-for config in flashinfer:on:on triton:on:on flashinfer:off:on flashinfer:on:off \
-  triton:off:on triton:on:off flashinfer:off:off triton:off:off; do
-  IFS=: read -r backend overlap graphs <<< "$config"
-  run "bench_${backend}_ov-${overlap}_g-${graphs}" 75 "${BENCH[@]}" \
-    --attention-backend "$backend" --overlap "$overlap" --cuda-graphs "$graphs"
-done
+# The fused Triton MoE kernel compiled for CUDA (fp32 and bf16) and Qwen3-MoE HF parity through it
+# (tp 2 needs two GPUs).
+run tests_moe 60 python3 -m pytest -q -x -p no:cacheprovider tests/test_fused_moe.py \
+  tests/test_moe.py --deselect "tests/test_moe.py::test_qwen3_moe_matches_hf[2]"
 
 # Pack FlashInfer's compiled modules for the next run (see the header).
 (cd "$FLASHINFER_WORKSPACE_BASE" 2>/dev/null && find . -name '*.so' -path '*cached_ops*' \
-  | tar -cf "$OUT_DIR/fi_aot.tar" -T - 2>/dev/null) || true
+  | tar -cf "$RETURN_DIR/fi_aot.tar" -T - 2>/dev/null) || true
+tar -czf "$RETURN_DIR/logs.tar.gz" -C "$OUT_DIR" . 2>/dev/null || true
 nvidia-smi --query-gpu=memory.used,memory.total --format=csv,noheader || true
 
 echo
 echo "== gpu_check summary (${SECONDS}s) =="
 printf '%s\n' "${results[@]}"
-echo "-- benchmark: output tok/s (256 requests, in/out uniform 100..1024, Qwen3-0.6B shape, bf16)"
-for log in "$OUT_DIR"/bench_*.log; do
-  [ -e "$log" ] || continue
-  printf '%-34s %s\n' "$(basename "$log" .log)" \
-    "$(grep -o 'output [0-9.]* tok/s' "$log" | tail -n 1)"
-done
-grep -h "GPU memory:\|captured" "$OUT_DIR"/bench_flashinfer_ov-on_g-on.log 2>/dev/null | head -n 2
+echo "-- benchmark: 256 requests, in/out uniform 100..1024, Qwen3-0.6B shape, bf16"
+grep -h "^minisgl radix" "$OUT_DIR/bench_matrix.log" | grep "tok/s" | sed 's/tokens in/tok,/'
+grep -h "GPU memory:\|captured" "$OUT_DIR/bench_matrix.log" 2>/dev/null | head -n 2
 grep -h "bf16 |logprob" "$OUT_DIR"/tests_*.log 2>/dev/null

@@ -21,12 +21,18 @@ runs it for each attention backend with overlap on/off and CUDA graphs on/off (o
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
+import json
 import logging
 import random
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -268,6 +274,27 @@ def run_minisgl(args: argparse.Namespace, workload: Workload, config: EngineConf
     return fastest(runs)
 
 
+def run_isolated(argv: list[str], config: EngineConfig) -> RunResult:
+    """Run one config in a child process: a GPU engine sizes its KV pool from free memory, so
+    each config must start from an empty device, not from what the previous one left cached."""
+    graphs = {None: "default", True: "on", False: "off"}[config.graphs]
+    with tempfile.TemporaryDirectory() as tmp:
+        result_path = Path(tmp) / "result.json"
+        child = [
+            *argv,
+            "--cache-type", config.cache_type,
+            "--overlap", config.overlap,
+            "--attention-backend", config.attention_backend,
+            "--cuda-graphs", graphs,
+            "--result-json", str(result_path),
+        ]  # fmt: skip
+        proc = subprocess.run([sys.executable, __file__, *child], check=False)
+        if proc.returncode != 0:
+            print(f"== {config.label}: FAILED (exit {proc.returncode})", flush=True)
+            return RunResult(config.label + " FAILED", 0, 0, 0, float("nan"), 0.0)
+        return RunResult(**json.loads(result_path.read_text()))
+
+
 def fastest(runs: list[RunResult]) -> RunResult:
     """Other load on the machine only ever slows a run down: the fastest repeat is the estimate."""
     best = min(runs, key=lambda r: r.total_s)
@@ -467,6 +494,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="each of --backends x overlap on/off x graphs on/off, fresh LLM each",
     )
     p.add_argument("--backends", default="flashinfer,triton", help="for --gpu-matrix")
+    p.add_argument("--result-json", default=None, help=argparse.SUPPRESS)  # isolated child runs
     args = p.parse_args(argv)
     if args.min_input_len > args.max_input_len or args.min_output_len > args.max_output_len:
         p.error("--min-* must not exceed --max-*")
@@ -499,7 +527,16 @@ def main(argv: list[str] | None = None) -> None:
         f"workload {workload.name}: {len(workload.prompts)} requests, "
         f"{workload.num_input_tokens} input tokens, {workload.num_output_tokens} output tokens"
     )
-    results = [run_minisgl(args, workload, config) for config in configs_to_run(args)]
+    configs = configs_to_run(args)
+    if args.gpu_matrix:
+        # Each config in its own process (see run_isolated); the child prints its own lines.
+        base = [a for a in (argv if argv is not None else sys.argv[1:]) if a != "--gpu-matrix"]
+        results = [run_isolated(base, config) for config in configs]
+    else:
+        results = [run_minisgl(args, workload, config) for config in configs]
+        if args.result_json:
+            Path(args.result_json).write_text(json.dumps(dataclasses.asdict(results[0])))
+            return
     if args.hf:
         results.append(run_hf(args, workload))
     print_table(results, workload)

@@ -94,7 +94,7 @@ def _profile_prefill(engine: Engine) -> int:
     """Peak bytes allocated by one forward of the largest prefill chunk, through a temporary
     pool just large enough for it (the dummy table row maps its positions)."""
     device = engine.device
-    num_tokens = min(engine.max_prefill_tokens, engine.tables.width - 1)
+    num_tokens = min(engine.max_prefill_tokens, engine.max_model_len)
     num_pages = -(-num_tokens // engine.page_size)
     pool = KVPool(engine.kv_shape, num_pages, engine.page_size, engine.dtype, device)
     row = engine.tables.dummy_row
