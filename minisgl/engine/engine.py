@@ -28,6 +28,7 @@ from minisgl.engine.graph import GraphRunner
 from minisgl.engine.memory import plan_kv_pages
 from minisgl.engine.sampler import SamplingBatch, sample
 from minisgl.engine.tables import DeviceTables
+from minisgl.kernels import cpu as cpu_kernels
 from minisgl.kvcache.pool import KVPool, KVShape
 from minisgl.models.config import ModelConfig, load_model_config
 from minisgl.models.llama import CausalLM, local_head_counts
@@ -139,6 +140,10 @@ class Engine:
         finally:
             torch.set_default_dtype(previous)
         load_weights(model, self.model_path)
+        if self.device.type == "cpu" and self.dtype == torch.float32:
+            kernels = cpu_kernels.get()  # None: not buildable here, or MINISGL_CPU_KERNELS=0
+            if kernels is not None:
+                model.use_cpu_kernels(kernels)
         return model.eval()
 
     def _graph_max_batch_size(self) -> int:
@@ -168,6 +173,8 @@ class Engine:
             return self._sample(batch, logits)
 
     def _forward_eager(self, batch: ForwardBatch) -> torch.Tensor:
+        if batch.is_decode and self.model.cpu_decode_stack is not None:
+            return self._forward_decode_cpu(batch)
         extend = torch.tensor(batch.extend_lens, dtype=torch.int64)
         rows = torch.tensor(batch.table_rows, dtype=torch.int64)
         prefix = torch.tensor(batch.prefix_lens, dtype=torch.int64)
@@ -197,6 +204,17 @@ class Engine:
         ctx = ForwardContext(self.backend, self.kv_pool, self.backend.prepare(attn))
         with forward_context(ctx):
             return self.model(input_ids, positions_d, last_d)
+
+    def _forward_decode_cpu(self, batch: ForwardBatch) -> torch.Tensor:
+        """A decode-only batch on CPU: one fused kernel call for the whole decoder stack (see
+        models/cpu_decoder.py), with none of the per-step attention metadata."""
+        rows = torch.tensor(batch.table_rows, dtype=torch.int64)
+        positions = torch.tensor(batch.prefix_lens, dtype=torch.int64)
+        input_ids = self.token_table[rows, positions].long()
+        out_slots = self.page_table[rows, positions].long()
+        return self.model.forward_decode_cpu(
+            input_ids, positions, out_slots, self.page_table, rows, positions + 1, self.kv_pool
+        )
 
     def _sample(self, batch: ForwardBatch, logits: torch.Tensor) -> PendingOutput:
         seqs = [i for i, p in enumerate(batch.sampling) if p is not None]

@@ -1,0 +1,245 @@
+"""The fp32 CPU kernels (minisgl/kernels) against torch's own ops, and the engine with and
+without them.
+
+Each kernel is compared with the torch reference it replaces, on odd shapes (sizes that are not
+multiples of the vector width or panel width, strided views, grouped heads, shuffled pages).
+Whole models: the kernels' greedy tokens and logprobs equal the torch path's, and the fused
+decode stack (one call per step) equals the op-by-op kernels.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from minisgl import LLM, SamplingParams
+from minisgl.attention.base import AttentionBatch
+from minisgl.attention.torch_native import TorchNativeBackend
+from minisgl.kernels import cpu
+from minisgl.kvcache.pool import KVPool, KVShape
+from minisgl.layers.norm import RMSNorm
+from minisgl.layers.rope import RopeConfig, RotaryEmbedding
+
+ATOL = 1e-5  # values of order 1: fp32 sums in another order
+LOGPROB_ATOL = 1e-4
+
+KERNELS = cpu.get()
+pytestmark = pytest.mark.skipif(KERNELS is None, reason="no C compiler: the torch path serves")
+
+
+def _kernels() -> cpu.CpuKernels:
+    assert KERNELS is not None
+    return KERNELS
+
+
+def _randn(*shape: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize(
+    ("rows", "in_features", "out_features"),
+    [(1, 576, 960), (3, 64, 33), (13, 37, 100), (100, 96, 250), (1, 1, 1)],
+)
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_matches_f_linear(rows, in_features, out_features, bias):
+    k = _kernels()
+    w = _randn(out_features, in_features, seed=1) / in_features**0.5
+    b = _randn(out_features, seed=2) if bias else None
+    x = _randn(rows, in_features, seed=3)
+    got = k.linear(x, k.pack(w), b)
+    torch.testing.assert_close(got, F.linear(x, w, b), atol=ATOL, rtol=ATOL)
+    # a strided view (every other row) and a leading batch dimension
+    wide = _randn(2 * rows, in_features, seed=4)
+    torch.testing.assert_close(k.linear(wide[::2], k.pack(w), b), F.linear(wide[::2], w, b))
+    x3 = x.view(1, rows, in_features)
+    assert k.linear(x3, k.pack(w), b).shape == (1, rows, out_features)
+
+
+def test_linear_does_not_depend_on_thread_count_or_batch():
+    """Each output element is one sum over k in a fixed order: bitwise equal whatever the
+    threads or the other rows (a sequence's tokens do not depend on its batch mates)."""
+    k = _kernels()
+    w = k.pack(_randn(300, 128, seed=5))
+    x = _randn(40, 128, seed=6)
+    previous = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = k.linear(x, w)
+        torch.set_num_threads(2)
+        two = k.linear(x, w)
+    finally:
+        torch.set_num_threads(previous)
+    assert torch.equal(one, two)
+    assert torch.equal(k.linear(x[5:6], w), one[5:6])
+
+
+def test_rmsnorm_with_and_without_residual():
+    k = _kernels()
+    norm = RMSNorm(70, 1e-6)
+    norm.weight.data = _randn(70, seed=7)
+    x, residual = _randn(9, 70, seed=8), _randn(9, 70, seed=9)
+    torch.testing.assert_close(k.rmsnorm(x, norm.weight, 1e-6), norm._reference(x))
+    summed = x + residual
+    got = k.rmsnorm(x, norm.weight, 1e-6, residual)
+    torch.testing.assert_close(got, norm._reference(summed))
+    assert torch.equal(residual, summed)  # the fused add wrote the sum back
+
+
+def test_head_norm_in_place_on_a_strided_view():
+    k = _kernels()
+    qkv = _randn(5, 4 * 32 + 2 * 2 * 32, seed=10)
+    q = qkv[:, : 4 * 32].view(5, 4, 32)
+    norm = RMSNorm(32, 1e-6)
+    norm.weight.data = _randn(32, seed=11)
+    want = norm._reference(q.clone())
+    untouched = qkv[:, 4 * 32 :].clone()
+    assert k.rmsnorm_heads_(q, norm.weight, 1e-6)
+    torch.testing.assert_close(q, want)
+    assert torch.equal(qkv[:, 4 * 32 :], untouched)
+
+
+def test_silu_mul_matches_torch_over_the_whole_range():
+    k = _kernels()
+    gate = torch.cat([torch.linspace(-120, 120, 2001), _randn(99, seed=12) * 4]).view(4, -1)
+    up = _randn(*gate.shape, seed=13)
+    got = k.silu_mul(torch.cat([gate, up], dim=-1))
+    torch.testing.assert_close(got, F.silu(gate) * up, atol=ATOL, rtol=1e-5)
+
+
+@pytest.mark.parametrize("head_dim", [64, 18])
+def test_rope_in_place_matches_the_reference(head_dim):
+    k = _kernels()
+    rope = RotaryEmbedding(head_dim, 512, RopeConfig(10000.0))
+    qkv = _randn(6, (3 + 2) * head_dim, seed=14)
+    q = qkv[:, : 3 * head_dim].view(6, 3, head_dim)
+    key = qkv[:, 3 * head_dim : 4 * head_dim].view(6, 1, head_dim)
+    positions = torch.tensor([0, 1, 7, 100, 511, 3])
+    want_q, want_k = q.clone(), key.clone()
+    cos = rope.cos_cache[positions].unsqueeze(1)
+    sin = rope.sin_cache[positions].unsqueeze(1)
+    half = head_dim // 2
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
+
+    want_q, want_k = rotate(want_q), rotate(want_k)
+    assert k.rope_(q, key, positions, rope.cos_cache, rope.sin_cache)
+    torch.testing.assert_close(q, want_q, atol=ATOL, rtol=ATOL)
+    torch.testing.assert_close(key, want_k, atol=ATOL, rtol=ATOL)
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(9, 3, 64), (4, 4, 20)])
+def test_paged_decode_attention_matches_sdpa(page_size, num_heads, num_kv_heads, head_dim):
+    """A mixed batch (decodes of very different KV lengths around a prefill chunk) over a
+    shuffled pool: the kernel's decodes equal the padded-SDPA reference's."""
+    # (prefix_len, extend_len); 1100 spans three of the kernel's 512-position work items
+    seqs = [(1100, 1), (5, 1), (0, 7), (129, 1), (0, 1)]
+    g = torch.Generator().manual_seed(15)
+    num_pages = sum(-(-(pre + ext) // page_size) for pre, ext in seqs) + 4
+    pool = KVPool(
+        KVShape(2, num_kv_heads, head_dim), num_pages, page_size, torch.float32, torch.device("cpu")
+    )
+    pool.buffer.copy_(torch.randn(pool.buffer.shape, generator=g))
+    width = max(-(-(pre + ext) // page_size) for pre, ext in seqs) * page_size
+    page_table = torch.zeros(len(seqs) + 1, width, dtype=torch.int32)
+    pages = torch.randperm(num_pages, generator=g).tolist()
+    for row, (pre, ext) in enumerate(seqs):
+        for p in range(-(-(pre + ext) // page_size)):
+            page = pages.pop()
+            page_table[row, p * page_size : (p + 1) * page_size] = torch.arange(
+                page * page_size, (page + 1) * page_size
+            )
+    rows = torch.tensor([1, 0, 2, 3, 4])  # not in order: rows and sequences are distinct
+    page_table[rows] = page_table[: len(seqs)].clone()
+    prefix = torch.tensor([pre for pre, _ in seqs])
+    kv_lens = prefix + torch.tensor([ext for _, ext in seqs])
+    token_rows = rows.repeat_interleave(kv_lens - prefix)
+    positions = torch.cat([torch.arange(pre, pre + ext) for pre, ext in seqs])
+    batch = AttentionBatch(
+        table_rows=rows,
+        prefix_lens=prefix,
+        kv_lens=kv_lens,
+        out_slots=page_table[token_rows, positions].long(),
+        page_table=page_table,
+        prefix_lens_cpu=prefix.tolist(),
+        kv_lens_cpu=kv_lens.tolist(),
+        page_size=page_size,
+    )
+    num_tokens = positions.numel()
+    q = torch.randn(num_tokens, num_heads, head_dim, generator=g)
+    k = torch.randn(num_tokens, num_kv_heads, head_dim, generator=g)
+    v = torch.randn(num_tokens, num_kv_heads, head_dim, generator=g)
+    backend = TorchNativeBackend()
+    scale = head_dim**-0.5
+    kernel_meta = backend.prepare(batch)
+    assert kernel_meta.kernel_decodes is not None
+    reference_meta = backend.prepare(batch)
+    reference_meta.kernel_decodes = None  # the SDPA path for everything
+    pool_before = pool.buffer.clone()
+    got = backend.forward(q, k, v, 1, scale, pool, kernel_meta)
+    stored = pool.buffer.clone()
+    pool.buffer.copy_(pool_before)
+    want = backend.forward(q, k, v, 1, scale, pool, reference_meta)
+    torch.testing.assert_close(got, want, atol=ATOL, rtol=ATOL)
+    assert torch.equal(stored, pool.buffer)  # the kernel stored the same K/V
+
+
+# ---- whole models -------------------------------------------------------------------------------
+
+PROMPTS = [[5, 17, 300, 2, 9] * 3, [42], list(range(100, 140)), [7, 7, 7, 1000, 3]]
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
+
+
+def _generate(model_dir, **options):
+    with LLM(str(model_dir), dtype="float32", num_pages=256, page_size=4, **options) as llm:
+        outs = llm.generate(PROMPTS, GREEDY)
+        llm.check_page_accounting()
+        return outs, llm.scheduler.engine.model  # type: ignore[attr-defined]
+
+
+def _assert_same(outs, ref_outs) -> None:
+    for out, ref in zip(outs, ref_outs, strict=True):
+        assert out.token_ids == ref.token_ids
+        for lp, ref_lp in zip(out.logprobs, ref.logprobs, strict=True):
+            assert lp.logprob == pytest.approx(ref_lp.logprob, abs=LOGPROB_ATOL)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_models_match_the_torch_path(tiny_models, monkeypatch, arch):
+    """Kernels (fused decode stack included) vs MINISGL_CPU_KERNELS=0, same greedy tokens;
+    qwen2 has q/k/v biases and tied embeddings, qwen3 per-head q/k norms."""
+    outs, model = _generate(tiny_models[arch])
+    assert model.cpu_decode_stack is not None
+    assert model.model.layers[0].self_attn.qkv_proj.packed is not None
+    monkeypatch.setenv(cpu.ENABLE_ENV, "0")
+    cpu.get.cache_clear()
+    try:
+        ref_outs, ref_model = _generate(tiny_models[arch])
+        assert ref_model.model.layers[0].self_attn.qkv_proj.packed is None
+    finally:
+        cpu.get.cache_clear()
+    _assert_same(outs, ref_outs)
+
+
+def test_fused_stack_matches_op_by_op_kernels(tiny_qwen3, monkeypatch):
+    """The one-call decode stack runs the op-by-op kernels in the same order: equal tokens."""
+    outs, _ = _generate(tiny_qwen3)
+    monkeypatch.setattr("minisgl.models.cpu_decoder.CpuDecodeStack.build", lambda *a: None)
+    op_outs, model = _generate(tiny_qwen3)
+    assert model.cpu_decode_stack is None
+    _assert_same(outs, op_outs)
+
+
+def test_without_a_compiler_the_torch_path_serves(tiny_qwen3, monkeypatch, caplog):
+    monkeypatch.setattr(cpu, "COMPILERS", ("no-such-compiler-here",))
+    cpu.get.cache_clear()
+    try:
+        assert cpu.get() is None
+        assert "CPU kernels unavailable" in caplog.text
+        outs, model = _generate(tiny_qwen3)
+        assert model.cpu_decode_stack is None
+        assert all(len(o.token_ids) == GREEDY.max_tokens for o in outs)
+    finally:
+        cpu.get.cache_clear()
