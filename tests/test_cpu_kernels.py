@@ -186,6 +186,36 @@ def test_paged_decode_attention_matches_sdpa(page_size, num_heads, num_kv_heads,
     assert torch.equal(stored, pool.buffer)  # the kernel stored the same K/V
 
 
+def test_seeded_uniform_is_bit_for_bit_the_torch_formula():
+    from minisgl.engine.sampler import _seeded_uniform_torch
+
+    seeds = torch.tensor([0, 1, 2**40 + 5, 123456789, 2**63 - 1])
+    positions = torch.tensor([0, 5, 100000, 3, 2**33])
+    got = _kernels().seeded_uniform(seeds, positions, 1003)
+    assert torch.equal(got, _seeded_uniform_torch(seeds, positions, 1003))
+
+
+def test_sampling_kernel_draws_the_torch_path_tokens(monkeypatch):
+    """Temperature sampling (and greedy rows) in one kernel pass: the same tokens as the torch
+    formula on every row (only a near-tie within fp32 rounding could differ)."""
+    from minisgl.core import SamplingParams
+    from minisgl.engine import sampler
+    from minisgl.engine.device import Device
+
+    vocab, rows = 5003, 48
+    logits = _randn(rows, vocab, seed=16) * 4
+    temps = [0.0 if i % 7 == 0 else 0.2 + 0.05 * i for i in range(rows)]
+    params = [SamplingParams(temperature=t) for t in temps]
+    batch = sampler.SamplingBatch.build(
+        params, list(range(rows)), [3 * i for i in range(rows)], vocab, Device(torch.device("cpu"))
+    )
+    got = sampler.sample(logits, batch).token_ids
+    monkeypatch.setattr(sampler, "cpu_kernels", lambda: None)
+    want = sampler.sample(logits, batch).token_ids
+    assert torch.equal(got, want)
+    assert len(set(got.tolist())) > rows // 2  # it did sample, not collapse to one token
+
+
 # ---- whole models -------------------------------------------------------------------------------
 
 PROMPTS = [[5, 17, 300, 2, 9] * 3, [42], list(range(100, 140)), [7, 7, 7, 1000, 3]]
@@ -243,3 +273,18 @@ def test_without_a_compiler_the_torch_path_serves(tiny_qwen3, monkeypatch, caplo
         assert all(len(o.token_ids) == GREEDY.max_tokens for o in outs)
     finally:
         cpu.get.cache_clear()
+
+
+def test_overlap_defaults_off_on_cpu_and_on_on_cuda(monkeypatch):
+    """Overlap scheduling only adds contention on CPU (the forward keeps every core busy):
+    `auto` leaves it off there and on for CUDA; `on` / `off` and the env flag override."""
+    from minisgl.config import DISABLE_OVERLAP_ENV, ServerArgs
+
+    monkeypatch.delenv(DISABLE_OVERLAP_ENV, raising=False)
+    auto = ServerArgs.from_kwargs()
+    assert auto.overlap == "auto"
+    assert not auto.overlap_enabled("cpu") and auto.overlap_enabled("cuda")
+    assert ServerArgs.from_kwargs(overlap="on").overlap_enabled("cpu")
+    assert not ServerArgs.from_kwargs(overlap="off").overlap_enabled("cuda")
+    monkeypatch.setenv(DISABLE_OVERLAP_ENV, "1")
+    assert not ServerArgs.from_kwargs(overlap="on").overlap_enabled("cuda")

@@ -43,7 +43,7 @@ logger = logging.getLogger(__name__)
 ENABLE_ENV = "MINISGL_CPU_KERNELS"  # "0" turns the kernels off
 CACHE_DIR_ENV = "MINISGL_CACHE_DIR"  # shared with the default model's cache (models/)
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
-ABI_VERSION = 3  # MG_ABI_VERSION in the C source
+ABI_VERSION = 5  # MG_ABI_VERSION in the C source
 COMPILERS = ("gcc", "cc")
 FLAGS = ("-O3", "-fopenmp", "-ffp-contract=fast", "-std=gnu11", "-shared", "-fPIC")
 NATIVE_FLAGS = ("-march=native",)  # dropped if the compiler rejects it
@@ -80,6 +80,8 @@ _SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
         [_P, _P, _I, _P, _P, _P, _I, _P, _P, _P, _I, _P, _P, ctypes.c_int],
     ),
     "mg_num_ops": (ctypes.c_int, []),
+    "mg_seeded_uniform": (None, [_P, _P, _I, _I, _P, ctypes.c_int]),
+    "mg_sample": (None, [_P, _I, _P, _P, _P, _I, _I, _P, ctypes.c_int]),
 }
 
 
@@ -295,6 +297,42 @@ class CpuKernels:
             torch.get_num_threads(),
         )  # fmt: skip
         return True
+
+    def seeded_uniform(
+        self, seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int
+    ) -> torch.Tensor:
+        """minisgl.engine.sampler.seeded_uniform, bit for bit: [rows, vocab] uniforms for int64
+        seeds and positions [rows]."""
+        seeds, positions = seeds.contiguous(), positions.contiguous()
+        out = torch.empty(seeds.numel(), vocab_size, dtype=torch.float32)
+        self._lib.mg_seeded_uniform(
+            seeds.data_ptr(), positions.data_ptr(), seeds.numel(), vocab_size, out.data_ptr(),
+            torch.get_num_threads(),
+        )  # fmt: skip
+        return out
+
+    def sample(
+        self,
+        logits: torch.Tensor,
+        temperatures: torch.Tensor,
+        seeds: torch.Tensor,
+        positions: torch.Tensor,
+    ) -> torch.Tensor:
+        """Token ids [rows] (int64): argmax of softmax(logits / t) / -log(u) per row, u the seeded
+        uniforms, greedy where the temperature is 0 (sampler.sample without filters)."""
+        ld = _row_stride(logits)
+        if ld is None:
+            logits = logits.contiguous()
+            ld = logits.stride(0)
+        temperatures = temperatures.contiguous()
+        seeds, positions = seeds.contiguous(), positions.contiguous()
+        rows, vocab = logits.shape
+        out = torch.empty(rows, dtype=torch.int64)
+        self._lib.mg_sample(
+            logits.data_ptr(), ld, temperatures.data_ptr(), seeds.data_ptr(),
+            positions.data_ptr(), rows, vocab, out.data_ptr(), torch.get_num_threads(),
+        )  # fmt: skip
+        return out
 
     # ---- KV pool and attention -------------------------------------------------------------
 
