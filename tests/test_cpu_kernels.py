@@ -130,7 +130,9 @@ def test_rope_in_place_matches_the_reference(head_dim):
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
-@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(9, 3, 64), (4, 4, 20)])
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim"), [(9, 3, 64), (4, 4, 20), (16, 2, 128), (10, 2, 40)]
+)
 def test_paged_decode_attention_matches_sdpa(page_size, num_heads, num_kv_heads, head_dim):
     """A mixed batch (decodes of very different KV lengths around a prefill chunk) over a
     shuffled pool: the kernel's decodes equal the padded-SDPA reference's."""

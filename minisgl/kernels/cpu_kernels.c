@@ -39,8 +39,9 @@
 #define ATTN_TILE 64 /* KV positions per online-softmax tile */
 #define ATTN_SPLIT 512 /* KV positions per work item: longer sequences split across threads */
 #define ATTN_MAX_HEADS 128 /* query heads (on this rank) */
+#define ATTN_MAX_GROUP_CHUNK 4 /* query heads of one KV head computed together */
 #define ATTN_MAX_HEAD_DIM 256
-#define ATTN_PREFETCH 4 /* K rows fetched this many positions ahead (latency-bound otherwise) */
+#define ATTN_PREFETCH 8 /* K rows fetched this many positions ahead (latency-bound otherwise) */
 
 typedef float vf __attribute__((vector_size(VW * sizeof(float))));
 typedef int32_t vi __attribute__((vector_size(VW * sizeof(int32_t))));
@@ -306,95 +307,141 @@ static inline void prefetch_row(const float* p, int64_t n) {
     for (int64_t i = 0; i < n; i += 64 / (int64_t)sizeof(float)) __builtin_prefetch(p + i, 0, 3);
 }
 
-/* Unnormalized attention of q ([hq, D]) over positions [begin, end): per head its running max
- * (part_max), sum of exponentials (part_sum) and exponential-weighted sum of V (part_acc,
- * [hq, D]). Inlined into a copy per common head_dim (see attend_range), so with D a constant
- * the vector loops unroll and a head's query and accumulator stay in registers. */
-static inline __attribute__((always_inline)) void attend_range_impl(
+/* Online-softmax update of `heads` rows of tile scores [.][ATTN_TILE] (n valid): turns them into
+ * exponentials, folds the tile into the running max / sum, and returns through `correction`
+ * the factor each head's accumulator must be scaled by first. */
+static inline void softmax_tile(float (*scores)[ATTN_TILE], int64_t heads, int64_t n,
+                                float* part_max, float* part_sum, float* correction) {
+    for (int64_t j = 0; j < heads; j++) {
+        float tile_max = -INFINITY;
+        for (int64_t t = 0; t < n; t++) tile_max = fmaxf(tile_max, scores[j][t]);
+        const float new_max = fmaxf(part_max[j], tile_max);
+        correction[j] = part_max[j] == -INFINITY ? 1.0f : sexp(part_max[j] - new_max);
+        part_max[j] = new_max;
+        int64_t t = 0;
+        vf sum = (vf){0};
+        for (; t + VW <= n; t += VW) {
+            vf p = vexp(vload(&scores[j][t]) - new_max);
+            vstore(&scores[j][t], p);
+            sum += p;
+        }
+        float tail = 0.0f;
+        for (; t < n; t++) {
+            scores[j][t] = sexp(scores[j][t] - new_max);
+            tail += scores[j][t];
+        }
+        part_sum[j] = part_sum[j] * correction[j] + vsum(sum) + tail;
+    }
+}
+
+/* Unnormalized attention of GC query heads q ([GC, D]) that share one KV head (at kv_offset in
+ * each K/V row) over positions [begin, end): per head the running max (part_max), the sum of
+ * exponentials (part_sum) and the exponential-weighted sum of V (part_acc, [GC, D]). Every K/V
+ * vector loaded serves all GC heads. Inlined into copies for constant GC and common D (see
+ * attend_heads), so queries, dot products and accumulators stay in registers. */
+static inline __attribute__((always_inline)) void attend_heads_impl(
     const float* q, const float* k_cache, const float* v_cache, const int32_t* slots,
-    int64_t begin, int64_t end, int64_t hk, int64_t group, const int64_t D, float scale,
-    float* part_max, float* part_sum, float* part_acc) {
-    const int64_t hq = hk * group, row_width = hk * D, vecs = D / VW, tail_start = vecs * VW;
-    float scores[ATTN_MAX_HEADS][ATTN_TILE];
+    int64_t begin, int64_t end, int64_t row_width, int64_t kv_offset, const int64_t GC,
+    const int64_t D, float scale, float* part_max, float* part_sum, float* part_acc) {
+    const int64_t vecs = D / VW, tail_start = vecs * VW;
+    float scores[ATTN_MAX_GROUP_CHUNK][ATTN_TILE];
+    float correction[ATTN_MAX_GROUP_CHUNK];
     const float* keys[ATTN_TILE];
     const float* values[ATTN_TILE];
-    for (int64_t h = 0; h < hq; h++) {
-        part_max[h] = -INFINITY;
-        part_sum[h] = 0.0f;
-        memset(part_acc + h * D, 0, (size_t)D * sizeof(float));
+    vf qv[ATTN_MAX_GROUP_CHUNK][ATTN_MAX_HEAD_DIM / VW];
+    for (int64_t j = 0; j < GC; j++) {
+        part_max[j] = -INFINITY;
+        part_sum[j] = 0.0f;
+        memset(part_acc + j * D, 0, (size_t)D * sizeof(float));
+        for (int64_t c = 0; c < vecs; c++) qv[j][c] = vload(q + j * D + c * VW) * scale;
     }
     for (int64_t t0 = begin; t0 < end; t0 += ATTN_TILE) {
         const int64_t n = end - t0 < ATTN_TILE ? end - t0 : ATTN_TILE;
         for (int64_t t = 0; t < n; t++) {
-            keys[t] = k_cache + (int64_t)slots[t0 + t] * row_width;
-            values[t] = v_cache + (int64_t)slots[t0 + t] * row_width;
+            keys[t] = k_cache + (int64_t)slots[t0 + t] * row_width + kv_offset;
+            values[t] = v_cache + (int64_t)slots[t0 + t] * row_width + kv_offset;
         }
-        for (int64_t h = 0; h < hq; h++) {
-            const int64_t kv_offset = (h / group) * D;
-            const float* qh = q + h * D;
-            vf qv[ATTN_MAX_HEAD_DIM / VW];
-            for (int64_t c = 0; c < vecs; c++) qv[c] = vload(qh + c * VW) * scale;
-            for (int64_t t = 0; t < n; t++) {
-                if (h == 0 && t + ATTN_PREFETCH < n) prefetch_row(keys[t + ATTN_PREFETCH], row_width);
-                const float* key = keys[t] + kv_offset;
-                vf dot = (vf){0};
-                for (int64_t c = 0; c < vecs; c++) dot += qv[c] * vload(key + c * VW);
+        for (int64_t t = 0; t < n; t++) {
+            if (t + ATTN_PREFETCH < n) prefetch_row(keys[t + ATTN_PREFETCH], D);
+            const float* key = keys[t];
+            vf dot[ATTN_MAX_GROUP_CHUNK];
+            for (int64_t j = 0; j < GC; j++) dot[j] = (vf){0};
+            for (int64_t c = 0; c < vecs; c++) {
+                const vf kv = vload(key + c * VW);
+                for (int64_t j = 0; j < GC; j++) dot[j] += qv[j][c] * kv;
+            }
+            for (int64_t j = 0; j < GC; j++) {
                 float tail = 0.0f;
-                for (int64_t i = tail_start; i < D; i++) tail += qh[i] * scale * key[i];
-                scores[h][t] = vsum(dot) + tail;
+                for (int64_t i = tail_start; i < D; i++) tail += q[j * D + i] * scale * key[i];
+                scores[j][t] = vsum(dot[j]) + tail;
             }
         }
-        for (int64_t t = 0; t < n && t < ATTN_PREFETCH; t++) prefetch_row(values[t], row_width);
-        for (int64_t h = 0; h < hq; h++) {
-            const int64_t kv_offset = (h / group) * D;
-            float* acc = part_acc + h * D;
-            float tile_max = -INFINITY;
-            for (int64_t t = 0; t < n; t++) tile_max = fmaxf(tile_max, scores[h][t]);
-            const float new_max = fmaxf(part_max[h], tile_max);
-            const float correction =
-                part_max[h] == -INFINITY ? 1.0f : sexp(part_max[h] - new_max);
-            part_max[h] = new_max;
-            int64_t t = 0;
-            vf sum = (vf){0};
-            for (; t + VW <= n; t += VW) {
-                vf p = vexp(vload(&scores[h][t]) - new_max);
-                vstore(&scores[h][t], p);
-                sum += p;
-            }
-            float tail = 0.0f;
-            for (; t < n; t++) {
-                scores[h][t] = sexp(scores[h][t] - new_max);
-                tail += scores[h][t];
-            }
-            part_sum[h] = part_sum[h] * correction + vsum(sum) + tail;
-            vf av[ATTN_MAX_HEAD_DIM / VW];
-            for (int64_t c = 0; c < vecs; c++) av[c] = vload(acc + c * VW) * correction;
-            for (int64_t i = tail_start; i < D; i++) acc[i] *= correction;
-            for (t = 0; t < n; t++) {
-                if (h == 0 && t + ATTN_PREFETCH < n) prefetch_row(values[t + ATTN_PREFETCH], row_width);
-                const float p = scores[h][t];
-                const float* value = values[t] + kv_offset;
-                for (int64_t c = 0; c < vecs; c++) av[c] += vload(value + c * VW) * p;
-                for (int64_t i = tail_start; i < D; i++) acc[i] += value[i] * p;
-            }
-            for (int64_t c = 0; c < vecs; c++) vstore(acc + c * VW, av[c]);
+        for (int64_t t = 0; t < n && t < ATTN_PREFETCH; t++) prefetch_row(values[t], D);
+        softmax_tile(scores, GC, n, part_max, part_sum, correction);
+        vf av[ATTN_MAX_GROUP_CHUNK][ATTN_MAX_HEAD_DIM / VW];
+        for (int64_t j = 0; j < GC; j++) {
+            float* acc = part_acc + j * D;
+            for (int64_t c = 0; c < vecs; c++) av[j][c] = vload(acc + c * VW) * correction[j];
+            for (int64_t i = tail_start; i < D; i++) acc[i] *= correction[j];
         }
+        for (int64_t t = 0; t < n; t++) {
+            if (t + ATTN_PREFETCH < n) prefetch_row(values[t + ATTN_PREFETCH], D);
+            const float* value = values[t];
+            for (int64_t c = 0; c < vecs; c++) {
+                const vf vv = vload(value + c * VW);
+                for (int64_t j = 0; j < GC; j++) av[j][c] += vv * scores[j][t];
+            }
+            for (int64_t j = 0; j < GC; j++)
+                for (int64_t i = tail_start; i < D; i++) part_acc[j * D + i] += value[i] * scores[j][t];
+        }
+        for (int64_t j = 0; j < GC; j++)
+            for (int64_t c = 0; c < vecs; c++) vstore(part_acc + j * D + c * VW, av[j][c]);
     }
 }
 
+#define ATTEND_HEADS_FOR_D(GC_VALUE)                                                            \
+    do {                                                                                        \
+        if (D == 64)                                                                            \
+            attend_heads_impl(q, k_cache, v_cache, slots, begin, end, row_width, kv_offset,     \
+                              GC_VALUE, 64, scale, part_max, part_sum, part_acc);               \
+        else if (D == 128)                                                                      \
+            attend_heads_impl(q, k_cache, v_cache, slots, begin, end, row_width, kv_offset,     \
+                              GC_VALUE, 128, scale, part_max, part_sum, part_acc);              \
+        else                                                                                    \
+            attend_heads_impl(q, k_cache, v_cache, slots, begin, end, row_width, kv_offset,     \
+                              GC_VALUE, D, scale, part_max, part_sum, part_acc);                \
+    } while (0)
+
+static void attend_heads(const float* q, const float* k_cache, const float* v_cache,
+                         const int32_t* slots, int64_t begin, int64_t end, int64_t row_width,
+                         int64_t kv_offset, int64_t gc, int64_t D, float scale, float* part_max,
+                         float* part_sum, float* part_acc) {
+    switch (gc) {
+        case 1: ATTEND_HEADS_FOR_D(1); break;
+        case 2: ATTEND_HEADS_FOR_D(2); break;
+        case 3: ATTEND_HEADS_FOR_D(3); break;
+        default: ATTEND_HEADS_FOR_D(4); break;
+    }
+}
+
+/* The largest chunk of a KV head's query-head group that attend_heads takes at once. */
+static int64_t group_chunk(int64_t group) {
+    for (int64_t gc = ATTN_MAX_GROUP_CHUNK; gc > 1; gc--)
+        if (group % gc == 0) return gc;
+    return 1;
+}
+
+/* Every query head of q ([hq, D]) over positions [begin, end): part_max [hq], part_sum [hq],
+ * part_acc [hq, D]. */
 static void attend_range(const float* q, const float* k_cache, const float* v_cache,
                          const int32_t* slots, int64_t begin, int64_t end, int64_t hk,
                          int64_t group, int64_t D, float scale, float* part_max, float* part_sum,
                          float* part_acc) {
-    if (D == 64)
-        attend_range_impl(q, k_cache, v_cache, slots, begin, end, hk, group, 64, scale,
-                          part_max, part_sum, part_acc);
-    else if (D == 128)
-        attend_range_impl(q, k_cache, v_cache, slots, begin, end, hk, group, 128, scale,
-                          part_max, part_sum, part_acc);
-    else
-        attend_range_impl(q, k_cache, v_cache, slots, begin, end, hk, group, D, scale,
-                          part_max, part_sum, part_acc);
+    const int64_t gc = group_chunk(group), row_width = hk * D;
+    for (int64_t h = 0; h < hk * group; h += gc) {
+        attend_heads(q + h * D, k_cache, v_cache, slots, begin, end, row_width, (h / group) * D,
+                     gc, D, scale, part_max + h, part_sum + h, part_acc + h * D);
+    }
 }
 
 int mg_decode_attention(const float* q, int64_t ldq, const int64_t* q_rows, const float* k_cache,
