@@ -160,13 +160,13 @@ class TorchNativeBackend(AttentionBackend):
         metadata: TorchNativeMetadata,
     ) -> torch.Tensor:
         k_cache, v_cache = pool.k_cache(layer_id), pool.v_cache(layer_id)
-        kernels = kernels_for(q) if metadata.kernel_decodes is not None else None
+        kernels = kernels_for(q) if self._kernels is not None else None
+        if kernels is None or not kernels.store_kv(k, v, k_cache, v_cache, metadata.out_slots):
+            pool.store(layer_id, metadata.out_slots, k, v)
         if kernels is not None and not kernels.supports_decode_attention(
             q.shape[1], k_cache.shape[1], q.shape[2]
         ):
             kernels = None
-        if kernels is None or not kernels.store_kv(k, v, k_cache, v_cache, metadata.out_slots):
-            pool.store(layer_id, metadata.out_slots, k, v)
         out = torch.empty_like(q)
         if kernels is not None and metadata.kernel_decodes is not None:
             d = metadata.kernel_decodes
@@ -174,7 +174,8 @@ class TorchNativeBackend(AttentionBackend):
                 q, d.token_index, k_cache, v_cache, d.page_table, d.table_rows,
                 d.kv_lens, out, scale,
             )  # fmt: skip
-        self._sdpa(q, k_cache, v_cache, scale, metadata, out, decodes=kernels is None)
+        computed = kernels is not None and metadata.kernel_decodes is not None
+        self._sdpa(q, k_cache, v_cache, scale, metadata, out, decodes=not computed)
         return out
 
     def _sdpa(

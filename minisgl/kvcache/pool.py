@@ -46,8 +46,8 @@ class KVPool:
         dims = (shape.num_layers, 2, self.num_slots, shape.num_kv_heads, shape.head_dim)
         if device.type == "cpu":
             # Decode attention reads pages scattered over the pool: huge pages spare it most
-            # TLB misses. The mapping also commits memory only as slots are first written.
-            self.buffer = huge_page_zeros(dims, dtype)
+            # TLB misses. Written once here, so no request pays for first-touch page faults.
+            self.buffer = huge_page_zeros(dims, dtype).zero_()
         else:
             self.buffer = torch.zeros(dims, dtype=dtype, device=device)
 
