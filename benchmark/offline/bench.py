@@ -29,6 +29,7 @@ import dataclasses
 import gc
 import json
 import logging
+import os
 import random
 import statistics
 import subprocess
@@ -39,8 +40,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-from tqdm import tqdm
+# Before torch loads libgomp: passive OpenMP waits, as `import minisgl` sets (see its __init__).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402
+from tqdm import tqdm  # noqa: E402
 
 from minisgl import LLM, SamplingParams
 from minisgl.core import Req, next_request_id

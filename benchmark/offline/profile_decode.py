@@ -20,7 +20,10 @@ from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
 
-import torch
+# Before torch loads libgomp: passive OpenMP waits, as `import minisgl` sets (see its __init__).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402
 
 from minisgl import LLM, SamplingParams
 from minisgl.core import Req, next_request_id

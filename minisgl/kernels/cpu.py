@@ -1,9 +1,9 @@
-"""fp32 CPU kernels (`cpu_kernels.c`), built with the system C compiler at first use and called
-through ctypes.
+"""fp32 CPU kernels (the C sources in `csrc/`), built with the system C compiler at first use and
+called through ctypes.
 
 Why: at decode batch sizes torch's CPU matmuls stream the weights at about a third of the
 machine's read bandwidth, and a layer's dozen small elementwise ops cost more in dispatch than
-in arithmetic. `cpu_kernels.c` packs every linear weight into column panels read front to back
+in arithmetic. The kernels pack every linear weight into column panels read front to back
 (one pass over the weights per step, near the read bandwidth at batch 1, near the FMA peak from
 batch ~8) and does RMSNorm (with the residual add), SiLU-and-mul, rotary embedding, the KV store
 and paged decode attention in one call each.
@@ -42,19 +42,19 @@ logger = logging.getLogger(__name__)
 
 ENABLE_ENV = "MINISGL_CPU_KERNELS"  # "0" turns the kernels off
 CACHE_DIR_ENV = "MINISGL_CACHE_DIR"  # shared with the default model's cache (models/)
-SOURCE = Path(__file__).with_name("cpu_kernels.c")
-ABI_VERSION = 5  # MG_ABI_VERSION in the C source
+SOURCE_DIR = Path(__file__).with_name("csrc")
+ABI_VERSION = 6  # MG_ABI_VERSION in csrc/common.h
 COMPILERS = ("gcc", "cc")
 FLAGS = ("-O3", "-fopenmp", "-ffp-contract=fast", "-std=gnu11", "-shared", "-fPIC")
 NATIVE_FLAGS = ("-march=native",)  # dropped if the compiler rejects it
 BUILD_TIMEOUT_S = 120
 SELF_CHECK_ATOL = 1e-4
-# mg_decode_layers' op timers, in the C enum's order (MG_NUM_OPS)
+# mg_decode_layers' op timers, in the C enum's order (MG_NUM_OPS in csrc/decode.c)
 DECODE_OPS = (
-    "rmsnorm + residual add", "qkv_proj", "q/k head norm", "rope", "KV store",
+    "rmsnorm + residual add", "qkv_proj", "q/k head norm", "rope + KV store",
     "decode attention", "o_proj", "gate_up_proj", "silu_mul", "down_proj",
 )  # fmt: skip
-# decode attention limits (ATTN_MAX_HEADS, ATTN_MAX_HEAD_DIM in the C source)
+# decode attention limits (ATTN_MAX_HEADS, ATTN_MAX_HEAD_DIM in csrc/attention.c)
 ATTN_MAX_HEADS = 128
 ATTN_MAX_HEAD_DIM = 256
 
@@ -469,7 +469,8 @@ def _compile(compiler: str, flags: tuple[str, ...], target: Path) -> str | None:
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp_name = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
-    cmd = [compiler, *flags, str(SOURCE), "-o", tmp_name, "-lm"]
+    sources = [str(path) for path in _sources() if path.suffix == ".c"]
+    cmd = [compiler, *flags, *sources, "-o", tmp_name, "-lm"]
     try:
         result = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
         if result.returncode != 0:
@@ -483,6 +484,10 @@ def _compile(compiler: str, flags: tuple[str, ...], target: Path) -> str | None:
             os.unlink(tmp_name)
 
 
+def _sources() -> list[Path]:
+    return sorted(SOURCE_DIR.glob("*.[ch]"))
+
+
 def _build() -> Path:
     compiler = next((c for c in COMPILERS if shutil.which(c)), None)
     if compiler is None:
@@ -492,7 +497,13 @@ def _build() -> Path:
     for flags in (FLAGS + NATIVE_FLAGS, FLAGS):
         key = hashlib.sha256(
             "\n".join(
-                [SOURCE.read_text(), compiler, version, " ".join(flags), _cpu_identity()]
+                [
+                    *(path.read_text() for path in _sources()),
+                    compiler,
+                    version,
+                    " ".join(flags),
+                    _cpu_identity(),
+                ]
             ).encode()
         ).hexdigest()[:16]
         target = _cache_dir() / f"minisgl_cpu_{key}.so"
