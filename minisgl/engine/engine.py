@@ -144,6 +144,11 @@ class Engine:
             kernels = cpu_kernels.get()  # None: not buildable here, or MINISGL_CPU_KERNELS=0
             if kernels is not None:
                 model.use_cpu_kernels(kernels)
+                logger.info(
+                    "CPU kernels on (%d threads); decode steps %s",
+                    torch.get_num_threads(),
+                    "in one fused call" if model.cpu_decode_stack is not None else "op by op",
+                )
         return model.eval()
 
     def _graph_max_batch_size(self) -> int:
