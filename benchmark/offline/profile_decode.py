@@ -111,7 +111,17 @@ def main() -> None:
     p.add_argument("--batch-sizes", default="1,16,64")
     p.add_argument("--context-len", type=int, default=256)
     p.add_argument("--steps", type=int, default=20)
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads (default torch's); with one, each op's time is exact even when other "
+        "processes share the cores (with several, a preempted thread's work can be booked to "
+        "the op after it)",
+    )
     args = p.parse_args()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     sizes = [int(s) for s in args.batch_sizes.split(",")]
     rows = {}
     for size in sizes:
