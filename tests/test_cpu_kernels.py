@@ -136,7 +136,7 @@ def test_rope_in_place_matches_the_reference(head_dim):
 def test_paged_decode_attention_matches_sdpa(page_size, num_heads, num_kv_heads, head_dim):
     """A mixed batch (decodes of very different KV lengths around a prefill chunk) over a
     shuffled pool: the kernel's decodes equal the padded-SDPA reference's."""
-    # (prefix_len, extend_len); 1100 spans three of the kernel's 512-position work items
+    # (prefix_len, extend_len); 1100 spans nine of the kernel's 128-position work items
     seqs = [(1100, 1), (5, 1), (0, 7), (129, 1), (0, 1)]
     g = torch.Generator().manual_seed(15)
     num_pages = sum(-(-(pre + ext) // page_size) for pre, ext in seqs) + 4

@@ -14,7 +14,7 @@
 #include "common.h"
 
 #define ATTN_TILE 64 /* KV positions per online-softmax tile */
-#define ATTN_SPLIT 512 /* KV positions per work item */
+#define ATTN_SPLIT 128 /* KV positions per work item (2+ items per sequence from 129 on) */
 #define ATTN_MAX_HEADS 128 /* query heads (on this rank) */
 #define ATTN_MAX_GROUP_CHUNK 4 /* query heads of one KV head computed together */
 #define ATTN_MAX_HEAD_DIM 256
