@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from minisgl import LLM, SamplingParams
 from minisgl.attention.base import AttentionBatch
 from minisgl.attention.torch_native import TorchNativeBackend
-from minisgl.kernels import cpu
+from minisgl.kernels import build, cpu
 from minisgl.kvcache.pool import KVPool, KVShape
 from minisgl.layers.norm import RMSNorm
 from minisgl.layers.rope import RopeConfig, RotaryEmbedding
@@ -265,7 +265,7 @@ def test_fused_stack_matches_op_by_op_kernels(tiny_qwen3, monkeypatch):
 
 
 def test_without_a_compiler_the_torch_path_serves(tiny_qwen3, monkeypatch, caplog):
-    monkeypatch.setattr(cpu, "COMPILERS", ("no-such-compiler-here",))
+    monkeypatch.setattr(build, "COMPILERS", ("no-such-compiler-here",))
     cpu.get.cache_clear()
     try:
         assert cpu.get() is None

@@ -5,13 +5,11 @@ Why: at decode batch sizes torch's CPU matmuls stream the weights at about a thi
 machine's read bandwidth, and a layer's dozen small elementwise ops cost more in dispatch than
 in arithmetic. The kernels pack every linear weight into column panels read front to back
 (one pass over the weights per step, near the read bandwidth at batch 1, near the FMA peak from
-batch ~8) and does RMSNorm (with the residual add), SiLU-and-mul, rotary embedding, the KV store
-and paged decode attention in one call each.
+batch ~8) and do RMSNorm (with the residual add), SiLU-and-mul, rotary embedding, the KV store,
+paged decode attention and sampling in one call each, or a whole decode step in one call
+(models/cpu_decoder.py).
 
-The build runs once per machine and source version: `gcc -O3 -march=native -fopenmp` into
-`$MINISGL_CACHE_DIR/kernels/` (default `~/.cache/minisgl/kernels/`), keyed by a hash of the
-source, the compiler, the flags and this CPU; it takes a second or two. Concurrent first uses
-(tensor-parallel ranks) each build a private file and rename it into place. A fresh build must
+The library is built once per machine and source version (build.py, a second or two) and must
 pass a numeric self-check against torch before it is used. With no compiler, or a failed build
 or check, `get()` returns None (logged once) and every caller keeps its torch path.
 `MINISGL_CPU_KERNELS=0` turns the kernels off (A/B comparisons, debugging).
@@ -24,30 +22,19 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
 import mmap
 import os
-import platform
-import shutil
-import subprocess
-import tempfile
-import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
+
+from minisgl.kernels import build
 
 logger = logging.getLogger(__name__)
 
 ENABLE_ENV = "MINISGL_CPU_KERNELS"  # "0" turns the kernels off
-CACHE_DIR_ENV = "MINISGL_CACHE_DIR"  # shared with the default model's cache (models/)
-SOURCE_DIR = Path(__file__).with_name("csrc")
 ABI_VERSION = 6  # MG_ABI_VERSION in csrc/common.h
-COMPILERS = ("gcc", "cc")
-FLAGS = ("-O3", "-fopenmp", "-ffp-contract=fast", "-std=gnu11", "-shared", "-fPIC")
-NATIVE_FLAGS = ("-march=native",)  # dropped if the compiler rejects it
-BUILD_TIMEOUT_S = 120
 SELF_CHECK_ATOL = 1e-4
 # mg_decode_layers' op timers, in the C enum's order (MG_NUM_OPS in csrc/decode.c)
 DECODE_OPS = (
@@ -432,94 +419,6 @@ class CpuKernels:
         )
 
 
-# ---- build and load ------------------------------------------------------------------------
-
-
-def _cache_dir() -> Path:
-    root = os.environ.get(CACHE_DIR_ENV)
-    return (Path(root) if root else Path.home() / ".cache" / "minisgl") / "kernels"
-
-
-def _cpu_identity() -> str:
-    """What -march=native depends on: the CPU model and its feature flags."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return platform.processor() or platform.machine()
-    keep = [
-        line
-        for line in text.splitlines()
-        if line.split(":")[0].strip() in ("model name", "flags", "Features", "CPU part")
-    ]
-    return "\n".join(sorted(set(keep))) or platform.machine()
-
-
-def _compiler_version(compiler: str) -> str:
-    try:
-        result = subprocess.run(
-            [compiler, "--version"], capture_output=True, text=True, timeout=BUILD_TIMEOUT_S
-        )
-    except (OSError, subprocess.SubprocessError):
-        return ""
-    return result.stdout.splitlines()[0] if result.returncode == 0 and result.stdout else ""
-
-
-def _compile(compiler: str, flags: tuple[str, ...], target: Path) -> str | None:
-    """Build the library at `target` (atomically); returns an error message or None."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(suffix=".so", dir=target.parent)
-    os.close(fd)
-    sources = [str(path) for path in _sources() if path.suffix == ".c"]
-    cmd = [compiler, *flags, *sources, "-o", tmp_name, "-lm"]
-    try:
-        result = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
-        if result.returncode != 0:
-            return f"{' '.join(cmd)} failed: {result.stderr.strip()[-2000:]}"
-        os.replace(tmp_name, target)
-        return None
-    except (OSError, subprocess.SubprocessError) as exc:
-        return f"{' '.join(cmd)} failed: {exc}"
-    finally:
-        if os.path.exists(tmp_name):
-            os.unlink(tmp_name)
-
-
-def _sources() -> list[Path]:
-    return sorted(SOURCE_DIR.glob("*.[ch]"))
-
-
-def _build() -> Path:
-    compiler = next((c for c in COMPILERS if shutil.which(c)), None)
-    if compiler is None:
-        raise RuntimeError(f"no C compiler found (looked for {', '.join(COMPILERS)})")
-    version = _compiler_version(compiler)
-    errors = []
-    for flags in (FLAGS + NATIVE_FLAGS, FLAGS):
-        key = hashlib.sha256(
-            "\n".join(
-                [
-                    *(path.read_text() for path in _sources()),
-                    compiler,
-                    version,
-                    " ".join(flags),
-                    _cpu_identity(),
-                ]
-            ).encode()
-        ).hexdigest()[:16]
-        target = _cache_dir() / f"minisgl_cpu_{key}.so"
-        if target.exists():
-            return target
-        start_s = time.perf_counter()
-        error = _compile(compiler, flags, target)
-        if error is None:
-            logger.info(
-                "built the CPU kernels in %.1f s: %s", time.perf_counter() - start_s, target
-            )
-            return target
-        errors.append(error)
-    raise RuntimeError("; ".join(errors))
-
-
 def _self_check(kernels: CpuKernels) -> None:
     """A miscompiled or mismatched library must never serve: compare with torch once."""
     gen = torch.Generator().manual_seed(0)
@@ -544,7 +443,7 @@ def get() -> CpuKernels | None:
         logger.info("CPU kernels off (%s=0): torch ops only", ENABLE_ENV)
         return None
     try:
-        path = _build()
+        path = build.build_library()
         lib = ctypes.CDLL(str(path))
         if lib.mg_abi_version() != ABI_VERSION:
             raise RuntimeError(f"{path} has ABI {lib.mg_abi_version()}, expected {ABI_VERSION}")
