@@ -22,6 +22,7 @@ from minisgl.config import (
 )
 from minisgl.core import SEED_MASK, FinishReason, Req, ReqOutput, SamplingParams
 from minisgl.engine.engine import Engine, ForwardBatch, ForwardOutput
+from minisgl.limits import ModelLimits, check_request
 from minisgl.scheduler.cache_manager import CacheManager
 from minisgl.scheduler.stats import SchedulerStats
 
@@ -78,23 +79,9 @@ class Scheduler:
 
     def validate(self, req: Req) -> None:
         """Raise ValueError for a request that could never run: checked before queueing."""
-        bad = [t for t in req.input_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(
-                f"prompt: token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})"
-            )
-        total = req.prompt_len + req.sampling_params.max_tokens
-        if total > self.max_model_len:
-            raise ValueError(
-                f"prompt ({req.prompt_len} tokens) plus max_tokens "
-                f"({req.sampling_params.max_tokens}) is {total}, over the context length "
-                f"{self.max_model_len}"
-            )
-        capacity = self.cache.num_total_pages * self.page_size
-        if total > capacity:
-            raise ValueError(
-                f"prompt plus max_tokens ({total} tokens) exceeds the KV cache ({capacity} tokens)"
-            )
+        capacity_tokens = self.cache.num_total_pages * self.page_size
+        limits = ModelLimits(self.max_model_len, self.vocab_size, capacity_tokens)
+        check_request(req.input_ids, req.sampling_params, limits)
 
     def add_request(self, req: Req) -> None:
         self.validate(req)
