@@ -26,6 +26,7 @@ from minisgl.limits import ModelLimits, check_request, resolve_max_tokens
 from minisgl.message import Endpoints
 from minisgl.server.engine_client import EngineClient
 from minisgl.server.middleware import Lifecycle, install_middleware
+from minisgl.tokenizer import apply_chat_template, load_tokenizer
 from tests.conftest import QWEN3_VOCAB
 from tests.server_utils import ServerProcess, start_server, wait_idle
 
@@ -93,6 +94,14 @@ def test_model_limits_name_the_field_to_blame():
         check_request([1, 50], SamplingParams(), limits)
     with pytest.raises(ValueError, match="^prompt: must not be empty"):
         check_request([], SamplingParams(), limits)
+
+
+def test_chat_template_errors_are_value_errors(tiny_qwen3):
+    """Templates call raise_exception (e.g. "roles must alternate"): a 400, not a 500."""
+    tokenizer = load_tokenizer(tiny_qwen3)
+    tokenizer.chat_template = "{{ raise_exception('Conversation roles must alternate') }}"
+    with pytest.raises(ValueError, match="^messages: .*roles must alternate"):
+        apply_chat_template(tokenizer, [{"role": "user", "content": "hi"}])
 
 
 def _asgi_client(app) -> httpx.AsyncClient:
