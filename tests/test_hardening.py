@@ -25,6 +25,8 @@ from minisgl.core import MAX_STOP_STRINGS, SamplingParams
 from minisgl.limits import ModelLimits, check_request, resolve_max_tokens
 from minisgl.message import Endpoints
 from minisgl.server.engine_client import EngineClient
+from minisgl.server.errors import RequestError
+from minisgl.server.generation import stream_response
 from minisgl.server.middleware import Lifecycle, install_middleware
 from minisgl.tokenizer import apply_chat_template, load_tokenizer
 from tests.conftest import QWEN3_VOCAB
@@ -173,6 +175,30 @@ def test_drain_gate_refuses_new_requests_but_keeps_metrics():
     assert refused.status_code == 503 and refused.headers["connection"] == "close"
     assert refused.json()["error"]["message"] == "The server is shutting down."
     assert metrics.status_code == 200 and lifecycle.num_open_requests == 0
+
+
+def test_a_stream_that_fails_ends_with_an_error_event(caplog):
+    """After the 200 went out, a bug or a RequestError still ends the stream properly."""
+
+    async def events(error: Exception):
+        yield "data: first\n\n"
+        raise error
+
+    async def collect(error: Exception) -> list[str]:
+        response = stream_response(events(error), "req-1")
+        return [chunk async for chunk in response.body_iterator]  # type: ignore[misc]
+
+    with caplog.at_level(logging.ERROR):
+        crashed = asyncio.run(collect(RuntimeError("bug")))
+        timed_out = asyncio.run(collect(RequestError(504, "too slow", err_type="timeout_error")))
+    assert crashed[0] == "data: first\n\n" and crashed[-1] == "data: [DONE]\n\n"
+    error = json.loads(crashed[1][len("data: ") :])["error"]
+    assert error["code"] == 500 and "req-1" in error["message"]
+    assert [r.getMessage() for r in caplog.records if r.exc_info] == [
+        "request req-1 failed while streaming"
+    ]
+    error = json.loads(timed_out[1][len("data: ") :])["error"]
+    assert error == {"message": "too slow", "type": "timeout_error", "param": None, "code": 504}
 
 
 def test_failed_submit_leaves_no_route():
