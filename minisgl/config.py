@@ -19,6 +19,7 @@ DEFAULT_CPU_KV_CACHE_GB = 1.0
 DISABLE_OVERLAP_ENV = "MINISGL_DISABLE_OVERLAP_SCHEDULING"
 DEFAULT_CUDA_MAX_PREFILL_TOKENS = 8192
 DEFAULT_CPU_MAX_PREFILL_TOKENS = 1024
+MIB = 1 << 20
 
 CacheType = Literal["radix", "naive"]
 OverlapMode = Literal["auto", "on", "off"]
@@ -70,6 +71,14 @@ class ServerArgs:
     revision: str | None = None  # branch, tag or commit; default: the repo's default branch
     download_dir: str | None = None  # cache folder to download into; default: HF_HUB_CACHE
     offline: bool = False  # the local cache only, never the hub (like HF_HUB_OFFLINE=1)
+    # Limits on what one client can ask of the server (docs/server.md, "Limits").
+    max_sequences_per_request: int = 256  # prompts x n of one request; over it: 400
+    # Sequences that may wait beyond --max-running-requests; over it: 503 with Retry-After.
+    max_queued_requests: int = 1024
+    request_timeout_s: float | None = None  # abort a request running longer (504); None: never
+    max_request_body_bytes: int = 32 * MIB  # over it: 413
+    # SIGTERM: stop taking requests (503) and let open ones finish for this long, then abort.
+    shutdown_timeout_s: float = 20.0
     # multi-node tensor parallelism
     nnodes: int = 1
     node_rank: int = 0
@@ -104,6 +113,15 @@ class ServerArgs:
             "must be >= 0",
         )
         check(self.nnodes >= 1 and 0 <= self.node_rank < self.nnodes, "node_rank", "out of range")
+        check(self.max_sequences_per_request >= 1, "max_sequences_per_request", "must be >= 1")
+        check(self.max_queued_requests >= 0, "max_queued_requests", "must be >= 0")
+        check(
+            self.request_timeout_s is None or self.request_timeout_s > 0,
+            "request_timeout_s",
+            "must be > 0",
+        )
+        check(self.max_request_body_bytes >= 1, "max_request_body_bytes", "must be >= 1")
+        check(self.shutdown_timeout_s >= 0, "shutdown_timeout_s", "must be >= 0")
 
     def overlap_enabled(self, device_type: str) -> bool:
         if self.disable_overlap or _env_flag(DISABLE_OVERLAP_ENV) or self.overlap == "off":
@@ -136,6 +154,8 @@ _ALIASES: dict[str, list[str]] = {
     "cache_type": ["--cache"],
     "max_model_len": ["--context-length"],
     "max_running_requests": ["--max-num-seqs"],
+    "request_timeout_s": ["--request-timeout"],
+    "shutdown_timeout_s": ["--shutdown-timeout"],
 }
 
 

@@ -9,11 +9,22 @@ from __future__ import annotations
 import enum
 import itertools
 import math
+import operator
 from dataclasses import dataclass, field
 from typing import Any
 
 # Seeds are folded into 31 bits: the sampler's counter-based hash works on 32-bit lanes.
 SEED_MASK = (1 << 31) - 1
+# What the engine can represent. Token ids and lengths live in int32 tables; seeds and other
+# integers travel as int64 (msgpack, torch). A value outside these bounds is a client error.
+INT32_MAX = (1 << 31) - 1
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
+MAX_TOKEN_ID = INT32_MAX
+MAX_LOGPROBS = 20  # top alternatives per token (OpenAI's limit)
+# Stop conditions are checked on every generated token: bound how much checking one asks for.
+MAX_STOP_STRINGS = 32
+MAX_STOP_STRING_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 1024
 
 
 class FinishReason(str, enum.Enum):
@@ -23,9 +34,39 @@ class FinishReason(str, enum.Enum):
     ERROR = "error"  # rejected: the message says why
 
 
+class InvalidRequestError(ValueError):
+    """A request that cannot run, with the field to blame. Its text is "param: message", and the
+    server turns it into a 400 whose `param` names the field."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(f"{param}: {message}")
+        self.param = param
+        self.message = message
+
+
 def _check(ok: bool, field_name: str, message: str) -> None:
     if not ok:
-        raise ValueError(f"{field_name}: {message}")
+        raise InvalidRequestError(field_name, message)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _index_or_none(value: Any) -> int | None:
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
+
+
+def _in_range(value: Any, low: float, high: float) -> bool:
+    """A finite number in [low, high] (NaN and infinities fail every comparison here)."""
+    return _is_number(value) and math.isfinite(value) and low <= value <= high
 
 
 @dataclass(frozen=True)
@@ -48,35 +89,73 @@ class SamplingParams:
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
+        """Every rule a request's sampling fields obey lives here; the server and `LLM` both
+        rely on it. Rules that need the model (vocabulary, context) are in minisgl.limits."""
         # Accept the shapes users type (a single stop string, lists) and store tuples.
         stop = self.stop
         if isinstance(stop, str):
             stop = (stop,)
+        _check(isinstance(stop, (list, tuple)) or not stop, "stop", "must be a string or a list")
         object.__setattr__(self, "stop", tuple(stop or ()))
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids or ()))
+        stop_ids = self.stop_token_ids or ()
+        _check(isinstance(stop_ids, (list, tuple)), "stop_token_ids", "must be a list of ints")
+        # operator.index: numpy / torch integer scalars are fine, floats and bools are not.
+        as_ints = tuple(None if isinstance(t, bool) else _index_or_none(t) for t in stop_ids)
+        _check(None not in as_ints, "stop_token_ids", "must be a list of ints")
+        object.__setattr__(self, "stop_token_ids", as_ints)
         _check(
-            isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens", "must be >= 1"
+            _is_int(self.max_tokens) and 1 <= self.max_tokens <= INT32_MAX,
+            "max_tokens",
+            f"must be an integer in [1, {INT32_MAX}]",
         )
         _check(
-            math.isfinite(self.temperature) and self.temperature >= 0,
-            "temperature",
-            "must be a finite number >= 0",
+            _in_range(self.temperature, 0, math.inf), "temperature", "must be a finite number >= 0"
         )
-        _check(0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
-        _check(self.top_k == -1 or self.top_k >= 0, "top_k", "must be -1 (off) or >= 0")
-        _check(0 <= self.min_p <= 1, "min_p", "must be in [0, 1]")
+        _check(_in_range(self.top_p, 0, 1) and self.top_p > 0, "top_p", "must be in (0, 1]")
         _check(
-            math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0,
+            _is_int(self.top_k) and -1 <= self.top_k <= INT32_MAX,
+            "top_k",
+            "must be -1 or 0 (off) or a positive integer (at most the vocabulary size)",
+        )
+        _check(_in_range(self.min_p, 0, 1), "min_p", "must be in [0, 1]")
+        _check(
+            _in_range(self.repetition_penalty, 0, math.inf) and self.repetition_penalty > 0,
             "repetition_penalty",
-            "must be > 0",
+            "must be a finite number > 0",
         )
-        _check(-2 <= self.presence_penalty <= 2, "presence_penalty", "must be in [-2, 2]")
-        _check(-2 <= self.frequency_penalty <= 2, "frequency_penalty", "must be in [-2, 2]")
+        _check(_in_range(self.presence_penalty, -2, 2), "presence_penalty", "must be in [-2, 2]")
+        _check(_in_range(self.frequency_penalty, -2, 2), "frequency_penalty", "must be in [-2, 2]")
         _check(
-            all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings"
+            self.seed is None or (_is_int(self.seed) and INT64_MIN <= self.seed <= INT64_MAX),
+            "seed",
+            "must be a 64-bit signed integer",
         )
-        _check(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids", "must be >= 0")
-        _check(self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", "must be in [0, 20]")
+        _check(len(self.stop) <= MAX_STOP_STRINGS, "stop", f"at most {MAX_STOP_STRINGS} strings")
+        _check(
+            all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_STRING_CHARS for s in self.stop),
+            "stop",
+            f"must be non-empty strings of at most {MAX_STOP_STRING_CHARS} characters",
+        )
+        _check(
+            len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS,
+            "stop_token_ids",
+            f"at most {MAX_STOP_TOKEN_IDS} ids",
+        )
+        _check(
+            all(_is_int(t) and 0 <= t <= MAX_TOKEN_ID for t in self.stop_token_ids),
+            "stop_token_ids",
+            f"must be token ids in [0, {MAX_TOKEN_ID}]",
+        )
+        _check(isinstance(self.ignore_eos, bool), "ignore_eos", "must be a boolean")
+        _check(
+            isinstance(self.skip_special_tokens, bool), "skip_special_tokens", "must be a boolean"
+        )
+        _check(
+            self.logprobs is None
+            or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
+            "logprobs",
+            f"must be in [0, {MAX_LOGPROBS}]",
+        )
 
     @property
     def is_greedy(self) -> bool:

@@ -23,6 +23,7 @@ from minisgl.core import SEED_MASK, FinishReason, Req, ReqOutput, SamplingParams
 from minisgl.engine.batch import ForwardBatch, ForwardOutput, PendingOutput
 from minisgl.engine.device import nvtx_range
 from minisgl.engine.engine import Engine
+from minisgl.limits import ModelLimits, check_request
 from minisgl.scheduler.cache_manager import CacheManager
 from minisgl.scheduler.decode import DecodeManager, NeedDrain
 from minisgl.scheduler.prefill import PrefillManager
@@ -93,23 +94,9 @@ class Scheduler:
 
     def validate(self, req: Req) -> None:
         """Raise ValueError for a request that could never run: checked before queueing."""
-        bad = [t for t in req.input_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(
-                f"prompt: token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})"
-            )
-        total = req.prompt_len + req.sampling_params.max_tokens
-        if total > self.max_model_len:
-            raise ValueError(
-                f"prompt ({req.prompt_len} tokens) plus max_tokens "
-                f"({req.sampling_params.max_tokens}) is {total}, over the context length "
-                f"{self.max_model_len}"
-            )
-        capacity = self.cache.num_total_pages * self.page_size
-        if total > capacity:
-            raise ValueError(
-                f"prompt plus max_tokens ({total} tokens) exceeds the KV cache ({capacity} tokens)"
-            )
+        capacity_tokens = self.cache.num_total_pages * self.page_size
+        limits = ModelLimits(self.max_model_len, self.vocab_size, capacity_tokens)
+        check_request(req.input_ids, req.sampling_params, limits)
 
     def add_request(self, req: Req) -> None:
         self.validate(req)

@@ -141,7 +141,9 @@ class SchedulerLoop:
             )
             req.arrival_time = time.monotonic()
             self.scheduler.add_request(req)
-        except ValueError as exc:
+        except Exception as exc:  # one bad request must not stop the loop everyone depends on
+            if not isinstance(exc, ValueError):
+                logger.exception("scheduler: request %s failed to queue", message.rid)
             return ReqOutput(
                 rid=message.rid,
                 new_token_ids=(),

@@ -6,7 +6,7 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 
 from minisgl.core import FinishReason, TokenLogprob
 from minisgl.server.generation import (
@@ -14,12 +14,11 @@ from minisgl.server.generation import (
     GenerationGroup,
     RequestError,
     ServingContext,
-    build_sampling_params,
     finish_reason_text,
-    resolve_max_tokens,
+    stream_response,
 )
 from minisgl.server.protocol import ChatCompletionRequest, error_dict, new_id, now_s, usage_dict
-from minisgl.server.sse import SSE_DONE, SSE_HEADERS, SSE_MEDIA_TYPE, sse_event
+from minisgl.server.sse import SSE_DONE, sse_event
 from minisgl.tokenizer import apply_chat_template
 
 # HTTP status for a response nobody will read (nginx's "client closed request").
@@ -43,18 +42,13 @@ async def create_chat_completion(
     ctx: ServingContext, body: ChatCompletionRequest, request: Request
 ) -> Response:
     ctx.check_model(body.model)
+    ctx.check_fan_out(1, body.n)
+    ctx.check_capacity(body.n)  # early: no tokenizing for a request that would get a 503
     try:
         prompt_ids = await ctx.off_loop(apply_chat_template, ctx.tokenizer, body.messages)
     except ValueError as exc:
         raise RequestError(400, str(exc), param="messages") from None
-    max_tokens = resolve_max_tokens(
-        body.requested_max_tokens,
-        len(prompt_ids),
-        ctx.max_model_len,
-        ctx.kv_capacity_tokens,
-        "messages",
-    )
-    params = [build_sampling_params(body, max_tokens, body.num_logprobs, i) for i in range(body.n)]
+    params = ctx.sampling_params_for(body, prompt_ids, "messages")
     request_id = new_id("chatcmpl")
     group = GenerationGroup(ctx, request_id, [prompt_ids], [params])
     header = {
@@ -64,9 +58,7 @@ async def create_chat_completion(
     }
     group.start(request)
     if body.stream:
-        return StreamingResponse(
-            _stream(ctx, group, body, header), media_type=SSE_MEDIA_TYPE, headers=SSE_HEADERS
-        )
+        return stream_response(_stream(ctx, group, body, header), request_id)
     try:
         await group.run_to_end()
     except ClientDisconnected:
@@ -121,7 +113,5 @@ async def _stream(
         if body.include_usage_in_stream:
             yield sse_event({**base, "choices": [], "usage": usage_dict(*group.usage())})
         yield SSE_DONE
-    except ClientDisconnected:
-        return
     finally:
-        group.close()
+        group.close()  # early exits (disconnect, timeout, error) abort what is unfinished

@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from jinja2 import TemplateError
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 CHAT_ROLES = ("system", "user", "assistant", "developer", "tool")
@@ -57,9 +58,12 @@ def apply_chat_template(tokenizer: PreTrainedTokenizerBase, messages: list[dict]
     """Render messages with the tokenizer's chat template, ready for the assistant's reply."""
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("messages: the tokenizer has no chat template; use /v1/completions")
-    encoded = tokenizer.apply_chat_template(
-        normalize_messages(messages), add_generation_prompt=True, tokenize=True
-    )
+    try:
+        encoded = tokenizer.apply_chat_template(
+            normalize_messages(messages), add_generation_prompt=True, tokenize=True
+        )
+    except TemplateError as exc:  # e.g. raise_exception("roles must alternate ...")
+        raise ValueError(f"messages: the model's chat template rejected them: {exc}") from None
     # transformers 5 returns a dict-like BatchEncoding; older versions return the id list itself.
     ids: Any = encoded["input_ids"] if isinstance(encoded, Mapping) else encoded
     return [int(t) for t in ids]
