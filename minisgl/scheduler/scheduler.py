@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import random
+import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -23,7 +24,7 @@ from minisgl.config import (
 from minisgl.core import SEED_MASK, FinishReason, Req, ReqOutput, SamplingParams
 from minisgl.engine.engine import Engine, ForwardBatch, ForwardOutput
 from minisgl.scheduler.cache_manager import CacheManager
-from minisgl.scheduler.stats import SchedulerStats
+from minisgl.scheduler.stats import SchedulerHistograms, SchedulerStats
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +74,7 @@ class Scheduler:
         self._counters = dict.fromkeys(
             ("prompt", "generation", "cached", "prefill", "retractions", "aborted"), 0
         )
+        self._histograms = SchedulerHistograms()
 
     # ---- requests in ---------------------------------------------------------------------------
 
@@ -207,12 +209,15 @@ class Scheduler:
                 req.num_cached_prompt_tokens = req.cached_len
                 self._counters["cached"] += req.cached_len
                 self._counters["prompt"] += req.prompt_len
+                if req.arrival_time > 0:  # set by the server; offline requests have none
+                    self._histograms.queue_time_s.observe(time.monotonic() - req.arrival_time)
             items.append((req, chunk))
             budget -= chunk
         self.waiting.extendleft(reversed(deferred))
         if not items:
             return None
         batch = self._build_batch(items)
+        self._histograms.observe_step(len(items), sum(num_tokens for _, num_tokens in items))
         for req, num_tokens in items:
             if num_tokens > 1:  # a prefill chunk: share its prefix right away
                 self.cache.cache_prefix(req)
@@ -358,6 +363,9 @@ class Scheduler:
             prefill_tokens_total=c["prefill"],
             num_retractions_total=c["retractions"],
             aborted_requests_total=c["aborted"],
+            queue_time_s=self._histograms.queue_time_s.snapshot(),
+            batch_size=self._histograms.batch_size.snapshot(),
+            batch_tokens=self._histograms.batch_tokens.snapshot(),
         )
 
     def check_health(self) -> None:
