@@ -17,6 +17,7 @@ running Docker; the picture says it is a preview.
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import math
 import re
@@ -35,6 +36,9 @@ RATE_INTERVAL_SCRAPES = 4  # Grafana's $__rate_interval: four scrape intervals
 INCH_PER_GRID_ROW = 0.3
 FIGURE_WIDTH_IN = 16.0
 DPI = 60
+PNG_COLORS = 64
+TITLE_GRID_ROWS = 1  # grid rows above each panel's plot, for its title
+AXIS_GRID_ROWS = 1  # grid rows below it, for its x axis
 SCRAPE_TIMEOUT_S = 10.0
 BYTES_PER_GIB = float(1 << 30)
 PREVIEW_NOTE = (
@@ -229,6 +233,24 @@ def _histogram_quantile(q: float, buckets: Vector) -> Vector:
     return out
 
 
+def save_scrapes(scrapes: Scrapes, path: Path) -> None:
+    samples = [
+        [[name, [list(pair) for pair in labels], value] for (name, labels), value in sample.items()]
+        for sample in scrapes.samples
+    ]
+    data = {"times_s": scrapes.times_s, "rate_window_s": scrapes.rate_window_s, "samples": samples}
+    path.write_text(json.dumps(data))
+
+
+def load_scrapes(path: Path) -> Scrapes:
+    data = json.loads(path.read_text())
+    samples = [
+        {(name, tuple(tuple(pair) for pair in labels)): value for name, labels, value in sample}
+        for sample in data["samples"]
+    ]
+    return Scrapes(data["times_s"], samples, data["rate_window_s"])
+
+
 def scrape(base_url: str, duration_s: float, interval_s: float) -> Scrapes:
     times_s, samples = [], []
     start_s = time.monotonic()
@@ -271,6 +293,16 @@ def _scaled(unit: str, values: list[float]) -> tuple[list[float], str]:
     return values, {"reqps": "req/s", "short": ""}.get(unit, unit)
 
 
+def save_small_png(fig: Any, out: Path) -> None:
+    """Line plots need few colours: a 64-colour palette PNG is about a third of the size."""
+    from PIL import Image  # a matplotlib dependency
+
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png")
+    buffer.seek(0)
+    Image.open(buffer).convert("RGB").quantize(colors=PNG_COLORS).save(out, optimize=True)
+
+
 def render(scrapes: Scrapes, dashboard: dict[str, Any], out: Path, title: str) -> None:
     import matplotlib
 
@@ -280,37 +312,38 @@ def render(scrapes: Scrapes, dashboard: dict[str, Any], out: Path, title: str) -
     panels = dashboard["panels"]
     grid_rows = max(p["gridPos"]["y"] + p["gridPos"]["h"] for p in panels)
     fig = plt.figure(figsize=(FIGURE_WIDTH_IN, grid_rows * INCH_PER_GRID_ROW), dpi=DPI)
-    grid = fig.add_gridspec(grid_rows, GRID_COLUMNS, hspace=1.2, wspace=1.5)
+    fig.subplots_adjust(left=0.04, right=0.99, top=0.95, bottom=0.02)
+    grid = fig.add_gridspec(grid_rows, GRID_COLUMNS, hspace=0.0, wspace=2.5)
     fig.suptitle(f"{title}\n{PREVIEW_NOTE}", fontsize=13)
+    end_s = scrapes.times_s[-1] if scrapes.times_s else 1.0
     for panel in panels:
         pos = panel["gridPos"]
-        cell = grid[pos["y"] : pos["y"] + pos["h"], pos["x"] : pos["x"] + pos["w"]]
+        top, bottom = pos["y"], pos["y"] + pos["h"]
+        columns = slice(pos["x"], pos["x"] + pos["w"])
         if panel["type"] == "row":
-            ax = fig.add_subplot(cell)
+            ax = fig.add_subplot(grid[top:bottom, columns])
             ax.axis("off")
-            ax.text(0, 0, panel["title"], fontsize=12, fontweight="bold", va="bottom")
+            ax.text(0, 0.5, panel["title"], fontsize=12, fontweight="bold", va="center")
             continue
-        ax = fig.add_subplot(
-            grid[pos["y"] + 1 : pos["y"] + pos["h"], pos["x"] : pos["x"] + pos["w"]]
-        )
+        ax = fig.add_subplot(grid[top + TITLE_GRID_ROWS : bottom - AXIS_GRID_ROWS, columns])
         ax.set_title(panel["title"], fontsize=10, loc="left")
         unit = panel["fieldConfig"]["defaults"].get("unit", "short")
-        series = panel_series(scrapes, panel)
         drawn = False
-        for legend, values in series:
+        for legend, values in panel_series(scrapes, panel):
             scaled, unit_label = _scaled(unit, values)
+            ax.set_ylabel(unit_label, fontsize=8)
             if any(math.isfinite(v) for v in scaled):
                 ax.plot(scrapes.times_s, scaled, label=legend, linewidth=1.2)
                 drawn = True
-            ax.set_ylabel(unit_label, fontsize=8)
+        ax.set_xlim(0, end_s)
+        ax.tick_params(labelsize=7)
+        ax.grid(True, alpha=0.3)
         if drawn:
             ax.legend(fontsize=7, loc="upper left")
         else:
+            ax.set_yticks([])
             ax.text(0.5, 0.5, "No data", ha="center", va="center", transform=ax.transAxes)
-        ax.tick_params(labelsize=7)
-        ax.grid(True, alpha=0.3)
-        ax.set_xlabel("time (s)", fontsize=7)
-    fig.savefig(out)
+    save_small_png(fig, out)
     plt.close(fig)
 
 
@@ -322,9 +355,16 @@ def main() -> None:
     p.add_argument("--dashboard", type=Path, default=DASHBOARD)
     p.add_argument("--title", default="minisgl dashboard")
     p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--save-scrapes", type=Path, default=None, help="keep the scrapes (JSON)")
+    p.add_argument("--from-scrapes", type=Path, default=None, help="draw saved scrapes instead")
     args = p.parse_args()
     dashboard = json.loads(args.dashboard.read_text())
-    scrapes = scrape(args.base_url.rstrip("/"), args.duration_s, args.interval_s)
+    if args.from_scrapes is not None:
+        scrapes = load_scrapes(args.from_scrapes)
+    else:
+        scrapes = scrape(args.base_url.rstrip("/"), args.duration_s, args.interval_s)
+    if args.save_scrapes is not None:
+        save_scrapes(scrapes, args.save_scrapes)
     render(scrapes, dashboard, args.out, args.title)
     print(f"wrote {args.out} from {len(scrapes.times_s)} scrapes")
 

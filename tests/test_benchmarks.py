@@ -204,6 +204,37 @@ def test_serving_benchmark(servers, tmp_path):
         assert record["total_output_tokens"] == NUM_RANDOM_PROMPTS * RANDOM_OUTPUT_LEN
 
 
+def test_sharegpt_file_and_warmup(servers, tmp_path):
+    replies = ["x" * 40, "y" * 22, "z" * 61]  # 10, 6 (22 / 4 rounded) and 15 tokens estimated
+    conversations = [
+        {"conversations": [{"from": "human", "value": f"Question {i} about the sea?"}, reply]}
+        for i, reply in enumerate({"from": "gpt", "value": r} for r in replies)
+    ]
+    conversations.insert(1, {"conversations": [{"from": "human", "value": "no reply"}]})
+    conversations.append({"conversations": [{"from": "human", "value": "hi"}, {"value": "ok"}]})
+    dataset = tmp_path / "sharegpt.json"
+    dataset.write_text(json.dumps(conversations))
+    srv = servers["radix"]
+    finished = 'minisgl:request_success_total{finished_reason="length"}'
+    before = srv.metrics()[finished]
+    out = tmp_path / "sharegpt.jsonl"
+    run_bench(
+        "bench_serving.py",
+        f"--base-url={srv.url}",
+        f"--output-file={out}",
+        "--dataset=sharegpt",
+        f"--dataset-path={dataset}",
+        "--num-prompts=10",  # more than the file has: the 3 usable ones are sent
+        "--num-warmup=2",
+        "--max-concurrency=1",
+    )
+    (record,) = read_jsonl(out)
+    check_record(record, len(replies))
+    assert record["total_output_tokens"] == 10 + 6 + 15
+    # Two warm-up requests reached the server, and no result counts them.
+    assert srv.metrics()[finished] - before == len(replies) + 2
+
+
 def test_plot_draws_png(trace_results, tmp_path):
     from matplotlib.image import imread
 
