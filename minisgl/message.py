@@ -111,6 +111,21 @@ class StatsReply:
     cached_prompt_tokens_total: int = 0
     eos_token_ids: tuple[int, ...] = field(default=())
     kv_capacity_tokens: int = 0  # total pages x page size; 0: unknown
+    prefill_tokens_total: int = 0
+    num_retractions_total: int = 0
+    gen_throughput_tokens_per_s: float = 0.0  # over the last few seconds
+    # Histograms travel as (per-bucket counts, sum); the bounds are constants in
+    # minisgl.scheduler.stats, so they never cross the wire. Empty counts: no data yet.
+    queue_time_s_bucket_counts: tuple[int, ...] = ()
+    queue_time_s_sum: float = 0.0
+    batch_size_bucket_counts: tuple[int, ...] = ()
+    batch_size_sum: float = 0.0
+    batch_tokens_bucket_counts: tuple[int, ...] = ()
+    batch_tokens_sum: float = 0.0
+    # The scheduler's GPU (rank 0's with tp); None on CPU or when it cannot be read.
+    gpu_utilization_ratio: float | None = None
+    gpu_memory_used_bytes: int | None = None
+    gpu_memory_total_bytes: int | None = None
 
 
 # ---------------------------------------------------------------------------------------------

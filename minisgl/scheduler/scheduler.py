@@ -15,6 +15,7 @@ nothing in flight ever reads a row or page that was handed to someone else.
 from __future__ import annotations
 
 import random
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -27,7 +28,7 @@ from minisgl.limits import ModelLimits, check_request
 from minisgl.scheduler.cache_manager import CacheManager
 from minisgl.scheduler.decode import DecodeManager, NeedDrain
 from minisgl.scheduler.prefill import PrefillManager
-from minisgl.scheduler.stats import SchedulerStats
+from minisgl.scheduler.stats import SchedulerHistograms, SchedulerStats
 from minisgl.scheduler.table import TableManager
 
 
@@ -77,6 +78,7 @@ class Scheduler:
         self._inflight: _Launched | None = None
         self._outputs: list[ReqOutput] = []
         self._counters = dict.fromkeys(("prompt", "generation", "cached", "prefill", "aborted"), 0)
+        self._histograms = SchedulerHistograms()
 
     @property
     def model_path(self) -> str:
@@ -165,10 +167,13 @@ class Scheduler:
                 req.num_cached_prompt_tokens = req.cached_len
                 self._counters["cached"] += req.cached_len
                 self._counters["prompt"] += req.prompt_len
+                if req.arrival_time > 0:  # set by the server; offline requests have none
+                    self._histograms.queue_time_s.observe(time.monotonic() - req.arrival_time)
         items += plan.items
         if not items:
             return None
         batch = self._build_batch(items)
+        self._histograms.observe_step(len(items), sum(num_tokens for _, num_tokens in items))
         for req, num_tokens in items:
             if num_tokens > 1:  # a prefill chunk: share its prefix right away
                 self.cache.cache_prefix(req)
@@ -276,6 +281,9 @@ class Scheduler:
             prefill_tokens_total=c["prefill"],
             num_retractions_total=self.decode.num_retractions,
             aborted_requests_total=c["aborted"],
+            queue_time_s=self._histograms.queue_time_s.snapshot(),
+            batch_size=self._histograms.batch_size.snapshot(),
+            batch_tokens=self._histograms.batch_tokens.snapshot(),
         )
 
     def check_health(self) -> None:

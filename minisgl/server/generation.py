@@ -271,8 +271,7 @@ class GenerationGroup:
             choice.error = output.error
             self._num_unfinished -= 1
             self._ctx.metrics.e2e_request_latency_s.observe(now_s - self._arrival_time_s)
-            if output.finish_reason == FinishReason.ABORT:
-                self._ctx.metrics.aborted_requests.inc()
+            self._ctx.metrics.request_finished(output.finish_reason)
         return choice, output
 
     def _observe_token_times(self, choice: ChoiceState, num_new_tokens: int, now_s: float) -> None:
@@ -296,7 +295,7 @@ class GenerationGroup:
             if not choice.finished:
                 self._ctx.engine.abort(choice.rid)
                 choice.finish_reason = FinishReason.ABORT
-                self._ctx.metrics.aborted_requests.inc()
+                self._ctx.metrics.request_finished(FinishReason.ABORT)
         self._num_unfinished = 0
 
     async def run_to_end(self) -> None:

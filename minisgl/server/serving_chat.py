@@ -96,15 +96,19 @@ async def _stream(
         choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         return sse_event({**base, "choices": [choice]})
 
+    # Each choice's role chunk goes out with its first output, not at once: benchmark clients
+    # (vllm bench serve) time the first token at the first chunk, as OpenAI and vLLM send it.
+    announced: set[int] = set()
     try:
-        for choice in group.choices:
-            yield chunk(choice.index, {"role": "assistant", "content": ""})
         while not group.done:
             choice, output = await group.next_output()
             if output.finish_reason == FinishReason.ERROR:
                 yield sse_event(error_dict(output.error or "request failed"))
                 yield SSE_DONE
                 return
+            if choice.index not in announced:
+                announced.add(choice.index)
+                yield chunk(choice.index, {"role": "assistant", "content": ""})
             delta = {"content": output.text} if output.text else {}
             logprobs = chat_logprobs(ctx, output.logprobs) if body.logprobs else None
             finish = finish_reason_text(output.finish_reason)
