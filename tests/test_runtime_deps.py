@@ -19,8 +19,9 @@ tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "minisgl"
-# Optional accelerator packages: imported lazily (inside functions) where they are used, so the
-# package imports and runs on CPU without them.
+# Optional accelerator packages: imported lazily where they are used, so the package imports and
+# runs on CPU without them. Either inside a function, or at the top of a kernel module that is
+# itself only ever imported lazily (a Triton kernel file needs `triton` at module level).
 OPTIONAL_LAZY_MODULES = frozenset({"flashinfer", "sgl_kernel", "triton", "xgrammar", "llguidance"})
 SHELL_TIMEOUT_S = 240.0
 
@@ -37,9 +38,9 @@ def _runtime_requirements() -> set[str]:
     }
 
 
-def _imports(path: Path) -> list[tuple[str, int, bool]]:
+def _imports(path: Path, full_names: bool = False) -> list[tuple[str, int, bool]]:
     """(top-level module, line, inside a function) for every absolute import that runs at run
-    time; `if TYPE_CHECKING:` blocks are skipped."""
+    time; `if TYPE_CHECKING:` blocks are skipped. `full_names` keeps dotted module names."""
     found: list[tuple[str, int, bool]] = []
 
     def visit(node: ast.AST, in_function: bool) -> None:
@@ -47,10 +48,14 @@ def _imports(path: Path) -> list[tuple[str, int, bool]]:
             for stmt in node.orelse:
                 visit(stmt, in_function)
             return
+
+        def name(module: str) -> str:
+            return module if full_names else module.split(".")[0]
+
         if isinstance(node, ast.Import):
-            found.extend((a.name.split(".")[0], node.lineno, in_function) for a in node.names)
+            found.extend((name(a.name), node.lineno, in_function) for a in node.names)
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            found.append((node.module.split(".")[0], node.lineno, in_function))
+            found.append((name(node.module), node.lineno, in_function))
         is_function = isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
         for child in ast.iter_child_nodes(node):
             visit(child, in_function or is_function)
@@ -59,22 +64,41 @@ def _imports(path: Path) -> list[tuple[str, int, bool]]:
     return found
 
 
+def _module_name(path: Path) -> str:
+    return ".".join(path.relative_to(ROOT).with_suffix("").parts)
+
+
+def _kernel_modules(files: list[Path]) -> set[str]:
+    """Modules that import an optional package at module level."""
+    return {
+        _module_name(path)
+        for path in files
+        if any(m in OPTIONAL_LAZY_MODULES and not f for m, _, f in _imports(path))
+    }
+
+
 def test_every_runtime_import_is_a_declared_dependency():
     declared = _runtime_requirements()
     distributions = importlib.metadata.packages_distributions()
     problems = []
     files = sorted(PACKAGE.rglob("*.py"))
     assert len(files) > 20
+    kernels = _kernel_modules(files)
     for path in files:
         where_file = path.relative_to(ROOT)
-        for module, line, in_function in _imports(path):
+        if _module_name(path) not in kernels:
+            for module, line, in_function in _imports(path, full_names=True):
+                if module in kernels and not in_function:
+                    problems.append(
+                        f"{where_file}:{line} imports kernel module {module} at module level: "
+                        "import it lazily (it needs an optional package)"
+                    )
+        for module, line, _ in _imports(path):
             where = f"{where_file}:{line} imports {module}"
             if module in ("minisgl", "__future__") or module in sys.stdlib_module_names:
                 continue
             if module in OPTIONAL_LAZY_MODULES:
-                if not in_function:
-                    problems.append(f"{where} at module level: import it inside the function")
-                continue
+                continue  # inside a function, or in a kernel module only imported lazily
             dists = {_canonical(d) for d in distributions.get(module, [])}
             if not dists:
                 problems.append(f"{where}, which is not installed here at all")
