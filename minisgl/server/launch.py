@@ -114,7 +114,11 @@ class ServerStack:
                 "minisgl.server.detokenizer_proc:run_detokenizer_process",
                 (tokenizer_path, endpoints),
             ),
-            ("api", "minisgl.server.api:run_api_server", (self.args, endpoints, tokenizer_path)),
+            (
+                "api",
+                "minisgl.server.api:run_api_server",
+                (self.args, endpoints, tokenizer_path, model_path),
+            ),
         ]
         for name, target, args in targets:
             parent_conn, child_conn = ctx.Pipe(duplex=False)
