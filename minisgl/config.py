@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import shlex
 from dataclasses import dataclass, fields
 from typing import Any, Literal
 
@@ -20,6 +21,10 @@ DISABLE_OVERLAP_ENV = "MINISGL_DISABLE_OVERLAP_SCHEDULING"
 DEFAULT_CUDA_MAX_PREFILL_TOKENS = 8192
 DEFAULT_CPU_MAX_PREFILL_TOKENS = 1024
 MIB = 1 << 20
+
+# Data parallelism (minisgl/server/dp.py): the SGLang Model Gateway's routing policies.
+ROUTER_POLICIES = ("cache_aware", "round_robin", "random", "power_of_two")
+DEFAULT_ROUTER_POLICY = "cache_aware"
 
 CacheType = Literal["radix", "naive"]
 OverlapMode = Literal["auto", "on", "off"]
@@ -147,6 +152,23 @@ class ServerArgs:
         return cls(**kwargs)
 
 
+@dataclass(frozen=True)
+class DataParallelArgs:
+    """`--dp N`: N replicas of the server behind the SGLang Model Gateway (a launcher option, not
+    a server one: every replica is a plain server with its own ServerArgs)."""
+
+    dp_size: int = 1
+    router_policy: str = DEFAULT_ROUTER_POLICY
+    router_args: tuple[str, ...] = ()  # extra gateway flags; they override ours
+    use_router: bool = True  # False: the replicas alone, for a gateway that runs elsewhere
+
+    def __post_init__(self) -> None:
+        if self.dp_size < 1:
+            raise ValueError("dp_size: must be >= 1")
+        if self.router_policy not in ROUTER_POLICIES:
+            raise ValueError(f"router_policy: must be one of {', '.join(ROUTER_POLICIES)}")
+
+
 # Aliases users of Mini-SGLang / SGLang / vLLM type.
 _ALIASES: dict[str, list[str]] = {
     "model": ["--model-path"],
@@ -182,10 +204,45 @@ def build_arg_parser() -> argparse.ArgumentParser:
             kwargs["choices"] = list(ATTENTION_BACKENDS)
         parser.add_argument(*flags, **kwargs)
     parser.add_argument("--shell", action="store_true", help="chat in this terminal")
+    dp = parser.add_argument_group("data parallelism (docs/scaling.md)")
+    dp.add_argument(
+        "--dp",
+        "--dp-size",
+        dest="dp_size",
+        type=int,
+        default=1,
+        help="replicas on ports --port+1 .. --port+N, the SGLang Model Gateway on --port",
+    )
+    dp.add_argument("--router-policy", choices=ROUTER_POLICIES, default=DEFAULT_ROUTER_POLICY)
+    dp.add_argument(
+        "--router-args",
+        default="",
+        help='more gateway flags, e.g. "--health-check-interval-secs 2" (see smg launch --help)',
+    )
+    dp.add_argument(
+        "--no-router", action="store_true", help="start the replicas only (a gateway elsewhere)"
+    )
     return parser
 
 
 def parse_server_args(argv: list[str] | None = None) -> tuple[ServerArgs, argparse.Namespace]:
-    ns = build_arg_parser().parse_args(argv)
+    parser = build_arg_parser()
+    ns = parser.parse_args(argv)
     values = {f.name: getattr(ns, f.name) for f in fields(ServerArgs)}
+    router_flags = ns.no_router or ns.router_args or ns.router_policy != DEFAULT_ROUTER_POLICY
+    if ns.dp_size < 1:
+        parser.error("--dp: must be >= 1")
+    if ns.dp_size == 1 and router_flags:
+        parser.error("--router-policy, --router-args and --no-router need --dp N with N > 1")
+    if ns.dp_size > 1 and ns.shell:
+        parser.error("--shell chats with one server: it does not take --dp")
     return ServerArgs(**values), ns
+
+
+def data_parallel_args(ns: argparse.Namespace) -> DataParallelArgs:
+    return DataParallelArgs(
+        dp_size=ns.dp_size,
+        router_policy=ns.router_policy,
+        router_args=tuple(shlex.split(ns.router_args)),
+        use_router=not ns.no_router,
+    )

@@ -1,4 +1,5 @@
-"""The FastAPI app: OpenAI-compatible routes, errors, /health and /metrics; the API process."""
+"""The FastAPI app: OpenAI-compatible routes, errors, /health and /metrics, SGLang's worker
+endpoints (minisgl.server.native_api); the API process."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from minisgl.server.generation import ServingContext
 from minisgl.server.metrics import ServerMetrics
 from minisgl.server.middleware import Lifecycle, install_middleware
 from minisgl.server.model_names import accepted_model_names, served_model_name
+from minisgl.server.native_api import build_model_card, install_native_routes
 from minisgl.server.process import BACKEND_FAILED_SIGNAL, ChildStartupError
 from minisgl.server.protocol import ChatCompletionRequest, CompletionRequest, error_dict, now_s
 from minisgl.server.serving_chat import create_chat_completion
@@ -76,7 +78,11 @@ async def _wait_for_scheduler(engine: EngineClient) -> StatsReply:
     raise TimeoutError(f"scheduler did not answer within {SCHEDULER_HANDSHAKE_TIMEOUT_S} s")
 
 
-def create_app(args: ServerArgs, endpoints: Endpoints, tokenizer_path: str | Path) -> FastAPI:
+def create_app(
+    args: ServerArgs, endpoints: Endpoints, tokenizer_path: str | Path, model_path: str | Path
+) -> FastAPI:
+    """`tokenizer_path`, `model_path`: the resolved local folders."""
+
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         tokenizer = await asyncio.to_thread(load_tokenizer, tokenizer_path)
@@ -154,6 +160,7 @@ def create_app(args: ServerArgs, endpoints: Endpoints, tokenizer_path: str | Pat
         await ctx.engine.stats(METRICS_STATS_TIMEOUT_S)  # refreshes engine.last_stats
         return Response(ctx.metrics.render(), media_type="text/plain; version=0.0.4")
 
+    install_native_routes(app, args, build_model_card(args, str(model_path), str(tokenizer_path)))
     return app
 
 
@@ -246,10 +253,14 @@ def _bind(host: str, port: int) -> socket.socket:
 
 
 def run_api_server(
-    args: ServerArgs, endpoints: Endpoints, tokenizer_path: str, report_ready: Callable[[], None]
+    args: ServerArgs,
+    endpoints: Endpoints,
+    tokenizer_path: str,
+    model_path: str,
+    report_ready: Callable[[], None],
 ) -> None:
     """The API server process: serve until SIGTERM (then drain) or BACKEND_FAILED_SIGNAL."""
-    app = create_app(args, endpoints, tokenizer_path)
+    app = create_app(args, endpoints, tokenizer_path, model_path)
     # uvicorn's own startup lines would repeat what the launcher logs once.
     uvicorn_log_level = "debug" if args.log_level == "debug" else "warning"
     config = uvicorn.Config(

@@ -47,6 +47,9 @@ class EngineClient:
         self._stats_ids = itertools.count()
         self._reader: asyncio.Task | None = None
         self.last_stats: StatsReply | None = None
+        # Event-loop time of the latest output from the backend: proof that it generates
+        # (/health_generate).
+        self.last_output_s = float("-inf")
         # Set when the scheduler is going away (shutdown, or it died): new submits raise it.
         self._closed_error: RequestError | None = None
 
@@ -71,6 +74,7 @@ class EngineClient:
 
     def _dispatch(self, message: object) -> None:
         if isinstance(message, BatchDetokenizedOutput):
+            self.last_output_s = asyncio.get_running_loop().time()
             for output in message.outputs:
                 route = self._routes.get(output.rid)
                 if route is None:

@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
-from typing import Any
+from typing import Any, Protocol
 
 from minisgl.config import ServerArgs
 from minisgl.message import Endpoints
@@ -75,8 +75,10 @@ class _Child:
 class ServerStack:
     """The server's processes. `start`, then `wait_ready`, then `watch`; always `shutdown`."""
 
-    def __init__(self, args: ServerArgs) -> None:
+    def __init__(self, args: ServerArgs, replica: int | None = None) -> None:
         self.args = args
+        # With --dp (minisgl.server.dp), children are named per replica: sched0, api1, ...
+        self._name_suffix = "" if replica is None else str(replica)
         self.endpoints: Endpoints | None = None
         self._children: list[_Child] = []
         self._num_stop_requests = 0
@@ -114,9 +116,14 @@ class ServerStack:
                 "minisgl.server.detokenizer_proc:run_detokenizer_process",
                 (tokenizer_path, endpoints),
             ),
-            ("api", "minisgl.server.api:run_api_server", (self.args, endpoints, tokenizer_path)),
+            (
+                "api",
+                "minisgl.server.api:run_api_server",
+                (self.args, endpoints, tokenizer_path, model_path),
+            ),
         ]
-        for name, target, args in targets:
+        for base_name, target, args in targets:
+            name = base_name + self._name_suffix
             parent_conn, child_conn = ctx.Pipe(duplex=False)
             process = ctx.Process(
                 target=child_main,
@@ -149,26 +156,38 @@ class ServerStack:
                     raise StackError(str(payload))
                 child.ready = True
 
-    def watch(self) -> int:
-        """Block until a stop is requested (0) or any child exits (non-zero)."""
-        sentinels = {child.process.sentinel: child for child in self._children}
-        while not self.stop_requested:
-            for sentinel in wait(list(sentinels), timeout=WATCH_INTERVAL_S):
-                child = sentinels[sentinel]  # type: ignore[index]
+    def ready_message(self) -> str:
+        return f"minisgl serving {served_model_name(self.args)} at {self.url}"
+
+    @property
+    def sentinels(self) -> list[int]:
+        """Become ready (multiprocessing.connection.wait) when a child exits."""
+        return [child.process.sentinel for child in self._children]
+
+    def exited_child(self) -> str | None:
+        """The first child that has exited, in words, or None while all run."""
+        for child in self._children:
+            if not child.process.is_alive():
                 # The sentinel fires as the child exits, a moment before its code can be read.
                 child.process.join(timeout=EXIT_CODE_WAIT_S)
-                logger.error(
-                    "%s exited unexpectedly (%s); shutting down",
-                    child.name,
-                    describe_exit(child.process.exitcode),
-                )
+                return f"{child.name} exited unexpectedly ({describe_exit(child.process.exitcode)})"
+        return None
+
+    def watch(self) -> int:
+        """Block until a stop is requested (0) or any child exits (non-zero)."""
+        while not self.stop_requested:
+            wait(self.sentinels, timeout=WATCH_INTERVAL_S)
+            failure = self.exited_child()
+            if failure is not None:
+                logger.error("%s; shutting down", failure)
                 return CHILD_FAILED_EXIT_CODE
         return 0
 
     def _stop_api_server(self, backend_failed: bool) -> None:
         """SIGTERM (drain) or BACKEND_FAILED_SIGNAL to the API server; wait for it to exit.
         While it drains, a worker dying or another stop request cuts the drain short."""
-        api = next((c for c in self._children if c.name == API_CHILD), None)
+        api_name = API_CHILD + self._name_suffix
+        api = next((c for c in self._children if c.name == api_name), None)
         if api is None or not api.process.is_alive():
             return
         drain_s = 0.0 if backend_failed else self.args.shutdown_timeout_s
@@ -207,10 +226,35 @@ class ServerStack:
             self.endpoints.remove()
 
 
+class Stack(Protocol):
+    """What `run_until_stopped` drives: a ServerStack, or the replicas of --dp (DataParallelStack
+    in minisgl.server.dp)."""
+
+    @property
+    def stop_requested(self) -> bool: ...
+
+    def request_stop(self) -> None: ...
+
+    def start(self) -> None: ...
+
+    def wait_ready(self) -> None: ...
+
+    def ready_message(self) -> str: ...
+
+    def watch(self) -> int: ...
+
+    def shutdown(self, backend_failed: bool = False) -> None: ...
+
+
 def serve(args: ServerArgs) -> int:
     """Run the server until SIGTERM / Ctrl-C; the return value is the process exit code."""
     setup_logging(args.log_level)
-    stack = ServerStack(args)
+    return run_until_stopped(ServerStack(args))
+
+
+def run_until_stopped(stack: Stack) -> int:
+    """Start `stack`, serve until SIGTERM / Ctrl-C or a failure, always shut it down; the return
+    value is the process exit code."""
     previous = {
         sig: signal.signal(sig, lambda *_: stack.request_stop())
         for sig in (signal.SIGINT, signal.SIGTERM)
@@ -219,7 +263,7 @@ def serve(args: ServerArgs) -> int:
     try:
         stack.start()
         stack.wait_ready()
-        logger.info("minisgl serving %s at %s", served_model_name(args), stack.url)
+        logger.info("%s", stack.ready_message())
         exit_code = stack.watch()
     except StackError as exc:
         if stack.stop_requested:

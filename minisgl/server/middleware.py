@@ -23,10 +23,12 @@ from minisgl.server.protocol import error_dict, new_id
 
 logger = logging.getLogger(__name__)
 
-# Probes and scrapers: open without an API key, and /metrics still answers while draining.
+# Probes and scrapers: open without an API key (as in SGLang, /health_generate too: a gateway or
+# load balancer probes without credentials), and /metrics still answers while draining.
 HEALTH_PATH = "/health"
+HEALTH_GENERATE_PATH = "/health_generate"
 METRICS_PATH = "/metrics"
-PROBE_PATHS = frozenset({HEALTH_PATH, METRICS_PATH})
+PROBE_PATHS = frozenset({HEALTH_PATH, HEALTH_GENERATE_PATH, METRICS_PATH})
 HTTP_UNAUTHORIZED = 401
 HTTP_PAYLOAD_TOO_LARGE = 413
 REQUEST_ID_HEADER = "X-Request-Id"
@@ -118,8 +120,8 @@ class DrainGate:
 
 
 class ApiKeyGate:
-    """Every path but /health and /metrics needs `Authorization: Bearer KEY` (the docs pages and
-    the OpenAPI schema too, as in SGLang)."""
+    """Every path but the probes (PROBE_PATHS) needs `Authorization: Bearer KEY` (the docs
+    pages and the OpenAPI schema too, as in SGLang)."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
