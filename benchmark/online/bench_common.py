@@ -202,6 +202,25 @@ async def run_requests(
     return list(results), duration_s
 
 
+async def measure(
+    client: httpx.AsyncClient,
+    base_url: str,
+    url: str,
+    bodies: Sequence[dict[str, Any]],
+    specs: Sequence[RequestSpec],
+    max_concurrency: int | None,
+    desc: str,
+    show_progress: bool,
+) -> dict[str, Any]:
+    """One timed run: the requests, plus the server's prefix-cache counters around them."""
+    cache_before = await cache_counters(client, base_url)
+    results, duration_s = await run_requests(
+        client, url, bodies, specs, max_concurrency, desc, show_progress
+    )
+    cache_after = await cache_counters(client, base_url)
+    return summarize(results, duration_s, cache_before, cache_after)
+
+
 def parse_metrics(text: str) -> dict[str, float]:
     """Prometheus text -> {name: value}, labelled series of one name summed."""
     values: dict[str, float] = {}

@@ -42,14 +42,12 @@ from bench_common import (
     RequestSpec,
     append_jsonl,
     build_payload,
-    cache_counters,
     make_client,
+    measure,
     print_summary,
     run_info,
-    run_requests,
     send_request,
     served_model,
-    summarize,
 )
 
 BLOCK_SIZE_TOKENS = 16  # the trace format's block size
@@ -187,9 +185,9 @@ async def replay(args: argparse.Namespace) -> list[dict[str, Any]]:
                 )
                 body = build_payload(warmup, model, "completions", True, 0.0)
                 await send_request(client, url, body, WARMUP_OUTPUT_TOKENS)
-            cache_before = await cache_counters(client, base_url)
-            results, duration_s = await run_requests(
+            summary = await measure(
                 client,
+                base_url,
                 url,
                 bodies,
                 specs,
@@ -197,7 +195,6 @@ async def replay(args: argparse.Namespace) -> list[dict[str, Any]]:
                 desc=f"scale {scale}",
                 show_progress=not args.disable_tqdm,
             )
-            cache_after = await cache_counters(client, base_url)
             record: dict[str, Any] = {
                 "benchmark": "bench_qwen",
                 "label": args.label,
@@ -209,7 +206,7 @@ async def replay(args: argparse.Namespace) -> list[dict[str, Any]]:
                 "max_concurrency": args.max_concurrency,
                 "skipped_too_long": skipped,
                 "expected_input_tokens": sum(s.prompt_len or 0 for s in specs),
-                **summarize(results, duration_s, cache_before, cache_after),
+                **summary,
                 **run_info(sys.argv),
             }
             print_summary(f"{args.label or model}: trace scale {scale}", record)

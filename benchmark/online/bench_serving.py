@@ -45,14 +45,12 @@ from bench_common import (
     RequestSpec,
     append_jsonl,
     build_payload,
-    cache_counters,
     make_client,
+    measure,
     print_summary,
     run_info,
-    run_requests,
     send_request,
     served_model,
-    summarize,
 )
 
 # Common English words; with their leading space most are single tokens in BPE vocabularies.
@@ -196,9 +194,9 @@ async def benchmark(args: argparse.Namespace) -> list[dict[str, Any]]:
             bodies = [
                 build_payload(s, model, api, args.ignore_eos, args.temperature) for s in specs
             ]
-            cache_before = await cache_counters(client, base_url)
-            results, duration_s = await run_requests(
+            summary = await measure(
                 client,
+                base_url,
                 url,
                 bodies,
                 specs,
@@ -206,7 +204,6 @@ async def benchmark(args: argparse.Namespace) -> list[dict[str, Any]]:
                 desc=f"rate {rate}",
                 show_progress=not args.disable_tqdm,
             )
-            cache_after = await cache_counters(client, base_url)
             record: dict[str, Any] = {
                 "benchmark": "bench_serving",
                 "label": args.label,
@@ -217,7 +214,7 @@ async def benchmark(args: argparse.Namespace) -> list[dict[str, Any]]:
                 "request_rate": rate,
                 "max_concurrency": args.max_concurrency,
                 "ignore_eos": args.ignore_eos,
-                **summarize(results, duration_s, cache_before, cache_after),
+                **summary,
                 **run_info(sys.argv),
             }
             title = f"{args.label or model}: {args.dataset}, rate {rate}"
