@@ -59,6 +59,9 @@ class SamplingBatch:
     seen_mask: torch.Tensor | None = None  # bool [rows, vocab]: in prompt or output
     output_counts: torch.Tensor | None = None  # float32 [rows, vocab]: times in the output
     max_logprobs: int | None = None  # None: no row wants logprobs
+    # structured outputs (None when no row is constrained)
+    mask_rows: torch.Tensor | None = None  # int64 [k]: the constrained rows
+    mask_bits: torch.Tensor | None = None  # int32 [k, ceil(vocab / 32)]: allowed tokens
 
     @staticmethod
     def build(
@@ -106,6 +109,22 @@ class SampleResult:
     top_logprobs: torch.Tensor | None  # float32 [rows, k]
 
 
+_BITS_PER_WORD = 32
+
+
+def apply_vocab_mask(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
+    """-inf for every token a constrained row may not pick. Out of place: the raw logits stay
+    what logprobs report (and may be a CUDA graph's static output)."""
+    if sb.mask_rows is None or sb.mask_bits is None:
+        return logits
+    vocab_size = logits.shape[-1]
+    shifts = torch.arange(_BITS_PER_WORD, dtype=torch.int32, device=logits.device)
+    # [k, words] -> [k, words, 32] -> [k, words * 32]: bit j of word w is token 32 * w + j
+    allowed = ((sb.mask_bits[:, :, None] >> shifts) & 1).bool().flatten(1)[:, :vocab_size]
+    masked = logits[sb.mask_rows].masked_fill(~allowed, float("-inf"))
+    return logits.index_put((sb.mask_rows,), masked)
+
+
 def apply_penalties(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
     if sb.repetition is not None and sb.seen_mask is not None:
         # HF / vLLM convention: divide positive logits, multiply negative ones.
@@ -135,7 +154,7 @@ def _filter(probs: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
 def sample(logits: torch.Tensor, sb: SamplingBatch) -> SampleResult:
     """logits: float32 [rows, vocab], raw from the model."""
     raw_logits = logits
-    logits = apply_penalties(logits, sb)
+    logits = apply_penalties(apply_vocab_mask(logits, sb), sb)
     greedy_ids = logits.argmax(dim=-1)
     if sb.all_greedy:
         token_ids = greedy_ids
