@@ -7,7 +7,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-import xgrammar as xgr
 
 from minisgl.engine.batch import VocabMask
 
@@ -24,6 +23,8 @@ class GrammarState:
     """
 
     def __init__(self, compiled: Any, start_after: Sequence[int] = ()) -> None:
+        import xgrammar as xgr  # loaded already: the compiled grammar came from it
+
         self._matcher = xgr.GrammarMatcher(compiled)
         self._start_after = list(start_after)
         self.active = not self._start_after
@@ -61,6 +62,8 @@ def build_vocab_mask(states: Sequence[GrammarState | None], vocab_size: int) -> 
     rows = [i for i, s in enumerate(states) if s is not None and s.constrains_next]
     if not rows:
         return None
+    import xgrammar as xgr
+
     bitmask = xgr.allocate_token_bitmask(len(rows), vocab_size)
     for index, row in enumerate(rows):
         state = states[row]
