@@ -139,8 +139,12 @@ def test_reasoning_gates_the_grammar_unless_thinking_is_off(tokenizer) -> None:
     unsplit = prepare_chat(
         tokenizer, settings, user, separate_reasoning=False, constraint_fields=fields
     )
+    # the model still thinks when the request keeps its reasoning in the content
     assert unsplit.reasoning_parser is None and unsplit.constraint is not None
-    assert unsplit.constraint.start_after == ()
+    assert unsplit.constraint.start_after == (THINK_END_ID,)
+    with pytest.raises(InvalidRequestError, match="return_dict") as info:
+        prepare_chat(tokenizer, settings, user, template_kwargs={"return_dict": True})
+    assert info.value.param == "chat_template_kwargs"
 
 
 def test_tool_plans() -> None:

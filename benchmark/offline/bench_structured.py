@@ -72,6 +72,7 @@ def main() -> None:
         for _ in range(args.repeat):
             for name, params in runs.items():
                 elapsed_s, tokens = timed(llm, prompts, params)
+                print(f"{name}: {elapsed_s:.2f} s, {tokens} tokens", flush=True)
                 if name not in best or elapsed_s < best[name][0]:
                     best[name] = (elapsed_s, tokens)
     print(

@@ -35,6 +35,29 @@ from minisgl.tokenizer.chat import encode_prompt, load_chat_template, render_cha
 logger = logging.getLogger(__name__)
 
 
+# apply_chat_template's own parameters: not template variables, and passing one twice would
+# change what the call returns (return_dict, tokenize) or fail.
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {
+        "conversation",
+        "messages",
+        "tools",
+        "documents",
+        "chat_template",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+    }
+)
+
+
 def parse_template_kwargs(value: Any, param: str = "chat_template_kwargs") -> dict[str, Any]:
     """A JSON object (text or dict) of chat template variables."""
     if value is None:
@@ -46,6 +69,9 @@ def parse_template_kwargs(value: Any, param: str = "chat_template_kwargs") -> di
             raise InvalidRequestError(param, "must be a JSON object") from None
     if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):
         raise InvalidRequestError(param, "must be a JSON object")
+    reserved = sorted(RESERVED_TEMPLATE_KWARGS.intersection(value))
+    if reserved:
+        raise InvalidRequestError(param, f"{reserved} cannot be set here")
     return dict(value)
 
 
@@ -131,8 +157,10 @@ def prepare_chat(
     plan = plan_tools(tools, tool_choice, parallel_tool_calls, settings.tool_call_parser)
     kwargs = {**settings.template_kwargs, **parse_template_kwargs(template_kwargs)}
     text = render_chat(tokenizer, messages, plan.template_tools, settings.chat_template, kwargs)
-    reasoning = settings.reasoning_parser if separate_reasoning else None
-    mode = initial_mode(reasoning, text) if reasoning is not None else Mode.CONTENT
+    # The model reasons whether or not this request wants the reasoning split off.
+    parser = settings.reasoning_parser
+    mode = initial_mode(parser, text) if parser is not None else Mode.CONTENT
+    reasoning = parser if separate_reasoning else None
     found = constraint_from_fields(constraint_fields or {})
     constraint, param = (found[1], found[0]) if found else (None, None)
     if plan.constraint is not None:
@@ -141,7 +169,7 @@ def prepare_chat(
                 "tool_choice", f"a required or named tool call cannot be combined with {param}"
             )
         constraint, param = plan.constraint, "tools"
-    if constraint is not None and reasoning is not None and mode != Mode.CONTENT:
+    if constraint is not None and parser is not None and mode != Mode.CONTENT:
         # The answer is constrained, the reasoning before it is not: the grammar starts after
         # the end tag's tokens.
         end_ids = tuple(tokenizer.encode(THINK_END, add_special_tokens=False))

@@ -142,7 +142,8 @@ def render_chat(
         )
     except TemplateError as exc:  # e.g. raise_exception("roles must alternate ...")
         raise ValueError(f"messages: the model's chat template rejected them: {exc}") from None
-    except (TypeError, KeyError, AttributeError) as exc:  # a template reading a missing field
+    except (TypeError, KeyError, AttributeError, IndexError, ValueError) as exc:
+        # a template reading a field these messages lack, or rejecting their shape
         raise ValueError(f"messages: the chat template failed on them: {exc}") from None
     return str(text)
 
