@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import shlex
 from dataclasses import dataclass, fields
@@ -29,6 +30,9 @@ DEFAULT_ROUTER_POLICY = "cache_aware"
 CacheType = Literal["radix", "naive"]
 OverlapMode = Literal["auto", "on", "off"]
 ATTENTION_BACKENDS = ("auto", "flashinfer", "triton", "torch")
+# The chat parsers (minisgl.chat); auto picks from the chat template.
+REASONING_PARSER_CHOICES = ("qwen3", "deepseek-r1", "auto")
+TOOL_CALL_PARSER_CHOICES = ("hermes", "qwen25", "llama3_json", "auto")
 
 
 def _env_flag(name: str) -> bool:
@@ -84,6 +88,13 @@ class ServerArgs:
     max_request_body_bytes: int = 32 * MIB  # over it: 413
     # SIGTERM: stop taking requests (503) and let open ones finish for this long, then abort.
     shutdown_timeout_s: float = 20.0
+    # chat (docs/server.md, "Reasoning, tools and structured outputs")
+    chat_template: str | None = None  # a Jinja file replacing the checkpoint's chat template
+    # Template variables for every chat request (a JSON object, e.g. '{"enable_thinking":
+    # false}'); a request's chat_template_kwargs override them. LLM(...) also takes a dict.
+    chat_template_kwargs: str | None = None
+    reasoning_parser: str | None = None  # qwen3, deepseek-r1 or auto: split off <think> text
+    tool_call_parser: str | None = None  # hermes, qwen25, llama3_json or auto: parse tool calls
     # multi-node tensor parallelism
     nnodes: int = 1
     node_rank: int = 0
@@ -127,6 +138,29 @@ class ServerArgs:
         )
         check(self.max_request_body_bytes >= 1, "max_request_body_bytes", "must be >= 1")
         check(self.shutdown_timeout_s >= 0, "shutdown_timeout_s", "must be >= 0")
+        kwargs: Any = self.chat_template_kwargs
+        if isinstance(kwargs, dict):  # LLM(chat_template_kwargs={...}): kept as JSON text
+            object.__setattr__(self, "chat_template_kwargs", json.dumps(kwargs))
+        elif kwargs is not None:
+            try:
+                parsed = json.loads(kwargs)
+            except ValueError:
+                parsed = None
+            check(isinstance(parsed, dict), "chat_template_kwargs", "must be a JSON object")
+        check(
+            self.reasoning_parser in (None, *REASONING_PARSER_CHOICES),
+            "reasoning_parser",
+            f"must be one of {', '.join(REASONING_PARSER_CHOICES)}",
+        )
+        check(
+            self.tool_call_parser in (None, *TOOL_CALL_PARSER_CHOICES),
+            "tool_call_parser",
+            f"must be one of {', '.join(TOOL_CALL_PARSER_CHOICES)}",
+        )
+
+    @property
+    def template_kwargs(self) -> dict[str, Any]:
+        return json.loads(self.chat_template_kwargs) if self.chat_template_kwargs else {}
 
     def overlap_enabled(self, device_type: str) -> bool:
         if self.disable_overlap or _env_flag(DISABLE_OVERLAP_ENV) or self.overlap == "off":
@@ -202,6 +236,10 @@ def build_arg_parser() -> argparse.ArgumentParser:
             kwargs["choices"] = ["auto", "on", "off"]
         elif f.name == "attention_backend":
             kwargs["choices"] = list(ATTENTION_BACKENDS)
+        elif f.name == "reasoning_parser":
+            kwargs["choices"] = list(REASONING_PARSER_CHOICES)
+        elif f.name == "tool_call_parser":
+            kwargs["choices"] = list(TOOL_CALL_PARSER_CHOICES)
         parser.add_argument(*flags, **kwargs)
     parser.add_argument("--shell", action="store_true", help="chat in this terminal")
     dp = parser.add_argument_group("data parallelism (docs/scaling.md)")

@@ -25,6 +25,9 @@ MAX_LOGPROBS = 20  # top alternatives per token (OpenAI's limit)
 MAX_STOP_STRINGS = 32
 MAX_STOP_STRING_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024
+# A grammar's source text (JSON schema, regex, EBNF): bounded like any other request field.
+MAX_CONSTRAINT_CHARS = 1 << 20
+CONSTRAINT_KINDS = ("json_schema", "json_object", "regex", "ebnf")
 
 
 class FinishReason(str, enum.Enum):
@@ -70,6 +73,43 @@ def _in_range(value: Any, low: float, high: float) -> bool:
 
 
 @dataclass(frozen=True)
+class Constraint:
+    """Grammar-constrained decoding: every sampled token keeps the output a prefix of a string
+    the grammar accepts (minisgl.grammar compiles it; the sampler masks the logits).
+
+    kind: "json_schema" (value: the schema as JSON text), "json_object" (any JSON object; value
+    unused), "regex", or "ebnf" (GBNF, rule `root`). `start_after` holds token ids that must
+    end the output before the grammar applies (a reasoning model's `</think>`); empty: from the
+    first token.
+    """
+
+    kind: str
+    value: str = ""
+    start_after: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        _check(
+            self.kind in CONSTRAINT_KINDS, "constraint", f"kind must be one of {CONSTRAINT_KINDS}"
+        )
+        _check(
+            isinstance(self.value, str) and len(self.value) <= MAX_CONSTRAINT_CHARS,
+            "constraint",
+            f"must be text of at most {MAX_CONSTRAINT_CHARS} characters",
+        )
+        object.__setattr__(self, "start_after", tuple(self.start_after))
+        _check(
+            all(_is_int(t) and 0 <= t <= MAX_TOKEN_ID for t in self.start_after),
+            "constraint",
+            "start_after must be token ids",
+        )
+
+    @property
+    def grammar_key(self) -> tuple[str, str]:
+        """What the compiled grammar depends on (start_after only gates when it applies)."""
+        return (self.kind, self.value)
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     """How to pick each next token and when to stop. Defaults follow vLLM / OpenAI."""
 
@@ -87,6 +127,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # None: off; k >= 0: chosen token plus the top k alternatives
     skip_special_tokens: bool = True
+    constraint: Constraint | None = None  # structured output (JSON schema, regex, ...)
 
     def __post_init__(self) -> None:
         """Every rule a request's sampling fields obey lives here; the server and `LLM` both
@@ -156,6 +197,11 @@ class SamplingParams:
             "logprobs",
             f"must be in [0, {MAX_LOGPROBS}]",
         )
+        _check(
+            self.constraint is None or isinstance(self.constraint, Constraint),
+            "constraint",
+            "must be a Constraint",
+        )
 
     @property
     def is_greedy(self) -> bool:
@@ -213,6 +259,10 @@ class Req:
     page_ids: list[int] = field(default_factory=list)  # pages backing positions, in order
     cache_handle: Any = None  # locked prefix-cache node of the matched prefix
     cache_matched_len: int = 0  # tokens whose pages belong to the prefix cache, not this request
+    # structured output: the compiled grammar as sent by the API server (serialized; None: the
+    # scheduler compiles sampling_params.constraint itself), then the live matcher state
+    grammar_blob: str | None = None
+    grammar: Any = None
     num_retractions: int = 0
     finish_reason: FinishReason | None = None
     arrival_time: float = 0.0

@@ -29,7 +29,7 @@ import msgpack
 import zmq
 import zmq.asyncio
 
-from minisgl.core import FinishReason, ReqOutput, SamplingParams, TokenLogprob
+from minisgl.core import Constraint, FinishReason, ReqOutput, SamplingParams, TokenLogprob
 
 # ---------------------------------------------------------------------------------------------
 # Messages
@@ -42,6 +42,9 @@ class TokenizedRequest:
     rid: str
     input_ids: tuple[int, ...]
     sampling_params: SamplingParams
+    # sampling_params.constraint compiled by the API server (minisgl.grammar), so the scheduler
+    # never compiles on its loop; None for unconstrained requests.
+    grammar_blob: str | None = None
 
 
 @dataclass(frozen=True)
@@ -148,6 +151,7 @@ _DATACLASS_TAGS: dict[type, int] = {
     BatchDetokenizedOutput: 15,
     StatsRequest: 16,
     StatsReply: 17,
+    Constraint: 4,
 }
 _ENUM_TAGS: dict[type, int] = {FinishReason: 1}
 

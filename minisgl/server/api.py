@@ -18,6 +18,7 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
 
+from minisgl.chat import ChatSettings
 from minisgl.config import ServerArgs
 from minisgl.core import InvalidRequestError
 from minisgl.limits import ModelLimits
@@ -99,6 +100,14 @@ def create_app(
             max_sequences_per_request=args.max_sequences_per_request,
             max_in_flight_sequences=args.max_running_requests + args.max_queued_requests,
             request_timeout_s=args.request_timeout_s,
+            chat=ChatSettings.resolve(
+                tokenizer,
+                args.chat_template,
+                args.chat_template_kwargs,
+                args.reasoning_parser,
+                args.tool_call_parser,
+            ),
+            eos_token_ids=tuple(info.eos_token_ids),
         )
         try:
             yield

@@ -98,12 +98,13 @@ class EngineClient:
         input_ids: list[int],
         params: SamplingParams,
         queue: asyncio.Queue,
+        grammar_blob: str | None = None,
     ) -> None:
         """Start one sequence; its outputs arrive on `queue` tagged with `index`.
         The route exists only once the send succeeded, so a failed send leaves nothing behind."""
         if self._closed_error is not None:
             raise self._closed_error
-        self._to_scheduler.put(TokenizedRequest(rid, tuple(input_ids), params))
+        self._to_scheduler.put(TokenizedRequest(rid, tuple(input_ids), params, grammar_blob))
         self._routes[rid] = (queue, index)
 
     def abort_all(self, error: RequestError | None = None) -> None:

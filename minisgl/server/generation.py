@@ -22,7 +22,9 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 from transformers import PreTrainedTokenizerBase
 
-from minisgl.core import FinishReason, InvalidRequestError, SamplingParams, TokenLogprob
+from minisgl.chat import ChatSettings
+from minisgl.core import Constraint, FinishReason, InvalidRequestError, SamplingParams, TokenLogprob
+from minisgl.grammar import GrammarCompiler
 from minisgl.limits import ModelLimits, check_request, resolve_max_tokens
 from minisgl.message import DetokenizedOutput
 from minisgl.server.engine_client import DISCONNECTED, EngineClient, RoutedOutput
@@ -85,6 +87,22 @@ class ServingContext:
     tokenize_pool: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="minisgl-tokenize")
     )
+    chat: ChatSettings = field(default_factory=ChatSettings)
+    eos_token_ids: tuple[int, ...] = ()
+    # Made at the first constrained request (reading the vocabulary takes ~0.5-1.5 s).
+    _grammar: GrammarCompiler | None = field(default=None, init=False)
+
+    def compile_constraint(self, constraint: Constraint, param: str) -> str:
+        """Compile (cached) and serialize a constraint for the scheduler; on the tokenize
+        thread. Raises InvalidRequestError naming `param` for a bad or unsupported one."""
+        if self._grammar is None:
+            self._grammar = GrammarCompiler(
+                self.tokenizer, self.limits.vocab_size, self.eos_token_ids
+            )
+        try:
+            return self._grammar.serialize(constraint)
+        except InvalidRequestError as exc:
+            raise InvalidRequestError(param, exc.message) from None
 
     async def off_loop(self, fn: Callable[..., _T], *args: Any) -> _T:
         return await asyncio.get_running_loop().run_in_executor(self.tokenize_pool, fn, *args)
@@ -116,7 +134,11 @@ class ServingContext:
             )
 
     def sampling_params_for(
-        self, body: SamplingFields, prompt_ids: list[int], prompt_param: str
+        self,
+        body: SamplingFields,
+        prompt_ids: list[int],
+        prompt_param: str,
+        constraint: Constraint | None = None,
     ) -> list[SamplingParams]:
         """One SamplingParams per choice for this prompt, every rule checked (a 400 if not)."""
         try:
@@ -127,7 +149,7 @@ class ServingContext:
                 prompt_param,
                 body.wire_param("max_tokens"),
             )
-            params = [build_sampling_params(body, max_tokens, j) for j in range(body.n)]
+            params = [build_sampling_params(body, max_tokens, j, constraint) for j in range(body.n)]
             check_request(prompt_ids, params[0], self.limits, prompt_param)  # same for every j
         except InvalidRequestError as exc:
             raise invalid_request(exc, body) from None
@@ -143,7 +165,7 @@ class ServingContext:
 
 
 def build_sampling_params(
-    body: SamplingFields, max_tokens: int, choice_index: int
+    body: SamplingFields, max_tokens: int, choice_index: int, constraint: Constraint | None = None
 ) -> SamplingParams:
     """Raises InvalidRequestError (SamplingParams' own rules) for a bad field."""
     overrides = {name: getattr(body, name) for name in SAMPLING_FIELDS}
@@ -157,6 +179,7 @@ def build_sampling_params(
         ignore_eos=body.ignore_eos,
         logprobs=body.num_logprobs,
         skip_special_tokens=body.skip_special_tokens,
+        constraint=constraint,
         **{name: value for name, value in overrides.items() if value is not None},
     )
 
@@ -167,6 +190,7 @@ class ChoiceState:
     prompt_index: int
     rid: str
     text_parts: list[str] = field(default_factory=list)
+    part_num_tokens: list[int] = field(default_factory=list)  # tokens behind each text part
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     num_tokens: int = 0
@@ -192,13 +216,16 @@ class GenerationGroup:
         request_id: str,
         prompts: Sequence[list[int]],
         params: Sequence[Sequence[SamplingParams]],
+        grammar_blob: str | None = None,
     ) -> None:
-        """params[p][j]: choice j of prompt p, whose choice index is p * n + j."""
+        """params[p][j]: choice j of prompt p, whose choice index is p * n + j. grammar_blob:
+        the compiled constraint every choice shares (ServingContext.compile_constraint)."""
         assert len(params) == len(prompts) and len({len(row) for row in params}) == 1
         self._ctx = ctx
         self.prompts = list(prompts)
         self.num_choices_per_prompt = len(params[0])
         self._params = [list(row) for row in params]
+        self._grammar_blob = grammar_blob
         n = self.num_choices_per_prompt
         self.choices = [
             ChoiceState(index=p * n + j, prompt_index=p, rid=f"{request_id}-{p}-{j}")
@@ -219,7 +246,9 @@ class GenerationGroup:
                 row = self._params[choice.prompt_index]
                 params = row[choice.index % self.num_choices_per_prompt]
                 prompt = self.prompts[choice.prompt_index]
-                self._ctx.engine.submit(choice.rid, choice.index, prompt, params, self._queue)
+                self._ctx.engine.submit(
+                    choice.rid, choice.index, prompt, params, self._queue, self._grammar_blob
+                )
         except BaseException:
             self.close()
             raise
@@ -260,6 +289,7 @@ class GenerationGroup:
         if output.num_new_tokens > 0:
             self._observe_token_times(choice, output.num_new_tokens, now_s)
         choice.text_parts.append(output.text)
+        choice.part_num_tokens.append(output.num_new_tokens)
         choice.token_ids.extend(output.token_ids)
         choice.logprobs.extend(output.logprobs)
         choice.num_tokens += output.num_new_tokens

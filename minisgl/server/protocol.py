@@ -23,6 +23,17 @@ from minisgl.core import InvalidRequestError
 
 # OpenAI's bound on choices per request.
 MAX_CHOICES_PER_REQUEST = 128
+CONSTRAINT_FIELDS = (
+    "response_format",
+    "regex",
+    "ebnf",
+    "json_schema",
+    "guided_json",
+    "guided_regex",
+    "guided_grammar",
+    "guided_choice",
+    "structured_outputs",
+)
 
 
 class OpenAIBaseModel(BaseModel):
@@ -95,6 +106,20 @@ class SamplingFields(OpenAIRequest):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    # Structured outputs (minisgl.chat.requests): at most one of these per request.
+    response_format: dict[str, Any] | None = None
+    regex: str | None = None  # SGLang
+    ebnf: str | None = None  # SGLang
+    json_schema: str | dict[str, Any] | None = None  # SGLang: a JSON schema (text or object)
+    guided_json: str | dict[str, Any] | None = None  # vLLM's older names
+    guided_regex: str | None = None
+    guided_grammar: str | None = None
+    guided_choice: list[str] | None = None
+    structured_outputs: dict[str, Any] | None = None  # vLLM: {json|regex|grammar|choice}
+
+    @property
+    def constraint_fields(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in CONSTRAINT_FIELDS}
 
     @property
     def include_usage_in_stream(self) -> bool:
@@ -116,6 +141,12 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    # Checked with clear messages in minisgl.chat.requests.
+    tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+    separate_reasoning: bool = True  # SGLang: false keeps the reasoning inside the content
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -158,13 +189,22 @@ def now_s() -> int:
     return int(time.time())
 
 
-def usage_dict(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
-    return {
+def usage_dict(
+    prompt_tokens: int,
+    completion_tokens: int,
+    cached_tokens: int,
+    reasoning_tokens: int | None = None,
+) -> dict[str, Any]:
+    """reasoning_tokens: part of completion_tokens (chat); None leaves the details out."""
+    usage: dict[str, Any] = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
         "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
+    if reasoning_tokens is not None:
+        usage["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
+    return usage
 
 
 def error_dict(

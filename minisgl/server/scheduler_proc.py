@@ -165,6 +165,7 @@ class SchedulerLoop:
                 list(message.input_ids),
                 message.sampling_params,
                 eos_token_ids=eos_token_ids,
+                grammar_blob=message.grammar_blob,
             )
             req.arrival_time = time.monotonic()
             self.scheduler.add_request(req)

@@ -8,7 +8,8 @@ from typing import Any, cast
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from minisgl.core import FinishReason, TokenLogprob
+from minisgl.chat import constraint_from_fields
+from minisgl.core import FinishReason, InvalidRequestError, TokenLogprob
 from minisgl.server.generation import (
     ChoiceState,
     ClientDisconnected,
@@ -16,6 +17,7 @@ from minisgl.server.generation import (
     RequestError,
     ServingContext,
     finish_reason_text,
+    invalid_request,
     stream_response,
 )
 from minisgl.server.protocol import CompletionRequest, error_dict, new_id, now_s, usage_dict
@@ -86,12 +88,18 @@ async def create_completion(
     prompts_in = prompt_list(body.prompt)
     ctx.check_fan_out(len(prompts_in), body.n)
     ctx.check_capacity(len(prompts_in) * body.n)  # early: no tokenizing for a 503
+    try:
+        found = constraint_from_fields(body.constraint_fields)
+        constraint = found[1] if found else None
+        blob = await ctx.off_loop(ctx.compile_constraint, found[1], found[0]) if found else None
+    except InvalidRequestError as exc:
+        raise invalid_request(exc, body) from None
     prompts, texts = await ctx.off_loop(tokenize_prompts, ctx, prompts_in)
     # Without max_tokens each prompt may use whatever context its own length leaves.
-    params = [ctx.sampling_params_for(body, ids, "prompt") for ids in prompts]
+    params = [ctx.sampling_params_for(body, ids, "prompt", constraint) for ids in prompts]
     prompt_texts = await ctx.off_loop(echo_texts, ctx, prompts, texts) if body.echo else []
     request_id = new_id("cmpl")
-    group = GenerationGroup(ctx, request_id, prompts, params)
+    group = GenerationGroup(ctx, request_id, prompts, params, blob)
     header = {"id": request_id, "created": now_s(), "model": body.model or ctx.served_model_name}
     for choice in group.choices:
         echo_text = prompt_texts[choice.prompt_index] if body.echo else ""
