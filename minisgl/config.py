@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
+import shlex
 from dataclasses import dataclass, fields
 from typing import Any, Literal
 
@@ -19,10 +21,18 @@ DEFAULT_CPU_KV_CACHE_GB = 1.0
 DISABLE_OVERLAP_ENV = "MINISGL_DISABLE_OVERLAP_SCHEDULING"
 DEFAULT_CUDA_MAX_PREFILL_TOKENS = 8192
 DEFAULT_CPU_MAX_PREFILL_TOKENS = 1024
+MIB = 1 << 20
+
+# Data parallelism (minisgl/server/dp.py): the SGLang Model Gateway's routing policies.
+ROUTER_POLICIES = ("cache_aware", "round_robin", "random", "power_of_two")
+DEFAULT_ROUTER_POLICY = "cache_aware"
 
 CacheType = Literal["radix", "naive"]
 OverlapMode = Literal["auto", "on", "off"]
 ATTENTION_BACKENDS = ("auto", "flashinfer", "triton", "torch")
+# The chat parsers (minisgl.chat); auto picks from the chat template.
+REASONING_PARSER_CHOICES = ("qwen3", "deepseek-r1", "auto")
+TOOL_CALL_PARSER_CHOICES = ("hermes", "qwen25", "llama3_json", "auto")
 
 
 def _env_flag(name: str) -> bool:
@@ -70,6 +80,21 @@ class ServerArgs:
     revision: str | None = None  # branch, tag or commit; default: the repo's default branch
     download_dir: str | None = None  # cache folder to download into; default: HF_HUB_CACHE
     offline: bool = False  # the local cache only, never the hub (like HF_HUB_OFFLINE=1)
+    # Limits on what one client can ask of the server (docs/server.md, "Limits").
+    max_sequences_per_request: int = 256  # prompts x n of one request; over it: 400
+    # Sequences that may wait beyond --max-running-requests; over it: 503 with Retry-After.
+    max_queued_requests: int = 1024
+    request_timeout_s: float | None = None  # abort a request running longer (504); None: never
+    max_request_body_bytes: int = 32 * MIB  # over it: 413
+    # SIGTERM: stop taking requests (503) and let open ones finish for this long, then abort.
+    shutdown_timeout_s: float = 20.0
+    # chat (docs/server.md, "Reasoning, tools and structured outputs")
+    chat_template: str | None = None  # a Jinja file replacing the checkpoint's chat template
+    # Template variables for every chat request (a JSON object, e.g. '{"enable_thinking":
+    # false}'); a request's chat_template_kwargs override them. LLM(...) also takes a dict.
+    chat_template_kwargs: str | None = None
+    reasoning_parser: str | None = None  # qwen3, deepseek-r1 or auto: split off <think> text
+    tool_call_parser: str | None = None  # hermes, qwen25, llama3_json or auto: parse tool calls
     # multi-node tensor parallelism
     nnodes: int = 1
     node_rank: int = 0
@@ -104,6 +129,38 @@ class ServerArgs:
             "must be >= 0",
         )
         check(self.nnodes >= 1 and 0 <= self.node_rank < self.nnodes, "node_rank", "out of range")
+        check(self.max_sequences_per_request >= 1, "max_sequences_per_request", "must be >= 1")
+        check(self.max_queued_requests >= 0, "max_queued_requests", "must be >= 0")
+        check(
+            self.request_timeout_s is None or self.request_timeout_s > 0,
+            "request_timeout_s",
+            "must be > 0",
+        )
+        check(self.max_request_body_bytes >= 1, "max_request_body_bytes", "must be >= 1")
+        check(self.shutdown_timeout_s >= 0, "shutdown_timeout_s", "must be >= 0")
+        kwargs: Any = self.chat_template_kwargs
+        if isinstance(kwargs, dict):  # LLM(chat_template_kwargs={...}): kept as JSON text
+            object.__setattr__(self, "chat_template_kwargs", json.dumps(kwargs))
+        elif kwargs is not None:
+            try:
+                parsed = json.loads(kwargs)
+            except ValueError:
+                parsed = None
+            check(isinstance(parsed, dict), "chat_template_kwargs", "must be a JSON object")
+        check(
+            self.reasoning_parser in (None, *REASONING_PARSER_CHOICES),
+            "reasoning_parser",
+            f"must be one of {', '.join(REASONING_PARSER_CHOICES)}",
+        )
+        check(
+            self.tool_call_parser in (None, *TOOL_CALL_PARSER_CHOICES),
+            "tool_call_parser",
+            f"must be one of {', '.join(TOOL_CALL_PARSER_CHOICES)}",
+        )
+
+    @property
+    def template_kwargs(self) -> dict[str, Any]:
+        return json.loads(self.chat_template_kwargs) if self.chat_template_kwargs else {}
 
     def overlap_enabled(self, device_type: str) -> bool:
         if self.disable_overlap or _env_flag(DISABLE_OVERLAP_ENV) or self.overlap == "off":
@@ -129,6 +186,23 @@ class ServerArgs:
         return cls(**kwargs)
 
 
+@dataclass(frozen=True)
+class DataParallelArgs:
+    """`--dp N`: N replicas of the server behind the SGLang Model Gateway (a launcher option, not
+    a server one: every replica is a plain server with its own ServerArgs)."""
+
+    dp_size: int = 1
+    router_policy: str = DEFAULT_ROUTER_POLICY
+    router_args: tuple[str, ...] = ()  # extra gateway flags; they override ours
+    use_router: bool = True  # False: the replicas alone, for a gateway that runs elsewhere
+
+    def __post_init__(self) -> None:
+        if self.dp_size < 1:
+            raise ValueError("dp_size: must be >= 1")
+        if self.router_policy not in ROUTER_POLICIES:
+            raise ValueError(f"router_policy: must be one of {', '.join(ROUTER_POLICIES)}")
+
+
 # Aliases users of Mini-SGLang / SGLang / vLLM type.
 _ALIASES: dict[str, list[str]] = {
     "model": ["--model-path"],
@@ -136,6 +210,8 @@ _ALIASES: dict[str, list[str]] = {
     "cache_type": ["--cache"],
     "max_model_len": ["--context-length"],
     "max_running_requests": ["--max-num-seqs"],
+    "request_timeout_s": ["--request-timeout"],
+    "shutdown_timeout_s": ["--shutdown-timeout"],
 }
 
 
@@ -160,12 +236,51 @@ def build_arg_parser() -> argparse.ArgumentParser:
             kwargs["choices"] = ["auto", "on", "off"]
         elif f.name == "attention_backend":
             kwargs["choices"] = list(ATTENTION_BACKENDS)
+        elif f.name == "reasoning_parser":
+            kwargs["choices"] = list(REASONING_PARSER_CHOICES)
+        elif f.name == "tool_call_parser":
+            kwargs["choices"] = list(TOOL_CALL_PARSER_CHOICES)
         parser.add_argument(*flags, **kwargs)
     parser.add_argument("--shell", action="store_true", help="chat in this terminal")
+    dp = parser.add_argument_group("data parallelism (docs/scaling.md)")
+    dp.add_argument(
+        "--dp",
+        "--dp-size",
+        dest="dp_size",
+        type=int,
+        default=1,
+        help="replicas on ports --port+1 .. --port+N, the SGLang Model Gateway on --port",
+    )
+    dp.add_argument("--router-policy", choices=ROUTER_POLICIES, default=DEFAULT_ROUTER_POLICY)
+    dp.add_argument(
+        "--router-args",
+        default="",
+        help='more gateway flags, e.g. "--health-check-interval-secs 2" (see smg launch --help)',
+    )
+    dp.add_argument(
+        "--no-router", action="store_true", help="start the replicas only (a gateway elsewhere)"
+    )
     return parser
 
 
 def parse_server_args(argv: list[str] | None = None) -> tuple[ServerArgs, argparse.Namespace]:
-    ns = build_arg_parser().parse_args(argv)
+    parser = build_arg_parser()
+    ns = parser.parse_args(argv)
     values = {f.name: getattr(ns, f.name) for f in fields(ServerArgs)}
+    router_flags = ns.no_router or ns.router_args or ns.router_policy != DEFAULT_ROUTER_POLICY
+    if ns.dp_size < 1:
+        parser.error("--dp: must be >= 1")
+    if ns.dp_size == 1 and router_flags:
+        parser.error("--router-policy, --router-args and --no-router need --dp N with N > 1")
+    if ns.dp_size > 1 and ns.shell:
+        parser.error("--shell chats with one server: it does not take --dp")
     return ServerArgs(**values), ns
+
+
+def data_parallel_args(ns: argparse.Namespace) -> DataParallelArgs:
+    return DataParallelArgs(
+        dp_size=ns.dp_size,
+        router_policy=ns.router_policy,
+        router_args=tuple(shlex.split(ns.router_args)),
+        use_router=not ns.no_router,
+    )

@@ -9,11 +9,25 @@ from __future__ import annotations
 import enum
 import itertools
 import math
+import operator
 from dataclasses import dataclass, field
 from typing import Any
 
 # Seeds are folded into 31 bits: the sampler's counter-based hash works on 32-bit lanes.
 SEED_MASK = (1 << 31) - 1
+# What the engine can represent. Token ids and lengths live in int32 tables; seeds and other
+# integers travel as int64 (msgpack, torch). A value outside these bounds is a client error.
+INT32_MAX = (1 << 31) - 1
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
+MAX_TOKEN_ID = INT32_MAX
+MAX_LOGPROBS = 20  # top alternatives per token (OpenAI's limit)
+# Stop conditions are checked on every generated token: bound how much checking one asks for.
+MAX_STOP_STRINGS = 32
+MAX_STOP_STRING_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 1024
+# A grammar's source text (JSON schema, regex, EBNF): bounded like any other request field.
+MAX_CONSTRAINT_CHARS = 1 << 20
+CONSTRAINT_KINDS = ("json_schema", "json_object", "regex", "ebnf")
 
 
 class FinishReason(str, enum.Enum):
@@ -23,9 +37,76 @@ class FinishReason(str, enum.Enum):
     ERROR = "error"  # rejected: the message says why
 
 
+class InvalidRequestError(ValueError):
+    """A request that cannot run, with the field to blame. Its text is "param: message", and the
+    server turns it into a 400 whose `param` names the field."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(f"{param}: {message}")
+        self.param = param
+        self.message = message
+
+
 def _check(ok: bool, field_name: str, message: str) -> None:
     if not ok:
-        raise ValueError(f"{field_name}: {message}")
+        raise InvalidRequestError(field_name, message)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _index_or_none(value: Any) -> int | None:
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
+
+
+def _in_range(value: Any, low: float, high: float) -> bool:
+    """A finite number in [low, high] (NaN and infinities fail every comparison here)."""
+    return _is_number(value) and math.isfinite(value) and low <= value <= high
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """Grammar-constrained decoding: every sampled token keeps the output a prefix of a string
+    the grammar accepts (minisgl.grammar compiles it; the sampler masks the logits).
+
+    kind: "json_schema" (value: the schema as JSON text), "json_object" (any JSON object; value
+    unused), "regex", or "ebnf" (GBNF, rule `root`). `start_after` holds token ids that must
+    end the output before the grammar applies (a reasoning model's `</think>`); empty: from the
+    first token.
+    """
+
+    kind: str
+    value: str = ""
+    start_after: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        _check(
+            self.kind in CONSTRAINT_KINDS, "constraint", f"kind must be one of {CONSTRAINT_KINDS}"
+        )
+        _check(
+            isinstance(self.value, str) and len(self.value) <= MAX_CONSTRAINT_CHARS,
+            "constraint",
+            f"must be text of at most {MAX_CONSTRAINT_CHARS} characters",
+        )
+        object.__setattr__(self, "start_after", tuple(self.start_after))
+        _check(
+            all(_is_int(t) and 0 <= t <= MAX_TOKEN_ID for t in self.start_after),
+            "constraint",
+            "start_after must be token ids",
+        )
+
+    @property
+    def grammar_key(self) -> tuple[str, str]:
+        """What the compiled grammar depends on (start_after only gates when it applies)."""
+        return (self.kind, self.value)
 
 
 @dataclass(frozen=True)
@@ -46,37 +127,81 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # None: off; k >= 0: chosen token plus the top k alternatives
     skip_special_tokens: bool = True
+    constraint: Constraint | None = None  # structured output (JSON schema, regex, ...)
 
     def __post_init__(self) -> None:
+        """Every rule a request's sampling fields obey lives here; the server and `LLM` both
+        rely on it. Rules that need the model (vocabulary, context) are in minisgl.limits."""
         # Accept the shapes users type (a single stop string, lists) and store tuples.
         stop = self.stop
         if isinstance(stop, str):
             stop = (stop,)
+        _check(isinstance(stop, (list, tuple)) or not stop, "stop", "must be a string or a list")
         object.__setattr__(self, "stop", tuple(stop or ()))
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids or ()))
+        stop_ids = self.stop_token_ids or ()
+        _check(isinstance(stop_ids, (list, tuple)), "stop_token_ids", "must be a list of ints")
+        # operator.index: numpy / torch integer scalars are fine, floats and bools are not.
+        as_ints = tuple(None if isinstance(t, bool) else _index_or_none(t) for t in stop_ids)
+        _check(None not in as_ints, "stop_token_ids", "must be a list of ints")
+        object.__setattr__(self, "stop_token_ids", as_ints)
         _check(
-            isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens", "must be >= 1"
+            _is_int(self.max_tokens) and 1 <= self.max_tokens <= INT32_MAX,
+            "max_tokens",
+            f"must be an integer in [1, {INT32_MAX}]",
         )
         _check(
-            math.isfinite(self.temperature) and self.temperature >= 0,
-            "temperature",
-            "must be a finite number >= 0",
+            _in_range(self.temperature, 0, math.inf), "temperature", "must be a finite number >= 0"
         )
-        _check(0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
-        _check(self.top_k == -1 or self.top_k >= 0, "top_k", "must be -1 (off) or >= 0")
-        _check(0 <= self.min_p <= 1, "min_p", "must be in [0, 1]")
+        _check(_in_range(self.top_p, 0, 1) and self.top_p > 0, "top_p", "must be in (0, 1]")
         _check(
-            math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0,
+            _is_int(self.top_k) and -1 <= self.top_k <= INT32_MAX,
+            "top_k",
+            "must be -1 or 0 (off) or a positive integer (at most the vocabulary size)",
+        )
+        _check(_in_range(self.min_p, 0, 1), "min_p", "must be in [0, 1]")
+        _check(
+            _in_range(self.repetition_penalty, 0, math.inf) and self.repetition_penalty > 0,
             "repetition_penalty",
-            "must be > 0",
+            "must be a finite number > 0",
         )
-        _check(-2 <= self.presence_penalty <= 2, "presence_penalty", "must be in [-2, 2]")
-        _check(-2 <= self.frequency_penalty <= 2, "frequency_penalty", "must be in [-2, 2]")
+        _check(_in_range(self.presence_penalty, -2, 2), "presence_penalty", "must be in [-2, 2]")
+        _check(_in_range(self.frequency_penalty, -2, 2), "frequency_penalty", "must be in [-2, 2]")
         _check(
-            all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings"
+            self.seed is None or (_is_int(self.seed) and INT64_MIN <= self.seed <= INT64_MAX),
+            "seed",
+            "must be a 64-bit signed integer",
         )
-        _check(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids", "must be >= 0")
-        _check(self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", "must be in [0, 20]")
+        _check(len(self.stop) <= MAX_STOP_STRINGS, "stop", f"at most {MAX_STOP_STRINGS} strings")
+        _check(
+            all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_STRING_CHARS for s in self.stop),
+            "stop",
+            f"must be non-empty strings of at most {MAX_STOP_STRING_CHARS} characters",
+        )
+        _check(
+            len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS,
+            "stop_token_ids",
+            f"at most {MAX_STOP_TOKEN_IDS} ids",
+        )
+        _check(
+            all(_is_int(t) and 0 <= t <= MAX_TOKEN_ID for t in self.stop_token_ids),
+            "stop_token_ids",
+            f"must be token ids in [0, {MAX_TOKEN_ID}]",
+        )
+        _check(isinstance(self.ignore_eos, bool), "ignore_eos", "must be a boolean")
+        _check(
+            isinstance(self.skip_special_tokens, bool), "skip_special_tokens", "must be a boolean"
+        )
+        _check(
+            self.logprobs is None
+            or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
+            "logprobs",
+            f"must be in [0, {MAX_LOGPROBS}]",
+        )
+        _check(
+            self.constraint is None or isinstance(self.constraint, Constraint),
+            "constraint",
+            "must be a Constraint",
+        )
 
     @property
     def is_greedy(self) -> bool:
@@ -134,6 +259,10 @@ class Req:
     page_ids: list[int] = field(default_factory=list)  # pages backing positions, in order
     cache_handle: Any = None  # locked prefix-cache node of the matched prefix
     cache_matched_len: int = 0  # tokens whose pages belong to the prefix cache, not this request
+    # structured output: the compiled grammar as sent by the API server (serialized; None: the
+    # scheduler compiles sampling_params.constraint itself), then the live matcher state
+    grammar_blob: str | None = None
+    grammar: Any = None
     num_retractions: int = 0
     finish_reason: FinishReason | None = None
     arrival_time: float = 0.0

@@ -15,7 +15,7 @@ from minisgl.config import ServerArgs
 from minisgl.core import FinishReason, Req, SamplingParams, TokenLogprob, next_request_id
 from minisgl.scheduler.protocol import SchedulerAPI
 from minisgl.scheduler.scheduler import Scheduler
-from minisgl.tokenizer.chat import apply_chat_template, load_tokenizer
+from minisgl.tokenizer.chat import apply_chat_template, load_chat_template, load_tokenizer
 from minisgl.tokenizer.detokenizer import IncrementalDetokenizer
 
 Prompt = str | list[int]
@@ -44,6 +44,8 @@ class LLM:
             self.scheduler = Scheduler(self.args)
         try:
             self.tokenizer = load_tokenizer(self.args.tokenizer or self.scheduler.model_path)
+            path = self.args.chat_template
+            self.chat_template = load_chat_template(path) if path else None
         except BaseException:
             self.scheduler.shutdown()  # with tp_size > 1: no follower processes left behind
             raise
@@ -74,13 +76,21 @@ class LLM:
         messages_list: list[dict] | Sequence[list[dict]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
+        """Chat prompts rendered with the template (--chat-template when given), its variables
+        from `chat_template_kwargs` over the LLM's own; the text is the raw reply."""
         conversations: list[list[dict]]
         if messages_list and isinstance(messages_list[0], dict):
             conversations = [list(messages_list)]  # type: ignore[arg-type]
         else:
             conversations = [list(m) for m in messages_list]  # type: ignore[arg-type]
-        prompts = [apply_chat_template(self.tokenizer, m) for m in conversations]
+        kwargs = {**self.args.template_kwargs, **(chat_template_kwargs or {})}
+        prompts = [
+            apply_chat_template(self.tokenizer, m, tools, self.chat_template, kwargs)
+            for m in conversations
+        ]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     @staticmethod

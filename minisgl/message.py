@@ -29,7 +29,7 @@ import msgpack
 import zmq
 import zmq.asyncio
 
-from minisgl.core import FinishReason, ReqOutput, SamplingParams, TokenLogprob
+from minisgl.core import Constraint, FinishReason, ReqOutput, SamplingParams, TokenLogprob
 
 # ---------------------------------------------------------------------------------------------
 # Messages
@@ -42,6 +42,9 @@ class TokenizedRequest:
     rid: str
     input_ids: tuple[int, ...]
     sampling_params: SamplingParams
+    # sampling_params.constraint compiled by the API server (minisgl.grammar), so the scheduler
+    # never compiles on its loop; None for unconstrained requests.
+    grammar_blob: str | None = None
 
 
 @dataclass(frozen=True)
@@ -111,6 +114,21 @@ class StatsReply:
     cached_prompt_tokens_total: int = 0
     eos_token_ids: tuple[int, ...] = field(default=())
     kv_capacity_tokens: int = 0  # total pages x page size; 0: unknown
+    prefill_tokens_total: int = 0
+    num_retractions_total: int = 0
+    gen_throughput_tokens_per_s: float = 0.0  # over the last few seconds
+    # Histograms travel as (per-bucket counts, sum); the bounds are constants in
+    # minisgl.scheduler.stats, so they never cross the wire. Empty counts: no data yet.
+    queue_time_s_bucket_counts: tuple[int, ...] = ()
+    queue_time_s_sum: float = 0.0
+    batch_size_bucket_counts: tuple[int, ...] = ()
+    batch_size_sum: float = 0.0
+    batch_tokens_bucket_counts: tuple[int, ...] = ()
+    batch_tokens_sum: float = 0.0
+    # The scheduler's GPU (rank 0's with tp); None on CPU or when it cannot be read.
+    gpu_utilization_ratio: float | None = None
+    gpu_memory_used_bytes: int | None = None
+    gpu_memory_total_bytes: int | None = None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -133,6 +151,7 @@ _DATACLASS_TAGS: dict[type, int] = {
     BatchDetokenizedOutput: 15,
     StatsRequest: 16,
     StatsReply: 17,
+    Constraint: 4,
 }
 _ENUM_TAGS: dict[type, int] = {FinishReason: 1}
 

@@ -8,12 +8,12 @@ quits (so do Ctrl-D and Ctrl-C at the prompt; Ctrl-C during a reply stops that r
 from __future__ import annotations
 
 import contextlib
+import http.client
 import json
 import socket
 import sys
 from collections.abc import Iterator
-
-import httpx
+from dataclasses import dataclass
 
 from minisgl.config import ServerArgs, parse_server_args
 from minisgl.server.launch import ServerStack, StackError
@@ -33,14 +33,38 @@ def _free_port(host: str) -> int:
         return int(sock.getsockname()[1])
 
 
-def stream_reply(client: httpx.Client, model: str, messages: list[dict[str, str]]) -> Iterator[str]:
-    """Yield the assistant's reply in pieces, as the server streams them."""
-    body = {"model": model, "messages": messages, "stream": True}
-    with client.stream("POST", "/v1/chat/completions", json=body) as response:
-        if response.status_code != 200:
-            response.read()
-            raise RuntimeError(response.json().get("error", {}).get("message", response.text))
-        for line in response.iter_lines():
+@dataclass(frozen=True)
+class ServerAddress:
+    """Where the shell's server listens. The shell speaks HTTP with the standard library only,
+    so it runs on exactly what `pip install -e .` installs."""
+
+    host: str
+    port: int
+    api_key: str | None = None
+
+
+def stream_reply(
+    server: ServerAddress, model: str, messages: list[dict[str, str]]
+) -> Iterator[str]:
+    """Yield the assistant's reply in pieces, as the server streams them. Leaving early (Ctrl-C)
+    closes the connection, which aborts the request on the server."""
+    body = json.dumps({"model": model, "messages": messages, "stream": True}).encode()
+    headers = {"Content-Type": "application/json"}
+    if server.api_key:
+        headers["Authorization"] = f"Bearer {server.api_key}"
+    conn = http.client.HTTPConnection(server.host, server.port, timeout=REPLY_TIMEOUT_S)
+    try:
+        conn.request("POST", "/v1/chat/completions", body=body, headers=headers)
+        response = conn.getresponse()
+        if response.status != 200:
+            text = response.read().decode("utf-8", errors="replace")
+            try:
+                message = json.loads(text)["error"]["message"]
+            except (ValueError, KeyError, TypeError):
+                message = f"HTTP {response.status}: {text}"
+            raise RuntimeError(message)
+        for raw in response:  # server-sent events, one line at a time (chunked decoding included)
+            line = raw.decode("utf-8").rstrip("\r\n")
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             event = json.loads(line[len("data: ") :])
@@ -50,9 +74,11 @@ def stream_reply(client: httpx.Client, model: str, messages: list[dict[str, str]
                 content = choice.get("delta", {}).get("content")
                 if content:
                     yield content
+    finally:
+        conn.close()
 
 
-def chat_loop(client: httpx.Client, model: str) -> None:
+def chat_loop(server: ServerAddress, model: str) -> None:
     with contextlib.suppress(ImportError):
         import readline  # noqa: F401  (line editing and history for input())
     print(f"minisgl shell: chatting with {model}. {RESET_COMMAND} clears history, /exit quits.")
@@ -74,12 +100,12 @@ def chat_loop(client: httpx.Client, model: str) -> None:
         history.append({"role": "user", "content": line})
         parts: list[str] = []
         try:
-            for piece in stream_reply(client, model, history):
+            for piece in stream_reply(server, model, history):
                 parts.append(piece)
                 print(piece, end="", flush=True)
         except KeyboardInterrupt:
             print(" [stopped]", end="")  # leaving the stream aborts the request server-side
-        except RuntimeError as exc:
+        except (RuntimeError, OSError) as exc:  # OSError: the server went away
             print(f"[error] {exc}", end="")
         print()
         if parts:
@@ -95,9 +121,7 @@ def run_shell(args: ServerArgs) -> int:
     try:
         stack.start()
         stack.wait_ready()
-        headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-        with httpx.Client(base_url=stack.url, headers=headers, timeout=REPLY_TIMEOUT_S) as client:
-            chat_loop(client, served_model_name(args))
+        chat_loop(ServerAddress(args.host, args.port, args.api_key), served_model_name(args))
         return 0
     except StackError as exc:
         print(f"server failed to start: {exc}", file=sys.stderr)

@@ -113,3 +113,23 @@ def start_server(*extra_args: str, api_key: str | None = None) -> ServerProcess:
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )
     return ServerProcess(proc, port, Path(log_name), api_key)
+
+
+IDLE_TIMEOUT_S = 30.0
+
+
+def wait_idle(server: ServerProcess, timeout_s: float = IDLE_TIMEOUT_S) -> dict[str, float]:
+    """Wait until nothing runs or waits and every KV page is back (free, or evictable prefix
+    cache); return the metrics seen then. Fails with the last metrics after `timeout_s`."""
+    deadline_s = time.monotonic() + timeout_s
+    while True:
+        metrics = server.metrics()
+        if (
+            metrics["minisgl:num_running_reqs"] == 0
+            and metrics["minisgl:num_queue_reqs"] == 0
+            and metrics["minisgl:num_free_kv_pages"] == metrics["minisgl:num_total_kv_pages"]
+        ):
+            return metrics
+        if time.monotonic() > deadline_s:
+            raise AssertionError(f"server not idle after {timeout_s} s: {metrics}")
+        time.sleep(POLL_INTERVAL_S)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from minisgl import LLM, SamplingParams
+from tests.conftest import QWEN3_VOCAB
 
 
 @pytest.mark.parametrize(
@@ -44,6 +45,12 @@ def test_bad_prompts_raise_and_leave_the_engine_working(tiny_qwen3):
             llm.generate([[-1]], sp)
         with pytest.raises(ValueError, match="context length"):
             llm.generate([[1] * 1020], SamplingParams(max_tokens=10))
+        # The server's rules (minisgl.limits), applied to LLM too: the KV pool holds 512 tokens.
+        with pytest.raises(ValueError, match="^prompt: .*KV cache capacity is 512"):
+            llm.generate([[1] * 600], SamplingParams(max_tokens=10))
+        with pytest.raises(ValueError, match="^top_k: must be at most the vocabulary size"):
+            llm.generate([[1, 2, 3]], SamplingParams(top_k=QWEN3_VOCAB + 1, max_tokens=2))
+        assert len(llm.generate([[1, 2, 3]], SamplingParams(top_k=QWEN3_VOCAB))[0].token_ids)
         with pytest.raises(ValueError, match="sampling_params"):
             llm.generate([[1], [2]], [sp])
         with pytest.raises(TypeError, match="unknown option"):

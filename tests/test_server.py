@@ -28,6 +28,7 @@ DRAIN_TIMEOUT_S = 30.0
 NUM_CONCURRENT_CLIENTS = 32
 SMALL_KV_POOL_PAGES = 256
 TP_SIZE = 3
+SHUTDOWN_TIMEOUT_S = 1  # the last test's stream outlives it
 USER_MESSAGES = [
     {"role": "user", "content": "Write a short story about a robot who learns to paint."}
 ]
@@ -40,7 +41,7 @@ def server():
         resolve_model_path(None)
     except Exception as exc:  # the default model package is missing
         pytest.skip(f"default model unavailable: {exc}")
-    srv = start_server()
+    srv = start_server("--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S))
     try:
         srv.wait_healthy()
         yield srv
@@ -640,7 +641,8 @@ def test_tensor_parallel_rank_death_stops_server():
 
 
 def test_sigterm_stops_everything(server: ServerProcess):
-    """Runs last: it stops the module's server. An open stream ends cleanly, as aborted."""
+    """Runs last: it stops the module's server. An open stream that outlives --shutdown-timeout
+    ends cleanly, as aborted (test_shutdown: one that finishes in time completes)."""
     children = psutil.Process(server.proc.pid).children(recursive=True)
     assert len(children) >= 3
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 900, "ignore_eos": True, "stream": True}

@@ -98,46 +98,45 @@ class FlashInferBackend(AttentionBackend):
 
     # ---- metadata --------------------------------------------------------------------------
 
-    def _page_lists(self, batch: AttentionBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return paged_kv_lists(batch, self.cfg.page_size)
-
     def _plan_kwargs(self) -> dict[str, Any]:
         cfg = self.cfg
         return dict(q_data_type=cfg.dtype, kv_data_type=cfg.dtype, sm_scale=cfg.scale)
 
-    def prepare(self, batch: AttentionBatch) -> FlashInferMetadata:
+    def _plan_decode(self, wrapper: Any, batch: AttentionBatch) -> FlashInferMetadata:
         cfg = self.cfg
-        indptr, indices, last_page_len = self._page_lists(batch)
+        indptr, indices, last_page_len = paged_kv_lists(batch, self.cfg.page_size)
+        wrapper.plan(
+            indptr,
+            indices,
+            last_page_len,
+            cfg.num_qo_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            cfg.page_size,
+            **self._plan_kwargs(),
+        )
+        return FlashInferMetadata(wrapper, batch.out_slots)
+
+    def prepare(self, batch: AttentionBatch) -> FlashInferMetadata:
         if batch.is_decode:
-            wrapper = self.decode_wrapper
-            wrapper.plan(
-                indptr,
-                indices,
-                last_page_len,
-                cfg.num_qo_heads,
-                cfg.num_kv_heads,
-                cfg.head_dim,
-                cfg.page_size,
-                **self._plan_kwargs(),
-            )
-        else:
-            wrapper = self.prefill_wrapper
-            qo_indptr = torch.zeros(batch.num_seqs + 1, dtype=torch.int32)
-            torch.cumsum(
-                torch.tensor(batch.extend_lens_cpu, dtype=torch.int32), 0, out=qo_indptr[1:]
-            )
-            wrapper.plan(
-                qo_indptr.pin_memory(),
-                indptr,
-                indices,
-                last_page_len,
-                cfg.num_qo_heads,
-                cfg.num_kv_heads,
-                cfg.head_dim,
-                cfg.page_size,
-                causal=True,
-                **self._plan_kwargs(),
-            )
+            return self._plan_decode(self.decode_wrapper, batch)
+        cfg = self.cfg
+        indptr, indices, last_page_len = paged_kv_lists(batch, self.cfg.page_size)
+        wrapper = self.prefill_wrapper  # every sequence, decodes as one-query prefills
+        qo_indptr = torch.zeros(batch.num_seqs + 1, dtype=torch.int32)
+        torch.cumsum(torch.tensor(batch.extend_lens_cpu, dtype=torch.int32), 0, out=qo_indptr[1:])
+        wrapper.plan(
+            qo_indptr.pin_memory(),
+            indptr,
+            indices,
+            last_page_len,
+            cfg.num_qo_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            cfg.page_size,
+            causal=True,
+            **self._plan_kwargs(),
+        )
         return FlashInferMetadata(wrapper, batch.out_slots)
 
     # ---- the forward -----------------------------------------------------------------------
@@ -171,7 +170,6 @@ class FlashInferBackend(AttentionBackend):
         self._graph_last = torch.zeros(max_batch_size, dtype=torch.int32, device=cfg.device)
 
     def prepare_graph(self, batch: AttentionBatch, capturing: bool) -> FlashInferMetadata:
-        cfg = self.cfg
         size = batch.num_seqs
         wrapper = self._graph_wrappers.get(size)
         if wrapper is None:
@@ -186,16 +184,5 @@ class FlashInferBackend(AttentionBackend):
                 paged_kv_last_page_len_buffer=self._graph_last[:size],
             )
             self._graph_wrappers[size] = wrapper
-        indptr, indices, last_page_len = self._page_lists(batch)
         # In graph mode plan() copies into the fixed buffers the captured kernels read.
-        wrapper.plan(
-            indptr,
-            indices,
-            last_page_len,
-            cfg.num_qo_heads,
-            cfg.num_kv_heads,
-            cfg.head_dim,
-            cfg.page_size,
-            **self._plan_kwargs(),
-        )
-        return FlashInferMetadata(wrapper, batch.out_slots)
+        return self._plan_decode(wrapper, batch)

@@ -42,6 +42,22 @@ class ForwardBatch:
 
 
 @dataclass(frozen=True)
+class VocabMask:
+    """Which tokens some sampled rows may pick (structured outputs), as host data.
+
+    rows: indices into the batch's sampled rows (sampling order); bitmask: int32
+    [len(rows), ceil(vocab / 32)], bit j of word w set when token 32 * w + j is allowed
+    (xgrammar's layout). Rows not listed are unconstrained.
+    """
+
+    rows: list[int]
+    bitmask: torch.Tensor
+
+    def __post_init__(self) -> None:
+        assert self.bitmask.dtype == torch.int32 and self.bitmask.shape[0] == len(self.rows)
+
+
+@dataclass(frozen=True)
 class ForwardOutput:
     """Sampled tokens, one per sequence with sampling set, in batch order."""
 

@@ -21,7 +21,7 @@ from minisgl.attention.base import AttentionBatch, AttentionConfig
 from minisgl.config import ServerArgs
 from minisgl.core import SamplingParams
 from minisgl.distributed import broadcast_from_primary, get_tp_info, ranks_per_node
-from minisgl.engine.batch import ForwardBatch, ForwardOutput, PendingOutput
+from minisgl.engine.batch import ForwardBatch, ForwardOutput, PendingOutput, VocabMask
 from minisgl.engine.context import ForwardContext, forward_context
 from minisgl.engine.device import Device, nvtx_range
 from minisgl.engine.graph import GraphRunner
@@ -41,7 +41,7 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
 # CUDA graphs are captured up to this many decodes when --cuda-graph-max-bs is not given.
 DEFAULT_CUDA_GRAPH_MAX_BS = 256
 
-__all__ = ["Engine", "ForwardBatch", "ForwardOutput", "PendingOutput"]
+__all__ = ["Engine", "ForwardBatch", "ForwardOutput", "PendingOutput", "VocabMask"]
 
 
 def resolve_device(name: str, local_rank: int = 0) -> torch.device:
@@ -168,14 +168,29 @@ class Engine:
     # ---- the forward pass ------------------------------------------------------------------
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch) -> PendingOutput:
+    def forward(self, batch: ForwardBatch, vocab_mask: VocabMask | None = None) -> PendingOutput:
+        """Launch the model and the sampling of one batch."""
+        return self.sample(batch, self.forward_logits(batch), vocab_mask)
+
+    @torch.inference_mode()
+    def forward_logits(self, batch: ForwardBatch) -> torch.Tensor:
+        """Launch the model only: logits [sampled rows, vocab], for `sample` to consume. The
+        scheduler splits the two when a structured-output mask needs the previous step's tokens
+        (docs/architecture.md, "Structured outputs")."""
         with self.dev.on_stream(), nvtx_range("forward", self.dev.is_cuda):
             self.tables.flush()
             if self.graphs is not None and self.graphs.can_run(batch):
-                logits = self.graphs.run(batch)
-            else:
-                logits = self._forward_eager(batch)
-            return self._sample(batch, logits)
+                return self.graphs.run(batch)
+            return self._forward_eager(batch)
+
+    @torch.inference_mode()
+    def sample(
+        self, batch: ForwardBatch, logits: torch.Tensor, vocab_mask: VocabMask | None = None
+    ) -> PendingOutput:
+        """Sample (outside any CUDA graph, so a mask never changes what graphs capture), write
+        the tokens into the token table and start their copy to the host."""
+        with self.dev.on_stream(), nvtx_range("sample", self.dev.is_cuda):
+            return self._sample(batch, logits, vocab_mask)
 
     def _forward_eager(self, batch: ForwardBatch) -> torch.Tensor:
         if batch.is_decode and self.model.cpu_decode_stack is not None:
@@ -221,7 +236,9 @@ class Engine:
             input_ids, positions, out_slots, self.page_table, rows, positions + 1, self.kv_pool
         )
 
-    def _sample(self, batch: ForwardBatch, logits: torch.Tensor) -> PendingOutput:
+    def _sample(
+        self, batch: ForwardBatch, logits: torch.Tensor, vocab_mask: VocabMask | None
+    ) -> PendingOutput:
         seqs = [i for i, p in enumerate(batch.sampling) if p is not None]
         if not seqs:
             return PendingOutput.empty()
@@ -236,6 +253,12 @@ class Engine:
             self.model_config.vocab_size,
             self.dev,
         )
+        if vocab_mask is not None:
+            words = vocab_mask.bitmask.shape[1]
+            (sb.mask_rows,) = self.dev.stage(torch.tensor(vocab_mask.rows, dtype=torch.int64))
+            # One staged copy of the flattened bits (stage takes 1-D tensors): [k * words]
+            (flat_bits,) = self.dev.stage(vocab_mask.bitmask.reshape(-1))
+            sb.mask_bits = flat_bits.view(len(vocab_mask.rows), words)
         if any(p.has_penalties for p in params):
             self._add_penalties(sb, params, rows, [batch.prompt_lens[i] for i in seqs], next_pos)
         result = sample(logits, sb)

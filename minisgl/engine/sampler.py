@@ -71,6 +71,9 @@ class SamplingBatch:
     seen_mask: torch.Tensor | None = None  # bool [rows, vocab]: in prompt or output
     output_counts: torch.Tensor | None = None  # float32 [rows, vocab]: times in the output
     max_logprobs: int | None = None  # None: no row wants logprobs
+    # structured outputs (None when no row is constrained)
+    mask_rows: torch.Tensor | None = None  # int64 [k]: the constrained rows
+    mask_bits: torch.Tensor | None = None  # int32 [k, ceil(vocab / 32)]: allowed tokens
 
     @staticmethod
     def build(
@@ -118,6 +121,39 @@ class SampleResult:
     top_logprobs: torch.Tensor | None  # float32 [rows, k]
 
 
+_BITS_PER_BYTE = 8
+_byte_bias_tables: dict[torch.device, torch.Tensor] = {}
+
+
+def _byte_bias(device: torch.device) -> torch.Tensor:
+    """[256, 8] float32: 0 where bit j of byte value b is set, -inf where it is not. Made on
+    the device itself (no host copy), once per device."""
+    table = _byte_bias_tables.get(device)
+    if table is None:
+        values = torch.arange(256, device=device)[:, None]
+        shifts = torch.arange(_BITS_PER_BYTE, device=device)[None, :]
+        allowed = ((values >> shifts) & 1).bool()
+        table = torch.zeros(allowed.shape, device=device).masked_fill(~allowed, float("-inf"))
+        _byte_bias_tables[device] = table
+    return table
+
+
+def apply_vocab_mask(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
+    """-inf for every token a constrained row may not pick. Out of place: the raw logits stay
+    what logprobs report (and may be a CUDA graph's static output).
+
+    The packed words are read as bytes (little-endian: byte i of word w holds tokens
+    32w + 8i .. 32w + 8i + 7) and each byte looks up its 8 biases in a table: one gather and
+    one add, ~30x faster on CPU than unpacking bit by bit."""
+    if sb.mask_rows is None or sb.mask_bits is None:
+        return logits
+    vocab_size = logits.shape[-1]
+    as_bytes = sb.mask_bits.contiguous().view(torch.uint8).long()  # [k, words * 4]
+    bias = _byte_bias(logits.device)[as_bytes].flatten(1)[:, :vocab_size]  # [k, vocab]
+    masked = logits[sb.mask_rows] + bias
+    return logits.index_put((sb.mask_rows,), masked)
+
+
 def apply_penalties(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
     if sb.repetition is not None and sb.seen_mask is not None:
         # HF / vLLM convention: divide positive logits, multiply negative ones.
@@ -147,7 +183,7 @@ def _filter(probs: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
 def sample(logits: torch.Tensor, sb: SamplingBatch) -> SampleResult:
     """logits: float32 [rows, vocab], raw from the model."""
     raw_logits = logits
-    logits = apply_penalties(logits, sb)
+    logits = apply_penalties(apply_vocab_mask(logits, sb), sb)
     kernels = cpu_kernels() if logits.device.type == "cpu" else None
     if (
         kernels is not None

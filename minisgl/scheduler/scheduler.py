@@ -10,35 +10,53 @@ stream (nothing waits until N's results are read); on CPU, where overlap is opt-
 runs on a worker thread. Requests that finish in batch N may still be in batch N+1: their extra
 token is dropped and their pages and table row are released only after N+1 completes, so
 nothing in flight ever reads a row or page that was handed to someone else.
+
+Structured outputs: a constrained request's mask for batch N+1 depends on its token from batch
+N. When that token is still in flight, the step launches N+1's forward, processes N (which
+advances the grammars), then builds the mask and launches N+1's sampling (SGLang's order; see
+docs/architecture.md, "Structured outputs").
 """
 
 from __future__ import annotations
 
 import random
+import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 from minisgl.config import ServerArgs
 from minisgl.core import SEED_MASK, FinishReason, Req, ReqOutput, SamplingParams
-from minisgl.engine.batch import ForwardBatch, ForwardOutput, PendingOutput
+from minisgl.engine.batch import ForwardBatch, ForwardOutput, PendingOutput, VocabMask
 from minisgl.engine.device import nvtx_range
 from minisgl.engine.engine import Engine
+from minisgl.grammar import GrammarCompiler, GrammarState, build_vocab_mask
+from minisgl.grammar.compiler import compiler_for_checkpoint
+from minisgl.limits import ModelLimits, check_request
 from minisgl.scheduler.cache_manager import CacheManager
 from minisgl.scheduler.decode import DecodeManager, NeedDrain
 from minisgl.scheduler.prefill import PrefillManager
-from minisgl.scheduler.stats import SchedulerStats
+from minisgl.scheduler.stats import SchedulerHistograms, SchedulerStats
 from minisgl.scheduler.table import TableManager
+
+_T = TypeVar("_T")
+
+
+def _resolved(value: _T | Future[_T]) -> _T:
+    return value.result() if isinstance(value, Future) else value
 
 
 @dataclass
 class _Launched:
     reqs: list[Req]
     sampled: list[Req]  # the requests that sample a token in this batch, in output order
-    pending: PendingOutput | Future[PendingOutput]
+    pending: PendingOutput | Future[PendingOutput] | None = None  # set once sampling launched
     release_after: list[Req] = field(default_factory=list)
 
     def result(self) -> ForwardOutput:
         pending = self.pending
+        assert pending is not None
         if isinstance(pending, Future):
             pending = pending.result()
         return pending.result()
@@ -72,10 +90,12 @@ class Scheduler:
             if self.overlap and not self.engine.dev.is_cuda
             else None
         )
+        self._grammars: GrammarCompiler | None = None  # made at the first constrained request
         self._rng = random.Random(args.seed)
         self._inflight: _Launched | None = None
         self._outputs: list[ReqOutput] = []
         self._counters = dict.fromkeys(("prompt", "generation", "cached", "prefill", "aborted"), 0)
+        self._histograms = SchedulerHistograms()
 
     @property
     def model_path(self) -> str:
@@ -93,23 +113,22 @@ class Scheduler:
 
     def validate(self, req: Req) -> None:
         """Raise ValueError for a request that could never run: checked before queueing."""
-        bad = [t for t in req.input_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(
-                f"prompt: token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})"
+        capacity_tokens = self.cache.num_total_pages * self.page_size
+        limits = ModelLimits(self.max_model_len, self.vocab_size, capacity_tokens)
+        check_request(req.input_ids, req.sampling_params, limits)
+        self._compiled_grammar(req)  # a bad constraint fails here (cached for add_request)
+
+    def _compiled_grammar(self, req: Req) -> Any:
+        constraint = req.sampling_params.constraint
+        if constraint is None:
+            return None
+        if self._grammars is None:
+            # Once per process: reads the tokenizer's vocabulary (~0.5-1.5 s).
+            tokenizer_path = self.args.tokenizer or self.model_path
+            self._grammars = compiler_for_checkpoint(
+                tokenizer_path, self.vocab_size, self.eos_token_ids
             )
-        total = req.prompt_len + req.sampling_params.max_tokens
-        if total > self.max_model_len:
-            raise ValueError(
-                f"prompt ({req.prompt_len} tokens) plus max_tokens "
-                f"({req.sampling_params.max_tokens}) is {total}, over the context length "
-                f"{self.max_model_len}"
-            )
-        capacity = self.cache.num_total_pages * self.page_size
-        if total > capacity:
-            raise ValueError(
-                f"prompt plus max_tokens ({total} tokens) exceeds the KV cache ({capacity} tokens)"
-            )
+        return self._grammars.load(constraint, req.grammar_blob)
 
     def add_request(self, req: Req) -> None:
         self.validate(req)
@@ -120,6 +139,11 @@ class Scheduler:
         ) & SEED_MASK
         if not req.eos_token_ids:
             req.eos_token_ids = self.eos_token_ids
+        compiled = self._compiled_grammar(req)
+        if compiled is not None:
+            assert req.sampling_params.constraint is not None
+            req.grammar = GrammarState(compiled, req.sampling_params.constraint.start_after)
+            req.grammar_blob = None  # loaded: the serialized copy is not needed any more
         self.prefill.add(req)
 
     def abort_request(self, rid: str) -> None:
@@ -143,20 +167,42 @@ class Scheduler:
             batch = self._schedule()
         previous, self._inflight = self._inflight, None
         if batch is not None:
-            launched = self._launch(*batch)
+            fb, reqs, sampled = batch
+            launched = _Launched(reqs, sampled)
             if self.overlap:
-                self._inflight = launched
+                self._inflight = launched  # before processing `previous`: its releases wait
+            if previous is not None and self._mask_needs(previous, sampled):
+                logits = self._submit(self.engine.forward_logits, fb)
+                self._process(previous)  # advances the grammars by batch N's tokens
+                previous = None
+                launched.pending = self._submit(self._sample, fb, logits, self._mask(sampled))
             else:
+                launched.pending = self._submit(self.engine.forward, fb, self._mask(sampled))
+            if not self.overlap:
                 self._process(launched)
         if previous is not None:
             self._process(previous)
         outputs, self._outputs = self._outputs, []
         return outputs
 
-    def _launch(self, fb: ForwardBatch, reqs: list[Req], sampled: list[Req]) -> _Launched:
+    def _submit(self, fn: Callable[..., _T], *args: Any) -> _T | Future[_T]:
+        """Run on the forward thread (CPU overlap: tasks run in submission order) or here."""
         if self._executor is not None:
-            return _Launched(reqs, sampled, self._executor.submit(self.engine.forward, fb))
-        return _Launched(reqs, sampled, self.engine.forward(fb))
+            return self._executor.submit(fn, *args)
+        return fn(*args)
+
+    def _sample(self, fb: ForwardBatch, logits: Any, vocab_mask: VocabMask | None) -> PendingOutput:
+        return self.engine.sample(fb, _resolved(logits), vocab_mask)
+
+    @staticmethod
+    def _mask_needs(previous: _Launched, sampled: list[Req]) -> bool:
+        """Whether a constrained request of this batch has its previous token in flight."""
+        in_flight = {id(r) for r in previous.sampled if r.grammar is not None}
+        return any(id(r) in in_flight for r in sampled if r.grammar is not None)
+
+    def _mask(self, sampled: list[Req]) -> VocabMask | None:
+        states = [None if r.finished else r.grammar for r in sampled]
+        return build_vocab_mask(states, self.vocab_size)
 
     def _drain(self) -> None:
         launched, self._inflight = self._inflight, None
@@ -178,10 +224,13 @@ class Scheduler:
                 req.num_cached_prompt_tokens = req.cached_len
                 self._counters["cached"] += req.cached_len
                 self._counters["prompt"] += req.prompt_len
+                if req.arrival_time > 0:  # set by the server; offline requests have none
+                    self._histograms.queue_time_s.observe(time.monotonic() - req.arrival_time)
         items += plan.items
         if not items:
             return None
         batch = self._build_batch(items)
+        self._histograms.observe_step(len(items), sum(num_tokens for _, num_tokens in items))
         for req, num_tokens in items:
             if num_tokens > 1:  # a prefill chunk: share its prefix right away
                 self.cache.cache_prefix(req)
@@ -225,6 +274,8 @@ class Scheduler:
                 if req.finished:
                     continue  # the one extra token after a finish under overlap: dropped
                 req.output_ids.append(token_id)
+                if req.grammar is not None:
+                    req.grammar.accept(req.output_ids)
                 if logprob is not None:
                     req.output_logprobs.append(logprob)
                 self._counters["generation"] += 1
@@ -241,6 +292,7 @@ class Scheduler:
                 )
                 if reason is not None:
                     req.finish_reason = reason
+                    req.grammar = None
                     self._release(req)
             for req in launched.release_after:
                 self.cache.release(req)
@@ -258,6 +310,7 @@ class Scheduler:
 
     def _finish(self, req: Req, reason: FinishReason) -> None:
         req.finish_reason = reason
+        req.grammar = None
         if reason == FinishReason.ABORT:
             self._counters["aborted"] += 1
         self._outputs.append(
@@ -289,6 +342,9 @@ class Scheduler:
             prefill_tokens_total=c["prefill"],
             num_retractions_total=self.decode.num_retractions,
             aborted_requests_total=c["aborted"],
+            queue_time_s=self._histograms.queue_time_s.snapshot(),
+            batch_size=self._histograms.batch_size.snapshot(),
+            batch_tokens=self._histograms.batch_tokens.snapshot(),
         )
 
     def check_health(self) -> None:

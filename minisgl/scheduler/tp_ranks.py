@@ -105,7 +105,12 @@ def cpu_threads_per_rank(args: ServerArgs) -> int | None:
     """On CPU the ranks of a node share its cores: oversubscribing them slows every rank."""
     if resolve_device(args.device).type != "cpu":
         return None
-    return max(1, (os.cpu_count() or 1) // ranks_per_node(args.tp_size, args.nnodes))
+    # The cores this process may use: --dp pins each replica to its own (minisgl.server.dp).
+    if hasattr(os, "sched_getaffinity"):
+        num_cpus = len(os.sched_getaffinity(0))
+    else:
+        num_cpus = os.cpu_count() or 1
+    return max(1, num_cpus // ranks_per_node(args.tp_size, args.nnodes))
 
 
 def _adopt(own: ServerArgs, primary: ServerArgs) -> ServerArgs:

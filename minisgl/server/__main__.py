@@ -1,10 +1,11 @@
-"""`python -m minisgl.server [flags]`: the OpenAI-compatible server; `--shell` chats instead."""
+"""`python -m minisgl.server [flags]`: the OpenAI-compatible server; `--shell` chats instead;
+`--dp N` runs N replicas behind the SGLang Model Gateway."""
 
 from __future__ import annotations
 
 import sys
 
-from minisgl.config import parse_server_args
+from minisgl.config import data_parallel_args, parse_server_args
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -13,6 +14,11 @@ def main(argv: list[str] | None = None) -> int:
         from minisgl.shell import run_shell
 
         return run_shell(args)
+    dp = data_parallel_args(namespace)
+    if dp.dp_size > 1:
+        from minisgl.server.dp import serve_data_parallel
+
+        return serve_data_parallel(args, dp)
     from minisgl.server.launch import serve
 
     return serve(args)

@@ -1,10 +1,10 @@
-"""The FastAPI app: OpenAI-compatible routes, auth, errors, /health and /metrics."""
+"""The FastAPI app: OpenAI-compatible routes, errors, /health and /metrics, SGLang's worker
+endpoints (minisgl.server.native_api); the API process."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 import signal
 import socket
@@ -17,15 +17,20 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
-from starlette.types import ASGIApp, Receive, Scope, Send
 
+from minisgl.chat import ChatSettings
 from minisgl.config import ServerArgs
+from minisgl.core import InvalidRequestError
+from minisgl.limits import ModelLimits
 from minisgl.message import Endpoints, StatsReply
 from minisgl.server.engine_client import EngineClient
-from minisgl.server.generation import RequestError, ServingContext
+from minisgl.server.errors import RequestError, backend_stopped_error
+from minisgl.server.generation import ServingContext
 from minisgl.server.metrics import ServerMetrics
+from minisgl.server.middleware import Lifecycle, install_middleware
 from minisgl.server.model_names import accepted_model_names, served_model_name
-from minisgl.server.process import ChildStartupError
+from minisgl.server.native_api import build_model_card, install_native_routes
+from minisgl.server.process import BACKEND_FAILED_SIGNAL, ChildStartupError
 from minisgl.server.protocol import ChatCompletionRequest, CompletionRequest, error_dict, now_s
 from minisgl.server.serving_chat import create_chat_completion
 from minisgl.server.serving_completion import create_completion
@@ -40,36 +45,23 @@ METRICS_STATS_TIMEOUT_S = 1.0
 # Startup: ping the scheduler until it has loaded the model; give up after this long.
 SCHEDULER_HANDSHAKE_TIMEOUT_S = 3600.0
 SCHEDULER_PING_INTERVAL_S = 1.0
-AUTH_PATH_PREFIX = "/v1/"
-# Shutdown: open streams get this long to finish before their connections are closed.
+# After the drain (or the abort that ends it) handlers get this long to send their last bytes
+# before uvicorn closes the connections.
 GRACEFUL_SHUTDOWN_S = 2
+DRAIN_POLL_S = 0.05
 KEEP_ALIVE_S = 30
 STARTUP_POLL_S = 0.05
-
-
-class ApiKeyMiddleware:
-    """Pure ASGI (not BaseHTTPMiddleware) so streaming and disconnects pass through untouched."""
-
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
-        self.app = app
-        self._expected = f"Bearer {api_key}".encode()
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith(AUTH_PATH_PREFIX):
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self._expected):
-                body = error_dict("Invalid or missing API key.", "authentication_error", code=401)
-                await JSONResponse(body, status_code=401)(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
 
 
 def _validation_error_response(exc: RequestValidationError) -> JSONResponse:
     errors = exc.errors()
     first = errors[0] if errors else {}
     loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+    rule = (first.get("ctx") or {}).get("error")
     if first.get("type") == "json_invalid":
         message, param = "Request body is not valid JSON.", None
+    elif isinstance(rule, InvalidRequestError):  # raised by one of our own validators
+        message, param = str(rule), rule.param
     else:
         param = loc[0] if loc else None
         where = ".".join(loc) or "body"
@@ -87,7 +79,11 @@ async def _wait_for_scheduler(engine: EngineClient) -> StatsReply:
     raise TimeoutError(f"scheduler did not answer within {SCHEDULER_HANDSHAKE_TIMEOUT_S} s")
 
 
-def create_app(args: ServerArgs, endpoints: Endpoints, tokenizer_path: str | Path) -> FastAPI:
+def create_app(
+    args: ServerArgs, endpoints: Endpoints, tokenizer_path: str | Path, model_path: str | Path
+) -> FastAPI:
+    """`tokenizer_path`, `model_path`: the resolved local folders."""
+
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         tokenizer = await asyncio.to_thread(load_tokenizer, tokenizer_path)
@@ -100,9 +96,18 @@ def create_app(args: ServerArgs, endpoints: Endpoints, tokenizer_path: str | Pat
             metrics=ServerMetrics(lambda: engine.last_stats),
             served_model_name=served_model_name(args),
             accepted_model_names=accepted_model_names(args),
-            max_model_len=info.max_model_len,
-            vocab_size=info.vocab_size,
-            kv_capacity_tokens=info.kv_capacity_tokens,
+            limits=ModelLimits(info.max_model_len, info.vocab_size, info.kv_capacity_tokens),
+            max_sequences_per_request=args.max_sequences_per_request,
+            max_in_flight_sequences=args.max_running_requests + args.max_queued_requests,
+            request_timeout_s=args.request_timeout_s,
+            chat=ChatSettings.resolve(
+                tokenizer,
+                args.chat_template,
+                args.chat_template_kwargs,
+                args.reasoning_parser,
+                args.tool_call_parser,
+            ),
+            eos_token_ids=tuple(info.eos_token_ids),
         )
         try:
             yield
@@ -111,8 +116,8 @@ def create_app(args: ServerArgs, endpoints: Endpoints, tokenizer_path: str | Pat
             await engine.close()
 
     app = FastAPI(title="minisgl", lifespan=lifespan)
-    if args.api_key:
-        app.add_middleware(ApiKeyMiddleware, api_key=args.api_key)
+    app.state.lifecycle = Lifecycle()
+    install_middleware(app, app.state.lifecycle, args.api_key, args.max_request_body_bytes)
 
     def ctx_of(request: Request) -> ServingContext:
         return request.app.state.ctx
@@ -123,19 +128,14 @@ def create_app(args: ServerArgs, endpoints: Endpoints, tokenizer_path: str | Pat
 
     @app.exception_handler(RequestError)
     async def on_request_error(_: Request, exc: RequestError) -> JSONResponse:
-        body = error_dict(exc.message, exc.err_type, exc.param, exc.status_code)
-        return JSONResponse(body, status_code=exc.status_code)
+        return JSONResponse(exc.body(), status_code=exc.status_code, headers=exc.headers)
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         body = error_dict(str(exc.detail), "invalid_request_error", code=exc.status_code)
         return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
 
-    @app.exception_handler(Exception)
-    async def on_unexpected_error(_: Request, exc: Exception) -> JSONResponse:
-        logger.exception("unexpected error in a request handler")
-        body = error_dict(f"internal error: {type(exc).__name__}", "server_error", code=500)
-        return JSONResponse(body, status_code=500)
+    # Any other exception: RequestGuard (minisgl.server.middleware) logs it once and answers 500.
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
@@ -153,7 +153,8 @@ def create_app(args: ServerArgs, endpoints: Endpoints, tokenizer_path: str | Pat
             "object": "model",
             "created": now_s(),
             "owned_by": "minisgl",
-            "max_model_len": ctx.max_model_len,
+            # The longest sequence that can run: the KV pool may hold less than the context.
+            "max_model_len": ctx.limits.max_seq_len,
         }
         return {"object": "list", "data": [card]}
 
@@ -168,35 +169,92 @@ def create_app(args: ServerArgs, endpoints: Endpoints, tokenizer_path: str | Pat
         await ctx.engine.stats(METRICS_STATS_TIMEOUT_S)  # refreshes engine.last_stats
         return Response(ctx.metrics.render(), media_type="text/plain; version=0.0.4")
 
+    install_native_routes(app, args, build_model_card(args, str(model_path), str(tokenizer_path)))
     return app
 
 
 class _UvicornServer(uvicorn.Server):
-    """uvicorn that leaves Ctrl-C to the launcher: the terminal sends SIGINT to every process of
-    the group, and the launcher, not each child, decides the shutdown order. SIGTERM still stops
-    it gracefully: open requests end at once with finish_reason "abort" (streams get their
-    final chunk and [DONE]) instead of being cut off when the graceful timeout expires."""
+    """uvicorn that leaves Ctrl-C to the launcher (the terminal sends SIGINT to every process of
+    the group, and the launcher decides the shutdown order) and hands SIGTERM and
+    BACKEND_FAILED_SIGNAL to `on_stop_signal` once serving, instead of stopping at once."""
 
-    on_exit: Callable[[], None] | None = None
+    on_stop_signal: Callable[[int], None] | None = None
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, self.handle_exit)
+        signal.signal(BACKEND_FAILED_SIGNAL, self.handle_exit)
         yield
 
     def handle_exit(self, sig: int, frame: Any) -> None:
-        super().handle_exit(sig, frame)
-        if self.on_exit is not None:
-            self.on_exit()
+        if self.on_stop_signal is None:  # not serving yet: stop right away
+            super().handle_exit(sig, frame)
+        else:
+            self.on_stop_signal(sig)
+
+
+class _Shutdown:
+    """SIGTERM: refuse new requests (503, /health too), let open ones finish for up to
+    `timeout_s`, abort what is left, then stop uvicorn. A second SIGTERM skips the wait.
+    BACKEND_FAILED_SIGNAL (the launcher saw the scheduler or detokenizer die): open requests end
+    at once with a 503 error (non-streaming) or an error event (streaming)."""
+
+    def __init__(
+        self, server: uvicorn.Server, lifecycle: Lifecycle, engine: EngineClient, timeout_s: float
+    ) -> None:
+        self._server = server
+        self._lifecycle = lifecycle
+        self._engine = engine
+        self._timeout_s = timeout_s
+        self._hurry = False
+        self._error: RequestError | None = None
+        self._task: asyncio.Task | None = None
+
+    def on_signal(self, sig: int) -> None:
+        """Runs on the event loop (call_soon_threadsafe from the signal handler)."""
+        if sig == BACKEND_FAILED_SIGNAL:
+            self._error = backend_stopped_error()
+        if self._task is not None or self._error is not None:
+            self._hurry = True
+        if self._task is None:
+            self._task = asyncio.create_task(self._run(), name="minisgl-shutdown")
+
+    async def _wait_idle(self, timeout_s: float) -> None:
+        loop = asyncio.get_running_loop()
+        deadline_s = loop.time() + timeout_s
+        while self._lifecycle.num_open_requests > 0 and loop.time() < deadline_s:
+            if self._hurry:
+                return
+            await asyncio.sleep(DRAIN_POLL_S)
+
+    async def _run(self) -> None:
+        self._lifecycle.draining = True
+        if not self._hurry:
+            logger.info(
+                "shutting down: %d open request(s) get up to %g s to finish",
+                self._lifecycle.num_open_requests,
+                self._timeout_s,
+            )
+            await self._wait_idle(self._timeout_s)
+        self._engine.abort_all(self._error)
+        self._hurry = False
+        await self._wait_idle(GRACEFUL_SHUTDOWN_S)  # the aborted ones send their last chunks
+        self._server.should_exit = True
 
 
 def _bind(host: str, port: int) -> socket.socket:
-    """Bind before starting uvicorn, so a taken port is one clear error line."""
+    """Bind before starting uvicorn, so a taken port is one clear error line.
+
+    The socket is made with IPPROTO_TCP (not 0): asyncio sets TCP_NODELAY on accepted
+    connections only when the listening socket says TCP. Without it, Nagle's algorithm holds
+    the second write of every response (the body, after the headers) until the
+    client's delayed ACK, adding ~40 ms per response on a keep-alive connection."""
     try:
         family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
-        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # inherited on Linux too
         sock.bind((host, port))
     except OSError as exc:
         raise ChildStartupError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
@@ -204,10 +262,14 @@ def _bind(host: str, port: int) -> socket.socket:
 
 
 def run_api_server(
-    args: ServerArgs, endpoints: Endpoints, tokenizer_path: str, report_ready: Callable[[], None]
+    args: ServerArgs,
+    endpoints: Endpoints,
+    tokenizer_path: str,
+    model_path: str,
+    report_ready: Callable[[], None],
 ) -> None:
-    """The API server process: serve until SIGTERM."""
-    app = create_app(args, endpoints, tokenizer_path)
+    """The API server process: serve until SIGTERM (then drain) or BACKEND_FAILED_SIGNAL."""
+    app = create_app(args, endpoints, tokenizer_path, model_path)
     # uvicorn's own startup lines would repeat what the launcher logs once.
     uvicorn_log_level = "debug" if args.log_level == "debug" else "warning"
     config = uvicorn.Config(
@@ -228,12 +290,14 @@ def run_api_server(
             await asyncio.sleep(STARTUP_POLL_S)
         if server.started:
             loop = asyncio.get_running_loop()
-            engine = app.state.ctx.engine
+            shutdown = _Shutdown(
+                server, app.state.lifecycle, app.state.ctx.engine, args.shutdown_timeout_s
+            )
 
-            def abort_all_soon() -> None:  # called from the SIGTERM handler
-                loop.call_soon_threadsafe(engine.abort_all)
+            def on_stop_signal(sig: int) -> None:  # in the signal handler: hand over to the loop
+                loop.call_soon_threadsafe(shutdown.on_signal, sig)
 
-            server.on_exit = abort_all_soon
+            server.on_stop_signal = on_stop_signal
             report_ready()
         await serve_task
         if not server.started:

@@ -22,6 +22,7 @@ from minisgl.message import (
     StatsRequest,
     TokenizedRequest,
 )
+from minisgl.server.errors import RequestError, shutting_down_error
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +47,11 @@ class EngineClient:
         self._stats_ids = itertools.count()
         self._reader: asyncio.Task | None = None
         self.last_stats: StatsReply | None = None
+        # Event-loop time of the latest output from the backend: proof that it generates
+        # (/health_generate).
+        self.last_output_s = float("-inf")
+        # Set when the scheduler is going away (shutdown, or it died): new submits raise it.
+        self._closed_error: RequestError | None = None
 
     def start(self) -> None:
         self._reader = asyncio.create_task(self._read_loop(), name="minisgl-engine-reader")
@@ -59,23 +65,31 @@ class EngineClient:
 
     async def _read_loop(self) -> None:
         while True:
-            message = await self._inbox.aget()
-            if isinstance(message, BatchDetokenizedOutput):
-                for output in message.outputs:
-                    route = self._routes.get(output.rid)
-                    if route is None:
-                        continue  # aborted by us: the client is gone
-                    queue, index = route
-                    if output.finish_reason is not None:
-                        del self._routes[output.rid]
-                    queue.put_nowait(RoutedOutput(index, output))
-            elif isinstance(message, StatsReply):
-                self.last_stats = message
-                waiter = self._stats_waiters.pop(message.request_id, None)
-                if waiter is not None and not waiter.done():
-                    waiter.set_result(message)
-            else:
-                logger.warning("api server: unexpected message %s", type(message).__name__)
+            try:
+                self._dispatch(await self._inbox.aget())
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # a dead reader would leave every request waiting forever
+                logger.exception("api server: could not handle a message from the backend")
+
+    def _dispatch(self, message: object) -> None:
+        if isinstance(message, BatchDetokenizedOutput):
+            self.last_output_s = asyncio.get_running_loop().time()
+            for output in message.outputs:
+                route = self._routes.get(output.rid)
+                if route is None:
+                    continue  # aborted by us: the client is gone
+                queue, index = route
+                if output.finish_reason is not None:
+                    del self._routes[output.rid]
+                queue.put_nowait(RoutedOutput(index, output))
+        elif isinstance(message, StatsReply):
+            self.last_stats = message
+            waiter = self._stats_waiters.pop(message.request_id, None)
+            if waiter is not None and not waiter.done():
+                waiter.set_result(message)
+        else:
+            logger.warning("api server: unexpected message %s", type(message).__name__)
 
     def submit(
         self,
@@ -84,18 +98,27 @@ class EngineClient:
         input_ids: list[int],
         params: SamplingParams,
         queue: asyncio.Queue,
+        grammar_blob: str | None = None,
     ) -> None:
-        """Start one sequence; its outputs arrive on `queue` tagged with `index`."""
+        """Start one sequence; its outputs arrive on `queue` tagged with `index`.
+        The route exists only once the send succeeded, so a failed send leaves nothing behind."""
+        if self._closed_error is not None:
+            raise self._closed_error
+        self._to_scheduler.put(TokenizedRequest(rid, tuple(input_ids), params, grammar_blob))
         self._routes[rid] = (queue, index)
-        self._to_scheduler.put(TokenizedRequest(rid, tuple(input_ids), params))
 
-    def abort_all(self) -> None:
-        """Shutdown: end every open request now, as aborted, so no handler waits on a scheduler
-        that is about to stop."""
+    def abort_all(self, error: RequestError | None = None) -> None:
+        """Shutdown: end every open request now so no handler waits on a scheduler that is about
+        to stop, and refuse new ones. Without `error` they end as aborted (a drain that ran out
+        of time); with it, `error` is raised to each handler (the backend died)."""
+        self._closed_error = error or shutting_down_error()
         for rid, (queue, index) in list(self._routes.items()):
             self.abort(rid)
-            ended = DetokenizedOutput(rid, "", (), 0, finish_reason=FinishReason.ABORT)
-            queue.put_nowait(RoutedOutput(index, ended))
+            if error is not None:
+                queue.put_nowait(error)
+            else:
+                ended = DetokenizedOutput(rid, "", (), 0, finish_reason=FinishReason.ABORT)
+                queue.put_nowait(RoutedOutput(index, ended))
 
     def abort(self, rid: str) -> None:
         if self._routes.pop(rid, None) is not None:

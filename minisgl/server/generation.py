@@ -1,33 +1,50 @@
-"""What chat and text completions share: request validation and a group of sequences.
+"""What chat and text completions share: request limits, sampling params, a group of sequences.
 
 A request with n choices (and, for completions, several prompts) becomes one GenerationGroup: one
 scheduler request per choice, all reporting into one asyncio queue. The group tracks per-choice
 text, tokens, logprobs and timing, and aborts whatever is unfinished when the handler leaves
-early (client disconnect, error).
+early (client disconnect, timeout, error). Errors that end a request early (timeout, a backend
+that stopped) arrive on the same queue as a RequestError and are raised to the handler.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar, cast
 
 from starlette.requests import Request
+from starlette.responses import StreamingResponse
 from transformers import PreTrainedTokenizerBase
 
-from minisgl.core import SEED_MASK, FinishReason, SamplingParams, TokenLogprob
+from minisgl.chat import ChatSettings
+from minisgl.core import Constraint, FinishReason, InvalidRequestError, SamplingParams, TokenLogprob
+from minisgl.grammar import GrammarCompiler
+from minisgl.limits import ModelLimits, check_request, resolve_max_tokens
 from minisgl.message import DetokenizedOutput
 from minisgl.server.engine_client import DISCONNECTED, EngineClient, RoutedOutput
+from minisgl.server.errors import (
+    HTTP_BAD_REQUEST,
+    HTTP_GATEWAY_TIMEOUT,
+    HTTP_SERVER_ERROR,
+    HTTP_SERVICE_UNAVAILABLE,
+    RequestError,
+)
 from minisgl.server.metrics import ServerMetrics
-from minisgl.server.protocol import SamplingFields
+from minisgl.server.protocol import SamplingFields, error_dict
+from minisgl.server.sse import SSE_DONE, SSE_HEADERS, SSE_MEDIA_TYPE, sse_event
+
+logger = logging.getLogger(__name__)
 
 # Token id -> text is asked for every token when logprobs are on: cache the common ones.
 TOKEN_TEXT_CACHE_SIZE = 1 << 16
-HTTP_SERVER_ERROR = 500
+# Queue full: how long a client should wait before trying again.
+QUEUE_FULL_RETRY_AFTER_S = 1
 SAMPLING_FIELDS = (
     "temperature",
     "top_p",
@@ -39,18 +56,10 @@ SAMPLING_FIELDS = (
 )
 
 
-class RequestError(Exception):
-    """Becomes an OpenAI-shaped error response."""
-
-    def __init__(
-        self, status_code: int, message: str, param: str | None = None, err_type: str | None = None
-    ) -> None:
-        super().__init__(message)
-        self.status_code = status_code
-        self.message = message
-        self.param = param
-        client_error = status_code < HTTP_SERVER_ERROR
-        self.err_type = err_type or ("invalid_request_error" if client_error else "server_error")
+def invalid_request(exc: InvalidRequestError, body: SamplingFields) -> RequestError:
+    """A 400 for a broken rule, `param` named as this endpoint's clients spell it."""
+    param = body.wire_param(exc.param)
+    return RequestError(HTTP_BAD_REQUEST, f"{param}: {exc.message}", param=param)
 
 
 _T = TypeVar("_T")
@@ -69,14 +78,31 @@ class ServingContext:
     metrics: ServerMetrics
     served_model_name: str
     accepted_model_names: frozenset[str]
-    max_model_len: int
-    vocab_size: int
-    kv_capacity_tokens: int  # the most tokens one sequence can hold in the KV pool
+    limits: ModelLimits
+    max_sequences_per_request: int
+    max_in_flight_sequences: int  # running plus queued; more: 503
+    request_timeout_s: float | None
     # Tokenizing a long prompt takes milliseconds: done on this one thread, not on the event loop,
     # so streams of other requests keep flowing. One thread: encodes never run concurrently.
     tokenize_pool: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="minisgl-tokenize")
     )
+    chat: ChatSettings = field(default_factory=ChatSettings)
+    eos_token_ids: tuple[int, ...] = ()
+    # Made at the first constrained request (reading the vocabulary takes ~0.5-1.5 s).
+    _grammar: GrammarCompiler | None = field(default=None, init=False)
+
+    def compile_constraint(self, constraint: Constraint, param: str) -> str:
+        """Compile (cached) and serialize a constraint for the scheduler; on the tokenize
+        thread. Raises InvalidRequestError naming `param` for a bad or unsupported one."""
+        if self._grammar is None:
+            self._grammar = GrammarCompiler(
+                self.tokenizer, self.limits.vocab_size, self.eos_token_ids
+            )
+        try:
+            return self._grammar.serialize(constraint)
+        except InvalidRequestError as exc:
+            raise InvalidRequestError(param, exc.message) from None
 
     async def off_loop(self, fn: Callable[..., _T], *args: Any) -> _T:
         return await asyncio.get_running_loop().run_in_executor(self.tokenize_pool, fn, *args)
@@ -87,6 +113,48 @@ class ServingContext:
                 404, f"The model `{model}` does not exist.", param="model", err_type="NotFoundError"
             )
 
+    def check_fan_out(self, num_prompts: int, n: int) -> None:
+        """Bound the sequences one request starts (prompts x n), before any work is done."""
+        if num_prompts * n > self.max_sequences_per_request:
+            raise RequestError(
+                HTTP_BAD_REQUEST,
+                f"this request asks for {num_prompts * n} sequences ({num_prompts} prompts x "
+                f"n={n}); the server allows at most {self.max_sequences_per_request}",
+                param="n" if n > self.max_sequences_per_request else "prompt",
+            )
+
+    def check_capacity(self, num_sequences: int) -> None:
+        """503 when the queue of waiting sequences would overflow (--max-queued-requests)."""
+        if self.engine.num_active_requests + num_sequences > self.max_in_flight_sequences:
+            raise RequestError(
+                HTTP_SERVICE_UNAVAILABLE,
+                "The server is overloaded: its request queue is full. Please retry later.",
+                err_type="server_overloaded",
+                headers={"Retry-After": str(QUEUE_FULL_RETRY_AFTER_S)},
+            )
+
+    def sampling_params_for(
+        self,
+        body: SamplingFields,
+        prompt_ids: list[int],
+        prompt_param: str,
+        constraint: Constraint | None = None,
+    ) -> list[SamplingParams]:
+        """One SamplingParams per choice for this prompt, every rule checked (a 400 if not)."""
+        try:
+            max_tokens = resolve_max_tokens(
+                body.requested_max_tokens,
+                len(prompt_ids),
+                self.limits,
+                prompt_param,
+                body.wire_param("max_tokens"),
+            )
+            params = [build_sampling_params(body, max_tokens, j, constraint) for j in range(body.n)]
+            check_request(prompt_ids, params[0], self.limits, prompt_param)  # same for every j
+        except InvalidRequestError as exc:
+            raise invalid_request(exc, body) from None
+        return params
+
     @functools.cached_property
     def token_text(self) -> Any:
         @functools.lru_cache(maxsize=TOKEN_TEXT_CACHE_SIZE)
@@ -96,66 +164,24 @@ class ServingContext:
         return decode_one
 
 
-def resolve_max_tokens(
-    requested: int | None,
-    prompt_len: int,
-    max_model_len: int,
-    kv_capacity_tokens: int,
-    prompt_param: str,
-) -> int:
-    """vLLM's rule: without max_tokens, generate up to the context length that is left (here also
-    bounded by what the KV pool can hold, which can be less than the context length)."""
-    if requested is not None and requested < 1:
-        raise RequestError(400, "max_tokens: must be >= 1", param="max_tokens")
-    if requested is not None and prompt_len + requested > max_model_len:
-        raise RequestError(
-            400,
-            f"This model's maximum context length is {max_model_len} tokens. However, you "
-            f"requested {prompt_len + requested} tokens ({prompt_len} in the prompt, {requested} "
-            f"for the completion). Please reduce the prompt or max_tokens.",
-            param="max_tokens",
-        )
-    limit = min(max_model_len, kv_capacity_tokens) if kv_capacity_tokens > 0 else max_model_len
-    if requested is None:
-        if prompt_len >= limit:
-            what = "context length" if limit == max_model_len else "KV cache capacity"
-            raise RequestError(
-                400,
-                f"This model's maximum {what} is {limit} tokens. However, your prompt has "
-                f"{prompt_len} tokens, which leaves no room for the completion.",
-                param=prompt_param,
-            )
-        return limit - prompt_len
-    if prompt_len + requested > limit:
-        raise RequestError(
-            400,
-            f"prompt plus max_tokens ({prompt_len + requested} tokens) exceeds the KV cache "
-            f"({limit} tokens)",
-            param="max_tokens",
-        )
-    return requested
-
-
 def build_sampling_params(
-    body: SamplingFields, max_tokens: int, num_logprobs: int | None, choice_index: int
+    body: SamplingFields, max_tokens: int, choice_index: int, constraint: Constraint | None = None
 ) -> SamplingParams:
+    """Raises InvalidRequestError (SamplingParams' own rules) for a bad field."""
     overrides = {name: getattr(body, name) for name in SAMPLING_FIELDS}
     # With a seed, choice i uses seed + i: n sequences that are reproducible yet differ.
-    seed = None if body.seed is None else (body.seed + choice_index) & SEED_MASK
-    try:
-        return SamplingParams(
-            max_tokens=max_tokens,
-            seed=seed,
-            stop=tuple([body.stop] if isinstance(body.stop, str) else body.stop or ()),
-            stop_token_ids=tuple(body.stop_token_ids or ()),
-            ignore_eos=body.ignore_eos,
-            logprobs=num_logprobs,
-            skip_special_tokens=body.skip_special_tokens,
-            **{name: value for name, value in overrides.items() if value is not None},
-        )
-    except ValueError as exc:
-        param = str(exc).split(":", 1)[0]
-        raise RequestError(400, str(exc), param=param) from None
+    seed = None if body.seed is None else body.seed + choice_index
+    return SamplingParams(
+        max_tokens=max_tokens,
+        seed=seed,
+        stop=tuple([body.stop] if isinstance(body.stop, str) else body.stop or ()),
+        stop_token_ids=tuple(body.stop_token_ids or ()),
+        ignore_eos=body.ignore_eos,
+        logprobs=body.num_logprobs,
+        skip_special_tokens=body.skip_special_tokens,
+        constraint=constraint,
+        **{name: value for name, value in overrides.items() if value is not None},
+    )
 
 
 @dataclass
@@ -164,6 +190,7 @@ class ChoiceState:
     prompt_index: int
     rid: str
     text_parts: list[str] = field(default_factory=list)
+    part_num_tokens: list[int] = field(default_factory=list)  # tokens behind each text part
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     num_tokens: int = 0
@@ -189,13 +216,16 @@ class GenerationGroup:
         request_id: str,
         prompts: Sequence[list[int]],
         params: Sequence[Sequence[SamplingParams]],
+        grammar_blob: str | None = None,
     ) -> None:
-        """params[p][j]: choice j of prompt p, whose choice index is p * n + j."""
+        """params[p][j]: choice j of prompt p, whose choice index is p * n + j. grammar_blob:
+        the compiled constraint every choice shares (ServingContext.compile_constraint)."""
         assert len(params) == len(prompts) and len({len(row) for row in params}) == 1
         self._ctx = ctx
         self.prompts = list(prompts)
         self.num_choices_per_prompt = len(params[0])
         self._params = [list(row) for row in params]
+        self._grammar_blob = grammar_blob
         n = self.num_choices_per_prompt
         self.choices = [
             ChoiceState(index=p * n + j, prompt_index=p, rid=f"{request_id}-{p}-{j}")
@@ -206,13 +236,33 @@ class GenerationGroup:
         self._num_unfinished = len(self.choices)
         self._arrival_time_s = time.perf_counter()
         self._watcher: asyncio.Task | None = None
+        self._timer: asyncio.TimerHandle | None = None
 
     def start(self, request: Request) -> None:
-        for choice in self.choices:
-            params = self._params[choice.prompt_index][choice.index % self.num_choices_per_prompt]
-            prompt = self.prompts[choice.prompt_index]
-            self._ctx.engine.submit(choice.rid, choice.index, prompt, params, self._queue)
+        """Submit every choice, or none: on any failure the ones already sent are aborted."""
+        self._ctx.check_capacity(len(self.choices))
+        try:
+            for choice in self.choices:
+                row = self._params[choice.prompt_index]
+                params = row[choice.index % self.num_choices_per_prompt]
+                prompt = self.prompts[choice.prompt_index]
+                self._ctx.engine.submit(
+                    choice.rid, choice.index, prompt, params, self._queue, self._grammar_blob
+                )
+        except BaseException:
+            self.close()
+            raise
         self._watcher = asyncio.create_task(self._watch_disconnect(request))
+        timeout_s = self._ctx.request_timeout_s
+        if timeout_s is not None:
+            timed_out = RequestError(
+                HTTP_GATEWAY_TIMEOUT,
+                f"The request did not finish within the server's timeout ({timeout_s:g} s) "
+                "and was aborted.",
+                err_type="timeout_error",
+            )
+            loop = asyncio.get_running_loop()
+            self._timer = loop.call_later(timeout_s, self._queue.put_nowait, timed_out)
 
     async def _watch_disconnect(self, request: Request) -> None:
         # The body is already read, so the next ASGI message is the disconnect (or the end).
@@ -231,12 +281,15 @@ class GenerationGroup:
         item = await self._queue.get()
         if item is DISCONNECTED:
             raise ClientDisconnected()
+        if isinstance(item, RequestError):  # timed out, or the backend stopped
+            raise item
         assert isinstance(item, RoutedOutput)
         choice, output = self.choices[item.index], item.output
         now_s = time.perf_counter()
         if output.num_new_tokens > 0:
             self._observe_token_times(choice, output.num_new_tokens, now_s)
         choice.text_parts.append(output.text)
+        choice.part_num_tokens.append(output.num_new_tokens)
         choice.token_ids.extend(output.token_ids)
         choice.logprobs.extend(output.logprobs)
         choice.num_tokens += output.num_new_tokens
@@ -248,8 +301,7 @@ class GenerationGroup:
             choice.error = output.error
             self._num_unfinished -= 1
             self._ctx.metrics.e2e_request_latency_s.observe(now_s - self._arrival_time_s)
-            if output.finish_reason == FinishReason.ABORT:
-                self._ctx.metrics.aborted_requests.inc()
+            self._ctx.metrics.request_finished(output.finish_reason)
         return choice, output
 
     def _observe_token_times(self, choice: ChoiceState, num_new_tokens: int, now_s: float) -> None:
@@ -267,11 +319,13 @@ class GenerationGroup:
         """Abort every unfinished choice (early exit) and stop watching the client."""
         if self._watcher is not None:
             self._watcher.cancel()
+        if self._timer is not None:
+            self._timer.cancel()
         for choice in self.choices:
             if not choice.finished:
                 self._ctx.engine.abort(choice.rid)
                 choice.finish_reason = FinishReason.ABORT
-                self._ctx.metrics.aborted_requests.inc()
+                self._ctx.metrics.request_finished(FinishReason.ABORT)
         self._num_unfinished = 0
 
     async def run_to_end(self) -> None:
@@ -301,3 +355,28 @@ class GenerationGroup:
 
 def finish_reason_text(reason: FinishReason | None) -> str | None:
     return None if reason is None else reason.value
+
+
+async def _guarded(events: AsyncIterator[str], request_id: str) -> AsyncIterator[str]:
+    """Whatever ends a stream early, the client gets an error event and [DONE], never a cut
+    connection: a RequestError (timeout, backend stopped) as itself, anything else as a 500
+    that is logged once with the request id. A client that left gets nothing more."""
+    try:
+        async for event in events:
+            yield event
+    except ClientDisconnected:
+        return
+    except RequestError as exc:
+        yield sse_event(exc.body())
+        yield SSE_DONE
+    except Exception:
+        logger.exception("request %s failed while streaming", request_id)
+        message = f"internal error while streaming (request id {request_id})"
+        yield sse_event(error_dict(message, "server_error", code=HTTP_SERVER_ERROR))
+        yield SSE_DONE
+
+
+def stream_response(events: AsyncIterator[str], request_id: str) -> StreamingResponse:
+    return StreamingResponse(
+        _guarded(events, request_id), media_type=SSE_MEDIA_TYPE, headers=SSE_HEADERS
+    )

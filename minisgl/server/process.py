@@ -28,6 +28,8 @@ PARENT_POLL_INTERVAL_S = 0.5
 PARENT_GONE_EXIT_CODE = 3
 CHILD_ERROR_EXIT_CODE = 1
 PROCESS_NAME_MAX_LEN = 15
+# The launcher tells the API server that a process behind it died: fail open requests now.
+BACKEND_FAILED_SIGNAL = signal.SIGUSR1
 
 
 def set_process_name(name: str) -> None:
@@ -78,6 +80,7 @@ def child_main(
     setup_logging(log_level)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    signal.signal(BACKEND_FAILED_SIGNAL, _exit_on_sigterm)  # the API server handles it itself
     watchdog = threading.Thread(
         target=_watch_parent, args=(os.getppid(), orphan_cleanup_dir), daemon=True
     )

@@ -1,5 +1,12 @@
 """OpenAI-compatible request bodies (pydantic) and the shapes of responses and errors.
 
+The request models are where the HTTP side of validation lives: strict JSON types (no "3" or
+true for an integer, no NaN or Infinity), text that is valid Unicode everywhere in the body, and
+the bounds that are purely about the API (n). The value rules of sampling fields live in
+`SamplingParams` and the model-dependent ones in `minisgl.limits`; `wire_param` maps the field
+names those report back to the names this endpoint's clients sent. A new field only needs a
+typed attribute here and, if it has value rules, a check in `SamplingParams`.
+
 Unknown fields are ignored (`extra="ignore"`), as vLLM and SGLang do, so clients that send
 OpenAI-only options never get a 422/400 for them.
 """
@@ -10,22 +17,75 @@ import time
 import uuid
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-# Upper bounds that keep one request from asking for absurd amounts of work.
+from minisgl.core import InvalidRequestError
+
+# OpenAI's bound on choices per request.
 MAX_CHOICES_PER_REQUEST = 128
-MAX_TOP_LOGPROBS = 20
+CONSTRAINT_FIELDS = (
+    "response_format",
+    "regex",
+    "ebnf",
+    "json_schema",
+    "guided_json",
+    "guided_regex",
+    "guided_grammar",
+    "guided_choice",
+    "structured_outputs",
+)
 
 
 class OpenAIBaseModel(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+
+
+def find_invalid_text(data: Any) -> str | None:
+    """The top-level field of a JSON value holding a string that is not valid Unicode (a lone
+    surrogate such as "\\ud800", which JSON escapes allow): such text cannot be encoded for
+    the tokenizer or the other processes. "body" when it is not under a field; None if clean.
+    Iterative, so any nesting depth costs no recursion."""
+    stack: list[tuple[str, Any]] = [("body", data)]
+    if isinstance(data, dict):
+        stack = [(str(key), value) for key, value in data.items()]
+        stack += [("body", key) for key in data]
+    while stack:
+        where, value = stack.pop()
+        if isinstance(value, str):
+            if not value.isascii():
+                try:
+                    value.encode("utf-8")
+                except UnicodeEncodeError:
+                    return where
+        elif isinstance(value, dict):
+            stack.extend((where, key) for key in value)
+            stack.extend((where, item) for item in value.values())
+        elif isinstance(value, list):
+            stack.extend((where, item) for item in value)
+    return None
+
+
+class OpenAIRequest(OpenAIBaseModel):
+    """A request body: its text is checked for valid Unicode before any field is validated."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _text_is_valid_unicode(cls, data: Any) -> Any:
+        where = find_invalid_text(data)
+        if where is not None:
+            raise InvalidRequestError(where, "must be valid Unicode text (no lone surrogates)")
+        return data
+
+    def wire_param(self, name: str) -> str:
+        """The request field that a rule reporting `name` (a SamplingParams field) is about."""
+        return name
 
 
 class StreamOptions(OpenAIBaseModel):
     include_usage: bool = False
 
 
-class SamplingFields(OpenAIBaseModel):
+class SamplingFields(OpenAIRequest):
     """Fields shared by chat and text completions. None means "the default"."""
 
     model: str | None = None
@@ -46,10 +106,33 @@ class SamplingFields(OpenAIBaseModel):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    # Structured outputs (minisgl.chat.requests): at most one of these per request.
+    response_format: dict[str, Any] | None = None
+    regex: str | None = None  # SGLang
+    ebnf: str | None = None  # SGLang
+    json_schema: str | dict[str, Any] | None = None  # SGLang: a JSON schema (text or object)
+    guided_json: str | dict[str, Any] | None = None  # vLLM's older names
+    guided_regex: str | None = None
+    guided_grammar: str | None = None
+    guided_choice: list[str] | None = None
+    structured_outputs: dict[str, Any] | None = None  # vLLM: {json|regex|grammar|choice}
+
+    @property
+    def constraint_fields(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in CONSTRAINT_FIELDS}
 
     @property
     def include_usage_in_stream(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """Top alternatives per token for the scheduler; None when logprobs are off."""
+        return None
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -57,7 +140,13 @@ class ChatCompletionRequest(SamplingFields):
     messages: list[Any]
     max_completion_tokens: int | None = None
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    top_logprobs: int | None = None
+    # Checked with clear messages in minisgl.chat.requests.
+    tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+    separate_reasoning: bool = True  # SGLang: false keeps the reasoning inside the content
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -67,18 +156,20 @@ class ChatCompletionRequest(SamplingFields):
 
     @property
     def num_logprobs(self) -> int | None:
-        """Top alternatives per token for the scheduler; None when logprobs are off."""
         return (self.top_logprobs or 0) if self.logprobs else None
+
+    def wire_param(self, name: str) -> str:
+        if name == "max_tokens" and self.max_completion_tokens is not None:
+            return "max_completion_tokens"
+        if name == "logprobs":
+            return "top_logprobs"
+        return name
 
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
-    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    logprobs: int | None = None
     echo: bool = False
-
-    @property
-    def requested_max_tokens(self) -> int | None:
-        return self.max_tokens
 
     @property
     def num_logprobs(self) -> int | None:
@@ -98,13 +189,22 @@ def now_s() -> int:
     return int(time.time())
 
 
-def usage_dict(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
-    return {
+def usage_dict(
+    prompt_tokens: int,
+    completion_tokens: int,
+    cached_tokens: int,
+    reasoning_tokens: int | None = None,
+) -> dict[str, Any]:
+    """reasoning_tokens: part of completion_tokens (chat); None leaves the details out."""
+    usage: dict[str, Any] = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
         "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
+    if reasoning_tokens is not None:
+        usage["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
+    return usage
 
 
 def error_dict(

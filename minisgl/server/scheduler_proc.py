@@ -29,6 +29,8 @@ from minisgl.message import (
     StatsRequest,
     TokenizedRequest,
 )
+from minisgl.scheduler.stats import ThroughputWindow
+from minisgl.server.gpu_stats import GpuProbe, make_gpu_probe
 from minisgl.tokenizer.detokenizer import PROMPT_CONTEXT_TOKENS
 
 if TYPE_CHECKING:
@@ -41,6 +43,42 @@ IDLE_POLL_TIMEOUT_S = 0.05
 # handed to the thread that answers pings; refreshing this often is cheap and fresh enough.
 STATS_REFRESH_INTERVAL_S = 0.05
 CTL_POLL_TIMEOUT_S = 0.1
+
+
+def build_stats_reply(
+    scheduler: SchedulerAPI, gen_throughput: ThroughputWindow, gpu_probe: GpuProbe | None
+) -> StatsReply:
+    """The scheduler's stats() (plus generation throughput and GPU numbers) as a StatsReply."""
+    stats = scheduler.stats()
+    now_s = time.monotonic()
+    gpu = gpu_probe.sample(now_s) if gpu_probe is not None else None
+    return StatsReply(
+        request_id=-1,
+        max_model_len=scheduler.max_model_len,
+        vocab_size=scheduler.vocab_size,
+        num_running_reqs=stats.num_running_reqs,
+        num_queue_reqs=stats.num_queue_reqs,
+        kv_cache_usage_ratio=float(stats.kv_cache_usage_ratio),
+        num_free_pages=stats.num_free_pages,
+        num_total_pages=stats.num_total_pages,
+        prompt_tokens_total=stats.prompt_tokens_total,
+        generation_tokens_total=stats.generation_tokens_total,
+        cached_prompt_tokens_total=stats.cached_prompt_tokens_total,
+        eos_token_ids=tuple(scheduler.eos_token_ids),
+        kv_capacity_tokens=stats.num_total_pages * scheduler.page_size,
+        prefill_tokens_total=stats.prefill_tokens_total,
+        num_retractions_total=stats.num_retractions_total,
+        gen_throughput_tokens_per_s=gen_throughput.update(now_s, stats.generation_tokens_total),
+        queue_time_s_bucket_counts=stats.queue_time_s.bucket_counts,
+        queue_time_s_sum=stats.queue_time_s.sum,
+        batch_size_bucket_counts=stats.batch_size.bucket_counts,
+        batch_size_sum=stats.batch_size.sum,
+        batch_tokens_bucket_counts=stats.batch_tokens.bucket_counts,
+        batch_tokens_sum=stats.batch_tokens.sum,
+        gpu_utilization_ratio=gpu.utilization_ratio if gpu is not None else None,
+        gpu_memory_used_bytes=gpu.memory_used_bytes if gpu is not None else None,
+        gpu_memory_total_bytes=gpu.memory_total_bytes if gpu is not None else None,
+    )
 
 
 class StatsResponder:
@@ -76,8 +114,12 @@ class StatsResponder:
 
 
 class SchedulerLoop:
-    def __init__(self, scheduler: SchedulerAPI, endpoints: Endpoints) -> None:
+    def __init__(
+        self, scheduler: SchedulerAPI, endpoints: Endpoints, gpu_probe: GpuProbe | None = None
+    ) -> None:
         self.scheduler = scheduler
+        self._gpu_probe = gpu_probe
+        self._gen_throughput = ThroughputWindow()
         self._inbox = MessageQueue("pull", endpoints.scheduler_in, bind=True)
         self._to_detokenizer = MessageQueue("push", endpoints.detokenizer_in, bind=False)
         self._stats_time_s = 0.0
@@ -85,22 +127,7 @@ class SchedulerLoop:
         self._stopped = False
 
     def _stats_snapshot(self) -> StatsReply:
-        stats = self.scheduler.stats()
-        return StatsReply(
-            request_id=-1,
-            max_model_len=self.scheduler.max_model_len,
-            vocab_size=self.scheduler.vocab_size,
-            num_running_reqs=stats.num_running_reqs,
-            num_queue_reqs=stats.num_queue_reqs,
-            kv_cache_usage_ratio=float(stats.kv_cache_usage_ratio),
-            num_free_pages=stats.num_free_pages,
-            num_total_pages=stats.num_total_pages,
-            prompt_tokens_total=stats.prompt_tokens_total,
-            generation_tokens_total=stats.generation_tokens_total,
-            cached_prompt_tokens_total=stats.cached_prompt_tokens_total,
-            eos_token_ids=tuple(self.scheduler.eos_token_ids),
-            kv_capacity_tokens=stats.num_total_pages * self.scheduler.page_size,
-        )
+        return build_stats_reply(self.scheduler, self._gen_throughput, self._gpu_probe)
 
     def _refresh_stats(self, force: bool = False) -> None:
         now_s = time.monotonic()
@@ -138,10 +165,13 @@ class SchedulerLoop:
                 list(message.input_ids),
                 message.sampling_params,
                 eos_token_ids=eos_token_ids,
+                grammar_blob=message.grammar_blob,
             )
             req.arrival_time = time.monotonic()
             self.scheduler.add_request(req)
-        except ValueError as exc:
+        except Exception as exc:  # one bad request must not stop the loop everyone depends on
+            if not isinstance(exc, ValueError):
+                logger.exception("scheduler: request %s failed to queue", message.rid)
             return ReqOutput(
                 rid=message.rid,
                 new_token_ids=(),
@@ -189,7 +219,10 @@ def run_scheduler_process(
         from minisgl.scheduler.scheduler import Scheduler
 
         scheduler = Scheduler(args)
-    loop = SchedulerLoop(scheduler, endpoints)
+    from minisgl.engine.engine import resolve_device  # torch is loaded by now
+
+    device = resolve_device(args.device)
+    loop = SchedulerLoop(scheduler, endpoints, make_gpu_probe(device.type, device.index))
     report_ready({"max_model_len": scheduler.max_model_len, "vocab_size": scheduler.vocab_size})
     try:
         loop.run()

@@ -6,50 +6,59 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any, cast
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 
-from minisgl.core import FinishReason, TokenLogprob
+from minisgl.chat import constraint_from_fields
+from minisgl.core import FinishReason, InvalidRequestError, TokenLogprob
 from minisgl.server.generation import (
     ChoiceState,
     ClientDisconnected,
     GenerationGroup,
     RequestError,
     ServingContext,
-    build_sampling_params,
     finish_reason_text,
-    resolve_max_tokens,
+    invalid_request,
+    stream_response,
 )
 from minisgl.server.protocol import CompletionRequest, error_dict, new_id, now_s, usage_dict
 from minisgl.server.serving_chat import CLIENT_CLOSED_REQUEST
-from minisgl.server.sse import SSE_DONE, SSE_HEADERS, SSE_MEDIA_TYPE, sse_event
+from minisgl.server.sse import SSE_DONE, sse_event
 
 
-def tokenize_prompts(ctx: ServingContext, prompt: Any) -> tuple[list[list[int]], list[str]]:
-    """Every accepted prompt shape -> (token ids per prompt, text per prompt for echo)."""
+def prompt_list(prompt: Any) -> list[str] | list[list[int]]:
+    """Every accepted prompt shape -> a list of prompts (each text or token ids)."""
     if isinstance(prompt, str):
-        prompt = [prompt]
+        return [prompt]
     if not prompt:
         raise RequestError(400, "prompt: must not be empty", param="prompt")
     if isinstance(prompt[0], int):
-        prompt = [prompt]
+        return [prompt]
+    return cast("list[str] | list[list[int]]", prompt)
+
+
+def tokenize_prompts(
+    ctx: ServingContext, prompts: list[str] | list[list[int]]
+) -> tuple[list[list[int]], list[str | None]]:
+    """(token ids per prompt, text per prompt; None where the prompt was token ids)."""
     ids_per_prompt: list[list[int]] = []
-    texts: list[str] = []
-    for item in prompt:
+    texts: list[str | None] = []
+    for item in prompts:
         if isinstance(item, str):
-            ids = list(ctx.tokenizer(item)["input_ids"])
-            text = item
+            ids_per_prompt.append(list(ctx.tokenizer(item)["input_ids"]))
+            texts.append(item)
         else:
-            ids = [int(t) for t in item]
-            if any(not 0 <= t < ctx.vocab_size for t in ids):
-                raise RequestError(
-                    400, f"prompt: token ids must be in [0, {ctx.vocab_size})", param="prompt"
-                )
-            text = cast(str, ctx.tokenizer.decode(ids))
-        if not ids:
-            raise RequestError(400, "prompt: must not be empty", param="prompt")
-        ids_per_prompt.append(ids)
-        texts.append(text)
+            ids_per_prompt.append(list(item))
+            texts.append(None)
     return ids_per_prompt, texts
+
+
+def echo_texts(ctx: ServingContext, prompts: list[list[int]], texts: list[str | None]) -> list[str]:
+    """Prompt texts for echo. Token id prompts are decoded only once every rule (the
+    vocabulary range included) has passed."""
+    return [
+        text if text is not None else cast(str, ctx.tokenizer.decode(ids))
+        for ids, text in zip(prompts, texts, strict=True)
+    ]
 
 
 def completion_logprobs(
@@ -76,29 +85,28 @@ async def create_completion(
     ctx: ServingContext, body: CompletionRequest, request: Request
 ) -> Response:
     ctx.check_model(body.model)
-    prompts, prompt_texts = await ctx.off_loop(tokenize_prompts, ctx, body.prompt)
-    params = []
-    for ids in prompts:
-        # Without max_tokens each prompt may use whatever context its own length leaves.
-        max_tokens = resolve_max_tokens(
-            body.max_tokens, len(ids), ctx.max_model_len, ctx.kv_capacity_tokens, "prompt"
-        )
-        params.append(
-            [build_sampling_params(body, max_tokens, body.logprobs, j) for j in range(body.n)]
-        )
+    prompts_in = prompt_list(body.prompt)
+    ctx.check_fan_out(len(prompts_in), body.n)
+    ctx.check_capacity(len(prompts_in) * body.n)  # early: no tokenizing for a 503
+    try:
+        found = constraint_from_fields(body.constraint_fields)
+        constraint = found[1] if found else None
+        blob = await ctx.off_loop(ctx.compile_constraint, found[1], found[0]) if found else None
+    except InvalidRequestError as exc:
+        raise invalid_request(exc, body) from None
+    prompts, texts = await ctx.off_loop(tokenize_prompts, ctx, prompts_in)
+    # Without max_tokens each prompt may use whatever context its own length leaves.
+    params = [ctx.sampling_params_for(body, ids, "prompt", constraint) for ids in prompts]
+    prompt_texts = await ctx.off_loop(echo_texts, ctx, prompts, texts) if body.echo else []
     request_id = new_id("cmpl")
-    group = GenerationGroup(ctx, request_id, prompts, params)
+    group = GenerationGroup(ctx, request_id, prompts, params, blob)
     header = {"id": request_id, "created": now_s(), "model": body.model or ctx.served_model_name}
     for choice in group.choices:
         echo_text = prompt_texts[choice.prompt_index] if body.echo else ""
         choice.logprob_text_offset = len(echo_text)
     group.start(request)
     if body.stream:
-        return StreamingResponse(
-            _stream(ctx, group, body, header, prompt_texts),
-            media_type=SSE_MEDIA_TYPE,
-            headers=SSE_HEADERS,
-        )
+        return stream_response(_stream(ctx, group, body, header, prompt_texts), request_id)
     try:
         await group.run_to_end()
     except ClientDisconnected:
@@ -163,7 +171,5 @@ async def _stream(
         if body.include_usage_in_stream:
             yield sse_event({**base, "choices": [], "usage": usage_dict(*group.usage())})
         yield SSE_DONE
-    except ClientDisconnected:
-        return
     finally:
-        group.close()
+        group.close()  # early exits (disconnect, timeout, error) abort what is unfinished

@@ -1,19 +1,36 @@
-"""Load a tokenizer and turn chat messages into prompt token ids."""
+"""Load a tokenizer and turn chat messages (and tools) into prompt token ids.
+
+Messages keep every field a chat template reads: `name`, `tool_calls` on assistant messages,
+`tool_call_id` on tool messages and `reasoning_content`. Tool-call arguments arrive as JSON
+text (OpenAI's shape) and are handed to the template as objects, the shape transformers
+documents for chat templates (Llama 3's template applies `tojson` to them; Qwen's accepts both).
+"""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from jinja2 import TemplateError
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 CHAT_ROLES = ("system", "user", "assistant", "developer", "tool")
+_TEXT_FIELDS = ("name", "tool_call_id", "reasoning_content")
 
 
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
     """Load the tokenizer of a local checkpoint folder (never downloads)."""
     return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+
+
+def load_chat_template(path: str | Path) -> str:
+    """--chat-template: a Jinja file that replaces the checkpoint's template."""
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ValueError(f"chat_template: cannot read {path}: {exc.strerror or exc}") from None
 
 
 def message_text(content: Any, index: int) -> str:
@@ -38,8 +55,39 @@ def message_text(content: Any, index: int) -> str:
     raise ValueError(f"messages: message {index} content must be a string or a list of text parts")
 
 
-def normalize_messages(messages: Any) -> list[dict[str, str]]:
-    """Check the shape of chat messages and return plain {"role", "content"} dicts."""
+def _tool_calls(value: Any, index: int) -> list[dict[str, Any]]:
+    """An assistant message's tool_calls, each {"id", "type", "function": {name, arguments}},
+    arguments parsed to an object when they are JSON object text."""
+    where = f"messages: message {index} tool_calls"
+    if not isinstance(value, list):
+        raise ValueError(f"{where} must be a list")
+    calls = []
+    for call in value:
+        function = call.get("function") if isinstance(call, Mapping) else None
+        if not isinstance(function, Mapping) or not isinstance(function.get("name"), str):
+            raise ValueError(f"{where}: each call needs function.name")
+        arguments = function.get("arguments", "{}")
+        if isinstance(arguments, str):
+            try:
+                parsed = json.loads(arguments)
+            except ValueError:
+                parsed = None
+            arguments = parsed if isinstance(parsed, dict) else arguments
+        elif not isinstance(arguments, Mapping):
+            raise ValueError(f"{where}: function.arguments must be JSON text or an object")
+        entry: dict[str, Any] = {
+            "type": "function",
+            "function": {"name": function["name"], "arguments": arguments},
+        }
+        if isinstance(call.get("id"), str):
+            entry["id"] = call["id"]
+        calls.append(entry)
+    return calls
+
+
+def normalize_messages(messages: Any) -> list[dict[str, Any]]:
+    """Check the shape of chat messages and return plain dicts: role, content (a string) and
+    the other fields templates read, where given."""
     if not isinstance(messages, list) or not messages:
         raise ValueError("messages: must be a non-empty list of {'role', 'content'} objects")
     normalized = []
@@ -49,25 +97,69 @@ def normalize_messages(messages: Any) -> list[dict[str, str]]:
         role = message.get("role")
         if role not in CHAT_ROLES:
             raise ValueError(f"messages: message {index} has unknown role {role!r}")
-        normalized.append({"role": role, "content": message_text(message.get("content"), index)})
+        entry: dict[str, Any] = {
+            "role": role,
+            "content": message_text(message.get("content"), index),
+        }
+        for name in _TEXT_FIELDS:
+            value = message.get(name)
+            if value is None:
+                continue
+            if not isinstance(value, str):
+                raise ValueError(f"messages: message {index} {name} must be a string")
+            entry[name] = value
+        if message.get("tool_calls") is not None:
+            if role != "assistant":
+                raise ValueError(
+                    f"messages: message {index}: only assistant messages have tool_calls"
+                )
+            entry["tool_calls"] = _tool_calls(message["tool_calls"], index)
+        normalized.append(entry)
     return normalized
 
 
-def apply_chat_template(tokenizer: PreTrainedTokenizerBase, messages: list[dict]) -> list[int]:
-    """Render messages with the tokenizer's chat template, ready for the assistant's reply."""
-    if not getattr(tokenizer, "chat_template", None):
+def render_chat(
+    tokenizer: PreTrainedTokenizerBase,
+    messages: Any,
+    tools: list[dict[str, Any]] | None = None,
+    chat_template: str | None = None,
+    template_kwargs: Mapping[str, Any] | None = None,
+) -> str:
+    """The prompt text for the assistant's reply. `template_kwargs` (e.g. enable_thinking) are
+    variables for the template; `chat_template` replaces the tokenizer's own."""
+    if chat_template is None and not getattr(tokenizer, "chat_template", None):
         raise ValueError("messages: the tokenizer has no chat template; use /v1/completions")
-    encoded = tokenizer.apply_chat_template(
-        normalize_messages(messages), add_generation_prompt=True, tokenize=True
-    )
-    # transformers 5 returns a dict-like BatchEncoding; older versions return the id list itself.
-    ids: Any = encoded["input_ids"] if isinstance(encoded, Mapping) else encoded
-    return [int(t) for t in ids]
-
-
-def render_chat_prompt(tokenizer: PreTrainedTokenizerBase, messages: list[dict]) -> str:
-    """The chat prompt as text (for echo and debugging)."""
-    text = tokenizer.apply_chat_template(
-        normalize_messages(messages), add_generation_prompt=True, tokenize=False
-    )
+    kwargs = dict(template_kwargs or {})
+    template_tools: Any = tools or None
+    try:
+        text = tokenizer.apply_chat_template(
+            normalize_messages(messages),
+            tools=template_tools,
+            chat_template=chat_template,
+            add_generation_prompt=True,
+            tokenize=False,
+            **kwargs,
+        )
+    except TemplateError as exc:  # e.g. raise_exception("roles must alternate ...")
+        raise ValueError(f"messages: the model's chat template rejected them: {exc}") from None
+    except (TypeError, KeyError, AttributeError, IndexError, ValueError) as exc:
+        # a template reading a field these messages lack, or rejecting their shape
+        raise ValueError(f"messages: the chat template failed on them: {exc}") from None
     return str(text)
+
+
+def encode_prompt(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
+    """Rendered chat text -> ids (the template wrote the special tokens itself)."""
+    return [int(t) for t in tokenizer.encode(text, add_special_tokens=False)]
+
+
+def apply_chat_template(
+    tokenizer: PreTrainedTokenizerBase,
+    messages: Any,
+    tools: list[dict[str, Any]] | None = None,
+    chat_template: str | None = None,
+    template_kwargs: Mapping[str, Any] | None = None,
+) -> list[int]:
+    """Render messages with the chat template, ready for the assistant's reply, as ids."""
+    text = render_chat(tokenizer, messages, tools, chat_template, template_kwargs)
+    return encode_prompt(tokenizer, text)

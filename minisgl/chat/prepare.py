@@ -1,0 +1,180 @@
+"""A chat request, made ready to run: the prompt, its constraint and its reply parsers."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from transformers import PreTrainedTokenizerBase
+
+from minisgl.chat.output import ChatOutputParser
+from minisgl.chat.reasoning import (
+    REASONING_PARSERS,
+    THINK_END,
+    Mode,
+    ReasoningParser,
+    detect_reasoning_parser,
+    initial_mode,
+)
+from minisgl.chat.requests import ToolPlan, constraint_from_fields, plan_tools
+from minisgl.chat.tool_parsers import (
+    HERMES_START,
+    TOOL_CALL_PARSERS,
+    NamedCallParser,
+    RequiredCallsParser,
+    ToolParser,
+    detect_tool_call_parser,
+    make_tool_parser,
+)
+from minisgl.core import Constraint, InvalidRequestError
+from minisgl.tokenizer.chat import encode_prompt, load_chat_template, render_chat
+
+logger = logging.getLogger(__name__)
+
+
+# apply_chat_template's own parameters: not template variables, and passing one twice would
+# change what the call returns (return_dict, tokenize) or fail.
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {
+        "conversation",
+        "messages",
+        "tools",
+        "documents",
+        "chat_template",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+    }
+)
+
+
+def parse_template_kwargs(value: Any, param: str = "chat_template_kwargs") -> dict[str, Any]:
+    """A JSON object (text or dict) of chat template variables."""
+    if value is None:
+        return {}
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            raise InvalidRequestError(param, "must be a JSON object") from None
+    if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):
+        raise InvalidRequestError(param, "must be a JSON object")
+    reserved = sorted(RESERVED_TEMPLATE_KWARGS.intersection(value))
+    if reserved:
+        raise InvalidRequestError(param, f"{reserved} cannot be set here")
+    return dict(value)
+
+
+@dataclass(frozen=True)
+class ChatSettings:
+    """The server's chat options (--chat-template, --chat-template-kwargs, --reasoning-parser,
+    --tool-call-parser), resolved once at start-up: `auto` parsers are picked here."""
+
+    chat_template: str | None = None  # replaces the tokenizer's template when set
+    template_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    reasoning_parser: str | None = None
+    tool_call_parser: str | None = None
+
+    @classmethod
+    def resolve(
+        cls,
+        tokenizer: PreTrainedTokenizerBase,
+        chat_template_path: str | None = None,
+        template_kwargs: Any = None,
+        reasoning_parser: str | None = None,
+        tool_call_parser: str | None = None,
+    ) -> ChatSettings:
+        template = load_chat_template(chat_template_path) if chat_template_path else None
+        source = template or getattr(tokenizer, "chat_template", None)
+        source = source if isinstance(source, str) else None
+        if reasoning_parser == "auto":
+            reasoning_parser = detect_reasoning_parser(source)
+            logger.info("--reasoning-parser auto: %s", reasoning_parser or "none (no think tags)")
+        elif reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"reasoning_parser: must be one of {REASONING_PARSERS} or auto")
+        if tool_call_parser == "auto":
+            tool_call_parser = detect_tool_call_parser(source)
+            logger.info("--tool-call-parser auto: %s", tool_call_parser or "none found")
+        elif tool_call_parser is not None and tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(f"tool_call_parser: must be one of {TOOL_CALL_PARSERS} or auto")
+        kwargs = parse_template_kwargs(template_kwargs)
+        return cls(template, kwargs, reasoning_parser, tool_call_parser)
+
+
+@dataclass(frozen=True)
+class PreparedChat:
+    prompt_ids: list[int]
+    tools: ToolPlan
+    tool_call_parser: str | None
+    reasoning_parser: str | None  # None: reasoning stays in the content
+    reasoning_mode: Mode
+    constraint: Constraint | None
+    constraint_param: str | None  # the request field the constraint came from
+
+    def new_parser(self) -> ChatOutputParser:
+        """A fresh parser for one choice's reply."""
+        tools: ToolParser | None = None
+        mode = self.tools.mode
+        if mode == "auto":
+            assert self.tool_call_parser is not None
+            tools = make_tool_parser(self.tool_call_parser, self.tools.max_calls)
+        elif mode == "named":
+            assert self.tools.function is not None
+            tools = NamedCallParser(self.tools.function)
+        elif mode == "required":
+            tools = RequiredCallsParser(self.tools.max_calls)
+        reasoning = None
+        if self.reasoning_parser is not None:
+            hermes = mode == "auto" and self.tool_call_parser in ("hermes", "qwen25")
+            implicit_end = (HERMES_START,) if hermes else ()
+            reasoning = ReasoningParser(self.reasoning_mode, implicit_end)
+        return ChatOutputParser(reasoning, tools)
+
+
+def prepare_chat(
+    tokenizer: PreTrainedTokenizerBase,
+    settings: ChatSettings,
+    messages: Any,
+    *,
+    tools: Any = None,
+    tool_choice: Any = None,
+    parallel_tool_calls: bool = True,
+    template_kwargs: Mapping[str, Any] | None = None,
+    separate_reasoning: bool = True,
+    constraint_fields: Mapping[str, Any] | None = None,
+) -> PreparedChat:
+    """Raises InvalidRequestError (a field to blame) or ValueError (about `messages`)."""
+    plan = plan_tools(tools, tool_choice, parallel_tool_calls, settings.tool_call_parser)
+    kwargs = {**settings.template_kwargs, **parse_template_kwargs(template_kwargs)}
+    text = render_chat(tokenizer, messages, plan.template_tools, settings.chat_template, kwargs)
+    # The model reasons whether or not this request wants the reasoning split off.
+    parser = settings.reasoning_parser
+    mode = initial_mode(parser, text) if parser is not None else Mode.CONTENT
+    reasoning = parser if separate_reasoning else None
+    found = constraint_from_fields(constraint_fields or {})
+    constraint, param = (found[1], found[0]) if found else (None, None)
+    if plan.constraint is not None:
+        if constraint is not None:
+            raise InvalidRequestError(
+                "tool_choice", f"a required or named tool call cannot be combined with {param}"
+            )
+        constraint, param = plan.constraint, "tools"
+    if constraint is not None and parser is not None and mode != Mode.CONTENT:
+        # The answer is constrained, the reasoning before it is not: the grammar starts after
+        # the end tag's tokens.
+        end_ids = tuple(tokenizer.encode(THINK_END, add_special_tokens=False))
+        constraint = Constraint(constraint.kind, constraint.value, end_ids)
+    prompt_ids = encode_prompt(tokenizer, text)
+    return PreparedChat(
+        prompt_ids, plan, settings.tool_call_parser, reasoning, mode, constraint, param
+    )

@@ -1,0 +1,220 @@
+"""Request fields -> what to render, what to constrain, how to parse the reply.
+
+`plan_tools` checks `tools` / `tool_choice` / `parallel_tool_calls`; `constraint_from_fields`
+turns `response_format` and the other structured-output fields (SGLang's `regex`, `ebnf`,
+`json_schema`; vLLM's `guided_*` and `structured_outputs`) into one `Constraint`. Every broken
+rule is an `InvalidRequestError` naming the field, which the server answers with a 400.
+
+`tool_choice` naming a function or "required" is enforced by a grammar, as vLLM does it, so the
+reply cannot be anything but a valid call: for a named function the reply is its arguments
+object; for "required" a JSON array of {"name", "parameters"} objects, one schema per tool.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from minisgl.core import Constraint, InvalidRequestError
+
+ToolMode = Literal["none", "auto", "named", "required"]
+EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
+MAX_TOOLS = 128
+
+
+@dataclass(frozen=True)
+class ToolPlan:
+    template_tools: list[dict[str, Any]] | None  # what the chat template gets as `tools`
+    mode: ToolMode
+    function: str | None = None  # mode "named": the function
+    constraint: Constraint | None = None  # modes "named" and "required"
+    max_calls: int | None = None  # parallel_tool_calls=false: 1
+
+
+def _fail(param: str, message: str) -> InvalidRequestError:
+    return InvalidRequestError(param, message)
+
+
+def _check_tools(tools: Any) -> dict[str, dict[str, Any]]:
+    """name -> parameters schema of each tool; raises for any malformed tool."""
+    if not isinstance(tools, list) or not tools:
+        raise _fail("tools", "must be a non-empty list of {'type': 'function', 'function': ...}")
+    if len(tools) > MAX_TOOLS:
+        raise _fail("tools", f"at most {MAX_TOOLS} tools")
+    schemas: dict[str, dict[str, Any]] = {}
+    for i, tool in enumerate(tools):
+        if not isinstance(tool, Mapping) or tool.get("type", "function") != "function":
+            raise _fail("tools", f"tool {i} must be an object with type 'function'")
+        function = tool.get("function")
+        if not isinstance(function, Mapping):
+            raise _fail("tools", f"tool {i} has no 'function' object")
+        name = function.get("name")
+        if not isinstance(name, str) or not name:
+            raise _fail("tools", f"tool {i} has no function name")
+        if name in schemas:
+            raise _fail("tools", f"function name {name!r} is given twice")
+        parameters = function.get("parameters", EMPTY_PARAMETERS)
+        if not isinstance(parameters, Mapping):
+            raise _fail("tools", f"function {name!r}: parameters must be a JSON schema object")
+        description = function.get("description")
+        if description is not None and not isinstance(description, str):
+            raise _fail("tools", f"function {name!r}: description must be a string")
+        schemas[name] = dict(parameters)
+    return schemas
+
+
+def _choice(tool_choice: Any, names: list[str]) -> tuple[ToolMode, str | None]:
+    if tool_choice is None:
+        return "auto", None
+    if tool_choice in ("none", "auto", "required"):
+        return tool_choice, None
+    if isinstance(tool_choice, Mapping) and tool_choice.get("type", "function") == "function":
+        function = tool_choice.get("function")
+        name = function.get("name") if isinstance(function, Mapping) else None
+        if isinstance(name, str):
+            if name not in names:
+                raise _fail("tool_choice", f"function {name!r} is not one of the tools {names}")
+            return "named", name
+    raise _fail(
+        "tool_choice",
+        "must be 'none', 'auto', 'required' or {'type': 'function', 'function': {'name': ...}}",
+    )
+
+
+def plan_tools(
+    tools: Any, tool_choice: Any, parallel_tool_calls: bool, tool_call_parser: str | None
+) -> ToolPlan:
+    if tools is None:
+        if tool_choice not in (None, "none", "auto"):
+            raise _fail("tool_choice", "needs tools")
+        return ToolPlan(None, "none")
+    schemas = _check_tools(tools)
+    mode, function = _choice(tool_choice, list(schemas))
+    max_calls = None if parallel_tool_calls else 1
+    if mode == "none":
+        return ToolPlan(None, "none")  # the model is not told about tools it may not call
+    template_tools = [dict(tool) for tool in tools]
+    if mode == "auto":
+        if tool_call_parser is None:
+            raise _fail(
+                "tool_choice",
+                "'auto' needs the server started with --tool-call-parser (hermes, qwen25, "
+                "llama3_json or auto); 'required' and a named function work without one",
+            )
+        return ToolPlan(template_tools, "auto", max_calls=max_calls)
+    if mode == "named":
+        assert function is not None
+        schema = json.dumps(schemas[function])
+        return ToolPlan(template_tools, "named", function, Constraint("json_schema", schema))
+    calls = [
+        {
+            "type": "object",
+            "properties": {"name": {"type": "string", "enum": [name]}, "parameters": params},
+            "required": ["name", "parameters"],
+        }
+        for name, params in schemas.items()
+    ]
+    array: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+    if max_calls is not None:
+        array["maxItems"] = max_calls
+    constraint = Constraint("json_schema", json.dumps(array))
+    return ToolPlan(template_tools, "required", constraint=constraint, max_calls=max_calls)
+
+
+def _schema_text(value: Any, param: str) -> str:
+    """A JSON schema given as an object, a boolean or JSON text -> JSON text."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            raise _fail(param, "the JSON schema is not valid JSON") from None
+    if not isinstance(value, (Mapping, bool)):
+        raise _fail(param, "must be a JSON schema (an object)")
+    return json.dumps(value)
+
+
+def _choice_grammar(choices: Any, param: str) -> str:
+    """guided_choice: the reply is exactly one of these strings (an EBNF alternation)."""
+    if not isinstance(choices, list) or not choices or not all(isinstance(c, str) for c in choices):
+        raise _fail(param, "must be a non-empty list of strings")
+    return "root ::= " + " | ".join(json.dumps(c) for c in choices)
+
+
+def _response_format(value: Any) -> Constraint | None:
+    param = "response_format"
+    if not isinstance(value, Mapping):
+        raise _fail(param, "must be an object with a 'type'")
+    kind = value.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return Constraint("json_object")
+    if kind == "json_schema":
+        spec = value.get("json_schema")
+        if not isinstance(spec, Mapping) or "schema" not in spec:
+            raise _fail(param, "json_schema must be an object with a 'schema'")
+        name = spec.get("name")
+        if name is not None and not isinstance(name, str):
+            raise _fail(param, "json_schema.name must be a string")
+        return Constraint("json_schema", _schema_text(spec["schema"], param))
+    raise _fail(param, f"type must be 'text', 'json_object' or 'json_schema', not {kind!r}")
+
+
+def _structured_outputs(value: Any) -> Constraint | None:
+    param = "structured_outputs"
+    if not isinstance(value, Mapping):
+        raise _fail(param, "must be an object")
+    given = [key for key in ("json", "regex", "grammar", "choice", "json_object") if value.get(key)]
+    if len(given) > 1:
+        raise _fail(param, f"give one of json, regex, grammar, choice; got {given}")
+    if not given:
+        return None
+    key = given[0]
+    if key == "json":
+        return Constraint("json_schema", _schema_text(value["json"], param))
+    if key == "json_object":
+        return Constraint("json_object")
+    if key == "choice":
+        return Constraint("ebnf", _choice_grammar(value["choice"], param))
+    if not isinstance(value[key], str):
+        raise _fail(param, f"{key} must be a string")
+    return Constraint("regex" if key == "regex" else "ebnf", value[key])
+
+
+def _text(value: Any, param: str) -> str:
+    if not isinstance(value, str) or not value:
+        raise _fail(param, "must be a non-empty string")
+    return value
+
+
+# Each structured-output field: how its value becomes a Constraint.
+_FIELDS = {
+    "response_format": _response_format,
+    "regex": lambda v: Constraint("regex", _text(v, "regex")),
+    "ebnf": lambda v: Constraint("ebnf", _text(v, "ebnf")),
+    "json_schema": lambda v: Constraint("json_schema", _schema_text(v, "json_schema")),
+    "guided_json": lambda v: Constraint("json_schema", _schema_text(v, "guided_json")),
+    "guided_regex": lambda v: Constraint("regex", _text(v, "guided_regex")),
+    "guided_grammar": lambda v: Constraint("ebnf", _text(v, "guided_grammar")),
+    "guided_choice": lambda v: Constraint("ebnf", _choice_grammar(v, "guided_choice")),
+    "structured_outputs": _structured_outputs,
+}
+
+
+def constraint_from_fields(fields: Mapping[str, Any]) -> tuple[str, Constraint] | None:
+    """(the field it came from, the constraint) for the structured-output fields that are set;
+    None when none asks for one. More than one: an error."""
+    found: list[tuple[str, Constraint]] = []
+    for name, convert in _FIELDS.items():
+        value = fields.get(name)
+        if value is None:
+            continue
+        constraint = convert(value)
+        if constraint is not None:
+            found.append((name, constraint))
+    if len(found) > 1:
+        names = [name for name, _ in found]
+        raise _fail(found[1][0], f"only one structured-output constraint per request; got {names}")
+    return found[0] if found else None

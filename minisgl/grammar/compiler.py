@@ -1,0 +1,143 @@
+"""Constraint -> xgrammar CompiledGrammar, cached; serialization for the trip to the scheduler.
+
+xgrammar is imported when the first compiler is made (~0.3 s): processes that never see a
+constrained request do not pay for it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any
+
+from transformers import PreTrainedTokenizerBase
+
+from minisgl.core import Constraint, InvalidRequestError
+
+# Compiled grammars kept per process. One holds a token-mask cache of ~100-250 KB for a
+# 50k-150k vocabulary, so this bounds the cache to tens of MB.
+GRAMMAR_CACHE_SIZE = 128
+# xgrammar compiles a grammar's token masks on this many threads (it defaults to 8).
+MAX_COMPILE_THREADS = 8
+# JSON is generated compact (", " and ": " separators, no free whitespace): small models given
+# free whitespace can emit newlines forever, and the output stays the same JSON value.
+ANY_WHITESPACE = False
+# xgrammar's errors start with "[time] /path/file.cc:line: "; clients need only the rest.
+_XGRAMMAR_PREFIX = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")
+
+
+def _clean(message: str) -> str:
+    return _XGRAMMAR_PREFIX.sub("", message.strip()).strip()
+
+
+class GrammarCompiler:
+    """Compiles constraints for one tokenizer and vocabulary (the model's logits width).
+
+    Thread-safe: the API server compiles on its tokenizer thread, the scheduler on its loop.
+    """
+
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        vocab_size: int,
+        stop_token_ids: Sequence[int],
+        param: str = "response_format",
+    ) -> None:
+        import xgrammar as xgr
+
+        self._xgr = xgr
+        self.vocab_size = vocab_size
+        self.param = param  # the request field an invalid constraint is reported against
+        self.info = xgr.TokenizerInfo.from_huggingface(
+            tokenizer, vocab_size=vocab_size, stop_token_ids=list(stop_token_ids) or None
+        )
+        threads = max(1, min(MAX_COMPILE_THREADS, os.cpu_count() or 1))
+        # Our own cache below keys on (kind, value) and also holds deserialized grammars.
+        self._compiler = xgr.GrammarCompiler(self.info, max_threads=threads, cache_enabled=False)
+        self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()
+        self._blobs: OrderedDict[tuple[str, str], str] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def _cached(self, key: tuple[str, str]) -> Any | None:
+        with self._lock:
+            compiled = self._cache.get(key)
+            if compiled is not None:
+                self._cache.move_to_end(key)
+            return compiled
+
+    def _remember(self, cache: OrderedDict, key: tuple[str, str], value: Any) -> None:
+        with self._lock:
+            cache[key] = value
+            cache.move_to_end(key)
+            while len(cache) > GRAMMAR_CACHE_SIZE:
+                cache.popitem(last=False)
+
+    def compile(self, constraint: Constraint) -> Any:
+        """The compiled grammar; raises InvalidRequestError naming `self.param` if it is bad."""
+        key = constraint.grammar_key
+        compiled = self._cached(key)
+        if compiled is None:
+            compiled = self._compile(constraint)
+            self._remember(self._cache, key, compiled)
+        return compiled
+
+    def _compile(self, constraint: Constraint) -> Any:
+        kind, value = constraint.kind, constraint.value
+        what = {
+            "json_schema": "JSON schema",
+            "json_object": "JSON object grammar",
+            "regex": "regex",
+            "ebnf": "EBNF grammar",
+        }[kind]
+        try:
+            if kind == "json_schema":
+                return self._compiler.compile_json_schema(
+                    value, any_whitespace=ANY_WHITESPACE, strict_mode=True
+                )
+            if kind == "json_object":
+                return self._compiler.compile_json_schema(
+                    '{"type": "object"}', any_whitespace=ANY_WHITESPACE, strict_mode=False
+                )
+            if kind == "regex":
+                return self._compiler.compile_regex(value)
+            return self._compiler.compile_grammar(value)
+        except (RuntimeError, ValueError, TypeError) as exc:
+            raise InvalidRequestError(
+                self.param, f"invalid or unsupported {what}: {_clean(str(exc))}"
+            ) from None
+
+    def serialize(self, constraint: Constraint) -> str:
+        """Compile (cached) and serialize, for the scheduler: what TokenizedRequest carries."""
+        key = constraint.grammar_key
+        with self._lock:
+            blob = self._blobs.get(key)
+        if blob is None:
+            blob = str(self.compile(constraint).serialize_json())
+            self._remember(self._blobs, key, blob)
+        return blob
+
+    def load(self, constraint: Constraint, blob: str | None) -> Any:
+        """The compiled grammar for a request: cached, else deserialized from `blob` (compiled
+        by the API server), else compiled here (the offline API sends no blob)."""
+        key = constraint.grammar_key
+        compiled = self._cached(key)
+        if compiled is not None:
+            return compiled
+        if blob is None:
+            return self.compile(constraint)
+        compiled = self._xgr.CompiledGrammar.deserialize_json(blob, self.info)
+        self._remember(self._cache, key, compiled)
+        return compiled
+
+
+def compiler_for_checkpoint(
+    tokenizer_path: str, vocab_size: int, stop_token_ids: Sequence[int]
+) -> GrammarCompiler:
+    """The scheduler's compiler: the checkpoint's tokenizer, errors reported as `constraint`."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path, local_files_only=True)
+    return GrammarCompiler(tokenizer, vocab_size, stop_token_ids, param="constraint")

@@ -1,0 +1,158 @@
+"""The SGLang Model Gateway (PyPI `sglang-router`, command `smg`) as a child of `--dp`.
+
+It runs as `python -m sglang_router.launch_router` (what `smg launch` runs) with this Python, so
+it comes from the same environment. Its control plane (`/workers`, opened by the API key when
+one is set) says when it has registered the replicas, and takes a dead one out of rotation.
+Its graceful stop is Ctrl-C (SIGINT): it refuses new requests and lets in-flight ones finish;
+SIGTERM ends it at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import importlib.util
+import json
+import logging
+import math
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable
+from typing import Any
+
+from minisgl.config import DataParallelArgs, ServerArgs
+from minisgl.server.launch import STOP_GRACE_S, WATCH_INTERVAL_S, StackError
+
+logger = logging.getLogger("minisgl")
+
+GATEWAY_PACKAGE = "sglang_router"
+GATEWAY_MODULE = "sglang_router.launch_router"
+INSTALL_HINT = 'pip install sglang-router (or pip install -e ".[router]")'
+# It registers workers in the background after it starts listening: wait this long for all.
+READY_TIMEOUT_S = 120.0
+POLL_INTERVAL_S = 0.2
+HTTP_TIMEOUT_S = 2.0
+# Its own default (60 s) leaves a dead replica in rotation for minutes; on one machine probing
+# every few seconds costs nothing. --router-args overrides it.
+HEALTH_CHECK_INTERVAL_S = 5
+# Our log levels -> the gateway's. It logs every request at info: keep it to warnings.
+LOG_LEVELS = {"debug": "debug", "info": "warn", "warning": "warn", "error": "error"}
+WILDCARD_HOSTS = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}
+PR_SET_PDEATHSIG = 1  # prctl(2)
+
+
+def gateway_installed() -> bool:
+    return importlib.util.find_spec(GATEWAY_PACKAGE) is not None
+
+
+def http_url(host: str, port: int) -> str:
+    """A URL to reach a server listening on host:port (a wildcard listens on loopback too)."""
+    host = WILDCARD_HOSTS.get(host, host)
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def metrics_port(args: ServerArgs, dp: DataParallelArgs) -> int:
+    """The gateway's Prometheus port: right after the replicas' (its default, 29000, would
+    collide between two launches on one machine)."""
+    return args.port + dp.dp_size + 1
+
+
+def gateway_command(args: ServerArgs, dp: DataParallelArgs, worker_urls: list[str]) -> list[str]:
+    """`smg launch ...` in front of `worker_urls`; dp.router_args come last, so they win."""
+    command = [
+        *(sys.executable, "-m", GATEWAY_MODULE),
+        *("--host", args.host, "--port", str(args.port)),
+        *("--worker-urls", *worker_urls),
+        *("--policy", dp.router_policy),
+        *("--prometheus-host", args.host, "--prometheus-port", str(metrics_port(args, dp))),
+        *("--health-check-interval-secs", str(HEALTH_CHECK_INTERVAL_S)),
+        *("--shutdown-grace-period-secs", str(math.ceil(args.shutdown_timeout_s))),
+        *("--log-level", LOG_LEVELS.get(args.log_level, "warn")),
+    ]
+    if args.api_key:  # clients present it to the gateway, which presents it to the replicas
+        command += ["--api-key", args.api_key]
+    return [*command, *dp.router_args]
+
+
+def _prepare_process() -> None:
+    """Runs in the gateway's process before it execs. SIGINT ignored: Python then installs no
+    KeyboardInterrupt handler (which would print a traceback after the gateway's own graceful
+    Ctrl-C handling, installed later, has run). SIGTERM when the launcher dies (Linux), as the
+    replicas' own watchdogs do (minisgl.server.process)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+class Gateway:
+    """One gateway process in front of `worker_urls`; `start`, then `stop`."""
+
+    def __init__(self, args: ServerArgs, dp: DataParallelArgs, worker_urls: list[str]) -> None:
+        self.url = http_url(args.host, args.port)
+        self._command = gateway_command(args, dp, worker_urls)
+        self._worker_urls = set(worker_urls)
+        self._api_key = args.api_key
+        self._drain_s = args.shutdown_timeout_s
+        self._process: subprocess.Popen | None = None
+
+    @property
+    def exit_code(self) -> int | None:
+        """None while it runs (or before it starts)."""
+        return None if self._process is None else self._process.poll()
+
+    def start(self, stop_requested: Callable[[], bool]) -> None:
+        """Start it and wait until it lists every worker as healthy."""
+        self._process = subprocess.Popen(self._command, preexec_fn=_prepare_process)
+        deadline_s = time.monotonic() + READY_TIMEOUT_S
+        while not self._sees_every_worker():
+            if stop_requested():
+                raise StackError("stopped during startup")
+            if self.exit_code is not None:
+                raise StackError(f"the gateway exited (exit code {self.exit_code})")
+            if time.monotonic() > deadline_s:
+                raise StackError(f"the gateway registered no replicas in {READY_TIMEOUT_S:.0f} s")
+            time.sleep(POLL_INTERVAL_S)
+
+    def _control(self, path: str, method: str = "GET") -> dict[str, Any]:
+        """A call to its control plane; {} when it does not answer (not listening yet, ...)."""
+        request = urllib.request.Request(self.url + path, method=method)
+        if self._api_key:
+            request.add_header("Authorization", f"Bearer {self._api_key}")
+        try:
+            with urllib.request.urlopen(request, timeout=HTTP_TIMEOUT_S) as response:
+                body = json.load(response)
+        except (OSError, ValueError):
+            return {}
+        return body if isinstance(body, dict) else {}
+
+    def _workers(self) -> list[dict[str, Any]]:
+        workers = self._control("/workers").get("workers")
+        return [w for w in workers if isinstance(w, dict)] if isinstance(workers, list) else []
+
+    def _sees_every_worker(self) -> bool:
+        healthy = {w.get("url") for w in self._workers() if w.get("is_healthy")}
+        return healthy >= self._worker_urls
+
+    def remove_worker(self, url: str) -> None:
+        """Best effort: out of rotation now, rather than when its health check notices (which
+        then keeps probing the dead address)."""
+        for worker in self._workers():
+            if worker.get("url") == url and worker.get("id"):
+                self._control(f"/workers/{worker['id']}", method="DELETE")
+
+    def stop(self, hurry: Callable[[], bool]) -> None:
+        """Graceful stop, bounded by --shutdown-timeout (plus a grace), or until `hurry()`."""
+        process = self._process
+        if process is None or process.poll() is not None:
+            return
+        process.send_signal(signal.SIGINT)
+        deadline_s = time.monotonic() + self._drain_s + STOP_GRACE_S
+        while process.poll() is None and time.monotonic() < deadline_s and not hurry():
+            time.sleep(WATCH_INTERVAL_S)
+        if process.poll() is None:
+            logger.warning("the gateway did not stop in time; killing it")
+            process.kill()
+        process.wait()

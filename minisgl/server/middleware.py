@@ -1,0 +1,194 @@
+"""Pure ASGI middleware (not BaseHTTPMiddleware, so streaming and disconnects pass through
+untouched). Outermost first, as `install_middleware` stacks them:
+
+    RequestGuard   any exception escaping a handler -> one log line, an OpenAI-shaped 500
+    DrainGate      shutting down -> 503 for new requests; counts the open ones
+    ApiKeyGate     --api-key: a bearer token on every path but the probes
+    BodyLimit      bodies over --max-request-body-bytes -> 413, before anything parses them
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.responses import JSONResponse
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from minisgl.server.errors import HTTP_SERVER_ERROR, HTTP_SERVICE_UNAVAILABLE
+from minisgl.server.protocol import error_dict, new_id
+
+logger = logging.getLogger(__name__)
+
+# Probes and scrapers: open without an API key (as in SGLang, /health_generate too: a gateway or
+# load balancer probes without credentials), and /metrics still answers while draining.
+HEALTH_PATH = "/health"
+HEALTH_GENERATE_PATH = "/health_generate"
+METRICS_PATH = "/metrics"
+PROBE_PATHS = frozenset({HEALTH_PATH, HEALTH_GENERATE_PATH, METRICS_PATH})
+HTTP_UNAUTHORIZED = 401
+HTTP_PAYLOAD_TOO_LARGE = 413
+REQUEST_ID_HEADER = "X-Request-Id"
+
+
+@dataclass
+class Lifecycle:
+    """The API server's state as the middleware sees it (one instance per app)."""
+
+    draining: bool = False  # a shutdown began: refuse new requests
+    num_open_requests: int = 0  # requests in progress, probes excluded
+
+
+async def _send_json(
+    scope: Scope,
+    send: Send,
+    status: int,
+    body: dict[str, Any],
+    headers: dict[str, str] | None = None,
+) -> None:
+    response = JSONResponse(body, status_code=status, headers=headers)
+    await response(scope, _no_receive, send)
+
+
+async def _no_receive() -> Message:
+    return {"type": "http.disconnect"}
+
+
+class RequestGuard:
+    """The last line of defence: whatever a handler raises, the client gets a 500 in OpenAI's
+    shape carrying a request id, the log gets the traceback once under that id, and the
+    exception goes no further (Starlette's own error middleware would log it a second time
+    and uvicorn would drop the connection)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        response_started = False
+
+        async def tracking_send(message: Message) -> None:
+            nonlocal response_started
+            if message["type"] == "http.response.start":
+                response_started = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking_send)
+        except Exception:
+            request_id = new_id("req")
+            logger.exception(
+                "request %s (%s %s) failed", request_id, scope.get("method"), scope.get("path")
+            )
+            if not response_started:
+                message = f"internal error (request id {request_id})"
+                body = error_dict(message, "server_error", code=HTTP_SERVER_ERROR)
+                await _send_json(
+                    scope, send, HTTP_SERVER_ERROR, body, {REQUEST_ID_HEADER: request_id}
+                )
+
+
+class DrainGate:
+    def __init__(self, app: ASGIApp, lifecycle: Lifecycle) -> None:
+        self.app = app
+        self.lifecycle = lifecycle
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope["path"]
+        if self.lifecycle.draining and path != METRICS_PATH:
+            body = error_dict(
+                "The server is shutting down.", "server_error", code=HTTP_SERVICE_UNAVAILABLE
+            )
+            await _send_json(scope, send, HTTP_SERVICE_UNAVAILABLE, body, {"Connection": "close"})
+            return
+        if path in PROBE_PATHS:
+            await self.app(scope, receive, send)
+            return
+        self.lifecycle.num_open_requests += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.lifecycle.num_open_requests -= 1
+
+
+class ApiKeyGate:
+    """Every path but the probes (PROBE_PATHS) needs `Authorization: Bearer KEY` (the docs
+    pages and the OpenAPI schema too, as in SGLang)."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self._expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] not in PROBE_PATHS:
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self._expected):
+                body = error_dict(
+                    "Invalid or missing API key.", "authentication_error", code=HTTP_UNAUTHORIZED
+                )
+                await _send_json(scope, send, HTTP_UNAUTHORIZED, body)
+                return
+        await self.app(scope, receive, send)
+
+
+class BodyLimit:
+    """Reads the body up to the limit before the app sees it (a declared Content-Length over it
+    is refused without reading), then replays it; later receives (the disconnect) pass through."""
+
+    def __init__(self, app: ASGIApp, max_body_bytes: int) -> None:
+        self.app = app
+        self.max_body_bytes = max_body_bytes
+
+    async def _too_large(self, scope: Scope, send: Send) -> None:
+        message = f"Request body too large: the limit is {self.max_body_bytes} bytes."
+        body = error_dict(message, code=HTTP_PAYLOAD_TOO_LARGE)
+        await _send_json(scope, send, HTTP_PAYLOAD_TOO_LARGE, body, {"Connection": "close"})
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
+            await self._too_large(scope, send)
+            return
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                break  # the client left before sending it all: the app sees the disconnect
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_body_bytes:
+                await self._too_large(scope, send)
+                return
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                message = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+                break
+        pending: list[Message] = [message]
+
+        async def replay() -> Message:
+            return pending.pop() if pending else await receive()
+
+        await self.app(scope, replay, send)
+
+
+def install_middleware(
+    app: Starlette, lifecycle: Lifecycle, api_key: str | None, max_body_bytes: int
+) -> None:
+    # add_middleware puts each new one outside the previous: add them innermost first.
+    app.add_middleware(BodyLimit, max_body_bytes=max_body_bytes)
+    if api_key:
+        app.add_middleware(ApiKeyGate, api_key=api_key)
+    app.add_middleware(DrainGate, lifecycle=lifecycle)
+    app.add_middleware(RequestGuard)

@@ -1,0 +1,456 @@
+"""Issue 8's reproductions, each a regression test, plus the limits that bound one request.
+
+Unit tests first (rules, middleware, the engine client); then one real server (the tiny Qwen3
+checkpoint) with small limits, an API key and a 1 s request timeout. Every server test ends with
+the server still healthy; the last one checks that nothing logged a traceback.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+from starlette.applications import Starlette
+from starlette.responses import PlainTextResponse
+from starlette.routing import Route
+
+from minisgl.core import MAX_STOP_STRINGS, SamplingParams
+from minisgl.limits import ModelLimits, check_request, resolve_max_tokens
+from minisgl.message import Endpoints
+from minisgl.server.engine_client import EngineClient
+from minisgl.server.errors import RequestError
+from minisgl.server.generation import stream_response
+from minisgl.server.middleware import Lifecycle, install_middleware
+from minisgl.tokenizer import apply_chat_template, load_tokenizer
+from tests.conftest import QWEN3_VOCAB
+from tests.server_utils import ServerProcess, start_server, wait_idle
+
+API_KEY = "hardening-key"
+KV_POOL_TOKENS = 600  # below the 1024-token context: /v1/models must report this
+MAX_SEQUENCES = 8
+MAX_RUNNING = 4
+MAX_QUEUED = 4  # with MAX_RUNNING: 8 sequences in flight at most
+# Long enough for any small request on a busy machine; the timeout test freezes the scheduler.
+REQUEST_TIMEOUT_S = 5.0
+MAX_BODY_BYTES = 256 * 1024
+SERVER_FLAGS = (
+    "--num-pages", str(KV_POOL_TOKENS),
+    "--max-sequences-per-request", str(MAX_SEQUENCES),
+    "--max-running-requests", str(MAX_RUNNING),
+    "--max-queued-requests", str(MAX_QUEUED),
+    "--request-timeout", str(REQUEST_TIMEOUT_S),
+    "--max-request-body-bytes", str(MAX_BODY_BYTES),
+)  # fmt: skip
+HTTP_TIMEOUT_S = 60.0
+
+
+# ---- rules, without a server -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"top_k": 2**63}, "top_k"),
+        ({"top_k": -2}, "top_k"),
+        ({"stop_token_ids": [2**64]}, "stop_token_ids"),
+        ({"stop_token_ids": [1.0]}, "stop_token_ids"),
+        ({"seed": 2**64}, "seed"),
+        ({"max_tokens": True}, "max_tokens"),
+        ({"max_tokens": 2**40}, "max_tokens"),
+        ({"temperature": "1"}, "temperature"),
+        ({"top_p": float("nan")}, "top_p"),
+        ({"min_p": float("inf")}, "min_p"),
+        ({"stop": ["x"] * (MAX_STOP_STRINGS + 1)}, "stop"),
+        ({"stop": ["x" * 5000]}, "stop"),
+        ({"logprobs": True}, "logprobs"),
+    ],
+)
+def test_sampling_params_bound_every_value(kwargs, field):
+    with pytest.raises(ValueError, match=f"^{field}:") as info:
+        SamplingParams(**kwargs)
+    assert info.value.param == field  # type: ignore[attr-defined]
+
+
+def test_model_limits_name_the_field_to_blame():
+    limits = ModelLimits(max_model_len=100, vocab_size=50, kv_capacity_tokens=60)
+    assert resolve_max_tokens(None, 10, limits) == 50  # the KV pool is the smaller limit
+    assert resolve_max_tokens(5, 10, limits) == 5
+    with pytest.raises(ValueError, match="^messages: .*maximum KV cache capacity is 60") as info:
+        resolve_max_tokens(None, 60, limits, prompt_param="messages")
+    assert info.value.param == "messages"  # type: ignore[attr-defined]
+    with pytest.raises(ValueError, match="^prompt: .*context length is 100 .* 120 tokens"):
+        resolve_max_tokens(10, 110, limits)  # the prompt alone is too long: blame the prompt
+    with pytest.raises(ValueError, match="^max_completion_tokens: .*KV cache .* 70 tokens"):
+        resolve_max_tokens(60, 10, limits, max_tokens_param="max_completion_tokens")
+    with pytest.raises(ValueError, match="^top_k: must be at most the vocabulary size"):
+        check_request([1, 2], SamplingParams(top_k=51), limits)
+    check_request([1, 2], SamplingParams(top_k=50), limits)
+    with pytest.raises(ValueError, match="^prompt: token id 50 is outside"):
+        check_request([1, 50], SamplingParams(), limits)
+    with pytest.raises(ValueError, match="^prompt: must not be empty"):
+        check_request([], SamplingParams(), limits)
+
+
+def test_chat_template_errors_are_value_errors(tiny_qwen3):
+    """Templates call raise_exception (e.g. "roles must alternate"): a 400, not a 500."""
+    tokenizer = load_tokenizer(tiny_qwen3)
+    tokenizer.chat_template = "{{ raise_exception('Conversation roles must alternate') }}"
+    with pytest.raises(ValueError, match="^messages: .*roles must alternate"):
+        apply_chat_template(tokenizer, [{"role": "user", "content": "hi"}])
+
+
+def _asgi_client(app) -> httpx.AsyncClient:
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test")
+
+
+def _guarded_app(lifecycle: Lifecycle, max_body_bytes: int = 1000) -> Starlette:
+    async def boom(request):
+        raise RuntimeError("handler bug")
+
+    async def echo(request):
+        return PlainTextResponse(str(len(await request.body())))
+
+    routes = [Route("/boom", boom), Route("/echo", echo, methods=["POST"]), Route("/metrics", echo)]
+    app = Starlette(routes=routes)
+    install_middleware(app, lifecycle, api_key=None, max_body_bytes=max_body_bytes)
+    return app
+
+
+def test_request_guard_answers_500_once_with_a_request_id(caplog):
+    app = _guarded_app(Lifecycle())
+
+    async def main() -> tuple[httpx.Response, httpx.Response]:
+        async with _asgi_client(app) as client:
+            return await client.get("/boom"), await client.post("/echo", content=b"abc")
+
+    with caplog.at_level(logging.ERROR):
+        broken, ok = asyncio.run(main())
+    assert broken.status_code == 500 and ok.text == "3"
+    error = broken.json()["error"]
+    assert error["type"] == "server_error" and error["code"] == 500
+    request_id = broken.headers["x-request-id"]
+    assert request_id in error["message"] and "handler bug" not in error["message"]
+    failures = [r for r in caplog.records if r.exc_info]
+    assert len(failures) == 1 and request_id in failures[0].getMessage()
+
+
+def test_body_limit_refuses_large_bodies_and_replays_small_ones():
+    app = _guarded_app(Lifecycle(), max_body_bytes=1000)
+
+    async def chunks(num: int) -> AsyncIterator[bytes]:
+        for _ in range(num):
+            yield b"x" * 300
+
+    async def main() -> list[httpx.Response]:
+        async with _asgi_client(app) as client:
+            return [
+                await client.post("/echo", content=b"x" * 1000),
+                await client.post("/echo", content=b"x" * 1001),
+                await client.post("/echo", content=chunks(3)),  # no Content-Length: counted
+                await client.post("/echo", content=chunks(4)),
+            ]
+
+    small, large, small_chunked, large_chunked = asyncio.run(main())
+    assert small.text == "1000" and small_chunked.text == "900"
+    for response in (large, large_chunked):
+        assert response.status_code == 413 and "1000 bytes" in response.json()["error"]["message"]
+
+
+def test_drain_gate_refuses_new_requests_but_keeps_metrics():
+    lifecycle = Lifecycle(draining=True)
+    app = _guarded_app(lifecycle)
+
+    async def main() -> tuple[httpx.Response, httpx.Response]:
+        async with _asgi_client(app) as client:
+            return await client.post("/echo", content=b"x"), await client.get("/metrics")
+
+    refused, metrics = asyncio.run(main())
+    assert refused.status_code == 503 and refused.headers["connection"] == "close"
+    assert refused.json()["error"]["message"] == "The server is shutting down."
+    assert metrics.status_code == 200 and lifecycle.num_open_requests == 0
+
+
+def test_a_stream_that_fails_ends_with_an_error_event(caplog):
+    """After the 200 went out, a bug or a RequestError still ends the stream properly."""
+
+    async def events(error: Exception):
+        yield "data: first\n\n"
+        raise error
+
+    async def collect(error: Exception) -> list[str]:
+        response = stream_response(events(error), "req-1")
+        return [chunk async for chunk in response.body_iterator]  # type: ignore[misc]
+
+    with caplog.at_level(logging.ERROR):
+        crashed = asyncio.run(collect(RuntimeError("bug")))
+        timed_out = asyncio.run(collect(RequestError(504, "too slow", err_type="timeout_error")))
+    assert crashed[0] == "data: first\n\n" and crashed[-1] == "data: [DONE]\n\n"
+    error = json.loads(crashed[1][len("data: ") :])["error"]
+    assert error["code"] == 500 and "req-1" in error["message"]
+    assert [r.getMessage() for r in caplog.records if r.exc_info] == [
+        "request req-1 failed while streaming"
+    ]
+    error = json.loads(timed_out[1][len("data: ") :])["error"]
+    assert error == {"message": "too slow", "type": "timeout_error", "param": None, "code": 504}
+
+
+def test_failed_submit_leaves_no_route():
+    """A send that raises (here: a value msgpack cannot encode) must not leave the request's
+    route registered: that was a leak of ~2 KB per request."""
+
+    async def main() -> None:
+        endpoints = Endpoints.create()
+        engine = EngineClient(endpoints)
+        try:
+            params = SamplingParams(max_tokens=2)
+            object.__setattr__(params, "top_k", 2**64)  # slip past validation on purpose
+            with pytest.raises((OverflowError, TypeError)):  # msgpack: too big for int64
+                engine.submit("r1", 0, [1, 2], params, asyncio.Queue())
+            assert engine.num_active_requests == 0
+            engine.submit("r2", 0, [1, 2], SamplingParams(max_tokens=2), asyncio.Queue())
+            assert engine.num_active_requests == 1
+        finally:
+            await engine.close()
+            endpoints.remove()
+
+    asyncio.run(main())
+
+
+# ---- one real server -------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def server(tiny_qwen3) -> Iterator[ServerProcess]:
+    srv = start_server("--model", str(tiny_qwen3), *SERVER_FLAGS, api_key=API_KEY)
+    try:
+        srv.wait_healthy()
+        warm_up = {"prompt": [1, 2, 3], "max_tokens": 2}  # the first forward is the slowest
+        httpx.post(srv.url + "/v1/completions", json=warm_up, headers=srv.headers, timeout=60)
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.fixture(scope="module")
+def http(server: ServerProcess) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=server.url, headers=server.headers, timeout=HTTP_TIMEOUT_S) as c:
+        yield c
+
+
+def _error(response: httpx.Response, status: int, param: str | None = None) -> dict:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["code"] == status
+    if param is not None:
+        assert error["param"] == param, error
+    return error
+
+
+def _raw(http: httpx.Client, path: str, body: bytes) -> httpx.Response:
+    return http.post(path, content=body, headers={"Content-Type": "application/json"})
+
+
+def _assert_serving(http: httpx.Client, server: ServerProcess) -> None:
+    response = http.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 2})
+    assert response.status_code == 200, response.text
+    assert httpx.get(server.url + "/health").status_code == 200
+    wait_idle(server)
+
+
+CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+COMPLETION = {"prompt": "hi", "max_tokens": 2}
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        # issue 8, defect 1: this one used to kill the scheduler (and the server)
+        ("/v1/completions", COMPLETION | {"top_k": 9223372036854775808}, "top_k"),
+        ("/v1/completions", COMPLETION | {"top_k": QWEN3_VOCAB + 1}, "top_k"),
+        ("/v1/chat/completions", CHAT | {"top_k": 2**64}, "top_k"),
+        # defect 2: msgpack could not encode these (500, reset connection, leaked route)
+        ("/v1/completions", COMPLETION | {"stop_token_ids": [2**64]}, "stop_token_ids"),
+        ("/v1/completions", COMPLETION | {"stop_token_ids": [-1]}, "stop_token_ids"),
+        ("/v1/completions", COMPLETION | {"seed": 2**64}, "seed"),
+        ("/v1/completions", COMPLETION | {"max_tokens": 2**70}, "max_tokens"),
+        ("/v1/completions", COMPLETION | {"logprobs": 2**64}, "logprobs"),
+        ("/v1/completions", COMPLETION | {"n": 10**30}, "n"),
+        ("/v1/completions", {"prompt": [[2**64]], "max_tokens": 2}, "prompt"),
+        ("/v1/completions", {"prompt": [QWEN3_VOCAB], "max_tokens": 2}, "prompt"),
+        ("/v1/chat/completions", CHAT | {"logprobs": True, "top_logprobs": 2**64}, "top_logprobs"),
+    ],
+)
+def test_huge_integers_are_a_400(http, server, path, body, param):
+    _error(http.post(path, json=body), 400, param)
+    _assert_serving(http, server)
+
+
+@pytest.mark.parametrize(
+    ("path", "raw", "param"),
+    [
+        ("/v1/completions", rb'{"prompt": "\ud800", "max_tokens": 2}', "prompt"),
+        ("/v1/completions", rb'{"prompt": ["ok", "a\udfffb"], "max_tokens": 2}', "prompt"),
+        ("/v1/completions", rb'{"prompt": "hi", "stop": ["\ud800"], "max_tokens": 2}', "stop"),
+        ("/v1/completions", rb'{"prompt": "hi", "model": "\ud800", "max_tokens": 2}', "model"),
+        ("/v1/completions", rb'{"prompt": "hi", "unknown": {"\ud800": 1}}', "unknown"),
+        (
+            "/v1/chat/completions",
+            rb'{"messages": [{"role": "user", "content": "\ud800"}], "max_tokens": 2}',
+            "messages",
+        ),
+        (
+            "/v1/chat/completions",
+            rb'{"messages": [{"role": "user", "content": [{"type": "text", "text": "\udc00"}]}]}',
+            "messages",
+        ),
+        # UTF-8 bytes of a surrogate: Python's JSON decoder lets them through as one
+        ("/v1/completions", b'{"prompt": "\xed\xa0\x80", "max_tokens": 2}', "prompt"),
+    ],
+)
+def test_lone_surrogates_are_a_400(http, server, path, raw, param):
+    _error(_raw(http, path, raw), 400, param)
+    _assert_serving(http, server)
+
+
+@pytest.mark.parametrize(
+    ("field", "raw_value"),
+    [
+        ("max_tokens", '"3"'),
+        ("max_tokens", "true"),
+        ("max_tokens", "3.0"),
+        ("n", '"2"'),
+        ("temperature", '"0.5"'),
+        ("temperature", "NaN"),
+        ("top_p", "Infinity"),
+        ("stream", '"yes"'),
+        ("stop_token_ids", "[1.5]"),
+        ("stop", "[1]"),
+    ],
+)
+def test_types_are_strict(http, field, raw_value):
+    raw = f'{{"prompt": "hi", "max_tokens": 2, "{field}": {raw_value}}}'.encode()
+    error = _error(_raw(http, "/v1/completions", raw), 400, field)
+    assert error["type"] == "invalid_request_error"
+
+
+def test_error_param_names_the_field_the_client_sent(http, server):
+    long_prompt = list(range(1, KV_POOL_TOKENS + 5))
+    error = _error(http.post("/v1/completions", json={"prompt": long_prompt, "max_tokens": 2}), 400)
+    assert error["param"] == "prompt" and str(KV_POOL_TOKENS) in error["message"]
+    long_chat = {"messages": [{"role": "user", "content": "hi " * 2000}], "max_tokens": 2}
+    _error(http.post("/v1/chat/completions", json=long_chat), 400, "messages")
+    too_many = CHAT | {"max_tokens": None, "max_completion_tokens": KV_POOL_TOKENS}
+    _error(http.post("/v1/chat/completions", json=too_many), 400, "max_completion_tokens")
+    zero = CHAT | {"max_tokens": None, "max_completion_tokens": 0}
+    _error(http.post("/v1/chat/completions", json=zero), 400, "max_completion_tokens")
+    _error(http.post("/v1/completions", json=COMPLETION | {"max_tokens": 0}), 400, "max_tokens")
+    top = CHAT | {"logprobs": True, "top_logprobs": 21}
+    _error(http.post("/v1/chat/completions", json=top), 400, "top_logprobs")
+    _error(http.post("/v1/completions", json=COMPLETION | {"logprobs": 21}), 400, "logprobs")
+    _assert_serving(http, server)
+
+
+def test_models_reports_what_the_kv_pool_can_hold(http, server):
+    card = http.get("/v1/models").json()["data"][0]
+    assert card["max_model_len"] == KV_POOL_TOKENS  # not the 1024-token context
+    # Without max_tokens a request may use exactly what is left of that.
+    prompt = list(range(1, KV_POOL_TOKENS - 1))
+    response = http.post("/v1/completions", json={"prompt": prompt, "ignore_eos": True})
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["completion_tokens"] == 2
+    _assert_serving(http, server)
+
+
+def test_sequences_per_request_are_bounded(http, server):
+    # issue 8, defect 4: 20 prompts x n=128 in a 1 KB body queued 2,560 sequences
+    fan_out = {"prompt": ["a"] * 20, "n": 128, "max_tokens": 2}
+    assert len(json.dumps(fan_out)) < 1024
+    error = _error(http.post("/v1/completions", json=fan_out), 400, "n")
+    assert "2560 sequences" in error["message"] and str(MAX_SEQUENCES) in error["message"]
+    many_prompts = {"prompt": ["a"] * 5, "n": 2, "max_tokens": 2}  # each fine, together not
+    _error(http.post("/v1/completions", json=many_prompts), 400, "prompt")
+    _error(http.post("/v1/completions", json=COMPLETION | {"n": MAX_SEQUENCES + 1}), 400, "n")
+    _error(http.post("/v1/completions", json=COMPLETION | {"n": 129}), 400, "n")
+    at_limit = {"prompt": ["a", "b"], "n": MAX_SEQUENCES // 2, "max_tokens": 2}
+    response = http.post("/v1/completions", json=at_limit)
+    assert response.status_code == 200, response.text
+    assert len(response.json()["choices"]) == MAX_SEQUENCES
+    _assert_serving(http, server)
+
+
+def test_body_size_is_bounded(http, server):
+    big = {"prompt": "a" * MAX_BODY_BYTES, "max_tokens": 2}
+    error = _error(http.post("/v1/completions", json=big), 413)
+    assert str(MAX_BODY_BYTES) in error["message"]
+    # Nesting beyond what the JSON parser takes is a 400, not a crash.
+    deep = b"[" * 100_000 + b"]" * 100_000
+    assert len(deep) < MAX_BODY_BYTES
+    _error(_raw(http, "/v1/completions", deep), 400)
+    _assert_serving(http, server)
+
+
+@contextlib.contextmanager
+def frozen_scheduler(server: ServerProcess) -> Iterator[None]:
+    """Suspend the scheduler process: requests sent meanwhile stay in flight, whatever the
+    machine's speed, until it resumes (and then sees their aborts)."""
+    scheduler = next(p for p in server.children if p.name() == "minisgl:sched")
+    scheduler.suspend()
+    try:
+        yield
+    finally:
+        scheduler.resume()
+
+
+def test_full_queue_is_a_503_with_retry_after(http, server):
+    """8 sequences in flight fill running (4) plus queued (4): the 9th gets a 503."""
+    body = {"prompt": [1, 2, 3], "max_tokens": 100, "n": 8, "stream": True}
+    with frozen_scheduler(server), http.stream("POST", "/v1/completions", json=body):
+        rejected = http.post("/v1/completions", json=COMPLETION)
+    error = _error(rejected, 503)
+    assert error["type"] == "server_overloaded"
+    assert int(rejected.headers["retry-after"]) >= 1
+    _assert_serving(http, server)  # leaving the stream aborted its 8 sequences
+
+
+def test_request_timeout_aborts_and_frees_pages(http, server):
+    body = {"prompt": [1, 2, 3], "max_tokens": 100}
+    aborted_before = server.metrics()["minisgl:aborted_requests_total"]
+    with frozen_scheduler(server), ThreadPoolExecutor(2) as pool:
+        start_s = time.monotonic()
+        plain = pool.submit(http.post, "/v1/completions", json=body)
+
+        def stream() -> list[str]:
+            with http.stream("POST", "/v1/completions", json=body | {"stream": True}) as events:
+                return [line for line in events.iter_lines() if line.startswith("data: ")]
+
+        streamed = pool.submit(stream)
+        error = _error(plain.result(), 504)
+        events = streamed.result()
+        elapsed_s = time.monotonic() - start_s
+    assert error["type"] == "timeout_error" and f"{REQUEST_TIMEOUT_S:g} s" in error["message"]
+    assert REQUEST_TIMEOUT_S <= elapsed_s < REQUEST_TIMEOUT_S + 10
+    assert events[-1] == "data: [DONE]"
+    assert json.loads(events[-2][len("data: ") :])["error"]["code"] == 504
+    metrics = wait_idle(server)  # the scheduler saw both aborts once it resumed
+    assert metrics["minisgl:aborted_requests_total"] >= aborted_before + 2
+    _assert_serving(http, server)
+
+
+def test_api_key_covers_docs_but_not_probes(server):
+    for path in ("/openapi.json", "/docs", "/v1/models"):
+        assert httpx.get(server.url + path).status_code == 401, path
+        assert httpx.get(server.url + path, headers=server.headers).status_code == 200, path
+    for path in ("/health", "/metrics"):
+        assert httpx.get(server.url + path).status_code == 200, path
+
+
+def test_nothing_logged_a_traceback(server):
+    """Runs last in this module: every bad request above was answered without an exception."""
+    assert "Traceback" not in server.log(), server.log()[-4000:]

@@ -1,0 +1,201 @@
+"""/metrics without a server: the exported names and values, histograms, throughput, GPU probe,
+and the scheduler's numbers (retractions, per-step batch sizes) on their way to a StatsReply."""
+
+from __future__ import annotations
+
+import itertools
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from minisgl import LLM, SamplingParams
+from minisgl.core import FinishReason
+from minisgl.message import StatsReply, decode, encode
+from minisgl.scheduler.stats import (
+    BATCH_SIZE_BUCKETS,
+    QUEUE_TIME_BUCKETS_S,
+    HistogramCounts,
+    ThroughputWindow,
+)
+from minisgl.server.gpu_stats import GPU_SAMPLE_INTERVAL_S, GpuProbe, make_gpu_probe
+from minisgl.server.metrics import GPU_METRIC_NAMES, ServerMetrics
+from minisgl.server.scheduler_proc import build_stats_reply
+from tests.server_utils import parse_metrics
+from tests.test_scheduler import GREEDY, NEW_TOKENS, workload
+
+GIB = 1 << 30
+RETRACTION_POOL_TOKENS = 168  # test_scheduler's pool that forces retractions on its workload
+
+
+def render(reply: StatsReply | None, metrics: ServerMetrics | None = None) -> dict[str, float]:
+    metrics = metrics or ServerMetrics(lambda: reply)
+    return parse_metrics(metrics.render().decode())
+
+
+def test_histogram_counts_use_le_buckets():
+    hist = HistogramCounts((1.0, 2.0))
+    for value in (0.5, 1.0, 1.5, 2.0, 7.0):
+        hist.observe(value)
+    snap = hist.snapshot()
+    assert snap.bucket_counts == (2, 2, 1)  # <=1, (1, 2], +Inf
+    assert snap.count == 5 and snap.sum == pytest.approx(12.0)
+
+
+def test_throughput_window():
+    window = ThroughputWindow(window_s=10.0)
+    assert window.update(0.0, 0) == 0.0
+    assert window.update(1.0, 10) == pytest.approx(10.0)
+    assert window.update(5.0, 50) == pytest.approx(10.0)
+    assert window.update(20.0, 50) == pytest.approx(0.0)  # idle for longer than the window
+
+
+def test_scheduler_numbers_are_exported():
+    queue_counts = (1, 2) + (0,) * (len(QUEUE_TIME_BUCKETS_S) - 2) + (3,)
+    reply = StatsReply(
+        request_id=1,
+        max_model_len=128,
+        vocab_size=10,
+        prompt_tokens_total=100,
+        cached_prompt_tokens_total=40,
+        prefill_tokens_total=60,
+        generation_tokens_total=7,
+        num_retractions_total=3,
+        gen_throughput_tokens_per_s=12.5,
+        queue_time_s_bucket_counts=queue_counts,
+        queue_time_s_sum=99.0,
+    )
+    assert decode(encode(reply)) == reply
+    values = render(reply)
+    assert values["minisgl:prefix_cache_queries_total"] == 100
+    assert values["minisgl:prefix_cache_hits_total"] == 40
+    assert values["minisgl:cached_prompt_tokens_total"] == 40
+    assert values["minisgl:prefill_tokens_total"] == 60
+    assert values["minisgl:num_retractions_total"] == 3
+    assert values["minisgl:gen_throughput"] == 12.5
+    first, second = (repr(b) for b in QUEUE_TIME_BUCKETS_S[:2])
+    assert values[f'minisgl:queue_time_seconds_bucket{{le="{first}"}}'] == 1
+    assert values[f'minisgl:queue_time_seconds_bucket{{le="{second}"}}'] == 3  # cumulative
+    assert values['minisgl:queue_time_seconds_bucket{le="+Inf"}'] == 6
+    assert values["minisgl:queue_time_seconds_count"] == 6
+    assert values["minisgl:queue_time_seconds_sum"] == 99.0
+    # No snapshot yet: the histograms still exist, empty.
+    assert values["minisgl:iteration_num_reqs_count"] == 0
+    assert not GPU_METRIC_NAMES & values.keys()  # CPU: no GPU gauges at all
+
+
+def test_gpu_gauges_only_with_gpu_numbers():
+    reply = StatsReply(
+        request_id=1,
+        max_model_len=128,
+        vocab_size=10,
+        gpu_utilization_ratio=0.25,
+        gpu_memory_used_bytes=3 * GIB,
+        gpu_memory_total_bytes=8 * GIB,
+    )
+    values = render(reply)
+    assert values.keys() >= GPU_METRIC_NAMES
+    assert values["minisgl:gpu_utilization_ratio"] == 0.25
+    assert values["minisgl:gpu_memory_used_bytes"] == 3 * GIB
+
+
+def test_requests_finished_by_reason():
+    metrics = ServerMetrics(lambda: None)
+    values = render(None, metrics)
+    for reason in FinishReason:  # every series exists from the start
+        assert values[f'minisgl:request_success_total{{finished_reason="{reason.value}"}}'] == 0
+    for reason in (FinishReason.STOP, FinishReason.LENGTH, FinishReason.LENGTH, FinishReason.ABORT):
+        metrics.request_finished(reason)
+    values = render(None, metrics)
+    assert values['minisgl:request_success_total{finished_reason="length"}'] == 2
+    assert values['minisgl:request_success_total{finished_reason="stop"}'] == 1
+    assert values['minisgl:request_success_total{finished_reason="abort"}'] == 1
+    assert values["minisgl:aborted_requests_total"] == 1
+
+
+def test_gpu_probe(monkeypatch):
+    assert make_gpu_probe("cpu", None) is None
+    calls = itertools.count()
+
+    def mem_get_info(device):
+        next(calls)
+        return 2 * GIB, 8 * GIB
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", mem_get_info)
+    monkeypatch.setattr(torch.cuda, "utilization", lambda device: 37)
+    probe = make_gpu_probe("cuda", 1)
+    assert isinstance(probe, GpuProbe) and probe.device_index == 1
+    sample = probe.sample(0.0)
+    assert sample is not None
+    assert sample.utilization_ratio == pytest.approx(0.37)
+    assert (sample.memory_used_bytes, sample.memory_total_bytes) == (6 * GIB, 8 * GIB)
+    assert probe.sample(GPU_SAMPLE_INTERVAL_S / 2) is sample  # not read again so soon
+    assert next(calls) == 1
+
+    def no_nvml(device):
+        raise ModuleNotFoundError("nvidia-ml-py")
+
+    monkeypatch.setattr(torch.cuda, "utilization", no_nvml)
+    later = probe.sample(2 * GPU_SAMPLE_INTERVAL_S)
+    assert later is not None and later.utilization_ratio is None  # memory still reported
+    assert later.memory_total_bytes == 8 * GIB
+
+
+def test_retractions_and_batches_reach_metrics(tiny_qwen3):
+    """A real scheduler: retractions under a tiny pool, then exact per-step batch books."""
+    llm = LLM(str(tiny_qwen3), dtype="float32", num_pages=RETRACTION_POOL_TOKENS)
+    try:
+        llm.generate(workload(), GREEDY)
+        stats = llm.scheduler.stats()
+        assert stats.num_retractions_total > 0
+        reply = build_stats_reply(llm.scheduler, ThroughputWindow(), None)
+        values = render(reply)
+        assert values["minisgl:num_retractions_total"] == stats.num_retractions_total
+        assert values["minisgl:prefill_tokens_total"] == stats.prefill_tokens_total
+        assert values["minisgl:iteration_num_reqs_count"] == stats.batch_size.count > 0
+    finally:
+        llm.shutdown()
+
+    # Overlap off, no shared prefixes, every prompt in one chunk: each request is one prefill
+    # chunk, then one single-token decode per further output token.
+    prompts = [list(range(1000 * (i + 1), 1000 * (i + 1) + n)) for i, n in enumerate((9, 30, 51))]
+    llm = LLM(str(tiny_qwen3), dtype="float32", num_pages=1024, disable_overlap=True)
+    try:
+        llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True))
+        stats = llm.scheduler.stats()
+        num_decodes = len(prompts) * (NEW_TOKENS - 1)
+        assert stats.prefill_tokens_total == sum(map(len, prompts))
+        assert stats.batch_tokens.sum == stats.prefill_tokens_total + num_decodes
+        assert stats.batch_size.sum == len(prompts) + num_decodes
+        assert len(stats.batch_size.bucket_counts) == len(BATCH_SIZE_BUCKETS) + 1
+        assert stats.queue_time_s.count == 0  # offline requests carry no arrival time
+    finally:
+        llm.shutdown()
+
+
+def test_build_stats_reply_maps_every_field():
+    """Every SchedulerStats number lands in the reply under its own name."""
+    stats = SimpleNamespace(
+        num_running_reqs=1,
+        num_queue_reqs=2,
+        kv_cache_usage_ratio=0.5,
+        num_free_pages=3,
+        num_total_pages=4,
+        prompt_tokens_total=5,
+        generation_tokens_total=6,
+        cached_prompt_tokens_total=7,
+        prefill_tokens_total=8,
+        num_retractions_total=9,
+        aborted_requests_total=10,
+        queue_time_s=HistogramCounts((1.0,)).snapshot(),
+        batch_size=HistogramCounts((1.0,)).snapshot(),
+        batch_tokens=HistogramCounts((1.0,)).snapshot(),
+    )
+    scheduler = SimpleNamespace(
+        stats=lambda: stats, max_model_len=64, vocab_size=32, eos_token_ids=(2,), page_size=16
+    )
+    reply = build_stats_reply(scheduler, ThroughputWindow(), None)
+    for name in ("num_running_reqs", "prompt_tokens_total", "prefill_tokens_total"):
+        assert getattr(reply, name) == getattr(stats, name)
+    assert reply.num_retractions_total == 9 and reply.kv_capacity_tokens == 4 * 16
+    assert reply.gpu_utilization_ratio is None

@@ -1,0 +1,150 @@
+"""A README install (`pip install -e .`) has only the runtime dependencies, while CI also installs
+the test extra: these tests make sure nothing in `minisgl/` silently relies on the latter."""
+
+from __future__ import annotations
+
+import ast
+import importlib.metadata
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.server_utils import TEST_SERVER_FLAGS
+
+tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "minisgl"
+# Optional accelerator packages: imported lazily where they are used, so the package imports and
+# runs on CPU without them. Either inside a function, or at the top of a kernel module that is
+# itself only ever imported lazily (a Triton kernel file needs `triton` at module level).
+OPTIONAL_LAZY_MODULES = frozenset({"flashinfer", "sgl_kernel", "triton", "xgrammar", "llguidance"})
+SHELL_TIMEOUT_S = 240.0
+
+
+def _canonical(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def _runtime_requirements() -> set[str]:
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    return {
+        _canonical(re.split(r"[\s<>=!~;\[(]", req, maxsplit=1)[0])
+        for req in project["dependencies"]
+    }
+
+
+def _imports(path: Path, full_names: bool = False) -> list[tuple[str, int, bool]]:
+    """(top-level module, line, inside a function) for every absolute import that runs at run
+    time; `if TYPE_CHECKING:` blocks are skipped. `full_names` keeps dotted module names."""
+    found: list[tuple[str, int, bool]] = []
+
+    def visit(node: ast.AST, in_function: bool) -> None:
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            for stmt in node.orelse:
+                visit(stmt, in_function)
+            return
+
+        def name(module: str) -> str:
+            return module if full_names else module.split(".")[0]
+
+        if isinstance(node, ast.Import):
+            found.extend((name(a.name), node.lineno, in_function) for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.append((name(node.module), node.lineno, in_function))
+        is_function = isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+        for child in ast.iter_child_nodes(node):
+            visit(child, in_function or is_function)
+
+    visit(ast.parse(path.read_text(), str(path)), False)
+    return found
+
+
+def _module_name(path: Path) -> str:
+    return ".".join(path.relative_to(ROOT).with_suffix("").parts)
+
+
+def _kernel_modules(files: list[Path]) -> set[str]:
+    """Modules that import an optional package at module level."""
+    return {
+        _module_name(path)
+        for path in files
+        if any(m in OPTIONAL_LAZY_MODULES and not f for m, _, f in _imports(path))
+    }
+
+
+def test_every_runtime_import_is_a_declared_dependency():
+    declared = _runtime_requirements()
+    distributions = importlib.metadata.packages_distributions()
+    problems = []
+    files = sorted(PACKAGE.rglob("*.py"))
+    assert len(files) > 20
+    kernels = _kernel_modules(files)
+    for path in files:
+        where_file = path.relative_to(ROOT)
+        if _module_name(path) not in kernels:
+            for module, line, in_function in _imports(path, full_names=True):
+                if module in kernels and not in_function:
+                    problems.append(
+                        f"{where_file}:{line} imports kernel module {module} at module level: "
+                        "import it lazily (it needs an optional package)"
+                    )
+        for module, line, _ in _imports(path):
+            where = f"{where_file}:{line} imports {module}"
+            if module in ("minisgl", "__future__") or module in sys.stdlib_module_names:
+                continue
+            if module in OPTIONAL_LAZY_MODULES:
+                continue  # inside a function, or in a kernel module only imported lazily
+            dists = {_canonical(d) for d in distributions.get(module, [])}
+            if not dists:
+                problems.append(f"{where}, which is not installed here at all")
+            elif not dists & declared:
+                problems.append(f"{where} (from {sorted(dists)}), not in [project].dependencies")
+    assert not problems, "\n".join(problems)
+
+
+def test_the_checker_sees_lazy_and_module_level_imports(tmp_path):
+    """The rule above is only as good as `_imports`: it must tell the two placements apart."""
+    sample = tmp_path / "sample.py"
+    sample.write_text(
+        "import httpx\nfrom typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import openai\n"
+        "def f():\n    import flashinfer.decode\n    from triton import jit\n"
+    )
+    assert _imports(sample) == [
+        ("httpx", 1, False),
+        ("typing", 2, False),
+        ("flashinfer", 6, True),
+        ("triton", 7, True),
+    ]
+
+
+def test_shell_runs_without_test_only_packages(tiny_qwen3, tmp_path):
+    """README's `python -m minisgl.server --shell`, with httpx made unimportable in every
+    process of the stack: one exchange, then /exit."""
+    blocker = tmp_path / "blocked" / "httpx"
+    blocker.mkdir(parents=True)
+    (blocker / "__init__.py").write_text(
+        "raise ImportError('httpx is a test-only dependency of minisgl')\n"
+    )
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(blocker.parent), str(ROOT)]),
+        "PYTHONUNBUFFERED": "1",
+    }
+    args = ["--shell", "--model", str(tiny_qwen3), *TEST_SERVER_FLAGS, "--max-model-len", "48"]
+    result = subprocess.run(
+        [sys.executable, "-m", "minisgl.server", *args],
+        input="Say hi.\n/exit\n",
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=SHELL_TIMEOUT_S,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "chatting with" in result.stdout
+    assert result.stdout.count(">>> ") == 2, result.stdout  # the question, then /exit
+    assert "[error]" not in result.stdout and "Traceback" not in result.stderr, result.stderr
