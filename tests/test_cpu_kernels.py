@@ -9,6 +9,9 @@ decode stack (one call per step) equals the op-by-op kernels.
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -21,6 +24,7 @@ from minisgl.kvcache.pool import KVPool, KVShape
 from minisgl.layers.norm import RMSNorm
 from minisgl.layers.rope import RopeConfig, RotaryEmbedding
 
+REPO_ROOT = Path(__file__).resolve().parents[1]
 ATOL = 1e-5  # values of order 1: fp32 sums in another order
 LOGPROB_ATOL = 1e-4
 
@@ -216,6 +220,74 @@ def test_sampling_kernel_draws_the_torch_path_tokens(monkeypatch):
     want = sampler.sample(logits, batch).token_ids
     assert torch.equal(got, want)
     assert len(set(got.tolist())) > rows // 2  # it did sample, not collapse to one token
+
+
+def test_sampling_kernel_after_the_grammar_mask_and_penalties(monkeypatch):
+    """The kernel draws from the logits after the grammar mask (-inf) and the penalties: the
+    torch path's tokens, never a masked one, and logprobs still of the raw logits."""
+    from minisgl.core import SamplingParams
+    from minisgl.engine import sampler
+    from minisgl.engine.device import Device
+
+    vocab, rows = 1000, 12
+    logits = _randn(rows, vocab, seed=17) * 3
+    params = [
+        SamplingParams(temperature=0.0 if i % 5 == 0 else 0.3 + 0.1 * i, logprobs=2)
+        for i in range(rows)
+    ]
+    sb = sampler.SamplingBatch.build(
+        params, [100 + i for i in range(rows)], [7] * rows, vocab, Device(torch.device("cpu"))
+    )
+    # rows 1, 5 and 8 constrained: a few allowed tokens each, the raw argmax among the banned
+    allowed = {1: {3, 40, 41, 999}, 5: {int(logits[5].argmin()), 500}, 8: {7}}
+    bits = torch.zeros(len(allowed), -(-vocab // 32), dtype=torch.int64)
+    for k, tokens in enumerate(allowed.values()):
+        for t in tokens:
+            bits[k, t // 32] |= 1 << (t % 32)
+    sb.mask_rows = torch.tensor(list(allowed))
+    sb.mask_bits = torch.where(bits >= 2**31, bits - 2**32, bits).to(torch.int32)
+    # repetition, presence and frequency penalties on every row
+    seen = torch.zeros(rows, vocab, dtype=torch.bool)
+    seen[:, :50] = True
+    counts = torch.zeros(rows, vocab)
+    counts[:, 40:60] = 2.0
+    sb.repetition, sb.seen_mask, sb.output_counts = torch.full((rows,), 1.3), seen, counts
+    sb.presence, sb.frequency = torch.full((rows,), 0.5), torch.full((rows,), 0.25)
+    for seed in range(8):
+        sb.seeds = torch.arange(rows) + 1000 * seed
+        got = sampler.sample(logits, sb)
+        with monkeypatch.context() as m:
+            m.setattr(sampler, "cpu_kernels", lambda: None)
+            want = sampler.sample(logits, sb)
+        assert torch.equal(got.token_ids, want.token_ids)
+        for row, tokens in allowed.items():
+            assert int(got.token_ids[row]) in tokens
+        assert got.logprobs is not None and want.logprobs is not None
+        assert torch.equal(got.logprobs, want.logprobs)
+
+
+def test_concurrent_first_builds_compile_once(tmp_path):
+    """Processes that need the library at once (tp ranks, --dp replicas, test workers) take
+    turns on the build lock: one compiles, the others load its library."""
+    import subprocess
+    import sys
+
+    code = (
+        "import logging, sys; logging.basicConfig(level=logging.INFO, stream=sys.stdout); "
+        "from minisgl.kernels import cpu; assert cpu.get() is not None"
+    )
+    env = {**os.environ, build.CACHE_DIR_ENV: str(tmp_path)}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code], env=env, cwd=REPO_ROOT, stdout=subprocess.PIPE, text=True
+        )
+        for _ in range(3)
+    ]
+    logs = [p.communicate(timeout=300)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0, 0]
+    assert sum("built the CPU kernels" in log for log in logs) == 1
+    assert [f.suffix for f in (tmp_path / "kernels").iterdir() if f.suffix != ".lock"] == [".so"]
+    assert (tmp_path / "kernels").stat().st_mode & 0o077 == 0  # private to the user
 
 
 # ---- whole models -------------------------------------------------------------------------------

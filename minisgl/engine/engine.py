@@ -80,11 +80,11 @@ class Engine:
         self.page_size = args.page_size
         self.max_prefill_tokens = args.resolved_max_prefill_tokens(self.device.type)
 
+        self.backend_name = resolve_backend_name(args.attention_backend, self.device, self.dtype)
         self.model = self._build_model()
         # Table rows are request slots; width covers the longest sequence rounded up to a page.
         width = -(-(self.max_model_len + 1) // self.page_size) * self.page_size
         self.tables = DeviceTables(args.max_running_requests, width, self.dev)
-        self.backend_name = resolve_backend_name(args.attention_backend, self.device, self.dtype)
         self.backend = create_backend(
             self.backend_name,
             AttentionConfig(
@@ -143,7 +143,8 @@ class Engine:
         if self.device.type == "cpu" and self.dtype == torch.float32:
             kernels = cpu_kernels.get()  # None: not buildable here, or MINISGL_CPU_KERNELS=0
             if kernels is not None:
-                model.use_cpu_kernels(kernels)
+                # The fused decode step does its own attention: only in place of torch-native's.
+                model.use_cpu_kernels(kernels, fused_decode=self.backend_name == "torch")
                 logger.info(
                     "CPU kernels on (%d threads); decode steps %s",
                     torch.get_num_threads(),

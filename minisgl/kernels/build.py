@@ -4,11 +4,17 @@
 `$MINISGL_CACHE_DIR/kernels/` (default `~/.cache/minisgl/kernels/`), named by a hash of the
 sources, the compiler and its version, the flags and this CPU (what `-march=native` depends on),
 so an edited source or another CPU gets its own build. Concurrent first uses (tensor-parallel
-ranks) each compile to a private temporary file and rename it into place.
+ranks, --dp replicas, test workers) take turns on a lock file next to the library, so one of them
+compiles and the others load its result; the compiler writes a private temporary file that is
+renamed into place, so no process ever loads half a library (also where locks do not work).
+The cache folder is created private to the user (mode 0700): a library loaded from it runs with
+the user's rights.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import logging
 import os
@@ -17,6 +23,7 @@ import shutil
 import subprocess
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -58,9 +65,19 @@ def _compiler_version(compiler: str) -> str:
     return result.stdout.splitlines()[0] if result.returncode == 0 and result.stdout else ""
 
 
+@contextlib.contextmanager
+def _build_lock(target: Path) -> Iterator[None]:
+    """Hold an exclusive lock on `target`'s lock file (blocking; released on exit or death)."""
+    target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    with open(target.with_suffix(".lock"), "a") as lock_file:
+        # A filesystem without locks raises: the atomic rename still keeps every process safe.
+        with contextlib.suppress(OSError):
+            fcntl.flock(lock_file, fcntl.LOCK_EX)
+        yield  # closing the file releases the lock
+
+
 def _compile(compiler: str, flags: tuple[str, ...], target: Path) -> str | None:
     """Build the library at `target` (atomically); returns an error message or None."""
-    target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp_name = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     sources = [str(path) for path in _sources() if path.suffix == ".c"]
@@ -105,8 +122,11 @@ def build_library() -> Path:
         target = _cache_dir() / f"minisgl_cpu_{key}.so"
         if target.exists():
             return target
-        start_s = time.perf_counter()
-        error = _compile(compiler, flags, target)
+        with _build_lock(target):
+            if target.exists():  # built by another process while we waited for the lock
+                return target
+            start_s = time.perf_counter()
+            error = _compile(compiler, flags, target)
         if error is None:
             logger.info(
                 "built the CPU kernels in %.1f s: %s", time.perf_counter() - start_s, target

@@ -167,14 +167,17 @@ class CausalLM(nn.Module):
         hidden = self.model.norm(hidden)
         return self.lm_head.compute_logits(hidden).float()
 
-    def use_cpu_kernels(self, kernels: CpuKernels) -> None:
+    def use_cpu_kernels(self, kernels: CpuKernels, fused_decode: bool = True) -> None:
         """Repack every dense weight for the fp32 CPU kernels (after loading; see
-        minisgl/kernels/cpu.py). Experts keep their torch path."""
+        minisgl/kernels/cpu.py). Experts keep their torch path. `fused_decode`: build the
+        one-call decode stack where it applies (it does its own attention, so only where the
+        torch-native backend is the one in use)."""
         for module in self.modules():
             if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
                 module.use_cpu_kernels(kernels)
         self.lm_head.use_cpu_kernels(kernels, tied=self.cfg.tie_word_embeddings)
-        self.cpu_decode_stack = CpuDecodeStack.build(self, kernels)
+        if fused_decode:
+            self.cpu_decode_stack = CpuDecodeStack.build(self, kernels)
 
     def forward_decode_cpu(
         self,
