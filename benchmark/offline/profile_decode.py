@@ -54,10 +54,10 @@ def first_decode_batch(llm: LLM, batch_size: int, context_len: int) -> ForwardBa
     captured: list[ForwardBatch] = []
     forward = engine.forward
 
-    def spy(batch: ForwardBatch) -> Any:
+    def spy(batch: ForwardBatch, *rest: Any) -> Any:  # rest: the vocab mask, if any
         if batch.is_decode and batch.num_seqs == batch_size:
             captured.append(batch)
-        return forward(batch)
+        return forward(batch, *rest)
 
     engine.forward = spy
     try:

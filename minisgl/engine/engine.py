@@ -111,6 +111,8 @@ class Engine:
             )
             if self.dev.is_cuda:
                 self.graphs.capture()
+            elif self.model.cpu_decode_stack is not None:
+                logger.info("CPU decode steps run padded and op by op (--cuda-graph-max-bs)")
         logger.info(
             "engine ready: %s on %s (%s), attention %s, %d KV pages x %d tokens, "
             "CUDA graphs up to batch %d",
