@@ -29,8 +29,9 @@ if [ -d .whl ]; then
   export PYTHONPATH="$PWD:$SITE"
 fi
 if [ -d .fi_aot ] && [ -d "$SITE/flashinfer" ]; then
-  for so in .fi_aot/*/*.so; do
-    [ -e "$so" ] || continue
+  # The tarball keeps FlashInfer's cache layout (.cache/flashinfer/<version>/<arch>/cached_ops/
+  # <name>/<name>.so); its AOT directory wants <name>/<name>.so.
+  find .fi_aot -name '*.so' | while read -r so; do
     name=$(basename "$(dirname "$so")")
     mkdir -p "$SITE/flashinfer/data/aot/$name" && cp "$so" "$SITE/flashinfer/data/aot/$name/"
   done
