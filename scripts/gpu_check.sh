@@ -4,9 +4,11 @@
 #   device: run(command="bash scripts/gpu_check.sh", carry=[".whl", ".fi_aot"], timeout_s=540)
 # It makes a random Qwen3-0.6B-shaped checkpoint, runs the CUDA tests (tests/test_cuda.py: each
 # backend against torch-native, fp32/bf16 logits against transformers, graphs/overlap on/off give
-# the same tokens), then the offline benchmark on Mini-SGLang's workload (256 requests, input and
-# output lengths uniform in 100..1024, ignore_eos) per backend with overlap and graphs on/off,
-# and prints one table last. Every step has a time limit and the whole run stops starting steps
+# the same tokens), profiles a window of full-batch steps (benchmark/offline/profile_steps.py:
+# host phases, GPU busy share, top kernels), then the offline benchmark on Mini-SGLang's workload
+# (256 requests, input and output lengths uniform in 100..1024, ignore_eos) per backend with
+# overlap and graphs on/off, and prints one table last. A session whose device time is short
+# skips what an earlier run already recorded, e.g. SKIP_STEPS="bench_matrix tests_moe". Every step has a time limit and the whole run stops starting steps
 # past CHECK_BUDGET_S, so it ends inside one 8-minute call.
 #
 # FlashInfer JIT-compiles its kernels with nvcc on first use (minutes). The compiled modules are
@@ -29,8 +31,9 @@ if [ -d .whl ]; then
   export PYTHONPATH="$PWD:$SITE"
 fi
 if [ -d .fi_aot ] && [ -d "$SITE/flashinfer" ]; then
-  for so in .fi_aot/*/*.so; do
-    [ -e "$so" ] || continue
+  # The tarball keeps FlashInfer's cache layout (.cache/flashinfer/<version>/<arch>/cached_ops/
+  # <name>/<name>.so); its AOT directory wants <name>/<name>.so.
+  find .fi_aot -name '*.so' | while read -r so; do
     name=$(basename "$(dirname "$so")")
     mkdir -p "$SITE/flashinfer/data/aot/$name" && cp "$so" "$SITE/flashinfer/data/aot/$name/"
   done
@@ -76,6 +79,14 @@ run tests_triton_torch 150 python3 -m pytest -q -s -x -p no:cacheprovider tests/
 wait "$warmup_pid"; echo "flashinfer warm-up exit $?, at ${SECONDS}s"; tail -n 3 "$OUT_DIR/flashinfer_warmup.log"
 run tests_flashinfer 120 python3 -m pytest -q -s -x -p no:cacheprovider tests/test_cuda.py \
   -k flashinfer
+# Where a step's time goes at full batch (host phases, GPU busy share, top kernels): the
+# measured answer to "what limits throughput" (benchmark/RESULTS.md section 9).
+PROFILE_WORKLOAD=(--model "$MODEL" --num-requests 256 --page-size 16 --min-input-len 100
+  --max-input-len 1024 --min-output-len 100 --max-output-len 1024 --skip-steps 60 --steps 60)
+run profile_flashinfer 90 python3 benchmark/offline/profile_steps.py "${PROFILE_WORKLOAD[@]}" \
+  --attention-backend flashinfer --overlap on --cuda-graphs on
+run profile_flashinfer_eager 90 python3 benchmark/offline/profile_steps.py \
+  "${PROFILE_WORKLOAD[@]}" --attention-backend flashinfer --overlap on --cuda-graphs off
 # One process, a fresh engine per config: FlashInfer then Triton, each with graphs on/off and
 # overlap on/off (results print as they finish, so a time limit still leaves the first ones).
 run bench_matrix 400 python3 benchmark/offline/bench.py --model "$MODEL" --num-requests 256 \
@@ -102,3 +113,6 @@ echo "-- benchmark: 256 requests, in/out uniform 100..1024, Qwen3-0.6B shape, bf
 grep -h "^minisgl radix" "$OUT_DIR/bench_matrix.log" | grep "tok/s" | sed 's/tokens in/tok,/'
 grep -h "GPU memory:\|captured" "$OUT_DIR/bench_matrix.log" 2>/dev/null | head -n 2
 grep -h "bf16 |logprob" "$OUT_DIR"/tests_*.log 2>/dev/null
+for name in profile_flashinfer profile_flashinfer_eager; do
+  [ -f "$OUT_DIR/$name.log" ] && sed -n '/^== /,$p' "$OUT_DIR/$name.log" | head -n 40
+done

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -10,8 +11,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 import psutil
@@ -113,6 +116,27 @@ def start_server(*extra_args: str, api_key: str | None = None) -> ServerProcess:
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )
     return ServerProcess(proc, port, Path(log_name), api_key)
+
+
+@contextlib.contextmanager
+def running_server(*extra_args: str, api_key: str | None = None) -> Iterator[ServerProcess]:
+    """A healthy server for the block, stopped after it whatever happened (a module fixture is
+    `with running_server(...) as srv: yield srv`)."""
+    srv = start_server(*extra_args, api_key=api_key)
+    try:
+        srv.wait_healthy()
+        yield srv
+    finally:
+        srv.stop()
+
+
+def openai_client(server: ServerProcess, timeout_s: float, api_key: str = "unused") -> Any:
+    """The OpenAI SDK pointed at `server`, without retries (a retry would hide a failure)."""
+    import openai
+
+    return openai.OpenAI(
+        base_url=server.url + "/v1", api_key=api_key, timeout=timeout_s, max_retries=0
+    )
 
 
 IDLE_TIMEOUT_S = 30.0

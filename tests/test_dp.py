@@ -271,15 +271,23 @@ def test_get_load_counts_what_runs(replicas):
     url = replicas.replica_url(1)
     assert _load(url) == {"dp_rank": 0, "num_reqs": 0, "num_waiting_reqs": 0, "num_tokens": 0}
     prompt = list(range(1000, 1100))
-    body = {"prompt": prompt, "max_tokens": 400, "ignore_eos": True, "stream": True}
+    # As long as the tiny model allows (1024 positions): it decodes fast, and the API process can
+    # stream well behind the scheduler, so the load is polled from the moment the headers arrive
+    # rather than after the first chunk (by then the scheduler may already be done).
+    body = {"prompt": prompt, "max_tokens": 900, "ignore_eos": True, "stream": True}
+    seen_running = None
     with httpx.stream(
         "POST", url + "/v1/completions", json=body, headers=replicas.headers, timeout=HTTP_TIMEOUT_S
     ) as stream:
-        lines = stream.iter_lines()
-        next(line for line in lines if line.startswith("data: "))  # it runs
-        load = _load(url)
-    assert load["num_reqs"] == 1 and load["num_waiting_reqs"] == 0
-    assert load["num_tokens"] >= len(prompt)
+        assert stream.status_code == 200
+        deadline_s = time.monotonic() + WAIT_S
+        while seen_running is None and time.monotonic() < deadline_s:
+            load = _load(url)
+            if load["num_reqs"] and not load["num_waiting_reqs"]:
+                seen_running = load
+    assert seen_running is not None, "the running request never showed in /get_load"
+    assert seen_running["num_reqs"] == 1
+    assert seen_running["num_tokens"] >= len(prompt)
     deadline_s = time.monotonic() + WAIT_S  # the disconnect aborts it; its pages come back
     while _load(url)["num_reqs"] and time.monotonic() < deadline_s:
         time.sleep(POLL_S)

@@ -25,7 +25,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.conftest import QWEN3_VOCAB
-from tests.server_utils import ServerProcess, start_server, wait_idle
+from tests.server_utils import ServerProcess, running_server, wait_idle
 
 MAX_MODEL_LEN = 64
 MAX_SEQUENCES = 4
@@ -156,12 +156,8 @@ requests = st.one_of(
 
 @pytest.fixture(scope="module")
 def server(tiny_qwen3) -> Iterator[ServerProcess]:
-    srv = start_server("--model", str(tiny_qwen3), *SERVER_FLAGS)
-    try:
-        srv.wait_healthy()
+    with running_server("--model", str(tiny_qwen3), *SERVER_FLAGS) as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 @pytest.fixture(scope="module")

@@ -30,7 +30,7 @@ from minisgl.server.generation import stream_response
 from minisgl.server.middleware import Lifecycle, install_middleware
 from minisgl.tokenizer import apply_chat_template, load_tokenizer
 from tests.conftest import QWEN3_VOCAB
-from tests.server_utils import ServerProcess, start_server, wait_idle
+from tests.server_utils import ServerProcess, running_server, wait_idle
 
 API_KEY = "hardening-key"
 KV_POOL_TOKENS = 600  # below the 1024-token context: /v1/models must report this
@@ -228,14 +228,10 @@ def test_failed_submit_leaves_no_route():
 
 @pytest.fixture(scope="module")
 def server(tiny_qwen3) -> Iterator[ServerProcess]:
-    srv = start_server("--model", str(tiny_qwen3), *SERVER_FLAGS, api_key=API_KEY)
-    try:
-        srv.wait_healthy()
+    with running_server("--model", str(tiny_qwen3), *SERVER_FLAGS, api_key=API_KEY) as srv:
         warm_up = {"prompt": [1, 2, 3], "max_tokens": 2}  # the first forward is the slowest
         httpx.post(srv.url + "/v1/completions", json=warm_up, headers=srv.headers, timeout=60)
         yield srv
-    finally:
-        srv.stop()
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from minisgl.server.api import _bind
-from tests.server_utils import ServerProcess, start_server, wait_idle
+from tests.server_utils import ServerProcess, running_server, wait_idle
 
 NUM_REQUESTS = 100
 CONCURRENCY = 16
@@ -35,12 +35,8 @@ NAGLE_MARGIN_MS = 15.0  # well below the ~40 ms a delayed ACK costs
 
 @pytest.fixture(scope="module")
 def server(tiny_qwen3) -> Iterator[ServerProcess]:
-    srv = start_server("--model", str(tiny_qwen3))
-    try:
-        srv.wait_healthy()
+    with running_server("--model", str(tiny_qwen3)) as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 def test_accepted_connections_have_tcp_nodelay():

@@ -19,7 +19,7 @@ import pytest
 
 from minisgl.models.resolve import resolve_model_path
 from minisgl.tokenizer import apply_chat_template, load_tokenizer
-from tests.server_utils import ServerProcess, alive, start_server
+from tests.server_utils import ServerProcess, alive, openai_client, running_server, start_server
 
 MODEL = "SmolLM2-135M-Instruct"
 MAX_MODEL_LEN = 1024  # matches TEST_SERVER_FLAGS
@@ -41,19 +41,13 @@ def server():
         resolve_model_path(None)
     except Exception as exc:  # the default model package is missing
         pytest.skip(f"default model unavailable: {exc}")
-    srv = start_server("--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S))
-    try:
-        srv.wait_healthy()
+    with running_server("--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S)) as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 @pytest.fixture(scope="module")
 def client(server: ServerProcess) -> openai.OpenAI:
-    return openai.OpenAI(
-        base_url=server.url + "/v1", api_key="unused", timeout=REQUEST_TIMEOUT_S, max_retries=0
-    )
+    return openai_client(server, REQUEST_TIMEOUT_S)
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from minisgl.models.resolve import resolve_model_path
-from tests.server_utils import ServerProcess, start_server, wait_idle
+from tests.server_utils import ServerProcess, openai_client, running_server, start_server, wait_idle
 
 MODEL = "SmolLM2-135M-Instruct"
 REQUEST_TIMEOUT_S = 180.0
@@ -99,19 +99,13 @@ def _available() -> None:
 @pytest.fixture(scope="module")
 def server():
     _available()
-    srv = start_server("--tool-call-parser", "hermes")
-    try:
-        srv.wait_healthy()
+    with running_server("--tool-call-parser", "hermes") as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 @pytest.fixture(scope="module")
 def client(server: ServerProcess) -> openai.OpenAI:
-    return openai.OpenAI(
-        base_url=server.url + "/v1", api_key="unused", timeout=REQUEST_TIMEOUT_S, max_retries=0
-    )
+    return openai_client(server, REQUEST_TIMEOUT_S)
 
 
 def _schema_format(schema: dict) -> dict:

@@ -79,7 +79,11 @@ class Event:
 
 
 def nvtx_range(name: str, enabled: bool) -> contextlib.AbstractContextManager[Any]:
-    """An NVTX range on CUDA (profiles show schedule / forward / process), nothing on CPU."""
+    """An NVTX range on CUDA (Nsight shows schedule / forward / sample / process), also a
+    torch.profiler range (benchmark/offline/profile_steps.py sums them); nothing on CPU."""
     if not enabled:
         return contextlib.nullcontext()
-    return torch.cuda.nvtx.range(name)
+    stack = contextlib.ExitStack()
+    stack.enter_context(torch.cuda.nvtx.range(name))
+    stack.enter_context(torch.profiler.record_function(name))
+    return stack

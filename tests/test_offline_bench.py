@@ -1,0 +1,61 @@
+"""The offline benchmark and the step profiler, run as their users run them (subprocesses, a tiny
+random model, a few seconds each): the workload's token counts come out exact (ignore_eos), and
+the profiler reports the window it was asked for."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+OFFLINE = ROOT / "benchmark" / "offline"
+TIMEOUT_S = 300
+NUM_REQUESTS = 6
+WORKLOAD = (
+    f"--num-requests={NUM_REQUESTS}",
+    "--min-input-len=8",
+    "--max-input-len=24",
+    "--min-output-len=12",
+    "--max-output-len=12",
+    "--page-size=1",
+    "--num-pages=2048",
+)
+
+
+def run_script(script: str, model: Path, *args: str) -> str:
+    command = [sys.executable, str(OFFLINE / script), f"--model={model}", *WORKLOAD, *args]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=TIMEOUT_S, cwd=ROOT)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout
+
+
+def test_bench_counts_every_output_token(tiny_qwen3):
+    out = run_script("bench.py", tiny_qwen3)
+    # "minisgl radix ...: 6 reqs, <in> in + 72 out tokens in <s> s ..."
+    match = re.search(r": (\d+) reqs, (\d+) in \+ (\d+) out tokens in ([\d.]+) s", out)
+    assert match, out
+    assert int(match[1]) == NUM_REQUESTS
+    assert int(match[3]) == NUM_REQUESTS * 12
+    assert float(match[4]) > 0
+
+
+def test_profile_steps_reports_its_window(tiny_qwen3):
+    out = run_script("profile_steps.py", tiny_qwen3, "--skip-steps=2", "--steps=5")
+    match = re.search(r"(\d+) steps in ([\d.]+) s", out)
+    assert match and int(match[1]) == 5, out
+    # Prefill is done after two steps (6 short prompts fit one chunk): every step decodes all 6.
+    per_step = re.search(r"([\d.]+) output tokens per step", out)
+    assert per_step and float(per_step[1]) == NUM_REQUESTS, out
+    assert "top 15 host ops" in out
+    ops = re.findall(r"^\s+[\d.]+\s+[\d.]+\s+(aten::\S+)", out, re.MULTILINE)
+    assert ops, out  # the forward's ops were recorded
+
+
+def test_profile_steps_refuses_a_matrix(tiny_qwen3):
+    command = [sys.executable, str(OFFLINE / "profile_steps.py"), f"--model={tiny_qwen3}"]
+    done = subprocess.run(
+        [*command, "--gpu-matrix"], capture_output=True, text=True, timeout=TIMEOUT_S, cwd=ROOT
+    )
+    assert done.returncode != 0 and "one engine config" in done.stderr
