@@ -11,8 +11,11 @@ import os
 import shutil
 from pathlib import Path
 
-import pytest
-import torch
+# Before torch loads libgomp: passive OpenMP waits, as `import minisgl` sets (see its __init__).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 # Two cores: keep torch from oversubscribing when tests start several processes.
 torch.set_num_threads(min(2, os.cpu_count() or 1))

@@ -251,3 +251,35 @@ def test_shared_prefix_burst_reuses_the_prefix(tiny_qwen3):
     finally:
         radix.shutdown()
         naive.shutdown()
+
+
+def test_table_writes_and_the_forward_threads_flush_safely():
+    """CPU overlap: the scheduler thread writes the tables (applied at once on CPU) while the
+    forward thread flushes at the start of every forward. Neither may see the other's queue
+    half-applied (this raised `torch.cat(): expected a non-empty list` now and then)."""
+    import threading
+
+    from minisgl.engine.device import Device
+    from minisgl.engine.tables import DeviceTables
+
+    tables = DeviceTables(8, 64, Device(torch.device("cpu")))
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def flush_forever() -> None:
+        try:
+            while not stop.is_set():
+                tables.flush()
+        except BaseException as exc:  # noqa: BLE001 (reported below)
+            errors.append(exc)
+
+    flusher = threading.Thread(target=flush_forever)
+    flusher.start()
+    try:
+        for i in range(20000):
+            tables.write_tokens(i % 8, i % 60, [i % 1000, 7])
+    finally:
+        stop.set()
+        flusher.join()
+    assert not errors, errors[0]
+    assert tables.token_table[19999 % 8, 19999 % 60].item() == 19999 % 1000

@@ -89,6 +89,8 @@ def test_tp2_matches_tp1(tiny_models, arch: str, page_size: int) -> None:
     llm = LLM(str(model), tp_size=2, page_size=page_size, **OPTIONS)
     pids = llm.scheduler.follower_pids  # type: ignore[attr-defined]
     try:
+        # The fused CPU decode step is for one rank only (no all-reduce inside): op by op here.
+        assert llm.scheduler.engine.model.cpu_decode_stack is None  # type: ignore[attr-defined]
         _assert_same(_run(llm), reference)
         again = _run(llm)  # the radix cache now serves every prompt's prefix
         _assert_same(again, reference)

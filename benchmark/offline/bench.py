@@ -8,11 +8,15 @@ By default the benchmark steps `llm.scheduler` itself (the loop `LLM.generate` r
 each request's first token; `--via-generate` goes through `LLM.generate(use_tqdm=True)` instead.
 `--hf` runs the same workload through HF `generate` (fp32, left-padded batches) in the same process;
 `--compare` runs the workload under radix vs naive cache and overlap on vs off; `--gpu-matrix`
-runs it for each attention backend with overlap on/off and CUDA graphs on/off (one table).
+runs it for each attention backend with overlap on/off and CUDA graphs on/off (one table);
+`--decode-floor` puts batch-1 decode and the workload next to the hardware's floors, measured in
+the same run (decode_floor.py).
 
     python benchmark/offline/bench.py                      # random workload, minisgl only
     python benchmark/offline/bench.py --hf                 # plus HF generate and the speedup
     python benchmark/offline/bench.py --workload shared-prefix --compare
+    python benchmark/offline/bench.py --decode-floor --num-requests 16 --min-input-len 16 \
+        --max-input-len 128 --min-output-len 16 --max-output-len 96   # CPU speed vs its floors
     python benchmark/offline/bench.py --model /tmp/qwen3-0.6b --num-requests 256 \
         --min-input-len 100 --max-input-len 1024 --min-output-len 100 --max-output-len 1024 \
         --gpu-matrix --backends flashinfer,triton      # Mini-SGLang's workload, on CUDA
@@ -25,6 +29,7 @@ import dataclasses
 import gc
 import json
 import logging
+import os
 import random
 import statistics
 import subprocess
@@ -35,11 +40,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-from tqdm import tqdm
+# Before torch loads libgomp: passive OpenMP waits, as `import minisgl` sets (see its __init__).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402
+from tqdm import tqdm  # noqa: E402
 
 from minisgl import LLM, SamplingParams
 from minisgl.core import Req, next_request_id
+from minisgl.engine.engine import resolve_device, resolve_dtype
 from minisgl.models.config import load_model_config
 from minisgl.models.resolve import resolve_model_path
 
@@ -494,6 +503,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="each of --backends x overlap on/off x graphs on/off, fresh LLM each",
     )
     p.add_argument("--backends", default="flashinfer,triton", help="for --gpu-matrix")
+    p.add_argument(
+        "--decode-floor",
+        action="store_true",
+        help="batch-1 decode vs the weight-bandwidth floor, the workload vs its FLOP floor",
+    )
+    p.add_argument("--floor-prompt-len", type=int, default=64, help="--decode-floor batch 1")
+    p.add_argument("--floor-output-len", type=int, default=128, help="--decode-floor batch 1")
     p.add_argument("--result-json", default=None, help=argparse.SUPPRESS)  # isolated child runs
     args = p.parse_args(argv)
     if args.min_input_len > args.max_input_len or args.min_output_len > args.max_output_len:
@@ -518,6 +534,42 @@ def configs_to_run(args: argparse.Namespace) -> tuple[EngineConfig, ...]:
     return (EngineConfig(args.cache_type, overlap, args.attention_backend, graphs),)
 
 
+def run_decode_floor(args: argparse.Namespace, workload: Workload) -> None:
+    import decode_floor  # this folder (the script's own) is on sys.path
+
+    config = configs_to_run(args)[0]
+    print(f"\n== decode floor: {config.label}: loading", flush=True)
+    llm = LLM(model=args.model, **engine_options(args, config))
+    try:
+        warm_up(llm)
+        model_config = load_model_config(resolve_model_path(args.model))
+        dtype = resolve_dtype(args.dtype, resolve_device("auto"))
+
+        def run_workload() -> float:
+            runs = [
+                time_minisgl_once(llm, workload, config.label, False) for _ in range(args.repeat)
+            ]
+            for r in runs:
+                print_result(r)
+            return fastest(runs).total_s
+
+        report = decode_floor.measure(
+            llm,
+            model_config,
+            dtype,
+            args.floor_prompt_len,
+            args.floor_output_len,
+            run_workload,
+            [len(p) for p in workload.prompts],
+            workload.output_lens,
+        )
+    finally:
+        llm.shutdown()
+    print("\n==== decode floor")
+    for line in report.lines():
+        print(line)
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     # The engine logs its memory plan, attention backend and CUDA-graph capture at INFO.
@@ -527,6 +579,9 @@ def main(argv: list[str] | None = None) -> None:
         f"workload {workload.name}: {len(workload.prompts)} requests, "
         f"{workload.num_input_tokens} input tokens, {workload.num_output_tokens} output tokens"
     )
+    if args.decode_floor:
+        run_decode_floor(args, workload)
+        return
     configs = configs_to_run(args)
     if args.gpu_matrix:
         # Each config in its own process (see run_isolated); the child prints its own lines.

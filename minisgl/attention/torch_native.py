@@ -2,6 +2,10 @@
 
 Decodes (one query each) are grouped by KV length into a few padded SDPA calls; prefill chunks
 run one SDPA call per sequence with a causal mask offset by the cached prefix length.
+
+On CPU in fp32 the decodes instead go to one paged-attention kernel call (minisgl/kernels) that
+reads K/V straight from the pool through the page table, with no gather and no padding, and the
+new K/V are stored by one kernel call. The SDPA path stays the reference (and the CUDA path).
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from minisgl.attention.base import AttentionBackend, AttentionBatch, AttentionConfig
+from minisgl.kernels.cpu import CpuKernels, get, kernels_for
 from minisgl.kvcache.pool import KVPool
 
 # A decode joins the current group while its KV length is at least this fraction of the group's
@@ -41,16 +46,46 @@ class _DecodeGroup:
 
 
 @dataclass
+class _KernelDecodes:
+    """Every decode of the batch, for the CPU paged-attention kernel (int64, one per decode)."""
+
+    token_index: torch.Tensor  # query rows
+    table_rows: torch.Tensor
+    kv_lens: torch.Tensor
+    page_table: torch.Tensor  # int32 [rows, width], contiguous
+
+
+@dataclass
 class TorchNativeMetadata:
     out_slots: torch.Tensor
-    decode_groups: list[_DecodeGroup]
+    decodes: list[tuple[int, int, int]]  # (kv_len, query row, sequence index)
     prefills: list[_Prefill]
+    batch: AttentionBatch
+    kernel_decodes: _KernelDecodes | None  # set when the CPU kernels compute the decodes
+    _decode_groups: list[_DecodeGroup] | None = None
+
+    def decode_groups(self) -> list[_DecodeGroup]:
+        """The padded SDPA groups, built on first use (only the SDPA path needs them)."""
+        if self._decode_groups is None:
+            self._decode_groups = TorchNativeBackend.group_decodes(self.batch, self.decodes)
+        return self._decode_groups
 
 
 class TorchNativeBackend(AttentionBackend):
     def __init__(self, cfg: AttentionConfig | None = None) -> None:
         """Sizes nothing ahead: every buffer follows the batch (cfg is the registry's common
-        constructor argument)."""
+        constructor argument). The CPU kernels are used when cfg says fp32 on the CPU (or,
+        without cfg, whenever a batch's tensors are)."""
+        self._kernels: CpuKernels | None = None
+        if cfg is None or (cfg.device.type == "cpu" and cfg.dtype == torch.float32):
+            kernels = get()
+            if cfg is None or (
+                kernels is not None
+                and kernels.supports_decode_attention(
+                    cfg.num_qo_heads, cfg.num_kv_heads, cfg.head_dim
+                )
+            ):
+                self._kernels = kernels
 
     def prepare(self, batch: AttentionBatch) -> TorchNativeMetadata:
         device = batch.out_slots.device
@@ -71,10 +106,25 @@ class TorchNativeBackend(AttentionBackend):
                     mask = torch.arange(kv_len, device=device)[None, :] <= q_pos[:, None]
                 prefills.append(_Prefill(token_start, token_start + q_len, row, mask))
             token_start += q_len
-        return TorchNativeMetadata(batch.out_slots, self._group_decodes(batch, decodes), prefills)
+        kernel_decodes = None
+        if self._kernels is not None and device.type == "cpu" and decodes:
+            kernel_decodes = self._kernel_decodes(batch, decodes)
+        return TorchNativeMetadata(batch.out_slots, decodes, prefills, batch, kernel_decodes)
 
     @staticmethod
-    def _group_decodes(
+    def _kernel_decodes(
+        batch: AttentionBatch, decodes: list[tuple[int, int, int]]
+    ) -> _KernelDecodes:
+        seq_index = torch.tensor([d[2] for d in decodes], dtype=torch.int64)
+        return _KernelDecodes(
+            token_index=torch.tensor([d[1] for d in decodes], dtype=torch.int64),
+            table_rows=batch.table_rows[seq_index].contiguous(),
+            kv_lens=batch.kv_lens[seq_index].contiguous(),
+            page_table=batch.page_table.contiguous(),
+        )
+
+    @staticmethod
+    def group_decodes(
         batch: AttentionBatch, decodes: list[tuple[int, int, int]]
     ) -> list[_DecodeGroup]:
         device = batch.out_slots.device
@@ -109,11 +159,38 @@ class TorchNativeBackend(AttentionBackend):
         pool: KVPool,
         metadata: TorchNativeMetadata,
     ) -> torch.Tensor:
-        pool.store(layer_id, metadata.out_slots, k, v)
         k_cache, v_cache = pool.k_cache(layer_id), pool.v_cache(layer_id)
+        kernels = kernels_for(q) if self._kernels is not None else None
+        if kernels is None or not kernels.store_kv(k, v, k_cache, v_cache, metadata.out_slots):
+            pool.store(layer_id, metadata.out_slots, k, v)
+        if kernels is not None and not kernels.supports_decode_attention(
+            q.shape[1], k_cache.shape[1], q.shape[2]
+        ):
+            kernels = None
         out = torch.empty_like(q)
+        if kernels is not None and metadata.kernel_decodes is not None:
+            d = metadata.kernel_decodes
+            kernels.decode_attention(
+                q, d.token_index, k_cache, v_cache, d.page_table, d.table_rows,
+                d.kv_lens, out, scale,
+            )  # fmt: skip
+        computed = kernels is not None and metadata.kernel_decodes is not None
+        self._sdpa(q, k_cache, v_cache, scale, metadata, out, decodes=not computed)
+        return out
+
+    def _sdpa(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        scale: float,
+        metadata: TorchNativeMetadata,
+        out: torch.Tensor,
+        decodes: bool,
+    ) -> None:
+        """The SDPA path: prefill chunks always, decodes unless a kernel computed them."""
         # SDPA wants [batch, heads, len, head_dim]; GQA repeats KV heads inside the kernel.
-        for group in metadata.decode_groups:
+        for group in metadata.decode_groups() if decodes else []:
             num_decodes = group.token_index.numel()
             if group.k_buf is None or group.v_buf is None:
                 shape = (group.kv_slots.numel(), *k_cache.shape[1:])
@@ -136,4 +213,3 @@ class TorchNativeBackend(AttentionBackend):
                 pq, pk, pv, attn_mask=p.mask, is_causal=p.mask is None, scale=scale, enable_gqa=True
             )
             out[p.token_start : p.token_end] = o.squeeze(0).transpose(0, 1)
-        return out

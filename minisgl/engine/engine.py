@@ -28,6 +28,7 @@ from minisgl.engine.graph import GraphRunner
 from minisgl.engine.memory import plan_kv_pages
 from minisgl.engine.sampler import SamplingBatch, sample
 from minisgl.engine.tables import DeviceTables
+from minisgl.kernels import cpu as cpu_kernels
 from minisgl.kvcache.pool import KVPool, KVShape
 from minisgl.models.config import ModelConfig, load_model_config
 from minisgl.models.llama import CausalLM, local_head_counts
@@ -79,11 +80,11 @@ class Engine:
         self.page_size = args.page_size
         self.max_prefill_tokens = args.resolved_max_prefill_tokens(self.device.type)
 
+        self.backend_name = resolve_backend_name(args.attention_backend, self.device, self.dtype)
         self.model = self._build_model()
         # Table rows are request slots; width covers the longest sequence rounded up to a page.
         width = -(-(self.max_model_len + 1) // self.page_size) * self.page_size
         self.tables = DeviceTables(args.max_running_requests, width, self.dev)
-        self.backend_name = resolve_backend_name(args.attention_backend, self.device, self.dtype)
         self.backend = create_backend(
             self.backend_name,
             AttentionConfig(
@@ -110,6 +111,8 @@ class Engine:
             )
             if self.dev.is_cuda:
                 self.graphs.capture()
+            elif self.model.cpu_decode_stack is not None:
+                logger.info("CPU decode steps run padded and op by op (--cuda-graph-max-bs)")
         logger.info(
             "engine ready: %s on %s (%s), attention %s, %d KV pages x %d tokens, "
             "CUDA graphs up to batch %d",
@@ -139,6 +142,16 @@ class Engine:
         finally:
             torch.set_default_dtype(previous)
         load_weights(model, self.model_path)
+        if self.device.type == "cpu" and self.dtype == torch.float32:
+            kernels = cpu_kernels.get()  # None: not buildable here, or MINISGL_CPU_KERNELS=0
+            if kernels is not None:
+                # The fused decode step does its own attention: only in place of torch-native's.
+                model.use_cpu_kernels(kernels, fused_decode=self.backend_name == "torch")
+                logger.info(
+                    "CPU kernels on (%d threads); decode steps %s",
+                    torch.get_num_threads(),
+                    "in one fused call" if model.cpu_decode_stack is not None else "op by op",
+                )
         return model.eval()
 
     def _graph_max_batch_size(self) -> int:
@@ -183,6 +196,8 @@ class Engine:
             return self._sample(batch, logits, vocab_mask)
 
     def _forward_eager(self, batch: ForwardBatch) -> torch.Tensor:
+        if batch.is_decode and self.model.cpu_decode_stack is not None:
+            return self._forward_decode_cpu(batch)
         extend = torch.tensor(batch.extend_lens, dtype=torch.int64)
         rows = torch.tensor(batch.table_rows, dtype=torch.int64)
         prefix = torch.tensor(batch.prefix_lens, dtype=torch.int64)
@@ -212,6 +227,17 @@ class Engine:
         ctx = ForwardContext(self.backend, self.kv_pool, self.backend.prepare(attn))
         with forward_context(ctx):
             return self.model(input_ids, positions_d, last_d)
+
+    def _forward_decode_cpu(self, batch: ForwardBatch) -> torch.Tensor:
+        """A decode-only batch on CPU: one fused kernel call for the whole decoder stack (see
+        models/cpu_decoder.py), with none of the per-step attention metadata."""
+        rows = torch.tensor(batch.table_rows, dtype=torch.int64)
+        positions = torch.tensor(batch.prefix_lens, dtype=torch.int64)
+        input_ids = self.token_table[rows, positions].long()
+        out_slots = self.page_table[rows, positions].long()
+        return self.model.forward_decode_cpu(
+            input_ids, positions, out_slots, self.page_table, rows, positions + 1, self.kv_pool
+        )
 
     def _sample(
         self, batch: ForwardBatch, logits: torch.Tensor, vocab_mask: VocabMask | None

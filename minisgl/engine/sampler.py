@@ -14,6 +14,7 @@ import torch
 
 from minisgl.core import SamplingParams
 from minisgl.engine.device import Device
+from minisgl.kernels.cpu import get as cpu_kernels
 
 _MASK32 = 0xFFFFFFFF
 _UNIFORM_BITS = 24  # float32 mantissa: more bits would round away
@@ -32,7 +33,18 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
 
 
 def seeded_uniform(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Uniform (0, 1) numbers of shape [rows, vocab]; a pure function of (seed, position, id)."""
+    """Uniform (0, 1) numbers of shape [rows, vocab]; a pure function of (seed, position, id).
+    On CPU one kernel call computes the same bits (the tensor formula below costs ~1 ms per
+    row of a 49k vocabulary)."""
+    kernels = cpu_kernels() if seeds.device.type == "cpu" else None
+    if kernels is not None and seeds.dtype == positions.dtype == torch.int64:
+        return kernels.seeded_uniform(seeds, positions, vocab_size)
+    return _seeded_uniform_torch(seeds, positions, vocab_size)
+
+
+def _seeded_uniform_torch(
+    seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int
+) -> torch.Tensor:
     ids = torch.arange(vocab_size, device=seeds.device, dtype=torch.int64)
     row_key = _mix32((_mix32(seeds & _MASK32) ^ positions) & _MASK32)  # [rows]
     h = _mix32((row_key[:, None] * 0x9E3779B1 + ids[None, :]) & _MASK32)
@@ -172,10 +184,19 @@ def sample(logits: torch.Tensor, sb: SamplingBatch) -> SampleResult:
     """logits: float32 [rows, vocab], raw from the model."""
     raw_logits = logits
     logits = apply_penalties(apply_vocab_mask(logits, sb), sb)
-    greedy_ids = logits.argmax(dim=-1)
-    if sb.all_greedy:
-        token_ids = greedy_ids
+    kernels = cpu_kernels() if logits.device.type == "cpu" else None
+    if (
+        kernels is not None
+        and logits.dtype == torch.float32
+        and not sb.all_greedy
+        and not sb.needs_filter
+    ):
+        # One pass per row, no [rows, vocab] temporaries; the same formula as below.
+        token_ids = kernels.sample(logits, sb.temperatures, sb.seeds, sb.positions)
+    elif sb.all_greedy:
+        token_ids = logits.argmax(dim=-1)
     else:
+        greedy_ids = logits.argmax(dim=-1)
         temps = sb.temperatures.clamp(min=1e-5)[:, None]
         probs = torch.softmax(logits / temps, dim=-1)
         if sb.needs_filter:

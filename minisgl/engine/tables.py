@@ -8,13 +8,17 @@
 
 The scheduler's writes (a new request's prompt, new pages' slots) are queued on the host and
 applied by the engine at the start of the next forward, in stream order, with one non-blocking
-copy: the scheduler never waits for the device. On CPU they are applied at once.
+copy: the scheduler never waits for the device. On CPU they are applied at once. Under CPU
+overlap the forward runs on its own thread and flushes too, so a lock guards the queue: a flush
+takes every queued write or none.
 
 The last row is the dummy row that padded (CUDA-graph) batch entries point at: position 0 maps
 to the pool's dummy page, which no request ever owns.
 """
 
 from __future__ import annotations
+
+import threading
 
 import torch
 
@@ -35,6 +39,7 @@ class DeviceTables:
         self._page_values: list[torch.Tensor] = []
         self._token_index: list[torch.Tensor] = []
         self._token_values: list[torch.Tensor] = []
+        self._lock = threading.Lock()  # the queue: scheduler thread vs CPU overlap's forward
 
     def point_dummy_row(self, dummy_slot: int) -> None:
         """Every position of the dummy row maps to `dummy_slot` (a slot no request owns)."""
@@ -58,23 +63,25 @@ class DeviceTables:
         if data.numel() == 0:
             return
         assert 0 <= row < self.num_rows and start + data.numel() <= self.width
-        index.append(torch.arange(data.numel(), dtype=torch.int64) + (row * self.width + start))
-        values.append(data.to(torch.int64))
+        with self._lock:
+            index.append(torch.arange(data.numel(), dtype=torch.int64) + row * self.width + start)
+            values.append(data.to(torch.int64))
         if not self.device.is_cuda:
             self.flush()
 
     def flush(self) -> None:
         """Apply pending writes (on the engine's stream: call inside `Device.on_stream`)."""
-        for table, index, values in (
-            (self.page_table, self._page_index, self._page_values),
-            (self.token_table, self._token_index, self._token_values),
-        ):
-            if not index:
-                continue
-            flat_index, flat_values = self.device.stage(*_last_writes(index, values))
-            table.view(-1).index_copy_(0, flat_index, flat_values.to(torch.int32))
-            index.clear()
-            values.clear()
+        with self._lock:
+            for table, index, values in (
+                (self.page_table, self._page_index, self._page_values),
+                (self.token_table, self._token_index, self._token_values),
+            ):
+                if not index:
+                    continue
+                flat_index, flat_values = self.device.stage(*_last_writes(index, values))
+                table.view(-1).index_copy_(0, flat_index, flat_values.to(torch.int32))
+                index.clear()
+                values.clear()
 
 
 def _last_writes(

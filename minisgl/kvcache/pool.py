@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from minisgl.kernels.cpu import huge_page_zeros
+
 
 @dataclass(frozen=True)
 class KVShape:
@@ -41,15 +43,13 @@ class KVPool:
         self.num_kv_heads = shape.num_kv_heads
         self.head_dim = shape.head_dim
         # [layer, k/v, slot, kv_head, head_dim]
-        self.buffer = torch.zeros(
-            shape.num_layers,
-            2,
-            self.num_slots,
-            shape.num_kv_heads,
-            shape.head_dim,
-            dtype=dtype,
-            device=device,
-        )
+        dims = (shape.num_layers, 2, self.num_slots, shape.num_kv_heads, shape.head_dim)
+        if device.type == "cpu":
+            # Decode attention reads pages scattered over the pool: huge pages spare it most
+            # TLB misses. Written once here, so no request pays for first-touch page faults.
+            self.buffer = huge_page_zeros(dims, dtype).zero_()
+        else:
+            self.buffer = torch.zeros(dims, dtype=dtype, device=device)
 
     def k_cache(self, layer_id: int) -> torch.Tensor:
         return self.buffer[layer_id, 0]

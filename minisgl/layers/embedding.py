@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from minisgl.distributed import all_gather_last_dim, all_reduce, get_tp_info
+from minisgl.kernels.cpu import CpuKernels, PackedLinear
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -36,7 +37,22 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """Logits = h E^T over this rank's vocab slice, gathered to the full vocabulary."""
 
+    _kernels: CpuKernels | None = None
+    _packed: PackedLinear | None = None
+
+    def use_cpu_kernels(self, kernels: CpuKernels, tied: bool) -> None:
+        """Pack the (loaded) weight for the CPU kernels. A tied weight is the embedding's too,
+        which looks rows up by token id, so it is kept (tied models hold the head twice);
+        an untied one is freed."""
+        self._packed = kernels.pack(self.weight.data)
+        self._kernels = kernels
+        if not tied:
+            self.weight = nn.Parameter(self.weight.data.new_empty(0), requires_grad=False)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.weight)
+        if self._kernels is not None and self._packed is not None:
+            logits = self._kernels.linear(hidden, self._packed)
+        else:
+            logits = F.linear(hidden, self.weight)
         logits = all_gather_last_dim(logits)
         return logits[..., : self.vocab_size]

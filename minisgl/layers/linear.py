@@ -4,6 +4,10 @@ Each layer owns only this rank's shard of the weight and knows how to cut its sh
 checkpoint tensor (`weight_loader`), so loading never materializes a whole layer per rank.
 Column parallel: the output dim is split, no communication. Row parallel: the input dim is split,
 partial results are all-reduced.
+
+On CPU in fp32 the engine calls `use_cpu_kernels` once after loading: the weight is repacked into
+the panel layout of minisgl/kernels (read front to back by one kernel call per forward) and the
+original is freed, so the model holds one copy of every weight either way.
 """
 
 from __future__ import annotations
@@ -13,9 +17,35 @@ import torch.nn.functional as F
 from torch import nn
 
 from minisgl.distributed import all_reduce, divide, get_tp_info
+from minisgl.kernels.cpu import CpuKernels, PackedLinear
 
 
-class ColumnParallelLinear(nn.Module):
+class _PackableLinear(nn.Module):
+    """The CPU-kernel switch shared by both linear kinds (weight [out, in], optional bias)."""
+
+    weight: nn.Parameter
+    bias: nn.Parameter | None
+    _kernels: CpuKernels | None = None
+    _packed: PackedLinear | None = None
+
+    def use_cpu_kernels(self, kernels: CpuKernels) -> None:
+        """Repack the loaded weight for `kernels` and free the original (call after loading)."""
+        self._packed = kernels.pack(self.weight.data)
+        self._kernels = kernels
+        # An empty placeholder keeps the parameter's name; nothing reads it after loading.
+        self.weight = nn.Parameter(self.weight.data.new_empty(0), requires_grad=False)
+
+    @property
+    def packed(self) -> PackedLinear | None:
+        return self._packed
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self._kernels is not None and self._packed is not None:
+            return self._kernels.linear(x, self._packed, bias)
+        return F.linear(x, self.weight, bias)
+
+
+class ColumnParallelLinear(_PackableLinear):
     """y = x W^T with W's rows (outputs) split across ranks; several logical weights may merge.
 
     `output_sizes` are the full (unsharded) sizes of the merged parts, e.g. [q, k, v] or
@@ -45,7 +75,7 @@ class ColumnParallelLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.matmul(x, self.bias)
 
     def load_part(
         self, param: nn.Parameter, full: torch.Tensor, part: str, shard_rank: int
@@ -58,7 +88,7 @@ class ColumnParallelLinear(nn.Module):
         param.data.narrow(0, start, shard).copy_(piece)
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(_PackableLinear):
     """y = x W^T with W's columns (inputs) split across ranks; partial sums are all-reduced."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool) -> None:
@@ -70,7 +100,7 @@ class RowParallelLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = all_reduce(F.linear(x, self.weight))
+        y = all_reduce(self.matmul(x, None))
         if self.bias is not None:
             y = y + self.bias
         return y

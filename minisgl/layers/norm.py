@@ -1,7 +1,11 @@
+"""RMSNorm, computed in fp32 like the HF reference; on CPU in fp32 through the fused kernels."""
+
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from minisgl.kernels.cpu import kernels_for
 
 
 class RMSNorm(nn.Module):
@@ -11,6 +15,31 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        kernels = kernels_for(x)
+        if kernels is not None and x.dim() == 2:
+            return kernels.rmsnorm(x, self.weight, self.eps)
+        return self._reference(x)
+
+    def forward_residual(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual): a pre-norm decoder's residual add and norm in
+        one pass. `residual` may be updated in place and returned: callers hand it over."""
+        kernels = kernels_for(x)
+        if kernels is not None and x.dim() == 2 and residual.is_contiguous():
+            return kernels.rmsnorm(x, self.weight, self.eps, residual), residual
+        residual = x + residual
+        return self._reference(residual), residual
+
+    def forward_heads_(self, x: torch.Tensor) -> torch.Tensor:
+        """Normalize every head of x [tokens, heads, head_dim] (Qwen3's q/k norm), in place
+        where the kernels apply; returns the result either way."""
+        kernels = kernels_for(x)
+        if kernels is not None and kernels.rmsnorm_heads_(x, self.weight, self.eps):
+            return x
+        return self._reference(x)
+
+    def _reference(self, x: torch.Tensor) -> torch.Tensor:
         # Compute in fp32 like the HF reference, then return in the input dtype.
         dtype = x.dtype
         x32 = x.float()

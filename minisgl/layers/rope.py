@@ -9,6 +9,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from minisgl.kernels.cpu import kernels_for
+
 
 @dataclass(frozen=True)
 class RopeConfig:
@@ -89,7 +91,11 @@ class RotaryEmbedding(nn.Module):
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: [tokens, heads, head_dim], k: [tokens, kv_heads, head_dim]."""
+        """q: [tokens, heads, head_dim], k: [tokens, kv_heads, head_dim]. On CPU in fp32 they
+        are rotated in place (one kernel call) and returned."""
+        kernels = kernels_for(q)
+        if kernels is not None and kernels.rope_(q, k, positions, self.cos_cache, self.sin_cache):
+            return q, k
         cos = self.cos_cache[positions].unsqueeze(1).to(q.dtype)  # [tokens, 1, head_dim]
         sin = self.sin_cache[positions].unsqueeze(1).to(q.dtype)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)

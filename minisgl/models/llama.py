@@ -13,12 +13,15 @@ from torch import nn
 
 from minisgl.distributed import divide, get_tp_info
 from minisgl.engine.context import get_forward_context
+from minisgl.kernels.cpu import CpuKernels, kernels_for
+from minisgl.kvcache.pool import KVPool
 from minisgl.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from minisgl.layers.linear import ColumnParallelLinear, RowParallelLinear
 from minisgl.layers.moe import SparseMoeBlock
 from minisgl.layers.norm import RMSNorm
 from minisgl.layers.rope import RotaryEmbedding
 from minisgl.models.config import ModelConfig
+from minisgl.models.cpu_decoder import CpuDecodeStack
 
 
 def local_head_counts(cfg: ModelConfig) -> tuple[int, int]:
@@ -72,7 +75,7 @@ class Attention(nn.Module):
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
+            q, k = self.q_norm.forward_heads_(q), self.k_norm.forward_heads_(k)
         q, k = self.rope(positions, q, k)
         ctx = get_forward_context()
         out = ctx.backend.forward(q, k, v, self.layer_id, self.scale, ctx.kv_pool, ctx.metadata)
@@ -91,7 +94,11 @@ class MLP(nn.Module):
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        kernels = kernels_for(gate_up)
+        if kernels is not None:
+            return self.down_proj(kernels.silu_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -109,9 +116,20 @@ class DecoderLayer(nn.Module):
         else:
             self.mlp = MLP(cfg)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden))
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def forward(
+        self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pre-norm residual stream, carried as (this layer's output, the residual before it):
+        the next norm adds them in the same pass (`forward_residual`). The sums are the HF
+        model's `hidden + attn(norm(hidden))`, in the same order and dtype."""
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm.forward_residual(hidden, residual)
+        hidden = self.self_attn(positions, hidden)
+        hidden, residual = self.post_attention_layernorm.forward_residual(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class DecoderStack(nn.Module):
@@ -133,13 +151,50 @@ class CausalLM(nn.Module):
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        # Set by use_cpu_kernels where the fused decode applies (see models/cpu_decoder.py).
+        self.cpu_decode_stack: CpuDecodeStack | None = None
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, logit_indices: torch.Tensor
     ) -> torch.Tensor:
         """input_ids, positions: [tokens]; returns logits [len(logit_indices), vocab] in fp32."""
         hidden = self.model.embed_tokens(input_ids)
+        residual: torch.Tensor | None = None
         for layer in self.model.layers:
-            hidden = layer(positions, hidden)
-        hidden = self.model.norm(hidden[logit_indices])
+            hidden, residual = layer(positions, hidden, residual)
+        if residual is not None:  # a model with no layers has no residual to add
+            hidden = hidden[logit_indices] + residual[logit_indices]
+        hidden = self.model.norm(hidden)
         return self.lm_head.compute_logits(hidden).float()
+
+    def use_cpu_kernels(self, kernels: CpuKernels, fused_decode: bool = True) -> None:
+        """Repack every dense weight for the fp32 CPU kernels (after loading; see
+        minisgl/kernels/cpu.py). Experts keep their torch path. `fused_decode`: build the
+        one-call decode stack where it applies (it does its own attention, so only where the
+        torch-native backend is the one in use)."""
+        for module in self.modules():
+            if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+                module.use_cpu_kernels(kernels)
+        self.lm_head.use_cpu_kernels(kernels, tied=self.cfg.tie_word_embeddings)
+        if fused_decode:
+            self.cpu_decode_stack = CpuDecodeStack.build(self, kernels)
+
+    def forward_decode_cpu(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        out_slots: torch.Tensor,
+        page_table: torch.Tensor,
+        table_rows: torch.Tensor,
+        kv_lens: torch.Tensor,
+        pool: KVPool,
+    ) -> torch.Tensor:
+        """`forward` for a decode-only batch through `cpu_decode_stack` (which must be set):
+        one token per sequence, every one sampled; int64 index tensors [seqs]. Writes each
+        token's K/V to the pool at out_slots and returns logits [seqs, vocab] in fp32."""
+        assert self.cpu_decode_stack is not None
+        hidden = self.model.embed_tokens(input_ids)
+        hidden = self.cpu_decode_stack.forward(
+            hidden, positions, out_slots, page_table, table_rows, kv_lens, pool
+        )
+        return self.lm_head.compute_logits(self.model.norm(hidden)).float()

@@ -1,0 +1,136 @@
+"""Building the CPU kernels' library: the C sources in `csrc/`, compiled once per machine.
+
+`gcc -O3 -march=native -fopenmp` (then without `-march=native` if the compiler rejects it) into
+`$MINISGL_CACHE_DIR/kernels/` (default `~/.cache/minisgl/kernels/`), named by a hash of the
+sources, the compiler and its version, the flags and this CPU (what `-march=native` depends on),
+so an edited source or another CPU gets its own build. Concurrent first uses (tensor-parallel
+ranks, --dp replicas, test workers) take turns on a lock file next to the library, so one of them
+compiles and the others load its result; the compiler writes a private temporary file that is
+renamed into place, so no process ever loads half a library (also where locks do not work).
+The cache folder is created private to the user (mode 0700): a library loaded from it runs with
+the user's rights.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+CACHE_DIR_ENV = "MINISGL_CACHE_DIR"  # shared with the default model's cache (models/)
+SOURCE_DIR = Path(__file__).with_name("csrc")
+COMPILERS = ("gcc", "cc")
+FLAGS = ("-O3", "-fopenmp", "-ffp-contract=fast", "-std=gnu11", "-shared", "-fPIC")
+NATIVE_FLAGS = ("-march=native",)  # dropped if the compiler rejects it
+BUILD_TIMEOUT_S = 120
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get(CACHE_DIR_ENV)
+    return (Path(root) if root else Path.home() / ".cache" / "minisgl") / "kernels"
+
+
+def _cpu_identity() -> str:
+    """What -march=native depends on: the CPU model and its feature flags."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or platform.machine()
+    keep = [
+        line
+        for line in text.splitlines()
+        if line.split(":")[0].strip() in ("model name", "flags", "Features", "CPU part")
+    ]
+    return "\n".join(sorted(set(keep))) or platform.machine()
+
+
+def _compiler_version(compiler: str) -> str:
+    try:
+        result = subprocess.run(
+            [compiler, "--version"], capture_output=True, text=True, timeout=BUILD_TIMEOUT_S
+        )
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return result.stdout.splitlines()[0] if result.returncode == 0 and result.stdout else ""
+
+
+@contextlib.contextmanager
+def _build_lock(target: Path) -> Iterator[None]:
+    """Hold an exclusive lock on `target`'s lock file (blocking; released on exit or death)."""
+    target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    with open(target.with_suffix(".lock"), "a") as lock_file:
+        # A filesystem without locks raises: the atomic rename still keeps every process safe.
+        with contextlib.suppress(OSError):
+            fcntl.flock(lock_file, fcntl.LOCK_EX)
+        yield  # closing the file releases the lock
+
+
+def _compile(compiler: str, flags: tuple[str, ...], target: Path) -> str | None:
+    """Build the library at `target` (atomically); returns an error message or None."""
+    fd, tmp_name = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    sources = [str(path) for path in _sources() if path.suffix == ".c"]
+    cmd = [compiler, *flags, *sources, "-o", tmp_name, "-lm"]
+    try:
+        result = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
+        if result.returncode != 0:
+            return f"{' '.join(cmd)} failed: {result.stderr.strip()[-2000:]}"
+        os.replace(tmp_name, target)
+        return None
+    except (OSError, subprocess.SubprocessError) as exc:
+        return f"{' '.join(cmd)} failed: {exc}"
+    finally:
+        if os.path.exists(tmp_name):
+            os.unlink(tmp_name)
+
+
+def _sources() -> list[Path]:
+    return sorted(SOURCE_DIR.glob("*.[ch]"))
+
+
+def build_library() -> Path:
+    """The compiled library for this machine: from the cache, or built now. Raises with the
+    compiler's message when it cannot be built."""
+    compiler = next((c for c in COMPILERS if shutil.which(c)), None)
+    if compiler is None:
+        raise RuntimeError(f"no C compiler found (looked for {', '.join(COMPILERS)})")
+    version = _compiler_version(compiler)
+    errors = []
+    for flags in (FLAGS + NATIVE_FLAGS, FLAGS):
+        key = hashlib.sha256(
+            "\n".join(
+                [
+                    *(path.read_text() for path in _sources()),
+                    compiler,
+                    version,
+                    " ".join(flags),
+                    _cpu_identity(),
+                ]
+            ).encode()
+        ).hexdigest()[:16]
+        target = _cache_dir() / f"minisgl_cpu_{key}.so"
+        if target.exists():
+            return target
+        with _build_lock(target):
+            if target.exists():  # built by another process while we waited for the lock
+                return target
+            start_s = time.perf_counter()
+            error = _compile(compiler, flags, target)
+        if error is None:
+            logger.info(
+                "built the CPU kernels in %.1f s: %s", time.perf_counter() - start_s, target
+            )
+            return target
+        errors.append(error)
+    raise RuntimeError("; ".join(errors))

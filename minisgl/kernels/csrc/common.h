@@ -1,0 +1,213 @@
+/* Shared by minisgl's fp32 CPU kernels (this folder): vector helpers, the work-splitting
+ * primitives, and the ops' range functions that the standalone entry points (mg_* in each file,
+ * one OpenMP region per call) and the fused decode stack (decode.c, one region per step) share.
+ *
+ * Built at first use by minisgl/kernels/cpu.py (gcc -O3 -march=native -fopenmp, every .c here
+ * into one library) and called through ctypes with raw pointers: no torch headers, so the build
+ * takes a second or two and needs nothing beyond a C compiler.
+ *
+ * Every kernel computes in fp32 with the formulas of the torch ops it replaces (only summation
+ * order and fused multiply-adds differ), and no result depends on the thread count or on which
+ * thread computed it: work is split by output element, never inside one sum.
+ *
+ * The OpenMP runtime is the one torch already loaded (same soname): the kernels share torch's
+ * thread pool, and callers pass torch's thread count explicitly.
+ */
+#ifndef MINISGL_CPU_COMMON_H
+#define MINISGL_CPU_COMMON_H
+
+#include <math.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <string.h>
+
+/* Bumped whenever an exported signature changes, so a stale cached build is never called. */
+#define MG_ABI_VERSION 6
+
+/* Vector width in floats: GCC vector extensions compile to AVX-512, AVX2 or SSE/NEON. */
+#if defined(__AVX512F__)
+#define VW 16
+#define MR 12 /* rows per GEMM tile: 2*MR accumulators + 2 panel vectors fit 32 registers */
+#elif defined(__AVX__)
+#define VW 8
+#define MR 6 /* 16 registers */
+#else
+#define VW 4
+#define MR 6
+#endif
+#define NB (2 * VW) /* panel width: output columns per packed panel */
+
+static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+static inline int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
+
+typedef float vf __attribute__((vector_size(VW * sizeof(float))));
+typedef int32_t vi __attribute__((vector_size(VW * sizeof(int32_t))));
+
+static inline vf vload(const float* p) {
+    vf v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+static inline void vstore(float* p, vf v) { memcpy(p, &v, sizeof v); }
+static inline vf vsplat(float s) { return (vf){0} + s; }
+/* Horizontal sum as a tree of half-swaps (log2(VW) shuffles, not VW dependent adds). */
+static inline float vsum(vf v) {
+#if VW == 16
+    v += __builtin_shuffle(v, (vi){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
+    v += __builtin_shuffle(v, (vi){4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11});
+    v += __builtin_shuffle(v, (vi){2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13});
+    v += __builtin_shuffle(v, (vi){1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14});
+#elif VW == 8
+    v += __builtin_shuffle(v, (vi){4, 5, 6, 7, 0, 1, 2, 3});
+    v += __builtin_shuffle(v, (vi){2, 3, 0, 1, 6, 7, 4, 5});
+    v += __builtin_shuffle(v, (vi){1, 0, 3, 2, 5, 4, 7, 6});
+#else
+    v += __builtin_shuffle(v, (vi){2, 3, 0, 1});
+    v += __builtin_shuffle(v, (vi){1, 0, 3, 2});
+#endif
+    return v[0];
+}
+/* Lane-wise select (C has no vector ?:): comparisons give all-ones / all-zeros lanes. */
+static inline vf vselect(vi mask, vf a, vf b) { return (vf)(((vi)a & mask) | ((vi)b & ~mask)); }
+static inline vf vmin(vf a, vf b) { return vselect(a < b, a, b); }
+static inline vf vmax(vf a, vf b) { return vselect(a > b, a, b); }
+
+/* exp(x) for a vector: Cephes' expf (range reduction by ln 2, degree-6 polynomial), within
+ * about 1 ulp of libm. Inputs are clamped to where the result is a normal float. */
+static inline vf vexp(vf x) {
+    x = vmin(vmax(x, vsplat(-87.3365447505531f)), vsplat(88.3762626647949f));
+    const vf round_magic = vsplat(12582912.0f); /* 1.5 * 2^23: adding it rounds to an integer */
+    vf n = (x * 1.44269504088896341f + round_magic) - round_magic;
+    vf r = x - n * 0.693359375f;
+    r = r - n * -2.12194440e-4f;
+    vf p = vsplat(1.9875691500e-4f);
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * (r * r) + r + 1.0f;
+    vi bits = (__builtin_convertvector(n, vi) + 127) << 23;
+    vf scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
+}
+
+static inline float sexp(float x) {
+    float lanes[VW] = {x};
+    vf v = vexp(vload(lanes));
+    return v[0];
+}
+
+
+/* ---- splitting work over threads -------------------------------------------------------------
+ * An op is a range function over `items` independent work items (rows, panels, ...). The
+ * standalone entry points run it in one OpenMP region (run_parallel); the fused decode stack
+ * runs a whole step in one region and hands each op to its team (team_run): threads take chunks
+ * of items from a shared counter, then meet at a barrier that spins briefly and then yields the
+ * core, so a thread another process preempted delays the others little and costs them no CPU. */
+typedef void (*range_fn)(const void* args, int64_t begin, int64_t end);
+
+void run_parallel(const void* args, range_fn fn, int64_t items, int64_t chunk, int nthreads);
+
+typedef struct {
+    atomic_int arrived;
+    atomic_int generation;
+} mg_barrier;
+
+typedef struct {
+    int size;
+    mg_barrier* barrier;
+    atomic_llong* counters; /* one per team_run of a step, zeroed before the region */
+    int64_t num_counters;
+    int64_t next_counter; /* every thread walks the same sequence of ops */
+} mg_team;
+
+void team_sync(mg_team* team);
+/* Runs fn over [0, items) in chunks across the team, then team_sync. Returns 0, or 1 when the
+ * step needs more counters than were allocated (a bug: the op count per layer changed). */
+int team_run(mg_team* team, const void* args, range_fn fn, int64_t items, int64_t chunk);
+
+/* ---- the ops (range functions and their arguments) -------------------------------------------- */
+typedef struct {
+    const float* x;
+    int64_t ldx;
+    const float* packed;
+    const float* bias;
+    float* y;
+    int64_t ldy, M, K, N;
+} linear_args;
+int64_t linear_items(const linear_args* a);
+int64_t linear_chunk(const linear_args* a, int nthreads);
+void linear_range(const void* args, int64_t begin, int64_t end);
+
+typedef struct {
+    const float* x;
+    int64_t ldx, heads;
+    float* residual; /* NULL, or [T, H] with row stride ldr: x + residual is normalized */
+    int64_t ldr;
+    const float* w;
+    float* out;
+    int64_t ldo, H;
+    float eps;
+} rmsnorm_args;
+void rmsnorm_range(const void* args, int64_t begin, int64_t end); /* rows: T * heads */
+
+typedef struct {
+    const float* gu;
+    int64_t ldg;
+    float* out;
+    int64_t ldo, I;
+} silu_mul_args;
+void silu_mul_range(const void* args, int64_t begin, int64_t end); /* rows */
+
+typedef struct {
+    float* q;
+    int64_t ldq, hq;
+    float* k;
+    int64_t ldk, hk, D;
+    const int64_t* positions;
+    const float* cos_cache;
+    const float* sin_cache;
+} rope_args;
+void rope_range(const void* args, int64_t begin, int64_t end); /* tokens */
+
+typedef struct {
+    const float* k;
+    int64_t ldk;
+    const float* v;
+    int64_t ldv;
+    float* k_cache;
+    float* v_cache;
+    const int64_t* slots;
+    int64_t width;
+} store_kv_args;
+void store_kv_range(const void* args, int64_t begin, int64_t end); /* tokens */
+
+typedef struct {
+    const float* q;
+    int64_t ldq;
+    const int64_t* q_rows; /* NULL: decode b's query is row b */
+    const float* k_cache;
+    const float* v_cache;
+    const int32_t* page_table;
+    int64_t ld_pt;
+    const int64_t* table_rows;
+    const int64_t* kv_lens;
+    float* out;
+    int64_t ldo, B, hq, hk, D;
+    float scale;
+    /* work items: decode b owns items [first_item[b], first_item[b + 1]) */
+    const int64_t* first_item;
+    const int64_t* item_seq;
+    float* parts; /* per item: max [hq], sum [hq], acc [hq, D] */
+} attention_args;
+/* Checks the shapes and fills first_item [B + 1]; returns the item count, or -1 when the head
+ * count or head_dim is over the kernel's limits. */
+int64_t attention_count_items(const attention_args* a, int64_t* first_item);
+void attention_fill_item_seq(const attention_args* a, const int64_t* first_item, int64_t* item_seq);
+int64_t attention_part_floats(const attention_args* a); /* per item */
+void attention_items_range(const void* args, int64_t begin, int64_t end);
+void attention_merge_range(const void* args, int64_t begin, int64_t end); /* decodes */
+
+#endif

@@ -1,0 +1,308 @@
+/* Work splitting, and a whole dense decoder stack for a decode-only batch in one call.
+ *
+ * Sequence b computes one token at positions[b] of table row table_rows[b] (KV length
+ * kv_lens[b], its K/V stored at out_slots[b]). Per layer, exactly the op-by-op path's kernels in
+ * the same order (so the same numbers):
+ *   normed = rmsnorm(hidden + residual)        (layer 0: residual = hidden, normed = rmsnorm)
+ *   qkv = normed @ Wqkv^T (+ bias); q/k head norms (Qwen3); rope; store k, v
+ *   attn = paged decode attention;  o = attn @ Wo^T
+ *   normed = rmsnorm(o + residual);  hidden = silu_mul(normed @ Wgu^T) @ Wdown^T
+ * On return `hidden` holds the last layer's output plus the residual: what the final norm
+ * takes. Pool layout: [layers, 2 (k, v), num_slots, kv_heads, head_dim], contiguous.
+ *
+ * The whole step is one OpenMP region: the ~10 ops of each layer meet at our own barrier
+ * (team_sync), which spins for a few microseconds and then yields the core. libgomp's own
+ * barriers either spin for milliseconds (its default: on a machine shared with other processes
+ * a preempted thread then stalls every op, and the spinning threads take the CPU it needs) or
+ * sleep at once (OMP_WAIT_POLICY=PASSIVE: every region then pays a wake-up), and a step at
+ * batch 1 has ~300 of them. */
+#include <omp.h>
+#include <sched.h>
+#include <stdlib.h>
+#include <time.h>
+
+#include "common.h"
+
+#define BARRIER_SPIN_NS 3000 /* spin this long at a barrier before yielding the core */
+#define BARRIER_CLOCK_EVERY 64 /* spins between clock reads */
+#define OPS_PER_LAYER 12 /* team_run calls per layer, an upper bound */
+#define OPS_PER_STEP 4 /* team_run calls outside the layers, an upper bound */
+
+int mg_abi_version(void) { return MG_ABI_VERSION; }
+
+void run_parallel(const void* args, range_fn fn, int64_t items, int64_t chunk, int nthreads) {
+    const int64_t chunks = (items + chunk - 1) / chunk;
+    if (nthreads <= 1 || chunks <= 1) {
+        if (items > 0) fn(args, 0, items);
+        return;
+    }
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads)
+    for (int64_t c = 0; c < chunks; c++) fn(args, c * chunk, min64(items, (c + 1) * chunk));
+}
+
+static inline void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
+#endif
+}
+
+static inline int64_t now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+}
+
+void team_sync(mg_team* team) {
+    if (team->size == 1) return;
+    mg_barrier* b = team->barrier;
+    const int generation = atomic_load_explicit(&b->generation, memory_order_acquire);
+    if (atomic_fetch_add_explicit(&b->arrived, 1, memory_order_acq_rel) == team->size - 1) {
+        atomic_store_explicit(&b->arrived, 0, memory_order_relaxed);
+        atomic_fetch_add_explicit(&b->generation, 1, memory_order_release);
+        return;
+    }
+    int64_t spin_until = 0;
+    for (int64_t spins = 0;
+         atomic_load_explicit(&b->generation, memory_order_acquire) == generation; spins++) {
+        if (spins % BARRIER_CLOCK_EVERY == 0) {
+            const int64_t t = now_ns();
+            if (spin_until == 0) spin_until = t + BARRIER_SPIN_NS;
+            if (t > spin_until) {
+                sched_yield();
+                continue;
+            }
+        }
+        cpu_relax();
+    }
+}
+
+int team_run(mg_team* team, const void* args, range_fn fn, int64_t items, int64_t chunk) {
+    if (team->next_counter >= team->num_counters) return 1;
+    atomic_llong* counter = &team->counters[team->next_counter++];
+    for (;;) {
+        const int64_t begin = atomic_fetch_add_explicit(counter, chunk, memory_order_relaxed);
+        if (begin >= items) break;
+        fn(args, begin, min64(items, begin + chunk));
+    }
+    team_sync(team);
+    return 0;
+}
+
+/* ---- the stack -------------------------------------------------------------------------------- */
+typedef struct {
+    const float* input_norm;
+    const float* post_norm;
+    const float* qkv;
+    const float* qkv_bias; /* NULL: none */
+    const float* q_norm;   /* NULL: no per-head q/k norm */
+    const float* k_norm;
+    const float* o;
+    const float* gate_up;
+    const float* down;
+} mg_layer;
+
+typedef struct {
+    int64_t num_layers, hidden, heads, kv_heads, head_dim, inter;
+    float eps, head_norm_eps, scale;
+    const float* cos_cache;
+    const float* sin_cache;
+    const mg_layer* layers;
+} mg_model;
+
+/* Per-op wall time, summed over layers, when the caller passes MG_NUM_OPS doubles
+ * (benchmark/offline/profile_decode.py); NULL costs nothing. */
+enum {
+    OP_NORM, OP_QKV, OP_HEAD_NORM, OP_ROPE_STORE, OP_ATTENTION, OP_O_PROJ, OP_GATE_UP,
+    OP_SILU_MUL, OP_DOWN, MG_NUM_OPS
+};
+int mg_num_ops(void) { return MG_NUM_OPS; }
+
+static inline void lap(double* op_seconds, int op, int64_t* last) {
+    if (!op_seconds) return;
+    const int64_t t = now_ns();
+    op_seconds[op] += 1e-9 * (double)(t - *last);
+    *last = t;
+}
+
+/* Floats of scratch mg_decode_layers needs for B sequences (besides attention's). */
+int64_t mg_decode_scratch_floats(const mg_model* m, int64_t B) {
+    const int64_t q = m->heads * m->head_dim, kv = m->kv_heads * m->head_dim;
+    return B * (3 * m->hidden + (q + 2 * kv) + q + 3 * m->inter);
+}
+
+typedef struct {
+    const float* src;
+    float* dst;
+    int64_t width;
+    int add; /* dst += src instead of dst = src */
+} rows_args;
+
+static void rows_range(const void* args, int64_t begin, int64_t end) {
+    const rows_args* a = args;
+    for (int64_t r = begin; r < end; r++) {
+        const float* s = a->src + r * a->width;
+        float* d = a->dst + r * a->width;
+        if (!a->add) {
+            memcpy(d, s, (size_t)a->width * sizeof(float));
+            continue;
+        }
+        for (int64_t i = 0; i < a->width; i++) d[i] += s[i];
+    }
+}
+
+typedef struct {
+    rope_args rope;
+    store_kv_args store;
+} rope_store_args;
+
+static void rope_store_range(const void* args, int64_t begin, int64_t end) {
+    const rope_store_args* a = args;
+    rope_range(&a->rope, begin, end);
+    store_kv_range(&a->store, begin, end);
+}
+
+typedef struct {
+    const mg_model* m;
+    float* hidden;
+    int64_t B;
+    const int64_t* positions;
+    const int64_t* out_slots;
+    float* pool;
+    int64_t num_slots;
+    float* scratch;
+    attention_args attention; /* with its items planned */
+    int64_t attention_items;
+    double* op_seconds; /* recorded by thread 0 */
+} step_args;
+
+/* One thread's part of a step (every thread runs it). Returns 0, or 1 if out of counters. */
+static int decode_step(mg_team* team, const step_args* s, int is_timer) {
+    const mg_model* m = s->m;
+    const int64_t B = s->B, H = m->hidden, D = m->head_dim, I = m->inter;
+    const int64_t q_width = m->heads * D, kv_width = m->kv_heads * D;
+    const int64_t qkv_width = q_width + 2 * kv_width;
+    const int nthreads = team->size;
+    float* residual = s->scratch;
+    float* normed = residual + B * H;
+    float* o = normed + B * H;
+    float* qkv = o + B * H;
+    float* attn = qkv + B * qkv_width;
+    float* gate_up = attn + B * q_width;
+    float* act = gate_up + B * 2 * I;
+    double* timers = is_timer ? s->op_seconds : 0;
+    int64_t last = timers ? now_ns() : 0;
+    const int64_t cache_floats = s->num_slots * kv_width;
+    const int64_t rows = max64(1, (B + 2 * nthreads - 1) / (2 * nthreads)); /* row chunk */
+    int failed = 0;
+    const rows_args copy = {s->hidden, residual, B * H, 0};
+    failed |= team_run(team, &copy, rows_range, 1, 1);
+    for (int64_t l = 0; l < m->num_layers && !failed; l++) {
+        const mg_layer* L = &m->layers[l];
+        float* k_cache = s->pool + (2 * l) * cache_floats;
+        float* v_cache = s->pool + (2 * l + 1) * cache_floats;
+        const rmsnorm_args norm1 = {s->hidden, H, 1, l ? residual : 0, H, L->input_norm,
+                                    normed, H, H, m->eps};
+        failed |= team_run(team, &norm1, rmsnorm_range, B, rows);
+        lap(timers, OP_NORM, &last);
+        const linear_args qkv_proj = {normed, H, L->qkv, L->qkv_bias, qkv, qkv_width, B, H,
+                                      qkv_width};
+        failed |= team_run(team, &qkv_proj, linear_range, linear_items(&qkv_proj),
+                           linear_chunk(&qkv_proj, nthreads));
+        lap(timers, OP_QKV, &last);
+        float* q = qkv;
+        float* k = qkv + q_width;
+        float* v = k + kv_width;
+        if (L->q_norm && L->k_norm) {
+            const rmsnorm_args qn = {q, qkv_width, m->heads, 0, 0, L->q_norm, q, qkv_width, D,
+                                     m->head_norm_eps};
+            const rmsnorm_args kn = {k, qkv_width, m->kv_heads, 0, 0, L->k_norm, k, qkv_width, D,
+                                     m->head_norm_eps};
+            failed |= team_run(team, &qn, rmsnorm_range, B * m->heads, rows * m->heads);
+            failed |= team_run(team, &kn, rmsnorm_range, B * m->kv_heads, rows * m->kv_heads);
+            lap(timers, OP_HEAD_NORM, &last);
+        }
+        const rope_store_args rope_store = {
+            {q, qkv_width, m->heads, k, qkv_width, m->kv_heads, D, s->positions, m->cos_cache,
+             m->sin_cache},
+            {k, qkv_width, v, qkv_width, k_cache, v_cache, s->out_slots, kv_width}};
+        failed |= team_run(team, &rope_store, rope_store_range, B, rows);
+        lap(timers, OP_ROPE_STORE, &last);
+        attention_args attention = s->attention;
+        attention.q = q, attention.ldq = qkv_width;
+        attention.k_cache = k_cache, attention.v_cache = v_cache;
+        attention.out = attn, attention.ldo = q_width;
+        failed |= team_run(team, &attention, attention_items_range, s->attention_items, 1);
+        failed |= team_run(team, &attention, attention_merge_range, B, 1);
+        lap(timers, OP_ATTENTION, &last);
+        const linear_args o_proj = {attn, q_width, L->o, 0, o, H, B, q_width, H};
+        failed |= team_run(team, &o_proj, linear_range, linear_items(&o_proj),
+                           linear_chunk(&o_proj, nthreads));
+        lap(timers, OP_O_PROJ, &last);
+        const rmsnorm_args norm2 = {o, H, 1, residual, H, L->post_norm, normed, H, H, m->eps};
+        failed |= team_run(team, &norm2, rmsnorm_range, B, rows);
+        lap(timers, OP_NORM, &last);
+        const linear_args gu_proj = {normed, H, L->gate_up, 0, gate_up, 2 * I, B, H, 2 * I};
+        failed |= team_run(team, &gu_proj, linear_range, linear_items(&gu_proj),
+                           linear_chunk(&gu_proj, nthreads));
+        lap(timers, OP_GATE_UP, &last);
+        const silu_mul_args silu = {gate_up, 2 * I, act, I, I};
+        failed |= team_run(team, &silu, silu_mul_range, B, rows);
+        lap(timers, OP_SILU_MUL, &last);
+        const linear_args down_proj = {act, I, L->down, 0, s->hidden, H, B, I, H};
+        failed |= team_run(team, &down_proj, linear_range, linear_items(&down_proj),
+                           linear_chunk(&down_proj, nthreads));
+        lap(timers, OP_DOWN, &last);
+    }
+    const rows_args add = {residual, s->hidden, H, 1};
+    failed |= team_run(team, &add, rows_range, B, rows);
+    lap(timers, OP_NORM, &last);
+    return failed;
+}
+
+/* Returns 0; 1 for attention shapes over the kernel's limits; 2 when out of memory; 3 when the
+ * step ran out of work counters (a bug). */
+int mg_decode_layers(const mg_model* m, float* hidden, int64_t B, const int64_t* positions,
+                     const int64_t* out_slots, const int32_t* page_table, int64_t ld_pt,
+                     const int64_t* table_rows, const int64_t* kv_lens, float* pool,
+                     int64_t num_slots, float* scratch, double* op_seconds, int nthreads) {
+    if (B == 0) return 0;
+    step_args s = {m, hidden, B, positions, out_slots, pool, num_slots, scratch,
+                   {0, 0, 0, 0, 0, page_table, ld_pt, table_rows, kv_lens, 0, 0, B, m->heads,
+                    m->kv_heads, m->head_dim, m->scale, 0, 0, 0},
+                   0, op_seconds};
+    const int64_t num_counters = m->num_layers * OPS_PER_LAYER + OPS_PER_STEP;
+    int64_t* first_item = malloc((size_t)(B + 1) * sizeof(int64_t));
+    atomic_llong* counters = calloc((size_t)num_counters, sizeof(atomic_llong));
+    int64_t* item_seq = 0;
+    float* parts = 0;
+    int status = 2;
+    if (!first_item || !counters) goto done;
+    s.attention_items = attention_count_items(&s.attention, first_item);
+    if (s.attention_items < 0) {
+        status = 1;
+        goto done;
+    }
+    item_seq = malloc((size_t)s.attention_items * sizeof(int64_t));
+    parts = malloc((size_t)(s.attention_items * attention_part_floats(&s.attention)) *
+                   sizeof(float));
+    if (!item_seq || !parts) goto done;
+    attention_fill_item_seq(&s.attention, first_item, item_seq);
+    s.attention.first_item = first_item, s.attention.item_seq = item_seq;
+    s.attention.parts = parts;
+    mg_barrier barrier;
+    atomic_init(&barrier.arrived, 0);
+    atomic_init(&barrier.generation, 0);
+    atomic_int failed;
+    atomic_init(&failed, 0);
+#pragma omp parallel num_threads(nthreads) if (nthreads > 1)
+    {
+        mg_team team = {omp_get_num_threads(), &barrier, counters, num_counters, 0};
+        if (decode_step(&team, &s, omp_get_thread_num() == 0)) atomic_store(&failed, 1);
+    }
+    status = atomic_load(&failed) ? 3 : 0;
+done:
+    free(first_item), free(counters), free(item_seq), free(parts);
+    return status;
+}

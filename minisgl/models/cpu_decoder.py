@@ -1,0 +1,112 @@
+"""The dense decoder stack as one CPU-kernel call per decode step (minisgl/kernels).
+
+At batch 1 a decode step reads every weight once (~20 ms for SmolLM2-135M in fp32), and walking
+30 layers op by op in Python (a dozen calls per layer) adds several ms on top. For a decode-only
+batch `CpuDecodeStack.forward` hands the whole stack to `mg_decode_layers`, which runs the same
+kernels in the same order as the op-by-op path (so the same numbers), with no Python between
+them. It is built only where that path applies: CPU kernels on, one tp rank, dense MLPs (no
+experts), and attention shapes the decode kernel supports; everything else runs op by op.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import TYPE_CHECKING
+
+import torch
+
+from minisgl.distributed import get_tp_info
+from minisgl.kernels.cpu import CpuKernels, LayerWeights, PackedLinear, StackShape
+from minisgl.kvcache.pool import KVPool
+
+if TYPE_CHECKING:
+    from minisgl.models.llama import CausalLM
+
+
+def _ptr(t: torch.Tensor | PackedLinear | None) -> int | None:
+    if t is None:
+        return None
+    return (t.panels if isinstance(t, PackedLinear) else t).data_ptr()
+
+
+class CpuDecodeStack:
+    def __init__(self, kernels: CpuKernels, shape: StackShape, keep: list[object]) -> None:
+        self.kernels = kernels
+        self.shape = shape
+        self._keep = keep  # the ctypes array and tensors the struct points into
+        # float64 [len(DECODE_OPS)]: when set, each step adds its per-op wall time here
+        # (benchmark/offline/profile_decode.py).
+        self.op_seconds: torch.Tensor | None = None
+
+    @staticmethod
+    def build(model: CausalLM, kernels: CpuKernels) -> CpuDecodeStack | None:
+        """None when the stack is not one the fused call covers (see the module docstring)."""
+        from minisgl.models.llama import MLP, DecoderLayer
+
+        cfg = model.cfg
+        layers = [layer for layer in model.model.layers if isinstance(layer, DecoderLayer)]
+        if get_tp_info().size != 1 or not layers or len(layers) != len(model.model.layers):
+            return None
+        attn0 = layers[0].self_attn
+        if not kernels.supports_decode_attention(
+            attn0.num_heads, attn0.num_kv_heads, attn0.head_dim
+        ):
+            return None
+        weights = []
+        for layer in layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            packed = [attn.qkv_proj.packed, attn.o_proj.packed]
+            if not isinstance(mlp, MLP) or mlp.down_proj.bias is not None:
+                return None
+            packed += [mlp.gate_up_proj.packed, mlp.down_proj.packed]
+            if any(p is None for p in packed) or attn.o_proj.bias is not None:
+                return None
+            qkv, o, gate_up, down = packed
+            weights.append(
+                LayerWeights(
+                    _ptr(layer.input_layernorm.weight),
+                    _ptr(layer.post_attention_layernorm.weight),
+                    _ptr(qkv),
+                    _ptr(attn.qkv_proj.bias),
+                    _ptr(attn.q_norm.weight if attn.q_norm is not None else None),
+                    _ptr(attn.k_norm.weight if attn.k_norm is not None else None),
+                    _ptr(o),
+                    _ptr(gate_up),
+                    _ptr(down),
+                )
+            )
+        array = (LayerWeights * len(weights))(*weights)
+        rope = attn0.rope
+        shape = StackShape(
+            len(layers),
+            cfg.hidden_size,
+            attn0.num_heads,
+            attn0.num_kv_heads,
+            attn0.head_dim,
+            cfg.intermediate_size,
+            cfg.rms_norm_eps,
+            attn0.q_norm.eps if attn0.q_norm is not None else cfg.rms_norm_eps,
+            attn0.scale,
+            rope.cos_cache.data_ptr(),
+            rope.sin_cache.data_ptr(),
+            ctypes.cast(array, ctypes.POINTER(LayerWeights)),
+        )
+        return CpuDecodeStack(kernels, shape, [array, rope.cos_cache, rope.sin_cache])
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        out_slots: torch.Tensor,
+        page_table: torch.Tensor,
+        table_rows: torch.Tensor,
+        kv_lens: torch.Tensor,
+        pool: KVPool,
+    ) -> torch.Tensor:
+        """hidden: embeddings [seqs, hidden]; returns the input of the final norm (in place)."""
+        hidden = hidden.contiguous()
+        self.kernels.decode_layers(
+            self.shape, hidden, positions, out_slots, page_table, table_rows, kv_lens,
+            pool.buffer, self.op_seconds,
+        )  # fmt: skip
+        return hidden

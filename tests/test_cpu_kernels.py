@@ -1,0 +1,393 @@
+"""The fp32 CPU kernels (minisgl/kernels) against torch's own ops, and the engine with and
+without them.
+
+Each kernel is compared with the torch reference it replaces, on odd shapes (sizes that are not
+multiples of the vector width or panel width, strided views, grouped heads, shuffled pages).
+Whole models: the kernels' greedy tokens and logprobs equal the torch path's, and the fused
+decode stack (one call per step) equals the op-by-op kernels.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from minisgl import LLM, SamplingParams
+from minisgl.attention.base import AttentionBatch
+from minisgl.attention.torch_native import TorchNativeBackend
+from minisgl.kernels import build, cpu
+from minisgl.kvcache.pool import KVPool, KVShape
+from minisgl.layers.norm import RMSNorm
+from minisgl.layers.rope import RopeConfig, RotaryEmbedding
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+ATOL = 1e-5  # values of order 1: fp32 sums in another order
+LOGPROB_ATOL = 1e-4
+
+KERNELS = cpu.get()
+pytestmark = pytest.mark.skipif(KERNELS is None, reason="no C compiler: the torch path serves")
+
+
+def _kernels() -> cpu.CpuKernels:
+    assert KERNELS is not None
+    return KERNELS
+
+
+def _randn(*shape: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize(
+    ("rows", "in_features", "out_features"),
+    [(1, 576, 960), (3, 64, 33), (13, 37, 100), (100, 96, 250), (1, 1, 1)],
+)
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_matches_f_linear(rows, in_features, out_features, bias):
+    k = _kernels()
+    w = _randn(out_features, in_features, seed=1) / in_features**0.5
+    b = _randn(out_features, seed=2) if bias else None
+    x = _randn(rows, in_features, seed=3)
+    got = k.linear(x, k.pack(w), b)
+    torch.testing.assert_close(got, F.linear(x, w, b), atol=ATOL, rtol=ATOL)
+    # a strided view (every other row) and a leading batch dimension
+    wide = _randn(2 * rows, in_features, seed=4)
+    torch.testing.assert_close(k.linear(wide[::2], k.pack(w), b), F.linear(wide[::2], w, b))
+    x3 = x.view(1, rows, in_features)
+    assert k.linear(x3, k.pack(w), b).shape == (1, rows, out_features)
+
+
+def test_linear_does_not_depend_on_thread_count_or_batch():
+    """Each output element is one sum over k in a fixed order: bitwise equal whatever the
+    threads or the other rows (a sequence's tokens do not depend on its batch mates)."""
+    k = _kernels()
+    w = k.pack(_randn(300, 128, seed=5))
+    x = _randn(40, 128, seed=6)
+    previous = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = k.linear(x, w)
+        torch.set_num_threads(2)
+        two = k.linear(x, w)
+    finally:
+        torch.set_num_threads(previous)
+    assert torch.equal(one, two)
+    assert torch.equal(k.linear(x[5:6], w), one[5:6])
+
+
+def test_rmsnorm_with_and_without_residual():
+    k = _kernels()
+    norm = RMSNorm(70, 1e-6)
+    norm.weight.data = _randn(70, seed=7)
+    x, residual = _randn(9, 70, seed=8), _randn(9, 70, seed=9)
+    torch.testing.assert_close(k.rmsnorm(x, norm.weight, 1e-6), norm._reference(x))
+    summed = x + residual
+    got = k.rmsnorm(x, norm.weight, 1e-6, residual)
+    torch.testing.assert_close(got, norm._reference(summed))
+    assert torch.equal(residual, summed)  # the fused add wrote the sum back
+
+
+def test_head_norm_in_place_on_a_strided_view():
+    k = _kernels()
+    qkv = _randn(5, 4 * 32 + 2 * 2 * 32, seed=10)
+    q = qkv[:, : 4 * 32].view(5, 4, 32)
+    norm = RMSNorm(32, 1e-6)
+    norm.weight.data = _randn(32, seed=11)
+    want = norm._reference(q.clone())
+    untouched = qkv[:, 4 * 32 :].clone()
+    assert k.rmsnorm_heads_(q, norm.weight, 1e-6)
+    torch.testing.assert_close(q, want)
+    assert torch.equal(qkv[:, 4 * 32 :], untouched)
+
+
+def test_silu_mul_matches_torch_over_the_whole_range():
+    k = _kernels()
+    gate = torch.cat([torch.linspace(-120, 120, 2001), _randn(99, seed=12) * 4]).view(4, -1)
+    up = _randn(*gate.shape, seed=13)
+    got = k.silu_mul(torch.cat([gate, up], dim=-1))
+    torch.testing.assert_close(got, F.silu(gate) * up, atol=ATOL, rtol=1e-5)
+
+
+@pytest.mark.parametrize("head_dim", [64, 18])
+def test_rope_in_place_matches_the_reference(head_dim):
+    k = _kernels()
+    rope = RotaryEmbedding(head_dim, 512, RopeConfig(10000.0))
+    qkv = _randn(6, (3 + 2) * head_dim, seed=14)
+    q = qkv[:, : 3 * head_dim].view(6, 3, head_dim)
+    key = qkv[:, 3 * head_dim : 4 * head_dim].view(6, 1, head_dim)
+    positions = torch.tensor([0, 1, 7, 100, 511, 3])
+    want_q, want_k = q.clone(), key.clone()
+    cos = rope.cos_cache[positions].unsqueeze(1)
+    sin = rope.sin_cache[positions].unsqueeze(1)
+    half = head_dim // 2
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
+
+    want_q, want_k = rotate(want_q), rotate(want_k)
+    assert k.rope_(q, key, positions, rope.cos_cache, rope.sin_cache)
+    torch.testing.assert_close(q, want_q, atol=ATOL, rtol=ATOL)
+    torch.testing.assert_close(key, want_k, atol=ATOL, rtol=ATOL)
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim"), [(9, 3, 64), (4, 4, 20), (16, 2, 128), (10, 2, 40)]
+)
+def test_paged_decode_attention_matches_sdpa(page_size, num_heads, num_kv_heads, head_dim):
+    """A mixed batch (decodes of very different KV lengths around a prefill chunk) over a
+    shuffled pool: the kernel's decodes equal the padded-SDPA reference's."""
+    # (prefix_len, extend_len); 1100 spans nine of the kernel's 128-position work items
+    seqs = [(1100, 1), (5, 1), (0, 7), (129, 1), (0, 1)]
+    g = torch.Generator().manual_seed(15)
+    num_pages = sum(-(-(pre + ext) // page_size) for pre, ext in seqs) + 4
+    pool = KVPool(
+        KVShape(2, num_kv_heads, head_dim), num_pages, page_size, torch.float32, torch.device("cpu")
+    )
+    pool.buffer.copy_(torch.randn(pool.buffer.shape, generator=g))
+    width = max(-(-(pre + ext) // page_size) for pre, ext in seqs) * page_size
+    page_table = torch.zeros(len(seqs) + 1, width, dtype=torch.int32)
+    pages = torch.randperm(num_pages, generator=g).tolist()
+    for row, (pre, ext) in enumerate(seqs):
+        for p in range(-(-(pre + ext) // page_size)):
+            page = pages.pop()
+            page_table[row, p * page_size : (p + 1) * page_size] = torch.arange(
+                page * page_size, (page + 1) * page_size
+            )
+    rows = torch.tensor([1, 0, 2, 3, 4])  # not in order: rows and sequences are distinct
+    page_table[rows] = page_table[: len(seqs)].clone()
+    prefix = torch.tensor([pre for pre, _ in seqs])
+    kv_lens = prefix + torch.tensor([ext for _, ext in seqs])
+    token_rows = rows.repeat_interleave(kv_lens - prefix)
+    positions = torch.cat([torch.arange(pre, pre + ext) for pre, ext in seqs])
+    batch = AttentionBatch(
+        table_rows=rows,
+        prefix_lens=prefix,
+        kv_lens=kv_lens,
+        out_slots=page_table[token_rows, positions].long(),
+        page_table=page_table,
+        prefix_lens_cpu=prefix.tolist(),
+        kv_lens_cpu=kv_lens.tolist(),
+        page_size=page_size,
+    )
+    num_tokens = positions.numel()
+    q = torch.randn(num_tokens, num_heads, head_dim, generator=g)
+    k = torch.randn(num_tokens, num_kv_heads, head_dim, generator=g)
+    v = torch.randn(num_tokens, num_kv_heads, head_dim, generator=g)
+    backend = TorchNativeBackend()
+    scale = head_dim**-0.5
+    kernel_meta = backend.prepare(batch)
+    assert kernel_meta.kernel_decodes is not None
+    reference_meta = backend.prepare(batch)
+    reference_meta.kernel_decodes = None  # the SDPA path for everything
+    pool_before = pool.buffer.clone()
+    got = backend.forward(q, k, v, 1, scale, pool, kernel_meta)
+    stored = pool.buffer.clone()
+    pool.buffer.copy_(pool_before)
+    want = backend.forward(q, k, v, 1, scale, pool, reference_meta)
+    torch.testing.assert_close(got, want, atol=ATOL, rtol=ATOL)
+    assert torch.equal(stored, pool.buffer)  # the kernel stored the same K/V
+
+
+def test_seeded_uniform_is_bit_for_bit_the_torch_formula():
+    from minisgl.engine.sampler import _seeded_uniform_torch
+
+    seeds = torch.tensor([0, 1, 2**40 + 5, 123456789, 2**63 - 1])
+    positions = torch.tensor([0, 5, 100000, 3, 2**33])
+    got = _kernels().seeded_uniform(seeds, positions, 1003)
+    assert torch.equal(got, _seeded_uniform_torch(seeds, positions, 1003))
+
+
+def test_sampling_kernel_draws_the_torch_path_tokens(monkeypatch):
+    """Temperature sampling (and greedy rows) in one kernel pass: the same tokens as the torch
+    formula on every row (only a near-tie within fp32 rounding could differ)."""
+    from minisgl.core import SamplingParams
+    from minisgl.engine import sampler
+    from minisgl.engine.device import Device
+
+    vocab, rows = 5003, 48
+    logits = _randn(rows, vocab, seed=16) * 4
+    temps = [0.0 if i % 7 == 0 else 0.2 + 0.05 * i for i in range(rows)]
+    params = [SamplingParams(temperature=t) for t in temps]
+    batch = sampler.SamplingBatch.build(
+        params, list(range(rows)), [3 * i for i in range(rows)], vocab, Device(torch.device("cpu"))
+    )
+    got = sampler.sample(logits, batch).token_ids
+    monkeypatch.setattr(sampler, "cpu_kernels", lambda: None)
+    want = sampler.sample(logits, batch).token_ids
+    assert torch.equal(got, want)
+    assert len(set(got.tolist())) > rows // 2  # it did sample, not collapse to one token
+
+
+def test_sampling_kernel_after_the_grammar_mask_and_penalties(monkeypatch):
+    """The kernel draws from the logits after the grammar mask (-inf) and the penalties: the
+    torch path's tokens, never a masked one, and logprobs still of the raw logits."""
+    from minisgl.core import SamplingParams
+    from minisgl.engine import sampler
+    from minisgl.engine.device import Device
+
+    vocab, rows = 1000, 12
+    logits = _randn(rows, vocab, seed=17) * 3
+    params = [
+        SamplingParams(temperature=0.0 if i % 5 == 0 else 0.3 + 0.1 * i, logprobs=2)
+        for i in range(rows)
+    ]
+    sb = sampler.SamplingBatch.build(
+        params, [100 + i for i in range(rows)], [7] * rows, vocab, Device(torch.device("cpu"))
+    )
+    # rows 1, 5 and 8 constrained: a few allowed tokens each, the raw argmax among the banned
+    allowed = {1: {3, 40, 41, 999}, 5: {int(logits[5].argmin()), 500}, 8: {7}}
+    bits = torch.zeros(len(allowed), -(-vocab // 32), dtype=torch.int64)
+    for k, tokens in enumerate(allowed.values()):
+        for t in tokens:
+            bits[k, t // 32] |= 1 << (t % 32)
+    sb.mask_rows = torch.tensor(list(allowed))
+    sb.mask_bits = torch.where(bits >= 2**31, bits - 2**32, bits).to(torch.int32)
+    # repetition, presence and frequency penalties on every row
+    seen = torch.zeros(rows, vocab, dtype=torch.bool)
+    seen[:, :50] = True
+    counts = torch.zeros(rows, vocab)
+    counts[:, 40:60] = 2.0
+    sb.repetition, sb.seen_mask, sb.output_counts = torch.full((rows,), 1.3), seen, counts
+    sb.presence, sb.frequency = torch.full((rows,), 0.5), torch.full((rows,), 0.25)
+    for seed in range(8):
+        sb.seeds = torch.arange(rows) + 1000 * seed
+        got = sampler.sample(logits, sb)
+        with monkeypatch.context() as m:
+            m.setattr(sampler, "cpu_kernels", lambda: None)
+            want = sampler.sample(logits, sb)
+        assert torch.equal(got.token_ids, want.token_ids)
+        for row, tokens in allowed.items():
+            assert int(got.token_ids[row]) in tokens
+        assert got.logprobs is not None and want.logprobs is not None
+        assert torch.equal(got.logprobs, want.logprobs)
+
+
+def test_concurrent_first_builds_compile_once(tmp_path):
+    """Processes that need the library at once (tp ranks, --dp replicas, test workers) take
+    turns on the build lock: one compiles, the others load its library."""
+    import subprocess
+    import sys
+
+    code = (
+        "import logging, sys; logging.basicConfig(level=logging.INFO, stream=sys.stdout); "
+        "from minisgl.kernels import cpu; assert cpu.get() is not None"
+    )
+    env = {**os.environ, build.CACHE_DIR_ENV: str(tmp_path)}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code], env=env, cwd=REPO_ROOT, stdout=subprocess.PIPE, text=True
+        )
+        for _ in range(3)
+    ]
+    logs = [p.communicate(timeout=300)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0, 0]
+    assert sum("built the CPU kernels" in log for log in logs) == 1
+    assert [f.suffix for f in (tmp_path / "kernels").iterdir() if f.suffix != ".lock"] == [".so"]
+    assert (tmp_path / "kernels").stat().st_mode & 0o077 == 0  # private to the user
+
+
+# ---- whole models -------------------------------------------------------------------------------
+
+PROMPTS = [[5, 17, 300, 2, 9] * 3, [42], list(range(100, 140)), [7, 7, 7, 1000, 3]]
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
+
+
+def _generate(model_dir, **options):
+    with LLM(str(model_dir), dtype="float32", num_pages=256, page_size=4, **options) as llm:
+        outs = llm.generate(PROMPTS, GREEDY)
+        llm.check_page_accounting()
+        return outs, llm.scheduler.engine.model  # type: ignore[attr-defined]
+
+
+def _assert_same(outs, ref_outs) -> None:
+    for out, ref in zip(outs, ref_outs, strict=True):
+        assert out.token_ids == ref.token_ids
+        for lp, ref_lp in zip(out.logprobs, ref.logprobs, strict=True):
+            assert lp.logprob == pytest.approx(ref_lp.logprob, abs=LOGPROB_ATOL)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_models_match_the_torch_path(tiny_models, monkeypatch, arch):
+    """Kernels (fused decode stack included) vs MINISGL_CPU_KERNELS=0, same greedy tokens;
+    qwen2 has q/k/v biases and tied embeddings, qwen3 per-head q/k norms."""
+    outs, model = _generate(tiny_models[arch])
+    assert model.cpu_decode_stack is not None
+    assert model.model.layers[0].self_attn.qkv_proj.packed is not None
+    monkeypatch.setenv(cpu.ENABLE_ENV, "0")
+    cpu.get.cache_clear()
+    try:
+        ref_outs, ref_model = _generate(tiny_models[arch])
+        assert ref_model.model.layers[0].self_attn.qkv_proj.packed is None
+    finally:
+        cpu.get.cache_clear()
+    _assert_same(outs, ref_outs)
+
+
+def test_fused_stack_matches_op_by_op_kernels(tiny_qwen3, monkeypatch):
+    """The one-call decode stack runs the op-by-op kernels in the same order: equal tokens."""
+    outs, _ = _generate(tiny_qwen3)
+    monkeypatch.setattr("minisgl.models.cpu_decoder.CpuDecodeStack.build", lambda *a: None)
+    op_outs, model = _generate(tiny_qwen3)
+    assert model.cpu_decode_stack is None
+    _assert_same(outs, op_outs)
+
+
+def test_without_a_compiler_the_torch_path_serves(tiny_qwen3, monkeypatch, caplog):
+    monkeypatch.setattr(build, "COMPILERS", ("no-such-compiler-here",))
+    cpu.get.cache_clear()
+    try:
+        assert cpu.get() is None
+        assert "CPU kernels unavailable" in caplog.text
+        outs, model = _generate(tiny_qwen3)
+        assert model.cpu_decode_stack is None
+        assert all(len(o.token_ids) == GREEDY.max_tokens for o in outs)
+    finally:
+        cpu.get.cache_clear()
+
+
+def test_overlap_defaults_off_on_cpu_and_on_on_cuda(monkeypatch):
+    """Overlap scheduling only adds contention on CPU (the forward keeps every core busy):
+    `auto` leaves it off there and on for CUDA; `on` / `off` and the env flag override."""
+    from minisgl.config import DISABLE_OVERLAP_ENV, ServerArgs
+
+    monkeypatch.delenv(DISABLE_OVERLAP_ENV, raising=False)
+    auto = ServerArgs.from_kwargs()
+    assert auto.overlap == "auto"
+    assert not auto.overlap_enabled("cpu") and auto.overlap_enabled("cuda")
+    assert ServerArgs.from_kwargs(overlap="on").overlap_enabled("cpu")
+    assert not ServerArgs.from_kwargs(overlap="off").overlap_enabled("cuda")
+    monkeypatch.setenv(DISABLE_OVERLAP_ENV, "1")
+    assert not ServerArgs.from_kwargs(overlap="on").overlap_enabled("cuda")
+
+
+# ---- the CPU benchmark scripts (smoke: they follow the engine's API) ---------------------------
+
+
+@pytest.mark.parametrize(
+    "script_args",
+    [
+        ["profile_decode.py", "--batch-sizes", "1,2", "--context-len", "8", "--steps", "2"],
+        [
+            "bench.py", "--decode-floor", "--num-requests", "3", "--min-input-len", "4",
+            "--max-input-len", "8", "--min-output-len", "3", "--max-output-len", "6",
+            "--floor-prompt-len", "4", "--floor-output-len", "4",
+        ],
+    ],
+    ids=["profile_decode", "decode_floor"],
+)  # fmt: skip
+def test_cpu_benchmark_scripts_run(tiny_qwen3, script_args):
+    import subprocess
+    import sys
+
+    script, *args = script_args
+    result = subprocess.run(
+        [sys.executable, str(REPO_ROOT / "benchmark" / "offline" / script), *args,
+         "--model", str(tiny_qwen3)],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert ("| **step** |" if script == "profile_decode.py" else "% of the floor") in result.stdout
