@@ -10,6 +10,7 @@ decode stack (one call per step) equals the op-by-op kernels.
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -288,6 +289,36 @@ def test_concurrent_first_builds_compile_once(tmp_path):
     assert sum("built the CPU kernels" in log for log in logs) == 1
     assert [f.suffix for f in (tmp_path / "kernels").iterdir() if f.suffix != ".lock"] == [".so"]
     assert (tmp_path / "kernels").stat().st_mode & 0o077 == 0  # private to the user
+
+
+def test_rejected_native_flags_are_not_retried(tmp_path, monkeypatch):
+    """A compiler that rejects -march=native: the first build falls back to portable flags; the
+    next one goes straight to them (the failure is remembered next to the library)."""
+    real = shutil.which("gcc") or shutil.which("cc")
+    if real is None:
+        pytest.skip("no C compiler")
+    calls = tmp_path / "calls"
+    fake = tmp_path / "bin" / "gcc"
+    fake.parent.mkdir()
+    fake.write_text(
+        "#!/bin/sh\n"
+        f'echo "$*" >> {calls}\n'
+        'case "$*" in *-march=native*) echo "unknown flag" >&2; exit 1;; esac\n'
+        f'exec {real} "$@"\n'
+    )
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake.parent}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv(build.CACHE_DIR_ENV, str(tmp_path / "cache"))
+
+    def native_attempts() -> int:
+        lines = calls.read_text().splitlines() if calls.exists() else []
+        return sum("-march=native" in line for line in lines)
+
+    first = build.build_library()
+    assert native_attempts() == 1
+    first.unlink()  # force a rebuild: only the portable flags are tried
+    assert build.build_library() == first
+    assert native_attempts() == 1
 
 
 # ---- whole models -------------------------------------------------------------------------------

@@ -8,7 +8,8 @@ ranks, --dp replicas, test workers) take turns on a lock file next to the librar
 compiles and the others load its result; the compiler writes a private temporary file that is
 renamed into place, so no process ever loads half a library (also where locks do not work).
 The cache folder is created private to the user (mode 0700): a library loaded from it runs with
-the user's rights.
+the user's rights. A failed build leaves `<library>.failed` with the compiler's message, so the
+next start goes straight to the flags that work instead of paying the failed attempt again.
 """
 
 from __future__ import annotations
@@ -120,13 +121,20 @@ def build_library() -> Path:
             ).encode()
         ).hexdigest()[:16]
         target = _cache_dir() / f"minisgl_cpu_{key}.so"
+        failed = target.with_suffix(".failed")  # the key covers sources, compiler and CPU
         if target.exists():
             return target
+        if failed.exists():
+            errors.append(failed.read_text(errors="replace"))
+            continue
         with _build_lock(target):
             if target.exists():  # built by another process while we waited for the lock
                 return target
             start_s = time.perf_counter()
             error = _compile(compiler, flags, target)
+            if error is not None:
+                with contextlib.suppress(OSError):
+                    failed.write_text(error)
         if error is None:
             logger.info(
                 "built the CPU kernels in %.1f s: %s", time.perf_counter() - start_s, target
