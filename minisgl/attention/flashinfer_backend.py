@@ -95,6 +95,13 @@ class FlashInferBackend(AttentionBackend):
         )
         self._graph_wrappers: dict[int, Any] = {}
         self._graph_indices: torch.Tensor | None = None
+        # plan() writes its metadata into a pinned host buffer of the wrapper and queues an
+        # async copy from it; under overlap the next plan() can come before that copy ran (the
+        # batch in flight is queued ahead of it) and would overwrite what it copies. Each plan
+        # therefore waits for the previous plan's copy: by then only the in-flight batch's
+        # start, so the wait is short (Mini-SGLang hit and fixed the same race).
+        self._planned = torch.cuda.Event()
+        self._planned.record()
 
     # ---- metadata --------------------------------------------------------------------------
 
@@ -102,10 +109,17 @@ class FlashInferBackend(AttentionBackend):
         cfg = self.cfg
         return dict(q_data_type=cfg.dtype, kv_data_type=cfg.dtype, sm_scale=cfg.scale)
 
+    def _plan(self, wrapper: Any, *args: Any, **kwargs: Any) -> None:
+        """`wrapper.plan(...)`, after the previous plan's host-to-device copy has run."""
+        self._planned.synchronize()
+        wrapper.plan(*args, **kwargs)
+        self._planned.record()
+
     def _plan_decode(self, wrapper: Any, batch: AttentionBatch) -> FlashInferMetadata:
         cfg = self.cfg
         indptr, indices, last_page_len = paged_kv_lists(batch, self.cfg.page_size)
-        wrapper.plan(
+        self._plan(
+            wrapper,
             indptr,
             indices,
             last_page_len,
@@ -125,7 +139,8 @@ class FlashInferBackend(AttentionBackend):
         wrapper = self.prefill_wrapper  # every sequence, decodes as one-query prefills
         qo_indptr = torch.zeros(batch.num_seqs + 1, dtype=torch.int32)
         torch.cumsum(torch.tensor(batch.extend_lens_cpu, dtype=torch.int32), 0, out=qo_indptr[1:])
-        wrapper.plan(
+        self._plan(
+            wrapper,
             qo_indptr.pin_memory(),
             indptr,
             indices,
