@@ -20,8 +20,9 @@ from minisgl.server.launch import describe_exit
 from tests.server_utils import alive, start_server
 
 NUM_STREAMS = 8
-# Long enough that the streams are still running while the test checks the 503s.
-MAX_TOKENS = 200
+# Long enough that the streams are still running while the test checks the 503s (the tiny
+# model decodes fast on the CPU kernels: 200 tokens can be over in a fraction of a second).
+MAX_TOKENS = 480  # 8 x 483 tokens fit the test server's 4096-token KV pool
 SHUTDOWN_TIMEOUT_S = 120.0
 HTTP_TIMEOUT_S = 180.0
 
