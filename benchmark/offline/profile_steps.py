@@ -129,7 +129,9 @@ def print_report(
     by_name = {e.key: e for e in events}
     phases = [(name, by_name[name]) for name in PHASES if name in by_name]
     if phases:
-        print("   host time per step by phase (ms):")
+        # `process` starts by waiting for its batch's tokens: with overlap on, time spent there
+        # is the host idling behind the GPU; `schedule` + `forward` + `sample` is host work.
+        print("   host time per step by phase (ms; process includes waiting for the GPU):")
         for name, e in phases:
             print(f"     {name:<10} {e.cpu_time_total / US_PER_MS / num_steps:8.2f}  x{e.count}")
     if on_cuda:
