@@ -16,7 +16,13 @@ from pathlib import Path
 import httpx
 import psutil
 
-from tests.server_utils import POLL_INTERVAL_S, SHUTDOWN_TIMEOUT_S, TEST_SERVER_FLAGS, alive
+from tests.server_utils import (
+    POLL_INTERVAL_S,
+    SHUTDOWN_TIMEOUT_S,
+    TEST_SERVER_FLAGS,
+    LocalEndpoint,
+    alive,
+)
 
 STARTUP_TIMEOUT_S = 240.0
 LEFTOVER_GRACE_S = 5.0
@@ -51,7 +57,7 @@ def free_port_block(num_ports: int) -> int:
 
 
 @dataclass
-class DataParallelProcess:
+class DataParallelProcess(LocalEndpoint):
     proc: subprocess.Popen
     port: int  # the gateway's (replicas on port+1 ...)
     dp_size: int
@@ -59,19 +65,8 @@ class DataParallelProcess:
     api_key: str | None = None
     leftovers: list[psutil.Process] = field(default_factory=list)  # alive after stop()
 
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
     def replica_url(self, index: int) -> str:
         return f"http://127.0.0.1:{self.port + 1 + index}"
-
-    @property
-    def headers(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
 
     def wait_ready(self, timeout_s: float = STARTUP_TIMEOUT_S) -> None:
         deadline_s = time.monotonic() + timeout_s

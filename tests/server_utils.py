@@ -43,13 +43,12 @@ def parse_metrics(text: str) -> dict[str, float]:
     return values
 
 
-@dataclass
-class ServerProcess:
-    proc: subprocess.Popen
+class LocalEndpoint:
+    """What tests ask of a server they started on 127.0.0.1: its URL, auth headers and log."""
+
     port: int
+    api_key: str | None
     log_path: Path
-    api_key: str | None = None
-    children: list[psutil.Process] = field(default_factory=list)
 
     @property
     def url(self) -> str:
@@ -61,6 +60,15 @@ class ServerProcess:
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
+
+
+@dataclass
+class ServerProcess(LocalEndpoint):
+    proc: subprocess.Popen
+    port: int
+    log_path: Path
+    api_key: str | None = None
+    children: list[psutil.Process] = field(default_factory=list)
 
     def wait_healthy(self, timeout_s: float = STARTUP_TIMEOUT_S) -> None:
         deadline_s = time.monotonic() + timeout_s

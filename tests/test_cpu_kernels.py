@@ -393,32 +393,3 @@ def test_overlap_defaults_off_on_cpu_and_on_on_cuda(monkeypatch):
     assert not ServerArgs.from_kwargs(overlap="off").overlap_enabled("cuda")
     monkeypatch.setenv(DISABLE_OVERLAP_ENV, "1")
     assert not ServerArgs.from_kwargs(overlap="on").overlap_enabled("cuda")
-
-
-# ---- the CPU benchmark scripts (smoke: they follow the engine's API) ---------------------------
-
-
-@pytest.mark.parametrize(
-    "script_args",
-    [
-        ["profile_decode.py", "--batch-sizes", "1,2", "--context-len", "8", "--steps", "2"],
-        [
-            "bench.py", "--decode-floor", "--num-requests", "3", "--min-input-len", "4",
-            "--max-input-len", "8", "--min-output-len", "3", "--max-output-len", "6",
-            "--floor-prompt-len", "4", "--floor-output-len", "4",
-        ],
-    ],
-    ids=["profile_decode", "decode_floor"],
-)  # fmt: skip
-def test_cpu_benchmark_scripts_run(tiny_qwen3, script_args):
-    import subprocess
-    import sys
-
-    script, *args = script_args
-    result = subprocess.run(
-        [sys.executable, str(REPO_ROOT / "benchmark" / "offline" / script), *args,
-         "--model", str(tiny_qwen3)],
-        cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert ("| **step** |" if script == "profile_decode.py" else "% of the floor") in result.stdout

@@ -1,6 +1,6 @@
-"""The offline benchmark and the step profiler, run as their users run them (subprocesses, a tiny
-random model, a few seconds each): the workload's token counts come out exact (ignore_eos), and
-the profiler reports the window it was asked for."""
+"""The offline benchmark, the step profiler and the CPU speed tools, run as their users run
+them (subprocesses, a tiny random model, a few seconds each): the workload's token counts come
+out exact (ignore_eos), and the profiler reports the window it was asked for."""
 
 from __future__ import annotations
 
@@ -24,10 +24,10 @@ WORKLOAD = (
 )
 
 
-def run_script(script: str, model: Path, *args: str) -> str:
-    command = [sys.executable, str(OFFLINE / script), f"--model={model}", *WORKLOAD, *args]
+def run_script(script: str, model: Path, *args: str, workload: tuple[str, ...] = WORKLOAD) -> str:
+    command = [sys.executable, str(OFFLINE / script), f"--model={model}", *workload, *args]
     done = subprocess.run(command, capture_output=True, text=True, timeout=TIMEOUT_S, cwd=ROOT)
-    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     return done.stdout
 
 
@@ -59,3 +59,20 @@ def test_profile_steps_refuses_a_matrix(tiny_qwen3):
         [*command, "--gpu-matrix"], capture_output=True, text=True, timeout=TIMEOUT_S, cwd=ROOT
     )
     assert done.returncode != 0 and "one engine config" in done.stderr
+
+
+# The CPU speed tools (smoke: they follow the engine's API).
+
+
+def test_profile_decode_prints_its_table(tiny_qwen3):
+    args = ("--batch-sizes", "1,2", "--context-len", "8", "--steps", "2")
+    assert "| **step** |" in run_script("profile_decode.py", tiny_qwen3, *args, workload=())
+
+
+def test_decode_floor_prints_its_shares(tiny_qwen3):
+    args = (
+        "--decode-floor", "--num-requests", "3", "--min-input-len", "4", "--max-input-len", "8",
+        "--min-output-len", "3", "--max-output-len", "6", "--floor-prompt-len", "4",
+        "--floor-output-len", "4",
+    )  # fmt: skip
+    assert "% of the floor" in run_script("bench.py", tiny_qwen3, *args, workload=())
