@@ -106,20 +106,16 @@ def build_library() -> Path:
     compiler = next((c for c in COMPILERS if shutil.which(c)), None)
     if compiler is None:
         raise RuntimeError(f"no C compiler found (looked for {', '.join(COMPILERS)})")
-    version = _compiler_version(compiler)
+    # What every build's name depends on but the flags: read once for both flag sets.
+    identity = [
+        *(path.read_text() for path in _sources()),
+        compiler,
+        _compiler_version(compiler),
+        _cpu_identity(),
+    ]
     errors = []
     for flags in (FLAGS + NATIVE_FLAGS, FLAGS):
-        key = hashlib.sha256(
-            "\n".join(
-                [
-                    *(path.read_text() for path in _sources()),
-                    compiler,
-                    version,
-                    " ".join(flags),
-                    _cpu_identity(),
-                ]
-            ).encode()
-        ).hexdigest()[:16]
+        key = hashlib.sha256("\n".join([*identity, " ".join(flags)]).encode()).hexdigest()[:16]
         target = _cache_dir() / f"minisgl_cpu_{key}.so"
         failed = target.with_suffix(".failed")  # the key covers sources, compiler and CPU
         if target.exists():
