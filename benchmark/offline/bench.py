@@ -200,14 +200,19 @@ def warm_up(llm: LLM) -> None:
     llm.scheduler.flush_cache()
 
 
+def workload_requests(workload: Workload) -> list[Req]:
+    """The workload as scheduler requests (fresh ids: a workload can run several times)."""
+    return [
+        Req(next_request_id(), list(prompt), sp)
+        for prompt, sp in zip(workload.prompts, sampling_params(workload.output_lens), strict=True)
+    ]
+
+
 def step_scheduler(llm: LLM, workload: Workload, use_tqdm: bool) -> tuple[float, list[float], int]:
     """Drive the scheduler as `LLM.generate` does, timing each request's first output token.
     Returns (total seconds, TTFT seconds per request, output tokens received)."""
     scheduler = llm.scheduler
-    reqs = [
-        Req(next_request_id(), list(prompt), sp)
-        for prompt, sp in zip(workload.prompts, sampling_params(workload.output_lens), strict=True)
-    ]
+    reqs = workload_requests(workload)
     first_token_s: dict[str, float] = {}
     pending = {req.rid for req in reqs}
     num_output_tokens = 0

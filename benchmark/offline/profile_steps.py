@@ -35,12 +35,11 @@ from bench import (  # noqa: E402
     build_workload,
     configs_to_run,
     engine_options,
-    sampling_params,
     warm_up,
+    workload_requests,
 )
 
 from minisgl import LLM  # noqa: E402
-from minisgl.core import Req, next_request_id  # noqa: E402
 from minisgl.engine.engine import resolve_device  # noqa: E402
 
 PHASES = ("schedule", "forward", "sample", "process")
@@ -76,10 +75,7 @@ def report(llm: LLM, workload: Workload, own: argparse.Namespace, label: str) ->
     on_cuda = resolve_device(llm.args.device).type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
     scheduler = llm.scheduler
-    reqs = [
-        Req(next_request_id(), list(prompt), sp)
-        for prompt, sp in zip(workload.prompts, sampling_params(workload.output_lens), strict=True)
-    ]
+    reqs = workload_requests(workload)
     for req in reqs:
         scheduler.add_request(req)
     pending = {req.rid for req in reqs}
