@@ -6,10 +6,11 @@
 # backend against torch-native, fp32/bf16 logits against transformers, graphs/overlap on/off give
 # the same tokens), profiles a window of full-batch steps (benchmark/offline/profile_steps.py:
 # host phases, GPU busy share, top kernels), then the offline benchmark on Mini-SGLang's workload
-# (256 requests, input and output lengths uniform in 100..1024, ignore_eos) per backend with
-# overlap and graphs on/off, and prints one table last. A session whose device time is short
-# skips what an earlier run already recorded, e.g. SKIP_STEPS="bench_matrix tests_moe". Every step has a time limit and the whole run stops starting steps
-# past CHECK_BUDGET_S, so it ends inside one 8-minute call.
+# (256 requests, input and output lengths uniform in 100..1024, ignore_eos): the best config
+# with the fused layer kernels on and off, then per backend with overlap and graphs on/off,
+# and prints one table last. A session whose device time is short skips what an earlier run
+# already recorded, e.g. SKIP_STEPS="bench_matrix tests_moe". Every step has a time limit and
+# the whole run stops starting steps past CHECK_BUDGET_S, so it ends inside one 8-minute call.
 #
 # FlashInfer JIT-compiles its kernels with nvcc on first use (minutes). The compiled modules are
 # packed into $OUT/fi_aot.tar; unpacked into .fi_aot/ here and carried, the next run loads them
@@ -79,6 +80,14 @@ run tests_triton_torch 150 python3 -m pytest -q -s -x -p no:cacheprovider tests/
 wait "$warmup_pid"; echo "flashinfer warm-up exit $?, at ${SECONDS}s"; tail -n 3 "$OUT_DIR/flashinfer_warmup.log"
 run tests_flashinfer 120 python3 -m pytest -q -s -x -p no:cacheprovider tests/test_cuda.py \
   -k flashinfer
+# The headline figure first (a short session still gets it): the best config, and the same
+# with the fused layer kernels off (torch ops for norms, rope, SiLU, KV store) for their effect.
+BENCH_WORKLOAD=(--model "$MODEL" --num-requests 256 --page-size 16 --min-input-len 100
+  --max-input-len 1024 --min-output-len 100 --max-output-len 1024)
+run bench_best 100 python3 benchmark/offline/bench.py "${BENCH_WORKLOAD[@]}" \
+  --attention-backend flashinfer --overlap on --cuda-graphs on
+run bench_unfused 100 env MINISGL_FUSED_KERNELS=0 python3 benchmark/offline/bench.py \
+  "${BENCH_WORKLOAD[@]}" --attention-backend flashinfer --overlap on --cuda-graphs on
 # Where a step's time goes at full batch (host phases, GPU busy share, top kernels): the
 # measured answer to "what limits throughput" (benchmark/RESULTS.md section 9).
 PROFILE_WORKLOAD=(--model "$MODEL" --num-requests 256 --page-size 16 --min-input-len 100
@@ -89,9 +98,8 @@ run profile_flashinfer_eager 90 python3 benchmark/offline/profile_steps.py \
   "${PROFILE_WORKLOAD[@]}" --attention-backend flashinfer --overlap on --cuda-graphs off
 # One process, a fresh engine per config: FlashInfer then Triton, each with graphs on/off and
 # overlap on/off (results print as they finish, so a time limit still leaves the first ones).
-run bench_matrix 400 python3 benchmark/offline/bench.py --model "$MODEL" --num-requests 256 \
-  --page-size 16 --min-input-len 100 --max-input-len 1024 --min-output-len 100 \
-  --max-output-len 1024 --gpu-matrix --backends flashinfer,triton
+run bench_matrix 400 python3 benchmark/offline/bench.py "${BENCH_WORKLOAD[@]}" --gpu-matrix \
+  --backends flashinfer,triton
 run kernel_bench 40 python3 benchmark/kernels/bench_attention.py
 run tests_tiny_parity 60 python3 -m pytest -q -x -p no:cacheprovider tests/test_model_parity.py \
   -k tiny
@@ -110,8 +118,11 @@ echo
 echo "== gpu_check summary (${SECONDS}s) =="
 printf '%s\n' "${results[@]}"
 echo "-- benchmark: 256 requests, in/out uniform 100..1024, Qwen3-0.6B shape, bf16"
-grep -h "^minisgl radix" "$OUT_DIR/bench_matrix.log" | grep "tok/s" | sed 's/tokens in/tok,/'
-grep -h "GPU memory:\|captured" "$OUT_DIR/bench_matrix.log" 2>/dev/null | head -n 2
+for name in bench_best bench_unfused bench_matrix; do
+  [ -f "$OUT_DIR/$name.log" ] && grep -h "^minisgl radix" "$OUT_DIR/$name.log" | grep "tok/s" \
+    | sed "s/tokens in/tok,/; s/^/$name: /"
+done
+grep -h "GPU memory:\|captured" "$OUT_DIR"/bench_*.log 2>/dev/null | head -n 2
 grep -h "bf16 |logprob" "$OUT_DIR"/tests_*.log 2>/dev/null
 for name in profile_flashinfer profile_flashinfer_eager; do
   [ -f "$OUT_DIR/$name.log" ] && sed -n '/^== /,$p' "$OUT_DIR/$name.log" | head -n 40

@@ -277,3 +277,25 @@ def test_graphs_are_captured_and_replayed(qwen3_06b, name):
         finally:
             torch.cuda.CUDAGraph.replay = original  # type: ignore[method-assign]
         assert replays >= 6  # every decode-only step after the prefills
+
+
+# ---- the fused layer kernels do not change tokens ------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fused_kernels_keep_tokens(qwen3_06b, dtype, monkeypatch):
+    """Norms, rope, SiLU and the KV store in the fused Triton kernels (the CUDA default) against
+    the same model in torch ops (MINISGL_FUSED_KERNELS=0), graphs on."""
+    pytest.importorskip("triton")
+    from minisgl.kernels import gpu
+
+    runs = {}
+    try:
+        for setting in ("0", "auto"):
+            monkeypatch.setenv(gpu.ENABLE_ENV, setting)
+            gpu.reset()
+            runs[setting] = _generate(qwen3_06b, dtype=dtype, attention_backend="triton")
+    finally:
+        monkeypatch.delenv(gpu.ENABLE_ENV)
+        gpu.reset()
+    _assert_same_generation(runs["auto"], runs["0"], dtype == "float32", dtype)

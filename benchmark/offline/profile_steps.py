@@ -5,7 +5,7 @@ scheduler steps pass (the prompts' prefill), then records --steps steps under to
 prints:
 - the window's wall time per step, tokens per step, and output tok/s;
 - host time per step in each phase the scheduler and engine mark (schedule, forward, sample,
-  process: NVTX and torch.profiler ranges, on CUDA);
+  process: NVTX and torch.profiler ranges);
 - GPU kernel time per step and the share of the window the GPU was busy: well under 100% means
   the host (Python, launches, synchronisation) is what bounds the run, not the GPU;
 - the kernels and host ops that take the most time.
@@ -40,6 +40,7 @@ from bench import (  # noqa: E402
 )
 
 from minisgl import LLM  # noqa: E402
+from minisgl.engine.device import record_ranges_on_cpu  # noqa: E402
 from minisgl.engine.engine import resolve_device  # noqa: E402
 
 PHASES = ("schedule", "forward", "sample", "process")
@@ -63,6 +64,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit("profile_steps.py runs one engine config: drop --gpu-matrix, --compare, --hf")
     workload = build_workload(args)
     (config,) = configs_to_run(args)
+    record_ranges_on_cpu(True)  # the phases' ranges (always on for CUDA)
     llm = LLM(model=args.model, **engine_options(args, config))
     try:
         warm_up(llm)
@@ -139,9 +141,10 @@ def print_report(
         kernels = [e for e in events if e.self_device_time_total > 0]
         kernel_ms = sum(e.self_device_time_total for e in kernels) / US_PER_MS
         busy = kernel_ms / (window_s * US_PER_MS)
+        launches = sum(e.count for e in kernels) / num_steps
         print(
-            f"   GPU kernel time {kernel_ms / num_steps:.2f} ms per step: the GPU was busy "
-            f"{busy:.0%} of the window (the rest: waiting on the host)"
+            f"   GPU kernel time {kernel_ms / num_steps:.2f} ms per step in {launches:.0f} "
+            f"kernels: the GPU was busy {busy:.0%} of the window (the rest: waiting on the host)"
         )
         print(f"   top {TOP_KERNELS} kernels by GPU time (ms per step, calls per step):")
         for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:TOP_KERNELS]:

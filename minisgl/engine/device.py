@@ -78,12 +78,25 @@ class Event:
             self._event.synchronize()
 
 
-def nvtx_range(name: str, enabled: bool) -> contextlib.AbstractContextManager[Any]:
+# Set by benchmark/offline/profile_steps.py on CPU, where ranges are off by default (each costs
+# a few microseconds, and nothing but that profiler reads them there).
+_ranges_on_cpu = False
+
+
+def record_ranges_on_cpu(on: bool) -> None:
+    global _ranges_on_cpu
+    _ranges_on_cpu = on
+
+
+def nvtx_range(name: str, is_cuda: bool) -> contextlib.AbstractContextManager[Any]:
     """An NVTX range on CUDA (Nsight shows schedule / forward / sample / process), also a
-    torch.profiler range (benchmark/offline/profile_steps.py sums them); nothing on CPU."""
-    if not enabled:
-        return contextlib.nullcontext()
-    stack = contextlib.ExitStack()
-    stack.enter_context(torch.cuda.nvtx.range(name))
-    stack.enter_context(torch.profiler.record_function(name))
-    return stack
+    torch.profiler range (benchmark/offline/profile_steps.py sums them); on CPU only the
+    profiler range, and only after `record_ranges_on_cpu(True)`."""
+    if is_cuda:
+        stack = contextlib.ExitStack()
+        stack.enter_context(torch.cuda.nvtx.range(name))
+        stack.enter_context(torch.profiler.record_function(name))
+        return stack
+    if _ranges_on_cpu:
+        return torch.profiler.record_function(name)
+    return contextlib.nullcontext()

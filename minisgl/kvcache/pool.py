@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from minisgl.kernels.cpu import huge_page_zeros
+from minisgl.kernels.gpu import fused_kernels_for
 
 
 @dataclass(frozen=True)
@@ -59,5 +60,9 @@ class KVPool:
 
     def store(self, layer_id: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write this batch's new K/V ([tokens, kv_heads, head_dim]) at `slots` ([tokens])."""
-        self.buffer[layer_id, 0].index_copy_(0, slots, k)
-        self.buffer[layer_id, 1].index_copy_(0, slots, v)
+        k_cache, v_cache = self.buffer[layer_id, 0], self.buffer[layer_id, 1]
+        fused = fused_kernels_for(k)
+        if fused is not None and fused.store_kv(k, v, k_cache, v_cache, slots):
+            return  # both in one kernel
+        k_cache.index_copy_(0, slots, k)
+        v_cache.index_copy_(0, slots, v)

@@ -1,4 +1,5 @@
-"""RMSNorm, computed in fp32 like the HF reference; on CPU in fp32 through the fused kernels."""
+"""RMSNorm, computed in fp32 like the HF reference: on CUDA in one fused Triton kernel, on CPU in
+fp32 through the CPU kernels, elsewhere in torch ops (`_reference`, what both must match)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import torch
 from torch import nn
 
 from minisgl.kernels.cpu import kernels_for
+from minisgl.kernels.gpu import fused_kernels_for
 
 
 class RMSNorm(nn.Module):
@@ -15,6 +17,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        fused = fused_kernels_for(x)
+        if fused is not None:
+            return fused.rmsnorm(x, self.weight, self.eps)
         kernels = kernels_for(x)
         if kernels is not None and x.dim() == 2:
             return kernels.rmsnorm(x, self.weight, self.eps)
@@ -25,6 +30,9 @@ class RMSNorm(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(x + residual), x + residual): a pre-norm decoder's residual add and norm in
         one pass. `residual` may be updated in place and returned: callers hand it over."""
+        fused = fused_kernels_for(x)
+        if fused is not None and residual.dim() == 2 and residual.stride(-1) == 1:
+            return fused.add_rmsnorm_(x, residual, self.weight, self.eps), residual
         kernels = kernels_for(x)
         if kernels is not None and x.dim() == 2 and residual.is_contiguous():
             return kernels.rmsnorm(x, self.weight, self.eps, residual), residual

@@ -7,6 +7,8 @@ with a sparse MoE block (Qwen3-MoE). Every projection is tensor parallel.
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -14,6 +16,7 @@ from torch import nn
 from minisgl.distributed import divide, get_tp_info
 from minisgl.engine.context import get_forward_context
 from minisgl.kernels.cpu import CpuKernels, kernels_for
+from minisgl.kernels.gpu import fused_kernels_for
 from minisgl.kvcache.pool import KVPool
 from minisgl.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from minisgl.layers.linear import ColumnParallelLinear, RowParallelLinear
@@ -74,12 +77,28 @@ class Attention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm.forward_heads_(q), self.k_norm.forward_heads_(k)
-        q, k = self.rope(positions, q, k)
+        fused = fused_kernels_for(q)
+        if fused is not None:  # norm and rope of every head in one kernel
+            q, k = self._norm_rope_fused(fused, positions, q, k)
+        else:
+            if self.q_norm is not None and self.k_norm is not None:
+                q, k = self.q_norm.forward_heads_(q), self.k_norm.forward_heads_(k)
+            q, k = self.rope(positions, q, k)
         ctx = get_forward_context()
         out = ctx.backend.forward(q, k, v, self.layer_id, self.scale, ctx.kv_pool, ctx.metadata)
         return self.o_proj(out.reshape(num_tokens, q_size))
+
+    def _norm_rope_fused(
+        self, fused: ModuleType, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        q_weight = k_weight = None
+        eps = 0.0
+        if self.q_norm is not None and self.k_norm is not None:  # one eps: the config's
+            q_weight, k_weight, eps = self.q_norm.weight, self.k_norm.weight, self.q_norm.eps
+        rope = self.rope
+        return fused.qk_norm_rope(
+            q, k, positions, rope.cos_cache, rope.sin_cache, q_weight, k_weight, eps
+        )
 
 
 class MLP(nn.Module):
@@ -95,6 +114,9 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
+        fused = fused_kernels_for(gate_up)
+        if fused is not None:
+            return self.down_proj(fused.silu_mul(gate_up))
         kernels = kernels_for(gate_up)
         if kernels is not None:
             return self.down_proj(kernels.silu_mul(gate_up))
@@ -162,9 +184,12 @@ class CausalLM(nn.Module):
         residual: torch.Tensor | None = None
         for layer in self.model.layers:
             hidden, residual = layer(positions, hidden, residual)
-        if residual is not None:  # a model with no layers has no residual to add
-            hidden = hidden[logit_indices] + residual[logit_indices]
-        hidden = self.model.norm(hidden)
+        if residual is None:  # a model with no layers has no residual to add
+            hidden = self.model.norm(hidden[logit_indices])
+        else:
+            hidden, _ = self.model.norm.forward_residual(
+                hidden[logit_indices], residual[logit_indices]
+            )
         return self.lm_head.compute_logits(hidden).float()
 
     def use_cpu_kernels(self, kernels: CpuKernels, fused_decode: bool = True) -> None:

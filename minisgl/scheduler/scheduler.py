@@ -83,7 +83,7 @@ class Scheduler:
         )
         self.decode = DecodeManager(self.cache, self.prefill.requeue_front)
         self.overlap = args.overlap_enabled(self.engine.device.type)
-        self._profile = self.engine.dev.is_cuda  # NVTX ranges
+        self._is_cuda = self.engine.dev.is_cuda  # NVTX ranges there
         # CPU overlap needs a thread to run the forward; CUDA launches are asynchronous anyway.
         self._executor = (
             ThreadPoolExecutor(1, "minisgl-forward")
@@ -163,7 +163,7 @@ class Scheduler:
         return bool(self.prefill.waiting or self.running or self._inflight or self._outputs)
 
     def step(self) -> list[ReqOutput]:
-        with nvtx_range("schedule", self._profile):
+        with nvtx_range("schedule", self._is_cuda):
             batch = self._schedule()
         previous, self._inflight = self._inflight, None
         if batch is not None:
@@ -267,7 +267,7 @@ class Scheduler:
 
     def _process(self, launched: _Launched) -> None:
         result = launched.result()
-        with nvtx_range("process", self._profile):
+        with nvtx_range("process", self._is_cuda):
             for req, token_id, logprob in zip(
                 launched.sampled, result.token_ids, result.logprobs, strict=True
             ):

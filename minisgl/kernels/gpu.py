@@ -1,0 +1,58 @@
+"""When the layers use the fused Triton kernels (minisgl/kernels/triton_fused.py).
+
+`MINISGL_FUSED_KERNELS`:
+- unset or `auto`: for CUDA tensors, when Triton imports (it ships with torch's Linux CUDA
+  wheels); CPU tensors keep the CPU kernels or torch ops;
+- `0`: never (torch ops everywhere: the A/B knob for benchmarks and debugging);
+- `1`: for CPU tensors too, which only works under Triton's interpreter (TRITON_INTERPRET=1):
+  how tests run a whole model through the kernels without a GPU.
+
+Read once per process (`fused_kernels_for` sits on every layer's path); `reset()` re-reads it.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from types import ModuleType
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+ENABLE_ENV = "MINISGL_FUSED_KERNELS"
+_OFF = ("0", "false", "off", "no")
+_FORCE = ("1", "true", "on", "yes")
+
+
+@functools.cache
+def _mode() -> str:
+    value = os.environ.get(ENABLE_ENV, "auto").strip().lower()
+    if value in _OFF:
+        logger.info("fused GPU kernels off (%s=0): torch ops only", ENABLE_ENV)
+        return "off"
+    return "force" if value in _FORCE else "auto"
+
+
+@functools.cache
+def _module() -> ModuleType | None:
+    try:
+        from minisgl.kernels import triton_fused
+    except ImportError as exc:  # no triton here: torch ops do the same work, slower
+        logger.warning("fused GPU kernels unavailable (%s): torch ops only", exc)
+        return None
+    return triton_fused
+
+
+def fused_kernels_for(x: torch.Tensor) -> ModuleType | None:
+    """The fused kernels module when it applies to tensors like x, else None."""
+    mode = _mode()
+    if mode == "off" or (mode == "auto" and not x.is_cuda):
+        return None
+    return _module()
+
+
+def reset() -> None:
+    """Forget the cached setting (tests change the variable)."""
+    _mode.cache_clear()
