@@ -49,8 +49,19 @@ def test_profile_steps_reports_its_window(tiny_qwen3):
     per_step = re.search(r"([\d.]+) output tokens per step", out)
     assert per_step and float(per_step[1]) == NUM_REQUESTS, out
     assert "top 15 host ops" in out
+    for phase in ("schedule", "forward", "sample", "process"):  # ranges on CPU too
+        assert re.search(rf"^\s+{phase}\s+[\d.]+\s+x\d+$", out, re.MULTILINE), out
     ops = re.findall(r"^\s+[\d.]+\s+[\d.]+\s+(aten::\S+)", out, re.MULTILINE)
     assert ops, out  # the forward's ops were recorded
+
+
+def test_sampling_benchmark_runs():
+    script = ROOT / "benchmark" / "kernels" / "bench_sampling.py"
+    command = [sys.executable, str(script), "--rows", "1", "3", "--iters", "1"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=TIMEOUT_S, cwd=ROOT)
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    rows = re.findall(r"^(.+?)\s+([\d.]+)\s+([\d.]+)$", done.stdout, re.MULTILINE)
+    assert len(rows) == 5 and all(float(a) > 0 and float(b) > 0 for _, a, b in rows), done.stdout
 
 
 def test_profile_steps_refuses_a_matrix(tiny_qwen3):

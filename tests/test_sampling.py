@@ -104,6 +104,19 @@ def test_seeded_uniform_is_a_pure_function_in_open_unit_interval():
     assert abs(u.mean().item() - 0.5) < 0.02
 
 
+def test_uniforms_never_reach_one():
+    """u = 1 makes -log(u) = 0: that token would win every race whatever its probability.
+    The extremes of the hash map strictly inside (0, 1); so does every value of a batch that
+    hit u = 1.0 in three rows of 200 when 24 bits were kept (a 152k vocabulary)."""
+    from minisgl.engine.sampler import _unit_interval
+
+    extremes = _unit_interval(torch.tensor([0, 1, 2**31, 2**32 - 2, 2**32 - 1]))
+    assert bool(((extremes > 0) & (extremes < 1)).all()), extremes.tolist()
+    assert bool((-torch.log(extremes) > 0).all())
+    u = seeded_uniform(torch.arange(200), torch.zeros(200, dtype=torch.int64), 151936)
+    assert u.max().item() < 1 and u.min().item() > 0
+
+
 def test_sampling_frequencies_follow_probabilities():
     """Exponential-race draws over many seeds reproduce the softmax distribution."""
     probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
@@ -119,3 +132,68 @@ def test_sampling_frequencies_follow_probabilities():
     )
     counts = torch.bincount(sample(logits, sb).token_ids, minlength=4).float() / rows
     assert torch.allclose(counts, torch.tensor([0.625, 0.375, 0, 0]), atol=0.03), counts
+
+
+def _reference_draw(logits: torch.Tensor, params: list[SamplingParams], seeds, positions):
+    """The filtered draw spelled out per row: sort the whole vocabulary, zero what top-k, top-p
+    and min-p drop, race over every token (what `sample` must equal without sorting)."""
+    from minisgl.engine.sampler import _seeded_uniform_torch
+
+    vocab = logits.shape[-1]
+    out = []
+    for i, p in enumerate(params):
+        if p.temperature == 0:
+            out.append(int(logits[i].argmax()))
+            continue
+        probs = torch.softmax(logits[i] / max(p.temperature, 1e-5), dim=-1)
+        sorted_probs, order = probs.sort(descending=True)
+        drop = torch.arange(vocab) >= (p.top_k if p.top_k > 0 else vocab)
+        drop |= sorted_probs.cumsum(0) - sorted_probs >= p.top_p
+        drop |= sorted_probs < p.min_p * sorted_probs[0]
+        drop[0] = False
+        kept = torch.zeros(vocab).scatter(0, order, sorted_probs.masked_fill(drop, 0.0))
+        u = _seeded_uniform_torch(torch.tensor([seeds[i]]), torch.tensor([positions[i]]), vocab)
+        out.append(int((kept / -torch.log(u[0])).argmax()))
+    return out
+
+
+@pytest.mark.parametrize("shape", ["flat", "peaked", "mixed"])
+def test_filtered_draws_equal_the_sorted_reference(shape, monkeypatch):
+    """top-k / top-p / min-p rows drawn among topk candidates (and, on CPU, a short list first)
+    pick the tokens of the full-sort reference, mixed with greedy and unfiltered rows. A flat
+    distribution's nucleus outgrows the short list (those rows take the long one), a peaked
+    one's does not."""
+    from minisgl.engine import sampler
+
+    decided = []
+    original = sampler._cut_inside
+    monkeypatch.setattr(
+        sampler, "_cut_inside", lambda *a: decided.append(original(*a)) or decided[-1]
+    )
+    vocab = 3001
+    kinds = [
+        dict(temperature=0.0, top_p=0.5),
+        dict(temperature=0.8),
+        dict(top_k=20),
+        dict(top_k=1, temperature=0.7),
+        dict(top_p=0.95),
+        dict(top_p=0.5, temperature=1.3),
+        dict(min_p=0.05),
+        dict(top_k=40, top_p=0.9, min_p=0.01, temperature=0.6),
+        dict(top_k=700, top_p=0.99),
+    ]
+    params = [SamplingParams(**kinds[i % len(kinds)]) for i in range(3 * len(kinds))]
+    g = torch.Generator().manual_seed(11)
+    logits = torch.randn(len(params), vocab, generator=g)
+    scales = {"flat": [0.3], "peaked": [6.0], "mixed": [0.3, 6.0]}[shape]
+    logits *= torch.tensor([scales[i % len(scales)] for i in range(len(params))])[:, None]
+    seeds = [1000 + 7 * i for i in range(len(params))]
+    positions = [i * 3 for i in range(len(params))]
+    sb = SamplingBatch.build(params, seeds, positions, vocab, CPU)
+    assert sb.filter_rows is not None and sb.plain_rows is not None
+    got = sample(logits, sb).token_ids.tolist()
+    assert got == _reference_draw(logits, params, seeds, positions)
+    (rows_decided,) = decided
+    # top-k rows (k <= the short list) are decided even when flat
+    expect = {"flat": [False, True], "peaked": [True], "mixed": [False, True]}[shape]
+    assert sorted(set(rows_decided.tolist())) == expect

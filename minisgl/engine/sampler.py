@@ -8,7 +8,7 @@ and free of per-request generator objects.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -17,7 +17,10 @@ from minisgl.engine.device import Device
 from minisgl.kernels.cpu import get as cpu_kernels
 
 _MASK32 = 0xFFFFFFFF
-_UNIFORM_BITS = 24  # float32 mantissa: more bits would round away
+# u = (top bits of the hash + 0.5) / 2^bits. 23 bits keep every u exact in float32 and < 1:
+# with 24, the top value (2^24 - 0.5) / 2^24 rounds to 1.0, -log(u) = 0, and that token won
+# the race whatever its probability (about 1 draw in 110 over a 150k vocabulary).
+_UNIFORM_BITS = 23
 
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:
@@ -46,9 +49,21 @@ def _seeded_uniform_torch(
     seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int
 ) -> torch.Tensor:
     ids = torch.arange(vocab_size, device=seeds.device, dtype=torch.int64)
+    return seeded_uniform_at(seeds, positions, ids[None, :])
+
+
+def seeded_uniform_at(
+    seeds: torch.Tensor, positions: torch.Tensor, ids: torch.Tensor
+) -> torch.Tensor:
+    """`seeded_uniform(seeds, positions, vocab)[row, ids[row, j]]` for int64 ids [rows or 1, k],
+    computed for those ids only."""
     row_key = _mix32((_mix32(seeds & _MASK32) ^ positions) & _MASK32)  # [rows]
-    h = _mix32((row_key[:, None] * 0x9E3779B1 + ids[None, :]) & _MASK32)
-    h = _mix32(h ^ row_key[:, None])
+    h = _mix32((row_key[:, None] * 0x9E3779B1 + ids) & _MASK32)
+    return _unit_interval(_mix32(h ^ row_key[:, None]))
+
+
+def _unit_interval(h: torch.Tensor) -> torch.Tensor:
+    """32-bit hashes (int64) to float32 uniforms strictly inside (0, 1)."""
     return ((h >> (32 - _UNIFORM_BITS)).float() + 0.5) / float(1 << _UNIFORM_BITS)
 
 
@@ -63,7 +78,13 @@ class SamplingBatch:
     seeds: torch.Tensor  # int64 [rows]
     positions: torch.Tensor  # int64 [rows]: position of the token being sampled
     all_greedy: bool
-    needs_filter: bool  # any row uses top-k, top-p or min-p
+    # Rows that sample under top-k, top-p or min-p (int64 [f]) and the others (int64, None when
+    # empty); filter_rows is None when no row filters. Filtered rows draw among their
+    # `num_candidates` most likely tokens (the largest top-k among them, the vocabulary when one
+    # has none), found with topk instead of sorting the vocabulary.
+    filter_rows: torch.Tensor | None
+    plain_rows: torch.Tensor | None
+    num_candidates: int
     # penalties (None when no row uses them)
     repetition: torch.Tensor | None = None  # float32 [rows]
     presence: torch.Tensor | None = None
@@ -83,19 +104,27 @@ class SamplingBatch:
         vocab_size: int,
         device: Device,
     ) -> SamplingBatch:
-        top_k = [p.top_k if p.top_k > 0 else vocab_size for p in params]
+        top_k = [min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size for p in params]
         wants = [p.logprobs for p in params if p.logprobs is not None]
         all_greedy = all(p.is_greedy for p in params)
+        filtered = [
+            i
+            for i, (k, p) in enumerate(zip(top_k, params, strict=True))
+            if p.temperature > 0 and (k < vocab_size or p.top_p < 1 or p.min_p > 0)
+        ]
+        plain = sorted(set(range(len(params))) - set(filtered)) if filtered else []
         # One staged copy per dtype: building each tensor on the device would wait for the stream.
         temperatures, top_p, min_p = device.stage(
             torch.tensor([p.temperature for p in params], dtype=torch.float32),
             torch.tensor([p.top_p for p in params], dtype=torch.float32),
             torch.tensor([p.min_p for p in params], dtype=torch.float32),
         )
-        top_k_t, seeds_t, positions_t = device.stage(
+        top_k_t, seeds_t, positions_t, filter_rows, plain_rows = device.stage(
             torch.tensor(top_k, dtype=torch.int64),
             torch.tensor(seeds, dtype=torch.int64),
             torch.tensor(positions, dtype=torch.int64),
+            torch.tensor(filtered, dtype=torch.int64),
+            torch.tensor(plain, dtype=torch.int64),
         )
         return SamplingBatch(
             temperatures=temperatures,
@@ -105,12 +134,15 @@ class SamplingBatch:
             seeds=seeds_t,
             positions=positions_t,
             all_greedy=all_greedy,
-            needs_filter=any(
-                k < vocab_size or p.top_p < 1 or p.min_p > 0
-                for k, p in zip(top_k, params, strict=True)
-            ),
+            filter_rows=filter_rows if filtered else None,
+            plain_rows=plain_rows if plain else None,
+            num_candidates=max((top_k[i] for i in filtered), default=0),
             max_logprobs=max(wants) if wants else None,
         )
+
+    @property
+    def needs_filter(self) -> bool:
+        return self.filter_rows is not None
 
 
 @dataclass
@@ -166,45 +198,125 @@ def apply_penalties(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
     return logits
 
 
-def _filter(probs: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
-    """Zero out tokens outside top-k, the top-p nucleus, or below min_p * max prob."""
-    sorted_probs, order = probs.sort(dim=-1, descending=True)
+@dataclass(frozen=True)
+class _Rows:
+    """The per-row sampling inputs of some rows of a batch."""
+
+    temperatures: torch.Tensor
+    top_k: torch.Tensor
+    top_p: torch.Tensor
+    min_p: torch.Tensor
+    seeds: torch.Tensor
+    positions: torch.Tensor
+
+    @staticmethod
+    def of(sb: SamplingBatch, rows: torch.Tensor | None) -> _Rows:
+        all_rows = _Rows(sb.temperatures, sb.top_k, sb.top_p, sb.min_p, sb.seeds, sb.positions)
+        return all_rows if rows is None else all_rows.take(rows)
+
+    def take(self, rows: torch.Tensor) -> _Rows:
+        """These rows only (an index or a boolean mask)."""
+        return _Rows(*(getattr(self, f.name)[rows] for f in fields(self)))
+
+
+# On CPU a filtered draw first tries this many candidates: topk over a 150k vocabulary costs
+# ~0.1 ms a row where a full sort costs ~6 ms. Enough whenever the top-p nucleus or the min-p
+# cut ends inside it, which `_cut_inside` checks (free on CPU; on CUDA it would be a sync).
+CPU_FIRST_CANDIDATES = 256
+
+
+def _keep(
+    probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor
+) -> torch.Tensor:
+    """Which of each row's candidates ([rows, k], most likely first) survive top-k, the top-p
+    nucleus and min_p * max prob. The most likely token always does."""
     rank = torch.arange(probs.shape[-1], device=probs.device)[None, :]
-    drop = rank >= sb.top_k[:, None]
+    drop = rank >= top_k[:, None]
     # A token is outside the nucleus when the mass before it already reaches top_p.
-    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-    drop |= mass_before >= sb.top_p[:, None]
-    drop |= sorted_probs < (sb.min_p * sorted_probs[:, 0])[:, None]
-    drop[:, 0] = False  # always keep the most likely token
-    sorted_probs = sorted_probs.masked_fill(drop, 0.0)
-    return torch.zeros_like(probs).scatter_(1, order, sorted_probs)
+    mass_before = probs.cumsum(dim=-1) - probs
+    drop |= mass_before >= top_p[:, None]
+    drop |= probs < (min_p * probs[:, 0])[:, None]
+    drop[:, 0] = False
+    return ~drop
+
+
+def _cut_inside(
+    probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor
+) -> torch.Tensor:
+    """Per row ([rows] bool): whether it drops every token past these candidates ([rows, k],
+    the k most likely), so that they are all the candidates it has and its draw is exact."""
+    k = probs.shape[-1]
+    by_top_k = top_k <= k
+    by_top_p = probs.sum(dim=-1) >= top_p  # the mass before candidate k + 1 reaches top_p
+    by_min_p = probs[:, -1] < min_p * probs[:, 0]  # every later token is below the cut
+    return by_top_k | by_top_p | by_min_p
+
+
+def _draw_all(logits: torch.Tensor, sb_rows: _Rows) -> torch.Tensor:
+    """Exponential race over the whole vocabulary (greedy where the temperature is 0):
+    argmax p_i / E_i with E_i ~ Exp(1) draws i with probability p_i."""
+    kernels = cpu_kernels() if logits.device.type == "cpu" else None
+    if kernels is not None and logits.dtype == torch.float32:
+        # One pass per row, no [rows, vocab] temporaries; the same formula as below.
+        return kernels.sample(logits, sb_rows.temperatures, sb_rows.seeds, sb_rows.positions)
+    greedy_ids = logits.argmax(dim=-1)
+    probs = torch.softmax(logits / sb_rows.temperatures.clamp(min=1e-5)[:, None], dim=-1)
+    u = seeded_uniform(sb_rows.seeds, sb_rows.positions, logits.shape[-1])
+    sampled = (probs / -torch.log(u)).argmax(dim=-1)
+    return torch.where(sb_rows.temperatures == 0, greedy_ids, sampled)
+
+
+def _draw_filtered(logits: torch.Tensor, rows: _Rows, num_candidates: int) -> torch.Tensor:
+    """The race among each row's surviving candidates (rows with a temperature > 0): the same
+    draw as racing over the vocabulary with every dropped token's probability set to 0."""
+    probs = torch.softmax(logits / rows.temperatures.clamp(min=1e-5)[:, None], dim=-1)
+    vocab_size = logits.shape[-1]
+    if logits.device.type != "cpu" or num_candidates <= CPU_FIRST_CANDIDATES:
+        return _race(probs.topk(num_candidates, dim=-1), rows, vocab_size)
+    short = probs.topk(CPU_FIRST_CANDIDATES, dim=-1)
+    decided = _cut_inside(short[0], rows.top_k, rows.top_p, rows.min_p)
+    if bool(decided.all()):
+        return _race(short, rows, vocab_size)
+    # The rows whose cut lies further down take the longer list; only they pay for it.
+    token_ids = torch.empty(logits.shape[0], dtype=torch.int64)
+    short_kept = (short[0][decided], short[1][decided])
+    token_ids[decided] = _race(short_kept, rows.take(decided), vocab_size)
+    rest = ~decided
+    long = probs[rest].topk(num_candidates, dim=-1)
+    token_ids[rest] = _race(long, rows.take(rest), vocab_size)
+    return token_ids
+
+
+def _race(
+    candidates: tuple[torch.Tensor, torch.Tensor], rows: _Rows, vocab_size: int
+) -> torch.Tensor:
+    """Token ids [rows]: the exponential race among the candidates (probabilities and ids
+    [rows, k], most likely first) that top-k, top-p and min-p keep."""
+    cand_probs, cand_ids = candidates
+    kept = cand_probs.masked_fill(~_keep(cand_probs, rows.top_k, rows.top_p, rows.min_p), 0.0)
+    if cand_ids.shape[-1] == vocab_size:  # every token: the whole row's uniforms (CPU: a kernel)
+        u = seeded_uniform(rows.seeds, rows.positions, vocab_size).gather(1, cand_ids)
+    else:
+        u = seeded_uniform_at(rows.seeds, rows.positions, cand_ids)
+    choice = (kept / -torch.log(u)).argmax(dim=-1, keepdim=True)
+    return cand_ids.gather(1, choice).squeeze(1)
 
 
 def sample(logits: torch.Tensor, sb: SamplingBatch) -> SampleResult:
     """logits: float32 [rows, vocab], raw from the model."""
     raw_logits = logits
     logits = apply_penalties(apply_vocab_mask(logits, sb), sb)
-    kernels = cpu_kernels() if logits.device.type == "cpu" else None
-    if (
-        kernels is not None
-        and logits.dtype == torch.float32
-        and not sb.all_greedy
-        and not sb.needs_filter
-    ):
-        # One pass per row, no [rows, vocab] temporaries; the same formula as below.
-        token_ids = kernels.sample(logits, sb.temperatures, sb.seeds, sb.positions)
-    elif sb.all_greedy:
+    if sb.all_greedy:
         token_ids = logits.argmax(dim=-1)
+    elif sb.filter_rows is None:
+        token_ids = _draw_all(logits, _Rows.of(sb, None))
     else:
-        greedy_ids = logits.argmax(dim=-1)
-        temps = sb.temperatures.clamp(min=1e-5)[:, None]
-        probs = torch.softmax(logits / temps, dim=-1)
-        if sb.needs_filter:
-            probs = _filter(probs, sb)
-        # Exponential race: argmax p_i / E_i with E_i ~ Exp(1) draws i with probability p_i.
-        u = seeded_uniform(sb.seeds, sb.positions, logits.shape[-1])
-        sampled = (probs / -torch.log(u)).argmax(dim=-1)
-        token_ids = torch.where(sb.temperatures == 0, greedy_ids, sampled)
+        token_ids = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
+        if sb.plain_rows is not None:
+            plain = sb.plain_rows
+            token_ids[plain] = _draw_all(logits[plain], _Rows.of(sb, plain))
+        rows = sb.filter_rows
+        token_ids[rows] = _draw_filtered(logits[rows], _Rows.of(sb, rows), sb.num_candidates)
     if sb.max_logprobs is None:
         return SampleResult(token_ids, None, None, None)
     # Logprobs of the model's own distribution (before penalties and temperature), as vLLM.

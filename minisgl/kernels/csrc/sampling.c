@@ -26,7 +26,8 @@ static inline vu vmix32(vu x) {
     return x ^ (x >> 16);
 }
 
-#define UNIFORM_BITS 24
+/* 23: every u exact in float32 and < 1 (sampler.py's _UNIFORM_BITS says why) */
+#define UNIFORM_BITS 23
 #define UNIFORM_CHUNK 4096 /* vocab ids per work item */
 
 typedef struct {
