@@ -33,6 +33,7 @@ ATTENTION_BACKENDS = ("auto", "flashinfer", "triton", "torch")
 # The chat parsers (minisgl.chat); auto picks from the chat template.
 REASONING_PARSER_CHOICES = ("qwen3", "deepseek-r1", "auto")
 TOOL_CALL_PARSER_CHOICES = ("hermes", "qwen25", "llama3_json", "auto")
+SAMPLING_DEFAULTS_CHOICES = ("model", "openai")
 
 
 def _env_flag(name: str) -> bool:
@@ -95,6 +96,10 @@ class ServerArgs:
     chat_template_kwargs: str | None = None
     reasoning_parser: str | None = None  # qwen3, deepseek-r1 or auto: split off <think> text
     tool_call_parser: str | None = None  # hermes, qwen25, llama3_json or auto: parse tool calls
+    # model: a request's unset temperature / top_p / top_k / min_p / repetition_penalty come from
+    # the checkpoint's generation_config.json (SGLang's and vLLM's default); openai: the OpenAI
+    # API's defaults (temperature 1, no top-k / top-p / min-p, no penalty).
+    sampling_defaults: str = "model"
     # multi-node tensor parallelism
     nnodes: int = 1
     node_rank: int = 0
@@ -127,6 +132,11 @@ class ServerArgs:
             self.cuda_graph_max_bs is None or self.cuda_graph_max_bs >= 0,
             "cuda_graph_max_bs",
             "must be >= 0",
+        )
+        check(
+            self.sampling_defaults in SAMPLING_DEFAULTS_CHOICES,
+            "sampling_defaults",
+            f"must be one of {', '.join(SAMPLING_DEFAULTS_CHOICES)}",
         )
         check(self.nnodes >= 1 and 0 <= self.node_rank < self.nnodes, "node_rank", "out of range")
         check(self.max_sequences_per_request >= 1, "max_sequences_per_request", "must be >= 1")
@@ -240,6 +250,8 @@ def build_arg_parser() -> argparse.ArgumentParser:
             kwargs["choices"] = list(REASONING_PARSER_CHOICES)
         elif f.name == "tool_call_parser":
             kwargs["choices"] = list(TOOL_CALL_PARSER_CHOICES)
+        elif f.name == "sampling_defaults":
+            kwargs["choices"] = list(SAMPLING_DEFAULTS_CHOICES)
         parser.add_argument(*flags, **kwargs)
     parser.add_argument("--shell", action="store_true", help="chat in this terminal")
     dp = parser.add_argument_group("data parallelism (docs/scaling.md)")

@@ -100,6 +100,28 @@ def _eos_ids(model_dir: Path, raw: dict[str, Any]) -> tuple[int, ...]:
     return tuple(int(e) for e in eos) if isinstance(eos, list) else (int(eos),)
 
 
+# What a checkpoint's generation_config.json may recommend for sampling (Qwen3: temperature 0.6,
+# top_k 20, top_p 0.95), under SamplingParams' names.
+GENERATION_SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def load_sampling_defaults(model_dir: Path) -> dict[str, float | int]:
+    """The sampling values the checkpoint's generation_config.json sets (none when it has no
+    such file). A server applies them to requests that leave those fields unset, as SGLang and
+    vLLM do by default."""
+    gen_path = model_dir / "generation_config.json"
+    if not gen_path.exists():
+        return {}
+    raw = json.loads(gen_path.read_text())
+    defaults: dict[str, float | int] = {}
+    for key in GENERATION_SAMPLING_KEYS:
+        value = raw.get(key)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue  # absent, null or malformed: the API's own default applies
+        defaults[key] = int(value) if key == "top_k" else float(value)
+    return defaults
+
+
 def load_model_config(model_dir: Path) -> ModelConfig:
     raw = json.loads((model_dir / "config.json").read_text())
     archs = raw.get("architectures") or []

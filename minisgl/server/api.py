@@ -23,6 +23,7 @@ from minisgl.config import ServerArgs
 from minisgl.core import InvalidRequestError
 from minisgl.limits import ModelLimits
 from minisgl.message import Endpoints, StatsReply
+from minisgl.models.config import load_sampling_defaults
 from minisgl.server.engine_client import EngineClient
 from minisgl.server.errors import RequestError, backend_stopped_error
 from minisgl.server.generation import ServingContext
@@ -79,6 +80,16 @@ async def _wait_for_scheduler(engine: EngineClient) -> StatsReply:
     raise TimeoutError(f"scheduler did not answer within {SCHEDULER_HANDSHAKE_TIMEOUT_S} s")
 
 
+def _sampling_defaults(args: ServerArgs, model_path: Path) -> dict[str, float | int]:
+    if args.sampling_defaults != "model":
+        return {}
+    defaults = load_sampling_defaults(model_path)
+    if defaults:
+        shown = ", ".join(f"{k}={v}" for k, v in defaults.items())
+        logger.info("sampling defaults from the model's generation_config.json: %s", shown)
+    return defaults
+
+
 def create_app(
     args: ServerArgs, endpoints: Endpoints, tokenizer_path: str | Path, model_path: str | Path
 ) -> FastAPI:
@@ -108,6 +119,7 @@ def create_app(
                 args.tool_call_parser,
             ),
             eos_token_ids=tuple(info.eos_token_ids),
+            sampling_defaults=_sampling_defaults(args, Path(model_path)),
         )
         try:
             yield

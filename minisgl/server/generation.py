@@ -13,7 +13,7 @@ import asyncio
 import functools
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar, cast
@@ -89,6 +89,9 @@ class ServingContext:
     )
     chat: ChatSettings = field(default_factory=ChatSettings)
     eos_token_ids: tuple[int, ...] = ()
+    # For the sampling fields a request leaves unset (--sampling-defaults model): the checkpoint's
+    # generation_config.json values; empty means the OpenAI API's defaults.
+    sampling_defaults: dict[str, float | int] = field(default_factory=dict)
     # Made at the first constrained request (reading the vocabulary takes ~0.5-1.5 s).
     _grammar: GrammarCompiler | None = field(default=None, init=False)
 
@@ -149,7 +152,10 @@ class ServingContext:
                 prompt_param,
                 body.wire_param("max_tokens"),
             )
-            params = [build_sampling_params(body, max_tokens, j, constraint) for j in range(body.n)]
+            params = [
+                build_sampling_params(body, max_tokens, j, constraint, self.sampling_defaults)
+                for j in range(body.n)
+            ]
             check_request(prompt_ids, params[0], self.limits, prompt_param)  # same for every j
         except InvalidRequestError as exc:
             raise invalid_request(exc, body) from None
@@ -165,10 +171,19 @@ class ServingContext:
 
 
 def build_sampling_params(
-    body: SamplingFields, max_tokens: int, choice_index: int, constraint: Constraint | None = None
+    body: SamplingFields,
+    max_tokens: int,
+    choice_index: int,
+    constraint: Constraint | None = None,
+    defaults: Mapping[str, float | int] | None = None,
 ) -> SamplingParams:
-    """Raises InvalidRequestError (SamplingParams' own rules) for a bad field."""
-    overrides = {name: getattr(body, name) for name in SAMPLING_FIELDS}
+    """Raises InvalidRequestError (SamplingParams' own rules) for a bad field. `defaults` fill
+    the sampling fields the request leaves unset (the model's recommended values)."""
+    defaults = defaults or {}
+    overrides: dict[str, Any] = {
+        name: getattr(body, name) if getattr(body, name) is not None else defaults.get(name)
+        for name in SAMPLING_FIELDS
+    }
     # With a seed, choice i uses seed + i: n sequences that are reproducible yet differ.
     seed = None if body.seed is None else body.seed + choice_index
     return SamplingParams(
