@@ -131,6 +131,29 @@ def huge_page_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return raw[start : start + num_bytes].view(dtype).view(shape)
 
 
+# glibc's mallopt parameters (malloc.h)
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_MAX = -4
+
+
+def keep_freed_memory() -> bool:
+    """Make large freed blocks stay in the process heap for the next allocation (glibc only;
+    False elsewhere). By default glibc gives every block over 32 MiB its own mapping and unmaps
+    it on free, so a CPU step re-faults every large tensor it makes: at batch 256 with Qwen3's
+    151k vocabulary the logits alone are 155 MB a step, and a tiny model's step took 131 ms
+    where it takes 83 ms once the memory is reused (benchmark/RESULTS.md section 12). The price:
+    the heap keeps its high-water mark instead of returning it to the system. Call before the
+    model loads, in the process that runs the forward."""
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):  # not glibc
+        return False
+    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    no_mmap = mallopt(_M_MMAP_MAX, 0) == 1
+    no_trim = mallopt(_M_TRIM_THRESHOLD, 2**31 - 1) == 1
+    return no_mmap and no_trim
+
+
 def _row_stride(x: torch.Tensor) -> int | None:
     """Stride between rows of a 2-D tensor whose rows are contiguous, else None."""
     if x.dim() != 2 or (x.shape[1] > 1 and x.stride(1) != 1):
