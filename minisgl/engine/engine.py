@@ -69,8 +69,6 @@ class Engine:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.dev = Device(self.device)
-        if self.device.type == "cpu" and cpu_kernels.keep_freed_memory():
-            logger.debug("large freed blocks stay in the heap (glibc mallopt)")
         self.dtype = resolve_dtype(args.dtype, self.device)
         self.model_path = resolve_model_path_for(args)
         self.model_config: ModelConfig = load_model_config(self.model_path)

@@ -131,29 +131,6 @@ def huge_page_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return raw[start : start + num_bytes].view(dtype).view(shape)
 
 
-# glibc's mallopt parameters (malloc.h)
-_M_TRIM_THRESHOLD = -1
-_M_MMAP_MAX = -4
-
-
-def keep_freed_memory() -> bool:
-    """Make large freed blocks stay in the process heap for the next allocation (glibc only;
-    False elsewhere). By default glibc gives every block over 32 MiB its own mapping and unmaps
-    it on free, so a CPU step re-faults every large tensor it makes: at batch 256 with Qwen3's
-    151k vocabulary the logits alone are 155 MB a step, and a tiny model's step took 131 ms
-    where it takes 83 ms once the memory is reused (benchmark/RESULTS.md section 12). The price:
-    the heap keeps its high-water mark instead of returning it to the system. Call before the
-    model loads, in the process that runs the forward."""
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):  # not glibc
-        return False
-    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
-    no_mmap = mallopt(_M_MMAP_MAX, 0) == 1
-    no_trim = mallopt(_M_TRIM_THRESHOLD, 2**31 - 1) == 1
-    return no_mmap and no_trim
-
-
 def _row_stride(x: torch.Tensor) -> int | None:
     """Stride between rows of a 2-D tensor whose rows are contiguous, else None."""
     if x.dim() != 2 or (x.shape[1] > 1 and x.stride(1) != 1):
@@ -198,9 +175,14 @@ class CpuKernels:
         return PackedLinear(panels, out_features, in_features)
 
     def linear(
-        self, x: torch.Tensor, weight: PackedLinear, bias: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        weight: PackedLinear,
+        bias: torch.Tensor | None = None,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """x [..., in] -> [..., out] = x @ W^T + bias."""
+        """x [..., in] -> [..., out] = x @ W^T + bias; into `out` ([rows, out], contiguous)
+        when given."""
         lead = x.shape[:-1]
         x2 = x.reshape(-1, weight.in_features)
         ldx = _row_stride(x2)
@@ -208,7 +190,8 @@ class CpuKernels:
             x2 = x2.contiguous()
             ldx = x2.stride(0)
         num_rows = x2.shape[0]
-        y = torch.empty(num_rows, weight.out_features, dtype=x.dtype)
+        y = torch.empty(num_rows, weight.out_features, dtype=x.dtype) if out is None else out
+        assert y.shape == (num_rows, weight.out_features) and y.is_contiguous()
         if num_rows:
             self._lib.mg_linear(
                 x2.data_ptr(),

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from minisgl.distributed import all_gather_last_dim, all_reduce, get_tp_info
-from minisgl.kernels.cpu import CpuKernels, PackedLinear
+from minisgl.kernels.cpu import CpuKernels, PackedLinear, huge_page_zeros
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -39,6 +39,12 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     _kernels: CpuKernels | None = None
     _packed: PackedLinear | None = None
+    # CPU: the logits go into this buffer, grown to the most rows seen and reused every step.
+    # [rows, vocab] fp32 is large (155 MB at 256 rows of a 151k vocabulary), and a fresh one
+    # each step costs page faults twice over: glibc maps blocks over 32 MiB afresh and unmaps
+    # them on free (a tiny model's step: 35 -> 23 ms at 64 rows, RESULTS.md section 12).
+    # So the logits are valid until the next step's, as a CUDA graph's static output is.
+    _logits_buffer: torch.Tensor | None = None
 
     def use_cpu_kernels(self, kernels: CpuKernels, tied: bool) -> None:
         """Pack the (loaded) weight for the CPU kernels. A tied weight is the embedding's too,
@@ -51,8 +57,18 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self._kernels is not None and self._packed is not None:
-            logits = self._kernels.linear(hidden, self._packed)
+            rows = hidden.reshape(-1, hidden.shape[-1]).shape[0]
+            out = self._logits_out(rows, self._packed.out_features, hidden.dtype)
+            logits = self._kernels.linear(hidden, self._packed, out=out)
         else:
             logits = F.linear(hidden, self.weight)
         logits = all_gather_last_dim(logits)
         return logits[..., : self.vocab_size]
+
+    def _logits_out(self, rows: int, vocab: int, dtype: torch.dtype) -> torch.Tensor:
+        buffer = self._logits_buffer
+        if buffer is None or buffer.shape[0] < rows or buffer.dtype != dtype:
+            grown = 0 if buffer is None else 2 * buffer.shape[0]  # batches ramp up a row at a time
+            buffer = huge_page_zeros((max(rows, grown), vocab), dtype)
+            self._logits_buffer = buffer
+        return buffer[:rows]
