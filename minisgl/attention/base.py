@@ -61,6 +61,16 @@ class AttentionBatch:
         return all(e == 1 for e in self.extend_lens_cpu)
 
 
+def copy_to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor's copy on `device`, queued without making the host wait. On CUDA it goes
+    through pinned memory: a "non-blocking" copy from pageable memory is staged synchronously,
+    and under overlap that can hold the host until the batch in flight finishes (the Triton
+    backend's extend block map did, serialising mixed steps' launches with their execution)."""
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 class AttentionBackend(ABC):
     """Computes attention for a mixed batch (prefill chunks with cached prefixes, and decodes)
     directly from the paged KV pool.

@@ -21,7 +21,12 @@ from typing import Any
 
 import torch
 
-from minisgl.attention.base import AttentionBackend, AttentionBatch, AttentionConfig
+from minisgl.attention.base import (
+    AttentionBackend,
+    AttentionBatch,
+    AttentionConfig,
+    copy_to_device,
+)
 from minisgl.kvcache.pool import KVPool
 
 # FlashInfer's recommended float workspace (split-KV partial results), allocated once.
@@ -45,17 +50,14 @@ def paged_kv_lists(
     total = int(indptr[-1])
     device = batch.table_rows.device
     pin = device.type == "cuda"
-
-    def to_device(x: torch.Tensor) -> torch.Tensor:
-        return (x.pin_memory() if pin else x).to(device, non_blocking=True)
-
     # Page k of sequence i is the page holding position k * page_size of its table row; built
     # on the device from the table, so nothing waits for the host.
-    num_pages_d = to_device(num_pages)
+    num_pages_d = copy_to_device(num_pages, device)
     seq = torch.repeat_interleave(
         torch.arange(len(batch.kv_lens_cpu), device=device), num_pages_d, output_size=total
     )
-    first = torch.repeat_interleave(to_device(indptr[:-1].long()), num_pages_d, output_size=total)
+    first_page = copy_to_device(indptr[:-1].long(), device)
+    first = torch.repeat_interleave(first_page, num_pages_d, output_size=total)
     page_pos = (torch.arange(total, device=device) - first) * page_size
     slots = batch.page_table[batch.table_rows[seq], page_pos]
     page_ids = (slots // page_size).to(torch.int32)

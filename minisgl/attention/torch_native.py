@@ -15,7 +15,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from minisgl.attention.base import AttentionBackend, AttentionBatch, AttentionConfig
+from minisgl.attention.base import (
+    AttentionBackend,
+    AttentionBatch,
+    AttentionConfig,
+    copy_to_device,
+)
 from minisgl.kernels.cpu import CpuKernels, get, kernels_for
 from minisgl.kvcache.pool import KVPool
 
@@ -136,13 +141,13 @@ class TorchNativeBackend(AttentionBackend):
         result = []
         for members in groups:
             max_kv = members[0][0]
-            seq_index = torch.tensor([m[2] for m in members], dtype=torch.long, device=device)
+            seq_index = copy_to_device(torch.tensor([m[2] for m in members]), device)
             kv_lens = batch.kv_lens[seq_index]
             valid = torch.arange(max_kv, device=device)[None, :] < kv_lens[:, None]
             slots = batch.page_table[batch.table_rows[seq_index], :max_kv].long()
             result.append(
                 _DecodeGroup(
-                    token_index=torch.tensor([m[1] for m in members], device=device),
+                    token_index=copy_to_device(torch.tensor([m[1] for m in members]), device),
                     kv_slots=slots.masked_fill(~valid, 0).flatten(),
                     mask=valid[:, None, None, :],  # [decodes, 1, 1, max_kv]
                 )

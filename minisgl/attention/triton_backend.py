@@ -16,7 +16,12 @@ import torch
 import triton
 
 from minisgl.attention import triton_ops as ops
-from minisgl.attention.base import AttentionBackend, AttentionBatch, AttentionConfig
+from minisgl.attention.base import (
+    AttentionBackend,
+    AttentionBatch,
+    AttentionConfig,
+    copy_to_device,
+)
 from minisgl.kvcache.pool import KVPool
 
 # Decode splits each sequence's keys into up to this many parts (a power of two), computed by
@@ -82,7 +87,7 @@ class TritonExtendMetadata:
     def block_map(self, block_m: int, device: torch.device) -> torch.Tensor:
         if block_m not in self.block_maps:
             host = ops.extend_block_map(self.extend_lens, block_m)
-            self.block_maps[block_m] = host.to(device, non_blocking=True)
+            self.block_maps[block_m] = copy_to_device(host, device)
         return self.block_maps[block_m]
 
 
