@@ -190,9 +190,12 @@ def test_switch(monkeypatch):
         gpu.reset()
 
 
-def test_generation_through_the_fused_kernels(tiny_qwen3, monkeypatch):
+@pytest.mark.parametrize("graph_bs", [None, 4], ids=["eager", "padded"])
+def test_generation_through_the_fused_kernels(tiny_qwen3, monkeypatch, graph_bs):
     """Greedy tokens and logprobs of a Qwen3 (q/k norm) model with every layer's norm, rope,
-    activation and KV store in the fused kernels equal those of the torch ops."""
+    activation and KV store in the fused kernels equal those of the torch ops; also through the
+    CUDA-graph runner's padded decode path (run eagerly here), whose padding rows store K/V
+    into the dummy page."""
     from minisgl import LLM, SamplingParams
 
     calls = dict.fromkeys(("rmsnorm", "add_rmsnorm_", "qk_norm_rope", "silu_mul", "store_kv"), 0)
@@ -215,7 +218,7 @@ def test_generation_through_the_fused_kernels(tiny_qwen3, monkeypatch):
             gpu.reset()
             with LLM(str(tiny_qwen3), device=DEVICE.type, dtype="float32",
                      attention_backend="triton", num_pages=64, page_size=4,
-                     max_running_requests=4) as llm:  # fmt: skip
+                     max_running_requests=4, cuda_graph_max_bs=graph_bs) as llm:  # fmt: skip
                 outs = llm.generate(prompts, params)
                 llm.check_page_accounting()
             results[setting] = (
