@@ -130,6 +130,9 @@ def _check(s: Scenario, backend: TritonBackend | None = None) -> None:
 # and several query blocks), and decodes, in one batch.
 MIXED = [(0, 37), (20, 13), (70, 1), (5, 1), (0, 1), (33, 80), (64, 2)]
 DECODES = [(0, 1), (150, 1), (63, 1), (64, 1), (9, 1)]
+# The scheduler's order: decodes first (the decode kernel takes them), then prefill chunks (the
+# extend kernel), a one-token chunk among them.
+DECODES_FIRST = [(70, 1), (5, 1), (0, 1), (150, 1), (0, 37), (20, 13), (64, 1), (33, 80)]
 
 
 @requires_triton
@@ -138,6 +141,17 @@ DECODES = [(0, 1), (150, 1), (63, 1), (64, 1), (9, 1)]
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_mixed_batch_matches_torch(page_size, num_heads, num_kv_heads, head_dim):
     _check(Scenario(MIXED, num_heads, num_kv_heads, head_dim, page_size))
+
+
+@requires_triton
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(4, 2), (8, 2)])
+def test_mixed_batch_decodes_take_the_decode_kernel(page_size, num_heads, num_kv_heads):
+    s = Scenario(DECODES_FIRST, num_heads, num_kv_heads, 64, page_size)
+    metadata = TritonBackend().prepare(_build(s)[1])
+    assert metadata.decodes is not None and metadata.decodes.num_seqs == 4
+    assert metadata.extend_lens == [37, 13, 1, 80]
+    _check(s)
 
 
 @requires_triton

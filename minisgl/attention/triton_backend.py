@@ -74,12 +74,18 @@ class TritonDecodeMetadata:
 
 @dataclass
 class TritonExtendMetadata:
+    """A batch with prefill chunks. Its leading one-query sequences (the decodes, which the
+    scheduler puts first) go to the decode kernel (`decodes`); the extend kernel, which tiles
+    queries 64-128 rows at a time, takes the rest (`extend_lens` and the tensors below, from
+    the first non-decode sequence on). `out_slots` covers every token: the store is one."""
+
     extend_lens: list[int]
     table_rows: torch.Tensor
     prefix_lens: torch.Tensor
     kv_lens: torch.Tensor
     out_slots: torch.Tensor
     page_table: torch.Tensor
+    decodes: TritonDecodeMetadata | None = None
     # Query-block maps on the device by BLOCK_M, built at the first layer (the block size
     # depends on head_dim, which only forward sees) and reused by every other layer.
     block_maps: dict[int, torch.Tensor] = field(default_factory=dict)
@@ -116,13 +122,27 @@ class TritonBackend(AttentionBackend):
     def prepare(self, batch: AttentionBatch) -> TritonDecodeMetadata | TritonExtendMetadata:
         if batch.is_decode:
             return self._decode_metadata(batch, for_graph=False)
+        extend_lens = batch.extend_lens_cpu
+        # One query attending to its whole KV is a decode, whether it samples or ends a chunk.
+        num_decodes = next((i for i, n in enumerate(extend_lens) if n != 1), len(extend_lens))
+        decodes = None
+        if num_decodes:
+            decodes = TritonDecodeMetadata(
+                num_seqs=num_decodes,
+                table_rows=batch.table_rows[:num_decodes],
+                kv_lens=batch.kv_lens[:num_decodes],
+                out_slots=batch.out_slots[:num_decodes],
+                page_table=batch.page_table,
+                for_graph=False,
+            )
         return TritonExtendMetadata(
-            extend_lens=batch.extend_lens_cpu,
-            table_rows=batch.table_rows,
-            prefix_lens=batch.prefix_lens,
-            kv_lens=batch.kv_lens,
+            extend_lens=extend_lens[num_decodes:],
+            table_rows=batch.table_rows[num_decodes:],
+            prefix_lens=batch.prefix_lens[num_decodes:],
+            kv_lens=batch.kv_lens[num_decodes:],
             out_slots=batch.out_slots,
             page_table=batch.page_table,
+            decodes=decodes,
         )
 
     def init_graph_state(self, max_batch_size: int) -> None:
@@ -175,36 +195,52 @@ class TritonBackend(AttentionBackend):
             q = q.contiguous()
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if isinstance(metadata, TritonDecodeMetadata):
-            scratch = self._decode_scratch(metadata, q)
-            ops.decode_attention(
-                q,
-                k_cache,
-                v_cache,
-                out,
-                metadata.page_table,
-                metadata.table_rows,
-                metadata.kv_lens,
-                scratch.out,
-                scratch.lse,
-                self._num_splits(metadata.num_seqs, k_cache.shape[1], q.device),
-                scale,
-            )
-        else:
-            block_m = ops.extend_block_m(q.shape[2])
-            ops.extend_attention(
-                q,
-                k_cache,
-                v_cache,
-                out,
-                metadata.page_table,
-                metadata.table_rows,
-                metadata.prefix_lens,
-                metadata.kv_lens,
-                metadata.block_map(block_m, q.device),
-                block_m,
-                scale,
-            )
+            self._decode(q, k_cache, v_cache, out, metadata, scale)
+            return out
+        num_decodes = 0
+        if metadata.decodes is not None:
+            num_decodes = metadata.decodes.num_seqs  # one query each: the first rows of q
+            decode_q, decode_out = q[:num_decodes], out[:num_decodes]
+            self._decode(decode_q, k_cache, v_cache, decode_out, metadata.decodes, scale)
+        block_m = ops.extend_block_m(q.shape[2])
+        ops.extend_attention(
+            q[num_decodes:],
+            k_cache,
+            v_cache,
+            out[num_decodes:],
+            metadata.page_table,
+            metadata.table_rows,
+            metadata.prefix_lens,
+            metadata.kv_lens,
+            metadata.block_map(block_m, q.device),
+            block_m,
+            scale,
+        )
         return out
+
+    def _decode(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        out: torch.Tensor,
+        metadata: TritonDecodeMetadata,
+        scale: float,
+    ) -> None:
+        scratch = self._decode_scratch(metadata, q)
+        ops.decode_attention(
+            q,
+            k_cache,
+            v_cache,
+            out,
+            metadata.page_table,
+            metadata.table_rows,
+            metadata.kv_lens,
+            scratch.out,
+            scratch.lse,
+            self._num_splits(metadata.num_seqs, k_cache.shape[1], q.device),
+            scale,
+        )
 
     def _decode_scratch(self, metadata: TritonDecodeMetadata, q: torch.Tensor) -> DecodeScratch:
         if metadata.for_graph:
