@@ -164,10 +164,9 @@ class TorchNativeBackend(AttentionBackend):
         pool: KVPool,
         metadata: TorchNativeMetadata,
     ) -> torch.Tensor:
+        pool.store(layer_id, metadata.out_slots, k, v)
         k_cache, v_cache = pool.k_cache(layer_id), pool.v_cache(layer_id)
         kernels = kernels_for(q) if self._kernels is not None else None
-        if kernels is None or not kernels.store_kv(k, v, k_cache, v_cache, metadata.out_slots):
-            pool.store(layer_id, metadata.out_slots, k, v)
         if kernels is not None and not kernels.supports_decode_attention(
             q.shape[1], k_cache.shape[1], q.shape[2]
         ):

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from minisgl.kernels.cpu import huge_page_zeros
+from minisgl.kernels.cpu import huge_page_zeros, kernels_for
 from minisgl.kernels.gpu import fused_kernels_for
 
 
@@ -59,10 +59,12 @@ class KVPool:
         return self.buffer[layer_id, 1]
 
     def store(self, layer_id: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Write this batch's new K/V ([tokens, kv_heads, head_dim]) at `slots` ([tokens])."""
+        """Write this batch's new K/V ([tokens, kv_heads, head_dim]) at `slots` ([tokens]): both
+        in one kernel where one applies (Triton on CUDA, the C kernels for fp32 on CPU; each
+        declines layouts it does not take), else two index copies."""
         k_cache, v_cache = self.buffer[layer_id, 0], self.buffer[layer_id, 1]
-        fused = fused_kernels_for(k)
-        if fused is not None and fused.store_kv(k, v, k_cache, v_cache, slots):
-            return  # both in one kernel
+        kernels = fused_kernels_for(k) or kernels_for(k)
+        if kernels is not None and kernels.store_kv(k, v, k_cache, v_cache, slots):
+            return
         k_cache.index_copy_(0, slots, k)
         v_cache.index_copy_(0, slots, v)

@@ -30,6 +30,25 @@ static inline vu vmix32(vu x) {
 #define UNIFORM_BITS 23
 #define UNIFORM_CHUNK 4096 /* vocab ids per work item */
 
+/* The row's hash key, from its seed and the position being sampled. */
+static inline uint32_t row_key(int64_t seed, int64_t position) {
+    return mix32(mix32((uint32_t)seed) ^ (uint32_t)position);
+}
+
+/* The uniform of vocab id i in the row of `key`: (top UNIFORM_BITS bits of the hash + 0.5) /
+ * 2^UNIFORM_BITS. The one definition both the uniforms and the sampler below use. */
+static inline float suniform(uint32_t key, uint32_t i) {
+    const uint32_t h = mix32(mix32(key * 0x9E3779B1u + i) ^ key);
+    return ((float)(h >> (32 - UNIFORM_BITS)) + 0.5f) * (1.0f / (float)(1 << UNIFORM_BITS));
+}
+
+/* The same for ids first + lane[0 .. VW). */
+static inline vf vuniform(uint32_t key, uint32_t first, vu lane) {
+    const vu h = vmix32(vmix32(key * 0x9E3779B1u + (first + lane)) ^ key);
+    const vf top = __builtin_convertvector((vi)(h >> (32 - UNIFORM_BITS)), vf);
+    return (top + 0.5f) * (1.0f / (float)(1 << UNIFORM_BITS));
+}
+
 typedef struct {
     const int64_t* seeds;
     const int64_t* positions;
@@ -40,25 +59,16 @@ typedef struct {
 static void uniform_range(const void* args, int64_t begin, int64_t end) {
     const uniform_args* a = args;
     const int64_t chunks = (a->vocab + UNIFORM_CHUNK - 1) / UNIFORM_CHUNK;
-    const float inv = 1.0f / (float)(1 << UNIFORM_BITS);
     vu lane;
     for (int i = 0; i < VW; i++) lane[i] = (uint32_t)i;
     for (int64_t item = begin; item < end; item++) {
         const int64_t r = item / chunks, first = (item % chunks) * UNIFORM_CHUNK;
         const int64_t last = min64(first + UNIFORM_CHUNK, a->vocab);
-        const uint32_t key = mix32(mix32((uint32_t)a->seeds[r]) ^ (uint32_t)a->positions[r]);
+        const uint32_t key = row_key(a->seeds[r], a->positions[r]);
         float* o = a->out + r * a->vocab;
         int64_t i = first;
-        for (; i + VW <= last; i += VW) {
-            vu h = vmix32(key * 0x9E3779B1u + ((uint32_t)i + lane));
-            h = vmix32(h ^ key);
-            vi top = (vi)(h >> (32 - UNIFORM_BITS));
-            vstore(o + i, (__builtin_convertvector(top, vf) + 0.5f) * inv);
-        }
-        for (; i < last; i++) {
-            const uint32_t h = mix32(mix32(key * 0x9E3779B1u + (uint32_t)i) ^ key);
-            o[i] = ((float)(h >> (32 - UNIFORM_BITS)) + 0.5f) * inv;
-        }
+        for (; i + VW <= last; i += VW) vstore(o + i, vuniform(key, (uint32_t)i, lane));
+        for (; i < last; i++) o[i] = suniform(key, (uint32_t)i);
     }
 }
 
@@ -124,21 +134,18 @@ static int64_t sample_row(const float* logits, int64_t vocab, float temperature,
     for (i = 0; i + VW <= vocab; i += VW) vs += vexp(vload(logits + i) / t - mx);
     for (; i < vocab; i++) sum += sexp(logits[i] / t - mx);
     sum += vsum(vs);
-    const float inv = 1.0f / (float)(1 << UNIFORM_BITS);
     vu lane;
     for (int j = 0; j < VW; j++) lane[j] = (uint32_t)j;
     float best = -INFINITY;
     int64_t best_id = 0;
     for (i = 0; i + VW <= vocab; i += VW) {
-        vu h = vmix32(vmix32(key * 0x9E3779B1u + ((uint32_t)i + lane)) ^ key);
-        const vf u = (__builtin_convertvector((vi)(h >> (32 - UNIFORM_BITS)), vf) + 0.5f) * inv;
+        const vf u = vuniform(key, (uint32_t)i, lane);
         const vf score = vexp(vload(logits + i) / t - mx) / sum / -vlog(u);
         for (int j = 0; j < VW; j++)
             if (score[j] > best) best = score[j], best_id = i + j;
     }
     for (; i < vocab; i++) {
-        const uint32_t h = mix32(mix32(key * 0x9E3779B1u + (uint32_t)i) ^ key);
-        float lanes[VW] = {((float)(h >> (32 - UNIFORM_BITS)) + 0.5f) * inv};
+        float lanes[VW] = {suniform(key, (uint32_t)i)}; /* the vector log, as above */
         const float score = sexp(logits[i] / t - mx) / sum / -vlog(vload(lanes))[0];
         if (score > best) best = score, best_id = i;
     }
@@ -163,7 +170,7 @@ static void sample_range(const void* args, int64_t begin, int64_t end) {
             a->out[r] = argmax_row(row, a->vocab);
             continue;
         }
-        const uint32_t key = mix32(mix32((uint32_t)a->seeds[r]) ^ (uint32_t)a->positions[r]);
+        const uint32_t key = row_key(a->seeds[r], a->positions[r]);
         a->out[r] = sample_row(row, a->vocab, a->temperatures[r], key);
     }
 }
