@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # The GPU check, for a session lent the CUDA device (see docs/development.md):
 #   here:   bash scripts/fetch_gpu_wheels.sh      (flashinfer, tvm-ffi, Qwen3 tokenizer -> .whl)
-#   device: run(command="bash scripts/gpu_check.sh", carry=[".whl", ".fi_aot"], timeout_s=540)
+#   device: run(command="CHECK_BUDGET_S=330 bash scripts/gpu_check.sh", carry=[".whl", ".fi_aot"],
+#               timeout_s=400)
+# A session has 15 minutes of device time, start-up included: a 400 s call leaves room for a
+# rerun. Steps an earlier run already recorded can be skipped (SKIP_STEPS, below).
 # It makes a random Qwen3-0.6B-shaped checkpoint, runs the CUDA tests (tests/test_cuda.py: each
 # backend against torch-native, fp32/bf16 logits against transformers, graphs/overlap on/off give
 # the same tokens), profiles a window of full-batch steps (benchmark/offline/profile_steps.py:
@@ -71,12 +74,15 @@ run make_model 120 python3 scripts/make_random_checkpoint.py "$MODEL" --preset q
   --max-position-embeddings 4096
 # Compile FlashInfer's kernels (an engine start plans and runs prefill and decode, and captures
 # graphs) while the Triton and torch tests use the GPU.
-timeout 300 python3 -c "from minisgl import LLM; LLM('$MODEL', attention_backend='flashinfer', \
-num_pages=512, max_running_requests=8).shutdown(); print('flashinfer warm')" \
+# Graph capture compiles the decode module; a short generation compiles the prefill one too
+# (also what tensor-core decode uses).
+timeout 300 python3 -c "from minisgl import LLM, SamplingParams; \
+llm = LLM('$MODEL', attention_backend='flashinfer', num_pages=512, max_running_requests=8); \
+llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2)); llm.shutdown(); print('flashinfer warm')" \
   > "$OUT_DIR/flashinfer_warmup.log" 2>&1 &
 warmup_pid=$!
 run tests_triton_torch 150 python3 -m pytest -q -s -x -p no:cacheprovider tests/test_cuda.py \
-  -k "not flashinfer"
+  tests/test_triton_sampling.py -k "not flashinfer"
 wait "$warmup_pid"; echo "flashinfer warm-up exit $?, at ${SECONDS}s"; tail -n 3 "$OUT_DIR/flashinfer_warmup.log"
 run tests_flashinfer 120 python3 -m pytest -q -s -x -p no:cacheprovider tests/test_cuda.py \
   -k flashinfer
@@ -94,8 +100,11 @@ PROFILE_WORKLOAD=(--model "$MODEL" --num-requests 256 --page-size 16 --min-input
   --max-input-len 1024 --min-output-len 100 --max-output-len 1024 --skip-steps 60 --steps 60)
 run profile_flashinfer 90 python3 benchmark/offline/profile_steps.py "${PROFILE_WORKLOAD[@]}" \
   --attention-backend flashinfer --overlap on --cuda-graphs on
+# Sampling alone (temperature rows take the Triton kernel; MINISGL_FUSED_KERNELS=0 the torch ops).
+run sampling_bench 60 bash -c "python3 benchmark/kernels/bench_sampling.py --rows 1 64 256 && \
+  MINISGL_FUSED_KERNELS=0 python3 benchmark/kernels/bench_sampling.py --rows 1 64 256"
 run profile_flashinfer_eager 90 python3 benchmark/offline/profile_steps.py \
-  "${PROFILE_WORKLOAD[@]}" --attention-backend flashinfer --overlap on --cuda-graphs off
+  "${PROFILE_WORKLOAD[@]}" --steps 20 --attention-backend flashinfer --overlap on --cuda-graphs off
 # One process, a fresh engine per config: FlashInfer then Triton, each with graphs on/off and
 # overlap on/off (results print as they finish, so a time limit still leaves the first ones).
 run bench_matrix 400 python3 benchmark/offline/bench.py "${BENCH_WORKLOAD[@]}" --gpu-matrix \
@@ -109,8 +118,12 @@ run tests_moe 60 python3 -m pytest -q -x -p no:cacheprovider tests/test_fused_mo
   tests/test_moe.py --deselect "tests/test_moe.py::test_qwen3_moe_matches_hf[2]"
 
 # Pack FlashInfer's compiled modules for the next run (see the header).
-(cd "$FLASHINFER_WORKSPACE_BASE" 2>/dev/null && find . -name '*.so' -path '*cached_ops*' \
-  | tar -cf "$RETURN_DIR/fi_aot.tar" -T - 2>/dev/null) || true
+# Only when something was compiled: modules loaded from .fi_aot leave nothing to pack, and an
+# empty tarball must not replace the carried modules.
+compiled=$(cd "$FLASHINFER_WORKSPACE_BASE" 2>/dev/null && find . -name '*.so' -path '*cached_ops*')
+if [ -n "$compiled" ]; then
+  (cd "$FLASHINFER_WORKSPACE_BASE" && echo "$compiled" | tar -cf "$RETURN_DIR/fi_aot.tar" -T -)
+fi
 tar -czf "$RETURN_DIR/logs.tar.gz" -C "$OUT_DIR" . 2>/dev/null || true
 nvidia-smi --query-gpu=memory.used,memory.total --format=csv,noheader || true
 
@@ -124,6 +137,7 @@ for name in bench_best bench_unfused bench_matrix; do
 done
 grep -h "GPU memory:\|captured" "$OUT_DIR"/bench_*.log 2>/dev/null | head -n 2
 grep -h "bf16 |logprob" "$OUT_DIR"/tests_*.log 2>/dev/null
+[ -f "$OUT_DIR/sampling_bench.log" ] && grep -h "rows\|temperature\|greedy" "$OUT_DIR/sampling_bench.log"
 for name in profile_flashinfer profile_flashinfer_eager; do
   [ -f "$OUT_DIR/$name.log" ] && sed -n '/^== /,$p' "$OUT_DIR/$name.log" | head -n 40
 done

@@ -1,5 +1,5 @@
 """Compile our Triton kernels for NVIDIA GPUs on a machine without one
-(tests/test_cuda_compile.py): the fused layer kernels, attention and fused MoE.
+(tests/test_cuda_compile.py): the fused layer kernels, sampling, attention and fused MoE.
 
 Triton's interpreter (how CI runs the kernels) never lowers them, so a kernel that interprets
 fine can still fail to compile for a GPU. Triton compiles to a cubin without any GPU present
@@ -127,6 +127,18 @@ def fused_layer_launches() -> list[Launch]:
     return record(tf, run)
 
 
+def sampling_launches() -> list[Launch]:
+    from minisgl.kernels import triton_sampling as ts
+
+    def run() -> None:
+        rows = 3
+        temps, seeds, positions = torch.ones(rows), torch.arange(rows), torch.arange(rows)
+        for dtype in (torch.float32, torch.bfloat16):
+            ts.sample(torch.randn(rows, 1000, dtype=dtype), temps, seeds, positions)
+
+    return record(ts, run)
+
+
 def attention_launches() -> list[Launch]:
     from minisgl.attention import triton_kernels, triton_ops
 
@@ -174,7 +186,7 @@ def moe_launches() -> list[Launch]:
 def main(archs: list[int]) -> None:
     if os.environ.get("TRITON_INTERPRET") == "1":
         sys.exit("unset TRITON_INTERPRET: interpreted kernels cannot be compiled")
-    launches = fused_layer_launches() + attention_launches() + moe_launches()
+    launches = fused_layer_launches() + sampling_launches() + attention_launches() + moe_launches()
     assert launches, "no kernel launch was recorded"
     for arch in archs:
         target = GPUTarget("cuda", arch, 32)

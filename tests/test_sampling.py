@@ -64,6 +64,49 @@ def test_penalties_change_greedy_output(llm):
     assert len(set(out)) >= len(set(base[0].token_ids))
 
 
+def _reference_penalized_greedy(hf, prompt: list[int], sp: SamplingParams) -> list[int]:
+    """Greedy decoding on transformers' logits with the penalties written out per token: the
+    repetition penalty over prompt and output (HF's convention), frequency and presence over
+    the output only (OpenAI's)."""
+    ids = list(prompt)
+    for _ in range(sp.max_tokens):
+        with torch.no_grad():
+            logits = hf(torch.tensor([ids])).logits[0, -1].float()
+        for tok in set(ids):
+            r = sp.repetition_penalty
+            logits[tok] = logits[tok] / r if logits[tok] > 0 else logits[tok] * r
+        output = ids[len(prompt) :]
+        for tok in set(output):
+            count = output.count(tok)
+            logits[tok] -= sp.frequency_penalty * count + sp.presence_penalty
+        ids.append(int(logits.argmax()))
+    return ids[len(prompt) :]
+
+
+def test_penalties_match_a_reference_on_transformers_logits(llm, tiny_qwen3):
+    """Rows of one batch with different prompts, lengths and penalties: each row's greedy
+    tokens equal the written-out reference's. The prompts hold tokens this model repeats
+    (123916, 46484), so counting the prompt where only the output counts, or the reverse,
+    changes the tokens (checked: each row's penalties change its output)."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(tiny_qwen3), dtype=torch.float32).eval()
+    loop = [5, 9, 5, 9, 11] * 3
+    prompts = [loop + [123916, 46484], loop, list(range(300, 310)) + loop + [123916]]
+    penalties = [
+        {"repetition_penalty": 1.6},
+        {"frequency_penalty": 1.5},
+        {"presence_penalty": 2.0, "frequency_penalty": 0.5, "repetition_penalty": 1.2},
+    ]
+    greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    params = [SamplingParams(**{**_asdict(greedy), **p}) for p in penalties]
+    plain = llm.generate(prompts, greedy)
+    outs = llm.generate(prompts, params)
+    for prompt, sp, out, base in zip(prompts, params, outs, plain, strict=True):
+        assert out.token_ids != base.token_ids, "the penalties should matter here"
+        assert out.token_ids == _reference_penalized_greedy(hf, prompt, sp)
+
+
 def test_max_tokens_ignore_eos_stop_ids_and_logprobs(llm):
     out = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))[0]
     assert len(out.token_ids) == 5 and out.finish_reason == "length"

@@ -7,6 +7,7 @@ distribution, the slow case of top-p without top-k).
 
     python benchmark/kernels/bench_sampling.py
     python benchmark/kernels/bench_sampling.py --rows 1 16 64 256 --device cuda
+    MINISGL_FUSED_KERNELS=0 python benchmark/kernels/bench_sampling.py ...   # torch ops on CUDA
 """
 
 from __future__ import annotations
@@ -48,12 +49,13 @@ def main() -> None:
             logits = (torch.randn(rows, VOCAB, generator=g) * args.logit_scale).to(device.device)
             params = [SamplingParams(**kwargs)] * rows  # type: ignore[arg-type]
             sb = SamplingBatch.build(params, list(range(rows)), [7] * rows, VOCAB, device)
-            sample(logits, sb)  # warm-up
-            device.synchronize()
-            start = time.perf_counter()
-            for _ in range(args.iters):
-                sample(logits, sb)
-            device.synchronize()
+            with device.on_stream():  # the engine's stream: what synchronize waits for
+                sample(logits, sb)  # warm-up
+                device.synchronize()
+                start = time.perf_counter()
+                for _ in range(args.iters):
+                    sample(logits, sb)
+                device.synchronize()
             cells.append((time.perf_counter() - start) / args.iters * MS_PER_S)
         print(f"{name:<38}" + "".join(f"{ms:12.2f}" for ms in cells))
 

@@ -35,6 +35,13 @@ class Device:
         with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
             yield
 
+    def follow_default_stream(self) -> None:
+        """Order the engine's stream after everything queued so far on the device's default
+        stream. Its stream comes from torch's pool, made non-blocking: without this, buffers
+        created at start-up (on the default stream) could be read before they are written."""
+        if self.stream is not None:
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
+
     def stage(self, *host: torch.Tensor) -> list[torch.Tensor]:
         """Copy 1-D host tensors of one dtype to the device in a single non-blocking copy."""
         if not self.is_cuda:

@@ -18,6 +18,7 @@ from minisgl.config import DEFAULT_CPU_KV_CACHE_GB
 from minisgl.core import SamplingParams
 from minisgl.distributed import get_tp_info
 from minisgl.engine.batch import ForwardBatch
+from minisgl.engine.graph import graph_batch_sizes
 from minisgl.kvcache.pool import KVPool
 
 if TYPE_CHECKING:
@@ -29,8 +30,8 @@ GIB = 1 << 30
 # The sampler holds a handful of fp32/int64 [rows, vocab] temporaries at once (softmax, sort
 # for top-p, hashed uniforms): reserve this many fp32-sized copies per sampled row.
 SAMPLER_VOCAB_COPIES = 12
-# Graph capture keeps the largest decode batch's activations and logits alive.
-GRAPH_VOCAB_COPIES = 2
+# Each captured graph keeps its own fp32 logits output alive (as many rows as its batch size);
+# capturing the largest needs its [rows, vocab] temporaries once more.
 GRAPH_RESERVE_BASE_BYTES = 256 << 20
 
 
@@ -64,11 +65,8 @@ def _cuda_kv_budget(engine: Engine, graph_max_bs: int) -> float:
     activation_peak = _profile_prefill(engine)
     vocab_bytes = engine.model_config.vocab_size * 4
     sampler_reserve = engine.args.max_running_requests * vocab_bytes * SAMPLER_VOCAB_COPIES
-    graph_reserve = (
-        graph_max_bs * vocab_bytes * GRAPH_VOCAB_COPIES + GRAPH_RESERVE_BASE_BYTES
-        if graph_max_bs
-        else 0
-    )
+    graph_rows = sum(graph_batch_sizes(graph_max_bs)) + graph_max_bs if graph_max_bs else 0
+    graph_reserve = graph_rows * vocab_bytes + GRAPH_RESERVE_BASE_BYTES if graph_max_bs else 0
     not_ours = total * (1 - engine.args.mem_fraction_static)
     budget = free_after_weights - not_ours - activation_peak - sampler_reserve - graph_reserve
     weights = sum(p.numel() * p.element_size() for p in engine.model.parameters())

@@ -1,4 +1,5 @@
-"""When the layers use the fused Triton kernels (minisgl/kernels/triton_fused.py).
+"""When the layers and the sampler use the fused Triton kernels (minisgl/kernels/
+triton_fused.py: norms, rope, activation, KV store; triton_sampling.py: temperature sampling).
 
 `MINISGL_FUSED_KERNELS`:
 - unset or `auto`: for CUDA tensors, when Triton imports (it ships with torch's Linux CUDA
@@ -13,6 +14,7 @@ Read once per process (`fused_kernels_for` sits on every layer's path); `reset()
 from __future__ import annotations
 
 import functools
+import importlib
 import logging
 import os
 from types import ModuleType
@@ -36,21 +38,27 @@ def _mode() -> str:
 
 
 @functools.cache
-def _module() -> ModuleType | None:
+def _module(name: str) -> ModuleType | None:
     try:
-        from minisgl.kernels import triton_fused
+        return importlib.import_module(f"minisgl.kernels.{name}")
     except ImportError as exc:  # no triton here: torch ops do the same work, slower
         logger.warning("fused GPU kernels unavailable (%s): torch ops only", exc)
         return None
-    return triton_fused
+
+
+def _applies_to(x: torch.Tensor) -> bool:
+    mode = _mode()
+    return mode == "force" or (mode == "auto" and x.is_cuda)
 
 
 def fused_kernels_for(x: torch.Tensor) -> ModuleType | None:
-    """The fused kernels module when it applies to tensors like x, else None."""
-    mode = _mode()
-    if mode == "off" or (mode == "auto" and not x.is_cuda):
-        return None
-    return _module()
+    """The fused layer kernels module (triton_fused) when it applies to tensors like x."""
+    return _module("triton_fused") if _applies_to(x) else None
+
+
+def sampling_kernels_for(x: torch.Tensor) -> ModuleType | None:
+    """The sampling kernel module (triton_sampling) when it applies to tensors like x."""
+    return _module("triton_sampling") if _applies_to(x) else None
 
 
 def reset() -> None:

@@ -1,0 +1,147 @@
+"""Temperature sampling in one Triton kernel: the GPU twin of csrc/sampling.c's `mg_sample`.
+
+Why: written as torch ops (minisgl/engine/sampler.py's `_draw_all`), a draw over a 150k
+vocabulary builds its seeded uniforms from ~26 int64 elementwise kernels over [rows, vocab]
+(each temporary 311 MB at 256 rows), then a softmax, a log, a division and an argmax: ~15-20 GB
+of memory traffic per step. Here one program per row reads its logits once and keeps the best
+score in registers.
+
+The draw is sampler.py's exponential race, argmax_i p_i / E_i with E_i = -log(u_i), in log form:
+argmax_i logits_i / t - log(-log(u_i)). The softmax's max and sum are the same for every token of
+a row, so they drop out: one pass instead of three. u_i are sampler.py's seeded uniforms bit for
+bit (the same lowbias32 hashes, in uint32 arithmetic); rows with temperature 0 take the argmax of
+their logits. Ties go to the lowest id, as torch.argmax.
+
+Importing this module imports triton: `minisgl.kernels.gpu.sampling_kernels_for` imports it
+lazily. Under TRITON_INTERPRET=1 it runs on CPU tensors (tests/test_triton_sampling.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# Vocabulary entries a program handles per iteration (~37 iterations for Qwen3's 151,936).
+BLOCK = 4096
+NUM_WARPS = 8
+# sampler.py: _UNIFORM_BITS (the uniforms keep the hash's top 23 bits).
+UNIFORM_BITS = 23
+# Triton <= 3.6's interpreter cannot iterate range() over runtime bounds with numpy >= 2.4
+# (triton-lang/triton#9171): interpreted, the loop is a `while`; compiled, a `for`, which Triton
+# pipelines (num_stages). attention/triton_kernels.py does the same.
+LOOP_AS_WHILE: tl.constexpr = tl.constexpr(bool(triton.knobs.runtime.interpret))
+# sampler.py: a temperature is clamped to at least this before dividing.
+MIN_TEMPERATURE = 1e-5
+
+
+@triton.jit
+def _mix32(x):
+    """lowbias32 on uint32 values (sampler.py's `_mix32`): products wrap mod 2^32."""
+    x = x ^ (x >> 16)
+    x = x * tl.full([], 0x7FEB352D, tl.uint32)
+    x = x ^ (x >> 15)
+    x = x * tl.full([], 0x846CA68B, tl.uint32)
+    return x ^ (x >> 16)
+
+
+@triton.jit
+def _race_block(
+    row_logits,
+    start,
+    vocab_size,
+    key,
+    greedy,
+    inv_t,
+    best,
+    best_id,
+    UNIFORM_SHIFT: tl.constexpr,
+    UNIFORM_SCALE: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """The race over ids start .. start + BLOCK, folded into the row's best so far."""
+    ids = start + tl.arange(0, BLOCK)
+    logits = tl.load(row_logits + ids, mask=ids < vocab_size, other=float("-inf"))
+    logits = logits.to(tl.float32)
+    h = _mix32(key * tl.full([], 0x9E3779B1, tl.uint32) + ids.to(tl.uint32))
+    u = ((_mix32(h ^ key) >> UNIFORM_SHIFT).to(tl.float32) + 0.5) * UNIFORM_SCALE
+    # Lanes past the vocabulary loaded -inf, which stays -inf either way.
+    score = tl.where(greedy, logits, logits * inv_t - tl.log(-tl.log(u)))
+    block_best = tl.max(score, axis=0)
+    block_id = tl.argmax(score, axis=0, tie_break_left=True).to(tl.int32) + start
+    # Strictly greater: an equal score later in the row keeps the earlier id.
+    better = block_best > best
+    return tl.where(better, block_best, best), tl.where(better, block_id, best_id)
+
+
+@triton.jit
+def _sample_kernel(
+    logits_ptr,
+    temperatures_ptr,
+    seeds_ptr,
+    positions_ptr,
+    out_ptr,
+    logits_row_stride,
+    vocab_size,
+    min_temperature,
+    UNIFORM_SHIFT: tl.constexpr,
+    UNIFORM_SCALE: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    temperature = tl.load(temperatures_ptr + row)
+    # The row's key, as sampler.py's seeded_uniform_at: the low 32 bits of seed and position.
+    seed = tl.load(seeds_ptr + row).to(tl.uint32)
+    position = tl.load(positions_ptr + row).to(tl.uint32)
+    key = _mix32(_mix32(seed) ^ position)
+    greedy = temperature == 0.0
+    inv_t = 1.0 / tl.maximum(temperature, min_temperature)
+    best = tl.full([], float("-inf"), tl.float32)
+    best_id = tl.full([], 0, tl.int32)
+    row_logits = logits_ptr + row * logits_row_stride
+    if LOOP_AS_WHILE:
+        start = 0
+        while start < vocab_size:
+            best, best_id = _race_block(
+                row_logits, start, vocab_size, key, greedy, inv_t, best, best_id,
+                UNIFORM_SHIFT, UNIFORM_SCALE, BLOCK,
+            )  # fmt: skip
+            start += BLOCK
+    else:
+        for start in range(0, vocab_size, BLOCK):
+            best, best_id = _race_block(
+                row_logits, start, vocab_size, key, greedy, inv_t, best, best_id,
+                UNIFORM_SHIFT, UNIFORM_SCALE, BLOCK,
+            )  # fmt: skip
+    tl.store(out_ptr + row, best_id.to(tl.int64))
+
+
+def sample(
+    logits: torch.Tensor,
+    temperatures: torch.Tensor,
+    seeds: torch.Tensor,
+    positions: torch.Tensor,
+) -> torch.Tensor:
+    """Token ids (int64 [rows]) drawn from logits ([rows, vocab], unit stride along the
+    vocabulary; any float dtype) at float32 temperatures [rows] (0: greedy), with the seeded
+    uniforms of int64 seeds and positions [rows]."""
+    rows, vocab_size = logits.shape
+    assert logits.stride(1) == 1, "the vocabulary must be contiguous"
+    out = torch.empty(rows, dtype=torch.int64, device=logits.device)
+    if rows == 0:
+        return out
+    _sample_kernel[(rows,)](
+        logits,
+        temperatures,
+        seeds,
+        positions,
+        out,
+        logits.stride(0),
+        vocab_size,
+        MIN_TEMPERATURE,
+        UNIFORM_SHIFT=32 - UNIFORM_BITS,
+        UNIFORM_SCALE=1.0 / (1 << UNIFORM_BITS),
+        BLOCK=BLOCK,
+        num_warps=NUM_WARPS,
+    )
+    return out
