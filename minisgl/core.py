@@ -25,6 +25,10 @@ MAX_LOGPROBS = 20  # top alternatives per token (OpenAI's limit)
 MAX_STOP_STRINGS = 32
 MAX_STOP_STRING_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024
+# logit_bias: OpenAI's range for a bias, and a bound on entries (a bias per vocabulary token
+# would be a [vocab] array on every step's wire).
+MAX_LOGIT_BIAS = 100.0
+MAX_LOGIT_BIAS_ENTRIES = 1024
 # A grammar's source text (JSON schema, regex, EBNF): bounded like any other request field.
 MAX_CONSTRAINT_CHARS = 1 << 20
 CONSTRAINT_KINDS = ("json_schema", "json_object", "regex", "ebnf")
@@ -109,6 +113,43 @@ class Constraint:
         return (self.kind, self.value)
 
 
+def logit_bias_pairs(bias: Any) -> tuple[tuple[int, float], ...]:
+    """logit_bias as sorted (token id, bias) pairs; InvalidRequestError for anything else."""
+    items = bias.items() if isinstance(bias, dict) else bias
+    _check(
+        isinstance(items, (tuple, list)) or isinstance(bias, dict),
+        "logit_bias",
+        "must map token ids to biases",
+    )
+    pairs = []
+    for entry in items:
+        _check(
+            isinstance(entry, (tuple, list)) and len(entry) == 2,
+            "logit_bias",
+            "must map token ids to biases",
+        )
+        key, value = entry
+        token_id = int(key) if isinstance(key, str) and key.isascii() and key.isdigit() else key
+        _check(
+            _is_int(token_id) and 0 <= token_id <= MAX_TOKEN_ID,
+            "logit_bias",
+            f"keys must be token ids (integers in [0, {MAX_TOKEN_ID}]), got {key!r}",
+        )
+        _check(
+            _in_range(value, -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS),
+            "logit_bias",
+            f"biases must be numbers in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {value!r}",
+        )
+        pairs.append((token_id, float(value)))
+    _check(
+        len(pairs) <= MAX_LOGIT_BIAS_ENTRIES,
+        "logit_bias",
+        f"at most {MAX_LOGIT_BIAS_ENTRIES} entries",
+    )
+    _check(len({t for t, _ in pairs}) == len(pairs), "logit_bias", "a token id appears twice")
+    return tuple(sorted(pairs))
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick each next token and when to stop. Defaults follow vLLM / OpenAI."""
@@ -128,6 +169,13 @@ class SamplingParams:
     logprobs: int | None = None  # None: off; k >= 0: chosen token plus the top k alternatives
     skip_special_tokens: bool = True
     constraint: Constraint | None = None  # structured output (JSON schema, regex, ...)
+    # Added to the logits before sampling: (token id, bias) pairs; a dict {id: bias} (ids as
+    # ints or, as JSON sends them, strings) is accepted and stored sorted.
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    # The prompt's own logprobs: for each prompt token after the first, its logprob given the
+    # tokens before it plus the top k alternatives (None: off). The prompt is then computed in
+    # full (no prefix-cache reuse); max_tokens may be 0 (score the prompt, generate nothing).
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         """Every rule a request's sampling fields obey lives here; the server and `LLM` both
@@ -145,9 +193,16 @@ class SamplingParams:
         _check(None not in as_ints, "stop_token_ids", "must be a list of ints")
         object.__setattr__(self, "stop_token_ids", as_ints)
         _check(
-            _is_int(self.max_tokens) and 1 <= self.max_tokens <= INT32_MAX,
+            self.prompt_logprobs is None
+            or (_is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= MAX_LOGPROBS),
+            "prompt_logprobs",
+            f"must be in [0, {MAX_LOGPROBS}]",
+        )
+        min_tokens = 0 if self.prompt_logprobs is not None else 1  # 0: only score the prompt
+        _check(
+            _is_int(self.max_tokens) and min_tokens <= self.max_tokens <= INT32_MAX,
             "max_tokens",
-            f"must be an integer in [1, {INT32_MAX}]",
+            f"must be an integer in [{min_tokens}, {INT32_MAX}]",
         )
         _check(
             _in_range(self.temperature, 0, math.inf), "temperature", "must be a finite number >= 0"
@@ -202,6 +257,7 @@ class SamplingParams:
             "constraint",
             "must be a Constraint",
         )
+        object.__setattr__(self, "logit_bias", logit_bias_pairs(self.logit_bias))
 
     @property
     def is_greedy(self) -> bool:
@@ -248,6 +304,8 @@ class Req:
     eos_token_ids: tuple[int, ...] = ()
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[TokenLogprob] = field(default_factory=list)
+    # sampling_params.prompt_logprobs: prompt tokens 1.. scored so far (position 0 has none)
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
     # scheduling state, owned by the scheduler
     table_row: int = -1
     cached_len: int = 0
@@ -284,6 +342,12 @@ class Req:
         return self.finish_reason is not None
 
     @property
+    def scores_prompt(self) -> bool:
+        """Whether prompt logprobs are wanted and not all computed yet."""
+        wanted = self.sampling_params.prompt_logprobs is not None
+        return wanted and len(self.prompt_logprobs) < self.prompt_len - 1
+
+    @property
     def remaining_prefill_len(self) -> int:
         return self.device_len - self.cached_len
 
@@ -304,3 +368,5 @@ class ReqOutput:
     prompt_len: int = 0
     num_cached_prompt_tokens: int = 0
     error: str | None = None
+    # With the request's first output: prompt tokens 1.. scored (sampling_params.prompt_logprobs)
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()

@@ -80,6 +80,11 @@ def check_request(
         raise InvalidRequestError(
             prompt_param, f"token id {bad} is outside the vocabulary [0, {limits.vocab_size})"
         )
+    bad = next((t for t, _ in params.logit_bias if t >= limits.vocab_size), None)
+    if bad is not None:
+        raise InvalidRequestError(
+            "logit_bias", f"token id {bad} is outside the vocabulary [0, {limits.vocab_size})"
+        )
     if params.top_k > limits.vocab_size:
         raise InvalidRequestError(
             "top_k", f"must be at most the vocabulary size ({limits.vocab_size}), or -1/0 for off"

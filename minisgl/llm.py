@@ -30,6 +30,8 @@ class RequestOutput:
     finish_reason: str | None = None  # "stop" or "length"
     logprobs: list[TokenLogprob] = field(default_factory=list)
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    # SamplingParams.prompt_logprobs: one entry per prompt token, None for the first
+    prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
 
 
 class LLM:
@@ -131,6 +133,8 @@ class LLM:
                 req, out = by_rid[result.rid]
                 out.token_ids.extend(result.new_token_ids)
                 out.logprobs.extend(result.new_logprobs)
+                if result.prompt_logprobs:
+                    out.prompt_logprobs = [None, *result.prompt_logprobs]
                 out.num_cached_tokens = result.num_cached_prompt_tokens
                 finish = result.finish_reason
                 detok = detoks.get(result.rid)

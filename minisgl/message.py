@@ -85,6 +85,7 @@ class DetokenizedOutput:
     prompt_len: int = 0
     num_cached_prompt_tokens: int = 0
     error: str | None = None
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()  # ReqOutput.prompt_logprobs, passed on
 
 
 @dataclass(frozen=True)

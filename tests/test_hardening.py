@@ -357,11 +357,14 @@ def test_error_param_names_the_field_the_client_sent(http, server):
 def test_models_reports_what_the_kv_pool_can_hold(http, server):
     card = http.get("/v1/models").json()["data"][0]
     assert card["max_model_len"] == KV_POOL_TOKENS  # not the 1024-token context
-    # Without max_tokens a request may use exactly what is left of that.
+    # A request may use exactly what is left of that, and not a token more.
     prompt = list(range(1, KV_POOL_TOKENS - 1))
-    response = http.post("/v1/completions", json={"prompt": prompt, "ignore_eos": True})
+    body = {"prompt": prompt, "ignore_eos": True, "max_tokens": 2}
+    response = http.post("/v1/completions", json=body)
     assert response.status_code == 200, response.text
     assert response.json()["usage"]["completion_tokens"] == 2
+    error = _error(http.post("/v1/completions", json=body | {"max_tokens": 3}), 400, "max_tokens")
+    assert f"capacity is {KV_POOL_TOKENS} tokens" in error["message"]
     _assert_serving(http, server)
 
 

@@ -107,6 +107,64 @@ def test_penalties_match_a_reference_on_transformers_logits(llm, tiny_qwen3):
         assert out.token_ids == _reference_penalized_greedy(hf, prompt, sp)
 
 
+def test_logit_bias_moves_the_draw_not_the_logprobs(llm):
+    """+100 forces a token for greedy and sampled rows alike; -100 bans the greedy choice;
+    logprobs stay the model's own (as vLLM reports them by default)."""
+    greedy = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, logprobs=0)
+    base = llm.generate([PROMPT], greedy)[0]
+    forced = {"777": 100}  # JSON-style keys are accepted and stored as ints
+    outs = llm.generate(
+        [PROMPT, PROMPT],
+        [
+            SamplingParams(**{**_asdict(greedy), "logit_bias": forced}),
+            SamplingParams(temperature=1.0, max_tokens=3, seed=5, logit_bias={777: 100}),
+        ],
+    )
+    assert outs[0].token_ids == outs[1].token_ids == [777] * 3
+    assert outs[0].logprobs[0].logprob < -1  # the model's own probability of 777 is tiny
+    ban = SamplingParams(**{**_asdict(greedy), "logit_bias": {base.token_ids[0]: -100}})
+    assert llm.generate([PROMPT], ban)[0].token_ids[0] != base.token_ids[0]
+    assert SamplingParams(logit_bias={"9": 1, 3: -2}).logit_bias == ((3, -2.0), (9, 1.0))
+    for bad in ({"x": 1}, {1: 101}, {-1: 1}, {1: float("nan")}, [1, 2]):
+        with pytest.raises(ValueError, match="^logit_bias:"):
+            SamplingParams(logit_bias=bad)
+    with pytest.raises(ValueError, match="^logit_bias: token id .* outside the vocabulary"):
+        llm.generate([PROMPT], SamplingParams(logit_bias={10**8: 1}))
+
+
+def test_prompt_logprobs_match_transformers(llm, tiny_qwen3):
+    """A 600-token prompt (two chunks: scored prompts prefill 512 tokens at a time) scored in a
+    batch with a plain request: each prompt token's logprob and top 3 equal transformers'
+    log-softmax; max_tokens 0 generates nothing; a prompt already in the prefix cache is
+    computed again, so it is scored in full; the plain request is unaffected."""
+    from transformers import AutoModelForCausalLM
+
+    from minisgl.scheduler.prefill import PROMPT_LOGPROBS_CHUNK_TOKENS
+
+    prompt = [(7 * i) % 5000 + 3 for i in range(600)]
+    assert len(prompt) > PROMPT_LOGPROBS_CHUNK_TOKENS
+    hf = AutoModelForCausalLM.from_pretrained(str(tiny_qwen3), dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].float(), dim=-1)[:-1]
+    want_chosen = want[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
+    plain = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    alone = llm.generate([PROMPT], plain)[0].token_ids
+    for attempt in range(2):  # the second time the prompt is in the prefix cache
+        scored, other = llm.generate(
+            [prompt, PROMPT], [SamplingParams(max_tokens=0, prompt_logprobs=3), plain]
+        )
+        assert scored.token_ids == [] and scored.finish_reason == "length"
+        assert other.token_ids == alone and other.prompt_logprobs == []
+        assert len(scored.prompt_logprobs) == len(prompt) and scored.prompt_logprobs[0] is None
+        entries = scored.prompt_logprobs[1:]
+        assert [e.token_id for e in entries] == prompt[1:], attempt
+        got = torch.tensor([e.logprob for e in entries])
+        torch.testing.assert_close(got, want_chosen, atol=1e-4, rtol=0)
+        assert [[t for t, _ in e.top] for e in entries] == want.topk(3).indices.tolist()
+    with pytest.raises(ValueError, match="^max_tokens:"):
+        SamplingParams(max_tokens=0)
+
+
 def test_max_tokens_ignore_eos_stop_ids_and_logprobs(llm):
     out = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))[0]
     assert len(out.token_ids) == 5 and out.finish_reason == "length"

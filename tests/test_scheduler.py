@@ -283,3 +283,44 @@ def test_table_writes_and_the_forward_threads_flush_safely():
         flusher.join()
     assert not errors, errors[0]
     assert tables.token_table[19999 % 8, 19999 % 60].item() == 19999 % 1000
+
+
+SCORED_KNOBS = {
+    "tiny_pool": dict(num_pages=POOL_TOKENS // 4, page_size=4),
+    "chunk5_overlap_radix": dict(max_prefill_tokens=5, overlap="on", cache_type="radix"),
+    "page16_radix": dict(page_size=16, cache_type="radix"),
+}
+
+
+@pytest.mark.parametrize("name", list(SCORED_KNOBS))
+def test_prompt_logprobs_do_not_depend_on_knobs(tiny_qwen3, name):
+    """Scored prompts (some only scored, max_tokens 0) under retraction, tiny chunks with
+    overlap, and a shared prefix cache: the same tokens and prompt logprobs as a plain run,
+    and exact page books."""
+    prompts = workload()
+    params = [
+        SamplingParams(temperature=0, max_tokens=0 if i % 4 == 3 else NEW_TOKENS,
+                       ignore_eos=True, prompt_logprobs=i % 3)
+        for i in range(len(prompts))
+    ]  # fmt: skip
+
+    def run(**options):
+        llm = LLM(str(tiny_qwen3), **{"num_pages": 2048, "max_running_requests": 16, **options})
+        try:
+            outs = llm.generate(prompts, params)
+            llm.check_page_accounting()
+            return outs, llm.scheduler.stats().num_retractions_total
+        finally:
+            llm.shutdown()
+
+    want, _ = run(disable_overlap=True, cache_type="naive")
+    got, retractions = run(**SCORED_KNOBS[name])
+    if name == "tiny_pool":
+        assert retractions > 0
+    for g, w, prompt in zip(got, want, prompts, strict=True):
+        assert g.token_ids == w.token_ids
+        assert len(g.prompt_logprobs) == len(prompt) and g.prompt_logprobs[0] is None
+        assert [e.token_id for e in g.prompt_logprobs[1:]] == prompt[1:]
+        got_lp = torch.tensor([e.logprob for e in g.prompt_logprobs[1:]])
+        want_lp = torch.tensor([e.logprob for e in w.prompt_logprobs[1:]])
+        torch.testing.assert_close(got_lp, want_lp, atol=1e-4, rtol=0)

@@ -16,8 +16,10 @@ import httpx
 import openai
 import psutil
 import pytest
+import torch
 
 from minisgl.models.resolve import resolve_model_path
+from minisgl.server.protocol import DEFAULT_COMPLETION_MAX_TOKENS
 from minisgl.tokenizer import apply_chat_template, load_tokenizer
 from tests.server_utils import ServerProcess, alive, openai_client, running_server, start_server
 
@@ -210,13 +212,119 @@ def test_completion_stream_matches_non_stream(client: openai.OpenAI):
     assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
 
 
-def test_default_max_tokens_uses_remaining_context(client: openai.OpenAI, tokenizer):
+def test_default_max_tokens(server: ServerProcess, client: openai.OpenAI, tokenizer):
+    """Completions default to 16 tokens (OpenAI, vLLM, SGLang), also for an explicit null;
+    chat without max_tokens may use the rest of the context (vLLM)."""
+    for extra in ({}, {"max_tokens": None}):
+        body = {"model": MODEL, "prompt": PROMPT, "temperature": 0, "ignore_eos": True} | extra
+        response = post(server, "/v1/completions", body)
+        assert response.status_code == 200, response.text
+        assert response.json()["usage"]["completion_tokens"] == DEFAULT_COMPLETION_MAX_TOKENS
+        assert response.json()["choices"][0]["finish_reason"] == "length"
     room = 3
-    ids = (tokenizer(PROMPT)["input_ids"] * MAX_MODEL_LEN)[: MAX_MODEL_LEN - room]
-    response = client.completions.create(model=MODEL, prompt=ids, temperature=0)
-    assert response.usage.completion_tokens <= room
-    if response.choices[0].finish_reason == "length":
-        assert response.usage.completion_tokens == room
+
+    def chat_len(words: int) -> int:
+        return len(apply_chat_template(tokenizer, [{"role": "user", "content": "hello " * words}]))
+
+    low, high = 1, MAX_MODEL_LEN  # the most words whose prompt leaves `room` tokens or more
+    for _ in range(MAX_MODEL_LEN.bit_length() + 1):
+        if low >= high:
+            break
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if chat_len(mid) <= MAX_MODEL_LEN - room else (low, mid - 1)
+    messages = [{"role": "user", "content": "hello " * low}]
+    response = client.chat.completions.create(
+        model=MODEL, messages=messages, temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert response.usage.completion_tokens == MAX_MODEL_LEN - chat_len(low) >= room
+    assert response.choices[0].finish_reason == "length"
+
+
+def test_logit_bias(server: ServerProcess, client: openai.OpenAI, tokenizer):
+    """-100 bans a token, +100 forces one, on both endpoints."""
+
+    def token_id(text: str) -> int:
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        assert len(ids) == 1 and tokenizer.decode(ids) == text, (text, ids)
+        return ids[0]
+
+    def first_token(**extra) -> str:
+        response = client.completions.create(
+            model=MODEL, prompt=PROMPT, max_tokens=1, temperature=0, logprobs=0, **extra
+        )
+        return response.choices[0].logprobs.tokens[0]
+
+    top = first_token()
+    assert first_token(logit_bias={str(token_id(top)): -100}) != top
+    forced = post(
+        server, "/v1/chat/completions",
+        {"model": MODEL, "messages": USER_MESSAGES, "max_tokens": 3, "temperature": 0.7,
+         "seed": 1, "logit_bias": {str(token_id(" banana")): 100}, "ignore_eos": True,
+         "logprobs": True},
+    )  # fmt: skip
+    assert forced.status_code == 200, forced.text
+    tokens = [e["token"] for e in forced.json()["choices"][0]["logprobs"]["content"]]
+    assert tokens == [" banana"] * 3
+
+
+def test_echo_with_logprobs_scores_the_prompt(server: ServerProcess, tokenizer):
+    """echo + logprobs: every prompt token with its logprob under transformers' forward of the
+    same checkpoint (the first token's is null), then the generated ones; max_tokens 0 only
+    scores. The same again with the prompt in the prefix cache, and streamed."""
+    from transformers import AutoModelForCausalLM
+
+    ids = tokenizer(PROMPT)["input_ids"]
+    hf = AutoModelForCausalLM.from_pretrained(str(resolve_model_path(None)), dtype=torch.float32)
+    with torch.no_grad():
+        logits = hf(torch.tensor([ids])).logits[0].float()
+    want = torch.log_softmax(logits, -1)[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]
+    body = {"model": MODEL, "prompt": PROMPT, "echo": True, "logprobs": 2, "temperature": 0}
+    for attempt in range(2):  # the second finds the prompt in the prefix cache
+        scored = post(server, "/v1/completions", body | {"max_tokens": 0}).json()["choices"][0]
+        assert scored["text"] == PROMPT and scored["finish_reason"] == "length", attempt
+        lp = scored["logprobs"]
+        assert lp["tokens"] == [tokenizer.decode([t]) for t in ids]
+        assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+        torch.testing.assert_close(torch.tensor(lp["token_logprobs"][1:]), want, atol=1e-3, rtol=0)
+        assert all(len(top) == 2 for top in lp["top_logprobs"][1:])
+        assert lp["text_offset"][0] == 0 and lp["text_offset"] == sorted(lp["text_offset"])
+    full = post(server, "/v1/completions", body | {"max_tokens": 3}).json()["choices"][0]
+    assert full["text"].startswith(PROMPT)
+    assert full["logprobs"]["token_logprobs"][: len(ids)] == lp["token_logprobs"]
+    assert len(full["logprobs"]["tokens"]) == len(ids) + 3
+    assert full["logprobs"]["text_offset"][len(ids)] == len(PROMPT)
+    with httpx.stream(
+        "POST", server.url + "/v1/completions", json=body | {"max_tokens": 3, "stream": True},
+        timeout=REQUEST_TIMEOUT_S,
+    ) as response:  # fmt: skip
+        events = [e for e in sse_events(response) if e != "[DONE]"]
+    assert events[0]["choices"][0]["text"] == PROMPT
+    streamed = {"tokens": [], "token_logprobs": []}
+    for event in events:
+        for key in streamed:
+            streamed[key] += (event["choices"][0]["logprobs"] or {}).get(key, [])
+    assert streamed == {k: full["logprobs"][k] for k in streamed}
+    echo_only = post(server, "/v1/completions", body | {"max_tokens": 0, "logprobs": None})
+    assert echo_only.json()["choices"][0] == {
+        "index": 0, "text": PROMPT, "logprobs": None, "finish_reason": "length"
+    }  # fmt: skip
+    no_echo = post(server, "/v1/completions", body | {"max_tokens": 0, "echo": False})
+    assert _error(no_echo, 400)["param"] == "max_tokens"
+
+
+def test_null_means_the_default_and_models_retrieve(server: ServerProcess, client):
+    chat = {"model": MODEL, "messages": USER_MESSAGES, "max_tokens": 2}
+    unset = ("n", "logprobs", "top_logprobs", "parallel_tool_calls", "stream", "stream_options")
+    nulls = dict.fromkeys((*unset, "temperature", "logit_bias"))
+    response = post(server, "/v1/chat/completions", chat | nulls)
+    assert response.status_code == 200, response.text
+    assert len(response.json()["choices"]) == 1
+    completion = {"model": MODEL, "prompt": PROMPT, "max_tokens": 2, "echo": None, "n": None}
+    response = post(server, "/v1/completions", completion)
+    assert response.status_code == 200, response.text
+    assert not response.json()["choices"][0]["text"].startswith(PROMPT)
+    assert client.models.retrieve(MODEL).id == MODEL
+    assert _error(httpx.get(server.url + "/v1/models/gpt-4"), 404)["param"] == "model"
 
 
 # ---- stopping ------------------------------------------------------------------------------
@@ -336,6 +444,7 @@ def test_every_sampling_field_is_accepted(server: ServerProcess):
         "seed": 3,
         "stop": "\n\n",
         "stop_token_ids": [0],
+        "logit_bias": {"0": -1.5, "7": 2},
         "ignore_eos": False,
         "n": 1,
         "user": "tester",
@@ -480,6 +589,20 @@ def test_bad_requests(server: ServerProcess, client: openai.OpenAI, tokenizer):
     )
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, temperature=-3)
+    completion = {"model": MODEL, "prompt": PROMPT, "max_tokens": 2}
+    for path, body, param in [
+        ("/v1/chat/completions", chat | {"logit_bias": {"foo": 1}}, "logit_bias"),
+        ("/v1/chat/completions", chat | {"logit_bias": {"5": 200}}, "logit_bias"),
+        ("/v1/completions", completion | {"logit_bias": {"5": "x"}}, "logit_bias"),
+        ("/v1/completions", completion | {"logit_bias": {str(10**7): 1}}, "logit_bias"),
+        ("/v1/chat/completions", chat | {"stream_options": {"include_usage": True}},
+         "stream_options"),
+        ("/v1/chat/completions", chat | {"top_logprobs": 2}, "top_logprobs"),
+        ("/v1/chat/completions", chat | {"messages": [{"role": "user"}]}, "messages"),
+        ("/v1/completions", completion | {"suffix": "abc"}, "suffix"),
+        ("/v1/completions", completion | {"best_of": 3}, "best_of"),
+    ]:  # fmt: skip
+        assert _error(post(server, path, body), 400)["param"] == param, body
     # No bad request disturbed the server.
     assert greedy_chat(client, max_tokens=3)
     assert server.metrics()["minisgl:num_running_reqs"] == 0

@@ -213,7 +213,10 @@ def test_tool_choice_required_and_named(client: openai.OpenAI):
             deltas.append(chunk.choices[0])
     first = next(d.delta.tool_calls[0] for d in deltas if d.delta.tool_calls)
     assert first.index == 0 and first.id and first.type == "function"
-    assert first.function.name == "get_time" and first.function.arguments == ""
+    assert first.function.name == "get_time"
+    for d in deltas:  # one entry per call in a chunk: tool_calls[0] holds all of call 0's part
+        indices = [call.index for call in d.delta.tool_calls or []]
+        assert len(indices) == len(set(indices)), d.delta.tool_calls
     arguments = "".join(
         call.function.arguments or "" for d in deltas for call in d.delta.tool_calls or []
     )

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -22,6 +22,9 @@ class ForwardBatch:
     sampling: list[SamplingParams | None]
     seeds: list[int]
     prompt_lens: list[int]  # where the output starts (frequency / presence penalties)
+    # Per sequence: top alternatives for the prompt logprobs of this chunk's positions (each
+    # scores the prompt token after it), None where not wanted. None: no sequence wants them.
+    prompt_logprobs: list[int | None] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -33,8 +36,31 @@ class ForwardBatch:
 
     @property
     def is_decode(self) -> bool:
-        """One new token per sequence, each sampling: the shape CUDA graphs replay."""
-        return all(e == 1 for e in self.extend_lens) and all(p is not None for p in self.sampling)
+        """One new token per sequence, each sampling: the shape CUDA graphs replay (its logits
+        are the sampled rows only, so no prompt is scored in it)."""
+        return (
+            all(e == 1 for e in self.extend_lens)
+            and all(p is not None for p in self.sampling)
+            and not any(self.num_prompt_scores)
+        )
+
+    @property
+    def num_prompt_scores(self) -> list[int]:
+        """Per sequence: how many positions of this chunk score a prompt token, counted from the
+        chunk's start (position p scores prompt token p + 1; the prompt's last position
+        predicts the first output token instead)."""
+        if self.prompt_logprobs is None:
+            return [0] * self.num_seqs
+        return [
+            0 if k is None else max(0, min(prefix + extend, prompt_len - 1) - prefix)
+            for k, prefix, extend, prompt_len in zip(
+                self.prompt_logprobs,
+                self.prefix_lens,
+                self.extend_lens,
+                self.prompt_lens,
+                strict=True,
+            )
+        ]
 
     @property
     def kv_lens(self) -> list[int]:
@@ -59,10 +85,41 @@ class VocabMask:
 
 @dataclass(frozen=True)
 class ForwardOutput:
-    """Sampled tokens, one per sequence with sampling set, in batch order."""
+    """Sampled tokens, one per sequence with sampling set, in batch order; and the prompt
+    logprobs this batch scored, by sequence index (ForwardBatch.prompt_logprobs)."""
 
     token_ids: list[int]
     logprobs: list[TokenLogprob | None]
+    prompt_logprobs: dict[int, list[TokenLogprob]] = field(default_factory=dict)
+
+
+@dataclass
+class PromptScores:
+    """A batch's prompt logprobs on their way to the host (copies started non-blocking)."""
+
+    counts: list[int]  # per sequence: prompt tokens scored (ForwardBatch.num_prompt_scores)
+    top_k: list[int]  # per sequence: alternatives wanted
+    token_ids: torch.Tensor  # int64 [scored]: the scored prompt tokens, sequence by sequence
+    logprobs: torch.Tensor  # float32 [scored]
+    top_ids: torch.Tensor  # int64 [scored, max k]
+    top_logprobs: torch.Tensor  # float32 [scored, max k]
+
+    def result(self) -> dict[int, list[TokenLogprob]]:
+        token_ids, chosen = self.token_ids.tolist(), self.logprobs.tolist()
+        top_ids, top_lps = self.top_ids.tolist(), self.top_logprobs.tolist()
+        out: dict[int, list[TokenLogprob]] = {}
+        start = 0
+        for seq, (count, k) in enumerate(zip(self.counts, self.top_k, strict=True)):
+            if count == 0:
+                continue
+            out[seq] = [
+                TokenLogprob(
+                    token_ids[j], chosen[j], tuple(zip(top_ids[j][:k], top_lps[j][:k], strict=True))
+                )
+                for j in range(start, start + count)
+            ]
+            start += count
+        return out
 
 
 @dataclass
@@ -79,6 +136,7 @@ class PendingOutput:
     top_ids: torch.Tensor | None  # int64 [rows, k]
     top_logprobs: torch.Tensor | None  # float32 [rows, k]
     ready: Event | None
+    prompt_scores: PromptScores | None = None
 
     @staticmethod
     def empty() -> PendingOutput:
@@ -87,8 +145,9 @@ class PendingOutput:
     def result(self) -> ForwardOutput:
         if self.ready is not None:
             self.ready.wait()
+        scored = {} if self.prompt_scores is None else self.prompt_scores.result()
         if self.token_ids is None:
-            return ForwardOutput([], [])
+            return ForwardOutput([], [], scored)
         token_ids = self.token_ids.tolist()
         logprobs: list[TokenLogprob | None] = [None] * len(token_ids)
         if self.logprobs is not None:
@@ -101,4 +160,4 @@ class PendingOutput:
                 k = p.logprobs
                 top = tuple(zip(top_ids[j][:k], top_lps[j][:k], strict=True))
                 logprobs[j] = TokenLogprob(token_ids[j], chosen[j], top)
-        return ForwardOutput(token_ids, logprobs)
+        return ForwardOutput(token_ids, logprobs, scored)

@@ -26,6 +26,7 @@ from minisgl.engine.context import ForwardContext, forward_context
 from minisgl.engine.device import Device, nvtx_range
 from minisgl.engine.graph import GraphRunner
 from minisgl.engine.memory import plan_kv_pages
+from minisgl.engine.prompt_scores import score_index, score_prompt
 from minisgl.engine.sampler import SamplingBatch, sample
 from minisgl.engine.tables import DeviceTables
 from minisgl.kernels import cpu as cpu_kernels
@@ -213,6 +214,9 @@ class Engine:
         positions += prefix.repeat_interleave(extend)
         sample_seq = [i for i, p in enumerate(batch.sampling) if p is not None]
         last_token_index = (starts + extend - 1)[sample_seq]
+        scored = score_index(batch, starts)  # prompt logprobs: their rows follow the sampled
+        if scored is not None:
+            last_token_index = torch.cat([last_token_index, scored])
         rows_d, prefix_d, kv_d, token_rows_d, positions_d, last_d = self.dev.stage(
             rows, prefix, kv_lens, token_rows, positions, last_token_index
         )
@@ -247,8 +251,14 @@ class Engine:
         self, batch: ForwardBatch, logits: torch.Tensor, vocab_mask: VocabMask | None
     ) -> PendingOutput:
         seqs = [i for i, p in enumerate(batch.sampling) if p is not None]
+        scores = None
+        if any(batch.num_prompt_scores):  # logits: the sampled rows, then the scored ones
+            scores = score_prompt(batch, logits[len(seqs) :], self.token_table, self.dev)
+            logits = logits[: len(seqs)]
         if not seqs:
-            return PendingOutput.empty()
+            if scores is None:
+                return PendingOutput.empty()
+            return PendingOutput([], None, None, None, None, self.dev.record_event(), scores)
         params = [p for p in (batch.sampling[i] for i in seqs) if p is not None]
         kv_lens = batch.kv_lens
         next_pos = [kv_lens[i] for i in seqs]
@@ -290,6 +300,7 @@ class Engine:
             top_ids=None if result.top_ids is None else host(result.top_ids),
             top_logprobs=None if result.top_logprobs is None else host(result.top_logprobs),
             ready=self.dev.record_event(),
+            prompt_scores=scores,
         )
 
     def _add_penalties(

@@ -93,6 +93,10 @@ class SamplingBatch:
     seen_mask: torch.Tensor | None = None  # bool [rows, vocab]: in prompt or output
     output_counts: torch.Tensor | None = None  # float32 [rows, vocab]: times in the output
     max_logprobs: int | None = None  # None: no row wants logprobs
+    # logit_bias, flattened over the rows that set one (None when none does)
+    bias_rows: torch.Tensor | None = None  # int64 [entries]
+    bias_ids: torch.Tensor | None = None  # int64 [entries]
+    bias_values: torch.Tensor | None = None  # float32 [entries]
     # structured outputs (None when no row is constrained)
     mask_rows: torch.Tensor | None = None  # int64 [k]: the constrained rows
     mask_bits: torch.Tensor | None = None  # int32 [k, ceil(vocab / 32)]: allowed tokens
@@ -127,7 +131,18 @@ class SamplingBatch:
             torch.tensor(filtered, dtype=torch.int64),
             torch.tensor(plain, dtype=torch.int64),
         )
+        biased = [(i, t, b) for i, p in enumerate(params) for t, b in p.logit_bias]
+        bias_rows = bias_ids = bias_values = None
+        if biased:
+            rows_l, ids_l, values_l = zip(*biased, strict=True)
+            bias_rows, bias_ids = device.stage(
+                torch.tensor(rows_l, dtype=torch.int64), torch.tensor(ids_l, dtype=torch.int64)
+            )
+            (bias_values,) = device.stage(torch.tensor(values_l, dtype=torch.float32))
         return SamplingBatch(
+            bias_rows=bias_rows,
+            bias_ids=bias_ids,
+            bias_values=bias_values,
             temperatures=temperatures,
             top_k=top_k_t,
             top_p=top_p,
@@ -185,6 +200,13 @@ def apply_vocab_mask(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
     bias = _byte_bias(logits.device)[as_bytes].flatten(1)[:, :vocab_size]  # [k, vocab]
     masked = logits[sb.mask_rows] + bias
     return logits.index_put((sb.mask_rows,), masked)
+
+
+def apply_logit_bias(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
+    """The requests' logit_bias added to their rows. Out of place, like the mask."""
+    if sb.bias_rows is None or sb.bias_ids is None or sb.bias_values is None:
+        return logits
+    return logits.index_put((sb.bias_rows, sb.bias_ids), sb.bias_values, accumulate=True)
 
 
 def apply_penalties(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
@@ -311,7 +333,8 @@ def _race(
 def sample(logits: torch.Tensor, sb: SamplingBatch) -> SampleResult:
     """logits: float32 [rows, vocab], raw from the model."""
     raw_logits = logits
-    logits = apply_penalties(apply_vocab_mask(logits, sb), sb)
+    # The bias first (vLLM's order: logits processors, then penalties); -inf stays -inf.
+    logits = apply_penalties(apply_vocab_mask(apply_logit_bias(logits, sb), sb), sb)
     if sb.all_greedy:
         token_ids = logits.argmax(dim=-1)
     elif sb.filter_rows is None:

@@ -85,8 +85,13 @@ class CacheManager:
             return False
         req.table_row = row
         all_ids = req.all_ids
-        # Keep at least one token to compute: its logits give the next token.
-        match = self.prefix_cache.match_prefix(all_ids[: len(all_ids) - 1])
+        # Keep at least one token to compute: its logits give the next token. A request that
+        # wants its prompt's logprobs computes it all: a cache hit has no logits to score.
+        reusable_len = len(all_ids) - 1
+        if req.scores_prompt:
+            reusable_len = 0
+            req.prompt_logprobs.clear()  # retracted mid-prompt: scored again from the start
+        match = self.prefix_cache.match_prefix(all_ids[:reusable_len])
         self.prefix_cache.lock(match.handle)
         req.cache_handle = match.handle
         req.cache_matched_len = req.cached_len = match.matched_len

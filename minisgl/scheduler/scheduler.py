@@ -53,6 +53,8 @@ class _Launched:
     sampled: list[Req]  # the requests that sample a token in this batch, in output order
     pending: PendingOutput | Future[PendingOutput] | None = None  # set once sampling launched
     release_after: list[Req] = field(default_factory=list)
+    # max_tokens 0 (prompt logprobs only): requests whose prompt this batch completes
+    scored_only: list[Req] = field(default_factory=list)
 
     def result(self) -> ForwardOutput:
         pending = self.pending
@@ -168,7 +170,7 @@ class Scheduler:
         previous, self._inflight = self._inflight, None
         if batch is not None:
             fb, reqs, sampled = batch
-            launched = _Launched(reqs, sampled)
+            launched = _Launched(reqs, sampled, scored_only=self._scored_only(fb, reqs))
             if self.overlap:
                 self._inflight = launched  # before processing `previous`: its releases wait
             if previous is not None and self._mask_needs(previous, sampled):
@@ -243,6 +245,9 @@ class Scheduler:
         sampled: list[Req] = []
         sampling: list[SamplingParams | None] = []
         rows, prefix_lens, extend_lens, seeds, prompt_lens = [], [], [], [], []
+        prompt_logprobs = [
+            req.sampling_params.prompt_logprobs if req.scores_prompt else None for req, _ in items
+        ]
         for req, num_tokens in items:
             reqs.append(req)
             rows.append(req.table_row)
@@ -253,21 +258,42 @@ class Scheduler:
             # prompt tokens actually computed (cache hits never get here)
             self._counters["prefill"] += max(0, min(req.prompt_len - req.cached_len, num_tokens))
             req.cached_len += num_tokens
-            if req.cached_len == req.device_len:  # reached the end: sample the next token
+            at_end = req.cached_len == req.device_len
+            if at_end and req.sampling_params.max_tokens > 0:  # sample the next token
                 sampling.append(req.sampling_params)
                 sampled.append(req)
                 req.device_len += 1
                 req.num_sampled += 1
             else:
                 sampling.append(None)
-        fb = ForwardBatch(rows, prefix_lens, extend_lens, sampling, seeds, prompt_lens)
+        scoring = any(k is not None for k in prompt_logprobs)
+        fb = ForwardBatch(
+            rows, prefix_lens, extend_lens, sampling, seeds, prompt_lens,
+            prompt_logprobs if scoring else None,
+        )  # fmt: skip
         return fb, reqs, sampled
+
+    @staticmethod
+    def _scored_only(fb: ForwardBatch, reqs: list[Req]) -> list[Req]:
+        """Requests (max_tokens 0) whose prompt ends in this batch without a token to sample."""
+        return [
+            req
+            for req, params in zip(reqs, fb.sampling, strict=True)
+            if params is None and req.sampling_params.max_tokens == 0
+            and req.cached_len == req.device_len
+        ]  # fmt: skip
 
     # ---- results -------------------------------------------------------------------------------
 
     def _process(self, launched: _Launched) -> None:
         result = launched.result()
         with nvtx_range("process", self._is_cuda):
+            for index, scored in result.prompt_logprobs.items():
+                launched.reqs[index].prompt_logprobs.extend(scored)
+            for req in launched.scored_only:
+                if not req.finished:
+                    self._finish(req, FinishReason.LENGTH)
+                    self._release(req)
             for req, token_id, logprob in zip(
                 launched.sampled, result.token_ids, result.logprobs, strict=True
             ):
@@ -280,6 +306,7 @@ class Scheduler:
                     req.output_logprobs.append(logprob)
                 self._counters["generation"] += 1
                 reason = self._finish_reason(req, token_id)
+                first = len(req.output_ids) == 1
                 self._outputs.append(
                     ReqOutput(
                         req.rid,
@@ -288,6 +315,7 @@ class Scheduler:
                         (logprob,) if logprob is not None else (),
                         req.prompt_len,
                         req.num_cached_prompt_tokens,
+                        prompt_logprobs=tuple(req.prompt_logprobs) if first else (),
                     )
                 )
                 if reason is not None:
@@ -313,9 +341,15 @@ class Scheduler:
         req.grammar = None
         if reason == FinishReason.ABORT:
             self._counters["aborted"] += 1
+        # A request that only scored its prompt (max_tokens 0) ends here with its logprobs.
+        only_scored = reason == FinishReason.LENGTH and not req.output_ids
+        scored = tuple(req.prompt_logprobs) if only_scored else ()
         self._outputs.append(
-            ReqOutput(req.rid, (), reason, (), req.prompt_len, req.num_cached_prompt_tokens)
-        )
+            ReqOutput(
+                req.rid, (), reason, (), req.prompt_len, req.num_cached_prompt_tokens,
+                prompt_logprobs=scored,
+            )
+        )  # fmt: skip
 
     def _release(self, req: Req) -> None:
         """Drop a finished request; its KV waits for the in-flight batch if that batch uses it."""

@@ -157,10 +157,8 @@ def create_app(
     async def completions(body: CompletionRequest, request: Request) -> Response:
         return await create_completion(ctx_of(request), body, request)
 
-    @app.get("/v1/models")
-    async def models(request: Request) -> dict[str, Any]:
-        ctx = ctx_of(request)
-        card = {
+    def model_card(ctx: ServingContext) -> dict[str, Any]:
+        return {
             "id": ctx.served_model_name,
             "object": "model",
             "created": now_s(),
@@ -168,7 +166,16 @@ def create_app(
             # The longest sequence that can run: the KV pool may hold less than the context.
             "max_model_len": ctx.limits.max_seq_len,
         }
-        return {"object": "list", "data": [card]}
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> dict[str, Any]:
+        return {"object": "list", "data": [model_card(ctx_of(request))]}
+
+    @app.get("/v1/models/{model_id:path}")  # ids may hold a slash (Qwen/Qwen3-8B)
+    async def retrieve_model(model_id: str, request: Request) -> dict[str, Any]:
+        ctx = ctx_of(request)
+        ctx.check_model(model_id)
+        return model_card(ctx)
 
     @app.get("/health")
     async def health(request: Request) -> Response:

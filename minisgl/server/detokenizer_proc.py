@@ -98,6 +98,7 @@ class DetokenizerWorker:
             prompt_len=output.prompt_len,
             num_cached_prompt_tokens=output.num_cached_prompt_tokens,
             error=output.error,
+            prompt_logprobs=output.prompt_logprobs,
         )
 
     def run_once(self, timeout_s: float = IDLE_POLL_TIMEOUT_S) -> None:

@@ -23,7 +23,14 @@ from starlette.responses import StreamingResponse
 from transformers import PreTrainedTokenizerBase
 
 from minisgl.chat import ChatSettings
-from minisgl.core import Constraint, FinishReason, InvalidRequestError, SamplingParams, TokenLogprob
+from minisgl.core import (
+    Constraint,
+    FinishReason,
+    InvalidRequestError,
+    SamplingParams,
+    TokenLogprob,
+    logit_bias_pairs,
+)
 from minisgl.grammar import GrammarCompiler
 from minisgl.limits import ModelLimits, check_request, resolve_max_tokens
 from minisgl.message import DetokenizedOutput
@@ -191,8 +198,10 @@ def build_sampling_params(
         seed=seed,
         stop=tuple([body.stop] if isinstance(body.stop, str) else body.stop or ()),
         stop_token_ids=tuple(body.stop_token_ids or ()),
+        logit_bias=logit_bias_pairs(body.logit_bias or {}),  # ids arrive as JSON keys (text)
         ignore_eos=body.ignore_eos,
         logprobs=body.num_logprobs,
+        prompt_logprobs=body.num_prompt_logprobs,
         skip_special_tokens=body.skip_special_tokens,
         constraint=constraint,
         **{name: value for name, value in overrides.items() if value is not None},
@@ -208,6 +217,7 @@ class ChoiceState:
     part_num_tokens: list[int] = field(default_factory=list)  # tokens behind each text part
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # prompt tokens 1..
     num_tokens: int = 0
     num_cached_prompt_tokens: int = 0
     finish_reason: FinishReason | None = None
@@ -307,6 +317,7 @@ class GenerationGroup:
         choice.part_num_tokens.append(output.num_new_tokens)
         choice.token_ids.extend(output.token_ids)
         choice.logprobs.extend(output.logprobs)
+        choice.prompt_logprobs.extend(output.prompt_logprobs)
         choice.num_tokens += output.num_new_tokens
         choice.num_cached_prompt_tokens = max(
             choice.num_cached_prompt_tokens, output.num_cached_prompt_tokens

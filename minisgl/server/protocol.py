@@ -8,7 +8,9 @@ names those report back to the names this endpoint's clients sent. A new field o
 typed attribute here and, if it has value rules, a check in `SamplingParams`.
 
 Unknown fields are ignored (`extra="ignore"`), as vLLM and SGLang do, so clients that send
-OpenAI-only options never get a 422/400 for them.
+OpenAI-only options never get a 422/400 for them. An explicit `null` means "the default" for
+every field (OpenAI marks them nullable), so clients that send each field, unset ones as null,
+get what omitting them gives.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from minisgl.core import InvalidRequestError
 
 # OpenAI's bound on choices per request.
 MAX_CHOICES_PER_REQUEST = 128
+# /v1/completions without max_tokens: OpenAI's default (and vLLM's and SGLang's).
+DEFAULT_COMPLETION_MAX_TOKENS = 16
 CONSTRAINT_FIELDS = (
     "response_format",
     "regex",
@@ -74,6 +78,8 @@ class OpenAIRequest(OpenAIBaseModel):
         where = find_invalid_text(data)
         if where is not None:
             raise InvalidRequestError(where, "must be valid Unicode text (no lone surrogates)")
+        if isinstance(data, dict):  # null is "the default" (see the module docstring)
+            data = {k: v for k, v in data.items() if v is not None or k not in cls.model_fields}
         return data
 
     def wire_param(self, name: str) -> str:
@@ -100,6 +106,7 @@ class SamplingFields(OpenAIRequest):
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
+    logit_bias: dict[str, Any] | None = None  # token id (as text) -> bias in [-100, 100]
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     n: int = Field(default=1, ge=1, le=MAX_CHOICES_PER_REQUEST)
@@ -117,6 +124,12 @@ class SamplingFields(OpenAIRequest):
     guided_choice: list[str] | None = None
     structured_outputs: dict[str, Any] | None = None  # vLLM: {json|regex|grammar|choice}
 
+    @model_validator(mode="after")
+    def _stream_options_need_a_stream(self) -> SamplingFields:
+        if self.stream_options is not None and not self.stream:
+            raise InvalidRequestError("stream_options", "only allowed when stream is true")
+        return self
+
     @property
     def constraint_fields(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in CONSTRAINT_FIELDS}
@@ -132,6 +145,11 @@ class SamplingFields(OpenAIRequest):
     @property
     def num_logprobs(self) -> int | None:
         """Top alternatives per token for the scheduler; None when logprobs are off."""
+        return None
+
+    @property
+    def num_prompt_logprobs(self) -> int | None:
+        """Top alternatives per prompt token (SamplingParams.prompt_logprobs); None: off."""
         return None
 
 
@@ -154,6 +172,12 @@ class ChatCompletionRequest(SamplingFields):
             return self.max_completion_tokens
         return self.max_tokens
 
+    @model_validator(mode="after")
+    def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise InvalidRequestError("top_logprobs", "needs logprobs set to true")
+        return self
+
     @property
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
@@ -168,12 +192,35 @@ class ChatCompletionRequest(SamplingFields):
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = DEFAULT_COMPLETION_MAX_TOKENS
     logprobs: int | None = None
     echo: bool = False
+    # Not supported; refused rather than ignored, so a client learns its request was not run
+    # as written (vLLM refuses suffix too). best_of equal to n is plain sampling.
+    suffix: str | None = None
+    best_of: int | None = None
+
+    @model_validator(mode="after")
+    def _refuse_unsupported(self) -> CompletionRequest:
+        if self.suffix:
+            raise InvalidRequestError("suffix", "is not supported")
+        if self.best_of is not None and self.best_of != self.n:
+            raise InvalidRequestError("best_of", "is not supported (other than equal to n)")
+        return self
 
     @property
     def num_logprobs(self) -> int | None:
         return self.logprobs
+
+    @property
+    def num_prompt_logprobs(self) -> int | None:
+        """echo with logprobs scores the prompt too (OpenAI: the first token's is null). echo
+        with max_tokens 0 only echoes; it goes through the same prompt-only path."""
+        if not self.echo:
+            return None
+        if self.logprobs is None and self.max_tokens != 0:
+            return None
+        return self.logprobs or 0
 
 
 # ---------------------------------------------------------------------------------------------

@@ -177,20 +177,22 @@ def _delta_dict(delta: ChatDelta, choice: int, call_ids: _CallIds) -> dict[str, 
     if delta.content:
         out["content"] = delta.content
     if delta.tool_calls:
-        calls = []
+        # One entry per call in a chunk (as OpenAI sends them): a call's name and the first
+        # of its arguments can arrive in one step; clients reading tool_calls[0] see both.
+        calls: dict[int, dict[str, Any]] = {}
         for call in delta.tool_calls:
             if call.name is not None:  # a call's first delta: who is called
-                calls.append(
-                    {
-                        "index": call.index,
-                        "id": call_ids.get(choice, call.index),
-                        "type": "function",
-                        "function": {"name": call.name, "arguments": ""},
-                    }
-                )
+                calls[call.index] = {
+                    "index": call.index,
+                    "id": call_ids.get(choice, call.index),
+                    "type": "function",
+                    "function": {"name": call.name, "arguments": call.arguments},
+                }
+            elif call.index in calls:
+                calls[call.index]["function"]["arguments"] += call.arguments
             else:
-                calls.append({"index": call.index, "function": {"arguments": call.arguments}})
-        out["tool_calls"] = calls
+                calls[call.index] = {"index": call.index, "function": {"arguments": call.arguments}}
+        out["tool_calls"] = [calls[i] for i in sorted(calls)]
     return out
 
 

@@ -81,6 +81,32 @@ def completion_logprobs(
     }
 
 
+def echo_logprobs(
+    ctx: ServingContext, prompt_ids: Sequence[int], scored: Sequence[TokenLogprob]
+) -> dict[str, Any]:
+    """The prompt's part of echo + logprobs, in the legacy format: every prompt token, the
+    first with a null logprob and top_logprobs (nothing comes before it), offsets from 0."""
+    tokens = [ctx.token_text(tid) for tid in prompt_ids]
+    missing = [None] * (len(tokens) - 1 - len(scored))  # none arrived: the request was aborted
+    offsets = [0]
+    for text in tokens[:-1]:
+        offsets.append(offsets[-1] + len(text))
+    return {
+        "tokens": tokens,
+        "token_logprobs": [None, *(lp.logprob for lp in scored), *missing],
+        "top_logprobs": [
+            None,
+            *({ctx.token_text(tid): tlp for tid, tlp in lp.top} for lp in scored),
+            *missing,
+        ],
+        "text_offset": offsets,
+    }
+
+
+def _joined(first: dict[str, list[Any]], then: dict[str, list[Any]]) -> dict[str, list[Any]]:
+    return {key: first[key] + then[key] for key in first}
+
+
 async def create_completion(
     ctx: ServingContext, body: CompletionRequest, request: Request
 ) -> Response:
@@ -95,7 +121,6 @@ async def create_completion(
     except InvalidRequestError as exc:
         raise invalid_request(exc, body) from None
     prompts, texts = await ctx.off_loop(tokenize_prompts, ctx, prompts_in)
-    # Without max_tokens each prompt may use whatever context its own length leaves.
     params = [ctx.sampling_params_for(body, ids, "prompt", constraint) for ids in prompts]
     prompt_texts = await ctx.off_loop(echo_texts, ctx, prompts, texts) if body.echo else []
     request_id = new_id("cmpl")
@@ -106,7 +131,8 @@ async def create_completion(
         choice.logprob_text_offset = len(echo_text)
     group.start(request)
     if body.stream:
-        return stream_response(_stream(ctx, group, body, header, prompt_texts), request_id)
+        stream = _stream(ctx, group, body, header, prompts, prompt_texts)
+        return stream_response(stream, request_id)
     try:
         await group.run_to_end()
     except ClientDisconnected:
@@ -120,6 +146,10 @@ async def create_completion(
         logprobs = None
         if body.logprobs is not None:
             logprobs = completion_logprobs(ctx, choice, choice.logprobs)
+            if body.echo:
+                prompt_ids = prompts[choice.prompt_index]
+                echoed = echo_logprobs(ctx, prompt_ids, choice.prompt_logprobs)
+                logprobs = _joined(echoed, logprobs)
         choices.append(
             {
                 "index": choice.index,
@@ -142,6 +172,7 @@ async def _stream(
     group: GenerationGroup,
     body: CompletionRequest,
     header: dict,
+    prompts: list[list[int]],
     prompt_texts: list[str],
 ) -> AsyncIterator[str]:
     base = {**header, "object": "text_completion"}
@@ -152,16 +183,25 @@ async def _stream(
         choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
         return sse_event({**base, "choices": [choice]})
 
+    # echo: the prompt goes first; with logprobs it waits for the choice's first output,
+    # which brings the prompt's logprobs.
+    echo_waits = body.echo and body.logprobs is not None
     try:
-        if body.echo:
+        if body.echo and not echo_waits:
             for choice in group.choices:
                 yield chunk(choice.index, prompt_texts[choice.prompt_index])
+        echoed: set[int] = set()
         while not group.done:
             choice, output = await group.next_output()
             if output.finish_reason == FinishReason.ERROR:
                 yield sse_event(error_dict(output.error or "request failed"))
                 yield SSE_DONE
                 return
+            if echo_waits and choice.index not in echoed:
+                echoed.add(choice.index)
+                prompt_ids = prompts[choice.prompt_index]
+                scored = echo_logprobs(ctx, prompt_ids, output.prompt_logprobs)
+                yield chunk(choice.index, prompt_texts[choice.prompt_index], scored)
             logprobs = None
             if body.logprobs is not None and output.logprobs:
                 logprobs = completion_logprobs(ctx, choice, output.logprobs)

@@ -97,6 +97,9 @@ def normalize_messages(messages: Any) -> list[dict[str, Any]]:
         role = message.get("role")
         if role not in CHAT_ROLES:
             raise ValueError(f"messages: message {index} has unknown role {role!r}")
+        # Only an assistant turn may come without content (a reply that only called tools).
+        if message.get("content") is None and role != "assistant":
+            raise ValueError(f"messages: message {index} ({role}) needs a content")
         entry: dict[str, Any] = {
             "role": role,
             "content": message_text(message.get("content"), index),
