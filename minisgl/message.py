@@ -132,6 +132,21 @@ class StatsReply:
     gpu_memory_total_bytes: int | None = None
 
 
+@dataclass(frozen=True)
+class FlushCacheRequest:
+    """Empty the prefix cache (SGLang's /flush_cache); only done when the scheduler is idle.
+    Sent on the scheduler's request socket, so it comes after every request sent before it."""
+
+    request_id: int
+
+
+@dataclass(frozen=True)
+class FlushCacheReply:
+    request_id: int
+    flushed: bool
+    message: str = ""
+
+
 # ---------------------------------------------------------------------------------------------
 # Codec
 
@@ -153,6 +168,8 @@ _DATACLASS_TAGS: dict[type, int] = {
     StatsRequest: 16,
     StatsReply: 17,
     Constraint: 4,
+    FlushCacheRequest: 18,
+    FlushCacheReply: 19,
 }
 _ENUM_TAGS: dict[type, int] = {FinishReason: 1}
 

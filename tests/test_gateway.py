@@ -128,6 +128,25 @@ def _healthy_urls(launch: DataParallelProcess) -> set[str]:
     return {w["url"] for w in workers if w["is_healthy"]}
 
 
+def test_native_generate_and_flush_cache_through_the_gateway(launch, tiny_qwen3):
+    """SGLang clients talk to the gateway's /generate; /flush_cache reaches every replica."""
+    body = {
+        "input_ids": list(range(100, 160)),
+        "sampling_params": {"max_new_tokens": 3, "temperature": 0, "ignore_eos": True},
+    }
+    response = httpx.post(launch.url + "/generate", json=body, timeout=HTTP_TIMEOUT_S)
+    assert response.status_code == 200, response.text
+    out = response.json()
+    assert len(out["output_ids"]) == 3 and out["meta_info"]["completion_tokens"] == 3
+    direct = httpx.post(launch.replica_url(0) + "/generate", json=body, timeout=HTTP_TIMEOUT_S)
+    assert direct.json()["output_ids"] == out["output_ids"]
+    flushed = httpx.post(launch.url + "/flush_cache", timeout=HTTP_TIMEOUT_S)
+    assert flushed.status_code == 200, flushed.text
+    for i in range(2):
+        again = httpx.post(launch.replica_url(i) + "/generate", json=body, timeout=HTTP_TIMEOUT_S)
+        assert again.json()["meta_info"]["cached_tokens"] == 0, i
+
+
 def test_a_killed_replica_loses_no_later_request(launch, tiny_qwen3):
     urls = [launch.replica_url(i) for i in range(2)]
     served = [prompt_tokens_served(url) for url in urls]

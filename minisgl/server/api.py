@@ -31,6 +31,7 @@ from minisgl.server.metrics import ServerMetrics
 from minisgl.server.middleware import Lifecycle, install_middleware
 from minisgl.server.model_names import accepted_model_names, served_model_name
 from minisgl.server.native_api import build_model_card, install_native_routes
+from minisgl.server.native_generate import install_generate_route
 from minisgl.server.process import BACKEND_FAILED_SIGNAL, ChildStartupError
 from minisgl.server.protocol import ChatCompletionRequest, CompletionRequest, error_dict, now_s
 from minisgl.server.serving_chat import create_chat_completion
@@ -189,6 +190,7 @@ def create_app(
         return Response(ctx.metrics.render(), media_type="text/plain; version=0.0.4")
 
     install_native_routes(app, args, build_model_card(args, str(model_path), str(tokenizer_path)))
+    install_generate_route(app)
     return app
 
 

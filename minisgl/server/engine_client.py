@@ -17,6 +17,8 @@ from minisgl.message import (
     BatchDetokenizedOutput,
     DetokenizedOutput,
     Endpoints,
+    FlushCacheReply,
+    FlushCacheRequest,
     MessageQueue,
     StatsReply,
     StatsRequest,
@@ -45,6 +47,7 @@ class EngineClient:
         self._routes: dict[str, tuple[asyncio.Queue, int]] = {}
         self._stats_waiters: dict[int, asyncio.Future[StatsReply]] = {}
         self._stats_ids = itertools.count()
+        self._flush_waiters: dict[int, asyncio.Future[FlushCacheReply]] = {}
         self._reader: asyncio.Task | None = None
         self.last_stats: StatsReply | None = None
         # Event-loop time of the latest output from the backend: proof that it generates
@@ -83,6 +86,10 @@ class EngineClient:
                 if output.finish_reason is not None:
                     del self._routes[output.rid]
                 queue.put_nowait(RoutedOutput(index, output))
+        elif isinstance(message, FlushCacheReply):
+            flush_waiter = self._flush_waiters.pop(message.request_id, None)
+            if flush_waiter is not None and not flush_waiter.done():
+                flush_waiter.set_result(message)
         elif isinstance(message, StatsReply):
             self.last_stats = message
             waiter = self._stats_waiters.pop(message.request_id, None)
@@ -123,6 +130,20 @@ class EngineClient:
     def abort(self, rid: str) -> None:
         if self._routes.pop(rid, None) is not None:
             self._to_scheduler.put(AbortRequest(rid))
+
+    async def flush_cache(self, timeout_s: float) -> FlushCacheReply | None:
+        """Ask the scheduler to empty its prefix cache; None if it does not answer in time (a
+        long step may be running)."""
+        request_id = next(self._stats_ids)
+        waiter = asyncio.get_running_loop().create_future()
+        self._flush_waiters[request_id] = waiter
+        self._to_scheduler.put(FlushCacheRequest(request_id))
+        try:
+            return await asyncio.wait_for(waiter, timeout_s)
+        except asyncio.TimeoutError:
+            return None
+        finally:
+            self._flush_waiters.pop(request_id, None)
 
     async def stats(self, timeout_s: float) -> StatsReply | None:
         """Ask the scheduler for its stats; None if it does not answer in time."""

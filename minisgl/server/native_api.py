@@ -11,6 +11,9 @@ What the gateway (sglang-router 0.3.x) reads when it registers a worker, and wha
   it holds; the power_of_two policy balances on it.
 - GET /health_generate: SGLang's deep health check (the engine still produces tokens), for
   `smg --health-check-endpoint /health_generate` and load balancers.
+- GET/POST /flush_cache: empty the prefix cache when idle (the gateway sends it to every
+  worker; `sglang.bench_serving --flush-cache` calls it).
+POST /generate, SGLang's native generation, lives in minisgl/server/native_generate.py.
 
 Field names and meanings follow SGLang's http_server.py. Only what minisgl can state truthfully
 is present: e.g. never the API key, which SGLang's /get_server_info echoes.
@@ -32,7 +35,7 @@ from starlette.responses import JSONResponse, Response
 from minisgl.config import ServerArgs
 from minisgl.core import FinishReason, SamplingParams
 from minisgl.server.engine_client import RoutedOutput
-from minisgl.server.errors import HTTP_SERVICE_UNAVAILABLE, RequestError
+from minisgl.server.errors import HTTP_BAD_REQUEST, HTTP_SERVICE_UNAVAILABLE, RequestError
 from minisgl.server.generation import ServingContext
 from minisgl.server.model_names import served_model_name
 from minisgl.server.protocol import error_dict, new_id
@@ -46,6 +49,8 @@ HEALTH_GENERATE_POLL_S = 0.05
 # The probe's one-token prompt: id 0 exists in every vocabulary (SGLang sends the same).
 HEALTH_PROMPT = (0,)
 HEALTH_PARAMS = SamplingParams(max_tokens=1, temperature=0)
+# /flush_cache: the scheduler answers between steps (a long prefill step can take seconds).
+FLUSH_CACHE_TIMEOUT_S = 30.0
 # Each minisgl server is a single data-parallel rank; replicas are separate workers.
 DP_RANK = 0
 DP_SIZE = 1
@@ -187,6 +192,17 @@ def install_native_routes(app: FastAPI, args: ServerArgs, card: ModelCard) -> No
             "num_tokens": used_pages * args.page_size,
         }
         return JSONResponse([load])
+
+    async def flush_cache(request: Request) -> Response:
+        reply = await ctx_of(request).engine.flush_cache(FLUSH_CACHE_TIMEOUT_S)
+        if reply is None:
+            return _unavailable("The scheduler did not answer.")
+        if not reply.flushed:
+            body = error_dict(reply.message, param=None, code=HTTP_BAD_REQUEST)
+            return JSONResponse(body, status_code=HTTP_BAD_REQUEST)
+        return Response("Cache flushed.\n", media_type="text/plain")
+
+    app.add_api_route("/flush_cache", flush_cache, methods=["GET", "POST"])
 
     @app.get("/health_generate")
     async def health_generate(request: Request) -> Response:

@@ -24,6 +24,8 @@ from minisgl.message import (
     BatchTokenOutput,
     DetokenizeInit,
     Endpoints,
+    FlushCacheReply,
+    FlushCacheRequest,
     MessageQueue,
     StatsReply,
     StatsRequest,
@@ -122,6 +124,7 @@ class SchedulerLoop:
         self._gen_throughput = ThroughputWindow()
         self._inbox = MessageQueue("pull", endpoints.scheduler_in, bind=True)
         self._to_detokenizer = MessageQueue("push", endpoints.detokenizer_in, bind=False)
+        self._to_api = MessageQueue("push", endpoints.api_in, bind=False)  # control replies
         self._stats_time_s = 0.0
         self._responder = StatsResponder(endpoints, self._stats_snapshot())
         self._stopped = False
@@ -145,6 +148,9 @@ class SchedulerLoop:
         """Feed one message to the scheduler; a rejected request becomes an error output."""
         if isinstance(message, AbortRequest):
             self.scheduler.abort_request(message.rid)
+            return None
+        if isinstance(message, FlushCacheRequest):
+            self._to_api.put(self._flush_cache(message.request_id))
             return None
         if not isinstance(message, TokenizedRequest):
             logger.warning("scheduler: unexpected message %s", type(message).__name__)
@@ -181,6 +187,15 @@ class SchedulerLoop:
             )
         return None
 
+    def _flush_cache(self, request_id: int) -> FlushCacheReply:
+        if self.scheduler.has_work():  # cached pages may be in use: SGLang refuses too
+            busy = "requests are running or waiting; the cache was not flushed"
+            return FlushCacheReply(request_id, False, busy)
+        self.scheduler.flush_cache()
+        self._refresh_stats(force=True)
+        logger.info("prefix cache flushed")
+        return FlushCacheReply(request_id, True)
+
     def run_once(self, idle_timeout_s: float = IDLE_POLL_TIMEOUT_S) -> None:
         busy = self.scheduler.has_work()
         messages = self._receive(0.0 if busy else idle_timeout_s)
@@ -203,6 +218,7 @@ class SchedulerLoop:
         self._responder.close()
         self._inbox.close()
         self._to_detokenizer.close()
+        self._to_api.close()
 
 
 def run_scheduler_process(
