@@ -247,12 +247,13 @@ def test_sampling_kernel_after_the_grammar_mask_and_penalties(monkeypatch):
             bits[k, t // 32] |= 1 << (t % 32)
     sb.mask_rows = torch.tensor(list(allowed))
     sb.mask_bits = torch.where(bits >= 2**31, bits - 2**32, bits).to(torch.int32)
-    # repetition, presence and frequency penalties on every row
-    seen = torch.zeros(rows, vocab, dtype=torch.bool)
-    seen[:, :50] = True
-    counts = torch.zeros(rows, vocab)
-    counts[:, 40:60] = 2.0
-    sb.repetition, sb.seen_mask, sb.output_counts = torch.full((rows,), 1.3), seen, counts
+    # repetition, presence and frequency penalties on every row: a prompt of tokens 0..39, an
+    # output of 40..59 twice each, then two positions past the row's end
+    history = [*range(40), *range(40, 60), *range(40, 60), vocab, vocab]
+    sb.history_ids = torch.tensor([history] * rows)
+    sb.history_in_output = (torch.arange(len(history)) >= 40)[None, :].expand(rows, -1)
+    sb.history_in_output = sb.history_in_output & (sb.history_ids < vocab)
+    sb.repetition = torch.full((rows,), 1.3)
     sb.presence, sb.frequency = torch.full((rows,), 0.5), torch.full((rows,), 0.25)
     for seed in range(8):
         sb.seeds = torch.arange(rows) + 1000 * seed

@@ -61,7 +61,17 @@ def test_sampling_benchmark_runs():
     done = subprocess.run(command, capture_output=True, text=True, timeout=TIMEOUT_S, cwd=ROOT)
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     rows = re.findall(r"^(.+?)\s+([\d.]+)\s+([\d.]+)$", done.stdout, re.MULTILINE)
-    assert len(rows) == 5 and all(float(a) > 0 and float(b) > 0 for _, a, b in rows), done.stdout
+    assert len(rows) == 6 and all(float(a) > 0 and float(b) > 0 for _, a, b in rows), done.stdout
+
+
+def test_penalties_benchmark_runs(tiny_qwen3):
+    script = OFFLINE / "bench_penalties.py"
+    command = [sys.executable, str(script), str(tiny_qwen3)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=TIMEOUT_S, cwd=ROOT)
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    rates = re.findall(r"^(plain|penalties)\s+[\d.]+ s\s+(\d+) output tok/s$", done.stdout, re.M)
+    assert [name for name, _ in rates] == ["plain", "penalties"], done.stdout
+    assert all(int(rate) > 0 for _, rate in rates)
 
 
 def test_profile_steps_refuses_a_matrix(tiny_qwen3):

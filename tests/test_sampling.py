@@ -64,6 +64,39 @@ def test_penalties_change_greedy_output(llm):
     assert len(set(out)) >= len(set(base[0].token_ids))
 
 
+def test_penalties_equal_the_dense_formula():
+    """apply_penalties (sorted histories, one scatter) against the dense formula on the whole
+    vocabulary: repeats inside prompt and output, tokens in both, rows of different lengths
+    (padded with the vocabulary size), per-row penalties. Bit for bit."""
+    from minisgl.engine.sampler import apply_penalties
+
+    g = torch.Generator().manual_seed(3)
+    rows, vocab, length = 6, 300, 40
+    logits = torch.randn(rows, vocab, generator=g) * 3
+    ids = torch.randint(0, 25, (rows, length), generator=g)  # few distinct ids: many repeats
+    prompt_lens = torch.tensor([0, 5, 10, 20, 39, 40])
+    seq_lens = torch.tensor([12, 40, 30, 25, 40, 40])
+    pos = torch.arange(length)[None, :]
+    in_seq = pos < seq_lens[:, None]
+    sb = SamplingBatch.build([SamplingParams()] * rows, [0] * rows, [0] * rows, vocab, CPU)
+    sb.history_ids = ids.masked_fill(~in_seq, vocab)
+    sb.history_in_output = in_seq & (pos >= prompt_lens[:, None])
+    sb.repetition = torch.tensor([1.0, 1.3, 0.7, 2.0, 1.1, 1.5])
+    sb.frequency = torch.tensor([0.0, 0.5, -0.3, 1.0, 2.0, 0.1])
+    sb.presence = torch.tensor([0.0, 0.25, 1.0, -1.0, 0.0, 2.0])
+    seen = torch.zeros(rows, vocab, dtype=torch.bool)
+    counts = torch.zeros(rows, vocab)
+    for r in range(rows):
+        seen[r, ids[r, : seq_lens[r]]] = True
+        for t in ids[r, prompt_lens[r] : seq_lens[r]].tolist():
+            counts[r, t] += 1
+    penalty = sb.repetition[:, None].expand_as(logits)
+    want = torch.where(seen, torch.where(logits > 0, logits / penalty, logits * penalty), logits)
+    want = want - sb.frequency[:, None] * counts
+    want = want - sb.presence[:, None] * (counts > 0).float()
+    assert torch.equal(apply_penalties(logits, sb), want)
+
+
 def _reference_penalized_greedy(hf, prompt: list[int], sp: SamplingParams) -> list[int]:
     """Greedy decoding on transformers' logits with the penalties written out per token: the
     repetition penalty over prompt and output (HF's convention), frequency and presence over

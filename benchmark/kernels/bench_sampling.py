@@ -27,7 +27,12 @@ SETTINGS = {
     "Qwen3 (t 0.6, top-k 20, top-p 0.95)": dict(temperature=0.6, top_k=20, top_p=0.95),
     "top-p 0.9": dict(temperature=0.8, top_p=0.9),
     "min-p 0.05": dict(temperature=0.8, min_p=0.05),
+    # 1,000 tokens of history per row (half prompt, half output), as the engine passes them
+    "penalties (rep 1.1, freq 0.5, pres 0.5)": dict(
+        temperature=0.8, repetition_penalty=1.1, frequency_penalty=0.5, presence_penalty=0.5
+    ),
 }
+HISTORY_LEN = 1000
 VOCAB = 151936
 MS_PER_S = 1e3
 
@@ -49,6 +54,8 @@ def main() -> None:
             logits = (torch.randn(rows, VOCAB, generator=g) * args.logit_scale).to(device.device)
             params = [SamplingParams(**kwargs)] * rows  # type: ignore[arg-type]
             sb = SamplingBatch.build(params, list(range(rows)), [7] * rows, VOCAB, device)
+            if params[0].has_penalties:
+                _add_history(sb, params, rows, g, device)
             with device.on_stream():  # the engine's stream: what synchronize waits for
                 sample(logits, sb)  # warm-up
                 device.synchronize()
@@ -58,6 +65,23 @@ def main() -> None:
                 device.synchronize()
             cells.append((time.perf_counter() - start) / args.iters * MS_PER_S)
         print(f"{name:<38}" + "".join(f"{ms:12.2f}" for ms in cells))
+
+
+def _add_history(
+    sb: SamplingBatch,
+    params: list[SamplingParams],
+    rows: int,
+    g: torch.Generator,
+    device: Device,
+) -> None:
+    """What Engine._add_penalties hands the sampler, for random token histories."""
+    ids = torch.randint(0, VOCAB, (rows, HISTORY_LEN), generator=g)
+    in_output = (torch.arange(HISTORY_LEN) >= HISTORY_LEN // 2)[None, :].expand(rows, -1)
+    sb.history_ids, sb.history_in_output = ids.to(device.device), in_output.to(device.device)
+    sb.repetition, sb.presence, sb.frequency = (
+        torch.tensor([getattr(p, name) for p in params], device=device.device)
+        for name in ("repetition_penalty", "presence_penalty", "frequency_penalty")
+    )
 
 
 if __name__ == "__main__":

@@ -312,23 +312,15 @@ class Engine:
         seq_lens: list[int],
     ) -> None:
         vocab = self.model_config.vocab_size
-        num_rows, max_len = len(params), max(seq_lens)
+        max_len = max(seq_lens)
         rows_d, prompt_lens_d, seq_lens_d = self.dev.stage(
             torch.tensor(rows), torch.tensor(prompt_lens), torch.tensor(seq_lens)
         )
         ids = self.token_table[rows_d, :max_len].long()  # [rows, max_len]
         pos = torch.arange(max_len, device=self.device)[None, :]
         in_seq = pos < seq_lens_d[:, None]
-        in_output = in_seq & (pos >= prompt_lens_d[:, None])
-        # All rows in one scatter each (a loop over rows launched ~4 kernels per row). Positions
-        # outside a row's sequence (or output) land in a spare column past the vocabulary.
-        shape = (num_rows, vocab + 1)
-        seen = torch.zeros(shape, dtype=torch.bool, device=self.device)
-        seen.scatter_(1, ids.masked_fill(~in_seq, vocab), True)
-        counts = torch.zeros(shape, dtype=torch.float32, device=self.device)
-        counts.scatter_add_(1, ids.masked_fill(~in_output, vocab), in_output.float())
-        seen, counts = seen[:, :vocab], counts[:, :vocab]
-        sb.seen_mask, sb.output_counts = seen, counts
+        sb.history_ids = ids.masked_fill(~in_seq, vocab)
+        sb.history_in_output = in_seq & (pos >= prompt_lens_d[:, None])
         sb.repetition, sb.presence, sb.frequency = self.dev.stage(
             torch.tensor([p.repetition_penalty for p in params], dtype=torch.float32),
             torch.tensor([p.presence_penalty for p in params], dtype=torch.float32),

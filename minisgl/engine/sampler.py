@@ -90,8 +90,10 @@ class SamplingBatch:
     repetition: torch.Tensor | None = None  # float32 [rows]
     presence: torch.Tensor | None = None
     frequency: torch.Tensor | None = None
-    seen_mask: torch.Tensor | None = None  # bool [rows, vocab]: in prompt or output
-    output_counts: torch.Tensor | None = None  # float32 [rows, vocab]: times in the output
+    # Each row's tokens so far, prompt then output: int64 [rows, length], the vocabulary size
+    # past a row's end; and which of those positions are output (bool, same shape).
+    history_ids: torch.Tensor | None = None
+    history_in_output: torch.Tensor | None = None
     max_logprobs: int | None = None  # None: no row wants logprobs
     # logit_bias, flattened over the rows that set one (None when none does)
     bias_rows: torch.Tensor | None = None  # int64 [entries]
@@ -210,15 +212,37 @@ def apply_logit_bias(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
 
 
 def apply_penalties(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
-    if sb.repetition is not None and sb.seen_mask is not None:
-        # HF / vLLM convention: divide positive logits, multiply negative ones.
-        penalty = sb.repetition[:, None].expand_as(logits)
-        penalized = torch.where(logits > 0, logits / penalty, logits * penalty)
-        logits = torch.where(sb.seen_mask, penalized, logits)
-    if sb.output_counts is not None and sb.frequency is not None and sb.presence is not None:
-        logits = logits - sb.frequency[:, None] * sb.output_counts
-        logits = logits - sb.presence[:, None] * (sb.output_counts > 0).float()
-    return logits
+    """Repetition (HF / vLLM: positive logits divided, negative multiplied) on every token of
+    prompt or output; then frequency x count and presence for tokens of the output (OpenAI).
+
+    Only the tokens a row has seen change, so the work is on [rows, length] tensors: each row's
+    history sorted by (token, output first), so the first position of each token's run stands
+    for that token and knows its output count. One copy of the logits (with a spare column that
+    positions past a row's end write into) takes every new value in one scatter. Fixed shapes
+    throughout: nothing waits for the device."""
+    if sb.history_ids is None or sb.history_in_output is None:
+        return logits
+    assert sb.repetition is not None and sb.presence is not None and sb.frequency is not None
+    rows, vocab = logits.shape
+    ids, in_output = sb.history_ids, sb.history_in_output
+    key = ids * 2 + (~in_output).long()  # a token's output positions sort before its prompt ones
+    key, _ = key.sort(dim=1)
+    ids, in_output = key // 2, key % 2 == 0
+    starts = torch.ones_like(in_output)
+    starts[:, 1:] = ids[:, 1:] != ids[:, :-1]
+    run = starts.long().cumsum(dim=1) - 1  # [rows, length]: each position's run
+    counts = torch.zeros_like(run).scatter_add_(1, run, in_output.long())
+    count = counts.gather(1, run).float()  # the position's token's times in the output
+    values = logits.gather(1, ids.clamp(max=vocab - 1))
+    penalty = sb.repetition[:, None]
+    values = torch.where(values > 0, values / penalty, values * penalty)
+    values = values - sb.frequency[:, None] * count
+    values = values - sb.presence[:, None] * (count > 0).float()
+    # Only each run's first position writes (its token's one new value); the rest, and the
+    # positions past a row's end (ids == vocab), write into the spare column.
+    target = torch.where(starts & (ids < vocab), ids, vocab)
+    out = torch.cat([logits, logits.new_zeros(rows, 1)], dim=1)
+    return out.scatter_(1, target, values)[:, :vocab]
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, cast
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -122,7 +122,9 @@ class GenerateRequest(OpenAIRequest):
         if self.text is not None:
             return self.text if isinstance(self.text, list) else [self.text]
         ids = self.input_ids or []
-        return ids if self.is_batch else [ids]  # type: ignore[return-value]
+        if self.is_batch:
+            return cast("list[list[int]]", ids)
+        return [cast("list[int]", ids)]
 
     def sampling_for(self, num_prompts: int) -> list[NativeSamplingParams]:
         """One NativeSamplingParams per prompt; a 400 (RequestValidationError) if one is bad."""
