@@ -9,7 +9,9 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from minisgl.core import FinishReason, SamplingParams
 from minisgl.message import (
@@ -45,9 +47,9 @@ class EngineClient:
         self._to_scheduler_ctl = MessageQueue("push", endpoints.scheduler_ctl, bind=False)
         self._inbox = MessageQueue("pull", endpoints.api_in, bind=True, asyncio=True)
         self._routes: dict[str, tuple[asyncio.Queue, int]] = {}
-        self._stats_waiters: dict[int, asyncio.Future[StatsReply]] = {}
-        self._stats_ids = itertools.count()
-        self._flush_waiters: dict[int, asyncio.Future[FlushCacheReply]] = {}
+        # Control replies (stats, cache flush) by request id: one counter for both kinds.
+        self._waiters: dict[int, asyncio.Future[Any]] = {}
+        self._request_ids = itertools.count()
         self._reader: asyncio.Task | None = None
         self.last_stats: StatsReply | None = None
         # Event-loop time of the latest output from the backend: proof that it generates
@@ -86,13 +88,10 @@ class EngineClient:
                 if output.finish_reason is not None:
                     del self._routes[output.rid]
                 queue.put_nowait(RoutedOutput(index, output))
-        elif isinstance(message, FlushCacheReply):
-            flush_waiter = self._flush_waiters.pop(message.request_id, None)
-            if flush_waiter is not None and not flush_waiter.done():
-                flush_waiter.set_result(message)
-        elif isinstance(message, StatsReply):
-            self.last_stats = message
-            waiter = self._stats_waiters.pop(message.request_id, None)
+        elif isinstance(message, (StatsReply, FlushCacheReply)):
+            if isinstance(message, StatsReply):
+                self.last_stats = message
+            waiter = self._waiters.pop(message.request_id, None)
             if waiter is not None and not waiter.done():
                 waiter.set_result(message)
         else:
@@ -133,30 +132,27 @@ class EngineClient:
 
     async def flush_cache(self, timeout_s: float) -> FlushCacheReply | None:
         """Ask the scheduler to empty its prefix cache; None if it does not answer in time (a
-        long step may be running)."""
-        request_id = next(self._stats_ids)
-        waiter = asyncio.get_running_loop().create_future()
-        self._flush_waiters[request_id] = waiter
-        self._to_scheduler.put(FlushCacheRequest(request_id))
-        try:
-            return await asyncio.wait_for(waiter, timeout_s)
-        except asyncio.TimeoutError:
-            return None
-        finally:
-            self._flush_waiters.pop(request_id, None)
+        long step may be running). On the request socket: after every request sent before."""
+        return await self._ask(self._to_scheduler, FlushCacheRequest, timeout_s)
 
     async def stats(self, timeout_s: float) -> StatsReply | None:
         """Ask the scheduler for its stats; None if it does not answer in time."""
-        request_id = next(self._stats_ids)
+        return await self._ask(self._to_scheduler_ctl, StatsRequest, timeout_s)
+
+    async def _ask(
+        self, queue: MessageQueue, request: Callable[[int], object], timeout_s: float
+    ) -> Any:
+        """Send request(id) and wait for the reply carrying that id (see _dispatch)."""
+        request_id = next(self._request_ids)
         waiter = asyncio.get_running_loop().create_future()
-        self._stats_waiters[request_id] = waiter
-        self._to_scheduler_ctl.put(StatsRequest(request_id))
+        self._waiters[request_id] = waiter
+        queue.put(request(request_id))
         try:
             return await asyncio.wait_for(waiter, timeout_s)
         except asyncio.TimeoutError:
             return None
         finally:
-            self._stats_waiters.pop(request_id, None)
+            self._waiters.pop(request_id, None)
 
     @property
     def num_active_requests(self) -> int:

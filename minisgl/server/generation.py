@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar, cast
 
 from starlette.requests import Request
-from starlette.responses import StreamingResponse
+from starlette.responses import Response, StreamingResponse
 from transformers import PreTrainedTokenizerBase
 
 from minisgl.chat import ChatSettings
@@ -48,6 +48,8 @@ from minisgl.server.sse import SSE_DONE, SSE_HEADERS, SSE_MEDIA_TYPE, sse_event
 
 logger = logging.getLogger(__name__)
 
+# HTTP status for a response nobody will read (nginx's "client closed request").
+CLIENT_CLOSED_REQUEST = 499
 # Token id -> text is asked for every token when logprobs are on: cache the common ones.
 TOKEN_TEXT_CACHE_SIZE = 1 << 16
 # Queue full: how long a client should wait before trying again.
@@ -363,6 +365,19 @@ class GenerationGroup:
                     break  # the response is an error: the other choices are not needed
         finally:
             self.close()
+
+    async def collect(self) -> Response | None:
+        """A non-streaming request's wait: every choice to its end. Returns the response for a
+        client that left (499, nobody reads it), raises a 400 RequestError when a choice
+        failed, and returns None when all finished."""
+        try:
+            await self.run_to_end()
+        except ClientDisconnected:
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        error = self.first_error()
+        if error is not None:
+            raise RequestError(HTTP_BAD_REQUEST, error)
+        return None
 
     def first_error(self) -> str | None:
         for choice in self.choices:

@@ -36,7 +36,6 @@ from minisgl.chat import constraint_from_fields
 from minisgl.core import MAX_LOGPROBS, FinishReason, InvalidRequestError, TokenLogprob
 from minisgl.server.generation import (
     ChoiceState,
-    ClientDisconnected,
     GenerationGroup,
     RequestError,
     ServingContext,
@@ -44,7 +43,6 @@ from minisgl.server.generation import (
     stream_response,
 )
 from minisgl.server.protocol import OpenAIRequest, SamplingFields, error_dict, new_id
-from minisgl.server.serving_chat import CLIENT_CLOSED_REQUEST
 from minisgl.server.serving_completion import tokenize_prompts
 from minisgl.server.sse import SSE_DONE, sse_event
 
@@ -253,13 +251,9 @@ async def generate(ctx: ServingContext, body: GenerateRequest, request: Request)
     group.start(request)
     if body.stream:
         return stream_response(_stream(group, responder), group.choices[0].rid)
-    try:
-        await group.run_to_end()
-    except ClientDisconnected:
-        return Response(status_code=CLIENT_CLOSED_REQUEST)
-    error = group.first_error()
-    if error is not None:
-        raise RequestError(400, error)
+    early = await group.collect()
+    if early is not None:
+        return early
     items = [responder.item(choice) for choice in group.choices]
     return JSONResponse(items if responder.many else items[0])
 

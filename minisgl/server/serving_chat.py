@@ -18,7 +18,6 @@ from minisgl.chat import ChatDelta, ChatOutputParser, PreparedChat, prepare_chat
 from minisgl.core import FinishReason, InvalidRequestError, TokenLogprob
 from minisgl.server.generation import (
     ChoiceState,
-    ClientDisconnected,
     GenerationGroup,
     RequestError,
     ServingContext,
@@ -28,9 +27,6 @@ from minisgl.server.generation import (
 )
 from minisgl.server.protocol import ChatCompletionRequest, error_dict, new_id, now_s, usage_dict
 from minisgl.server.sse import SSE_DONE, sse_event
-
-# HTTP status for a response nobody will read (nginx's "client closed request").
-CLIENT_CLOSED_REQUEST = 499
 
 
 def chat_logprobs(ctx: ServingContext, logprobs: Sequence[TokenLogprob]) -> dict[str, Any]:
@@ -105,13 +101,9 @@ async def create_chat_completion(
     group.start(request)
     if body.stream:
         return stream_response(_stream(ctx, group, body, header, prepared), request_id)
-    try:
-        await group.run_to_end()
-    except ClientDisconnected:
-        return Response(status_code=CLIENT_CLOSED_REQUEST)
-    error = group.first_error()
-    if error is not None:
-        raise RequestError(400, error)
+    early = await group.collect()
+    if early is not None:
+        return early
     call_ids = _CallIds()
     choices, reasoning_tokens = [], 0
     for choice in group.choices:

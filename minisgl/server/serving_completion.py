@@ -12,7 +12,6 @@ from minisgl.chat import constraint_from_fields
 from minisgl.core import FinishReason, InvalidRequestError, TokenLogprob
 from minisgl.server.generation import (
     ChoiceState,
-    ClientDisconnected,
     GenerationGroup,
     RequestError,
     ServingContext,
@@ -21,7 +20,6 @@ from minisgl.server.generation import (
     stream_response,
 )
 from minisgl.server.protocol import CompletionRequest, error_dict, new_id, now_s, usage_dict
-from minisgl.server.serving_chat import CLIENT_CLOSED_REQUEST
 from minisgl.server.sse import SSE_DONE, sse_event
 
 
@@ -133,13 +131,9 @@ async def create_completion(
     if body.stream:
         stream = _stream(ctx, group, body, header, prompts, prompt_texts)
         return stream_response(stream, request_id)
-    try:
-        await group.run_to_end()
-    except ClientDisconnected:
-        return Response(status_code=CLIENT_CLOSED_REQUEST)
-    error = group.first_error()
-    if error is not None:
-        raise RequestError(400, error)
+    early = await group.collect()
+    if early is not None:
+        return early
     choices = []
     for choice in group.choices:
         echo_text = prompt_texts[choice.prompt_index] if body.echo else ""
