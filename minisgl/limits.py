@@ -55,7 +55,10 @@ def resolve_max_tokens(
     """vLLM's rule: without max_tokens, generate up to what the context (and the KV pool) leaves.
     Raises InvalidRequestError naming the prompt when it alone fills the context, else the
     max_tokens field (`max_tokens_param`: e.g. max_completion_tokens) when the sum does not fit.
-    Whether `requested` itself is a valid value (>= 1) is SamplingParams' rule."""
+    Whether `requested` itself is a valid value is SamplingParams' rule. 0 (score the prompt,
+    generate nothing) needs room for the prompt only."""
+    if requested == 0 and prompt_len <= limits.max_seq_len:
+        return 0
     if prompt_len >= limits.max_seq_len:
         raise InvalidRequestError(prompt_param, _too_long_message(limits, prompt_len, requested))
     if requested is None:

@@ -96,6 +96,18 @@ def test_generate_batch_n_and_stream(server: ServerProcess):
     assert chunks[-1]["meta_info"]["finish_reason"]["type"] == "length"
 
 
+def test_generate_prefill_only(server: ServerProcess):
+    """max_new_tokens 0 (SGLang's prefill-only request): no output, the prompt counted."""
+    body = greedy()
+    body["sampling_params"]["max_new_tokens"] = 0
+    out = post(server, "/generate", body)
+    assert out.status_code == 200, out.text
+    out = out.json()
+    assert out["text"] == "" and out["output_ids"] == []
+    assert out["meta_info"]["completion_tokens"] == 0 and out["meta_info"]["prompt_tokens"] > 0
+    assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 0}
+
+
 def test_generate_constraint_seed_and_bad_input(server: ServerProcess):
     constrained = greedy()
     constrained["sampling_params"] = {"regex": "(yes|no)", "max_new_tokens": 5}

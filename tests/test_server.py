@@ -310,6 +310,15 @@ def test_echo_with_logprobs_scores_the_prompt(server: ServerProcess, tokenizer):
     }  # fmt: skip
     no_echo = post(server, "/v1/completions", body | {"max_tokens": 0, "echo": False})
     assert _error(no_echo, 400)["param"] == "max_tokens"
+    # Characters split over byte tokens (each shows alone as U+FFFD): offsets never go back.
+    cjk = post(server, "/v1/completions", body | {"prompt": "日本は東京", "max_tokens": 3})
+    offsets = cjk.json()["choices"][0]["logprobs"]["text_offset"]
+    assert offsets == sorted(offsets) and len(offsets) > 3, offsets
+    # Scoring needs no room for output: a prompt filling the whole context is fine.
+    full_context = list(ids * MAX_MODEL_LEN)[:MAX_MODEL_LEN]
+    scored = post(server, "/v1/completions", body | {"prompt": full_context, "max_tokens": 0})
+    assert scored.status_code == 200, scored.text
+    assert len(scored.json()["choices"][0]["logprobs"]["token_logprobs"]) == MAX_MODEL_LEN
 
 
 def test_null_means_the_default_and_models_retrieve(server: ServerProcess, client):

@@ -77,6 +77,10 @@ class NativeSamplingParams(SamplingFields):
 
     @property
     def num_prompt_logprobs(self) -> int | None:
+        """Also 0 for max_new_tokens 0 without logprobs: SGLang's prefill-only request runs as
+        one that scores its prompt (the only kind that may generate nothing)."""
+        if self._prompt_logprobs is None and self.max_new_tokens == 0:
+            return 0
         return self._prompt_logprobs
 
     def wire_param(self, name: str) -> str:

@@ -101,6 +101,18 @@ def echo_logprobs(
     }
 
 
+def _first_output_offset(
+    ctx: ServingContext, body: CompletionRequest, prompt_ids: Sequence[int], echo_text: str
+) -> int:
+    """text_offset of the first generated token under echo. With logprobs the prompt's tokens
+    come first, their offsets summed over their texts as vLLM does; so the output continues
+    from that sum, which differs from len(echo_text) where one character spans several tokens
+    (each shows alone as U+FFFD): offsets never go back."""
+    if body.logprobs is None:
+        return len(echo_text)
+    return sum(len(ctx.token_text(tid)) for tid in prompt_ids)
+
+
 def _joined(first: dict[str, list[Any]], then: dict[str, list[Any]]) -> dict[str, list[Any]]:
     return {key: first[key] + then[key] for key in first}
 
@@ -125,8 +137,11 @@ async def create_completion(
     group = GenerationGroup(ctx, request_id, prompts, params, blob)
     header = {"id": request_id, "created": now_s(), "model": body.model or ctx.served_model_name}
     for choice in group.choices:
-        echo_text = prompt_texts[choice.prompt_index] if body.echo else ""
-        choice.logprob_text_offset = len(echo_text)
+        if body.echo:
+            p = choice.prompt_index
+            choice.logprob_text_offset = _first_output_offset(
+                ctx, body, prompts[p], prompt_texts[p]
+            )
     group.start(request)
     if body.stream:
         stream = _stream(ctx, group, body, header, prompts, prompt_texts)
