@@ -155,6 +155,9 @@ class SamplingParams:
     """How to pick each next token and when to stop. Defaults follow vLLM / OpenAI."""
 
     max_tokens: int = 16
+    # Until this many tokens are out, EOS and stop_token_ids are never drawn and stop strings
+    # do not match (vLLM's min_tokens, SGLang's min_new_tokens)
+    min_tokens: int = 0
     temperature: float = 1.0  # 0 means greedy
     top_p: float = 1.0
     top_k: int = -1  # -1 (or 0) disables
@@ -203,6 +206,11 @@ class SamplingParams:
             _is_int(self.max_tokens) and min_tokens <= self.max_tokens <= INT32_MAX,
             "max_tokens",
             f"must be an integer in [{min_tokens}, {INT32_MAX}]",
+        )
+        _check(
+            _is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
+            "min_tokens",
+            "must be an integer from 0 to max_tokens",
         )
         _check(
             _in_range(self.temperature, 0, math.inf), "temperature", "must be a finite number >= 0"

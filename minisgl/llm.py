@@ -118,6 +118,7 @@ class LLM:
                 req.input_ids,
                 req.sampling_params.stop,
                 req.sampling_params.skip_special_tokens,
+                req.sampling_params.min_tokens,
             )
             for req in reqs
             if req.sampling_params.stop

@@ -118,6 +118,19 @@ def test_earliest_of_several_stops_wins(tokenizer):
     assert detok.stopped and detok.stop_str == "two" and joined == "one "
 
 
+def test_min_tokens_defers_stop_strings(tokenizer):
+    """The first min_tokens tokens' text is shown as is; a stop string counts only after."""
+    text = "stop here, then stop again"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    first_len = len(tokenizer.encode("stop here,", add_special_tokens=False))
+    detok = IncrementalDetokenizer(
+        tokenizer, _prompt(tokenizer), stop=["stop"], min_tokens=first_len
+    )
+    joined = "".join(_stream(detok, ids))
+    assert detok.stopped and joined == "stop here, then "
+    assert IncrementalDetokenizer(tokenizer, _prompt(tokenizer), stop=["stop"]).add(ids) == ""
+
+
 def test_hold_back_released_on_flush(tokenizer):
     # "END O" could be the start of the stop string: held back until the request ends.
     ids = tokenizer.encode("Almost the END O", add_special_tokens=False)

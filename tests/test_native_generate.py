@@ -108,6 +108,24 @@ def test_generate_prefill_only(server: ServerProcess):
     assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 0}
 
 
+def test_min_new_tokens_and_min_tokens(server: ServerProcess):
+    """A stop token the greedy reply reaches at its 2nd token ends it there; with 4 minimum
+    tokens it cannot (/generate's min_new_tokens, the OpenAI endpoints' min_tokens)."""
+    base = post(server, "/generate", greedy()).json()["output_ids"]
+    body = greedy()
+    body["sampling_params"] |= {"stop_token_ids": [base[1]], "ignore_eos": False}
+    assert len(post(server, "/generate", body).json()["output_ids"]) <= 2
+    body["sampling_params"]["min_new_tokens"] = 4
+    held = post(server, "/generate", body).json()
+    assert held["meta_info"]["completion_tokens"] >= 4 and base[1] not in held["output_ids"][:4]
+    openai = {"prompt": PROMPT, "max_tokens": MAX_NEW_TOKENS, "temperature": 0,
+              "stop_token_ids": [base[1]], "min_tokens": 4}  # fmt: skip
+    response = post(server, "/v1/completions", openai)
+    assert response.json()["usage"]["completion_tokens"] >= 4, response.text
+    too_many = post(server, "/v1/completions", openai | {"min_tokens": MAX_NEW_TOKENS + 1})
+    assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "min_tokens"
+
+
 def test_generate_constraint_seed_and_bad_input(server: ServerProcess):
     constrained = greedy()
     constrained["sampling_params"] = {"regex": "(yes|no)", "max_new_tokens": 5}

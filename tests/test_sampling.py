@@ -198,6 +198,25 @@ def test_prompt_logprobs_match_transformers(llm, tiny_qwen3):
         SamplingParams(max_tokens=0)
 
 
+def test_min_tokens_holds_stop_tokens_off(llm):
+    """A stop token id the greedy output reaches at its 2nd token: min_tokens 5 keeps it out of
+    the first 5 (it is never drawn there), so the reply is longer; EOS the same way."""
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    base = llm.generate([PROMPT], greedy)[0].token_ids
+    stop_id = base[1]
+    stopped = SamplingParams(**{**_asdict(greedy), "stop_token_ids": [stop_id]})
+    assert llm.generate([PROMPT], stopped)[0].token_ids == base[:2]
+    held = SamplingParams(**{**_asdict(greedy), "stop_token_ids": [stop_id], "min_tokens": 5})
+    out = llm.generate([PROMPT], held)[0]
+    assert len(out.token_ids) >= 5 and stop_id not in out.token_ids[:5]
+    assert out.token_ids[0] == base[0]  # only the banned token's draws changed
+    eos = llm.scheduler.eos_token_ids[0]
+    no_eos = SamplingParams(temperature=0, max_tokens=4, min_tokens=4, logit_bias={eos: 100})
+    assert eos not in llm.generate([PROMPT], no_eos)[0].token_ids
+    with pytest.raises(ValueError, match="^min_tokens:"):
+        SamplingParams(max_tokens=3, min_tokens=4)
+
+
 def test_max_tokens_ignore_eos_stop_ids_and_logprobs(llm):
     out = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))[0]
     assert len(out.token_ids) == 5 and out.finish_reason == "length"

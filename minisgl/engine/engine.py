@@ -269,6 +269,8 @@ class Engine:
             next_pos,
             self.model_config.vocab_size,
             self.dev,
+            output_lens=[next_pos[j] - batch.prompt_lens[i] for j, i in enumerate(seqs)],
+            eos_token_ids=tuple(self.model_config.eos_token_ids),
         )
         if vocab_mask is not None:
             words = vocab_mask.bitmask.shape[1]

@@ -110,7 +110,11 @@ class SamplingBatch:
         positions: list[int],
         vocab_size: int,
         device: Device,
+        output_lens: list[int] | None = None,
+        eos_token_ids: tuple[int, ...] = (),
     ) -> SamplingBatch:
+        """output_lens: tokens each row has generated (min_tokens: until a row has min_tokens,
+        its stop tokens, EOS among them unless ignore_eos, get -inf like a -100 logit_bias)."""
         top_k = [min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size for p in params]
         wants = [p.logprobs for p in params if p.logprobs is not None]
         all_greedy = all(p.is_greedy for p in params)
@@ -134,6 +138,10 @@ class SamplingBatch:
             torch.tensor(plain, dtype=torch.int64),
         )
         biased = [(i, t, b) for i, p in enumerate(params) for t, b in p.logit_bias]
+        for i, (p, done) in enumerate(zip(params, output_lens or [], strict=True)):
+            if done < p.min_tokens:
+                stops = {*p.stop_token_ids, *(() if p.ignore_eos else eos_token_ids)}
+                biased += [(i, t, float("-inf")) for t in sorted(stops) if t < vocab_size]
         bias_rows = bias_ids = bias_values = None
         if biased:
             rows_l, ids_l, values_l = zip(*biased, strict=True)

@@ -56,6 +56,7 @@ class DetokenizerWorker:
                 message.prompt_tail_ids,
                 stop=params.stop,
                 skip_special_tokens=params.skip_special_tokens,
+                min_tokens=params.min_tokens,
             ),
             hidden_final_ids=frozenset(hidden),
         )

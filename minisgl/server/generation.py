@@ -202,11 +202,24 @@ def build_sampling_params(
         stop_token_ids=tuple(body.stop_token_ids or ()),
         logit_bias=logit_bias_pairs(body.logit_bias or {}),  # ids arrive as JSON keys (text)
         ignore_eos=body.ignore_eos,
+        min_tokens=_min_tokens(body, max_tokens),
         logprobs=body.num_logprobs,
         prompt_logprobs=body.num_prompt_logprobs,
         skip_special_tokens=body.skip_special_tokens,
         constraint=constraint,
         **{name: value for name, value in overrides.items() if value is not None},
+    )
+
+
+def _min_tokens(body: SamplingFields, max_tokens: int) -> int:
+    """min_tokens as asked; capped by max_tokens only when the client left that to the context
+    (asking for more than an explicit max_tokens is a 400, as in vLLM)."""
+    if body.min_tokens is None:
+        return 0
+    return (
+        body.min_tokens
+        if body.requested_max_tokens is not None
+        else min(body.min_tokens, max_tokens)
     )
 
 

@@ -6,7 +6,7 @@ Request (SGLang's GenerateReqInput, the parts minisgl serves):
 - `text` (a string or a list) or `input_ids` (a list of ids or a list of lists): one prompt or a
   batch;
 - `sampling_params`: an object (or one per prompt) with SGLang's names: `max_new_tokens`
-  (default 128), `temperature`, `top_p`, `top_k`, `min_p`, the three penalties, `stop`,
+  (default 128), `min_new_tokens`, `temperature`, `top_p`, `top_k`, `min_p`, the penalties, `stop`,
   `stop_token_ids`, `ignore_eos`, `skip_special_tokens`, `n`, `sampling_seed`, `logit_bias`,
   and the constraints `json_schema`, `regex`, `ebnf`; unknown names are ignored, as elsewhere;
 - `stream`, `return_logprob`, `top_logprobs_num`, `logprob_start_len` (-1: output only; k >= 0:
@@ -49,7 +49,11 @@ from minisgl.server.sse import SSE_DONE, sse_event
 # SGLang's default when sampling_params has no max_new_tokens.
 DEFAULT_MAX_NEW_TOKENS = 128
 # SGLang's names for the fields that SamplingFields calls otherwise.
-_SGLANG_NAMES = {"max_tokens": "max_new_tokens", "seed": "sampling_seed"}
+_SGLANG_NAMES = {
+    "max_tokens": "max_new_tokens",
+    "min_tokens": "min_new_tokens",
+    "seed": "sampling_seed",
+}
 
 
 class NativeSamplingParams(SamplingFields):
@@ -57,14 +61,17 @@ class NativeSamplingParams(SamplingFields):
     message of the OpenAI endpoints applies). Logprob settings come from the request."""
 
     max_new_tokens: int | None = DEFAULT_MAX_NEW_TOKENS
+    min_new_tokens: int | None = None
     sampling_seed: int | None = None
     _logprobs: int | None = PrivateAttr(default=None)
     _prompt_logprobs: int | None = PrivateAttr(default=None)
 
     @model_validator(mode="after")
-    def _seed_from_sglang_name(self) -> NativeSamplingParams:
+    def _from_sglang_names(self) -> NativeSamplingParams:
         if self.sampling_seed is not None:
             self.seed = self.sampling_seed
+        if self.min_new_tokens is not None:
+            self.min_tokens = self.min_new_tokens
         return self
 
     @property

@@ -107,6 +107,7 @@ class SamplingFields(OpenAIRequest):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     logit_bias: dict[str, Any] | None = None  # token id (as text) -> bias in [-100, 100]
+    min_tokens: int | None = None  # vLLM: no EOS, stop token or stop string before this many
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     n: int = Field(default=1, ge=1, le=MAX_CHOICES_PER_REQUEST)

@@ -37,7 +37,10 @@ class IncrementalDetokenizer:
         prompt_ids: Sequence[int],
         stop: Sequence[str] = (),
         skip_special_tokens: bool = True,
+        min_tokens: int = 0,
     ) -> None:
+        """min_tokens: the text of the first min_tokens output tokens is shown as it comes and
+        never matched against the stop strings (vLLM's min_tokens)."""
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
         self._ids: list[int] = [int(t) for t in prompt_ids[-PROMPT_CONTEXT_TOKENS:]]
@@ -49,14 +52,18 @@ class IncrementalDetokenizer:
         self.text = ""  # everything emitted so far
         self.stopped = False
         self.stop_str: str | None = None  # the stop string that ended the text, if any
+        self._min_tokens = min_tokens
+        self._num_tokens = 0  # output tokens added so far
 
     def add(self, token_ids: Sequence[int]) -> str:
         """Feed new output tokens; return the text that is now safe to show."""
         if self.stopped or not token_ids:
             return ""
         self._ids.extend(int(t) for t in token_ids)
+        self._num_tokens += len(token_ids)
         self._held += self._decode_ready()
-        return self._release(final=False)
+        # Before min_tokens, release everything unmatched: stops count only in later text.
+        return self._release(final=False, match=self._num_tokens >= self._min_tokens)
 
     def flush(self) -> str:
         """The request ended for another reason: return everything still held back."""
@@ -85,16 +92,16 @@ class IncrementalDetokenizer:
         self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
         return new_text[len(prefix_text) :]
 
-    def _release(self, final: bool) -> str:
+    def _release(self, final: bool, match: bool = True) -> str:
         held = self._held
-        stop_at, stop_str = self._find_stop(held)
+        stop_at, stop_str = self._find_stop(held) if match else (len(held), None)
         if stop_str is not None:
             out = held[:stop_at]
             self.stopped, self.stop_str, self._held = True, stop_str, ""
         elif final:
             out, self._held = held, ""
         else:
-            keep_len = self._partial_stop_len(held)
+            keep_len = self._partial_stop_len(held) if match else 0
             out, self._held = held[: len(held) - keep_len], held[len(held) - keep_len :]
         self.text += out
         return out
