@@ -299,3 +299,43 @@ def test_fused_kernels_keep_tokens(qwen3_06b, dtype, monkeypatch):
         monkeypatch.delenv(gpu.ENABLE_ENV)
         gpu.reset()
     _assert_same_generation(runs["auto"], runs["0"], dtype == "float32", dtype)
+
+
+def test_scoring_penalties_and_bias_on_cuda(qwen3_06b):
+    """The sampling features on CUDA, in one batch: prompt logprobs against transformers, a
+    penalized greedy reply against transformers' logits with the penalties written out, a
+    +100 logit_bias, and a seeded draw (the Triton sampling kernel)."""
+    from transformers import AutoModelForCausalLM
+
+    prompts = _prompts()
+    penalties = dict(repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.5)
+    params = [
+        SamplingParams(max_tokens=0, prompt_logprobs=2),
+        SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, **penalties),
+        SamplingParams(temperature=0.7, seed=3, max_tokens=4, logit_bias={777: 100}),
+        SamplingParams(temperature=1.0, seed=5, max_tokens=8, ignore_eos=True),
+    ]
+    opts = dict(dtype="float32", num_pages=2048, page_size=16, max_running_requests=8)
+    with LLM(str(qwen3_06b), **opts) as llm:
+        outs = llm.generate(prompts, params)
+        again = llm.generate(prompts[3:], params[3:])[0]
+        llm.check_page_accounting()
+    ref = _hf_logprobs(qwen3_06b, torch.float32, [prompts[0]])[0]
+    got = torch.tensor([e.logprob for e in outs[0].prompt_logprobs[1:]])
+    want = ref[torch.arange(len(prompts[0]) - 1), torch.tensor(prompts[0][1:])]
+    assert outs[0].token_ids == [] and (got - want).abs().max() < 2e-3
+    hf = AutoModelForCausalLM.from_pretrained(qwen3_06b, dtype=torch.float32).cuda().eval()
+    ids = list(prompts[1])
+    with torch.no_grad():
+        for _ in range(8):
+            logits = hf(torch.tensor([ids], device="cuda")).logits[0, -1].float()
+            for tok in set(ids):
+                r = penalties["repetition_penalty"]
+                logits[tok] = logits[tok] / r if logits[tok] > 0 else logits[tok] * r
+            output = ids[len(prompts[1]) :]
+            for tok in set(output):
+                logits[tok] -= 0.5 * output.count(tok) + 0.5
+            ids.append(int(logits.argmax()))
+    assert outs[1].token_ids == ids[len(prompts[1]) :]
+    assert outs[2].token_ids == [777] * 4
+    assert len(set(outs[3].token_ids)) > 1 and again.token_ids == outs[3].token_ids  # seeded

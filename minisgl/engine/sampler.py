@@ -138,7 +138,7 @@ class SamplingBatch:
             torch.tensor(plain, dtype=torch.int64),
         )
         biased = [(i, t, b) for i, p in enumerate(params) for t, b in p.logit_bias]
-        for i, (p, done) in enumerate(zip(params, output_lens or [], strict=True)):
+        for i, (p, done) in enumerate(zip(params, output_lens or [0] * len(params), strict=True)):
             if done < p.min_tokens:
                 stops = {*p.stop_token_ids, *(() if p.ignore_eos else eos_token_ids)}
                 biased += [(i, t, float("-inf")) for t in sorted(stops) if t < vocab_size]
