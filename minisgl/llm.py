@@ -32,6 +32,8 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     # SamplingParams.prompt_logprobs: one entry per prompt token, None for the first
     prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
+    # vLLM's: the stop string or stop_token_ids entry that ended the output (None: EOS, length)
+    stop_reason: int | str | None = None
 
 
 class LLM:
@@ -147,6 +149,7 @@ class LLM:
                 if finish is not None:
                     out.finish_reason = finish.value
                     out.text = self._final_text(req, out, detok)
+                    out.stop_reason = _stop_reason(req, out, detok, finish)
                     pending.discard(result.rid)
                     bar.update(1)
         bar.close()
@@ -177,3 +180,14 @@ class LLM:
 
     def __exit__(self, *exc_info: object) -> None:
         self.shutdown()  # with tp_size > 1 this also stops the other ranks' processes
+
+
+def _stop_reason(
+    req: Req, out: RequestOutput, detok: IncrementalDetokenizer | None, finish: FinishReason
+) -> int | str | None:
+    if finish != FinishReason.STOP:
+        return None
+    if detok is not None and detok.stop_str is not None:
+        return detok.stop_str
+    last = out.token_ids[-1] if out.token_ids else None
+    return last if last in req.sampling_params.stop_token_ids else None

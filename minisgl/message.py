@@ -86,6 +86,9 @@ class DetokenizedOutput:
     num_cached_prompt_tokens: int = 0
     error: str | None = None
     prompt_logprobs: tuple[TokenLogprob, ...] = ()  # ReqOutput.prompt_logprobs, passed on
+    # What ended a STOP finish: the stop string, or the final token's id (EOS or a stop token);
+    # None otherwise.
+    matched_stop: int | str | None = None
 
 
 @dataclass(frozen=True)

@@ -114,7 +114,9 @@ def test_min_new_tokens_and_min_tokens(server: ServerProcess):
     base = post(server, "/generate", greedy()).json()["output_ids"]
     body = greedy()
     body["sampling_params"] |= {"stop_token_ids": [base[1]], "ignore_eos": False}
-    assert len(post(server, "/generate", body).json()["output_ids"]) <= 2
+    stopped = post(server, "/generate", body).json()
+    assert len(stopped["output_ids"]) <= 2
+    assert stopped["meta_info"]["finish_reason"] == {"type": "stop", "matched": base[1]}
     body["sampling_params"]["min_new_tokens"] = 4
     held = post(server, "/generate", body).json()
     assert held["meta_info"]["completion_tokens"] >= 4 and base[1] not in held["output_ids"][:4]

@@ -225,7 +225,8 @@ def test_max_tokens_ignore_eos_stop_ids_and_logprobs(llm):
         [PROMPT], SamplingParams(temperature=0, max_tokens=5, stop_token_ids=[stop_id])
     )[0]
     assert stopped.token_ids == out.token_ids[: out.token_ids.index(stop_id) + 1]
-    assert stopped.finish_reason == "stop"
+    assert stopped.finish_reason == "stop" and stopped.stop_reason == stop_id
+    assert out.stop_reason is None  # length
     lp = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=3, logprobs=4))[0]
     assert len(lp.logprobs) == 3
     for entry, tok in zip(lp.logprobs, lp.token_ids, strict=True):

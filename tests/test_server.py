@@ -359,10 +359,12 @@ def test_stop_strings(client: openai.OpenAI):
             chunks = [c for c in response if c.choices]
             got = "".join(c.choices[0].text for c in chunks)
             finish = [c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason]
-            assert finish == ["stop"]
+            last = chunks[-1].choices[0]
         else:
             got, finish = response.choices[0].text, [response.choices[0].finish_reason]
+            last = response.choices[0]
         assert got == expected and finish == ["stop"] and stop not in got
+        assert last.stop_reason == stop  # vLLM's field: which stop ended it
 
     chat_text = greedy_chat(client)
     chat_stop = chat_text[3:8]
@@ -394,6 +396,7 @@ def test_stop_token_ids_and_eos(client: openai.OpenAI, tokenizer):
         extra_body={"stop_token_ids": [stop_id]},
     )
     assert response.choices[0].finish_reason == "stop"
+    assert response.choices[0].stop_reason == stop_id
     assert response.choices[0].text == tokenizer.decode(ids[:first])
     assert response.usage.completion_tokens == first + 1
 
@@ -402,6 +405,8 @@ def test_stop_token_ids_and_eos(client: openai.OpenAI, tokenizer):
         model=MODEL, messages=[{"role": "user", "content": "Say hi."}], max_tokens=64, temperature=0
     )
     assert eos_text not in chat.choices[0].message.content
+    if chat.choices[0].finish_reason == "stop":  # by EOS: no stop_reason, as vLLM
+        assert chat.choices[0].stop_reason is None
     forced = client.chat.completions.create(
         model=MODEL,
         messages=[{"role": "user", "content": "Say hi."}],

@@ -73,9 +73,10 @@ class DetokenizerWorker:
         token_ids = list(output.new_token_ids)
         logprobs = list(output.new_logprobs)
         finish = output.finish_reason
+        matched: int | str | None = None
         # Stopped by eos / a stop token id: that token counts as generated but shows no text.
         if finish == FinishReason.STOP and token_ids and token_ids[-1] in state.hidden_final_ids:
-            token_ids.pop()
+            matched = token_ids.pop()
             logprobs = logprobs[: len(token_ids)]
         detok = state.detokenizer
         text = detok.add(token_ids)
@@ -85,7 +86,7 @@ class DetokenizerWorker:
                 state.stopped_by_string = True
             else:
                 del self._states[output.rid]
-            finish = FinishReason.STOP
+            finish, matched = FinishReason.STOP, detok.stop_str
         elif finish is not None:
             text += detok.flush()
             del self._states[output.rid]
@@ -100,6 +101,7 @@ class DetokenizerWorker:
             num_cached_prompt_tokens=output.num_cached_prompt_tokens,
             error=output.error,
             prompt_logprobs=output.prompt_logprobs,
+            matched_stop=matched,
         )
 
     def run_once(self, timeout_s: float = IDLE_POLL_TIMEOUT_S) -> None:

@@ -211,6 +211,14 @@ def build_sampling_params(
     )
 
 
+def stop_reason(body: SamplingFields, matched: int | str | None) -> int | str | None:
+    """vLLM's `stop_reason` of a choice: the stop string or the `stop_token_ids` entry that
+    ended it; null for EOS, length and the rest."""
+    if isinstance(matched, int) and matched not in (body.stop_token_ids or ()):
+        return None  # EOS
+    return matched
+
+
 def _min_tokens(body: SamplingFields, max_tokens: int) -> int:
     """min_tokens as asked; capped by max_tokens only when the client left that to the context
     (asking for more than an explicit max_tokens is a 400, as in vLLM)."""
@@ -236,6 +244,7 @@ class ChoiceState:
     num_tokens: int = 0
     num_cached_prompt_tokens: int = 0
     finish_reason: FinishReason | None = None
+    matched_stop: int | str | None = None  # DetokenizedOutput.matched_stop of the finish
     error: str | None = None
     last_token_time_s: float | None = None
     logprob_text_offset: int = 0  # completions logprobs: where the next token's text starts
@@ -339,6 +348,7 @@ class GenerationGroup:
         )
         if output.finish_reason is not None:
             choice.finish_reason = output.finish_reason
+            choice.matched_stop = output.matched_stop
             choice.error = output.error
             self._num_unfinished -= 1
             self._ctx.metrics.e2e_request_latency_s.observe(now_s - self._arrival_time_s)

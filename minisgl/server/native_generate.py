@@ -163,9 +163,8 @@ def _finish_reason(choice: ChoiceState, max_new_tokens: int) -> dict[str, Any] |
         return None
     if reason == FinishReason.LENGTH:
         return {"type": "length", "length": max_new_tokens}
-    if reason == FinishReason.STOP:
-        # The stop token is not in the shown ids; a stop string is not reported back to us.
-        return {"type": "stop", "matched": None}
+    if reason == FinishReason.STOP:  # the stop string, or the token id (EOS included)
+        return {"type": "stop", "matched": choice.matched_stop}
     return {"type": "abort", "message": choice.error or reason.value}
 
 

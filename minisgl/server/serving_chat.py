@@ -23,6 +23,7 @@ from minisgl.server.generation import (
     ServingContext,
     finish_reason_text,
     invalid_request,
+    stop_reason,
     stream_response,
 )
 from minisgl.server.protocol import ChatCompletionRequest, error_dict, new_id, now_s, usage_dict
@@ -116,6 +117,7 @@ async def create_chat_completion(
                 "message": message,
                 "logprobs": chat_logprobs(ctx, choice.logprobs) if body.logprobs else None,
                 "finish_reason": _finish_text(choice.finish_reason, parser),
+                "stop_reason": stop_reason(body, choice.matched_stop),
             }
         )
     return JSONResponse(
@@ -199,8 +201,12 @@ async def _stream(
     if body.include_usage_in_stream:
         base["usage"] = None  # OpenAI sends usage null on every chunk but the last
 
-    def chunk(index: int, delta: dict, logprobs: Any = None, finish: str | None = None) -> str:
+    def chunk(
+        index: int, delta: dict, logprobs: Any = None, finish: str | None = None, stop: Any = None
+    ) -> str:
         choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+        if finish is not None:
+            choice["stop_reason"] = stop
         return sse_event({**base, "choices": [choice]})
 
     # Each choice's role chunk goes out with its first output, not at once: benchmark clients
@@ -230,7 +236,8 @@ async def _stream(
             delta = _delta_dict(parsed, choice.index, call_ids)
             logprobs = chat_logprobs(ctx, output.logprobs) if body.logprobs else None
             if delta or finish is not None or (logprobs and logprobs["content"]):
-                yield chunk(choice.index, delta, logprobs, finish)
+                stop = stop_reason(body, output.matched_stop)
+                yield chunk(choice.index, delta, logprobs, finish, stop)
         if body.include_usage_in_stream:
             reasoning_tokens = sum(p.reasoning_tokens for p in parsers.values())
             usage = usage_dict(*group.usage(), reasoning_tokens)

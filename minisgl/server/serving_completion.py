@@ -17,6 +17,7 @@ from minisgl.server.generation import (
     ServingContext,
     finish_reason_text,
     invalid_request,
+    stop_reason,
     stream_response,
 )
 from minisgl.server.protocol import CompletionRequest, error_dict, new_id, now_s, usage_dict
@@ -165,6 +166,7 @@ async def create_completion(
                 "text": echo_text + choice.text,
                 "logprobs": logprobs,
                 "finish_reason": finish_reason_text(choice.finish_reason),
+                "stop_reason": stop_reason(body, choice.matched_stop),
             }
         )
     body_json = {
@@ -188,8 +190,12 @@ async def _stream(
     if body.include_usage_in_stream:
         base["usage"] = None
 
-    def chunk(index: int, text: str, logprobs: Any = None, finish: str | None = None) -> str:
+    def chunk(
+        index: int, text: str, logprobs: Any = None, finish: str | None = None, stop: Any = None
+    ) -> str:
         choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+        if finish is not None:
+            choice["stop_reason"] = stop
         return sse_event({**base, "choices": [choice]})
 
     # echo: the prompt goes first; with logprobs it waits for the choice's first output,
@@ -216,7 +222,8 @@ async def _stream(
                 logprobs = completion_logprobs(ctx, choice, output.logprobs)
             finish = finish_reason_text(output.finish_reason)
             if output.text or finish is not None or logprobs is not None:
-                yield chunk(choice.index, output.text, logprobs, finish)
+                stop = stop_reason(body, output.matched_stop)
+                yield chunk(choice.index, output.text, logprobs, finish, stop)
         if body.include_usage_in_stream:
             yield sse_event({**base, "choices": [], "usage": usage_dict(*group.usage())})
         yield SSE_DONE
