@@ -14,8 +14,8 @@ import pytest
 from minisgl.config import ServerArgs
 from minisgl.models.config import load_sampling_defaults
 from minisgl.server.api import _sampling_defaults
-from minisgl.server.generation import build_sampling_params
 from minisgl.server.protocol import CompletionRequest
+from minisgl.server.sampling_fields import build_sampling_params
 from tests.server_utils import ServerProcess, running_server
 
 HTTP_TIMEOUT_S = 60.0

@@ -23,10 +23,10 @@ from minisgl.server.generation import (
     ServingContext,
     finish_reason_text,
     invalid_request,
-    stop_reason,
     stream_response,
 )
 from minisgl.server.protocol import ChatCompletionRequest, error_dict, new_id, now_s, usage_dict
+from minisgl.server.sampling_fields import stop_reason
 from minisgl.server.sse import SSE_DONE, sse_event
 
 
