@@ -172,10 +172,10 @@ def test_prompt_logprobs_match_transformers(llm, tiny_qwen3):
     computed again, so it is scored in full; the plain request is unaffected."""
     from transformers import AutoModelForCausalLM
 
-    from minisgl.scheduler.prefill import PROMPT_LOGPROBS_CHUNK_TOKENS
+    from minisgl.scheduler.prefill import PROMPT_LOGPROBS_STEP_TOKENS
 
     prompt = [(7 * i) % 5000 + 3 for i in range(600)]
-    assert len(prompt) > PROMPT_LOGPROBS_CHUNK_TOKENS
+    assert len(prompt) > PROMPT_LOGPROBS_STEP_TOKENS
     hf = AutoModelForCausalLM.from_pretrained(str(tiny_qwen3), dtype=torch.float32).eval()
     with torch.no_grad():
         want = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].float(), dim=-1)[:-1]

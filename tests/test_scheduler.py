@@ -324,3 +324,29 @@ def test_prompt_logprobs_do_not_depend_on_knobs(tiny_qwen3, name):
         got_lp = torch.tensor([e.logprob for e in g.prompt_logprobs[1:]])
         want_lp = torch.tensor([e.logprob for e in w.prompt_logprobs[1:]])
         torch.testing.assert_close(got_lp, want_lp, atol=1e-4, rtol=0)
+
+
+def test_scored_positions_per_step_are_bounded(tiny_qwen3):
+    """Three 400-token prompts to score at once: no step scores more than the step budget
+    (the logits of every scored position exist at once), and all finish, books exact."""
+    from minisgl.scheduler.prefill import PROMPT_LOGPROBS_STEP_TOKENS
+
+    llm = LLM(str(tiny_qwen3), num_pages=4096, max_running_requests=8, max_prefill_tokens=4096)
+    seen: list[int] = []
+    engine = llm.scheduler.engine
+    real = engine.forward_logits
+
+    def counting(batch):
+        seen.append(sum(batch.num_prompt_scores))
+        return real(batch)
+
+    engine.forward_logits = counting  # the plain forward path calls it too
+    engine.forward = lambda batch, mask=None: engine.sample(batch, counting(batch), mask)
+    try:
+        prompts = [[(i * 13 + j) % 4000 + 5 for j in range(400)] for i in range(3)]
+        outs = llm.generate(prompts, SamplingParams(max_tokens=0, prompt_logprobs=0))
+        assert all(len(o.prompt_logprobs) == 400 for o in outs)
+        assert max(seen) <= PROMPT_LOGPROBS_STEP_TOKENS < sum(seen)
+        llm.check_page_accounting()
+    finally:
+        llm.shutdown()

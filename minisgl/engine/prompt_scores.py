@@ -3,8 +3,8 @@ tokens before it, from the logits of the position before it.
 
 A prefill chunk of a scored request computes its logits at every position, not only the last:
 `score_index` names those positions among the batch's tokens (they follow the sampled rows in
-the logits), and `score_prompt` turns their logits into a `PromptScores`. The scheduler keeps
-such chunks short (scheduler/prefill.py: PROMPT_LOGPROBS_CHUNK_TOKENS), which bounds the
+the logits), and `score_prompt` turns their logits into a `PromptScores`. The scheduler scores
+at most PROMPT_LOGPROBS_STEP_TOKENS positions a step (scheduler/prefill.py), which bounds the
 [positions, vocab] logits.
 """
 

@@ -17,9 +17,10 @@ from minisgl.scheduler.cache_manager import CacheManager
 
 # Two prompts agreeing on this many leading tokens are taken to share a prefix worth caching.
 SHARED_PREFIX_PROBE_LEN = 32
-# A prompt whose logprobs are wanted computes logits for every position, [chunk, vocab] at a
-# time (300 MB in fp32 at Qwen3's 151,936 tokens): its chunks are at most this long.
-PROMPT_LOGPROBS_CHUNK_TOKENS = 512
+# A prompt whose logprobs are wanted computes logits for every position: [positions, vocab]
+# (300 MB in fp32 at Qwen3's 151,936 tokens for 512). One step scores at most this many
+# positions, all such requests together; the rest of their prompts waits for later steps.
+PROMPT_LOGPROBS_STEP_TOKENS = 512
 
 
 @dataclass
@@ -64,23 +65,27 @@ class PrefillManager:
         """Chunks for running prefills, then new admissions (appended to `running`)."""
         plan = PrefillPlan()
         budget = self.max_prefill_tokens
+        score_budget = PROMPT_LOGPROBS_STEP_TOKENS
         for req in running:
             if budget <= 0:
                 break
             if req.finished or req.remaining_prefill_len <= 1:
                 continue
-            chunk = self._chunk_len(req, budget)
+            chunk = self._chunk_len(req, budget, score_budget)
+            if chunk == 0:  # a scored prompt, with this step's scoring budget spent
+                continue
             if not self.cache.reserve(req, req.cached_len + chunk):
                 break
             plan.items.append((req, chunk))
             budget -= chunk
+            score_budget -= chunk if req.scores_prompt else 0
         # Requests whose prompt starts like one admitted in this same step wait one step: by then
         # the first one's prefix is in the radix tree and they compute only their own suffix.
         admitted_keys: set[tuple[int, ...]] = set()
         deferred: list[Req] = []
         while self.waiting and budget > 0:
             req = self.waiting[0]
-            if not self._can_admit(req, running):
+            if not self._can_admit(req, running) or (req.scores_prompt and score_budget <= 0):
                 break
             self.waiting.popleft()
             key = self._prefix_key(req)
@@ -91,7 +96,7 @@ class PrefillManager:
             if key is not None and req.cached_len < len(key):
                 admitted_keys.add(key)
             running.append(req)
-            chunk = self._chunk_len(req, budget)
+            chunk = self._chunk_len(req, budget, score_budget)
             if not self.cache.reserve(req, req.cached_len + chunk):
                 # The estimate was optimistic (its cached prefix got locked): undo, retry later.
                 running.pop()
@@ -101,13 +106,14 @@ class PrefillManager:
             plan.admitted.append(req)
             plan.items.append((req, chunk))
             budget -= chunk
+            score_budget -= chunk if req.scores_prompt else 0
         self.waiting.extendleft(reversed(deferred))
         return plan
 
     @staticmethod
-    def _chunk_len(req: Req, budget: int) -> int:
+    def _chunk_len(req: Req, budget: int, score_budget: int) -> int:
         if req.scores_prompt:
-            budget = min(budget, PROMPT_LOGPROBS_CHUNK_TOKENS)
+            budget = min(budget, score_budget)
         return min(req.remaining_prefill_len, budget)
 
     def _prefix_key(self, req: Req) -> tuple[int, ...] | None:
