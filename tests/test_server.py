@@ -306,7 +306,8 @@ def test_echo_with_logprobs_scores_the_prompt(server: ServerProcess, tokenizer):
     assert streamed == {k: full["logprobs"][k] for k in streamed}
     echo_only = post(server, "/v1/completions", body | {"max_tokens": 0, "logprobs": None})
     assert echo_only.json()["choices"][0] == {
-        "index": 0, "text": PROMPT, "logprobs": None, "finish_reason": "length"
+        "index": 0, "text": PROMPT, "logprobs": None, "finish_reason": "length",
+        "stop_reason": None,
     }  # fmt: skip
     no_echo = post(server, "/v1/completions", body | {"max_tokens": 0, "echo": False})
     assert _error(no_echo, 400)["param"] == "max_tokens"
