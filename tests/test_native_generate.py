@@ -144,6 +144,7 @@ def test_generate_constraint_seed_and_bad_input(server: ServerProcess):
         (greedy(sampling_params={"top_k": "x"}), "sampling_params"),
         (greedy(input_ids=None, text=None), "text"),
         (greedy(top_logprobs_num=50), "top_logprobs_num"),
+        (greedy(return_logprob=True, logprob_start_len=10**4), "logprob_start_len"),
         ({"input_ids": [10**8]}, "input_ids"),
     ]
     for body, param in bad:

@@ -8,6 +8,7 @@ the same request run without a constraint.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 
@@ -215,3 +216,32 @@ def test_xgrammar_bitmask_layout_matches_ours() -> None:
     xgr.apply_token_bitmask_inplace(logits, bits)
     assert torch.equal(torch.isinf(ours), torch.isinf(logits))
     assert torch.isfinite(ours[0]).nonzero().flatten().tolist() == [1, 3, 37]
+
+
+def test_min_tokens_yield_to_a_finished_grammar(tiny_qwen3) -> None:
+    """min_tokens holds EOS off, but a grammar that can only end must end: the constrained
+    rows still match (a row of nothing but -inf would draw a token the grammar forbids, and
+    the constraint would be dropped); the unconstrained row keeps its minimum."""
+    params = _mixed_params()
+    held = [dataclasses.replace(p, min_tokens=MAX_TOKENS) for p in params]
+    held[1] = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, min_tokens=MAX_TOKENS)
+    with LLM(str(tiny_qwen3), **OPTIONS) as llm:
+        outs = llm.generate(PROMPTS, held)
+        _check_outputs(llm, outs, [0], [2])
+        assert len(outs[1].token_ids) == MAX_TOKENS and EOS not in outs[1].token_ids
+        llm.check_page_accounting()
+
+
+def test_bans_never_empty_a_row() -> None:
+    """apply_bans on a row whose mask allows only the banned token: the row keeps it."""
+    from minisgl.engine.sampler import apply_bans
+
+    logits = torch.zeros(2, 8)
+    logits[0, 3] = float("-inf")  # row 0 still has other tokens; row 1 allows only token 5
+    logits[1] = float("-inf")
+    logits[1, 5] = 1.0
+    sb = SamplingBatch.build([SamplingParams()] * 2, [0, 0], [0, 0], 8, CPU)
+    sb.ban_rows, sb.ban_ids = torch.tensor([0, 1]), torch.tensor([5, 5])
+    out = apply_bans(logits, sb)
+    assert torch.isinf(out[0, 5]) and int(out[0].argmax()) != 5
+    assert torch.equal(out[1], logits[1])

@@ -99,6 +99,9 @@ class SamplingBatch:
     bias_rows: torch.Tensor | None = None  # int64 [entries]
     bias_ids: torch.Tensor | None = None  # int64 [entries]
     bias_values: torch.Tensor | None = None  # float32 [entries]
+    # min_tokens: (row, token) pairs that may not be drawn yet (None when none); see apply_bans
+    ban_rows: torch.Tensor | None = None  # int64 [entries]
+    ban_ids: torch.Tensor | None = None  # int64 [entries]
     # structured outputs (None when no row is constrained)
     mask_rows: torch.Tensor | None = None  # int64 [k]: the constrained rows
     mask_bits: torch.Tensor | None = None  # int32 [k, ceil(vocab / 32)]: allowed tokens
@@ -114,7 +117,7 @@ class SamplingBatch:
         eos_token_ids: tuple[int, ...] = (),
     ) -> SamplingBatch:
         """output_lens: tokens each row has generated (min_tokens: until a row has min_tokens,
-        its stop tokens, EOS among them unless ignore_eos, get -inf like a -100 logit_bias)."""
+        its stop tokens, EOS among them unless ignore_eos, are banned; see apply_bans)."""
         top_k = [min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size for p in params]
         wants = [p.logprobs for p in params if p.logprobs is not None]
         all_greedy = all(p.is_greedy for p in params)
@@ -138,10 +141,14 @@ class SamplingBatch:
             torch.tensor(plain, dtype=torch.int64),
         )
         biased = [(i, t, b) for i, p in enumerate(params) for t, b in p.logit_bias]
+        banned: list[tuple[int, int]] = []
         for i, (p, done) in enumerate(zip(params, output_lens or [0] * len(params), strict=True)):
             if done < p.min_tokens:
                 stops = {*p.stop_token_ids, *(() if p.ignore_eos else eos_token_ids)}
-                biased += [(i, t, float("-inf")) for t in sorted(stops) if t < vocab_size]
+                banned += [(i, t) for t in sorted(stops) if t < vocab_size]
+        ban_rows = ban_ids = None
+        if banned:
+            ban_rows, ban_ids = device.stage(*torch.tensor(banned, dtype=torch.int64).T)
         bias_rows = bias_ids = bias_values = None
         if biased:
             rows_l, ids_l, values_l = zip(*biased, strict=True)
@@ -150,6 +157,8 @@ class SamplingBatch:
             )
             (bias_values,) = device.stage(torch.tensor(values_l, dtype=torch.float32))
         return SamplingBatch(
+            ban_rows=ban_rows,
+            ban_ids=ban_ids,
             bias_rows=bias_rows,
             bias_ids=bias_ids,
             bias_values=bias_values,
@@ -217,6 +226,17 @@ def apply_logit_bias(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
     if sb.bias_rows is None or sb.bias_ids is None or sb.bias_values is None:
         return logits
     return logits.index_put((sb.bias_rows, sb.bias_ids), sb.bias_values, accumulate=True)
+
+
+def apply_bans(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
+    """min_tokens: -inf for each row's stop tokens, except in a row where nothing else is
+    allowed (a structured output whose grammar can only end): the grammar wins, as a row of
+    only -inf would draw a token the grammar forbids."""
+    if sb.ban_rows is None or sb.ban_ids is None:
+        return logits
+    banned = logits.index_put((sb.ban_rows, sb.ban_ids), logits.new_tensor(float("-inf")))
+    something_left = banned.amax(dim=-1, keepdim=True) > float("-inf")
+    return torch.where(something_left, banned, logits)
 
 
 def apply_penalties(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
@@ -366,7 +386,8 @@ def sample(logits: torch.Tensor, sb: SamplingBatch) -> SampleResult:
     """logits: float32 [rows, vocab], raw from the model."""
     raw_logits = logits
     # The bias first (vLLM's order: logits processors, then penalties); -inf stays -inf.
-    logits = apply_penalties(apply_vocab_mask(apply_logit_bias(logits, sb), sb), sb)
+    logits = apply_vocab_mask(apply_logit_bias(logits, sb), sb)
+    logits = apply_penalties(apply_bans(logits, sb), sb)
     if sb.all_greedy:
         token_ids = logits.argmax(dim=-1)
     elif sb.filter_rows is None:

@@ -252,6 +252,10 @@ async def generate(ctx: ServingContext, body: GenerateRequest, request: Request)
         except InvalidRequestError as exc:
             raise invalid_request(exc, sampling[0]) from None
     prompts, _ = await ctx.off_loop(tokenize_prompts, ctx, prompts_in)
+    shortest = min(len(ids) for ids in prompts)
+    if body.return_logprob and body.logprob_start_len >= max(shortest, 1):
+        message = f"logprob_start_len: must be below the prompt's length ({shortest} tokens)"
+        raise RequestError(400, message, param="logprob_start_len")
     params = [
         ctx.sampling_params_for(fields, ids, prompt_param, constraint and constraint[1])
         for fields, ids in zip(sampling, prompts, strict=True)
