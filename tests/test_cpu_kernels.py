@@ -223,6 +223,32 @@ def test_sampling_kernel_draws_the_torch_path_tokens(monkeypatch):
     assert len(set(got.tolist())) > rows // 2  # it did sample, not collapse to one token
 
 
+@pytest.mark.parametrize("vocab", [5, 17, 1000, 151936])
+def test_greedy_kernel_is_torch_argmax(vocab, monkeypatch):
+    """An all-greedy batch takes the kernel's vector argmax: torch.argmax's ids, ties to the
+    first (within and across vector lanes and the tail), rows of -inf included."""
+    from minisgl.core import SamplingParams
+    from minisgl.engine import sampler
+    from minisgl.engine.device import Device
+
+    rows = 12
+    logits = _randn(rows, vocab, seed=vocab)
+    logits[0] = float("-inf")
+    logits[1] = 1.0  # all equal: id 0
+    if vocab > 3:
+        logits[2, 1] = logits[2, vocab - 1] = 99.0  # the first of two maxima
+        logits[3, vocab - 1] = 99.0  # in the tail
+    params = [SamplingParams(temperature=0)] * rows
+    batch = sampler.SamplingBatch.build(
+        params, [0] * rows, [0] * rows, vocab, Device(torch.device("cpu"))
+    )
+    calls = []
+    real = sampler._argmax
+    monkeypatch.setattr(sampler, "_argmax", lambda *a: calls.append(1) or real(*a))
+    got = sampler.sample(logits, batch).token_ids
+    assert calls and torch.equal(got, logits.argmax(dim=-1))
+
+
 def test_sampling_kernel_after_the_grammar_mask_and_penalties(monkeypatch):
     """The kernel draws from the logits after the grammar mask (-inf) and the penalties: the
     torch path's tokens, never a masked one, and logprobs still of the raw logits."""

