@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -36,15 +37,11 @@ class ForwardBatch:
 
     @property
     def is_decode(self) -> bool:
-        """One new token per sequence, each sampling: the shape CUDA graphs replay (its logits
-        are the sampled rows only, so no prompt is scored in it)."""
-        return (
-            all(e == 1 for e in self.extend_lens)
-            and all(p is not None for p in self.sampling)
-            and not any(self.num_prompt_scores)
-        )
+        """One new token per sequence, each sampling: the shape CUDA graphs replay. It scores
+        no prompt token: a one-token chunk that samples is a prompt's last position."""
+        return all(e == 1 for e in self.extend_lens) and all(p is not None for p in self.sampling)
 
-    @property
+    @functools.cached_property
     def num_prompt_scores(self) -> list[int]:
         """Per sequence: how many positions of this chunk score a prompt token, counted from the
         chunk's start (position p scores prompt token p + 1; the prompt's last position

@@ -169,8 +169,8 @@ class Scheduler:
             batch = self._schedule()
         previous, self._inflight = self._inflight, None
         if batch is not None:
-            fb, reqs, sampled = batch
-            launched = _Launched(reqs, sampled, scored_only=self._scored_only(fb, reqs))
+            fb, launched = batch
+            sampled = launched.sampled
             if self.overlap:
                 self._inflight = launched  # before processing `previous`: its releases wait
             if previous is not None and self._mask_needs(previous, sampled):
@@ -213,7 +213,7 @@ class Scheduler:
 
     # ---- scheduling ----------------------------------------------------------------------------
 
-    def _schedule(self) -> tuple[ForwardBatch, list[Req], list[Req]] | None:
+    def _schedule(self) -> tuple[ForwardBatch, _Launched] | None:
         while True:
             try:
                 items = self.decode.schedule(inflight=self._inflight is not None)
@@ -238,11 +238,10 @@ class Scheduler:
                 self.cache.cache_prefix(req)
         return batch
 
-    def _build_batch(
-        self, items: list[tuple[Req, int]]
-    ) -> tuple[ForwardBatch, list[Req], list[Req]]:
+    def _build_batch(self, items: list[tuple[Req, int]]) -> tuple[ForwardBatch, _Launched]:
         reqs: list[Req] = []
         sampled: list[Req] = []
+        scored_only: list[Req] = []  # max_tokens 0: the prompt ends here, nothing to sample
         sampling: list[SamplingParams | None] = []
         rows, prefix_lens, extend_lens, seeds, prompt_lens = [], [], [], [], []
         prompt_logprobs = [
@@ -266,22 +265,14 @@ class Scheduler:
                 req.num_sampled += 1
             else:
                 sampling.append(None)
+                if at_end:
+                    scored_only.append(req)
         scoring = any(k is not None for k in prompt_logprobs)
         fb = ForwardBatch(
             rows, prefix_lens, extend_lens, sampling, seeds, prompt_lens,
             prompt_logprobs if scoring else None,
         )  # fmt: skip
-        return fb, reqs, sampled
-
-    @staticmethod
-    def _scored_only(fb: ForwardBatch, reqs: list[Req]) -> list[Req]:
-        """Requests (max_tokens 0) whose prompt ends in this batch without a token to sample."""
-        return [
-            req
-            for req, params in zip(reqs, fb.sampling, strict=True)
-            if params is None and req.sampling_params.max_tokens == 0
-            and req.cached_len == req.device_len
-        ]  # fmt: skip
+        return fb, _Launched(reqs, sampled, scored_only=scored_only)
 
     # ---- results -------------------------------------------------------------------------------
 

@@ -69,6 +69,10 @@ class ClientDisconnected(Exception):
     pass
 
 
+class ChoiceFailed(Exception):
+    """A choice ended with an error while streaming: the stream ends with that error event."""
+
+
 @dataclass
 class ServingContext:
     """Everything a handler needs, built once when the API server starts."""
@@ -328,6 +332,15 @@ class GenerationGroup:
         finally:
             self.close()
 
+    async def stream_outputs(self) -> AsyncIterator[tuple[ChoiceState, DetokenizedOutput]]:
+        """Every output as it arrives, for a streaming handler (inside `stream_response`);
+        raises ChoiceFailed on a choice's error, which ends the stream with that error."""
+        while not self.done:
+            choice, output = await self.next_output()
+            if output.finish_reason == FinishReason.ERROR:
+                raise ChoiceFailed(output.error or "request failed")
+            yield choice, output
+
     async def collect(self) -> Response | None:
         """A non-streaming request's wait: every choice to its end. Returns the response for a
         client that left (499, nobody reads it), raises a 400 RequestError when a choice
@@ -369,6 +382,9 @@ async def _guarded(events: AsyncIterator[str], request_id: str) -> AsyncIterator
             yield event
     except ClientDisconnected:
         return
+    except ChoiceFailed as exc:
+        yield sse_event(error_dict(str(exc)))
+        yield SSE_DONE
     except RequestError as exc:
         yield sse_event(exc.body())
         yield SSE_DONE

@@ -42,7 +42,7 @@ from minisgl.server.generation import (
     invalid_request,
     stream_response,
 )
-from minisgl.server.protocol import OpenAIRequest, SamplingFields, error_dict, new_id
+from minisgl.server.protocol import OpenAIRequest, SamplingFields, new_id
 from minisgl.server.serving_completion import tokenize_prompts
 from minisgl.server.sse import SSE_DONE, sse_event
 
@@ -274,12 +274,7 @@ async def generate(ctx: ServingContext, body: GenerateRequest, request: Request)
 
 async def _stream(group: GenerationGroup, responder: _Responder) -> AsyncIterator[str]:
     try:
-        while not group.done:
-            choice, output = await group.next_output()
-            if output.finish_reason == FinishReason.ERROR:
-                yield sse_event(error_dict(output.error or "request failed"))
-                yield SSE_DONE
-                return
+        async for choice, _ in group.stream_outputs():
             yield sse_event(responder.item(choice))
         yield SSE_DONE
     finally:

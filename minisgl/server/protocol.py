@@ -78,7 +78,13 @@ class OpenAIRequest(OpenAIBaseModel):
         where = find_invalid_text(data)
         if where is not None:
             raise InvalidRequestError(where, "must be valid Unicode text (no lone surrogates)")
-        if isinstance(data, dict):  # null is "the default" (see the module docstring)
+        return data
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_the_default(cls, data: Any) -> Any:
+        """An explicit null for a field is left out, so the field takes its default."""
+        if isinstance(data, dict):
             data = {k: v for k, v in data.items() if v is not None or k not in cls.model_fields}
         return data
 

@@ -25,7 +25,7 @@ from minisgl.server.generation import (
     invalid_request,
     stream_response,
 )
-from minisgl.server.protocol import ChatCompletionRequest, error_dict, new_id, now_s, usage_dict
+from minisgl.server.protocol import ChatCompletionRequest, new_id, now_s, usage_dict
 from minisgl.server.sampling_fields import stop_reason
 from minisgl.server.sse import SSE_DONE, sse_event
 
@@ -215,12 +215,7 @@ async def _stream(
     parsers = {choice.index: prepared.new_parser() for choice in group.choices}
     call_ids = _CallIds()
     try:
-        while not group.done:
-            choice, output = await group.next_output()
-            if output.finish_reason == FinishReason.ERROR:
-                yield sse_event(error_dict(output.error or "request failed"))
-                yield SSE_DONE
-                return
+        async for choice, output in group.stream_outputs():
             if choice.index not in announced:
                 announced.add(choice.index)
                 yield chunk(choice.index, {"role": "assistant", "content": ""})

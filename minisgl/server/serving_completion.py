@@ -9,7 +9,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from minisgl.chat import constraint_from_fields
-from minisgl.core import FinishReason, InvalidRequestError, TokenLogprob
+from minisgl.core import InvalidRequestError, TokenLogprob
 from minisgl.server.generation import (
     ChoiceState,
     GenerationGroup,
@@ -19,7 +19,7 @@ from minisgl.server.generation import (
     invalid_request,
     stream_response,
 )
-from minisgl.server.protocol import CompletionRequest, error_dict, new_id, now_s, usage_dict
+from minisgl.server.protocol import CompletionRequest, new_id, now_s, usage_dict
 from minisgl.server.sampling_fields import stop_reason
 from minisgl.server.sse import SSE_DONE, sse_event
 
@@ -206,12 +206,7 @@ async def _stream(
             for choice in group.choices:
                 yield chunk(choice.index, prompt_texts[choice.prompt_index])
         echoed: set[int] = set()
-        while not group.done:
-            choice, output = await group.next_output()
-            if output.finish_reason == FinishReason.ERROR:
-                yield sse_event(error_dict(output.error or "request failed"))
-                yield SSE_DONE
-                return
+        async for choice, output in group.stream_outputs():
             if echo_waits and choice.index not in echoed:
                 echoed.add(choice.index)
                 prompt_ids = prompts[choice.prompt_index]
