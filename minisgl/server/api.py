@@ -34,8 +34,10 @@ from minisgl.server.native_api import build_model_card, install_native_routes
 from minisgl.server.native_generate import install_generate_route
 from minisgl.server.process import BACKEND_FAILED_SIGNAL, ChildStartupError
 from minisgl.server.protocol import ChatCompletionRequest, CompletionRequest, error_dict, now_s
+from minisgl.server.responses_protocol import ResponsesRequest
 from minisgl.server.serving_chat import create_chat_completion
 from minisgl.server.serving_completion import create_completion
+from minisgl.server.serving_responses import create_response, delete_response, retrieve_response
 from minisgl.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -157,6 +159,18 @@ def create_app(
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         return await create_completion(ctx_of(request), body, request)
+
+    @app.post("/v1/responses")
+    async def responses(body: ResponsesRequest, request: Request) -> Response:
+        return await create_response(ctx_of(request), body, request)
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str, request: Request) -> dict[str, Any]:
+        return retrieve_response(ctx_of(request), response_id)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def remove_response(response_id: str, request: Request) -> dict[str, Any]:
+        return delete_response(ctx_of(request), response_id)
 
     def model_card(ctx: ServingContext) -> dict[str, Any]:
         return {

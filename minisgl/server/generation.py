@@ -43,6 +43,7 @@ from minisgl.server.errors import (
 )
 from minisgl.server.metrics import ServerMetrics
 from minisgl.server.protocol import SamplingFields, error_dict
+from minisgl.server.response_store import ResponseStore
 from minisgl.server.sampling_fields import build_sampling_params
 from minisgl.server.sse import SSE_DONE, SSE_HEADERS, SSE_MEDIA_TYPE, sse_event
 
@@ -96,6 +97,8 @@ class ServingContext:
     # For the sampling fields a request leaves unset (--sampling-defaults model): the checkpoint's
     # generation_config.json values; empty means the OpenAI API's defaults.
     sampling_defaults: dict[str, float | int] = field(default_factory=dict)
+    # /v1/responses with store: what GET /v1/responses/{id} and previous_response_id read.
+    responses: ResponseStore = field(default_factory=ResponseStore)
     # Made at the first constrained request (reading the vocabulary takes ~0.5-1.5 s).
     _grammar: GrammarCompiler | None = field(default=None, init=False)
 
@@ -373,29 +376,42 @@ def finish_reason_text(reason: FinishReason | None) -> str | None:
     return None if reason is None else reason.value
 
 
-async def _guarded(events: AsyncIterator[str], request_id: str) -> AsyncIterator[str]:
-    """Whatever ends a stream early, the client gets an error event and [DONE], never a cut
-    connection: a RequestError (timeout, backend stopped) as itself, anything else as a 500
-    that is logged once with the request id. A client that left gets nothing more."""
+ErrorEvents = Callable[[dict[str, Any]], list[str]]
+
+
+def chat_error_events(body: dict[str, Any]) -> list[str]:
+    """How chat and text completion streams end on an error: the error, then [DONE]."""
+    return [sse_event(body), SSE_DONE]
+
+
+async def _guarded(
+    events: AsyncIterator[str], request_id: str, error_events: ErrorEvents
+) -> AsyncIterator[str]:
+    """Whatever ends a stream early, the client gets an error event (and what this endpoint
+    ends a stream with), never a cut connection: a RequestError (timeout, backend stopped) as
+    itself, anything else as a 500 that is logged once with the request id. A client that
+    left gets nothing more."""
     try:
         async for event in events:
             yield event
     except ClientDisconnected:
         return
     except ChoiceFailed as exc:
-        yield sse_event(error_dict(str(exc)))
-        yield SSE_DONE
+        for event in error_events(error_dict(str(exc))):
+            yield event
     except RequestError as exc:
-        yield sse_event(exc.body())
-        yield SSE_DONE
+        for event in error_events(exc.body()):
+            yield event
     except Exception:
         logger.exception("request %s failed while streaming", request_id)
         message = f"internal error while streaming (request id {request_id})"
-        yield sse_event(error_dict(message, "server_error", code=HTTP_SERVER_ERROR))
-        yield SSE_DONE
+        for event in error_events(error_dict(message, "server_error", code=HTTP_SERVER_ERROR)):
+            yield event
 
 
-def stream_response(events: AsyncIterator[str], request_id: str) -> StreamingResponse:
+def stream_response(
+    events: AsyncIterator[str], request_id: str, error_events: ErrorEvents = chat_error_events
+) -> StreamingResponse:
     return StreamingResponse(
-        _guarded(events, request_id), media_type=SSE_MEDIA_TYPE, headers=SSE_HEADERS
+        _guarded(events, request_id, error_events), media_type=SSE_MEDIA_TYPE, headers=SSE_HEADERS
     )

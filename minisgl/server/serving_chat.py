@@ -44,7 +44,7 @@ def chat_logprobs(ctx: ServingContext, logprobs: Sequence[TokenLogprob]) -> dict
 
 
 def _prepare(ctx: ServingContext, body: ChatCompletionRequest) -> tuple[PreparedChat, str | None]:
-    """On the tokenizer thread: render, tokenize, compile the constraint."""
+    """On the tokenizer thread: render, tokenize, compile the constraint (its blob)."""
     prepared = prepare_chat(
         ctx.tokenizer,
         ctx.chat,
@@ -62,7 +62,23 @@ def _prepare(ctx: ServingContext, body: ChatCompletionRequest) -> tuple[Prepared
     return prepared, blob
 
 
-class _CallIds:
+async def prepare_chat_request(
+    ctx: ServingContext, body: ChatCompletionRequest
+) -> tuple[PreparedChat, str | None]:
+    """The prompt, its constraint and parsers, and the compiled constraint; a 400 for any
+    broken rule, named as this endpoint's clients spell the field."""
+    try:
+        return await ctx.off_loop(_prepare, ctx, body)
+    except InvalidRequestError as exc:
+        raise invalid_request(exc, body) from None
+    except ValueError as exc:
+        param = body.wire_param("messages")
+        raise RequestError(
+            400, f"{param}: {exc}" if param != "messages" else str(exc), param=param
+        ) from None
+
+
+class CallIds:
     """OpenAI tool call ids, one per (choice, call)."""
 
     def __init__(self) -> None:
@@ -84,12 +100,7 @@ async def create_chat_completion(
     ctx.check_model(body.model)
     ctx.check_fan_out(1, body.n)
     ctx.check_capacity(body.n)  # early: no tokenizing for a request that would get a 503
-    try:
-        prepared, blob = await ctx.off_loop(_prepare, ctx, body)
-    except InvalidRequestError as exc:
-        raise invalid_request(exc, body) from None
-    except ValueError as exc:
-        raise RequestError(400, str(exc), param="messages") from None
+    prepared, blob = await prepare_chat_request(ctx, body)
     prompt_ids = prepared.prompt_ids
     params = ctx.sampling_params_for(body, prompt_ids, "messages", prepared.constraint)
     request_id = new_id("chatcmpl")
@@ -105,7 +116,7 @@ async def create_chat_completion(
     early = await group.collect()
     if early is not None:
         return early
-    call_ids = _CallIds()
+    call_ids = CallIds()
     choices, reasoning_tokens = [], 0
     for choice in group.choices:
         parser = prepared.new_parser()
@@ -131,7 +142,7 @@ async def create_chat_completion(
 
 
 def _message(
-    choice: ChoiceState, parser: ChatOutputParser, prepared: PreparedChat, call_ids: _CallIds
+    choice: ChoiceState, parser: ChatOutputParser, prepared: PreparedChat, call_ids: CallIds
 ) -> dict[str, Any]:
     """The whole reply, parsed by the same machine that parses streams."""
     deltas = [
@@ -164,7 +175,7 @@ def _message(
     return message
 
 
-def _delta_dict(delta: ChatDelta, choice: int, call_ids: _CallIds) -> dict[str, Any]:
+def _delta_dict(delta: ChatDelta, choice: int, call_ids: CallIds) -> dict[str, Any]:
     out: dict[str, Any] = {}
     if delta.reasoning:
         out["reasoning_content"] = out["reasoning"] = delta.reasoning
@@ -213,7 +224,7 @@ async def _stream(
     # (vllm bench serve) time the first token at the first chunk, as OpenAI and vLLM send it.
     announced: set[int] = set()
     parsers = {choice.index: prepared.new_parser() for choice in group.choices}
-    call_ids = _CallIds()
+    call_ids = CallIds()
     try:
         async for choice, output in group.stream_outputs():
             if choice.index not in announced:

@@ -1,0 +1,445 @@
+"""POST /v1/responses, GET and DELETE /v1/responses/{id}: OpenAI's Responses API.
+
+A request is translated to a chat request (minisgl.server.responses_protocol) and runs as one.
+Its reply's ChatDeltas (reasoning, content, tool calls) become output items in the order the
+model wrote them: a `reasoning` item, a `message` with one `output_text` part, `function_call`
+items. `OutputItems` builds them for the streamed and the whole response alike, so the two
+agree; a stream sends OpenAI's event sequence (response.created, response.in_progress, each
+item's added / delta / done events, then response.completed or response.incomplete), every
+event numbered. With `store` (OpenAI's default) the response is kept (minisgl.server.
+response_store) for GET and for a later request's `previous_response_id`.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+from pydantic import ValidationError
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from minisgl.chat import ChatDelta, ChatOutputParser, PreparedChat
+from minisgl.chat.tool_parsers import ToolCallDelta
+from minisgl.core import FinishReason, InvalidRequestError, SamplingParams, TokenLogprob
+from minisgl.server.errors import HTTP_BAD_REQUEST, HTTP_SERVER_ERROR, RequestError
+from minisgl.server.generation import ChoiceState, GenerationGroup, ServingContext, stream_response
+from minisgl.server.responses_protocol import (
+    ResponsesChatRequest,
+    ResponsesRequest,
+    chat_request_for,
+)
+from minisgl.server.serving_chat import CallIds, chat_logprobs, prepare_chat_request
+from minisgl.server.sse import dumps
+
+HTTP_NOT_FOUND = 404
+MESSAGE, REASONING, CALL = "message", "reasoning", "function_call"
+
+
+def _new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+class EventStream:
+    """A stream's events as SSE text, numbered in the order they are made."""
+
+    def __init__(self) -> None:
+        self._pending: list[str] = []
+        self._sequence_number = 0
+
+    def emit(self, kind: str, **fields: Any) -> None:
+        # Serialized now: the items an event shows keep changing after it is made.
+        event = {"type": kind, "sequence_number": self._sequence_number, **fields}
+        self._sequence_number += 1
+        self._pending.append(f"event: {kind}\ndata: {dumps(event)}\n\n")
+
+    def take(self) -> list[str]:
+        events, self._pending = self._pending, []
+        return events
+
+
+class OutputItems:
+    """One reply's ChatDeltas -> output items; with `events`, also the stream events that
+    build them. One item is open at a time: the next kind of output closes it."""
+
+    def __init__(self, events: EventStream | None = None) -> None:
+        self.items: list[dict[str, Any]] = []
+        self._events = events
+        self._open: dict[str, Any] | None = None
+        self._open_call: int | None = None  # ToolCallDelta.index of the open function call
+        self._call_ids = CallIds()
+        # Whitespace between items (the newlines after </think>, before a call) is held: it
+        # starts a message only if text follows.
+        self._held_text = ""
+        self._held_logprobs: list[dict[str, Any]] = []
+
+    def _emit(self, kind: str, **fields: Any) -> None:
+        if self._events is not None:
+            self._events.emit(kind, **fields)
+
+    @property
+    def _index(self) -> int:
+        return len(self.items) - 1
+
+    @property
+    def _open_kind(self) -> str | None:
+        return None if self._open is None else self._open["type"]
+
+    def feed(self, delta: ChatDelta, logprobs: list[dict[str, Any]]) -> None:
+        """logprobs: of the tokens behind this delta; they go with its message text."""
+        if delta.reasoning:
+            self._write_reasoning(delta.reasoning)
+        if delta.content:
+            self._write_text(delta.content, logprobs)
+        for call in delta.tool_calls:
+            self._write_call(call)
+
+    def finish(self, status: str) -> None:
+        """Close the open item with `status` (completed, or incomplete when cut short)."""
+        if not self.items and self._held_text:  # a reply of only whitespace is still a reply
+            self._write_text("", [], flush=True)
+        self._close(status)
+
+    def _start(self, item: dict[str, Any], part: dict[str, Any] | None) -> dict[str, Any]:
+        self._close("completed")
+        self._open = item
+        self.items.append(item)
+        self._emit("response.output_item.added", output_index=self._index, item=item)
+        if part is not None:
+            item["content"].append(part)
+            self._emit(
+                "response.content_part.added",
+                item_id=item["id"],
+                output_index=self._index,
+                content_index=0,
+                part=part,
+            )
+        return item
+
+    def _write_reasoning(self, text: str) -> None:
+        item = self._open
+        if item is None or item["type"] != REASONING:
+            empty = {"type": "reasoning_text", "text": ""}
+            item = self._start(
+                {
+                    "id": _new_id("rs"),
+                    "type": REASONING,
+                    "summary": [],
+                    "content": [],
+                    "status": "in_progress",
+                },
+                empty,
+            )
+        item["content"][0]["text"] += text
+        self._emit(
+            "response.reasoning_text.delta",
+            item_id=item["id"],
+            output_index=self._index,
+            content_index=0,
+            delta=text,
+        )
+
+    def _write_text(self, text: str, logprobs: list[dict[str, Any]], flush: bool = False) -> None:
+        item = self._open
+        if item is None or item["type"] != MESSAGE:
+            if not text.strip() and not flush:
+                self._held_text += text
+                self._held_logprobs += logprobs
+                return
+            empty = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+            item = self._start(
+                {
+                    "id": _new_id("msg"),
+                    "type": MESSAGE,
+                    "role": "assistant",
+                    "status": "in_progress",
+                    "content": [],
+                },
+                empty,
+            )
+            text, logprobs = self._held_text + text, self._held_logprobs + logprobs
+            self._drop_held()
+        part = item["content"][0]
+        part["text"] += text
+        part["logprobs"] += logprobs
+        self._emit(
+            "response.output_text.delta",
+            item_id=item["id"],
+            output_index=self._index,
+            content_index=0,
+            delta=text,
+            logprobs=logprobs,
+        )
+
+    def _drop_held(self) -> None:
+        self._held_text, self._held_logprobs = "", []
+
+    def _write_call(self, call: ToolCallDelta) -> None:
+        item = self._open
+        if call.name is not None or item is None or self._open_call != call.index:
+            self._drop_held()
+            item = self._start(
+                {
+                    "id": _new_id("fc"),
+                    "type": CALL,
+                    "call_id": self._call_ids.get(0, call.index),
+                    "name": call.name or "",
+                    "arguments": "",
+                    "status": "in_progress",
+                },
+                None,
+            )
+            self._open_call = call.index
+        item["arguments"] += call.arguments
+        if call.arguments:
+            self._emit(
+                "response.function_call_arguments.delta",
+                item_id=item["id"],
+                output_index=self._index,
+                delta=call.arguments,
+            )
+
+    def _close(self, status: str) -> None:
+        item, self._open, self._open_call = self._open, None, None
+        if item is None:
+            return
+        where = {"item_id": item["id"], "output_index": self._index}
+        if item["type"] == CALL:
+            self._emit(
+                "response.function_call_arguments.done", **where, arguments=item["arguments"]
+            )
+        else:
+            part = item["content"][0]
+            if item["type"] == MESSAGE:
+                done = {"text": part["text"], "logprobs": part["logprobs"]}
+                self._emit("response.output_text.done", **where, content_index=0, **done)
+            else:
+                self._emit(
+                    "response.reasoning_text.done", **where, content_index=0, text=part["text"]
+                )
+            self._emit("response.content_part.done", **where, content_index=0, part=part)
+        item["status"] = status
+        self._emit("response.output_item.done", output_index=self._index, item=item)
+
+    def assistant_message(self) -> dict[str, Any]:
+        """The reply as a chat message: what a later turn's conversation holds."""
+        message: dict[str, Any] = {"role": "assistant", "content": ""}
+        calls = []
+        for item in self.items:
+            if item["type"] == MESSAGE:
+                message["content"] += item["content"][0]["text"]
+            elif item["type"] == REASONING:
+                message["reasoning_content"] = item["content"][0]["text"]
+            else:
+                function = {"name": item["name"], "arguments": item["arguments"]}
+                calls.append({"id": item["call_id"], "type": "function", "function": function})
+        if calls:
+            message["tool_calls"] = calls
+        return message
+
+
+class _Turn:
+    """One request's response: its fixed fields, then its output and usage as they come."""
+
+    def __init__(
+        self,
+        ctx: ServingContext,
+        body: ResponsesRequest,
+        params: SamplingParams,
+        prepared: PreparedChat,
+        conversation: list[dict[str, Any]],
+    ) -> None:
+        self._ctx = ctx
+        self._body = body
+        self._conversation = conversation
+        self._parser: ChatOutputParser = prepared.new_parser()
+        self.events = EventStream()
+        self.output = OutputItems(self.events if body.stream else None)
+        self.id = _new_id("resp")
+        self.finish_reason: FinishReason | None = None
+        self._fields: dict[str, Any] = {
+            "id": self.id,
+            "object": "response",
+            "created_at": int(time.time()),
+            "background": False,
+            "instructions": body.instructions,
+            "max_output_tokens": body.max_output_tokens,
+            "metadata": body.metadata or {},
+            "model": body.model or ctx.served_model_name,
+            "parallel_tool_calls": body.parallel_tool_calls,
+            "previous_response_id": body.previous_response_id,
+            "reasoning": {"effort": (body.reasoning or {}).get("effort"), "summary": None},
+            "store": body.store,
+            "temperature": params.temperature,
+            "text": {"format": body.text_format},
+            "tool_choice": body.tool_choice or "auto",
+            "tools": body.tools or [],
+            "top_logprobs": body.top_logprobs or 0,
+            "top_p": params.top_p,
+            "truncation": "disabled",
+            "user": body.user,
+        }
+
+    def feed(self, text: str, num_tokens: int, logprobs: Sequence[TokenLogprob]) -> None:
+        entries = chat_logprobs(self._ctx, logprobs)["content"] if self._body.wants_logprobs else []
+        self.output.feed(self._parser.feed(text, num_tokens), entries)
+
+    def finish(self, reason: FinishReason | None) -> None:
+        self.finish_reason = reason
+        self.output.feed(self._parser.finish(), [])
+        self.output.finish("incomplete" if reason == FinishReason.LENGTH else "completed")
+
+    def response(
+        self, group: GenerationGroup | None, status: str, error: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
+        usage = None
+        if group is not None:
+            prompt, completion, cached = group.usage()
+            usage = {
+                "input_tokens": prompt,
+                # The radix cache keeps every prompt token it did not already hold.
+                "input_tokens_details": {
+                    "cached_tokens": cached,
+                    "cache_write_tokens": prompt - cached,
+                },
+                "output_tokens": completion,
+                "output_tokens_details": {"reasoning_tokens": self._parser.reasoning_tokens},
+                "total_tokens": prompt + completion,
+            }
+        incomplete = None
+        if status == "incomplete":
+            incomplete = {"reason": "max_output_tokens"}
+        return {
+            **self._fields,
+            "status": status,
+            "error": error,
+            "incomplete_details": incomplete,
+            "output": self.output.items,
+            "usage": usage,
+        }
+
+    @property
+    def status(self) -> str:
+        return "incomplete" if self.finish_reason == FinishReason.LENGTH else "completed"
+
+    def keep(self, response: dict[str, Any]) -> None:
+        if self._body.store:
+            conversation = [*self._conversation, self.output.assistant_message()]
+            self._ctx.responses.put(response, conversation)
+
+    def error_events(self, body: dict[str, Any]) -> list[str]:
+        """A stream that fails: the error event, then response.failed (no [DONE] here)."""
+        error = body["error"]
+        self.events.emit(
+            "error", code=error["type"], message=error["message"], param=error.get("param")
+        )
+        client_error = isinstance(error.get("code"), int) and error["code"] < HTTP_SERVER_ERROR
+        failure = {
+            "code": "invalid_prompt" if client_error else "server_error",
+            "message": error["message"],
+        }
+        self.events.emit("response.failed", response=self.response(None, "failed", failure))
+        return self.events.take()
+
+
+def _chat_request(
+    ctx: ServingContext, body: ResponsesRequest
+) -> tuple[ResponsesChatRequest, list[dict[str, Any]]]:
+    history: list[dict[str, Any]] = []
+    if body.previous_response_id is not None:
+        stored = ctx.responses.get(body.previous_response_id)
+        if stored is None:
+            raise RequestError(
+                HTTP_NOT_FOUND,
+                f"previous_response_id: no stored response {body.previous_response_id!r} "
+                "(responses are kept in this server's memory while it runs, when store is true)",
+                param="previous_response_id",
+            )
+        history = stored.conversation
+    try:
+        return chat_request_for(body, history)
+    except InvalidRequestError as exc:
+        raise RequestError(HTTP_BAD_REQUEST, f"{exc.param}: {exc.message}", exc.param) from None
+    except ValidationError as exc:  # a rule of the chat request this one became
+        first = exc.errors()[0]
+        rule = first.get("ctx", {}).get("error")
+        if isinstance(rule, InvalidRequestError):
+            raise RequestError(HTTP_BAD_REQUEST, str(rule), rule.param) from None
+        raise RequestError(HTTP_BAD_REQUEST, f"invalid request: {first['msg']}") from None
+
+
+async def create_response(
+    ctx: ServingContext, body: ResponsesRequest, request: Request
+) -> Response:
+    ctx.check_model(body.model)
+    ctx.check_capacity(1)  # early: no tokenizing for a request that would get a 503
+    chat_body, conversation = _chat_request(ctx, body)
+    prepared, blob = await prepare_chat_request(ctx, chat_body)
+    prompt_ids = prepared.prompt_ids
+    params = ctx.sampling_params_for(chat_body, prompt_ids, "input", prepared.constraint)
+    turn = _Turn(ctx, body, params[0], prepared, conversation)
+    group = GenerationGroup(ctx, turn.id, [prompt_ids], [params], blob)
+    group.start(request)
+    if body.stream:
+        return stream_response(_stream(turn, group), turn.id, turn.error_events)
+    early = await group.collect()
+    if early is not None:
+        return early
+    choice = group.choices[0]
+    for text, num_tokens, logprobs in _parts(choice):
+        turn.feed(text, num_tokens, logprobs)
+    turn.finish(choice.finish_reason)
+    response = turn.response(group, turn.status)
+    turn.keep(response)
+    return JSONResponse(response)
+
+
+def _parts(choice: ChoiceState) -> list[tuple[str, int, Sequence[TokenLogprob]]]:
+    """A finished choice's outputs as they arrived: text, tokens, those tokens' logprobs."""
+    parts: list[tuple[str, int, Sequence[TokenLogprob]]] = []
+    start = 0
+    for text, num_tokens in zip(choice.text_parts, choice.part_num_tokens, strict=True):
+        parts.append((text, num_tokens, choice.logprobs[start : start + num_tokens]))
+        start += num_tokens
+    return parts
+
+
+async def _stream(turn: _Turn, group: GenerationGroup) -> AsyncIterator[str]:
+    turn.events.emit("response.created", response=turn.response(None, "in_progress"))
+    turn.events.emit("response.in_progress", response=turn.response(None, "in_progress"))
+    try:
+        for event in turn.events.take():
+            yield event
+        async for _, output in group.stream_outputs():
+            turn.feed(output.text, output.num_new_tokens, output.logprobs)
+            if output.finish_reason is not None:
+                turn.finish(output.finish_reason)
+            for event in turn.events.take():
+                yield event
+        response = turn.response(group, turn.status)
+        turn.keep(response)
+        kind = "response.incomplete" if turn.status == "incomplete" else "response.completed"
+        turn.events.emit(kind, response=response)
+        for event in turn.events.take():
+            yield event
+    finally:
+        group.close()  # early exits (disconnect, timeout, error) abort what is unfinished
+
+
+def _not_found(response_id: str) -> RequestError:
+    return RequestError(HTTP_NOT_FOUND, f"no stored response {response_id!r}", param="response_id")
+
+
+def retrieve_response(ctx: ServingContext, response_id: str) -> dict[str, Any]:
+    stored = ctx.responses.get(response_id)
+    if stored is None:
+        raise _not_found(response_id)
+    return stored.response
+
+
+def delete_response(ctx: ServingContext, response_id: str) -> dict[str, Any]:
+    if not ctx.responses.delete(response_id):
+        raise _not_found(response_id)
+    return {"id": response_id, "object": "response", "deleted": True}

@@ -1,0 +1,417 @@
+"""OpenAI's Responses API (/v1/responses) on real servers.
+
+The oracles: the OpenAI SDK's own pydantic models, validated strictly (every response and every
+stream event); the chat endpoint, which must give the same prompt (token count) and the same
+greedy reply for the conversation a Responses request stands for; `jsonschema` for tool
+arguments and JSON outputs. Server 1: the bundled SmolLM2 with --tool-call-parser hermes.
+Server 2: a tiny random Qwen3 (real tokenizer and template) with the reasoning parser.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import httpx
+import jsonschema
+import pytest
+from openai.types.responses import Response, ResponseStreamEvent
+from pydantic import TypeAdapter
+from transformers import AutoTokenizer
+
+from minisgl.chat.prepare import PreparedChat
+from minisgl.chat.reasoning import Mode
+from minisgl.chat.requests import ToolPlan
+from minisgl.core import InvalidRequestError, SamplingParams
+from minisgl.models.resolve import resolve_model_path
+from minisgl.server.generation import ChoiceFailed, _guarded
+from minisgl.server.response_store import ResponseStore
+from minisgl.server.responses_protocol import ResponsesRequest, input_messages
+from minisgl.server.serving_responses import _Turn
+from tests.server_utils import ServerProcess, running_server, wait_idle
+
+MODEL = "SmolLM2-135M-Instruct"
+TIMEOUT_S = 120.0
+EVENT = TypeAdapter(ResponseStreamEvent)
+WEATHER = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 12}},
+    "required": ["city"],
+}
+TOOLS = [{"type": "function", "name": "get_weather", "parameters": WEATHER}]
+CHAT_TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}}]
+
+
+@pytest.fixture(scope="module")
+def server():
+    try:
+        resolve_model_path(None)
+    except Exception as exc:  # the default model package is missing
+        pytest.skip(f"default model unavailable: {exc}")
+    with running_server("--tool-call-parser", "hermes") as srv:
+        yield srv
+
+
+def create(server: ServerProcess, **body: Any) -> dict[str, Any]:
+    """POST /v1/responses (not streamed); the body is checked against the SDK's model."""
+    reply = httpx.post(server.url + "/v1/responses", json=body, timeout=TIMEOUT_S)
+    assert reply.status_code == 200, reply.text
+    Response.model_validate(reply.json())
+    return reply.json()
+
+
+def stream(server: ServerProcess, **body: Any) -> list[dict[str, Any]]:
+    """POST /v1/responses with stream: the events, each checked against the SDK's models."""
+    reply = httpx.post(
+        server.url + "/v1/responses", json={**body, "stream": True}, timeout=TIMEOUT_S
+    )
+    assert reply.status_code == 200, reply.text
+    events = []
+    for block in reply.text.strip().split("\n\n"):
+        kind_line, data_line = block.split("\n")
+        event = json.loads(data_line.removeprefix("data: "))
+        assert kind_line == f"event: {event['type']}"
+        EVENT.validate_python(event)
+        events.append(event)
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    return events
+
+
+def chat(server: ServerProcess, **body: Any) -> dict[str, Any]:
+    reply = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=TIMEOUT_S)
+    assert reply.status_code == 200, reply.text
+    return reply.json()
+
+
+def output_text(response: dict[str, Any]) -> str:
+    return "".join(
+        part["text"]
+        for item in response["output"]
+        if item["type"] == "message"
+        for part in item["content"]
+    )
+
+
+def check_event_order(events: list[dict[str, Any]]) -> dict[str, Any]:
+    """OpenAI's sequence: created, in_progress, per item added ... done, then the end; the
+    deltas of each item add up to its done text. Returns the final response."""
+    kinds = [e["type"] for e in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"]
+    assert kinds[-1] in ("response.completed", "response.incomplete")
+    final = events[-1]["response"]
+    assert kinds.count("response.output_item.added") == len(final["output"])
+    assert kinds.count("response.output_item.done") == len(final["output"])
+    text: dict[str, str] = {}
+    for event in events:
+        if event["type"].endswith(".delta"):
+            text[event["item_id"]] = text.get(event["item_id"], "") + event["delta"]
+        elif event["type"] in ("response.output_text.done", "response.reasoning_text.done"):
+            assert text.get(event["item_id"], "") == event["text"]
+        elif event["type"] == "response.function_call_arguments.done":
+            assert text.get(event["item_id"], "") == event["arguments"]
+        elif event["type"] == "response.output_item.done":
+            assert event["item"] == final["output"][event["output_index"]]
+    return final
+
+
+def test_text_reply_matches_chat_streamed_or_not(server: ServerProcess):
+    body = {"model": MODEL, "input": "Say hello in French.", "instructions": "Be brief."}
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Say hello in French."},
+    ]
+    for max_tokens in (12, 200):
+        whole = create(server, **body, max_output_tokens=max_tokens, temperature=0)
+        streamed = check_event_order(
+            stream(server, **body, max_output_tokens=max_tokens, temperature=0)
+        )
+        reference = chat(server, messages=messages, max_tokens=max_tokens, temperature=0)
+        choice = reference["choices"][0]
+        for response in (whole, streamed):
+            assert output_text(response) == choice["message"]["content"]
+            assert response["usage"]["input_tokens"] == reference["usage"]["prompt_tokens"]
+            assert response["usage"]["output_tokens"] == reference["usage"]["completion_tokens"]
+            if choice["finish_reason"] == "length":
+                assert response["status"] == "incomplete"
+                assert response["incomplete_details"] == {"reason": "max_output_tokens"}
+                assert response["output"][-1]["status"] == "incomplete"
+            else:
+                assert response["status"] == "completed" and response["incomplete_details"] is None
+            assert response["instructions"] == "Be brief." and response["temperature"] == 0
+    assert choice["finish_reason"] == "stop"  # the 200-token reply ended by itself
+    # input as message items (text parts, a developer role) is the same conversation
+    items = [
+        {"type": "message", "role": "developer", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "input_text", "text": "Say hello in French."}]},
+    ]
+    as_items = create(server, model=MODEL, input=items, max_output_tokens=200, temperature=0)
+    assert output_text(as_items) == choice["message"]["content"]
+    wait_idle(server)
+
+
+def test_previous_response_id_get_and_delete(server: ServerProcess):
+    first = create(
+        server, model=MODEL, input="Name a color.", instructions="Answer in one word.",
+        max_output_tokens=16, temperature=0,
+    )  # fmt: skip
+    second = create(
+        server, model=MODEL, input="Name another one.", previous_response_id=first["id"],
+        max_output_tokens=16, temperature=0,
+    )  # fmt: skip
+    assert second["previous_response_id"] == first["id"]
+    # instructions are not carried over (OpenAI): the conversation is the two turns
+    messages = [
+        {"role": "user", "content": "Name a color."},
+        {"role": "assistant", "content": output_text(first)},
+        {"role": "user", "content": "Name another one."},
+    ]
+    reference = chat(server, messages=messages, max_tokens=16, temperature=0)
+    assert second["usage"]["input_tokens"] == reference["usage"]["prompt_tokens"]
+    assert output_text(second) == reference["choices"][0]["message"]["content"]
+    # a streamed reply is stored too, and continues the same way
+    streamed = stream(
+        server, model=MODEL, input="Name another one.", previous_response_id=first["id"],
+        max_output_tokens=16, temperature=0,
+    )[-1]["response"]  # fmt: skip
+    assert output_text(streamed) == output_text(second)
+    got = httpx.get(f"{server.url}/v1/responses/{streamed['id']}", timeout=TIMEOUT_S)
+    assert got.status_code == 200 and got.json() == streamed
+    deleted = httpx.delete(f"{server.url}/v1/responses/{first['id']}", timeout=TIMEOUT_S)
+    assert deleted.status_code == 200 and deleted.json()["deleted"] is True
+    for method in ("GET", "DELETE"):
+        gone = httpx.request(method, f"{server.url}/v1/responses/{first['id']}", timeout=10)
+        assert gone.status_code == 404 and gone.json()["error"]["message"]
+    missing = httpx.post(
+        server.url + "/v1/responses",
+        json={"model": MODEL, "input": "Hi", "previous_response_id": first["id"]},
+        timeout=TIMEOUT_S,
+    )
+    assert missing.status_code == 404
+    assert missing.json()["error"]["param"] == "previous_response_id"
+    # store false: nothing kept
+    unstored = create(server, model=MODEL, input="Hi", max_output_tokens=2, store=False)
+    assert httpx.get(f"{server.url}/v1/responses/{unstored['id']}").status_code == 404
+    wait_idle(server)
+
+
+def test_function_calls_and_their_outputs(server: ServerProcess):
+    question = "What is the weather in Paris?"
+    for choice in ("required", {"type": "function", "name": "get_weather"}):
+        for streamed in (False, True):
+            body = {
+                "model": MODEL, "input": question, "tools": TOOLS, "tool_choice": choice,
+                "max_output_tokens": 64, "temperature": 0,
+            }  # fmt: skip
+            if streamed:
+                response = check_event_order(stream(server, **body))
+            else:
+                response = create(server, **body)
+            calls = [item for item in response["output"] if item["type"] == "function_call"]
+            assert calls and response["status"] == "completed", response
+            for call in calls:
+                assert call["name"] == "get_weather" and call["call_id"].startswith("call_")
+                jsonschema.validate(json.loads(call["arguments"]), WEATHER)
+    # the round trip: the call and its output as input items, as a client sends them back
+    call = calls[0]
+    items: list[dict[str, Any]] = [
+        {"role": "user", "content": question},
+        {"type": "function_call", "call_id": call["call_id"], "name": call["name"],
+         "arguments": call["arguments"]},
+        {"type": "function_call_output", "call_id": call["call_id"], "output": "18 C, sunny"},
+    ]  # fmt: skip
+    answer = create(
+        server, model=MODEL, input=items, tools=TOOLS, max_output_tokens=24, temperature=0
+    )
+    messages = [
+        {"role": "user", "content": question},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": call["call_id"], "type": "function",
+             "function": {"name": call["name"], "arguments": call["arguments"]}}]},
+        {"role": "tool", "tool_call_id": call["call_id"], "content": "18 C, sunny"},
+    ]  # fmt: skip
+    reference = chat(server, messages=messages, tools=CHAT_TOOLS, max_tokens=24, temperature=0)
+    assert answer["usage"]["input_tokens"] == reference["usage"]["prompt_tokens"]
+    assert output_text(answer) == (reference["choices"][0]["message"]["content"] or "")
+    wait_idle(server)
+
+
+def test_json_schema_format_and_logprobs(server: ServerProcess):
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string", "maxLength": 8}, "age": {"type": "integer"}},
+        "required": ["name", "age"],
+    }
+    text_format = {"format": {"type": "json_schema", "name": "person", "schema": schema}}
+    body = {
+        "model": MODEL, "input": "Describe a person as JSON.", "text": text_format,
+        "max_output_tokens": 48, "temperature": 0,
+        "include": ["message.output_text.logprobs"], "top_logprobs": 2,
+    }  # fmt: skip
+    whole = create(server, **body)
+    assert whole["status"] == "completed" and whole["text"] == text_format
+    jsonschema.validate(json.loads(output_text(whole)), schema)
+    part = whole["output"][0]["content"][0]
+    # every token but the end-of-sequence one, which has no text
+    assert len(part["logprobs"]) == whole["usage"]["output_tokens"] - 1
+    assert all(len(lp["top_logprobs"]) == 2 for lp in part["logprobs"])
+    assert "".join(lp["token"] for lp in part["logprobs"]) == part["text"]
+    events = stream(server, **body)
+    final = check_event_order(events)
+    assert output_text(final) == output_text(whole)
+    deltas = [e for e in events if e["type"] == "response.output_text.delta"]
+    assert sum(len(e["logprobs"]) for e in deltas) == len(part["logprobs"])
+    wait_idle(server)
+
+
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"background": True}, "background"),
+        ({"truncation": "auto"}, "truncation"),
+        ({"tools": [{"type": "web_search"}]}, "tools"),
+        ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+         "input"),
+        ({"input": [{"type": "item_reference", "id": "x"}]}, "input"),
+        ({"input": [{"type": "function_call_output", "output": "x"}]}, "input"),
+        ({"input": []}, "input"),
+        ({"temperature": -1}, "temperature"),
+        ({"max_output_tokens": 10**6}, "max_output_tokens"),
+        ({"top_logprobs": 99}, "top_logprobs"),
+        ({"tool_choice": {"type": "function", "name": "nope"}, "tools": TOOLS}, "tool_choice"),
+        ({"text": {"format": {"type": "json_schema", "name": "x", "schema": 3}}}, "text.format"),
+        ({"input": "hello " * 1500}, "input"),
+    ],
+)  # fmt: skip
+def test_bad_input_is_a_400_naming_the_field(server: ServerProcess, body: dict, param: str):
+    reply = httpx.post(
+        server.url + "/v1/responses",
+        json={"model": MODEL, "input": "Hi", "max_output_tokens": 4, **body},
+        timeout=TIMEOUT_S,
+    )
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    assert error["param"] == param and error["type"] == "invalid_request_error", error
+    assert create(server, model=MODEL, input="Hi", max_output_tokens=2)["status"] == "incomplete"
+
+
+# ---- reasoning (Qwen3) ----------------------------------------------------------------------
+
+
+THINKING_OFF = "{{- '<think>\\n\\n</think>\\n\\n' }}\n    {%- endif %}"
+THINKING_ON = THINKING_OFF.replace("{%- endif %}", "{%- else %}{{- '<think>\\n' }}{%- endif %}")
+
+
+@pytest.fixture(scope="module")
+def qwen3_server(tiny_qwen3: Path, tmp_path_factory):
+    # Qwen3's template with the generation prompt opening <think> (as thinking-only models'
+    # templates do), so that a random model's reply is reasoning until the token budget ends.
+    template = AutoTokenizer.from_pretrained(str(tiny_qwen3)).chat_template
+    assert THINKING_OFF in template
+    path = tmp_path_factory.mktemp("template") / "qwen3_thinking.jinja"
+    path.write_text(template.replace(THINKING_OFF, THINKING_ON))
+    with running_server(
+        "--model", str(tiny_qwen3), "--chat-template", str(path),
+        "--reasoning-parser", "auto", "--max-model-len", "512",
+    ) as srv:  # fmt: skip
+        yield srv
+
+
+def test_reasoning_items_match_chat_reasoning(qwen3_server: ServerProcess):
+    body = {"input": "Hi", "temperature": 0}  # no model: the one served
+    messages = [{"role": "user", "content": "Hi"}]
+    whole = create(qwen3_server, **body, max_output_tokens=24)
+    streamed = check_event_order(stream(qwen3_server, **body, max_output_tokens=24))
+    reference = chat(qwen3_server, messages=messages, max_tokens=24, temperature=0)
+    message = reference["choices"][0]["message"]
+    for response in (whole, streamed):
+        reasoning = [item for item in response["output"] if item["type"] == "reasoning"]
+        assert reasoning, response  # a random model does not close its <think> in 24 tokens
+        assert reasoning[0]["content"][0]["text"] == message["reasoning_content"]
+        assert output_text(response) == (message["content"] or "")
+        details = reference["usage"]["completion_tokens_details"]
+        assert response["usage"]["output_tokens_details"] == details
+    # effort "none" switches Qwen3's thinking off in the template, as enable_thinking=false
+    off = create(qwen3_server, **body, max_output_tokens=8, reasoning={"effort": "none"})
+    reference = chat(
+        qwen3_server, messages=messages, max_tokens=8, temperature=0,
+        chat_template_kwargs={"enable_thinking": False},
+    )  # fmt: skip
+    assert off["usage"]["input_tokens"] == reference["usage"]["prompt_tokens"]
+    assert [item["type"] for item in off["output"]] == ["message"]
+    assert output_text(off) == reference["choices"][0]["message"]["content"]
+    wait_idle(qwen3_server)
+
+
+# ---- in-process: translation and store ------------------------------------------------------
+
+
+def test_input_items_become_chat_messages():
+    items = [
+        {"role": "developer", "content": "Be brief."},
+        {"role": "user", "content": "Weather?"},
+        {"type": "reasoning", "id": "rs_1", "summary": [],
+         "content": [{"type": "reasoning_text", "text": "Call the tool."}]},
+        {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+        {"type": "function_call", "call_id": "c2", "name": "g", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": "1"},
+        {"type": "function_call_output", "call_id": "c2",
+         "output": [{"type": "input_text", "text": "2"}]},
+        {"role": "assistant", "content": [{"type": "output_text", "text": "Done."}]},
+    ]  # fmt: skip
+    messages = input_messages(items)
+    assert [m["role"] for m in messages] == ["system", "user", "assistant", "tool", "tool",
+                                             "assistant"]  # fmt: skip
+    calls = messages[2]["tool_calls"]
+    assert [c["id"] for c in calls] == ["c1", "c2"]
+    assert messages[2]["reasoning_content"] == "Call the tool."
+    assert messages[4] == {"role": "tool", "tool_call_id": "c2", "content": "2"}
+    assert "reasoning_content" not in messages[5]
+    with pytest.raises(InvalidRequestError, match=r"input\[0\]"):
+        input_messages([{"role": "tool", "content": "x"}])
+
+
+def test_store_is_bounded_by_count_and_size():
+    store = ResponseStore(max_entries=2, max_chars=10_000)
+    for i in range(3):
+        store.put({"id": f"r{i}"}, [])
+    assert store.get("r0") is None and store.get("r2") is not None and len(store) == 2
+    store.put({"id": "big", "text": "x" * 6000}, [])
+    store.put({"id": "big2", "text": "x" * 6000}, [])  # the two do not fit together
+    assert store.get("big") is None and store.get("big2") is not None
+    store.put({"id": "huge", "text": "x" * 20_000}, [])  # larger than the store: not kept
+    assert store.get("huge") is None and store.get("big2") is not None
+
+
+def test_a_stream_that_fails_ends_with_error_and_response_failed():
+    """The path a stream takes when a choice fails mid-way (ChoiceFailed, as a timeout or a
+    backend error would end it): what the client reads still parses as OpenAI's events."""
+    ctx = SimpleNamespace(served_model_name=MODEL, responses=ResponseStore())
+    prepared = PreparedChat([1], ToolPlan(None, "none"), None, None, Mode.CONTENT, None, None)
+    body = ResponsesRequest.model_validate({"input": "Hi", "stream": True})
+    turn = _Turn(ctx, body, SamplingParams(), prepared, [])
+
+    async def events():
+        turn.events.emit("response.created", response=turn.response(None, "in_progress"))
+        turn.feed("Hel", 1, [])
+        for event in turn.events.take():
+            yield event
+        raise ChoiceFailed("the request failed in the scheduler")
+
+    async def read() -> list[str]:
+        return [event async for event in _guarded(events(), turn.id, turn.error_events)]
+
+    blocks = asyncio.run(read())
+    parsed = [json.loads(block.split("\n")[1].removeprefix("data: ")) for block in blocks]
+    for event in parsed:
+        EVENT.validate_python(event)
+    assert [e["sequence_number"] for e in parsed] == list(range(len(parsed)))
+    error, failed = parsed[-2:]
+    assert error["type"] == "error" and "scheduler" in error["message"]
+    assert failed["type"] == "response.failed"
+    assert failed["response"]["status"] == "failed"
+    assert failed["response"]["error"]["message"] == error["message"]
+    assert failed["response"]["output"][0]["content"][0]["text"] == "Hel"
+    assert ctx.responses.get(turn.id) is None  # a failed response is not stored
