@@ -1,4 +1,4 @@
-"""OpenAI's Responses API (/v1/responses) on real servers.
+"""OpenAI's Responses API (/v1/responses) and vLLM's /tokenize and /detokenize on real servers.
 
 The oracles: the OpenAI SDK's own pydantic models, validated strictly (every response and every
 stream event); the chat endpoint, which must give the same prompt (token count) and the same
@@ -295,6 +295,38 @@ def test_bad_input_is_a_400_naming_the_field(server: ServerProcess, body: dict, 
     error = reply.json()["error"]
     assert error["param"] == param and error["type"] == "invalid_request_error", error
     assert create(server, model=MODEL, input="Hi", max_output_tokens=2)["status"] == "incomplete"
+
+
+# ---- /tokenize and /detokenize (vLLM's) -----------------------------------------------------
+
+
+def test_tokenize_counts_what_a_request_costs(server: ServerProcess):
+    def post(path: str, **body: Any) -> httpx.Response:
+        return httpx.post(server.url + path, json=body, timeout=TIMEOUT_S)
+
+    prompt = "The history of Paris began"
+    tokens = post("/tokenize", prompt=prompt, return_token_strs=True).json()
+    completion = post("/v1/completions", prompt=prompt, max_tokens=1).json()
+    assert tokens["count"] == len(tokens["tokens"]) == completion["usage"]["prompt_tokens"]
+    assert "".join(tokens["token_strs"]) == prompt and tokens["max_model_len"] == 1024
+    assert post("/detokenize", tokens=tokens["tokens"]).json() == {"prompt": prompt}
+    for extra in ({}, {"tools": CHAT_TOOLS}):
+        counted = post("/tokenize", messages=[{"role": "user", "content": prompt}], **extra)
+        reference = chat(
+            server, messages=[{"role": "user", "content": prompt}], max_tokens=1, **extra
+        )
+        assert counted.json()["count"] == reference["usage"]["prompt_tokens"], extra
+        assert counted.json()["token_strs"] is None
+    for path, body, param in [
+        ("/tokenize", {}, "prompt"),
+        ("/tokenize", {"prompt": "a", "messages": []}, "prompt"),
+        ("/tokenize", {"messages": [{"role": "nobody", "content": "x"}]}, "messages"),
+        ("/detokenize", {"tokens": [10**9]}, "tokens"),
+        ("/detokenize", {"tokens": [-1]}, "tokens"),
+        ("/detokenize", {"tokens": "abc"}, "tokens"),
+    ]:
+        reply = post(path, **body)
+        assert reply.status_code == 400 and reply.json()["error"]["param"] == param, reply.text
 
 
 # ---- reasoning (Qwen3) ----------------------------------------------------------------------

@@ -38,6 +38,12 @@ from minisgl.server.responses_protocol import ResponsesRequest
 from minisgl.server.serving_chat import create_chat_completion
 from minisgl.server.serving_completion import create_completion
 from minisgl.server.serving_responses import create_response, delete_response, retrieve_response
+from minisgl.server.serving_tokenize import (
+    DetokenizeRequest,
+    TokenizeRequest,
+    detokenize,
+    tokenize,
+)
 from minisgl.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -171,6 +177,14 @@ def create_app(
     @app.delete("/v1/responses/{response_id}")
     async def remove_response(response_id: str, request: Request) -> dict[str, Any]:
         return delete_response(ctx_of(request), response_id)
+
+    @app.post("/tokenize")
+    async def tokenize_route(body: TokenizeRequest, request: Request) -> dict[str, Any]:
+        return await tokenize(ctx_of(request), body)
+
+    @app.post("/detokenize")
+    async def detokenize_route(body: DetokenizeRequest, request: Request) -> dict[str, Any]:
+        return await detokenize(ctx_of(request), body)
 
     def model_card(ctx: ServingContext) -> dict[str, Any]:
         return {
