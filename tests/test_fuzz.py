@@ -1,4 +1,5 @@
-"""Property-based fuzzing of the completion endpoints against a real server.
+"""Property-based fuzzing of the generation endpoints (completions, chat, responses) and
+/tokenize, /detokenize against a real server.
 
 Hypothesis builds request bodies that mix valid fields with hostile ones: huge and negative
 integers, NaN and infinities, lone surrogates, wrong types, nested junk, unknown fields, raw
@@ -35,10 +36,11 @@ SERVER_FLAGS = (
     "--max-sequences-per-request", str(MAX_SEQUENCES),
     "--max-request-body-bytes", str(MAX_BODY_BYTES),
 )  # fmt: skip
-NUM_EXAMPLES = int(os.environ.get("MINISGL_FUZZ_EXAMPLES", "150"))
+NUM_EXAMPLES = int(os.environ.get("MINISGL_FUZZ_EXAMPLES", "250"))
 DERANDOMIZE = os.environ.get("MINISGL_FUZZ_RANDOM", "") != "1"
 HTTP_TIMEOUT_S = 60.0
 ERROR_KEYS = {"message", "type", "param", "code"}
+END_EVENTS = {"response.completed", "response.incomplete", "response.failed"}
 
 # ---- strategies ------------------------------------------------------------------------------
 
@@ -105,6 +107,50 @@ COMPLETION_REQUIRED = {
     | st.lists(st.lists(token_ids, min_size=1, max_size=4), min_size=1, max_size=2)
 }
 COMPLETION = {"logprobs": st.integers(min_value=0, max_value=5), "echo": st.booleans()}
+call_id = st.sampled_from(["call_1", "call_2"])
+response_item = st.one_of(
+    st.fixed_dictionaries(
+        {"role": st.sampled_from(["system", "developer", "user", "assistant"])},
+        optional={
+            "type": st.just("message"),
+            "content": valid_text
+            | st.lists(
+                st.fixed_dictionaries({"type": st.just("input_text"), "text": valid_text}),
+                max_size=2,
+            ),
+        },
+    ),
+    st.fixed_dictionaries(
+        {"type": st.just("function_call"), "call_id": call_id, "name": st.just("f"),
+         "arguments": st.sampled_from(["{}", '{"a": 1}', "not json"])}
+    ),
+    st.fixed_dictionaries(
+        {"type": st.just("function_call_output"), "call_id": call_id, "output": valid_text}
+    ),
+    st.fixed_dictionaries(
+        {"type": st.just("reasoning"), "summary": st.just([]),
+         "content": st.just([{"type": "reasoning_text", "text": "hm"}])}
+    ),
+)  # fmt: skip
+RESPONSES_REQUIRED = {"input": prompt_text | st.lists(response_item, min_size=1, max_size=4)}
+RESPONSES = {
+    "max_output_tokens": st.integers(min_value=1, max_value=8),
+    "instructions": valid_text,
+    "store": st.booleans(),
+    "previous_response_id": st.just("resp_unknown"),
+    "tools": st.just([{"type": "function", "name": "f", "parameters": {"type": "object"}}]),
+    "tool_choice": st.sampled_from(["none", "auto", "required", {"type": "function", "name": "f"}]),
+    "text": st.sampled_from(
+        [{"format": {"type": "text"}}, {"format": {"type": "json_object"}},
+         {"format": {"type": "json_schema", "name": "x", "schema": {"type": "integer"}}}]
+    ),
+    "reasoning": st.fixed_dictionaries({"effort": st.sampled_from(["none", "low", "high"])}),
+    "include": st.just(["message.output_text.logprobs"]),
+    "top_logprobs": st.integers(min_value=0, max_value=5),
+}  # fmt: skip
+TOKENIZE_REQUIRED = {"prompt": prompt_text}
+TOKENIZE = {"add_special_tokens": st.booleans(), "return_token_strs": st.booleans()}
+DETOKENIZE_REQUIRED = {"tokens": st.lists(token_ids, max_size=6)}
 
 
 @st.composite
@@ -141,11 +187,16 @@ raw_bodies = st.one_of(
         ]
     ),
 )
+PATHS = ["/v1/completions", "/v1/chat/completions", "/v1/responses", "/tokenize", "/detokenize"]
 requests = st.one_of(
     st.tuples(st.just("/v1/completions"), bodies(COMPLETION_REQUIRED, COMPLETION).map(encode)),
     st.tuples(st.just("/v1/chat/completions"), bodies(CHAT_REQUIRED, CHAT).map(encode)),
+    st.tuples(st.just("/v1/responses"), bodies(RESPONSES_REQUIRED, RESPONSES).map(encode)),
+    st.tuples(st.just("/tokenize"), bodies(TOKENIZE_REQUIRED, TOKENIZE).map(encode)),
+    st.tuples(st.just("/tokenize"), bodies(CHAT_REQUIRED, TOKENIZE).map(encode)),
+    st.tuples(st.just("/detokenize"), bodies(DETOKENIZE_REQUIRED, {}).map(encode)),
     st.tuples(
-        st.sampled_from(["/v1/completions", "/v1/chat/completions"]),
+        st.sampled_from(PATHS),
         st.one_of(raw_bodies, wild.map(encode)),
     ),
 )
@@ -178,7 +229,15 @@ def _check_response(path: str, raw: bytes, response: httpx.Response) -> None:
         _check_error(response.json().get("error"), where)
         return
     if not response.headers["content-type"].startswith("text/event-stream"):
-        assert response.json()["choices"], where
+        key = {"/v1/responses": "output", "/tokenize": "tokens", "/detokenize": "prompt"}
+        assert key.get(path, "choices") in response.json(), where
+        return
+    if path == "/v1/responses":  # OpenAI's events: no [DONE]; a failure is error + failed
+        events = [json.loads(line[len("data: ") :]) for line in response.text.splitlines()
+                  if line.startswith("data: ")]  # fmt: skip
+        assert events[-1]["type"] in END_EVENTS, where
+        for event in events:
+            assert event["type"] != "error" or event["code"] != "server_error", where
         return
     events = [line[len("data: ") :] for line in response.text.splitlines() if line]
     assert events and events[-1] == "[DONE]", where
