@@ -138,6 +138,18 @@ def running_server(*extra_args: str, api_key: str | None = None) -> Iterator[Ser
         srv.stop()
 
 
+def require_default_model() -> None:
+    """Skip the calling test (module fixture) when the bundled default model is missing."""
+    import pytest
+
+    from minisgl.models.resolve import resolve_model_path
+
+    try:
+        resolve_model_path(None)
+    except Exception as exc:  # the default model package is missing
+        pytest.skip(f"default model unavailable: {exc}")
+
+
 def openai_client(server: ServerProcess, timeout_s: float, api_key: str = "unused") -> Any:
     """The OpenAI SDK pointed at `server`, without retries (a retry would hide a failure)."""
     import openai

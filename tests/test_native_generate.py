@@ -12,8 +12,7 @@ import json
 import httpx
 import pytest
 
-from minisgl.models.resolve import resolve_model_path
-from tests.server_utils import ServerProcess, running_server
+from tests.server_utils import ServerProcess, require_default_model, running_server
 
 REQUEST_TIMEOUT_S = 120.0
 PROMPT = "The history of the city of Paris began"
@@ -22,10 +21,7 @@ MAX_NEW_TOKENS = 6
 
 @pytest.fixture(scope="module")
 def server():
-    try:
-        resolve_model_path(None)
-    except Exception as exc:  # the default model package is missing
-        pytest.skip(f"default model unavailable: {exc}")
+    require_default_model()
     with running_server() as srv:
         yield srv
 

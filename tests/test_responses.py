@@ -26,12 +26,11 @@ from minisgl.chat.prepare import PreparedChat
 from minisgl.chat.reasoning import Mode
 from minisgl.chat.requests import ToolPlan
 from minisgl.core import InvalidRequestError, SamplingParams
-from minisgl.models.resolve import resolve_model_path
 from minisgl.server.generation import ChoiceFailed, _guarded
 from minisgl.server.response_store import ResponseStore
 from minisgl.server.responses_protocol import ResponsesRequest, input_messages
 from minisgl.server.serving_responses import _Turn
-from tests.server_utils import ServerProcess, running_server, wait_idle
+from tests.server_utils import ServerProcess, require_default_model, running_server, wait_idle
 
 MODEL = "SmolLM2-135M-Instruct"
 TIMEOUT_S = 120.0
@@ -47,10 +46,7 @@ CHAT_TOOLS = [{"type": "function", "function": {"name": "get_weather", "paramete
 
 @pytest.fixture(scope="module")
 def server():
-    try:
-        resolve_model_path(None)
-    except Exception as exc:  # the default model package is missing
-        pytest.skip(f"default model unavailable: {exc}")
+    require_default_model()
     with running_server("--tool-call-parser", "hermes") as srv:
         yield srv
 

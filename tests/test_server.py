@@ -21,7 +21,14 @@ import torch
 from minisgl.models.resolve import resolve_model_path
 from minisgl.server.protocol import DEFAULT_COMPLETION_MAX_TOKENS
 from minisgl.tokenizer import apply_chat_template, load_tokenizer
-from tests.server_utils import ServerProcess, alive, openai_client, running_server, start_server
+from tests.server_utils import (
+    ServerProcess,
+    alive,
+    openai_client,
+    require_default_model,
+    running_server,
+    start_server,
+)
 
 MODEL = "SmolLM2-135M-Instruct"
 MAX_MODEL_LEN = 1024  # matches TEST_SERVER_FLAGS
@@ -39,10 +46,7 @@ PROMPT = "The history of the city of Paris began"
 
 @pytest.fixture(scope="module")
 def server():
-    try:
-        resolve_model_path(None)
-    except Exception as exc:  # the default model package is missing
-        pytest.skip(f"default model unavailable: {exc}")
+    require_default_model()
     with running_server("--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S)) as srv:
         yield srv
 

@@ -102,6 +102,13 @@ class OutputItems:
             self._write_text("", [], flush=True)
         self._close(status)
 
+    def _at(self, item: dict[str, Any], part: bool = True) -> dict[str, Any]:
+        """Where an event about the open item (and its one content part) points."""
+        where: dict[str, Any] = {"item_id": item["id"], "output_index": self._index}
+        if part:
+            where["content_index"] = 0
+        return where
+
     def _start(self, item: dict[str, Any], part: dict[str, Any] | None) -> dict[str, Any]:
         self._close("completed")
         self._open = item
@@ -109,13 +116,7 @@ class OutputItems:
         self._emit("response.output_item.added", output_index=self._index, item=item)
         if part is not None:
             item["content"].append(part)
-            self._emit(
-                "response.content_part.added",
-                item_id=item["id"],
-                output_index=self._index,
-                content_index=0,
-                part=part,
-            )
+            self._emit("response.content_part.added", **self._at(item), part=part)
         return item
 
     def _write_reasoning(self, text: str) -> None:
@@ -133,13 +134,7 @@ class OutputItems:
                 empty,
             )
         item["content"][0]["text"] += text
-        self._emit(
-            "response.reasoning_text.delta",
-            item_id=item["id"],
-            output_index=self._index,
-            content_index=0,
-            delta=text,
-        )
+        self._emit("response.reasoning_text.delta", **self._at(item), delta=text)
 
     def _write_text(self, text: str, logprobs: list[dict[str, Any]], flush: bool = False) -> None:
         item = self._open
@@ -164,14 +159,7 @@ class OutputItems:
         part = item["content"][0]
         part["text"] += text
         part["logprobs"] += logprobs
-        self._emit(
-            "response.output_text.delta",
-            item_id=item["id"],
-            output_index=self._index,
-            content_index=0,
-            delta=text,
-            logprobs=logprobs,
-        )
+        self._emit("response.output_text.delta", **self._at(item), delta=text, logprobs=logprobs)
 
     def _drop_held(self) -> None:
         self._held_text, self._held_logprobs = "", []
@@ -194,19 +182,15 @@ class OutputItems:
             self._open_call = call.index
         item["arguments"] += call.arguments
         if call.arguments:
-            self._emit(
-                "response.function_call_arguments.delta",
-                item_id=item["id"],
-                output_index=self._index,
-                delta=call.arguments,
-            )
+            where = self._at(item, part=False)
+            self._emit("response.function_call_arguments.delta", **where, delta=call.arguments)
 
     def _close(self, status: str) -> None:
         item, self._open, self._open_call = self._open, None, None
         if item is None:
             return
-        where = {"item_id": item["id"], "output_index": self._index}
         if item["type"] == CALL:
+            where = self._at(item, part=False)
             self._emit(
                 "response.function_call_arguments.done", **where, arguments=item["arguments"]
             )
@@ -214,12 +198,10 @@ class OutputItems:
             part = item["content"][0]
             if item["type"] == MESSAGE:
                 done = {"text": part["text"], "logprobs": part["logprobs"]}
-                self._emit("response.output_text.done", **where, content_index=0, **done)
+                self._emit("response.output_text.done", **self._at(item), **done)
             else:
-                self._emit(
-                    "response.reasoning_text.done", **where, content_index=0, text=part["text"]
-                )
-            self._emit("response.content_part.done", **where, content_index=0, part=part)
+                self._emit("response.reasoning_text.done", **self._at(item), text=part["text"])
+            self._emit("response.content_part.done", **self._at(item), part=part)
         item["status"] = status
         self._emit("response.output_item.done", output_index=self._index, item=item)
 
