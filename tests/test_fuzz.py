@@ -1,5 +1,5 @@
-"""Property-based fuzzing of the generation endpoints (completions, chat, responses) and
-/tokenize, /detokenize against a real server.
+"""Property-based fuzzing of the generation endpoints (completions, chat, OpenAI's responses,
+Anthropic's messages) and /tokenize, /detokenize against a real server.
 
 Hypothesis builds request bodies that mix valid fields with hostile ones: huge and negative
 integers, NaN and infinities, lone surrogates, wrong types, nested junk, unknown fields, raw
@@ -36,7 +36,7 @@ SERVER_FLAGS = (
     "--max-sequences-per-request", str(MAX_SEQUENCES),
     "--max-request-body-bytes", str(MAX_BODY_BYTES),
 )  # fmt: skip
-NUM_EXAMPLES = int(os.environ.get("MINISGL_FUZZ_EXAMPLES", "250"))
+NUM_EXAMPLES = int(os.environ.get("MINISGL_FUZZ_EXAMPLES", "300"))
 DERANDOMIZE = os.environ.get("MINISGL_FUZZ_RANDOM", "") != "1"
 HTTP_TIMEOUT_S = 60.0
 ERROR_KEYS = {"message", "type", "param", "code"}
@@ -148,6 +148,39 @@ RESPONSES = {
     "include": st.just(["message.output_text.logprobs"]),
     "top_logprobs": st.integers(min_value=0, max_value=5),
 }  # fmt: skip
+anthropic_block = st.one_of(
+    st.fixed_dictionaries({"type": st.just("text"), "text": valid_text}),
+    st.fixed_dictionaries(
+        {"type": st.just("tool_result"), "tool_use_id": call_id, "content": valid_text}
+    ),
+    st.fixed_dictionaries(
+        {"type": st.just("tool_use"), "id": call_id, "name": st.just("f"),
+         "input": st.just({"a": 1})}
+    ),
+    st.fixed_dictionaries({"type": st.just("thinking"), "thinking": valid_text,
+                           "signature": st.just("")}),
+)  # fmt: skip
+anthropic_message = st.fixed_dictionaries(
+    {
+        "role": st.sampled_from(["user", "assistant"]),
+        "content": valid_text | st.lists(anthropic_block, max_size=3),
+    }
+)
+# max_tokens, which Anthropic requires, comes from SAMPLING: present or not, as a client sends it.
+MESSAGES_REQUIRED = {"messages": st.lists(anthropic_message, min_size=1, max_size=3)}
+MESSAGES = {
+    "system": valid_text | st.lists(st.fixed_dictionaries({"type": st.just("text"),
+                                                          "text": valid_text}), max_size=2),
+    "stop_sequences": st.lists(valid_text.filter(bool), max_size=2),
+    "tools": st.just([{"name": "f", "input_schema": {"type": "object"}}]),
+    "tool_choice": st.sampled_from(
+        [{"type": "auto"}, {"type": "any"}, {"type": "none"}, {"type": "tool", "name": "f"},
+         {"type": "any", "disable_parallel_tool_use": True}]
+    ),
+    "thinking": st.sampled_from(
+        [{"type": "enabled", "budget_tokens": 1024}, {"type": "disabled"}]
+    ),
+}  # fmt: skip
 TOKENIZE_REQUIRED = {"prompt": prompt_text}
 TOKENIZE = {"add_special_tokens": st.booleans(), "return_token_strs": st.booleans()}
 DETOKENIZE_REQUIRED = {"tokens": st.lists(token_ids, max_size=6)}
@@ -187,11 +220,19 @@ raw_bodies = st.one_of(
         ]
     ),
 )
-PATHS = ["/v1/completions", "/v1/chat/completions", "/v1/responses", "/tokenize", "/detokenize"]
+PATHS = [
+    "/v1/completions",
+    "/v1/chat/completions",
+    "/v1/responses",
+    "/v1/messages",
+    "/tokenize",
+    "/detokenize",
+]
 requests = st.one_of(
     st.tuples(st.just("/v1/completions"), bodies(COMPLETION_REQUIRED, COMPLETION).map(encode)),
     st.tuples(st.just("/v1/chat/completions"), bodies(CHAT_REQUIRED, CHAT).map(encode)),
     st.tuples(st.just("/v1/responses"), bodies(RESPONSES_REQUIRED, RESPONSES).map(encode)),
+    st.tuples(st.just("/v1/messages"), bodies(MESSAGES_REQUIRED, MESSAGES).map(encode)),
     st.tuples(st.just("/tokenize"), bodies(TOKENIZE_REQUIRED, TOKENIZE).map(encode)),
     st.tuples(st.just("/tokenize"), bodies(CHAT_REQUIRED, TOKENIZE).map(encode)),
     st.tuples(st.just("/detokenize"), bodies(DETOKENIZE_REQUIRED, {}).map(encode)),
@@ -225,12 +266,23 @@ def _check_error(error: Any, where: str) -> None:
 def _check_response(path: str, raw: bytes, response: httpx.Response) -> None:
     where = f"{path} {raw[:300]!r} -> {response.status_code} {response.text[:500]}"
     assert response.status_code < 500, where
+    if response.status_code != 200 and path == "/v1/messages":  # Anthropic's error shape
+        body = response.json()
+        assert body["type"] == "error" and set(body["error"]) == {"type", "message"}, where
+        return
     if response.status_code != 200:
         _check_error(response.json().get("error"), where)
         return
     if not response.headers["content-type"].startswith("text/event-stream"):
-        key = {"/v1/responses": "output", "/tokenize": "tokens", "/detokenize": "prompt"}
+        key = {"/v1/responses": "output", "/v1/messages": "content", "/tokenize": "tokens",
+               "/detokenize": "prompt"}  # fmt: skip
         assert key.get(path, "choices") in response.json(), where
+        return
+    if path == "/v1/messages":  # Anthropic's events: message_stop last, or an error event
+        events = [json.loads(line[len("data: ") :]) for line in response.text.splitlines()
+                  if line.startswith("data: ")]  # fmt: skip
+        assert events[-1]["type"] in ("message_stop", "error"), where
+        assert all(e["type"] != "error" or e["error"]["type"] != "api_error" for e in events)
         return
     if path == "/v1/responses":  # OpenAI's events: no [DONE]; a failure is error + failed
         events = [json.loads(line[len("data: ") :]) for line in response.text.splitlines()

@@ -25,8 +25,9 @@ from minisgl.limits import ModelLimits
 from minisgl.message import Endpoints, StatsReply
 from minisgl.models.config import load_sampling_defaults
 from minisgl.server.engine_client import EngineClient
-from minisgl.server.errors import RequestError, backend_stopped_error
+from minisgl.server.errors import RequestError, backend_stopped_error, shape_error
 from minisgl.server.generation import ServingContext
+from minisgl.server.messages_protocol import CountTokensRequest, MessagesRequest
 from minisgl.server.metrics import ServerMetrics
 from minisgl.server.middleware import Lifecycle, install_middleware
 from minisgl.server.model_names import accepted_model_names, served_model_name
@@ -37,6 +38,7 @@ from minisgl.server.protocol import ChatCompletionRequest, CompletionRequest, er
 from minisgl.server.responses_protocol import ResponsesRequest
 from minisgl.server.serving_chat import create_chat_completion
 from minisgl.server.serving_completion import create_completion
+from minisgl.server.serving_messages import count_tokens, create_message
 from minisgl.server.serving_responses import create_response, delete_response, retrieve_response
 from minisgl.server.serving_tokenize import (
     DetokenizeRequest,
@@ -63,7 +65,7 @@ KEEP_ALIVE_S = 30
 STARTUP_POLL_S = 0.05
 
 
-def _validation_error_response(exc: RequestValidationError) -> JSONResponse:
+def _validation_error_body(exc: RequestValidationError) -> dict[str, Any]:
     errors = exc.errors()
     first = errors[0] if errors else {}
     loc = [str(part) for part in first.get("loc", ()) if part != "body"]
@@ -76,7 +78,7 @@ def _validation_error_response(exc: RequestValidationError) -> JSONResponse:
         param = loc[0] if loc else None
         where = ".".join(loc) or "body"
         message = f"{where}: {first.get('msg', 'invalid value')}"
-    return JSONResponse(error_dict(message, param=param, code=400), status_code=400)
+    return error_dict(message, param=param, code=400)
 
 
 async def _wait_for_scheduler(engine: EngineClient) -> StatsReply:
@@ -143,18 +145,24 @@ def create_app(
     def ctx_of(request: Request) -> ServingContext:
         return request.app.state.ctx
 
+    def error_response(
+        request: Request, body: dict[str, Any], status: int, headers: Any = None
+    ) -> JSONResponse:
+        shaped = shape_error(request.url.path, body, status)
+        return JSONResponse(shaped, status_code=status, headers=headers)
+
     @app.exception_handler(RequestValidationError)
-    async def on_validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return _validation_error_response(exc)
+    async def on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return error_response(request, _validation_error_body(exc), 400)
 
     @app.exception_handler(RequestError)
-    async def on_request_error(_: Request, exc: RequestError) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status_code, headers=exc.headers)
+    async def on_request_error(request: Request, exc: RequestError) -> JSONResponse:
+        return error_response(request, exc.body(), exc.status_code, exc.headers)
 
     @app.exception_handler(StarletteHTTPException)
-    async def on_http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         body = error_dict(str(exc.detail), "invalid_request_error", code=exc.status_code)
-        return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
+        return error_response(request, body, exc.status_code, exc.headers)
 
     # Any other exception: RequestGuard (minisgl.server.middleware) logs it once and answers 500.
 
@@ -177,6 +185,14 @@ def create_app(
     @app.delete("/v1/responses/{response_id}")
     async def remove_response(response_id: str, request: Request) -> dict[str, Any]:
         return delete_response(ctx_of(request), response_id)
+
+    @app.post("/v1/messages")
+    async def messages(body: MessagesRequest, request: Request) -> Response:
+        return await create_message(ctx_of(request), body, request)
+
+    @app.post("/v1/messages/count_tokens")
+    async def messages_count_tokens(body: CountTokensRequest, request: Request) -> dict[str, Any]:
+        return await count_tokens(ctx_of(request), body)
 
     @app.post("/tokenize")
     async def tokenize_route(body: TokenizeRequest, request: Request) -> dict[str, Any]:

@@ -46,3 +46,30 @@ def backend_stopped_error() -> RequestError:
         HTTP_SERVICE_UNAVAILABLE,
         "The inference backend stopped unexpectedly; the request was not completed.",
     )
+
+
+# Anthropic's error types by HTTP status (its Messages API answers errors in its own shape).
+ANTHROPIC_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+    504: "timeout_error",
+}
+ANTHROPIC_PATH_PREFIX = "/v1/messages"
+
+
+def anthropic_error(status_code: Any, message: str) -> dict[str, Any]:
+    kind = ANTHROPIC_ERROR_TYPES.get(status_code, "api_error")
+    return {"type": "error", "error": {"type": kind, "message": message}}
+
+
+def shape_error(path: str, body: dict[str, Any], status_code: int) -> dict[str, Any]:
+    """An OpenAI-shaped error body as the endpoint at `path` answers errors: Anthropic's shape
+    under /v1/messages, OpenAI's everywhere else."""
+    if not path.startswith(ANTHROPIC_PATH_PREFIX):
+        return body
+    return anthropic_error(status_code, str(body.get("error", {}).get("message", "")))

@@ -18,7 +18,7 @@ from starlette.applications import Starlette
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from minisgl.server.errors import HTTP_SERVER_ERROR, HTTP_SERVICE_UNAVAILABLE
+from minisgl.server.errors import HTTP_SERVER_ERROR, HTTP_SERVICE_UNAVAILABLE, shape_error
 from minisgl.server.protocol import error_dict, new_id
 
 logger = logging.getLogger(__name__)
@@ -49,6 +49,7 @@ async def _send_json(
     body: dict[str, Any],
     headers: dict[str, str] | None = None,
 ) -> None:
+    body = shape_error(scope.get("path", ""), body, status)
     response = JSONResponse(body, status_code=status, headers=headers)
     await response(scope, _no_receive, send)
 

@@ -32,7 +32,7 @@ from minisgl.server.responses_protocol import (
     chat_request_for,
 )
 from minisgl.server.serving_chat import CallIds, chat_logprobs, prepare_chat_request
-from minisgl.server.sse import dumps
+from minisgl.server.sse import EventQueue
 
 HTTP_NOT_FOUND = 404
 MESSAGE, REASONING, CALL = "message", "reasoning", "function_call"
@@ -42,29 +42,11 @@ def _new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
-class EventStream:
-    """A stream's events as SSE text, numbered in the order they are made."""
-
-    def __init__(self) -> None:
-        self._pending: list[str] = []
-        self._sequence_number = 0
-
-    def emit(self, kind: str, **fields: Any) -> None:
-        # Serialized now: the items an event shows keep changing after it is made.
-        event = {"type": kind, "sequence_number": self._sequence_number, **fields}
-        self._sequence_number += 1
-        self._pending.append(f"event: {kind}\ndata: {dumps(event)}\n\n")
-
-    def take(self) -> list[str]:
-        events, self._pending = self._pending, []
-        return events
-
-
 class OutputItems:
     """One reply's ChatDeltas -> output items; with `events`, also the stream events that
     build them. One item is open at a time: the next kind of output closes it."""
 
-    def __init__(self, events: EventStream | None = None) -> None:
+    def __init__(self, events: EventQueue | None = None) -> None:
         self.items: list[dict[str, Any]] = []
         self._events = events
         self._open: dict[str, Any] | None = None
@@ -237,7 +219,7 @@ class _Turn:
         self._body = body
         self._conversation = conversation
         self._parser: ChatOutputParser = prepared.new_parser()
-        self.events = EventStream()
+        self.events = EventQueue(numbered=True)
         self.output = OutputItems(self.events if body.stream else None)
         self.id = _new_id("resp")
         self.finish_reason: FinishReason | None = None

@@ -1,9 +1,10 @@
-"""OpenAI's Responses API (/v1/responses) and vLLM's /tokenize and /detokenize on real servers.
+"""The API dialects beside chat completions, on real servers: OpenAI's Responses API
+(/v1/responses), Anthropic's Messages API (/v1/messages) and vLLM's /tokenize, /detokenize.
 
-The oracles: the OpenAI SDK's own pydantic models, validated strictly (every response and every
-stream event); the chat endpoint, which must give the same prompt (token count) and the same
-greedy reply for the conversation a Responses request stands for; `jsonschema` for tool
-arguments and JSON outputs. Server 1: the bundled SmolLM2 with --tool-call-parser hermes.
+The oracles: each vendor SDK's own pydantic models, validated strictly (every response and
+every stream event); the chat endpoint, which must give the same prompt (token count) and the
+same greedy reply for the conversation a request stands for; `jsonschema` for tool arguments
+and JSON outputs. Server 1: the bundled SmolLM2 with --tool-call-parser hermes.
 Server 2: a tiny random Qwen3 (real tokenizer and template) with the reasoning parser.
 """
 
@@ -18,6 +19,7 @@ from typing import Any
 import httpx
 import jsonschema
 import pytest
+from anthropic.types import Message, MessageTokensCount, RawMessageStreamEvent
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 from transformers import AutoTokenizer
@@ -26,15 +28,18 @@ from minisgl.chat.prepare import PreparedChat
 from minisgl.chat.reasoning import Mode
 from minisgl.chat.requests import ToolPlan
 from minisgl.core import InvalidRequestError, SamplingParams
+from minisgl.server.errors import shape_error
 from minisgl.server.generation import ChoiceFailed, _guarded
 from minisgl.server.response_store import ResponseStore
 from minisgl.server.responses_protocol import ResponsesRequest, input_messages
+from minisgl.server.serving_messages import _error_events, tool_input
 from minisgl.server.serving_responses import _Turn
 from tests.server_utils import ServerProcess, require_default_model, running_server, wait_idle
 
 MODEL = "SmolLM2-135M-Instruct"
 TIMEOUT_S = 120.0
 EVENT = TypeAdapter(ResponseStreamEvent)
+ANTHROPIC_EVENT = TypeAdapter(RawMessageStreamEvent)
 WEATHER = {
     "type": "object",
     "properties": {"city": {"type": "string", "maxLength": 12}},
@@ -293,6 +298,179 @@ def test_bad_input_is_a_400_naming_the_field(server: ServerProcess, body: dict, 
     assert create(server, model=MODEL, input="Hi", max_output_tokens=2)["status"] == "incomplete"
 
 
+# ---- Anthropic's Messages API ----------------------------------------------------------------
+
+ANTHROPIC_TOOLS = [{"name": "get_weather", "input_schema": WEATHER}]
+
+
+def message(server: ServerProcess, **body: Any) -> dict[str, Any]:
+    """POST /v1/messages (not streamed); the body is checked against the SDK's model."""
+    reply = httpx.post(server.url + "/v1/messages", json=body, timeout=TIMEOUT_S)
+    assert reply.status_code == 200, reply.text
+    Message.model_validate(reply.json())
+    return reply.json()
+
+
+def message_stream(server: ServerProcess, **body: Any) -> dict[str, Any]:
+    """POST /v1/messages with stream: every event checked against the SDK's models and the
+    order Anthropic sends them in; returns the message the events build."""
+    reply = httpx.post(
+        server.url + "/v1/messages", json={**body, "stream": True}, timeout=TIMEOUT_S
+    )
+    assert reply.status_code == 200, reply.text
+    events = []
+    for block in reply.text.strip().split("\n\n"):
+        kind_line, data_line = block.split("\n")
+        event = json.loads(data_line.removeprefix("data: "))
+        assert kind_line == f"event: {event['type']}"
+        if event["type"] != "ping":
+            ANTHROPIC_EVENT.validate_python(event)
+        events.append(event)
+    kinds = [e["type"] for e in events]
+    assert kinds[0] == "message_start" and kinds[-2:] == ["message_delta", "message_stop"]
+    built = events[0]["message"]
+    partial_json: dict[int, str] = {}
+    for event in events:
+        if event["type"] == "content_block_start":
+            assert event["index"] == len(built["content"])
+            built["content"].append(dict(event["content_block"]))
+        elif event["type"] == "content_block_delta":
+            block, delta = built["content"][event["index"]], event["delta"]
+            if delta["type"] == "input_json_delta":
+                partial_json[event["index"]] = partial_json.get(event["index"], "")
+                partial_json[event["index"]] += delta["partial_json"]
+            else:
+                key = "text" if delta["type"] == "text_delta" else "thinking"
+                block[key] += delta[key]
+        elif event["type"] == "message_delta":
+            built.update(event["delta"])
+            built["usage"] = event["usage"]
+    for index, text in partial_json.items():
+        built["content"][index]["input"] = json.loads(text)
+    assert kinds.count("content_block_start") == kinds.count("content_block_stop")
+    Message.model_validate(built)
+    return built
+
+
+def content_text(reply: dict[str, Any], kind: str = "text") -> str:
+    return "".join(block[kind] for block in reply["content"] if block["type"] == kind)
+
+
+def test_messages_match_chat_streamed_or_not(server: ServerProcess):
+    body = {
+        "model": MODEL, "system": "Be brief.", "temperature": 0,
+        "messages": [{"role": "user", "content": "Say hello in French."}],
+    }  # fmt: skip
+    chat_messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Say hello in French."},
+    ]
+    for max_tokens in (12, 200):
+        whole = message(server, **body, max_tokens=max_tokens)
+        streamed = message_stream(server, **body, max_tokens=max_tokens)
+        reference = chat(server, messages=chat_messages, max_tokens=max_tokens, temperature=0)
+        choice, usage = reference["choices"][0], reference["usage"]
+        for reply in (whole, streamed):
+            assert content_text(reply) == choice["message"]["content"]
+            # Anthropic counts cached prompt tokens apart from input_tokens
+            total = reply["usage"]["input_tokens"] + reply["usage"]["cache_read_input_tokens"]
+            assert total == usage["prompt_tokens"]
+            assert reply["usage"]["output_tokens"] == usage["completion_tokens"]
+            expected = "max_tokens" if choice["finish_reason"] == "length" else "end_turn"
+            assert reply["stop_reason"] == expected and reply["stop_sequence"] is None
+    assert choice["finish_reason"] == "stop"
+    stopped = message(
+        server, model=MODEL, max_tokens=64, temperature=0, stop_sequences=["."],
+        messages=[{"role": "user", "content": "Tell me about Paris."}],
+    )  # fmt: skip
+    assert stopped["stop_reason"] == "stop_sequence" and stopped["stop_sequence"] == "."
+    assert "." not in content_text(stopped)
+    counted = httpx.post(server.url + "/v1/messages/count_tokens", json=body, timeout=TIMEOUT_S)
+    MessageTokensCount.model_validate(counted.json())
+    assert counted.json() == {"input_tokens": usage["prompt_tokens"]}
+    wait_idle(server)
+
+
+def test_messages_tool_use_and_results(server: ServerProcess):
+    question = [{"role": "user", "content": "What is the weather in Paris?"}]
+    for choice in ({"type": "any"}, {"type": "tool", "name": "get_weather"}):
+        body = {
+            "model": MODEL, "messages": question, "tools": ANTHROPIC_TOOLS,
+            "tool_choice": choice, "max_tokens": 64, "temperature": 0,
+        }  # fmt: skip
+        for reply in (message(server, **body), message_stream(server, **body)):
+            uses = [block for block in reply["content"] if block["type"] == "tool_use"]
+            assert uses and reply["stop_reason"] == "tool_use", reply
+            for use in uses:
+                assert use["name"] == "get_weather" and use["id"].startswith("toolu_")
+                jsonschema.validate(use["input"], WEATHER)
+    use = uses[0]
+    conversation = [
+        *question,
+        {"role": "assistant", "content": [{"type": "tool_use", "id": use["id"],
+                                           "name": use["name"], "input": use["input"]}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use["id"],
+                                      "content": "18 C, sunny"}]},
+    ]  # fmt: skip
+    answer = message(
+        server, model=MODEL, messages=conversation, tools=ANTHROPIC_TOOLS, max_tokens=24,
+        temperature=0,
+    )  # fmt: skip
+    chat_conversation = [
+        *question,
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": use["id"], "type": "function",
+             "function": {"name": use["name"], "arguments": json.dumps(use["input"])}}]},
+        {"role": "tool", "tool_call_id": use["id"], "content": "18 C, sunny"},
+    ]  # fmt: skip
+    reference = chat(
+        server, messages=chat_conversation, tools=CHAT_TOOLS, max_tokens=24, temperature=0
+    )
+    total = answer["usage"]["input_tokens"] + answer["usage"]["cache_read_input_tokens"]
+    assert total == reference["usage"]["prompt_tokens"]
+    assert content_text(answer) == (reference["choices"][0]["message"]["content"] or "")
+    wait_idle(server)
+
+
+@pytest.mark.parametrize(
+    "body, status, kind",
+    [
+        ({"max_tokens": None}, 400, "invalid_request_error"),
+        ({"messages": []}, 400, "invalid_request_error"),
+        ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
+         400, "invalid_request_error"),
+        ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]},
+         400, "invalid_request_error"),
+        ({"tool_choice": {"type": "sometimes"}}, 400, "invalid_request_error"),
+        ({"temperature": -1}, 400, "invalid_request_error"),
+        ({"max_tokens": 10**6}, 400, "invalid_request_error"),
+        ({"model": "no-such-model"}, 404, "not_found_error"),
+    ],
+)  # fmt: skip
+def test_messages_errors_have_anthropics_shape(
+    server: ServerProcess, body: dict, status: int, kind: str
+):
+    request = {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "Hi"}]}
+    request.update(body)
+    reply = httpx.post(server.url + "/v1/messages", json=request, timeout=TIMEOUT_S)
+    assert reply.status_code == status, reply.text
+    error = reply.json()
+    assert error["type"] == "error" and set(error["error"]) == {"type", "message"}, error
+    assert error["error"]["type"] == kind and error["error"]["message"]
+
+
+def test_anthropic_error_shapes_in_process():
+    body = {"error": {"message": "no", "type": "x", "param": None, "code": 401}}
+    assert shape_error("/v1/chat/completions", body, 401) is body
+    shaped = shape_error("/v1/messages", body, 401)
+    assert shaped == {"type": "error", "error": {"type": "authentication_error", "message": "no"}}
+    [event] = _error_events({"error": {"message": "boom", "code": None}})
+    assert event.startswith("event: error\n")
+    assert json.loads(event.split("data: ")[1])["error"] == {"type": "api_error", "message": "boom"}
+    assert tool_input('{"a": 1}') == {"a": 1} and tool_input("") == {}
+    assert tool_input("[1]") == {"_raw_arguments": "[1]"}
+
+
 # ---- /tokenize and /detokenize (vLLM's) -----------------------------------------------------
 
 
@@ -353,14 +531,21 @@ def test_reasoning_items_match_chat_reasoning(qwen3_server: ServerProcess):
     whole = create(qwen3_server, **body, max_output_tokens=24)
     streamed = check_event_order(stream(qwen3_server, **body, max_output_tokens=24))
     reference = chat(qwen3_server, messages=messages, max_tokens=24, temperature=0)
-    message = reference["choices"][0]["message"]
+    expected = reference["choices"][0]["message"]
     for response in (whole, streamed):
         reasoning = [item for item in response["output"] if item["type"] == "reasoning"]
         assert reasoning, response  # a random model does not close its <think> in 24 tokens
-        assert reasoning[0]["content"][0]["text"] == message["reasoning_content"]
-        assert output_text(response) == (message["content"] or "")
+        assert reasoning[0]["content"][0]["text"] == expected["reasoning_content"]
+        assert output_text(response) == (expected["content"] or "")
         details = reference["usage"]["completion_tokens_details"]
         assert response["usage"]["output_tokens_details"] == details
+    # the same reasoning as an Anthropic thinking block
+    thinking = message(
+        qwen3_server, messages=messages, max_tokens=24, temperature=0,
+        thinking={"type": "enabled", "budget_tokens": 1024},
+    )  # fmt: skip
+    assert [block["type"] for block in thinking["content"]][0] == "thinking"
+    assert content_text(thinking, "thinking") == expected["reasoning_content"]
     # effort "none" switches Qwen3's thinking off in the template, as enable_thinking=false
     off = create(qwen3_server, **body, max_output_tokens=8, reasoning={"effort": "none"})
     reference = chat(
