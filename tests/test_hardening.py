@@ -455,6 +455,17 @@ def test_api_key_covers_docs_but_not_probes(server):
         assert httpx.get(server.url + path, headers=server.headers).status_code == 200, path
     for path in ("/health", "/metrics"):
         assert httpx.get(server.url + path).status_code == 200, path
+    # Anthropic's SDK sends the key as x-api-key; a refusal there has Anthropic's shape
+    assert httpx.get(server.url + "/v1/models", headers={"x-api-key": API_KEY}).status_code == 200
+    body = {"max_tokens": 1, "messages": [{"role": "user", "content": "Hi"}]}
+    wrong = httpx.post(server.url + "/v1/messages", json=body, headers={"x-api-key": "nope"})
+    assert wrong.status_code == 401
+    assert wrong.json()["error"]["type"] == "authentication_error"
+    assert wrong.json()["type"] == "error"
+    good = httpx.post(
+        server.url + "/v1/messages", json=body, headers={"x-api-key": API_KEY}, timeout=60
+    )
+    assert good.status_code == 200, good.text
 
 
 def test_nothing_logged_a_traceback(server):

@@ -122,21 +122,26 @@ class DrainGate:
 
 class ApiKeyGate:
     """Every path but the probes (PROBE_PATHS) needs `Authorization: Bearer KEY` (the docs
-    pages and the OpenAPI schema too, as in SGLang)."""
+    pages and the OpenAPI schema too, as in SGLang), or `x-api-key: KEY`, the header
+    Anthropic's SDK sends."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
-        self._expected = f"Bearer {api_key}".encode()
+        self._bearer = f"Bearer {api_key}".encode()
+        self._key = api_key.encode()
+
+    def _allowed(self, headers: dict[bytes, bytes]) -> bool:
+        bearer = hmac.compare_digest(headers.get(b"authorization", b""), self._bearer)
+        return hmac.compare_digest(headers.get(b"x-api-key", b""), self._key) or bearer
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] not in PROBE_PATHS:
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self._expected):
-                body = error_dict(
-                    "Invalid or missing API key.", "authentication_error", code=HTTP_UNAUTHORIZED
-                )
-                await _send_json(scope, send, HTTP_UNAUTHORIZED, body)
-                return
+        guarded = scope["type"] == "http" and scope["path"] not in PROBE_PATHS
+        if guarded and not self._allowed(dict(scope["headers"])):
+            body = error_dict(
+                "Invalid or missing API key.", "authentication_error", code=HTTP_UNAUTHORIZED
+            )
+            await _send_json(scope, send, HTTP_UNAUTHORIZED, body)
+            return
         await self.app(scope, receive, send)
 
 
