@@ -85,6 +85,7 @@ class DetokenizedOutput:
     prompt_len: int = 0
     num_cached_prompt_tokens: int = 0
     error: str | None = None
+    internal_error: bool = False  # ReqOutput.internal_error: a 500, not a 400
     prompt_logprobs: tuple[TokenLogprob, ...] = ()  # ReqOutput.prompt_logprobs, passed on
     # What ended a STOP finish: the stop string, or the final token's id (EOS or a stop token);
     # None otherwise.

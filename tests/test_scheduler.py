@@ -201,6 +201,68 @@ def test_abort_at_every_stage(sched):
     assert_all_pages_back(sched)
 
 
+class _InjectedFault(RuntimeError):
+    pass
+
+
+@pytest.mark.parametrize("where", ["forward", "process"])
+def test_a_failed_step_fails_its_requests_and_the_rest_run_on(sched, monkeypatch, where):
+    """A step that raises (a bug, a device out of memory): `fail_running` ends the admitted
+    requests with an internal error, frees their pages without caching them and empties the
+    prefix cache (a chunk's pages were shared there before their KV was written); waiting
+    requests then produce exactly the tokens an undisturbed run gives."""
+    reference = _req("reference", 60)
+    sched.add_request(reference)
+    expected = [t for o in drive(sched)["reference"] for t in o.new_token_ids]
+    assert_all_pages_back(sched)
+    reqs = [_req(f"f{i}", 60) for i in range(6)]  # one prompt: a shared prefix; some wait
+    for r in reqs:
+        sched.add_request(r)
+    outputs: dict[str, list[ReqOutput]] = {}
+    for _ in range(3):  # prefills under way: their chunks' pages are in the prefix cache
+        for o in sched.step():
+            outputs.setdefault(o.rid, []).append(o)
+    calls = {"n": 0}
+    target = sched.engine if where == "forward" else sched
+    name = "forward" if where == "forward" else "_finish_reason"
+    original = getattr(target, name)
+
+    def fail_once(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise _InjectedFault("injected")
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(target, name, fail_once)
+    for _ in range(3):  # under overlap, a forward's error surfaces when its result is read
+        try:
+            for o in sched.step():
+                outputs.setdefault(o.rid, []).append(o)
+        except _InjectedFault:
+            break
+    else:
+        raise AssertionError("the injected fault never surfaced")
+    admitted = {r.rid for r in sched.running}
+    waiting = {r.rid for r in sched.waiting}
+    assert admitted and waiting
+    failed = sched.fail_running("internal error: injected")
+    assert {o.rid for o in failed} == admitted
+    assert all(o.finish_reason == FinishReason.ERROR for o in failed)
+    assert all(o.internal_error and o.error == "internal error: injected" for o in failed)
+    assert not sched.running and {r.rid for r in sched.waiting} == waiting
+    assert sched.cache.prefix_cache.total_size == 0  # nothing computed in the failed step stays
+    for o in failed:
+        outputs.setdefault(o.rid, []).append(o)
+    for rid, outs in drive(sched).items():
+        outputs.setdefault(rid, []).extend(outs)
+    assert_one_terminal(outputs, [r.rid for r in reqs])
+    finished = [r.rid for r in reqs if outputs[r.rid][-1].finish_reason == FinishReason.LENGTH]
+    assert set(finished) == waiting
+    for rid in finished:
+        assert [t for o in outputs[rid] for t in o.new_token_ids] == expected
+    assert_all_pages_back(sched)
+
+
 def test_no_token_after_a_stop(sched, tiny_qwen3):
     probe = _req("probe", 30, max_tokens=8)
     sched.add_request(probe)

@@ -172,6 +172,16 @@ class CacheManager:
         req.page_ids, req.cache_handle, req.cache_matched_len = [], None, 0
         req.table_row, req.cached_len = -1, 0
 
+    def discard(self, req: Req) -> None:
+        """Return everything `req` holds without caching any of it: after a failed step its KV
+        may be incomplete. The pages it shared into the prefix cache stay there; the caller
+        flushes the cache (nothing may reuse them either)."""
+        self.allocator.free(req.page_ids[req.cache_matched_len // self.page_size :])
+        self.prefix_cache.unlock(req.cache_handle)
+        self.table.free_row(req.table_row)
+        req.page_ids, req.cache_handle, req.cache_matched_len = [], None, 0
+        req.table_row, req.cached_len = -1, 0
+
     def flush(self) -> None:
         """Empty the prefix cache (only valid when no request is live)."""
         self.allocator.free(self._slots_to_pages(self.prefix_cache.reset()))

@@ -34,6 +34,11 @@ class SchedulerAPI(Protocol):
         """Schedule and launch one batch, process finished results; what happened to whom."""
         ...
 
+    def fail_running(self, error: str) -> list[ReqOutput]:
+        """After `step()` raised: end the admitted requests with `error` and go on from a known
+        state (their outputs); raise when that is not possible."""
+        ...
+
     def stats(self) -> SchedulerStats: ...
 
     def check_health(self) -> None:

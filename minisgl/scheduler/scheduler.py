@@ -350,6 +350,36 @@ class Scheduler:
         else:
             self.cache.release(req)
 
+    def fail_running(self, error: str) -> list[ReqOutput]:
+        """After `step()` raised: end every admitted request with `error` and start over from a
+        known state, so one bad batch does not take the server down. Requests still waiting
+        keep their place. The prefix cache is emptied: the failed batch may have left pages
+        shared in it (a prefill chunk's) without their KV. Raises when the state cannot be
+        trusted: a device error (CUDA's are sticky) or pages that do not add up."""
+        launched, self._inflight = self._inflight, None
+        if self._executor is not None:
+            # No forward may still write KV into pages given back below. The thread runs tasks
+            # in submission order: once this no-op has run, every earlier batch is done.
+            self._executor.submit(lambda: None).result()
+        self.engine.dev.synchronize()
+        outputs, self._outputs = self._outputs, []  # what finished before the failure stands
+        for req in list(self.running):
+            if not req.finished:
+                req.finish_reason, req.grammar = FinishReason.ERROR, None
+                outputs.append(
+                    ReqOutput(
+                        req.rid, (), FinishReason.ERROR, (), req.prompt_len,
+                        req.num_cached_prompt_tokens, error=error, internal_error=True,
+                    )
+                )  # fmt: skip
+            self.running.remove(req)
+            self.cache.discard(req)
+        for req in launched.release_after if launched is not None else ():
+            self.cache.discard(req)
+        self.cache.flush()
+        self.check_page_accounting()
+        return outputs
+
     # ---- introspection -------------------------------------------------------------------------
 
     def stats(self) -> SchedulerStats:

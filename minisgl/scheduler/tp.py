@@ -187,6 +187,10 @@ class TPScheduler:
         apply_ops(self.scheduler, ops)
         return self.scheduler.step()
 
+    def fail_running(self, error: str) -> list[ReqOutput]:
+        """A failed step may have left the ranks disagreeing: a tp group does not go on."""
+        raise TPRankError(f"tensor-parallel group cannot recover from a failed step: {error}")
+
     def flush_cache(self) -> None:
         if self.has_work():
             raise RuntimeError("flush_cache needs an idle scheduler")

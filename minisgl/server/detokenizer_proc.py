@@ -100,6 +100,7 @@ class DetokenizerWorker:
             prompt_len=output.prompt_len,
             num_cached_prompt_tokens=output.num_cached_prompt_tokens,
             error=output.error,
+            internal_error=output.internal_error,
             prompt_logprobs=output.prompt_logprobs,
             matched_stop=matched,
         )

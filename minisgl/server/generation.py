@@ -73,6 +73,10 @@ class ClientDisconnected(Exception):
 class ChoiceFailed(Exception):
     """A choice ended with an error while streaming: the stream ends with that error event."""
 
+    def __init__(self, message: str, internal: bool = False) -> None:
+        super().__init__(message)
+        self.internal = internal  # the server's failure (a step that raised), not the request's
+
 
 @dataclass
 class ServingContext:
@@ -192,6 +196,7 @@ class ChoiceState:
     finish_reason: FinishReason | None = None
     matched_stop: int | str | None = None  # DetokenizedOutput.matched_stop of the finish
     error: str | None = None
+    internal_error: bool = False  # the server failed the request (a 500), not its input
     last_token_time_s: float | None = None
     logprob_text_offset: int = 0  # completions logprobs: where the next token's text starts
 
@@ -296,6 +301,7 @@ class GenerationGroup:
             choice.finish_reason = output.finish_reason
             choice.matched_stop = output.matched_stop
             choice.error = output.error
+            choice.internal_error = output.internal_error
             self._num_unfinished -= 1
             self._ctx.metrics.e2e_request_latency_s.observe(now_s - self._arrival_time_s)
             self._ctx.metrics.request_finished(output.finish_reason)
@@ -341,7 +347,7 @@ class GenerationGroup:
         while not self.done:
             choice, output = await self.next_output()
             if output.finish_reason == FinishReason.ERROR:
-                raise ChoiceFailed(output.error or "request failed")
+                raise ChoiceFailed(output.error or "request failed", output.internal_error)
             yield choice, output
 
     async def collect(self) -> Response | None:
@@ -352,15 +358,16 @@ class GenerationGroup:
             await self.run_to_end()
         except ClientDisconnected:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
-        error = self.first_error()
-        if error is not None:
-            raise RequestError(HTTP_BAD_REQUEST, error)
+        failed = self.first_failed()
+        if failed is not None:
+            status = HTTP_SERVER_ERROR if failed.internal_error else HTTP_BAD_REQUEST
+            raise RequestError(status, failed.error or "request failed")
         return None
 
-    def first_error(self) -> str | None:
+    def first_failed(self) -> ChoiceState | None:
         for choice in self.choices:
             if choice.finish_reason == FinishReason.ERROR:
-                return choice.error or "request failed"
+                return choice
         return None
 
     def usage(self) -> tuple[int, int, int]:
@@ -397,7 +404,10 @@ async def _guarded(
     except ClientDisconnected:
         return
     except ChoiceFailed as exc:
-        for event in error_events(error_dict(str(exc))):
+        body = error_dict(str(exc))
+        if exc.internal:
+            body = error_dict(str(exc), "server_error", code=HTTP_SERVER_ERROR)
+        for event in error_events(body):
             yield event
     except RequestError as exc:
         for event in error_events(exc.body()):

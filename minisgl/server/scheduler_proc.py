@@ -45,6 +45,9 @@ IDLE_POLL_TIMEOUT_S = 0.05
 # handed to the thread that answers pings; refreshing this often is cheap and fresh enough.
 STATS_REFRESH_INTERVAL_S = 0.05
 CTL_POLL_TIMEOUT_S = 0.1
+# A step that raises fails the requests it ran; this many in a row mean the scheduler itself is
+# broken, and the process ends.
+MAX_FAILED_STEPS_IN_A_ROW = 3
 
 
 def build_stats_reply(
@@ -128,6 +131,7 @@ class SchedulerLoop:
         self._stats_time_s = 0.0
         self._responder = StatsResponder(endpoints, self._stats_snapshot())
         self._stopped = False
+        self._failed_steps = 0  # consecutive steps that raised
 
     def _stats_snapshot(self) -> StatsReply:
         return build_stats_reply(self.scheduler, self._gen_throughput, self._gpu_probe)
@@ -201,13 +205,33 @@ class SchedulerLoop:
         messages = self._receive(0.0 if busy else idle_timeout_s)
         outputs = [out for out in map(self._handle, messages) if out is not None]
         if messages or self.scheduler.has_work():
-            outputs.extend(self.scheduler.step())
+            outputs.extend(self._step())
         else:
             self.scheduler.check_health()  # idle: a dead tp rank shows up here, not in a step
         if outputs:
             self._to_detokenizer.put(BatchTokenOutput(tuple(outputs)))
         # After going idle, publish at once: clients poll the gauges for "back to zero".
         self._refresh_stats(force=busy and not self.scheduler.has_work())
+
+    def _step(self) -> list[ReqOutput]:
+        """One scheduler step. If it raises (a bug, a device out of memory), the requests it was
+        running fail with a 500 and the server goes on with the rest; several failures in a
+        row, or one the scheduler cannot recover from (a CUDA error, tensor parallelism), end
+        the process as before (the launcher then stops the server)."""
+        try:
+            outputs = self.scheduler.step()
+        except Exception as exc:
+            self._failed_steps += 1
+            logger.exception(
+                "scheduler: a step failed (%d in a row); its requests end with an error",
+                self._failed_steps,
+            )
+            if self._failed_steps >= MAX_FAILED_STEPS_IN_A_ROW:
+                raise
+            error = f"internal error while running the request ({type(exc).__name__}: {exc})"
+            return self.scheduler.fail_running(error)
+        self._failed_steps = 0
+        return outputs
 
     def run(self) -> None:
         while not self._stopped:
