@@ -21,13 +21,16 @@ from starlette.applications import Starlette
 from starlette.responses import PlainTextResponse
 from starlette.routing import Route
 
-from minisgl.core import MAX_STOP_STRINGS, SamplingParams
+from minisgl.config import ServerArgs
+from minisgl.core import MAX_STOP_STRINGS, FinishReason, ReqOutput, SamplingParams
 from minisgl.limits import ModelLimits, check_request, resolve_max_tokens
-from minisgl.message import Endpoints
+from minisgl.message import BatchTokenOutput, Endpoints, MessageQueue, TokenizedRequest
+from minisgl.scheduler.scheduler import Scheduler
 from minisgl.server.engine_client import EngineClient
 from minisgl.server.errors import RequestError
-from minisgl.server.generation import stream_response
+from minisgl.server.generation import ChoiceFailed, stream_response
 from minisgl.server.middleware import Lifecycle, install_middleware
+from minisgl.server.scheduler_proc import MAX_FAILED_STEPS_IN_A_ROW, SchedulerLoop
 from minisgl.tokenizer import apply_chat_template, load_tokenizer
 from tests.conftest import QWEN3_VOCAB
 from tests.server_utils import ServerProcess, running_server, wait_idle
@@ -141,6 +144,64 @@ def test_request_guard_answers_500_once_with_a_request_id(caplog):
     assert len(failures) == 1 and request_id in failures[0].getMessage()
 
 
+def test_scheduler_loop_survives_a_failed_step(tiny_qwen3, monkeypatch):
+    """The scheduler process's loop, on real sockets: a step that raises ends the requests it
+    ran with an internal error (a 500 for the client) and the loop serves the next request;
+    MAX_FAILED_STEPS_IN_A_ROW failures in a row end the loop (and the server) as before."""
+    endpoints = Endpoints.create()
+    sched = Scheduler(
+        ServerArgs(model=str(tiny_qwen3), dtype="float32", num_pages=600, overlap="off")
+    )
+    detokenizer = MessageQueue("pull", endpoints.detokenizer_in, bind=True)
+    api = MessageQueue("pull", endpoints.api_in, bind=True)
+    loop = SchedulerLoop(sched, endpoints)
+    to_scheduler = MessageQueue("push", endpoints.scheduler_in, bind=False)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    real_forward = sched.engine.forward
+    failures = {"left": 1}
+
+    def flaky_forward(*args, **kwargs):
+        if failures["left"] > 0:
+            failures["left"] -= 1
+            raise RuntimeError("injected")
+        return real_forward(*args, **kwargs)
+
+    monkeypatch.setattr(sched.engine, "forward", flaky_forward)
+
+    def run(rid: str) -> list[ReqOutput]:
+        to_scheduler.put(TokenizedRequest(rid, tuple(range(10, 30)), params))
+        outputs: list[ReqOutput] = []
+        for _ in range(200):
+            loop.run_once(idle_timeout_s=0.05)
+            while (message := detokenizer.get(timeout_s=0.0)) is not None:
+                if isinstance(message, BatchTokenOutput):
+                    outputs += [o for o in message.outputs if o.rid == rid]
+            if outputs and outputs[-1].finish_reason is not None:
+                return outputs
+        raise AssertionError(f"{rid} did not finish")
+
+    try:
+        [failed] = run("first")
+        assert failed.finish_reason == FinishReason.ERROR and failed.internal_error
+        assert "RuntimeError: injected" in (failed.error or "")
+        second = run("second")
+        assert second[-1].finish_reason == FinishReason.LENGTH
+        assert sum(len(o.new_token_ids) for o in second) == 4
+        sched.check_page_accounting()
+        # Failed steps with no good one between them: the last of the limit ends the loop.
+        failures["left"] = MAX_FAILED_STEPS_IN_A_ROW
+        for i in range(MAX_FAILED_STEPS_IN_A_ROW - 1):
+            assert run(f"doomed{i}")[-1].finish_reason == FinishReason.ERROR
+        with pytest.raises(RuntimeError, match="injected"):
+            run("last")
+    finally:
+        for queue in (to_scheduler, detokenizer, api):
+            queue.close()
+        loop.close()
+        sched.shutdown()
+        endpoints.remove()
+
+
 def test_body_limit_refuses_large_bodies_and_replays_small_ones():
     app = _guarded_app(Lifecycle(), max_body_bytes=1000)
 
@@ -199,6 +260,14 @@ def test_a_stream_that_fails_ends_with_an_error_event(caplog):
     ]
     error = json.loads(timed_out[1][len("data: ") :])["error"]
     assert error == {"message": "too slow", "type": "timeout_error", "param": None, "code": 504}
+    # a choice the scheduler failed: the request's fault (400-like) or the server's (500)
+    for internal, kind, code in (
+        (False, "invalid_request_error", None),
+        (True, "server_error", 500),
+    ):
+        failed = asyncio.run(collect(ChoiceFailed("failed", internal)))
+        error = json.loads(failed[1][len("data: ") :])["error"]
+        assert (error["type"], error["code"]) == (kind, code)
 
 
 def test_failed_submit_leaves_no_route():
