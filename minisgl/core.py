@@ -171,6 +171,9 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # None: off; k >= 0: chosen token plus the top k alternatives
     skip_special_tokens: bool = True
+    # Keep the stop string that ended the text in it (vLLM's include_stop_str_in_output,
+    # SGLang's no_stop_trim); by default it is cut off.
+    include_stop_str_in_output: bool = False
     constraint: Constraint | None = None  # structured output (JSON schema, regex, ...)
     # Added to the logits before sampling: (token id, bias) pairs; a dict {id: bias} (ids as
     # ints or, as JSON sends them, strings) is accepted and stored sorted.
@@ -253,6 +256,11 @@ class SamplingParams:
         _check(isinstance(self.ignore_eos, bool), "ignore_eos", "must be a boolean")
         _check(
             isinstance(self.skip_special_tokens, bool), "skip_special_tokens", "must be a boolean"
+        )
+        _check(
+            isinstance(self.include_stop_str_in_output, bool),
+            "include_stop_str_in_output",
+            "must be a boolean",
         )
         _check(
             self.logprobs is None

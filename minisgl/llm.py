@@ -121,6 +121,7 @@ class LLM:
                 req.sampling_params.stop,
                 req.sampling_params.skip_special_tokens,
                 req.sampling_params.min_tokens,
+                req.sampling_params.include_stop_str_in_output,
             )
             for req in reqs
             if req.sampling_params.stop

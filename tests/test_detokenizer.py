@@ -103,6 +103,19 @@ def test_stop_spanning_tokens(tokenizer):
     assert detok.add(ids[-1:]) == "" and detok.flush() == ""
 
 
+def test_stop_string_kept_when_asked(tokenizer):
+    """include_stop (vLLM's include_stop_str_in_output, SGLang's no_stop_trim): the text ends
+    with the stop string, however the tokens split it, and nothing after it shows."""
+    text = "The answer is forty-two. END OF STORY and more text"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    detok = IncrementalDetokenizer(
+        tokenizer, _prompt(tokenizer), stop=["END OF STORY", "nothing"], include_stop=True
+    )
+    joined = "".join(_stream(detok, ids)) + detok.flush()
+    assert detok.stopped and detok.stop_str == "END OF STORY"
+    assert joined == detok.text == "The answer is forty-two. END OF STORY"
+
+
 def test_stop_at_the_very_start(tokenizer):
     ids = tokenizer.encode("STOP right here", add_special_tokens=False)
     detok = IncrementalDetokenizer(tokenizer, _prompt(tokenizer), stop=["STOP"])

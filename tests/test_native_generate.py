@@ -92,6 +92,18 @@ def test_generate_batch_n_and_stream(server: ServerProcess):
     assert chunks[-1]["meta_info"]["finish_reason"]["type"] == "length"
 
 
+def test_stop_strings_trimmed_unless_no_stop_trim(server: ServerProcess):
+    text = post(server, "/generate", greedy()).json()["text"]
+    stop = text[4:9]  # mid-word: it usually spans tokens
+    cut = text[: text.index(stop)]
+    for no_stop_trim, expected in ((False, cut), (True, cut + stop)):
+        body = greedy()
+        body["sampling_params"] |= {"stop": [stop], "no_stop_trim": no_stop_trim}
+        out = post(server, "/generate", body).json()
+        assert out["text"] == expected
+        assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+
+
 def test_generate_prefill_only(server: ServerProcess):
     """max_new_tokens 0 (SGLang's prefill-only request): no output, the prompt counted."""
     body = greedy()

@@ -386,6 +386,16 @@ def test_stop_strings(client: openai.OpenAI):
     chunks = [c for c in streamed if c.choices]
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == stopped
     assert [c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason] == ["stop"]
+    # vLLM's include_stop_str_in_output keeps the stop string, streamed or not
+    kept = chat_text[: chat_text.index(chat_stop) + len(chat_stop)]
+    assert greedy_chat(client, stop=chat_stop, extra_body={"include_stop_str_in_output": True}) == (
+        kept
+    )
+    streamed = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0, stop=[stop], stream=True,
+        extra_body={"include_stop_str_in_output": True},
+    )  # fmt: skip
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == expected + stop
 
 
 def test_stop_token_ids_and_eos(client: openai.OpenAI, tokenizer):

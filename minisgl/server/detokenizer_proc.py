@@ -57,6 +57,7 @@ class DetokenizerWorker:
                 stop=params.stop,
                 skip_special_tokens=params.skip_special_tokens,
                 min_tokens=params.min_tokens,
+                include_stop=params.include_stop_str_in_output,
             ),
             hidden_final_ids=frozenset(hidden),
         )

@@ -7,8 +7,8 @@ Request (SGLang's GenerateReqInput, the parts minisgl serves):
   batch;
 - `sampling_params`: an object (or one per prompt) with SGLang's names: `max_new_tokens`
   (default 128), `min_new_tokens`, `temperature`, `top_p`, `top_k`, `min_p`, the penalties, `stop`,
-  `stop_token_ids`, `ignore_eos`, `skip_special_tokens`, `n`, `sampling_seed`, `logit_bias`,
-  and the constraints `json_schema`, `regex`, `ebnf`; unknown names are ignored, as elsewhere;
+  `stop_token_ids`, `ignore_eos`, `skip_special_tokens`, `no_stop_trim`, `n`, `sampling_seed`,
+  `logit_bias`, and the constraints `json_schema`, `regex`, `ebnf`; unknown names are ignored, as elsewhere;
 - `stream`, `return_logprob`, `top_logprobs_num`, `logprob_start_len` (-1: output only; k >= 0:
   also the prompt's from position k, as prompt logprobs), `rid` (the meta_info id).
 
@@ -53,6 +53,7 @@ _SGLANG_NAMES = {
     "max_tokens": "max_new_tokens",
     "min_tokens": "min_new_tokens",
     "seed": "sampling_seed",
+    "include_stop_str_in_output": "no_stop_trim",
 }
 
 
@@ -63,6 +64,7 @@ class NativeSamplingParams(SamplingFields):
     max_new_tokens: int | None = DEFAULT_MAX_NEW_TOKENS
     min_new_tokens: int | None = None
     sampling_seed: int | None = None
+    no_stop_trim: bool = False  # SGLang's name for include_stop_str_in_output
     _logprobs: int | None = PrivateAttr(default=None)
     _prompt_logprobs: int | None = PrivateAttr(default=None)
 
@@ -72,6 +74,8 @@ class NativeSamplingParams(SamplingFields):
             self.seed = self.sampling_seed
         if self.min_new_tokens is not None:
             self.min_tokens = self.min_new_tokens
+        if self.no_stop_trim:
+            self.include_stop_str_in_output = True
         return self
 
     @property

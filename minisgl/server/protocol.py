@@ -116,6 +116,7 @@ class SamplingFields(OpenAIRequest):
     min_tokens: int | None = None  # vLLM: no EOS, stop token or stop string before this many
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False  # vLLM: the stop string stays in the text
     n: int = Field(default=1, ge=1, le=MAX_CHOICES_PER_REQUEST)
     stream: bool | None = False
     stream_options: StreamOptions | None = None

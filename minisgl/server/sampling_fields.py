@@ -47,6 +47,7 @@ def build_sampling_params(
         logprobs=body.num_logprobs,
         prompt_logprobs=body.num_prompt_logprobs,
         skip_special_tokens=body.skip_special_tokens,
+        include_stop_str_in_output=body.include_stop_str_in_output,
         constraint=constraint,
         **{name: value for name, value in overrides.items() if value is not None},
     )

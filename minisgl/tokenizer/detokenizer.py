@@ -38,9 +38,11 @@ class IncrementalDetokenizer:
         stop: Sequence[str] = (),
         skip_special_tokens: bool = True,
         min_tokens: int = 0,
+        include_stop: bool = False,
     ) -> None:
         """min_tokens: the text of the first min_tokens output tokens is shown as it comes and
-        never matched against the stop strings (vLLM's min_tokens)."""
+        never matched against the stop strings (vLLM's min_tokens). include_stop: the text ends
+        with the stop string that ended it, instead of just before it."""
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
         self._ids: list[int] = [int(t) for t in prompt_ids[-PROMPT_CONTEXT_TOKENS:]]
@@ -53,6 +55,7 @@ class IncrementalDetokenizer:
         self.stopped = False
         self.stop_str: str | None = None  # the stop string that ended the text, if any
         self._min_tokens = min_tokens
+        self._include_stop = include_stop
         self._num_tokens = 0  # output tokens added so far
 
     def add(self, token_ids: Sequence[int]) -> str:
@@ -96,7 +99,7 @@ class IncrementalDetokenizer:
         held = self._held
         stop_at, stop_str = self._find_stop(held) if match else (len(held), None)
         if stop_str is not None:
-            out = held[:stop_at]
+            out = held[: stop_at + (len(stop_str) if self._include_stop else 0)]
             self.stopped, self.stop_str, self._held = True, stop_str, ""
         elif final:
             out, self._held = held, ""
