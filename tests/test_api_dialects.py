@@ -20,7 +20,7 @@ import httpx
 import jsonschema
 import pytest
 from anthropic.types import Message, MessageTokensCount, RawMessageStreamEvent
-from openai.types.responses import Response, ResponseStreamEvent
+from openai.types.responses import Response, ResponseItemList, ResponseStreamEvent
 from pydantic import TypeAdapter
 from transformers import AutoTokenizer
 
@@ -28,12 +28,12 @@ from minisgl.chat.prepare import PreparedChat
 from minisgl.chat.reasoning import Mode
 from minisgl.chat.requests import ToolPlan
 from minisgl.core import InvalidRequestError, SamplingParams
-from minisgl.server.errors import shape_error
+from minisgl.server.errors import RequestError, shape_error
 from minisgl.server.generation import ChoiceFailed, _guarded
 from minisgl.server.response_store import ResponseStore
-from minisgl.server.responses_protocol import ResponsesRequest, input_messages
+from minisgl.server.responses_protocol import ResponsesRequest, input_items, input_messages
 from minisgl.server.serving_messages import _error_events, tool_input
-from minisgl.server.serving_responses import _Turn
+from minisgl.server.serving_responses import _Turn, list_input_items
 from tests.server_utils import ServerProcess, require_default_model, running_server, wait_idle
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -192,6 +192,16 @@ def test_previous_response_id_get_and_delete(server: ServerProcess):
     )
     assert missing.status_code == 404
     assert missing.json()["error"]["param"] == "previous_response_id"
+    # the input items, as the SDK lists them (this request's input; newest first by default)
+    items = TypeAdapter(ResponseItemList)
+    listed = httpx.get(f"{server.url}/v1/responses/{second['id']}/input_items", timeout=10)
+    assert listed.status_code == 200
+    items.validate_python(listed.json())
+    [item] = listed.json()["data"]
+    assert item["role"] == "user" and item["content"] == [
+        {"type": "input_text", "text": "Name another one."}
+    ]
+    wait_idle(server)
     # store false: nothing kept
     unstored = create(server, model=MODEL, input="Hi", max_output_tokens=2, store=False)
     assert httpx.get(f"{server.url}/v1/responses/{unstored['id']}").status_code == 404
@@ -584,6 +594,38 @@ def test_input_items_become_chat_messages():
     assert "reasoning_content" not in messages[5]
     with pytest.raises(InvalidRequestError, match=r"input\[0\]"):
         input_messages([{"role": "tool", "content": "x"}])
+
+
+def test_input_items_list_in_openais_shapes():
+    given = [
+        {"role": "developer", "content": "Be brief."},
+        {"type": "message", "role": "assistant",
+         "content": [{"type": "output_text", "text": "Hi"}]},
+        {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": "1"},
+        {"type": "reasoning", "content": [{"type": "reasoning_text", "text": "hm"}]},
+        {"role": "user", "content": [{"type": "text", "text": "Go on."}]},
+    ]  # fmt: skip
+    items = input_items(given)
+    assert len({item["id"] for item in items}) == len(given)
+    store = ResponseStore()
+    store.put({"id": "r1"}, [], items)
+    ctx = SimpleNamespace(responses=store)
+    page = list_input_items(ctx, "r1", limit=4, order="asc", after=None)  # type: ignore[arg-type]
+    TypeAdapter(ResponseItemList).validate_python(page)
+    assert [item["id"] for item in page["data"]] == [item["id"] for item in items[:4]]
+    assert page["has_more"] and page["last_id"] == items[3]["id"]
+    rest = list_input_items(ctx, "r1", 4, "asc", page["last_id"])  # type: ignore[arg-type]
+    assert [item["id"] for item in rest["data"]] == [item["id"] for item in items[4:]]
+    assert not rest["has_more"]
+    newest = list_input_items(ctx, "r1", 20, "desc", None)  # type: ignore[arg-type]
+    assert newest["data"] == items[::-1]
+    assert items[-1]["content"] == [{"type": "input_text", "text": "Go on."}]
+    for args, param in (((0, "asc", None), "limit"), ((5, "up", None), "order"),
+                        ((5, "asc", "nope"), "after")):  # fmt: skip
+        with pytest.raises(RequestError) as caught:
+            list_input_items(ctx, "r1", *args)  # type: ignore[arg-type]
+        assert caught.value.param == param
 
 
 def test_store_is_bounded_by_count_and_size():

@@ -39,7 +39,12 @@ from minisgl.server.responses_protocol import ResponsesRequest
 from minisgl.server.serving_chat import create_chat_completion
 from minisgl.server.serving_completion import create_completion
 from minisgl.server.serving_messages import count_tokens, create_message
-from minisgl.server.serving_responses import create_response, delete_response, retrieve_response
+from minisgl.server.serving_responses import (
+    create_response,
+    delete_response,
+    list_input_items,
+    retrieve_response,
+)
 from minisgl.server.serving_tokenize import (
     DetokenizeRequest,
     TokenizeRequest,
@@ -181,6 +186,16 @@ def create_app(
     @app.get("/v1/responses/{response_id}")
     async def get_response(response_id: str, request: Request) -> dict[str, Any]:
         return retrieve_response(ctx_of(request), response_id)
+
+    @app.get("/v1/responses/{response_id}/input_items")
+    async def get_input_items(
+        response_id: str,
+        request: Request,
+        limit: int = 20,
+        order: str = "desc",
+        after: str | None = None,
+    ) -> dict[str, Any]:
+        return list_input_items(ctx_of(request), response_id, limit, order, after)
 
     @app.delete("/v1/responses/{response_id}")
     async def remove_response(response_id: str, request: Request) -> dict[str, Any]:

@@ -8,7 +8,8 @@ Request (SGLang's GenerateReqInput, the parts minisgl serves):
 - `sampling_params`: an object (or one per prompt) with SGLang's names: `max_new_tokens`
   (default 128), `min_new_tokens`, `temperature`, `top_p`, `top_k`, `min_p`, the penalties, `stop`,
   `stop_token_ids`, `ignore_eos`, `skip_special_tokens`, `no_stop_trim`, `n`, `sampling_seed`,
-  `logit_bias`, and the constraints `json_schema`, `regex`, `ebnf`; unknown names are ignored, as elsewhere;
+  `logit_bias`, and the constraints `json_schema`, `regex`, `ebnf`; unknown names are ignored,
+  as elsewhere;
 - `stream`, `return_logprob`, `top_logprobs_num`, `logprob_start_len` (-1: output only; k >= 0:
   also the prompt's from position k, as prompt logprobs), `rid` (the meta_info id).
 

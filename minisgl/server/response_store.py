@@ -22,6 +22,7 @@ MAX_STORED_CHARS = 64 * 1024 * 1024
 class StoredResponse:
     response: dict[str, Any]  # the response object, as the client received it
     conversation: list[dict[str, Any]]  # chat messages, this response's reply included
+    input_items: list[dict[str, Any]]  # this request's input, as GET .../input_items lists it
     size_chars: int
 
 
@@ -37,12 +38,18 @@ class ResponseStore:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def put(self, response: dict[str, Any], conversation: list[dict[str, Any]]) -> None:
-        size = len(json.dumps(response)) + len(json.dumps(conversation))
+    def put(
+        self,
+        response: dict[str, Any],
+        conversation: list[dict[str, Any]],
+        input_items: list[dict[str, Any]] | None = None,
+    ) -> None:
+        input_items = input_items or []
+        size = sum(len(json.dumps(part)) for part in (response, conversation, input_items))
         if size > self._max_chars:
             return  # larger than the whole store: keeping it would evict everything else
         self.delete(response["id"])
-        self._entries[response["id"]] = StoredResponse(response, conversation, size)
+        self._entries[response["id"]] = StoredResponse(response, conversation, input_items, size)
         self._chars += size
         while len(self._entries) > self._max_entries or self._chars > self._max_chars:
             _, oldest = self._entries.popitem(last=False)

@@ -19,6 +19,7 @@ client learns its request was not run as written.
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Mapping
 from typing import Any
 
@@ -210,6 +211,51 @@ def input_messages(value: str | list[Any]) -> list[dict[str, Any]]:
     if not messages:
         raise InvalidRequestError("input", "must hold at least one message")
     return messages
+
+
+_ITEM_ID_PREFIXES = {
+    "message": "msg",
+    "function_call": "fc",
+    "function_call_output": "fco",
+    "reasoning": "rs",
+}
+
+
+def _text_parts(content: Any, role: str) -> list[dict[str, Any]]:
+    """A message's content as OpenAI's typed parts: input_text, or output_text for the
+    assistant (which carries annotations); refusals as they are."""
+    parts = [{"type": "text", "text": content}] if isinstance(content, str) else content
+    typed = []
+    for part in parts:
+        if part.get("type") == "refusal":
+            typed.append(dict(part))
+        elif role == "assistant":
+            typed.append({"type": "output_text", "text": part["text"], "annotations": []})
+        else:
+            typed.append({"type": "input_text", "text": part["text"]})
+    return typed
+
+
+def input_items(value: str | list[Any]) -> list[dict[str, Any]]:
+    """`input` (already checked by `input_messages`) as the items GET
+    /v1/responses/{id}/input_items lists: OpenAI's shapes, each with an id."""
+    given = [{"role": "user", "content": value}] if isinstance(value, str) else value
+    items = []
+    for item in given:
+        kind = item.get("type", "message")
+        entry = {"id": item.get("id") or f"{_ITEM_ID_PREFIXES[kind]}_{uuid.uuid4().hex}"}
+        if kind == "message":
+            role = item["role"]
+            content = _text_parts(item.get("content"), role)
+            entry |= {"type": "message", "role": role, "content": content, "status": "completed"}
+        else:
+            entry |= {k: v for k, v in item.items() if k != "id"}
+            if kind != "reasoning":
+                entry.setdefault("status", "completed")
+            else:
+                entry.setdefault("summary", [])
+        items.append(entry)
+    return items
 
 
 def chat_tools(tools: list[Any] | None) -> list[dict[str, Any]] | None:

@@ -30,6 +30,7 @@ from minisgl.server.responses_protocol import (
     ResponsesChatRequest,
     ResponsesRequest,
     chat_request_for,
+    input_items,
 )
 from minisgl.server.serving_chat import CallIds, chat_logprobs, prepare_chat_request
 from minisgl.server.sse import EventQueue
@@ -291,7 +292,7 @@ class _Turn:
     def keep(self, response: dict[str, Any]) -> None:
         if self._body.store:
             conversation = [*self._conversation, self.output.assistant_message()]
-            self._ctx.responses.put(response, conversation)
+            self._ctx.responses.put(response, conversation, input_items(self._body.input))
 
     def error_events(self, body: dict[str, Any]) -> list[str]:
         """A stream that fails: the error event, then response.failed (no [DONE] here)."""
@@ -407,3 +408,34 @@ def delete_response(ctx: ServingContext, response_id: str) -> dict[str, Any]:
     if not ctx.responses.delete(response_id):
         raise _not_found(response_id)
     return {"id": response_id, "object": "response", "deleted": True}
+
+
+MAX_LISTED_ITEMS = 100
+
+
+def list_input_items(
+    ctx: ServingContext, response_id: str, limit: int, order: str, after: str | None
+) -> dict[str, Any]:
+    """GET /v1/responses/{id}/input_items: the request's input items, newest first unless
+    order is "asc", `limit` at a time, from after the item `after`."""
+    stored = ctx.responses.get(response_id)
+    if stored is None:
+        raise _not_found(response_id)
+    if not 1 <= limit <= MAX_LISTED_ITEMS:
+        raise RequestError(HTTP_BAD_REQUEST, f"limit: must be in [1, {MAX_LISTED_ITEMS}]", "limit")
+    if order not in ("asc", "desc"):
+        raise RequestError(HTTP_BAD_REQUEST, "order: must be 'asc' or 'desc'", "order")
+    items = stored.input_items if order == "asc" else stored.input_items[::-1]
+    if after is not None:
+        ids = [item["id"] for item in items]
+        if after not in ids:
+            raise RequestError(HTTP_BAD_REQUEST, f"after: no input item {after!r}", "after")
+        items = items[ids.index(after) + 1 :]
+    page = items[:limit]
+    return {
+        "object": "list",
+        "data": page,
+        "first_id": page[0]["id"] if page else None,
+        "last_id": page[-1]["id"] if page else None,
+        "has_more": len(items) > limit,
+    }
