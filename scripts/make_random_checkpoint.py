@@ -31,6 +31,12 @@ PRESETS = {
         hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
         num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=False,
     ),
+    # Not a real model: one tiny layer with Qwen3's vocabulary, so a run's time is the
+    # scheduler's host work plus sampling (profile_steps.py: the host cost per step).
+    "host-probe": dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=32, tie_word_embeddings=True,
+    ),
 }  # fmt: skip
 QWEN3_VOCAB = 151936
 QWEN3_EOS = 151645
