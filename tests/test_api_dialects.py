@@ -64,19 +64,24 @@ def create(server: ServerProcess, **body: Any) -> dict[str, Any]:
     return reply.json()
 
 
-def stream(server: ServerProcess, **body: Any) -> list[dict[str, Any]]:
-    """POST /v1/responses with stream: the events, each checked against the SDK's models."""
-    reply = httpx.post(
-        server.url + "/v1/responses", json={**body, "stream": True}, timeout=TIMEOUT_S
-    )
+def named_events(server: ServerProcess, path: str, body: dict[str, Any]) -> list[dict[str, Any]]:
+    """POST `path` with stream: the events (`event:` line, then `data:`), the kinds agreeing."""
+    reply = httpx.post(server.url + path, json={**body, "stream": True}, timeout=TIMEOUT_S)
     assert reply.status_code == 200, reply.text
     events = []
     for block in reply.text.strip().split("\n\n"):
         kind_line, data_line = block.split("\n")
         event = json.loads(data_line.removeprefix("data: "))
         assert kind_line == f"event: {event['type']}"
-        EVENT.validate_python(event)
         events.append(event)
+    return events
+
+
+def stream(server: ServerProcess, **body: Any) -> list[dict[str, Any]]:
+    """POST /v1/responses with stream: the events, each checked against the SDK's models."""
+    events = named_events(server, "/v1/responses", body)
+    for event in events:
+        EVENT.validate_python(event)
     assert [e["sequence_number"] for e in events] == list(range(len(events)))
     return events
 
@@ -324,18 +329,10 @@ def message(server: ServerProcess, **body: Any) -> dict[str, Any]:
 def message_stream(server: ServerProcess, **body: Any) -> dict[str, Any]:
     """POST /v1/messages with stream: every event checked against the SDK's models and the
     order Anthropic sends them in; returns the message the events build."""
-    reply = httpx.post(
-        server.url + "/v1/messages", json={**body, "stream": True}, timeout=TIMEOUT_S
-    )
-    assert reply.status_code == 200, reply.text
-    events = []
-    for block in reply.text.strip().split("\n\n"):
-        kind_line, data_line = block.split("\n")
-        event = json.loads(data_line.removeprefix("data: "))
-        assert kind_line == f"event: {event['type']}"
+    events = named_events(server, "/v1/messages", body)
+    for event in events:
         if event["type"] != "ping":
             ANTHROPIC_EVENT.validate_python(event)
-        events.append(event)
     kinds = [e["type"] for e in events]
     assert kinds[0] == "message_start" and kinds[-2:] == ["message_delta", "message_stop"]
     built = events[0]["message"]

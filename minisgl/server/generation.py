@@ -18,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar, cast
 
+from pydantic import ValidationError
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from transformers import PreTrainedTokenizerBase
@@ -61,6 +62,18 @@ def invalid_request(exc: InvalidRequestError, body: SamplingFields) -> RequestEr
     """A 400 for a broken rule, `param` named as this endpoint's clients spell it."""
     param = body.wire_param(exc.param)
     return RequestError(HTTP_BAD_REQUEST, f"{param}: {exc.message}", param=param)
+
+
+def translated_request_error(exc: InvalidRequestError | ValidationError) -> RequestError:
+    """A 400 for a rule broken while a request in another API's shape (Responses, Messages)
+    was turned into a chat request: the rule's own field and message."""
+    if isinstance(exc, ValidationError):  # a rule of the chat request it became
+        first = exc.errors()[0]
+        rule = first.get("ctx", {}).get("error")
+        if not isinstance(rule, InvalidRequestError):
+            return RequestError(HTTP_BAD_REQUEST, f"invalid request: {first['msg']}")
+        exc = rule
+    return RequestError(HTTP_BAD_REQUEST, str(exc), param=exc.param)
 
 
 _T = TypeVar("_T")

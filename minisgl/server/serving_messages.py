@@ -22,8 +22,13 @@ from starlette.responses import JSONResponse, Response
 from minisgl.chat import ChatDelta, PreparedChat
 from minisgl.chat.tool_parsers import ToolCallDelta
 from minisgl.core import FinishReason, InvalidRequestError
-from minisgl.server.errors import HTTP_BAD_REQUEST, RequestError, anthropic_error
-from minisgl.server.generation import GenerationGroup, ServingContext, stream_response
+from minisgl.server.errors import anthropic_error
+from minisgl.server.generation import (
+    GenerationGroup,
+    ServingContext,
+    stream_response,
+    translated_request_error,
+)
 from minisgl.server.messages_protocol import MessagesChatRequest, MessagesRequest, chat_request_for
 from minisgl.server.serving_chat import prepare_chat_request
 from minisgl.server.sse import EventQueue
@@ -143,14 +148,8 @@ def stop_reason(
 def _chat_request(body: MessagesRequest) -> MessagesChatRequest:
     try:
         return chat_request_for(body)
-    except InvalidRequestError as exc:
-        raise RequestError(HTTP_BAD_REQUEST, str(exc), exc.param) from None
-    except ValidationError as exc:  # a rule of the chat request this one became
-        first = exc.errors()[0]
-        rule = first.get("ctx", {}).get("error")
-        if isinstance(rule, InvalidRequestError):
-            raise RequestError(HTTP_BAD_REQUEST, str(rule), rule.param) from None
-        raise RequestError(HTTP_BAD_REQUEST, f"invalid request: {first['msg']}") from None
+    except (InvalidRequestError, ValidationError) as exc:
+        raise translated_request_error(exc) from None
 
 
 async def _prepare(

@@ -25,7 +25,13 @@ from minisgl.chat import ChatDelta, ChatOutputParser, PreparedChat
 from minisgl.chat.tool_parsers import ToolCallDelta
 from minisgl.core import FinishReason, InvalidRequestError, SamplingParams, TokenLogprob
 from minisgl.server.errors import HTTP_BAD_REQUEST, HTTP_SERVER_ERROR, RequestError
-from minisgl.server.generation import ChoiceState, GenerationGroup, ServingContext, stream_response
+from minisgl.server.generation import (
+    ChoiceState,
+    GenerationGroup,
+    ServingContext,
+    stream_response,
+    translated_request_error,
+)
 from minisgl.server.responses_protocol import (
     ResponsesChatRequest,
     ResponsesRequest,
@@ -65,10 +71,6 @@ class OutputItems:
     @property
     def _index(self) -> int:
         return len(self.items) - 1
-
-    @property
-    def _open_kind(self) -> str | None:
-        return None if self._open is None else self._open["type"]
 
     def feed(self, delta: ChatDelta, logprobs: list[dict[str, Any]]) -> None:
         """logprobs: of the tokens behind this delta; they go with its message text."""
@@ -325,14 +327,8 @@ def _chat_request(
         history = stored.conversation
     try:
         return chat_request_for(body, history)
-    except InvalidRequestError as exc:
-        raise RequestError(HTTP_BAD_REQUEST, f"{exc.param}: {exc.message}", exc.param) from None
-    except ValidationError as exc:  # a rule of the chat request this one became
-        first = exc.errors()[0]
-        rule = first.get("ctx", {}).get("error")
-        if isinstance(rule, InvalidRequestError):
-            raise RequestError(HTTP_BAD_REQUEST, str(rule), rule.param) from None
-        raise RequestError(HTTP_BAD_REQUEST, f"invalid request: {first['msg']}") from None
+    except (InvalidRequestError, ValidationError) as exc:
+        raise translated_request_error(exc) from None
 
 
 async def create_response(
