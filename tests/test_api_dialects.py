@@ -560,6 +560,10 @@ def test_reasoning_items_match_chat_reasoning(qwen3_server: ServerProcess):
         chat_template_kwargs={"enable_thinking": False},
     )  # fmt: skip
     assert off["usage"]["input_tokens"] == reference["usage"]["prompt_tokens"]
+    # ... as OpenAI's chat field reasoning_effort does on /v1/chat/completions
+    effort_off = chat(qwen3_server, messages=messages, max_tokens=8, temperature=0,
+                      reasoning_effort="none")  # fmt: skip
+    assert effort_off["usage"]["prompt_tokens"] == reference["usage"]["prompt_tokens"]
     assert [item["type"] for item in off["output"]] == ["message"]
     assert output_text(off) == reference["choices"][0]["message"]["content"]
     wait_idle(qwen3_server)

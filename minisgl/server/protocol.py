@@ -173,6 +173,19 @@ class ChatCompletionRequest(SamplingFields):
     parallel_tool_calls: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
     separate_reasoning: bool = True  # SGLang: false keeps the reasoning inside the content
+    # OpenAI's: reaches the template as `reasoning_effort` (as in vLLM); "none" also turns a
+    # hybrid model's thinking off (Qwen3's enable_thinking=false) unless the request sets it.
+    reasoning_effort: str | None = None
+
+    @property
+    def template_kwargs(self) -> dict[str, Any] | None:
+        """chat_template_kwargs with what reasoning_effort implies."""
+        if self.reasoning_effort is None:
+            return self.chat_template_kwargs
+        kwargs = {"reasoning_effort": self.reasoning_effort, **(self.chat_template_kwargs or {})}
+        if self.reasoning_effort == "none":
+            kwargs.setdefault("enable_thinking", False)
+        return kwargs
 
     @property
     def requested_max_tokens(self) -> int | None:

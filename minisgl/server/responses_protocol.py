@@ -8,8 +8,8 @@ What translates:
   assistant message's `tool_calls`, `function_call_output` -> a `tool` message, `reasoning` ->
   the next assistant message's `reasoning_content`.
 - `tools` (flat function tools) and `tool_choice` -> chat's nested forms; `text.format` ->
-  `response_format`; `max_output_tokens` -> `max_tokens`; `reasoning.effort` "none" -> the
-  template's `enable_thinking=false` (Qwen3's switch).
+  `response_format`; `max_output_tokens` -> `max_tokens`; `reasoning.effort` -> the chat
+  request's `reasoning_effort` ("none" turns Qwen3's thinking off).
 - vLLM's and SGLang's sampling extras (top_k, min_p, penalties, seed, stop, ...) pass through.
 
 What does not: built-in tools (web search, file search, computer use, MCP), images and files
@@ -299,14 +299,6 @@ def chat_response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
     return {"type": "json_schema", "json_schema": inner}
 
 
-def _template_kwargs(body: ResponsesRequest) -> dict[str, Any] | None:
-    kwargs = dict(body.chat_template_kwargs or {})
-    effort = (body.reasoning or {}).get("effort")
-    if effort == "none" and "enable_thinking" not in kwargs:
-        kwargs["enable_thinking"] = False
-    return kwargs or None
-
-
 def chat_request_for(
     body: ResponsesRequest, history: list[dict[str, Any]]
 ) -> tuple[ResponsesChatRequest, list[dict[str, Any]]]:
@@ -326,7 +318,8 @@ def chat_request_for(
         "tool_choice": chat_tool_choice(body.tool_choice),
         "parallel_tool_calls": body.parallel_tool_calls,
         "response_format": chat_response_format(body.text),
-        "chat_template_kwargs": _template_kwargs(body),
+        "chat_template_kwargs": body.chat_template_kwargs,
+        "reasoning_effort": (body.reasoning or {}).get("effort"),
         "stream": body.stream,
         "user": body.user,
     }

@@ -52,7 +52,7 @@ def _prepare(ctx: ServingContext, body: ChatCompletionRequest) -> tuple[Prepared
         tools=body.tools,
         tool_choice=body.tool_choice,
         parallel_tool_calls=body.parallel_tool_calls,
-        template_kwargs=body.chat_template_kwargs,
+        template_kwargs=body.template_kwargs,
         separate_reasoning=body.separate_reasoning,
         constraint_fields=body.constraint_fields,
     )
