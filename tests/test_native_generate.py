@@ -72,10 +72,14 @@ def test_generate_matches_the_openai_endpoint(server: ServerProcess):
 
 
 def test_generate_batch_n_and_stream(server: ServerProcess):
-    body = greedy(text=[PROMPT, "Once upon a time"])
+    body = greedy(text=[PROMPT, "Once upon a time"], rid=["first", "second"])
     body["sampling_params"] |= {"n": 2}
     outs = post(server, "/generate", body).json()
     assert isinstance(outs, list) and [o["index"] for o in outs] == [0, 1, 2, 3]
+    # a list of rids: one per prompt, shared by that prompt's n sequences
+    assert [o["meta_info"]["id"] for o in outs] == ["first", "first", "second", "second"]
+    wrong = post(server, "/generate", {**body, "rid": ["only-one"]})
+    assert wrong.status_code == 400 and wrong.json()["error"]["param"] == "rid"
     single = post(server, "/generate", greedy()).json()
     assert outs[0]["text"] == outs[1]["text"] == single["text"]  # greedy: n copies agree
     assert outs[2]["meta_info"]["prompt_tokens"] != outs[0]["meta_info"]["prompt_tokens"]

@@ -11,7 +11,8 @@ Request (SGLang's GenerateReqInput, the parts minisgl serves):
   `logit_bias`, and the constraints `json_schema`, `regex`, `ebnf`; unknown names are ignored,
   as elsewhere;
 - `stream`, `return_logprob`, `top_logprobs_num`, `logprob_start_len` (-1: output only; k >= 0:
-  also the prompt's from position k, as prompt logprobs), `rid` (the meta_info id).
+  also the prompt's from position k, as prompt logprobs), `rid` (the meta_info id: one, or a
+  list with one per prompt).
 
 Response, per sequence: `{"text", "output_ids", "meta_info"}`, a list of them for a batch or
 n > 1. meta_info: `id`, `finish_reason` (null, or `{"type": "stop", "matched": ...}` /
@@ -113,12 +114,14 @@ class GenerateRequest(OpenAIRequest):
     return_logprob: bool = False
     top_logprobs_num: int = 0
     logprob_start_len: int = -1
-    rid: str | None = None
+    rid: str | list[str] | None = None  # one id, or one per prompt of a batch
 
     @model_validator(mode="after")
     def _one_prompt_field(self) -> GenerateRequest:
         if (self.text is None) == (self.input_ids is None):
             raise InvalidRequestError("text", "give exactly one of text and input_ids")
+        if isinstance(self.rid, list) and len(self.rid) != len(self.prompts()):
+            raise InvalidRequestError("rid", "a list of ids needs one id per prompt")
         if not 0 <= self.top_logprobs_num <= MAX_LOGPROBS:
             raise InvalidRequestError("top_logprobs_num", f"must be in [0, {MAX_LOGPROBS}]")
         if self.logprob_start_len < -1:
@@ -192,10 +195,17 @@ class _Responder:
         self.max_new_tokens = max_new_tokens  # per prompt, resolved
         self.start_s = time.perf_counter()
 
+    def rid_of(self, choice: ChoiceState) -> str:
+        """The client's id for this sequence's prompt (a list gives one per prompt), else ours."""
+        rid = self.body.rid
+        if isinstance(rid, list):
+            return rid[choice.prompt_index]
+        return rid or choice.rid
+
     def meta_info(self, choice: ChoiceState) -> dict[str, Any]:
         prompt = self.group.prompts[choice.prompt_index]
         meta: dict[str, Any] = {
-            "id": self.body.rid or choice.rid,
+            "id": self.rid_of(choice),
             "finish_reason": _finish_reason(choice, self.max_new_tokens[choice.prompt_index]),
             "prompt_tokens": len(prompt),
             "completion_tokens": choice.num_tokens,
