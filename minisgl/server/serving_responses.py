@@ -3,8 +3,8 @@
 A request is translated to a chat request (minisgl.server.responses_protocol) and runs as one.
 Its reply's ChatDeltas (reasoning, content, tool calls) become output items in the order the
 model wrote them: a `reasoning` item, a `message` with one `output_text` part, `function_call`
-items. `OutputItems` builds them for the streamed and the whole response alike, so the two
-agree; a stream sends OpenAI's event sequence (response.created, response.in_progress, each
+items. `OutputItems` (minisgl.server.response_items) builds them for the streamed and the
+whole response alike, so the two agree; a stream sends OpenAI's event sequence (response.created, response.in_progress, each
 item's added / delta / done events, then response.completed or response.incomplete), every
 event numbered. With `store` (OpenAI's default) the response is kept (minisgl.server.
 response_store) for GET and for a later request's `previous_response_id`.
@@ -13,7 +13,6 @@ response_store) for GET and for a later request's `previous_response_id`.
 from __future__ import annotations
 
 import time
-import uuid
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
@@ -21,8 +20,7 @@ from pydantic import ValidationError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from minisgl.chat import ChatDelta, ChatOutputParser, PreparedChat
-from minisgl.chat.tool_parsers import ToolCallDelta
+from minisgl.chat import ChatOutputParser, PreparedChat
 from minisgl.core import FinishReason, InvalidRequestError, SamplingParams, TokenLogprob
 from minisgl.server.errors import HTTP_BAD_REQUEST, HTTP_SERVER_ERROR, RequestError
 from minisgl.server.generation import (
@@ -32,179 +30,17 @@ from minisgl.server.generation import (
     stream_response,
     translated_request_error,
 )
+from minisgl.server.response_items import OutputItems, new_item_id
 from minisgl.server.responses_protocol import (
     ResponsesChatRequest,
     ResponsesRequest,
     chat_request_for,
     input_items,
 )
-from minisgl.server.serving_chat import CallIds, chat_logprobs, prepare_chat_request
+from minisgl.server.serving_chat import chat_logprobs, prepare_chat_request
 from minisgl.server.sse import EventQueue
 
 HTTP_NOT_FOUND = 404
-MESSAGE, REASONING, CALL = "message", "reasoning", "function_call"
-
-
-def _new_id(prefix: str) -> str:
-    return f"{prefix}_{uuid.uuid4().hex}"
-
-
-class OutputItems:
-    """One reply's ChatDeltas -> output items; with `events`, also the stream events that
-    build them. One item is open at a time: the next kind of output closes it."""
-
-    def __init__(self, events: EventQueue | None = None) -> None:
-        self.items: list[dict[str, Any]] = []
-        self._events = events
-        self._open: dict[str, Any] | None = None
-        self._open_call: int | None = None  # ToolCallDelta.index of the open function call
-        self._call_ids = CallIds()
-        # Whitespace between items (the newlines after </think>, before a call) is held: it
-        # starts a message only if text follows.
-        self._held_text = ""
-        self._held_logprobs: list[dict[str, Any]] = []
-
-    def _emit(self, kind: str, **fields: Any) -> None:
-        if self._events is not None:
-            self._events.emit(kind, **fields)
-
-    @property
-    def _index(self) -> int:
-        return len(self.items) - 1
-
-    def feed(self, delta: ChatDelta, logprobs: list[dict[str, Any]]) -> None:
-        """logprobs: of the tokens behind this delta; they go with its message text."""
-        if delta.reasoning:
-            self._write_reasoning(delta.reasoning)
-        if delta.content:
-            self._write_text(delta.content, logprobs)
-        for call in delta.tool_calls:
-            self._write_call(call)
-
-    def finish(self, status: str) -> None:
-        """Close the open item with `status` (completed, or incomplete when cut short)."""
-        if not self.items and self._held_text:  # a reply of only whitespace is still a reply
-            self._write_text("", [], flush=True)
-        self._close(status)
-
-    def _at(self, item: dict[str, Any], part: bool = True) -> dict[str, Any]:
-        """Where an event about the open item (and its one content part) points."""
-        where: dict[str, Any] = {"item_id": item["id"], "output_index": self._index}
-        if part:
-            where["content_index"] = 0
-        return where
-
-    def _start(self, item: dict[str, Any], part: dict[str, Any] | None) -> dict[str, Any]:
-        self._close("completed")
-        self._open = item
-        self.items.append(item)
-        self._emit("response.output_item.added", output_index=self._index, item=item)
-        if part is not None:
-            item["content"].append(part)
-            self._emit("response.content_part.added", **self._at(item), part=part)
-        return item
-
-    def _write_reasoning(self, text: str) -> None:
-        item = self._open
-        if item is None or item["type"] != REASONING:
-            empty = {"type": "reasoning_text", "text": ""}
-            item = self._start(
-                {
-                    "id": _new_id("rs"),
-                    "type": REASONING,
-                    "summary": [],
-                    "content": [],
-                    "status": "in_progress",
-                },
-                empty,
-            )
-        item["content"][0]["text"] += text
-        self._emit("response.reasoning_text.delta", **self._at(item), delta=text)
-
-    def _write_text(self, text: str, logprobs: list[dict[str, Any]], flush: bool = False) -> None:
-        item = self._open
-        if item is None or item["type"] != MESSAGE:
-            if not text.strip() and not flush:
-                self._held_text += text
-                self._held_logprobs += logprobs
-                return
-            empty = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-            item = self._start(
-                {
-                    "id": _new_id("msg"),
-                    "type": MESSAGE,
-                    "role": "assistant",
-                    "status": "in_progress",
-                    "content": [],
-                },
-                empty,
-            )
-            text, logprobs = self._held_text + text, self._held_logprobs + logprobs
-            self._drop_held()
-        part = item["content"][0]
-        part["text"] += text
-        part["logprobs"] += logprobs
-        self._emit("response.output_text.delta", **self._at(item), delta=text, logprobs=logprobs)
-
-    def _drop_held(self) -> None:
-        self._held_text, self._held_logprobs = "", []
-
-    def _write_call(self, call: ToolCallDelta) -> None:
-        item = self._open
-        if call.name is not None or item is None or self._open_call != call.index:
-            self._drop_held()
-            item = self._start(
-                {
-                    "id": _new_id("fc"),
-                    "type": CALL,
-                    "call_id": self._call_ids.get(0, call.index),
-                    "name": call.name or "",
-                    "arguments": "",
-                    "status": "in_progress",
-                },
-                None,
-            )
-            self._open_call = call.index
-        item["arguments"] += call.arguments
-        if call.arguments:
-            where = self._at(item, part=False)
-            self._emit("response.function_call_arguments.delta", **where, delta=call.arguments)
-
-    def _close(self, status: str) -> None:
-        item, self._open, self._open_call = self._open, None, None
-        if item is None:
-            return
-        if item["type"] == CALL:
-            where = self._at(item, part=False)
-            self._emit(
-                "response.function_call_arguments.done", **where, arguments=item["arguments"]
-            )
-        else:
-            part = item["content"][0]
-            if item["type"] == MESSAGE:
-                done = {"text": part["text"], "logprobs": part["logprobs"]}
-                self._emit("response.output_text.done", **self._at(item), **done)
-            else:
-                self._emit("response.reasoning_text.done", **self._at(item), text=part["text"])
-            self._emit("response.content_part.done", **self._at(item), part=part)
-        item["status"] = status
-        self._emit("response.output_item.done", output_index=self._index, item=item)
-
-    def assistant_message(self) -> dict[str, Any]:
-        """The reply as a chat message: what a later turn's conversation holds."""
-        message: dict[str, Any] = {"role": "assistant", "content": ""}
-        calls = []
-        for item in self.items:
-            if item["type"] == MESSAGE:
-                message["content"] += item["content"][0]["text"]
-            elif item["type"] == REASONING:
-                message["reasoning_content"] = item["content"][0]["text"]
-            else:
-                function = {"name": item["name"], "arguments": item["arguments"]}
-                calls.append({"id": item["call_id"], "type": "function", "function": function})
-        if calls:
-            message["tool_calls"] = calls
-        return message
 
 
 class _Turn:
@@ -224,7 +60,7 @@ class _Turn:
         self._parser: ChatOutputParser = prepared.new_parser()
         self.events = EventQueue(numbered=True)
         self.output = OutputItems(self.events if body.stream else None)
-        self.id = _new_id("resp")
+        self.id = new_item_id("resp")
         self.finish_reason: FinishReason | None = None
         self._fields: dict[str, Any] = {
             "id": self.id,
