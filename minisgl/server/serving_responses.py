@@ -4,10 +4,11 @@ A request is translated to a chat request (minisgl.server.responses_protocol) an
 Its reply's ChatDeltas (reasoning, content, tool calls) become output items in the order the
 model wrote them: a `reasoning` item, a `message` with one `output_text` part, `function_call`
 items. `OutputItems` (minisgl.server.response_items) builds them for the streamed and the
-whole response alike, so the two agree; a stream sends OpenAI's event sequence (response.created, response.in_progress, each
-item's added / delta / done events, then response.completed or response.incomplete), every
-event numbered. With `store` (OpenAI's default) the response is kept (minisgl.server.
-response_store) for GET and for a later request's `previous_response_id`.
+whole response alike, so the two agree. A stream sends OpenAI's event sequence
+(response.created, response.in_progress, each item's added / delta / done events, then
+response.completed or response.incomplete), every event numbered. With `store` (OpenAI's
+default) the response is kept (minisgl.server.response_store) for GET and for a later
+request's `previous_response_id`.
 """
 
 from __future__ import annotations
