@@ -205,7 +205,7 @@ class _InjectedFault(RuntimeError):
     pass
 
 
-@pytest.mark.parametrize("where", ["forward", "process"])
+@pytest.mark.parametrize("where", ["forward", "process", "admit"])
 def test_a_failed_step_fails_its_requests_and_the_rest_run_on(sched, monkeypatch, where):
     """A step that raises (a bug, a device out of memory): `fail_running` ends the admitted
     requests with an internal error, frees their pages without caching them and empties the
@@ -223,8 +223,10 @@ def test_a_failed_step_fails_its_requests_and_the_rest_run_on(sched, monkeypatch
         for o in sched.step():
             outputs.setdefault(o.rid, []).append(o)
     calls = {"n": 0}
-    target = sched.engine if where == "forward" else sched
-    name = "forward" if where == "forward" else "_finish_reason"
+    # forward: the batch's compute; process: reading its results; admit: while scheduling, a
+    # request already taken off the queue and not yet in the batch
+    target = {"forward": sched.engine, "process": sched, "admit": sched.cache}[where]
+    name = {"forward": "forward", "process": "_finish_reason", "admit": "admit"}[where]
     original = getattr(target, name)
 
     def fail_once(*args, **kwargs):
@@ -242,11 +244,11 @@ def test_a_failed_step_fails_its_requests_and_the_rest_run_on(sched, monkeypatch
             break
     else:
         raise AssertionError("the injected fault never surfaced")
-    admitted = {r.rid for r in sched.running}
     waiting = {r.rid for r in sched.waiting}
-    assert admitted and waiting
+    assert sched.running and waiting
     failed = sched.fail_running("internal error: injected")
-    assert {o.rid for o in failed} == admitted
+    # every request not waiting fails: the running ones and (admit) the one caught between
+    assert {o.rid for o in failed} == {r.rid for r in reqs} - waiting
     assert all(o.finish_reason == FinishReason.ERROR for o in failed)
     assert all(o.internal_error and o.error == "internal error: injected" for o in failed)
     assert not sched.running and {r.rid for r in sched.waiting} == waiting

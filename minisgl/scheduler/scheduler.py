@@ -96,6 +96,9 @@ class Scheduler:
         self._rng = random.Random(args.seed)
         self._inflight: _Launched | None = None
         self._outputs: list[ReqOutput] = []
+        # Every request added and not yet ended, by rid: after a failed step, any of them that is
+        # neither waiting nor running (caught between the two) still gets its one terminal event.
+        self._live: dict[str, Req] = {}
         self._counters = dict.fromkeys(("prompt", "generation", "cached", "prefill", "aborted"), 0)
         self._histograms = SchedulerHistograms()
 
@@ -147,6 +150,7 @@ class Scheduler:
             req.grammar = GrammarState(compiled, req.sampling_params.constraint.start_after)
             req.grammar_blob = None  # loaded: the serialized copy is not needed any more
         self.prefill.add(req)
+        self._live[req.rid] = req
 
     def abort_request(self, rid: str) -> None:
         waiting = self.prefill.remove(rid)
@@ -184,7 +188,13 @@ class Scheduler:
                 self._process(launched)
         if previous is not None:
             self._process(previous)
+        return self._take_outputs()
+
+    def _take_outputs(self) -> list[ReqOutput]:
         outputs, self._outputs = self._outputs, []
+        for out in outputs:
+            if out.finish_reason is not None:
+                self._live.pop(out.rid, None)
         return outputs
 
     def _submit(self, fn: Callable[..., _T], *args: Any) -> _T | Future[_T]:
@@ -362,23 +372,30 @@ class Scheduler:
             # in submission order: once this no-op has run, every earlier batch is done.
             self._executor.submit(lambda: None).result()
         self.engine.dev.synchronize()
-        outputs, self._outputs = self._outputs, []  # what finished before the failure stands
-        for req in list(self.running):
+        # What finished before the failure stands; then every live request that is not waiting
+        # fails: the running ones, and any the failure caught between the queue and the batch.
+        ended = {out.rid for out in self._outputs if out.finish_reason is not None}
+        waiting = {id(req) for req in self.prefill.waiting}
+        for req in list(self._live.values()):
+            if id(req) in waiting or req.rid in ended:
+                continue
             if not req.finished:
                 req.finish_reason, req.grammar = FinishReason.ERROR, None
-                outputs.append(
+                self._outputs.append(
                     ReqOutput(
                         req.rid, (), FinishReason.ERROR, (), req.prompt_len,
                         req.num_cached_prompt_tokens, error=error, internal_error=True,
                     )
                 )  # fmt: skip
-            self.running.remove(req)
-            self.cache.discard(req)
+            if req in self.running:
+                self.running.remove(req)
+            if req.table_row >= 0:  # it holds a row and pages
+                self.cache.discard(req)
         for req in launched.release_after if launched is not None else ():
             self.cache.discard(req)
         self.cache.flush()
         self.check_page_accounting()
-        return outputs
+        return self._take_outputs()
 
     # ---- introspection -------------------------------------------------------------------------
 
