@@ -535,6 +535,17 @@ def test_api_key_covers_docs_but_not_probes(server):
         server.url + "/v1/messages", json=body, headers={"x-api-key": API_KEY}, timeout=60
     )
     assert good.status_code == 200, good.text
+    assert httpx.get(server.url + "/no/such/path", headers=server.headers).status_code == 404
+    # every answer is counted by route template, the refusals before routing included
+    metrics = server.metrics()
+
+    def answered(handler: str, method: str, status: int) -> float:
+        labels = f'handler="{handler}",method="{method}",status="{status}"'
+        return metrics.get(f"minisgl:http_requests_total{{{labels}}}", 0.0)
+
+    assert answered("/v1/models", "GET", 401) >= 1 and answered("/v1/models", "GET", 200) >= 2
+    assert answered("/v1/messages", "POST", 401) >= 1 and answered("/v1/messages", "POST", 200) >= 1
+    assert answered("unmatched", "GET", 404) >= 1
 
 
 def test_nothing_logged_a_traceback(server):

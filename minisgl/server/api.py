@@ -145,7 +145,15 @@ def create_app(
 
     app = FastAPI(title="minisgl", lifespan=lifespan)
     app.state.lifecycle = Lifecycle()
-    install_middleware(app, app.state.lifecycle, args.api_key, args.max_request_body_bytes)
+
+    def count_response(handler: str, method: str, status: int) -> None:
+        ctx = getattr(app.state, "ctx", None)  # made once the scheduler answers
+        if ctx is not None:
+            ctx.metrics.http_requests.labels(handler, method, str(status)).inc()
+
+    install_middleware(
+        app, app.state.lifecycle, args.api_key, args.max_request_body_bytes, count_response
+    )
 
     def ctx_of(request: Request) -> ServingContext:
         return request.app.state.ctx

@@ -166,6 +166,12 @@ class ServerMetrics:
             buckets=ITL_BUCKETS_S,
             registry=self.registry,
         )
+        self.http_requests = Counter(
+            PREFIX + "http_requests",
+            "HTTP requests answered, by route template, method and status code",
+            labelnames=("handler", "method", "status"),
+            registry=self.registry,
+        )
         self.e2e_request_latency_s = Histogram(
             PREFIX + "e2e_request_latency_seconds",
             "Time from request arrival to its last token",

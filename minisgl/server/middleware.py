@@ -1,7 +1,8 @@
 """Pure ASGI middleware (not BaseHTTPMiddleware, so streaming and disconnects pass through
 untouched). Outermost first, as `install_middleware` stacks them:
 
-    RequestGuard   any exception escaping a handler -> one log line, an OpenAI-shaped 500
+    RequestGuard   any exception escaping a handler -> one log line, an OpenAI-shaped 500;
+                   every answer's status, by route, to the server's counter
     DrainGate      shutting down -> 503 for new requests; counts the open ones
     ApiKeyGate     --api-key: a bearer token on every path but the probes
     BodyLimit      bodies over --max-request-body-bytes -> 413, before anything parses them
@@ -11,11 +12,13 @@ from __future__ import annotations
 
 import hmac
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from starlette.applications import Starlette
 from starlette.responses import JSONResponse
+from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from minisgl.server.errors import HTTP_SERVER_ERROR, HTTP_SERVICE_UNAVAILABLE, shape_error
@@ -58,25 +61,46 @@ async def _no_receive() -> Message:
     return {"type": "http.disconnect"}
 
 
+# Called once per answered request: (route template, method, status code).
+ResponseObserver = Callable[[str, str, int], None]
+UNMATCHED_ROUTE = "unmatched"
+
+
+def route_template(scope: Scope) -> str:
+    """The route a request went to, as its template (`/v1/responses/{response_id}`), so that
+    a metric's labels stay few; a request refused before routing (401, 413, 503) is matched
+    here. UNMATCHED_ROUTE for paths no route serves."""
+    route = scope.get("route")
+    if route is None:
+        router = getattr(scope.get("app"), "router", None)
+        for candidate in getattr(router, "routes", ()):
+            if candidate.matches(scope)[0] == Match.FULL:
+                route = candidate
+                break
+    return str(getattr(route, "path", None) or UNMATCHED_ROUTE)
+
+
 class RequestGuard:
     """The last line of defence: whatever a handler raises, the client gets a 500 in OpenAI's
     shape carrying a request id, the log gets the traceback once under that id, and the
     exception goes no further (Starlette's own error middleware would log it a second time
-    and uvicorn would drop the connection)."""
+    and uvicorn would drop the connection). Being outermost, it also reports every answer's
+    status to `observe` (the server's per-route counter)."""
 
-    def __init__(self, app: ASGIApp) -> None:
+    def __init__(self, app: ASGIApp, observe: ResponseObserver | None = None) -> None:
         self.app = app
+        self._observe = observe
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        response_started = False
+        status = 0  # 0 until the response starts
 
         async def tracking_send(message: Message) -> None:
-            nonlocal response_started
+            nonlocal status
             if message["type"] == "http.response.start":
-                response_started = True
+                status = int(message["status"])
             await send(message)
 
         try:
@@ -86,12 +110,16 @@ class RequestGuard:
             logger.exception(
                 "request %s (%s %s) failed", request_id, scope.get("method"), scope.get("path")
             )
-            if not response_started:
+            if not status:
                 message = f"internal error (request id {request_id})"
                 body = error_dict(message, "server_error", code=HTTP_SERVER_ERROR)
                 await _send_json(
                     scope, send, HTTP_SERVER_ERROR, body, {REQUEST_ID_HEADER: request_id}
                 )
+                status = HTTP_SERVER_ERROR
+        finally:
+            if self._observe is not None and status:
+                self._observe(route_template(scope), str(scope.get("method", "")), status)
 
 
 class DrainGate:
@@ -190,11 +218,15 @@ class BodyLimit:
 
 
 def install_middleware(
-    app: Starlette, lifecycle: Lifecycle, api_key: str | None, max_body_bytes: int
+    app: Starlette,
+    lifecycle: Lifecycle,
+    api_key: str | None,
+    max_body_bytes: int,
+    observe: ResponseObserver | None = None,
 ) -> None:
     # add_middleware puts each new one outside the previous: add them innermost first.
     app.add_middleware(BodyLimit, max_body_bytes=max_body_bytes)
     if api_key:
         app.add_middleware(ApiKeyGate, api_key=api_key)
     app.add_middleware(DrainGate, lifecycle=lifecycle)
-    app.add_middleware(RequestGuard)
+    app.add_middleware(RequestGuard, observe=observe)
