@@ -417,9 +417,10 @@ async def _guarded(
     except ClientDisconnected:
         return
     except ChoiceFailed as exc:
-        body = error_dict(str(exc))
-        if exc.internal:
+        if exc.internal:  # the server failed the request: a 500, as a non-streamed one gets
             body = error_dict(str(exc), "server_error", code=HTTP_SERVER_ERROR)
+        else:
+            body = error_dict(str(exc))
         for event in error_events(body):
             yield event
     except RequestError as exc:

@@ -253,6 +253,11 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
+def new_item_id(prefix: str) -> str:
+    """An id in OpenAI's Responses and Anthropic's shape: `resp_...`, `msg_...`, `toolu_...`."""
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
 def now_s() -> int:
     return int(time.time())
 

@@ -5,19 +5,15 @@ the model wrote them; with an event queue, also OpenAI's stream events that buil
 
 from __future__ import annotations
 
-import uuid
 from typing import Any
 
 from minisgl.chat import ChatDelta
 from minisgl.chat.tool_parsers import ToolCallDelta
+from minisgl.server.protocol import new_item_id
 from minisgl.server.serving_chat import CallIds
 from minisgl.server.sse import EventQueue
 
 MESSAGE, REASONING, CALL = "message", "reasoning", "function_call"
-
-
-def new_item_id(prefix: str) -> str:
-    return f"{prefix}_{uuid.uuid4().hex}"
 
 
 class OutputItems:

@@ -11,7 +11,6 @@ message_stop). Errors have Anthropic's shape (minisgl.server.errors.shape_error)
 from __future__ import annotations
 
 import json
-import uuid
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
@@ -30,15 +29,12 @@ from minisgl.server.generation import (
     translated_request_error,
 )
 from minisgl.server.messages_protocol import MessagesChatRequest, MessagesRequest, chat_request_for
+from minisgl.server.protocol import new_item_id
 from minisgl.server.serving_chat import prepare_chat_request
 from minisgl.server.sse import EventQueue
 
 TEXT, THINKING, TOOL_USE = "text", "thinking", "tool_use"
 _DELTA = {TEXT: ("text_delta", "text"), THINKING: ("thinking_delta", "thinking")}
-
-
-def _new_id(prefix: str) -> str:
-    return f"{prefix}_{uuid.uuid4().hex[:24]}"
 
 
 def tool_input(arguments: str) -> dict[str, Any]:
@@ -114,7 +110,7 @@ class ContentBlocks:
     def _write_call(self, call: ToolCallDelta) -> None:
         if call.name is not None or self._open is None or self._open_call != call.index:
             self._held_text = ""
-            self._start({"type": TOOL_USE, "id": _new_id("toolu"), "name": call.name or "",
+            self._start({"type": TOOL_USE, "id": new_item_id("toolu"), "name": call.name or "",
                          "input": {}})  # fmt: skip
             self._open_call = call.index
         self._arguments.append(call.arguments)
@@ -183,7 +179,7 @@ async def create_message(ctx: ServingContext, body: MessagesRequest, request: Re
     params = ctx.sampling_params_for(
         chat_body, prepared.prompt_ids, "messages", prepared.constraint
     )
-    message_id = _new_id("msg")
+    message_id = new_item_id("msg")
     group = GenerationGroup(ctx, message_id, [prepared.prompt_ids], [params], blob)
     header = {
         "id": message_id,

@@ -31,7 +31,8 @@ from minisgl.server.generation import (
     stream_response,
     translated_request_error,
 )
-from minisgl.server.response_items import OutputItems, new_item_id
+from minisgl.server.protocol import new_item_id
+from minisgl.server.response_items import OutputItems
 from minisgl.server.responses_protocol import (
     ResponsesChatRequest,
     ResponsesRequest,
