@@ -24,16 +24,19 @@ from openai.types.responses import Response, ResponseItemList, ResponseStreamEve
 from pydantic import TypeAdapter
 from transformers import AutoTokenizer
 
-from minisgl.chat.prepare import PreparedChat
-from minisgl.chat.reasoning import Mode
-from minisgl.chat.requests import ToolPlan
+from minisgl.api.dialects.anthropic import _error_frames, tool_input
+from minisgl.api.dialects.responses import (
+    ResponsesRequest,
+    ResponseStore,
+    Turn,
+    list_input_items,
+)
+from minisgl.api.dialects.responses_input import input_items, input_messages
+from minisgl.api.errors import RequestError, shape_error
+from minisgl.api.pipeline import Choice, ChoiceFailed, Event, stream_frames
+from minisgl.chat import ChatDelta
 from minisgl.core import InvalidRequestError, SamplingParams
-from minisgl.server.errors import RequestError, shape_error
-from minisgl.server.generation import ChoiceFailed, _guarded
-from minisgl.server.response_store import ResponseStore
-from minisgl.server.responses_protocol import ResponsesRequest, input_items, input_messages
-from minisgl.server.serving_messages import _error_events, tool_input
-from minisgl.server.serving_responses import _Turn, list_input_items
+from minisgl.runtime.messages import DetokenizedOutput
 from tests.server_utils import ServerProcess, require_default_model, running_server, wait_idle
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -471,7 +474,7 @@ def test_anthropic_error_shapes_in_process():
     assert shape_error("/v1/chat/completions", body, 401) is body
     shaped = shape_error("/v1/messages", body, 401)
     assert shaped == {"type": "error", "error": {"type": "authentication_error", "message": "no"}}
-    [event] = _error_events({"error": {"message": "boom", "code": None}})
+    [event] = _error_frames({"error": {"message": "boom", "code": None}})
     assert event.startswith("event: error\n")
     assert json.loads(event.split("data: ")[1])["error"] == {"type": "api_error", "message": "boom"}
     assert tool_input('{"a": 1}') == {"a": 1} and tool_input("") == {}
@@ -611,21 +614,20 @@ def test_input_items_list_in_openais_shapes():
     assert len({item["id"] for item in items}) == len(given)
     store = ResponseStore()
     store.put({"id": "r1"}, [], items)
-    ctx = SimpleNamespace(responses=store)
-    page = list_input_items(ctx, "r1", limit=4, order="asc", after=None)  # type: ignore[arg-type]
+    page = list_input_items(store, "r1", limit=4, order="asc", after=None)
     TypeAdapter(ResponseItemList).validate_python(page)
     assert [item["id"] for item in page["data"]] == [item["id"] for item in items[:4]]
     assert page["has_more"] and page["last_id"] == items[3]["id"]
-    rest = list_input_items(ctx, "r1", 4, "asc", page["last_id"])  # type: ignore[arg-type]
+    rest = list_input_items(store, "r1", 4, "asc", page["last_id"])
     assert [item["id"] for item in rest["data"]] == [item["id"] for item in items[4:]]
     assert not rest["has_more"]
-    newest = list_input_items(ctx, "r1", 20, "desc", None)  # type: ignore[arg-type]
+    newest = list_input_items(store, "r1", 20, "desc", None)
     assert newest["data"] == items[::-1]
     assert items[-1]["content"] == [{"type": "input_text", "text": "Go on."}]
     for args, param in (((0, "asc", None), "limit"), ((5, "up", None), "order"),
                         ((5, "asc", "nope"), "after")):  # fmt: skip
         with pytest.raises(RequestError) as caught:
-            list_input_items(ctx, "r1", *args)  # type: ignore[arg-type]
+            list_input_items(store, "r1", *args)
         assert caught.value.param == param
 
 
@@ -644,20 +646,26 @@ def test_store_is_bounded_by_count_and_size():
 def test_a_stream_that_fails_ends_with_error_and_response_failed():
     """The path a stream takes when a choice fails mid-way (ChoiceFailed, as a timeout or a
     backend error would end it): what the client reads still parses as OpenAI's events."""
-    ctx = SimpleNamespace(served_model_name=MODEL, responses=ResponseStore())
-    prepared = PreparedChat([1], ToolPlan(None, "none"), None, None, Mode.CONTENT, None, None)
-    body = ResponsesRequest.model_validate({"input": "Hi", "stream": True})
-    turn = _Turn(ctx, body, SamplingParams(), prepared, [])
+    store = ResponseStore()
+    choice = Choice(0, 0, "resp_1-0-0", None)
 
-    async def events():
-        turn.events.emit("response.created", response=turn.response(None, "in_progress"))
-        turn.feed("Hel", 1, [])
-        for event in turn.events.take():
-            yield event
+    async def outputs():
+        yield Event(choice, DetokenizedOutput(choice.rid, "Hel", (1,), 1), ChatDelta(content="Hel"))
         raise ChoiceFailed("the request failed in the scheduler")
 
+    run = SimpleNamespace(
+        id="resp_1",
+        ctx=SimpleNamespace(served_model_name=MODEL),
+        params=[[SamplingParams()]],
+        events=outputs,
+        close=lambda: None,
+    )
+    body = ResponsesRequest.model_validate({"input": "Hi", "stream": True})
+    turn = Turn(body, run, [])  # type: ignore[arg-type]
+
     async def read() -> list[str]:
-        return [event async for event in _guarded(events(), turn.id, turn.error_events)]
+        frames = stream_frames(run, turn.events(store), turn.error_frames, done=False)  # type: ignore[arg-type]
+        return [frame async for frame in frames]
 
     blocks = asyncio.run(read())
     parsed = [json.loads(block.split("\n")[1].removeprefix("data: ")) for block in blocks]
@@ -670,4 +678,4 @@ def test_a_stream_that_fails_ends_with_error_and_response_failed():
     assert failed["response"]["status"] == "failed"
     assert failed["response"]["error"]["message"] == error["message"]
     assert failed["response"]["output"][0]["content"][0]["text"] == "Hel"
-    assert ctx.responses.get(turn.id) is None  # a failed response is not stored
+    assert store.get(run.id) is None  # a failed response is not stored

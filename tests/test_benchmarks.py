@@ -20,7 +20,7 @@ import httpx
 import pytest
 import yaml
 
-from minisgl.server.metrics import GPU_METRIC_NAMES
+from minisgl.api.metrics import GPU_METRIC_NAMES
 from tests.server_utils import ServerProcess, start_server
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -14,22 +14,23 @@ import logging
 import time
 from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
 
 import httpx
 import pytest
+from minisgl.server.engine_client import EngineClient
 from starlette.applications import Starlette
 from starlette.responses import PlainTextResponse
 from starlette.routing import Route
 
+from minisgl.api.errors import RequestError
+from minisgl.api.middleware import Lifecycle, install_middleware
+from minisgl.api.pipeline import ChoiceFailed, openai_error_frames, stream_frames
 from minisgl.config import ServerArgs
 from minisgl.core import MAX_STOP_STRINGS, FinishReason, ReqOutput, SamplingParams
 from minisgl.limits import ModelLimits, check_request, resolve_max_tokens
 from minisgl.message import BatchTokenOutput, Endpoints, MessageQueue, TokenizedRequest
 from minisgl.scheduler.scheduler import Scheduler
-from minisgl.server.engine_client import EngineClient
-from minisgl.server.errors import RequestError
-from minisgl.server.generation import ChoiceFailed, stream_response
-from minisgl.server.middleware import Lifecycle, install_middleware
 from minisgl.server.scheduler_proc import MAX_FAILED_STEPS_IN_A_ROW, SchedulerLoop
 from minisgl.tokenizer import apply_chat_template, load_tokenizer
 from tests.conftest import QWEN3_VOCAB
@@ -242,17 +243,18 @@ def test_a_stream_that_fails_ends_with_an_error_event(caplog):
     """After the 200 went out, a bug or a RequestError still ends the stream properly."""
 
     async def events(error: Exception):
-        yield "data: first\n\n"
+        yield None, {"part": "first"}
         raise error
 
     async def collect(error: Exception) -> list[str]:
-        response = stream_response(events(error), "req-1")
-        return [chunk async for chunk in response.body_iterator]  # type: ignore[misc]
+        run = SimpleNamespace(id="req-1", close=lambda: None)
+        frames = stream_frames(run, events(error), openai_error_frames, done=True)  # type: ignore[arg-type]
+        return [frame async for frame in frames]
 
     with caplog.at_level(logging.ERROR):
         crashed = asyncio.run(collect(RuntimeError("bug")))
         timed_out = asyncio.run(collect(RequestError(504, "too slow", err_type="timeout_error")))
-    assert crashed[0] == "data: first\n\n" and crashed[-1] == "data: [DONE]\n\n"
+    assert crashed[0] == 'data: {"part":"first"}\n\n' and crashed[-1] == "data: [DONE]\n\n"
     error = json.loads(crashed[1][len("data: ") :])["error"]
     assert error["code"] == 500 and "req-1" in error["message"]
     assert [r.getMessage() for r in caplog.records if r.exc_info] == [

@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from minisgl.server.api import _bind
+from minisgl.api.app import bind
 from tests.server_utils import ServerProcess, running_server, wait_idle
 
 NUM_REQUESTS = 100
@@ -42,7 +42,7 @@ def server(tiny_qwen3) -> Iterator[ServerProcess]:
 def test_accepted_connections_have_tcp_nodelay():
     """The API server's listening socket, served the way uvicorn serves it (asyncio's
     create_server), hands out connections with TCP_NODELAY set."""
-    listen_socket = _bind("127.0.0.1", 0)
+    listen_socket = bind("127.0.0.1", 0)
     assert listen_socket.proto == socket.IPPROTO_TCP
 
     async def main() -> int:

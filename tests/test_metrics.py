@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from minisgl import LLM, SamplingParams
+from minisgl.api.metrics import GPU_METRIC_NAMES, ServerMetrics
 from minisgl.core import FinishReason
 from minisgl.message import StatsReply, decode, encode
 from minisgl.scheduler.stats import (
@@ -19,7 +20,6 @@ from minisgl.scheduler.stats import (
     ThroughputWindow,
 )
 from minisgl.server.gpu_stats import GPU_SAMPLE_INTERVAL_S, GpuProbe, make_gpu_probe
-from minisgl.server.metrics import GPU_METRIC_NAMES, ServerMetrics
 from minisgl.server.scheduler_proc import build_stats_reply
 from tests.server_utils import parse_metrics
 from tests.test_scheduler import GREEDY, NEW_TOKENS, workload

@@ -11,11 +11,12 @@ from pathlib import Path
 import httpx
 import pytest
 
+from minisgl.api.app import sampling_defaults
+from minisgl.api.dialects.openai import CompletionRequest
+from minisgl.api.request import choice_params
 from minisgl.config import ServerArgs
+from minisgl.limits import ModelLimits
 from minisgl.models.config import load_sampling_defaults
-from minisgl.server.api import _sampling_defaults
-from minisgl.server.protocol import CompletionRequest
-from minisgl.server.sampling_fields import build_sampling_params
 from tests.server_utils import ServerProcess, running_server
 
 HTTP_TIMEOUT_S = 60.0
@@ -40,20 +41,25 @@ def test_reads_the_sampling_keys_it_knows(tmp_path):
     assert load_sampling_defaults(tmp_path / "missing") == {}
 
 
+def _params(body: CompletionRequest, defaults: dict) -> object:
+    limits = ModelLimits(max_model_len=64, vocab_size=100, kv_capacity_tokens=64)
+    return choice_params(body.to_api(), 0, [1, 2], limits, defaults, None)[0]
+
+
 def test_unset_fields_take_the_defaults_and_set_ones_win(tmp_path):
     defaults = {"temperature": 0.6, "top_k": 20, "top_p": 0.95}
-    unset = build_sampling_params(CompletionRequest(prompt="x"), 8, 0, None, defaults)
+    unset = _params(CompletionRequest(prompt="x"), defaults)
     assert (unset.temperature, unset.top_k, unset.top_p) == (0.6, 20, 0.95)
     body = CompletionRequest(prompt="x", temperature=0, top_k=0)
-    explicit = build_sampling_params(body, 8, 0, None, defaults)
+    explicit = _params(body, defaults)
     assert (explicit.temperature, explicit.top_k, explicit.top_p) == (0.0, 0, 0.95)
-    plain = build_sampling_params(CompletionRequest(prompt="x"), 8, 0)
+    plain = _params(CompletionRequest(prompt="x"), {})
     assert (plain.temperature, plain.top_k, plain.top_p) == (1.0, -1, 1.0)  # the OpenAI API's
     (tmp_path / "generation_config.json").write_text(json.dumps(defaults))
     args = ServerArgs(model=str(tmp_path))
-    assert _sampling_defaults(args, tmp_path) == defaults
+    assert sampling_defaults(args, tmp_path) == defaults
     openai_args = ServerArgs(model=str(tmp_path), sampling_defaults="openai")
-    assert _sampling_defaults(openai_args, tmp_path) == {}
+    assert sampling_defaults(openai_args, tmp_path) == {}
     with pytest.raises(ValueError, match="sampling_defaults"):
         ServerArgs(model=str(tmp_path), sampling_defaults="hf")
 

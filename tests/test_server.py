@@ -18,8 +18,8 @@ import psutil
 import pytest
 import torch
 
+from minisgl.api.dialects.openai import DEFAULT_COMPLETION_MAX_TOKENS
 from minisgl.models.resolve import resolve_model_path
-from minisgl.server.protocol import DEFAULT_COMPLETION_MAX_TOKENS
 from minisgl.tokenizer import apply_chat_template, load_tokenizer
 from tests.server_utils import (
     ServerProcess,

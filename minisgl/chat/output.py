@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 from minisgl.chat.reasoning import Mode, ReasoningParser
 from minisgl.chat.tool_parsers import ToolCallDelta, ToolParser
@@ -65,3 +66,76 @@ class ChatOutputParser:
             calls += rest.calls or []
         out.content, out.tool_calls = content, calls
         return out
+
+
+# The kinds of block a reply is made of, in the order the model writes them.
+REASONING, TEXT, CALL = "reasoning", "text", "call"
+
+
+class BlockSink(Protocol):
+    """Where `ReplyBlocks` writes: a dialect's own items (OpenAI's Responses output items,
+    Anthropic's content blocks) and the stream events that build them."""
+
+    def open(self, kind: str, call: ToolCallDelta | None) -> None: ...
+
+    def write(self, kind: str, text: str, logprobs: list[Any]) -> None: ...
+
+    def close(self, status: str) -> None: ...
+
+
+class ReplyBlocks:
+    """One reply's ChatDeltas as ordered blocks: reasoning, text, tool calls, one open at a
+    time (the next kind of output, or the next call, closes it). Whitespace between blocks
+    (the newlines after </think>, before a call) is held: it starts a text block only if text
+    follows. `logprobs` travel with the text they belong to."""
+
+    def __init__(self, sink: BlockSink) -> None:
+        self._sink = sink
+        self.num_blocks = 0
+        self.num_calls = 0
+        self._open: str | None = None
+        self._open_call: int | None = None  # ToolCallDelta.index of the open call
+        self._held_text = ""
+        self._held_logprobs: list[Any] = []
+
+    def feed(self, delta: ChatDelta, logprobs: list[Any] | None = None) -> None:
+        if delta.reasoning:
+            self._write(REASONING, delta.reasoning, [])
+        if delta.content:
+            self._write(TEXT, delta.content, logprobs or [])
+        for call in delta.tool_calls:
+            if call.name is not None or self._open != CALL or self._open_call != call.index:
+                self._held_text, self._held_logprobs = "", []
+                self._start(CALL, call)
+                self._open_call = call.index
+                self.num_calls += 1
+            self._sink.write(CALL, call.arguments, [])
+
+    def finish(self, status: str = "completed") -> None:
+        """Close the open block with `status` (completed, or incomplete when cut short)."""
+        if not self.num_blocks and self._held_text:  # a reply of only whitespace is a reply
+            self._write(TEXT, "", [], flush=True)
+        self._close(status)
+
+    def _start(self, kind: str, call: ToolCallDelta | None) -> None:
+        self._close("completed")
+        self._open = kind
+        self.num_blocks += 1
+        self._sink.open(kind, call)
+
+    def _write(self, kind: str, text: str, logprobs: list[Any], flush: bool = False) -> None:
+        if self._open != kind:
+            if kind == TEXT and not text.strip() and not flush:
+                self._held_text += text
+                self._held_logprobs += logprobs
+                return
+            self._start(kind, None)
+            if kind == TEXT:
+                text, logprobs = self._held_text + text, self._held_logprobs + logprobs
+                self._held_text, self._held_logprobs = "", []
+        self._sink.write(kind, text, logprobs)
+
+    def _close(self, status: str) -> None:
+        if self._open is not None:
+            self._open = self._open_call = None
+            self._sink.close(status)

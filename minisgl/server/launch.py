@@ -118,7 +118,7 @@ class ServerStack:
             ),
             (
                 "api",
-                "minisgl.server.api:run_api_server",
+                "minisgl.api.app:run_api_server",
                 (self.args, endpoints, tokenizer_path, model_path),
             ),
         ]

@@ -1,123 +1,31 @@
-"""POST /v1/responses (OpenAI's Responses API): the request body, and its translation to a chat
-request that the chat path (template, tools, reasoning, constraint, sampling) runs as it is.
+"""The Responses API's input, as the chat messages, tools and constraint the pipeline runs, and
+as the typed items GET /v1/responses/{id}/input_items lists.
 
-What translates:
 - `instructions` -> a leading system message (not carried over by `previous_response_id`, as
   OpenAI does it); `input` text -> a user message; input items -> chat messages: `message`
   (roles user, system, developer -> system, assistant; text parts), `function_call` -> an
   assistant message's `tool_calls`, `function_call_output` -> a `tool` message, `reasoning` ->
   the next assistant message's `reasoning_content`.
-- `tools` (flat function tools) and `tool_choice` -> chat's nested forms; `text.format` ->
-  `response_format`; `max_output_tokens` -> `max_tokens`; `reasoning.effort` -> the chat
-  request's `reasoning_effort` ("none" turns Qwen3's thinking off).
-- vLLM's and SGLang's sampling extras (top_k, min_p, penalties, seed, stop, ...) pass through.
-
-What does not: built-in tools (web search, file search, computer use, MCP), images and files
-in the input, `background`, `truncation: "auto"`. Each is a 400 that names the field, so a
-client learns its request was not run as written.
+- `tools` (flat function tools) and `tool_choice` -> chat's nested forms; `text.format` -> a
+  `response_format` constraint.
+Images and files in the input and built-in tools are a 400 naming the field.
 """
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Mapping
 from typing import Any
 
-from pydantic import model_validator
-
+from minisgl.api.request import new_id
 from minisgl.core import InvalidRequestError
-from minisgl.server.protocol import ChatCompletionRequest, OpenAIRequest
 
-# Sampling fields this endpoint accepts beyond OpenAI's own (vLLM and SGLang accept them too);
-# they reach the chat request unchanged.
-PASS_THROUGH_FIELDS = (
-    "top_k",
-    "min_p",
-    "repetition_penalty",
-    "presence_penalty",
-    "frequency_penalty",
-    "seed",
-    "stop",
-    "stop_token_ids",
-    "logit_bias",
-    "min_tokens",
-    "ignore_eos",
-    "chat_template_kwargs",
-)
-INCLUDE_LOGPROBS = "message.output_text.logprobs"
 TEXT_PART_TYPES = frozenset({"input_text", "output_text", "text", "summary_text", "reasoning_text"})
-# The chat request's field names -> this endpoint's, for the `param` of a 400.
-_WIRE_NAMES = {
-    "max_tokens": "max_output_tokens",
-    "logprobs": "top_logprobs",
-    "messages": "input",
-    "response_format": "text.format",
+ITEM_ID_PREFIXES = {
+    "message": "msg",
+    "function_call": "fc",
+    "function_call_output": "fco",
+    "reasoning": "rs",
 }
-
-
-class ResponsesRequest(OpenAIRequest):
-    model: str | None = None
-    input: str | list[Any]
-    instructions: str | None = None
-    previous_response_id: str | None = None
-    max_output_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_logprobs: int | None = None
-    include: list[str] | None = None
-    tools: list[Any] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    parallel_tool_calls: bool = True
-    text: dict[str, Any] | None = None
-    reasoning: dict[str, Any] | None = None
-    stream: bool = False
-    store: bool = True
-    metadata: dict[str, str] | None = None
-    user: str | None = None
-    truncation: str | None = None
-    background: bool = False
-    # Pass-through extras (PASS_THROUGH_FIELDS); typed so that the chat request's checks apply.
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    logit_bias: dict[str, Any] | None = None
-    min_tokens: int | None = None
-    ignore_eos: bool = False
-    chat_template_kwargs: dict[str, Any] | None = None
-
-    @model_validator(mode="after")
-    def _refuse_unsupported(self) -> ResponsesRequest:
-        if self.background:
-            raise InvalidRequestError(
-                "background", "is not supported: a response runs while its request is open"
-            )
-        if self.truncation not in (None, "disabled"):
-            raise InvalidRequestError(
-                "truncation", "only 'disabled' is supported (a prompt that is too long is a 400)"
-            )
-        return self
-
-    @property
-    def wants_logprobs(self) -> bool:
-        return INCLUDE_LOGPROBS in (self.include or ()) or bool(self.top_logprobs)
-
-    @property
-    def text_format(self) -> dict[str, Any]:
-        """`text.format` as the response echoes it."""
-        fmt = (self.text or {}).get("format")
-        return dict(fmt) if isinstance(fmt, Mapping) else {"type": "text"}
-
-
-class ResponsesChatRequest(ChatCompletionRequest):
-    """The chat request a Responses request runs as; 400s name the Responses field."""
-
-    def wire_param(self, name: str) -> str:
-        return _WIRE_NAMES.get(name, name)
 
 
 def _fail(where: str, message: str, param: str = "input") -> InvalidRequestError:
@@ -213,14 +121,6 @@ def input_messages(value: str | list[Any]) -> list[dict[str, Any]]:
     return messages
 
 
-_ITEM_ID_PREFIXES = {
-    "message": "msg",
-    "function_call": "fc",
-    "function_call_output": "fco",
-    "reasoning": "rs",
-}
-
-
 def _text_parts(content: Any, role: str) -> list[dict[str, Any]]:
     """A message's content as OpenAI's typed parts: input_text, or output_text for the
     assistant (which carries annotations); refusals as they are."""
@@ -243,7 +143,7 @@ def input_items(value: str | list[Any]) -> list[dict[str, Any]]:
     items = []
     for item in given:
         kind = item.get("type", "message")
-        entry = {"id": item.get("id") or f"{_ITEM_ID_PREFIXES[kind]}_{uuid.uuid4().hex}"}
+        entry = {"id": item.get("id") or new_id(ITEM_ID_PREFIXES[kind], "_")}
         if kind == "message":
             role = item["role"]
             content = _text_parts(item.get("content"), role)
@@ -286,7 +186,7 @@ def chat_tool_choice(choice: str | dict[str, Any] | None) -> str | dict[str, Any
     return choice
 
 
-def chat_response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
+def response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
     """`text.format` -> chat's `response_format` (json_schema's fields move under one key)."""
     fmt = (text or {}).get("format")
     if fmt is None:
@@ -297,33 +197,3 @@ def chat_response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
         return dict(fmt)
     inner = {k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt}
     return {"type": "json_schema", "json_schema": inner}
-
-
-def chat_request_for(
-    body: ResponsesRequest, history: list[dict[str, Any]]
-) -> tuple[ResponsesChatRequest, list[dict[str, Any]]]:
-    """The chat request to run, and the conversation without instructions (what a later
-    `previous_response_id` continues: `history` is the earlier turns')."""
-    turns = [*history, *input_messages(body.input)]
-    system = [{"role": "system", "content": body.instructions}] if body.instructions else []
-    fields: dict[str, Any] = {
-        "model": body.model,
-        "messages": system + turns,
-        "max_tokens": body.max_output_tokens,
-        "temperature": body.temperature,
-        "top_p": body.top_p,
-        "logprobs": body.wants_logprobs,
-        "top_logprobs": body.top_logprobs if body.wants_logprobs else None,
-        "tools": chat_tools(body.tools),
-        "tool_choice": chat_tool_choice(body.tool_choice),
-        "parallel_tool_calls": body.parallel_tool_calls,
-        "response_format": chat_response_format(body.text),
-        "chat_template_kwargs": body.chat_template_kwargs,
-        "reasoning_effort": (body.reasoning or {}).get("effort"),
-        "stream": body.stream,
-        "user": body.user,
-    }
-    for name in PASS_THROUGH_FIELDS:
-        if name != "chat_template_kwargs":
-            fields[name] = getattr(body, name)
-    return ResponsesChatRequest.model_validate(fields), turns

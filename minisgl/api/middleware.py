@@ -21,8 +21,8 @@ from starlette.responses import JSONResponse
 from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from minisgl.server.errors import HTTP_SERVER_ERROR, HTTP_SERVICE_UNAVAILABLE, shape_error
-from minisgl.server.protocol import error_dict, new_id
+from minisgl.api.errors import HTTP_SERVER_ERROR, HTTP_SERVICE_UNAVAILABLE, error_dict, shape_error
+from minisgl.api.request import new_id
 
 logger = logging.getLogger(__name__)
 

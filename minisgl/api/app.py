@@ -1,5 +1,5 @@
-"""The FastAPI app: OpenAI-compatible routes, errors, /health and /metrics, SGLang's worker
-endpoints (minisgl.server.native_api); the API process."""
+"""The API process: the FastAPI app (every dialect's routes, errors, /health, /metrics) served
+by uvicorn until SIGTERM (then a drain) or the launcher's word that the backend died."""
 
 from __future__ import annotations
 
@@ -18,39 +18,20 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
 
+from minisgl.api.dialects import anthropic, openai, responses, sglang, vllm
+from minisgl.api.errors import HTTP_SERVICE_UNAVAILABLE, RequestError, error_dict, shape_error
+from minisgl.api.metrics import ServerMetrics
+from minisgl.api.middleware import Lifecycle, install_middleware
+from minisgl.api.pipeline import ServingContext
 from minisgl.chat import ChatSettings
 from minisgl.config import ServerArgs
 from minisgl.core import InvalidRequestError
 from minisgl.limits import ModelLimits
-from minisgl.message import Endpoints, StatsReply
 from minisgl.models.config import load_sampling_defaults
-from minisgl.server.engine_client import EngineClient
-from minisgl.server.errors import RequestError, backend_stopped_error, shape_error
-from minisgl.server.generation import ServingContext
-from minisgl.server.messages_protocol import CountTokensRequest, MessagesRequest
-from minisgl.server.metrics import ServerMetrics
-from minisgl.server.middleware import Lifecycle, install_middleware
-from minisgl.server.model_names import accepted_model_names, served_model_name
-from minisgl.server.native_api import build_model_card, install_native_routes
-from minisgl.server.native_generate import install_generate_route
-from minisgl.server.process import BACKEND_FAILED_SIGNAL, ChildStartupError
-from minisgl.server.protocol import ChatCompletionRequest, CompletionRequest, error_dict, now_s
-from minisgl.server.responses_protocol import ResponsesRequest
-from minisgl.server.serving_chat import create_chat_completion
-from minisgl.server.serving_completion import create_completion
-from minisgl.server.serving_messages import count_tokens, create_message
-from minisgl.server.serving_responses import (
-    create_response,
-    delete_response,
-    list_input_items,
-    retrieve_response,
-)
-from minisgl.server.serving_tokenize import (
-    DetokenizeRequest,
-    TokenizeRequest,
-    detokenize,
-    tokenize,
-)
+from minisgl.runtime.engine_client import EngineClient
+from minisgl.runtime.messages import Endpoints, StatsReply
+from minisgl.runtime.model_names import accepted_model_names, served_model_name
+from minisgl.runtime.supervisor import BACKEND_FAILED_SIGNAL, ChildStartupError
 from minisgl.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -68,6 +49,7 @@ GRACEFUL_SHUTDOWN_S = 2
 DRAIN_POLL_S = 0.05
 KEEP_ALIVE_S = 30
 STARTUP_POLL_S = 0.05
+BACKEND_STOPPED = "The inference backend stopped unexpectedly; the request was not completed."
 
 
 def _validation_error_body(exc: RequestValidationError) -> dict[str, Any]:
@@ -96,7 +78,7 @@ async def _wait_for_scheduler(engine: EngineClient) -> StatsReply:
     raise TimeoutError(f"scheduler did not answer within {SCHEDULER_HANDSHAKE_TIMEOUT_S} s")
 
 
-def _sampling_defaults(args: ServerArgs, model_path: Path) -> dict[str, float | int]:
+def sampling_defaults(args: ServerArgs, model_path: Path) -> dict[str, float | int]:
     if args.sampling_defaults != "model":
         return {}
     defaults = load_sampling_defaults(model_path)
@@ -135,16 +117,19 @@ def create_app(
                 args.tool_call_parser,
             ),
             eos_token_ids=tuple(info.eos_token_ids),
-            sampling_defaults=_sampling_defaults(args, Path(model_path)),
+            sampling_defaults=sampling_defaults(args, Path(model_path)),
         )
         try:
             yield
         finally:
-            app.state.ctx.tokenize_pool.shutdown(wait=False, cancel_futures=True)
+            app.state.ctx.tokenizer_thread.shutdown(wait=False, cancel_futures=True)
             await engine.close()
 
     app = FastAPI(title="minisgl", lifespan=lifespan)
     app.state.lifecycle = Lifecycle()
+    app.state.args = args
+    app.state.card = sglang.build_model_card(args, str(model_path), str(tokenizer_path))
+    app.state.responses = responses.ResponseStore()
 
     def count_response(handler: str, method: str, status: int) -> None:
         ctx = getattr(app.state, "ctx", None)  # made once the scheduler answers
@@ -154,9 +139,6 @@ def create_app(
     install_middleware(
         app, app.state.lifecycle, args.api_key, args.max_request_body_bytes, count_response
     )
-
-    def ctx_of(request: Request) -> ServingContext:
-        return request.app.state.ctx
 
     def error_response(
         request: Request, body: dict[str, Any], status: int, headers: Any = None
@@ -177,87 +159,22 @@ def create_app(
         body = error_dict(str(exc.detail), "invalid_request_error", code=exc.status_code)
         return error_response(request, body, exc.status_code, exc.headers)
 
-    # Any other exception: RequestGuard (minisgl.server.middleware) logs it once and answers 500.
+    # Any other exception: RequestGuard (minisgl.api.middleware) logs it once and answers 500.
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        return await create_chat_completion(ctx_of(request), body, request)
-
-    @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request) -> Response:
-        return await create_completion(ctx_of(request), body, request)
-
-    @app.post("/v1/responses")
-    async def responses(body: ResponsesRequest, request: Request) -> Response:
-        return await create_response(ctx_of(request), body, request)
-
-    @app.get("/v1/responses/{response_id}")
-    async def get_response(response_id: str, request: Request) -> dict[str, Any]:
-        return retrieve_response(ctx_of(request), response_id)
-
-    @app.get("/v1/responses/{response_id}/input_items")
-    async def get_input_items(
-        response_id: str,
-        request: Request,
-        limit: int = 20,
-        order: str = "desc",
-        after: str | None = None,
-    ) -> dict[str, Any]:
-        return list_input_items(ctx_of(request), response_id, limit, order, after)
-
-    @app.delete("/v1/responses/{response_id}")
-    async def remove_response(response_id: str, request: Request) -> dict[str, Any]:
-        return delete_response(ctx_of(request), response_id)
-
-    @app.post("/v1/messages")
-    async def messages(body: MessagesRequest, request: Request) -> Response:
-        return await create_message(ctx_of(request), body, request)
-
-    @app.post("/v1/messages/count_tokens")
-    async def messages_count_tokens(body: CountTokensRequest, request: Request) -> dict[str, Any]:
-        return await count_tokens(ctx_of(request), body)
-
-    @app.post("/tokenize")
-    async def tokenize_route(body: TokenizeRequest, request: Request) -> dict[str, Any]:
-        return await tokenize(ctx_of(request), body)
-
-    @app.post("/detokenize")
-    async def detokenize_route(body: DetokenizeRequest, request: Request) -> dict[str, Any]:
-        return await detokenize(ctx_of(request), body)
-
-    def model_card(ctx: ServingContext) -> dict[str, Any]:
-        return {
-            "id": ctx.served_model_name,
-            "object": "model",
-            "created": now_s(),
-            "owned_by": "minisgl",
-            # The longest sequence that can run: the KV pool may hold less than the context.
-            "max_model_len": ctx.limits.max_seq_len,
-        }
-
-    @app.get("/v1/models")
-    async def models(request: Request) -> dict[str, Any]:
-        return {"object": "list", "data": [model_card(ctx_of(request))]}
-
-    @app.get("/v1/models/{model_id:path}")  # ids may hold a slash (Qwen/Qwen3-8B)
-    async def retrieve_model(model_id: str, request: Request) -> dict[str, Any]:
-        ctx = ctx_of(request)
-        ctx.check_model(model_id)
-        return model_card(ctx)
+    for dialect in (openai, responses, anthropic, vllm, sglang):
+        app.include_router(dialect.router)
 
     @app.get("/health")
     async def health(request: Request) -> Response:
-        reply = await ctx_of(request).engine.stats(HEALTH_TIMEOUT_S)
-        return Response(status_code=200 if reply is not None else 503)
+        reply = await request.app.state.ctx.engine.stats(HEALTH_TIMEOUT_S)
+        return Response(status_code=200 if reply is not None else HTTP_SERVICE_UNAVAILABLE)
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
-        ctx = ctx_of(request)
+        ctx = request.app.state.ctx
         await ctx.engine.stats(METRICS_STATS_TIMEOUT_S)  # refreshes engine.last_stats
         return Response(ctx.metrics.render(), media_type="text/plain; version=0.0.4")
 
-    install_native_routes(app, args, build_model_card(args, str(model_path), str(tokenizer_path)))
-    install_generate_route(app)
     return app
 
 
@@ -296,13 +213,13 @@ class _Shutdown:
         self._engine = engine
         self._timeout_s = timeout_s
         self._hurry = False
-        self._error: RequestError | None = None
+        self._error: str | None = None
         self._task: asyncio.Task | None = None
 
     def on_signal(self, sig: int) -> None:
         """Runs on the event loop (call_soon_threadsafe from the signal handler)."""
         if sig == BACKEND_FAILED_SIGNAL:
-            self._error = backend_stopped_error()
+            self._error = BACKEND_STOPPED
         if self._task is not None or self._error is not None:
             self._hurry = True
         if self._task is None:
@@ -331,7 +248,7 @@ class _Shutdown:
         self._server.should_exit = True
 
 
-def _bind(host: str, port: int) -> socket.socket:
+def bind(host: str, port: int) -> socket.socket:
     """Bind before starting uvicorn, so a taken port is one clear error line.
 
     The socket is made with IPPROTO_TCP (not 0): asyncio sets TCP_NODELAY on accepted
@@ -370,7 +287,7 @@ def run_api_server(
         timeout_keep_alive=KEEP_ALIVE_S,
     )
     server = _UvicornServer(config)
-    listen_socket = _bind(args.host, args.port)
+    listen_socket = bind(args.host, args.port)
 
     async def main() -> None:
         serve_task = asyncio.create_task(server.serve(sockets=[listen_socket]))

@@ -26,7 +26,11 @@ from minisgl.message import (
     StatsRequest,
     TokenizedRequest,
 )
-from minisgl.server.errors import RequestError, shutting_down_error
+
+
+class BackendUnavailable(Exception):
+    pass
+
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +60,7 @@ class EngineClient:
         # (/health_generate).
         self.last_output_s = float("-inf")
         # Set when the scheduler is going away (shutdown, or it died): new submits raise it.
-        self._closed_error: RequestError | None = None
+        self._closed_error: BackendUnavailable | None = None
 
     def start(self) -> None:
         self._reader = asyncio.create_task(self._read_loop(), name="minisgl-engine-reader")
@@ -113,15 +117,15 @@ class EngineClient:
         self._to_scheduler.put(TokenizedRequest(rid, tuple(input_ids), params, grammar_blob))
         self._routes[rid] = (queue, index)
 
-    def abort_all(self, error: RequestError | None = None) -> None:
+    def abort_all(self, error: str | None = None) -> None:
         """Shutdown: end every open request now so no handler waits on a scheduler that is about
         to stop, and refuse new ones. Without `error` they end as aborted (a drain that ran out
         of time); with it, `error` is raised to each handler (the backend died)."""
-        self._closed_error = error or shutting_down_error()
+        self._closed_error = BackendUnavailable(error or "The server is shutting down.")
         for rid, (queue, index) in list(self._routes.items()):
             self.abort(rid)
             if error is not None:
-                queue.put_nowait(error)
+                queue.put_nowait(BackendUnavailable(error))
             else:
                 ended = DetokenizedOutput(rid, "", (), 0, finish_reason=FinishReason.ABORT)
                 queue.put_nowait(RoutedOutput(index, ended))

@@ -1,4 +1,4 @@
-"""POST /tokenize and /detokenize, as vLLM (and SGLang) serve them.
+"""vLLM's (and SGLang's) POST /tokenize and /detokenize.
 
 /tokenize takes a `prompt` (tokenized as /v1/completions does it) or chat `messages` (with
 `tools` and `chat_template_kwargs`: rendered as /v1/chat/completions does it, ready for the
@@ -10,19 +10,19 @@ from __future__ import annotations
 
 from typing import Any, cast
 
+from fastapi import APIRouter, Request
 from pydantic import Field, model_validator
 
-from minisgl.chat import prepare_chat
+from minisgl.api.errors import HTTP_BAD_REQUEST, RequestError
+from minisgl.api.pipeline import ServingContext, prepare
+from minisgl.api.request import ApiRequest, ChatPrompt, WireModel
 from minisgl.core import InvalidRequestError
-from minisgl.server.errors import HTTP_BAD_REQUEST, RequestError
-from minisgl.server.generation import ServingContext
-from minisgl.server.protocol import OpenAIRequest
 
 # The most ids one /detokenize takes (a whole context of the largest models, with room).
 MAX_DETOKENIZE_IDS = 1 << 20
 
 
-class TokenizeRequest(OpenAIRequest):
+class TokenizeRequest(WireModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[Any] | None = None
@@ -38,36 +38,32 @@ class TokenizeRequest(OpenAIRequest):
         return self
 
 
-class DetokenizeRequest(OpenAIRequest):
+class DetokenizeRequest(WireModel):
     model: str | None = None
     tokens: list[int] = Field(max_length=MAX_DETOKENIZE_IDS)
 
 
-def _ids(ctx: ServingContext, body: TokenizeRequest) -> list[int]:
-    """On the tokenizer thread."""
-    if body.prompt is not None:
-        encoded = ctx.tokenizer(body.prompt, add_special_tokens=body.add_special_tokens)
-        return [int(t) for t in encoded["input_ids"]]
-    prepared = prepare_chat(
-        ctx.tokenizer,
-        ctx.chat,
-        body.messages,
-        tools=body.tools,
-        # Any choice but "none" renders the tools; "required" needs no --tool-call-parser.
-        tool_choice=None if body.tools is None else "required",
-        template_kwargs=body.chat_template_kwargs,
-    )
-    return prepared.prompt_ids
+router = APIRouter()
 
 
-async def tokenize(ctx: ServingContext, body: TokenizeRequest) -> dict[str, Any]:
+@router.post("/tokenize")
+async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
+    ctx: ServingContext = request.app.state.ctx
     ctx.check_model(body.model)
-    try:
-        ids = await ctx.off_loop(_ids, ctx, body)
-    except InvalidRequestError as exc:
-        raise RequestError(HTTP_BAD_REQUEST, str(exc), param=exc.param) from None
-    except ValueError as exc:  # about the messages
-        raise RequestError(HTTP_BAD_REQUEST, str(exc), param="messages") from None
+    if body.prompt is not None:
+        prompt, special = body.prompt, body.add_special_tokens
+
+        def encode() -> list[int]:
+            return [int(t) for t in ctx.tokenizer(prompt, add_special_tokens=special)["input_ids"]]
+
+        ids = await ctx.on_tokenizer_thread(encode)
+    else:
+        # Any tool choice but "none" renders the tools; "required" needs no --tool-call-parser.
+        choice = None if body.tools is None else "required"
+        chat = ChatPrompt(
+            body.messages, body.tools, choice, template_kwargs=body.chat_template_kwargs
+        )
+        ids = (await prepare(ctx, ApiRequest(chat, {}))).prompt_ids[0]
     return {
         "count": len(ids),
         "max_model_len": ctx.limits.max_seq_len,
@@ -76,7 +72,9 @@ async def tokenize(ctx: ServingContext, body: TokenizeRequest) -> dict[str, Any]
     }
 
 
-async def detokenize(ctx: ServingContext, body: DetokenizeRequest) -> dict[str, Any]:
+@router.post("/detokenize")
+async def detokenize(body: DetokenizeRequest, request: Request) -> dict[str, Any]:
+    ctx: ServingContext = request.app.state.ctx
     ctx.check_model(body.model)
     vocab_size = ctx.limits.vocab_size
     bad = next((i for i in body.tokens if not 0 <= i < vocab_size), None)
@@ -86,5 +84,5 @@ async def detokenize(ctx: ServingContext, body: DetokenizeRequest) -> dict[str, 
             f"tokens: {bad} is not a token id of this model (0 <= id < {vocab_size})",
             param="tokens",
         )
-    text = await ctx.off_loop(ctx.tokenizer.decode, body.tokens)
+    text = await ctx.on_tokenizer_thread(ctx.tokenizer.decode, body.tokens)
     return {"prompt": cast(str, text)}

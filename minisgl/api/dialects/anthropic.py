@@ -1,0 +1,373 @@
+"""Anthropic's Messages API, as vLLM and llama.cpp serve it: POST /v1/messages and
+/v1/messages/count_tokens. Errors under /v1/messages have Anthropic's shape.
+
+A request runs as a chat:
+- `system` (text or text blocks) -> a leading system message; each message's content blocks:
+  `text` -> its text; an assistant's `tool_use` -> `tool_calls` (input as JSON text) and
+  `thinking` -> `reasoning_content`; a user's `tool_result` -> a `tool` message (before the
+  user's text, where Anthropic puts results).
+- `tools` (`name`, `description`, `input_schema`) -> function tools; `tool_choice` auto / any /
+  tool / none -> auto / required / a named function / none, `disable_parallel_tool_use` ->
+  `parallel_tool_calls: false`; `stop_sequences` -> `stop`; `thinking` enabled / disabled ->
+  the template's `enable_thinking` (Qwen3's switch; `budget_tokens` is not enforced).
+- The sampling extras of vLLM (min_p, penalties, seed, ...) pass through.
+Images, documents, server tools (web search, code execution, ...) are a 400 naming the field.
+
+The reply's blocks (minisgl.chat.ReplyBlocks) become `thinking`, `text` and `tool_use` content
+blocks in the order the model wrote them; a stream sends Anthropic's events (message_start, each
+block's content_block_start / _delta / _stop, message_delta with the stop reason and usage,
+message_stop), and the non-streaming reply is their fold (`fold_message`).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from collections.abc import AsyncIterator, Mapping
+from typing import Any
+
+from fastapi import APIRouter, Request
+from starlette.responses import Response
+
+from minisgl.api.errors import ERROR_SHAPES
+from minisgl.api.pipeline import Run, WireEvent, prepare, respond
+from minisgl.api.request import (
+    ApiRequest,
+    ChatPrompt,
+    SamplingWire,
+    bad_request,
+    new_id,
+    sampling_of,
+)
+from minisgl.api.sse import sse_event
+from minisgl.chat import CALL, REASONING, ReplyBlocks
+from minisgl.chat.tool_parsers import ToolCallDelta
+from minisgl.core import FinishReason, InvalidRequestError
+
+PATH_PREFIX = "/v1/messages"
+ALIASES = {"stop_sequences": "stop"}
+# Anthropic's error types by HTTP status.
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+    504: "timeout_error",
+}
+
+
+def anthropic_error(status_code: Any, message: str) -> dict[str, Any]:
+    kind = ERROR_TYPES.get(status_code, "api_error")
+    return {"type": "error", "error": {"type": kind, "message": message}}
+
+
+ERROR_SHAPES[PATH_PREFIX] = anthropic_error
+
+
+class MessagesRequest(SamplingWire):
+    model: str | None = None
+    messages: list[Any]
+    max_tokens: int  # required, as Anthropic has it
+    system: str | list[Any] | None = None
+    stop_sequences: list[str] | None = None
+    stream: bool = False
+    tools: list[Any] | None = None
+    tool_choice: dict[str, Any] | None = None
+    thinking: dict[str, Any] | None = None
+    metadata: dict[str, Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def to_api(self) -> ApiRequest:
+        system = []
+        if self.system is not None:
+            text = blocks_text(self.system, "system", param="system")
+            system = [{"role": "system", "content": text}] if text else []
+        kwargs = dict(self.chat_template_kwargs or {})
+        thinking = (self.thinking or {}).get("type")
+        if thinking in ("enabled", "disabled") and "enable_thinking" not in kwargs:
+            kwargs["enable_thinking"] = thinking == "enabled"
+        prompt = ChatPrompt(
+            system + chat_messages(self.messages),
+            chat_tools(self.tools),
+            chat_tool_choice(self.tool_choice),
+            not (self.tool_choice or {}).get("disable_parallel_tool_use"),
+            kwargs or None,
+        )
+        return ApiRequest(prompt, *sampling_of(self, ALIASES), model=self.model)
+
+
+class CountTokensRequest(MessagesRequest):
+    """/v1/messages/count_tokens: a Messages request without the budget."""
+
+    max_tokens: int = 1
+
+
+def _fail(where: str, message: str, param: str = "messages") -> InvalidRequestError:
+    return InvalidRequestError(param, f"{where}: {message}")
+
+
+def blocks_text(content: Any, where: str, param: str = "messages") -> str:
+    """Text, or a list of text blocks, as one string."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise _fail(where, "content must be text or a list of content blocks", param)
+    texts = []
+    for j, block in enumerate(content):
+        if not isinstance(block, Mapping) or block.get("type") != "text":
+            raise _fail(f"{where}.content[{j}]", "must be a text block here", param)
+        if not isinstance(block.get("text"), str):
+            raise _fail(f"{where}.content[{j}]", "text must be a string", param)
+        texts.append(block["text"])
+    return "".join(texts)
+
+
+def _tool_call(block: Mapping[str, Any], where: str) -> dict[str, Any]:
+    name, call_id, arguments = block.get("name"), block.get("id"), block.get("input", {})
+    if not isinstance(name, str) or not isinstance(call_id, str):
+        raise _fail(where, "a tool_use block needs an id and a name")
+    if not isinstance(arguments, Mapping):
+        raise _fail(where, "a tool_use block's input must be an object")
+    function = {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}
+    return {"id": call_id, "type": "function", "function": function}
+
+
+def _tool_result(block: Mapping[str, Any], where: str) -> dict[str, Any]:
+    call_id = block.get("tool_use_id")
+    if not isinstance(call_id, str):
+        raise _fail(where, "a tool_result block needs a tool_use_id")
+    content = block.get("content", "")
+    return {"role": "tool", "tool_call_id": call_id, "content": blocks_text(content, where)}
+
+
+def chat_messages(messages: list[Any]) -> list[dict[str, Any]]:
+    """Anthropic messages -> chat messages."""
+    if not messages:
+        raise InvalidRequestError("messages", "must hold at least one message")
+    out: list[dict[str, Any]] = []
+    for i, message in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(message, Mapping) or message.get("role") not in ("user", "assistant"):
+            raise _fail(where, "must be an object with role user or assistant and content")
+        role, content = message["role"], message.get("content")
+        if isinstance(content, str):
+            out.append({"role": role, "content": content})
+            continue
+        if not isinstance(content, list):
+            raise _fail(where, "content must be text or a list of content blocks")
+        texts: list[str] = []
+        calls: list[dict[str, Any]] = []
+        reasoning: list[str] = []
+        for j, block in enumerate(content):
+            at = f"{where}.content[{j}]"
+            kind = block.get("type") if isinstance(block, Mapping) else None
+            if kind == "text" and isinstance(block.get("text"), str):
+                texts.append(block["text"])
+            elif kind == "tool_use" and role == "assistant":
+                calls.append(_tool_call(block, at))
+            elif kind == "tool_result" and role == "user":
+                out.append(_tool_result(block, at))
+            elif kind == "thinking" and role == "assistant":
+                reasoning.append(str(block.get("thinking", "")))
+            elif kind == "redacted_thinking" and role == "assistant":
+                continue  # encrypted by Anthropic's models; nothing a local model can read
+            elif kind in ("image", "document"):
+                raise _fail(at, f"{kind} blocks are not supported: the model reads text")
+            else:
+                raise _fail(at, f"a {kind!r} block is not supported in a {role} message")
+        if role == "user" and not texts and out and out[-1]["role"] == "tool":
+            continue  # only tool results: they are the turn
+        entry: dict[str, Any] = {"role": role, "content": "".join(texts)}
+        if reasoning:
+            entry["reasoning_content"] = "".join(reasoning)
+        if calls:
+            entry["tool_calls"] = calls
+        out.append(entry)
+    return out
+
+
+def chat_tools(tools: list[Any] | None) -> list[dict[str, Any]] | None:
+    if tools is None:
+        return None
+    converted = []
+    for i, tool in enumerate(tools):
+        if not isinstance(tool, Mapping) or tool.get("type", "custom") != "custom":
+            kind = tool.get("type") if isinstance(tool, Mapping) else None
+            raise InvalidRequestError("tools", f"tools[{i}]: {kind!r} tools are not supported")
+        function: dict[str, Any] = {"name": tool.get("name")}
+        if "description" in tool:
+            function["description"] = tool["description"]
+        function["parameters"] = tool.get("input_schema", {"type": "object", "properties": {}})
+        converted.append({"type": "function", "function": function})
+    return converted
+
+
+def chat_tool_choice(choice: dict[str, Any] | None) -> str | dict[str, Any] | None:
+    if choice is None:
+        return None
+    kind = choice.get("type")
+    if kind in ("auto", "none"):
+        return kind
+    if kind == "any":
+        return "required"
+    if kind == "tool" and isinstance(choice.get("name"), str):
+        return {"type": "function", "function": {"name": choice["name"]}}
+    raise InvalidRequestError(
+        "tool_choice", "must be {'type': 'auto' | 'any' | 'none'} or {'type': 'tool', 'name'}"
+    )
+
+
+def tool_input(arguments: str) -> dict[str, Any]:
+    """A call's arguments as the object Anthropic's `input` is; text that is not a JSON object
+    (a model's broken call) is kept whole under `_raw_arguments` rather than lost."""
+    try:
+        value = json.loads(arguments) if arguments.strip() else {}
+    except ValueError:
+        value = None
+    return value if isinstance(value, dict) else {"_raw_arguments": arguments}
+
+
+_DELTAS = {REASONING: ("thinking_delta", "thinking"), "text": ("text_delta", "text")}
+_EMPTY_BLOCKS = {
+    REASONING: {"type": "thinking", "thinking": "", "signature": ""},  # nothing signs ours
+    "text": {"type": "text", "text": ""},
+}
+
+
+class BlockEvents:
+    """The reply's blocks as Anthropic's stream events (a minisgl.chat.BlockSink)."""
+
+    def __init__(self) -> None:
+        self.pending: list[WireEvent] = []
+        self._index = -1
+
+    def emit(self, kind: str, **fields: Any) -> None:
+        self.pending.append((kind, {"type": kind, **fields}))
+
+    def open(self, kind: str, call: ToolCallDelta | None) -> None:
+        self._index += 1
+        block = copy.deepcopy(_EMPTY_BLOCKS.get(kind))
+        if call is not None:
+            block = {"type": "tool_use", "id": new_id("toolu", "_"), "name": call.name or ""}
+            block["input"] = {}
+        self.emit("content_block_start", index=self._index, content_block=block)
+
+    def write(self, kind: str, text: str, logprobs: list[Any]) -> None:
+        delta = {"type": "input_json_delta", "partial_json": text}
+        if kind != CALL:
+            delta_type, key = _DELTAS[kind]
+            delta = {"type": delta_type, key: text}
+        if text or kind != CALL:
+            self.emit("content_block_delta", index=self._index, delta=delta)
+
+    def close(self, status: str) -> None:
+        self.emit("content_block_stop", index=self._index)
+
+
+def stop_reason(
+    reason: FinishReason | None, matched: int | str | None, num_calls: int, stops: list[str]
+) -> tuple[str, str | None]:
+    """Anthropic's stop_reason and stop_sequence."""
+    if reason == FinishReason.LENGTH:
+        return "max_tokens", None
+    if num_calls:
+        return "tool_use", None
+    if isinstance(matched, str) and matched in stops:
+        return "stop_sequence", matched
+    return "end_turn", None
+
+
+async def message_events(run: Run, body: MessagesRequest) -> AsyncIterator[WireEvent]:
+    sink = BlockEvents()
+    blocks = ReplyBlocks(sink)
+    model = body.model or run.ctx.served_model_name
+    usage = {"input_tokens": len(run.prompts[0]), "output_tokens": 0}
+    start = {"id": run.id, "type": "message", "role": "assistant", "model": model, "content": []}
+    sink.emit(
+        "message_start",
+        message={**start, "stop_reason": None, "stop_sequence": None, "usage": usage},
+    )
+    sink.emit("ping")
+    finish = matched = None
+    async for event in run.events():
+        blocks.feed(event.delta)
+        if event.output.finish_reason is not None:
+            blocks.finish()
+            finish, matched = event.output.finish_reason, event.output.matched_stop
+        for pending in sink.pending:
+            yield pending
+        sink.pending.clear()
+    reason, sequence = stop_reason(finish, matched, blocks.num_calls, body.stop_sequences or [])
+    prompt, completion, cached = run.usage()
+    usage = {
+        # Anthropic counts prompt tokens read from the cache apart from `input_tokens`.
+        "input_tokens": prompt - cached,
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": cached,
+        "output_tokens": completion,
+    }
+    sink.emit(
+        "message_delta", delta={"stop_reason": reason, "stop_sequence": sequence}, usage=usage
+    )
+    sink.emit("message_stop")
+    for pending in sink.pending:
+        yield pending
+
+
+def fold_message(events: list[dict[str, Any]]) -> dict[str, Any]:
+    """A message stream's events as the one message of a non-streaming reply."""
+    message = dict(events[0]["message"])
+    blocks: list[dict[str, Any]] = []
+    arguments: list[str] = []
+    for event in events:
+        kind = event["type"]
+        if kind == "content_block_start":
+            blocks.append(dict(event["content_block"]))
+            arguments = []
+        elif kind == "content_block_delta":
+            delta = event["delta"]
+            if delta["type"] == "input_json_delta":
+                arguments.append(delta["partial_json"])
+            else:
+                key = "text" if delta["type"] == "text_delta" else "thinking"
+                blocks[event["index"]][key] += delta[key]
+        elif kind == "content_block_stop" and blocks[event["index"]]["type"] == "tool_use":
+            blocks[event["index"]]["input"] = tool_input("".join(arguments))
+        elif kind == "message_delta":
+            message |= {**event["delta"], "usage": event["usage"]}
+    return {**message, "content": blocks}
+
+
+def _error_frames(body: dict[str, Any]) -> list[str]:
+    """A stream that fails ends with Anthropic's error event."""
+    error = anthropic_error(body["error"].get("code"), body["error"]["message"])
+    return [sse_event(error, "error")]
+
+
+router = APIRouter()
+
+
+@router.post(PATH_PREFIX)
+async def create_message(body: MessagesRequest, request: Request) -> Response:
+    try:
+        api = body.to_api()
+    except InvalidRequestError as exc:
+        raise bad_request(exc) from None
+    run = await Run(request.app.state.ctx, api, new_id("msg", "_")).start(request)
+    events = message_events(run, body)
+    return await respond(run, events, body.stream, fold_message, _error_frames, done=False)
+
+
+@router.post(PATH_PREFIX + "/count_tokens")
+async def count_tokens(body: CountTokensRequest, request: Request) -> dict[str, Any]:
+    ctx = request.app.state.ctx
+    ctx.check_model(body.model)
+    try:
+        api = body.to_api()
+    except InvalidRequestError as exc:
+        raise bad_request(exc) from None
+    prepared = await prepare(ctx, api)
+    return {"input_tokens": len(prepared.prompt_ids[0])}

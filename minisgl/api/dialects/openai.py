@@ -1,0 +1,489 @@
+"""OpenAI's chat and text completions: POST /v1/chat/completions and /v1/completions.
+
+Each choice's reply goes through its own parser (minisgl.chat), so reasoning, content and tool
+calls split the same way streamed or not: a non-streaming reply is the fold of the chunks a
+stream sends (`fold_chat`, `fold_completion`).
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from typing import Any, cast
+
+from fastapi import APIRouter, Request
+from pydantic import Field, model_validator
+from starlette.responses import Response
+
+from minisgl.api.errors import HTTP_BAD_REQUEST, RequestError
+from minisgl.api.pipeline import Run, ServingContext, WireEvent, joined_logprobs, respond
+from minisgl.api.request import (
+    ApiRequest,
+    ChatPrompt,
+    SamplingWire,
+    WireModel,
+    new_id,
+    sampling_of,
+    with_reasoning_effort,
+)
+from minisgl.chat import ChatDelta
+from minisgl.core import FinishReason, InvalidRequestError, TokenLogprob
+
+# OpenAI's bound on choices per request.
+MAX_CHOICES_PER_REQUEST = 128
+# /v1/completions without max_tokens: OpenAI's default (and vLLM's and SGLang's).
+DEFAULT_COMPLETION_MAX_TOKENS = 16
+CONSTRAINT_FIELDS = (
+    "response_format",
+    "regex",
+    "ebnf",
+    "json_schema",
+    "guided_json",
+    "guided_regex",
+    "guided_grammar",
+    "guided_choice",
+    "structured_outputs",
+)
+CHAT_ALIASES = {"max_completion_tokens": "max_tokens", "top_logprobs": "logprobs"}
+
+
+class StreamOptions(WireModel):
+    include_usage: bool = False
+
+
+class OpenAISampling(SamplingWire):
+    """The fields chat and text completions share. None means "the default"."""
+
+    model: str | None = None
+    max_tokens: int | None = None
+    stop: str | list[str] | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False  # vLLM: the stop string stays in the text
+    n: int = Field(default=1, ge=1, le=MAX_CHOICES_PER_REQUEST)
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # Structured outputs (minisgl.chat.requests): at most one of these per request.
+    response_format: dict[str, Any] | None = None
+    regex: str | None = None  # SGLang
+    ebnf: str | None = None  # SGLang
+    json_schema: str | dict[str, Any] | None = None  # SGLang: a JSON schema (text or object)
+    guided_json: str | dict[str, Any] | None = None  # vLLM's older names
+    guided_regex: str | None = None
+    guided_grammar: str | None = None
+    guided_choice: list[str] | None = None
+    structured_outputs: dict[str, Any] | None = None  # vLLM: {json|regex|grammar|choice}
+
+    @model_validator(mode="after")
+    def _stream_options_need_a_stream(self) -> OpenAISampling:
+        if self.stream_options is not None and not self.stream:
+            raise InvalidRequestError("stream_options", "only allowed when stream is true")
+        return self
+
+    @property
+    def constraint_fields(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in CONSTRAINT_FIELDS}
+
+    @property
+    def stream_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class ChatCompletionRequest(OpenAISampling):
+    # Content checks (roles, text parts) happen in minisgl.tokenizer.chat with clear messages.
+    messages: list[Any]
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    # Checked with clear messages in minisgl.chat.requests.
+    tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+    separate_reasoning: bool = True  # SGLang: false keeps the reasoning inside the content
+    # OpenAI's: reaches the template as `reasoning_effort` (as in vLLM); "none" also turns a
+    # hybrid model's thinking off (Qwen3's enable_thinking=false) unless the request sets it.
+    reasoning_effort: str | None = None
+
+    @model_validator(mode="after")
+    def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise InvalidRequestError("top_logprobs", "needs logprobs set to true")
+        return self
+
+    def to_api(self) -> ApiRequest:
+        sampling, wire_names = sampling_of(self, CHAT_ALIASES)
+        sampling["logprobs"] = (self.top_logprobs or 0) if self.logprobs else None
+        kwargs = with_reasoning_effort(self.chat_template_kwargs, self.reasoning_effort)
+        prompt = ChatPrompt(
+            self.messages,
+            self.tools,
+            self.tool_choice,
+            self.parallel_tool_calls,
+            kwargs,
+            self.separate_reasoning,
+        )
+        return ApiRequest(prompt, sampling, wire_names, self.n, self.model, self.constraint_fields)
+
+
+class CompletionRequest(OpenAISampling):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool = False
+    # Not supported; refused rather than ignored, so a client learns its request was not run
+    # as written (vLLM refuses suffix too). best_of equal to n is plain sampling.
+    suffix: str | None = None
+    best_of: int | None = None
+
+    @model_validator(mode="after")
+    def _refuse_unsupported(self) -> CompletionRequest:
+        if self.suffix:
+            raise InvalidRequestError("suffix", "is not supported")
+        if self.best_of is not None and self.best_of != self.n:
+            raise InvalidRequestError("best_of", "is not supported (other than equal to n)")
+        return self
+
+    def to_api(self) -> ApiRequest:
+        prompt = self.prompt
+        if not prompt:
+            raise RequestError(HTTP_BAD_REQUEST, "prompt: must not be empty", param="prompt")
+        if isinstance(prompt, str) or isinstance(prompt[0], int):
+            prompt = [prompt]  # type: ignore[assignment]
+        sampling, wire_names = sampling_of(self, {})
+        sampling.setdefault("max_tokens", DEFAULT_COMPLETION_MAX_TOKENS)
+        # echo with logprobs scores the prompt too (OpenAI: the first token's is null); echo
+        # with max_tokens 0 only echoes, through the same prompt-only path.
+        scored = self.echo and (self.logprobs is not None or sampling["max_tokens"] == 0)
+        sampling["prompt_logprobs"] = (self.logprobs or 0) if scored else None
+        prompts = cast("list[str] | list[list[int]]", prompt)
+        return ApiRequest(prompts, sampling, wire_names, self.n, self.model, self.constraint_fields)
+
+
+def _finish_text(reason: FinishReason | None, num_calls: int = 0) -> str | None:
+    if reason == FinishReason.STOP and num_calls > 0:
+        return "tool_calls"
+    return None if reason is None else reason.value
+
+
+def _stop_reason(run: Run, matched: int | str | None) -> int | str | None:
+    """vLLM's `stop_reason`: the stop string or the `stop_token_ids` entry that ended the
+    choice; null for EOS, length and the rest."""
+    stop_token_ids = run.req.sampling_for(0).get("stop_token_ids") or ()
+    if isinstance(matched, int) and matched not in stop_token_ids:
+        return None  # EOS
+    return matched
+
+
+def usage_dict(run: Run, reasoning_tokens: int | None = None) -> dict[str, Any]:
+    """reasoning_tokens: part of completion_tokens (chat); None leaves the details out."""
+    prompt_tokens, completion_tokens, cached_tokens = run.usage()
+    usage: dict[str, Any] = {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
+    if reasoning_tokens is not None:
+        usage["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
+    return usage
+
+
+def chat_logprobs(ctx: ServingContext, logprobs: Sequence[TokenLogprob]) -> dict[str, Any]:
+    def entry(token_id: int, logprob: float) -> dict[str, Any]:
+        text = ctx.token_text(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    content = []
+    for lp in logprobs:
+        item = entry(lp.token_id, lp.logprob)
+        item["top_logprobs"] = [entry(tid, tlp) for tid, tlp in lp.top]
+        content.append(item)
+    return {"content": content}
+
+
+class CallIds:
+    """OpenAI tool call ids, one per (choice, call)."""
+
+    def __init__(self) -> None:
+        self._ids: dict[tuple[int, int], str] = {}
+
+    def get(self, choice: int, call: int) -> str:
+        return self._ids.setdefault((choice, call), f"call_{uuid.uuid4().hex[:24]}")
+
+
+def _delta_dict(delta: ChatDelta, choice: int, call_ids: CallIds) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    if delta.reasoning:
+        out["reasoning_content"] = out["reasoning"] = delta.reasoning
+    if delta.content:
+        out["content"] = delta.content
+    if delta.tool_calls:
+        # One entry per call in a chunk (as OpenAI sends them): a call's name and the first
+        # of its arguments can arrive in one step; clients reading tool_calls[0] see both.
+        calls: dict[int, dict[str, Any]] = {}
+        for call in delta.tool_calls:
+            if call.name is not None:  # a call's first delta: who is called
+                calls[call.index] = {
+                    "index": call.index,
+                    "id": call_ids.get(choice, call.index),
+                    "type": "function",
+                    "function": {"name": call.name, "arguments": call.arguments},
+                }
+            elif call.index in calls:
+                calls[call.index]["function"]["arguments"] += call.arguments
+            else:
+                calls[call.index] = {"index": call.index, "function": {"arguments": call.arguments}}
+        out["tool_calls"] = [calls[i] for i in sorted(calls)]
+    return out
+
+
+def _header(run: Run, body: OpenAISampling, kind: str) -> dict[str, Any]:
+    model = body.model or run.ctx.served_model_name
+    header = {"id": run.id, "object": kind, "created": int(time.time()), "model": model}
+    if body.stream_usage:
+        header["usage"] = None  # OpenAI sends usage null on every chunk but the last
+    return header
+
+
+def _chunk(
+    base: dict[str, Any], index: int, finish: str | None, stop: Any, **part: Any
+) -> WireEvent:
+    choice = {"index": index, **part, "finish_reason": finish}
+    if finish is not None:
+        choice["stop_reason"] = stop
+    return None, {**base, "choices": [choice]}
+
+
+async def chat_events(run: Run, body: ChatCompletionRequest) -> AsyncIterator[WireEvent]:
+    base = _header(run, body, "chat.completion.chunk")
+    # Each choice's role chunk goes out with its first output, not at once: benchmark clients
+    # (vllm bench serve) time the first token at the first chunk, as OpenAI and vLLM send it.
+    announced: set[int] = set()
+    call_ids = CallIds()
+    async for event in run.events():
+        choice, output = event.choice, event.output
+        if choice.index not in announced:
+            announced.add(choice.index)
+            role = {"role": "assistant", "content": ""}
+            yield _chunk(base, choice.index, None, None, delta=role, logprobs=None)
+        num_calls = choice.parser.num_calls if choice.parser is not None else 0
+        finish = _finish_text(output.finish_reason, num_calls)
+        delta = _delta_dict(event.delta, choice.index, call_ids)
+        logprobs = chat_logprobs(run.ctx, output.logprobs) if body.logprobs else None
+        if delta or finish is not None or (logprobs and logprobs["content"]):
+            stop = _stop_reason(run, output.matched_stop)
+            yield _chunk(base, choice.index, finish, stop, delta=delta, logprobs=logprobs)
+    if body.stream_usage or not body.stream:
+        usage = usage_dict(run, run.reasoning_tokens)
+        yield None, {**base, "choices": [], "usage": usage}
+
+
+def fold_chat(chunks: list[dict[str, Any]], with_reasoning: bool) -> dict[str, Any]:
+    """The chunks of a chat stream as one chat.completion (OpenAI's non-streaming reply)."""
+    replies: dict[int, dict[str, Any]] = {}
+    for chunk in chunks:
+        for part in chunk["choices"]:
+            reply = replies.setdefault(
+                part["index"], {"content": "", "reasoning": "", "calls": {}, "logprobs": None}
+            )
+            delta = part["delta"]
+            reply["content"] += delta.get("content", "")
+            reply["reasoning"] += delta.get("reasoning_content", "")
+            for call in delta.get("tool_calls", ()):
+                function = call["function"]
+                if "id" in call:  # a call's first delta
+                    named = {"name": function["name"], "arguments": ""}
+                    reply["calls"][call["index"]] = {
+                        "id": call["id"],
+                        "type": "function",
+                        "function": named,
+                    }
+                reply["calls"][call["index"]]["function"]["arguments"] += function["arguments"]
+            if part["logprobs"] is not None:
+                reply["logprobs"] = joined_logprobs([reply["logprobs"], part["logprobs"]])
+            if part["finish_reason"] is not None:
+                reply["finish"] = (part["finish_reason"], part["stop_reason"])
+    choices = []
+    for index in sorted(replies):
+        reply = replies[index]
+        calls = [reply["calls"][i] for i in sorted(reply["calls"])]
+        content = reply["content"]
+        # OpenAI: content is null when the reply is only tool calls (or only reasoning).
+        message: dict[str, Any] = {
+            "role": "assistant",
+            "content": None if not content and (calls or with_reasoning) else content,
+        }
+        if with_reasoning:
+            message["reasoning_content"] = message["reasoning"] = reply["reasoning"] or None
+        if calls:
+            message["tool_calls"] = calls
+        finish, stop = reply.get("finish", (None, None))
+        choices.append(
+            {
+                "index": index,
+                "message": message,
+                "logprobs": reply["logprobs"],
+                "finish_reason": finish,
+                "stop_reason": stop,
+            }
+        )
+    head = {key: chunks[0][key] for key in ("id", "created", "model")}
+    return {**head, "object": "chat.completion", "choices": choices, "usage": chunks[-1]["usage"]}
+
+
+def _completion_logprobs(
+    ctx: ServingContext, logprobs: Sequence[TokenLogprob], offset: int
+) -> dict[str, Any]:
+    """The legacy completions format, text offsets counted from `offset`."""
+    tokens, token_logprobs, top_logprobs, text_offset = [], [], [], []
+    for lp in logprobs:
+        text = ctx.token_text(lp.token_id)
+        tokens.append(text)
+        token_logprobs.append(lp.logprob)
+        top_logprobs.append({ctx.token_text(tid): tlp for tid, tlp in lp.top})
+        text_offset.append(offset)
+        offset += len(text)
+    return {
+        "tokens": tokens,
+        "token_logprobs": token_logprobs,
+        "top_logprobs": top_logprobs,
+        "text_offset": text_offset,
+    }
+
+
+def _echo_logprobs(
+    ctx: ServingContext, prompt_ids: Sequence[int], scored: Sequence[TokenLogprob]
+) -> dict[str, Any]:
+    """The prompt's part of echo + logprobs: every prompt token, the first with a null logprob
+    and top_logprobs (nothing comes before it), offsets from 0."""
+    tokens = [ctx.token_text(tid) for tid in prompt_ids]
+    missing = [None] * (len(tokens) - 1 - len(scored))  # none arrived: the request was aborted
+    return {
+        "tokens": tokens,
+        "token_logprobs": [None, *(lp.logprob for lp in scored), *missing],
+        "top_logprobs": [
+            None,
+            *({ctx.token_text(tid): tlp for tid, tlp in lp.top} for lp in scored),
+            *missing,
+        ],
+        "text_offset": list(itertools.accumulate(map(len, tokens[:-1]), initial=0)),
+    }
+
+
+def _echo_texts(ctx: ServingContext, run: Run) -> list[str]:
+    """Prompt texts for echo, on the tokenizer thread: token id prompts are decoded only now,
+    once every rule (the vocabulary range included) has passed."""
+    assert run.prepared is not None
+    texts = run.prepared.texts
+    return [
+        t if t is not None else ctx.tokenizer.decode(ids)
+        for t, ids in zip(texts, run.prompts, strict=True)
+    ]
+
+
+async def completion_events(run: Run, body: CompletionRequest) -> AsyncIterator[WireEvent]:
+    ctx = run.ctx
+    base = _header(run, body, "text_completion")
+    echoed = await ctx.on_tokenizer_thread(_echo_texts, ctx, run) if body.echo else []
+    # text_offset of each choice's next token. Under echo with logprobs the prompt's tokens
+    # come first, their offsets summed over their texts as vLLM does, so the output continues
+    # from that sum (which differs from the echoed text's length where one character spans
+    # several tokens, each shown alone as U+FFFD): offsets never go back.
+    offsets = {}
+    for choice in run.choices:
+        prompt = run.prompts[choice.prompt_index]
+        if not body.echo:
+            offsets[choice.index] = 0
+        elif body.logprobs is None:
+            offsets[choice.index] = len(echoed[choice.prompt_index])
+        else:
+            offsets[choice.index] = sum(len(ctx.token_text(tid)) for tid in prompt)
+    # echo: the prompt goes first; with logprobs it waits for the choice's first output, which
+    # brings the prompt's logprobs.
+    waiting = {c.index for c in run.choices} if body.echo and body.logprobs is not None else set()
+    if body.echo and not waiting:
+        for choice in run.choices:
+            yield _chunk(
+                base, choice.index, None, None, text=echoed[choice.prompt_index], logprobs=None
+            )
+    async for event in run.events():
+        choice, output = event.choice, event.output
+        if choice.index in waiting:
+            waiting.discard(choice.index)
+            scored = _echo_logprobs(ctx, run.prompts[choice.prompt_index], output.prompt_logprobs)
+            text = echoed[choice.prompt_index]
+            yield _chunk(base, choice.index, None, None, text=text, logprobs=scored)
+        logprobs = None
+        if body.logprobs is not None and output.logprobs:
+            logprobs = _completion_logprobs(ctx, output.logprobs, offsets[choice.index])
+            offsets[choice.index] += sum(map(len, logprobs["tokens"]))
+        finish = _finish_text(output.finish_reason)
+        if output.text or finish is not None or logprobs is not None:
+            stop = _stop_reason(run, output.matched_stop)
+            yield _chunk(base, choice.index, finish, stop, text=output.text, logprobs=logprobs)
+    if body.stream_usage or not body.stream:
+        yield None, {**base, "choices": [], "usage": usage_dict(run)}
+
+
+def fold_completion(chunks: list[dict[str, Any]], with_logprobs: bool) -> dict[str, Any]:
+    """The chunks of a completions stream as one text_completion (the non-streaming reply)."""
+    replies: dict[int, dict[str, Any]] = {}
+    empty = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for chunk in chunks:
+        for part in chunk["choices"]:
+            reply = replies.setdefault(
+                part["index"],
+                {"index": part["index"], "text": "", "logprobs": empty if with_logprobs else None},
+            )
+            reply["text"] += part["text"]
+            if part["logprobs"] is not None:
+                reply["logprobs"] = joined_logprobs([reply["logprobs"], part["logprobs"]])
+            reply["finish_reason"] = part["finish_reason"]
+            reply["stop_reason"] = part.get("stop_reason")
+    head = {key: chunks[0][key] for key in ("id", "created", "model")}
+    choices = [replies[i] for i in sorted(replies)]
+    return {**head, "object": "text_completion", "choices": choices, "usage": chunks[-1]["usage"]}
+
+
+router = APIRouter()
+
+
+@router.post("/v1/chat/completions")
+async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
+    run = await Run(request.app.state.ctx, body.to_api(), new_id("chatcmpl")).start(request)
+    assert run.prepared is not None and run.prepared.chat is not None
+    with_reasoning = run.prepared.chat.reasoning_parser is not None
+    fold = functools.partial(fold_chat, with_reasoning=with_reasoning)
+    return await respond(run, chat_events(run, body), bool(body.stream), fold)
+
+
+@router.post("/v1/completions")
+async def create_completion(body: CompletionRequest, request: Request) -> Response:
+    run = await Run(request.app.state.ctx, body.to_api(), new_id("cmpl")).start(request)
+    fold = functools.partial(fold_completion, with_logprobs=body.logprobs is not None)
+    return await respond(run, completion_events(run, body), bool(body.stream), fold)
+
+
+def _model_card(ctx: ServingContext) -> dict[str, Any]:
+    return {
+        "id": ctx.served_model_name,
+        "object": "model",
+        "created": int(time.time()),
+        "owned_by": "minisgl",
+        # The longest sequence that can run: the KV pool may hold less than the context.
+        "max_model_len": ctx.limits.max_seq_len,
+    }
+
+
+@router.get("/v1/models")
+async def list_models(request: Request) -> dict[str, Any]:
+    return {"object": "list", "data": [_model_card(request.app.state.ctx)]}
+
+
+@router.get("/v1/models/{model_id:path}")  # ids may hold a slash (Qwen/Qwen3-8B)
+async def retrieve_model(model_id: str, request: Request) -> dict[str, Any]:
+    request.app.state.ctx.check_model(model_id)
+    return _model_card(request.app.state.ctx)

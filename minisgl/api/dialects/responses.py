@@ -1,0 +1,461 @@
+"""OpenAI's Responses API: POST /v1/responses, GET and DELETE /v1/responses/{id}, GET
+/v1/responses/{id}/input_items.
+
+A request runs as a chat (minisgl.api.dialects.responses_input translates its input). The
+reply's blocks (minisgl.chat.ReplyBlocks) become output items in the order the model wrote
+them: a `reasoning` item, a `message` with one `output_text` part, `function_call` items. A
+stream sends OpenAI's events (response.created, response.in_progress, each item's added /
+delta / done events, then response.completed or response.incomplete), every event numbered;
+the last one carries the whole response, which is the non-streaming reply. With `store`
+(OpenAI's default) the response is kept in this process's memory for GET and for a later
+request's `previous_response_id`, bounded by count and size (oldest first).
+
+vLLM's and SGLang's sampling extras (top_k, min_p, penalties, seed, stop, ...) pass through.
+`background`, `truncation: "auto"` and what responses_input refuses are a 400 naming the field.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import time
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import APIRouter, Request
+from pydantic import model_validator
+from starlette.responses import Response
+
+from minisgl.api.dialects.openai import CallIds, chat_logprobs
+from minisgl.api.dialects.responses_input import (
+    chat_tool_choice,
+    chat_tools,
+    input_items,
+    input_messages,
+    response_format,
+)
+from minisgl.api.errors import HTTP_BAD_REQUEST, HTTP_NOT_FOUND, HTTP_SERVER_ERROR, RequestError
+from minisgl.api.pipeline import Run, WireEvent, respond
+from minisgl.api.request import (
+    ApiRequest,
+    ChatPrompt,
+    SamplingWire,
+    bad_request,
+    new_id,
+    sampling_of,
+    with_reasoning_effort,
+)
+from minisgl.api.sse import sse_event
+from minisgl.chat import CALL, REASONING, ReplyBlocks
+from minisgl.chat.tool_parsers import ToolCallDelta
+from minisgl.core import FinishReason, InvalidRequestError
+
+INCLUDE_LOGPROBS = "message.output_text.logprobs"
+ALIASES = {
+    "max_output_tokens": "max_tokens",
+    "top_logprobs": "logprobs",
+    "input": "messages",
+    "text.format": "response_format",
+}
+MAX_STORED_RESPONSES = 1024
+MAX_STORED_CHARS = 64 * 1024 * 1024
+MAX_LISTED_ITEMS = 100
+
+
+class ResponsesRequest(SamplingWire):
+    model: str | None = None
+    input: str | list[Any]
+    instructions: str | None = None
+    previous_response_id: str | None = None
+    max_output_tokens: int | None = None
+    top_logprobs: int | None = None
+    include: list[str] | None = None
+    tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
+    text: dict[str, Any] | None = None
+    reasoning: dict[str, Any] | None = None
+    stream: bool = False
+    store: bool = True
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    truncation: str | None = None
+    background: bool = False
+    stop: str | list[str] | None = None  # an extra, as vLLM's
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _refuse_unsupported(self) -> ResponsesRequest:
+        if self.background:
+            raise InvalidRequestError(
+                "background", "is not supported: a response runs while its request is open"
+            )
+        if self.truncation not in (None, "disabled"):
+            raise InvalidRequestError(
+                "truncation", "only 'disabled' is supported (a prompt that is too long is a 400)"
+            )
+        return self
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return INCLUDE_LOGPROBS in (self.include or ()) or bool(self.top_logprobs)
+
+    @property
+    def effort(self) -> str | None:
+        return (self.reasoning or {}).get("effort")
+
+    def to_api(self, history: list[dict[str, Any]]) -> tuple[ApiRequest, list[dict[str, Any]]]:
+        """The request to run, and the conversation without instructions (what a later
+        `previous_response_id` continues: `history` is the earlier turns')."""
+        turns = [*history, *input_messages(self.input)]
+        system = [{"role": "system", "content": self.instructions}] if self.instructions else []
+        sampling, wire_names = sampling_of(self, ALIASES)
+        sampling["logprobs"] = (self.top_logprobs or 0) if self.wants_logprobs else None
+        prompt = ChatPrompt(
+            system + turns,
+            chat_tools(self.tools),
+            chat_tool_choice(self.tool_choice),
+            self.parallel_tool_calls,
+            with_reasoning_effort(self.chat_template_kwargs, self.effort),
+        )
+        constraint_fields = {"response_format": response_format(self.text)}
+        return ApiRequest(prompt, sampling, wire_names, 1, self.model, constraint_fields), turns
+
+
+@dataclass(frozen=True)
+class StoredResponse:
+    response: dict[str, Any]  # the response object, as the client received it
+    conversation: list[dict[str, Any]]  # chat messages, this response's reply included
+    input_items: list[dict[str, Any]]  # this request's input, as GET .../input_items lists it
+    size_chars: int
+
+
+class ResponseStore:
+    """Stored responses, oldest out first. Each entry keeps its whole conversation, so a long
+    chain costs its length once per turn; the size bound keeps that in check. Private to one
+    server: behind a gateway a follow-up must reach the same replica."""
+
+    def __init__(
+        self, max_entries: int = MAX_STORED_RESPONSES, max_chars: int = MAX_STORED_CHARS
+    ) -> None:
+        self._entries: OrderedDict[str, StoredResponse] = OrderedDict()
+        self._max_entries = max_entries
+        self._max_chars = max_chars
+        self._chars = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def put(
+        self, response: dict[str, Any], conversation: list[Any], items: list[Any] | None = None
+    ) -> None:
+        items = items or []
+        size = sum(len(json.dumps(part)) for part in (response, conversation, items))
+        if size > self._max_chars:
+            return  # larger than the whole store: keeping it would evict everything else
+        self.delete(response["id"])
+        self._entries[response["id"]] = StoredResponse(response, conversation, items, size)
+        self._chars += size
+        while len(self._entries) > self._max_entries or self._chars > self._max_chars:
+            _, oldest = self._entries.popitem(last=False)
+            self._chars -= oldest.size_chars
+
+    def get(self, response_id: str) -> StoredResponse | None:
+        entry = self._entries.get(response_id)
+        if entry is not None:
+            self._entries.move_to_end(response_id)  # a chain in use stays
+        return entry
+
+    def delete(self, response_id: str) -> bool:
+        entry = self._entries.pop(response_id, None)
+        if entry is not None:
+            self._chars -= entry.size_chars
+        return entry is not None
+
+
+class OutputItems:
+    """The reply's blocks as output items, and the stream events that build them
+    (a minisgl.chat.BlockSink)."""
+
+    def __init__(self, emit: Any) -> None:
+        self.items: list[dict[str, Any]] = []
+        self._emit = emit
+        self._call_ids = CallIds()
+
+    def _at(self, part: bool = True) -> dict[str, Any]:
+        """Where an event about the open item (and its one content part) points."""
+        where: dict[str, Any] = {
+            "item_id": self.items[-1]["id"],
+            "output_index": len(self.items) - 1,
+        }
+        return {**where, "content_index": 0} if part else where
+
+    def open(self, kind: str, call: ToolCallDelta | None) -> None:
+        status = {"status": "in_progress"}
+        if call is not None:
+            call_id = self._call_ids.get(0, call.index)
+            item = {"id": new_id("fc", "_"), "type": "function_call", "call_id": call_id}
+            item |= {"name": call.name or "", "arguments": "", **status}
+        elif kind == REASONING:
+            item = {"id": new_id("rs", "_"), "type": "reasoning", "summary": [], "content": []}
+            item |= status
+        else:
+            item = {"id": new_id("msg", "_"), "type": "message", "role": "assistant", **status}
+            item["content"] = []
+        self.items.append(item)
+        self._emit("response.output_item.added", output_index=len(self.items) - 1, item=item)
+        if call is None:
+            part = {"type": "reasoning_text", "text": ""}
+            if kind != REASONING:
+                part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+            item["content"].append(part)
+            self._emit("response.content_part.added", **self._at(), part=part)
+
+    def write(self, kind: str, text: str, logprobs: list[Any]) -> None:
+        item = self.items[-1]
+        if kind == CALL:
+            item["arguments"] += text
+            if text:
+                self._emit("response.function_call_arguments.delta", **self._at(False), delta=text)
+            return
+        part = item["content"][0]
+        part["text"] += text
+        if kind == REASONING:
+            self._emit("response.reasoning_text.delta", **self._at(), delta=text)
+        else:
+            part["logprobs"] += logprobs
+            self._emit("response.output_text.delta", **self._at(), delta=text, logprobs=logprobs)
+
+    def close(self, status: str) -> None:
+        item = self.items[-1]
+        if item["type"] == "function_call":
+            args = item["arguments"]
+            self._emit("response.function_call_arguments.done", **self._at(False), arguments=args)
+        else:
+            part = item["content"][0]
+            if item["type"] == "message":
+                done = {"text": part["text"], "logprobs": part["logprobs"]}
+                self._emit("response.output_text.done", **self._at(), **done)
+            else:
+                self._emit("response.reasoning_text.done", **self._at(), text=part["text"])
+            self._emit("response.content_part.done", **self._at(), part=part)
+        item["status"] = status
+        self._emit("response.output_item.done", output_index=len(self.items) - 1, item=item)
+
+    def assistant_message(self) -> dict[str, Any]:
+        """The reply as a chat message: what a later turn's conversation holds."""
+        message: dict[str, Any] = {"role": "assistant", "content": ""}
+        calls = []
+        for item in self.items:
+            if item["type"] == "message":
+                message["content"] += item["content"][0]["text"]
+            elif item["type"] == "reasoning":
+                message["reasoning_content"] = item["content"][0]["text"]
+            else:
+                function = {"name": item["name"], "arguments": item["arguments"]}
+                calls.append({"id": item["call_id"], "type": "function", "function": function})
+        if calls:
+            message["tool_calls"] = calls
+        return message
+
+
+class Turn:
+    """One request's response: its fixed fields, then its output, usage and events as they
+    come. Every event is a snapshot: what it shows (an item, a part) keeps changing after."""
+
+    def __init__(self, body: ResponsesRequest, run: Run, conversation: list[Any]) -> None:
+        self._body = body
+        self._run = run
+        self._conversation = conversation
+        self.pending: list[WireEvent] = []
+        self._num_events = 0
+        self.output = OutputItems(self.emit)
+        self.blocks = ReplyBlocks(self.output)
+        self.finish_reason: FinishReason | None = None
+        params = run.params[0][0]  # with the model's sampling defaults applied
+        fmt = (body.text or {}).get("format")
+        self._fields: dict[str, Any] = {
+            "id": run.id,
+            "object": "response",
+            "created_at": int(time.time()),
+            "background": False,
+            "instructions": body.instructions,
+            "max_output_tokens": body.max_output_tokens,
+            "metadata": body.metadata or {},
+            "model": body.model or run.ctx.served_model_name,
+            "parallel_tool_calls": body.parallel_tool_calls,
+            "previous_response_id": body.previous_response_id,
+            "reasoning": {"effort": body.effort, "summary": None},
+            "store": body.store,
+            "temperature": params.temperature,
+            "text": {"format": dict(fmt) if isinstance(fmt, Mapping) else {"type": "text"}},
+            "tool_choice": body.tool_choice or "auto",
+            "tools": body.tools or [],
+            "top_logprobs": body.top_logprobs or 0,
+            "top_p": params.top_p,
+            "truncation": "disabled",
+            "user": body.user,
+        }
+
+    def emit(self, kind: str, **fields: Any) -> None:
+        event = {"type": kind, "sequence_number": self._num_events, **copy.deepcopy(fields)}
+        self._num_events += 1
+        self.pending.append((kind, event))
+
+    @property
+    def status(self) -> str:
+        return "incomplete" if self.finish_reason == FinishReason.LENGTH else "completed"
+
+    def response(self, status: str, error: dict[str, Any] | None = None) -> dict[str, Any]:
+        usage = None
+        if status not in ("in_progress", "failed"):
+            prompt, completion, cached = self._run.usage()
+            usage = {
+                "input_tokens": prompt,
+                # The radix cache keeps every prompt token it did not already hold.
+                "input_tokens_details": {
+                    "cached_tokens": cached,
+                    "cache_write_tokens": prompt - cached,
+                },
+                "output_tokens": completion,
+                "output_tokens_details": {"reasoning_tokens": self._run.reasoning_tokens},
+                "total_tokens": prompt + completion,
+            }
+        incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
+        return {
+            **self._fields,
+            "status": status,
+            "error": error,
+            "incomplete_details": incomplete,
+            "output": self.output.items,
+            "usage": usage,
+        }
+
+    async def events(self, store: ResponseStore) -> AsyncIterator[WireEvent]:
+        self.emit("response.created", response=self.response("in_progress"))
+        self.emit("response.in_progress", response=self.response("in_progress"))
+        for pending in self._take():
+            yield pending
+        async for event in self._run.events():
+            logprobs = []
+            if self._body.wants_logprobs:
+                logprobs = chat_logprobs(self._run.ctx, event.output.logprobs)["content"]
+            self.blocks.feed(event.delta, logprobs)
+            if event.output.finish_reason is not None:
+                self.finish_reason = event.output.finish_reason
+                self.blocks.finish(self.status)
+            for pending in self._take():
+                yield pending
+        response = self.response(self.status)
+        if self._body.store:
+            conversation = [*self._conversation, self.output.assistant_message()]
+            store.put(response, conversation, input_items(self._body.input))
+        self.emit(f"response.{self.status}", response=response)
+        for pending in self._take():
+            yield pending
+
+    def _take(self) -> list[WireEvent]:
+        taken = self.pending
+        self.pending = []
+        return taken
+
+    def error_frames(self, body: dict[str, Any]) -> list[str]:
+        """A stream that fails: the error event, then response.failed (no [DONE] here)."""
+        error = body["error"]
+        self.emit("error", code=error["type"], message=error["message"], param=error.get("param"))
+        client_error = isinstance(error.get("code"), int) and error["code"] < HTTP_SERVER_ERROR
+        code = "invalid_prompt" if client_error else "server_error"
+        failure = {"code": code, "message": error["message"]}
+        self.emit("response.failed", response=self.response("failed", failure))
+        return [sse_event(event, kind) for kind, event in self._take()]
+
+
+def stored(store: ResponseStore, response_id: str, param: str = "response_id") -> StoredResponse:
+    """The stored response; a 404 when there is none."""
+    entry = store.get(response_id)
+    if entry is None:
+        message = f"no stored response {response_id!r}"
+        if param != "response_id":
+            kept = "responses are kept in this server's memory while it runs, when store is true"
+            message = f"{param}: {message} ({kept})"
+        raise RequestError(HTTP_NOT_FOUND, message, param=param)
+    return entry
+
+
+def _last_response(events: list[dict[str, Any]]) -> dict[str, Any]:
+    return events[-1]["response"]  # the stream's last event holds the whole response
+
+
+router = APIRouter()
+
+
+def _store(request: Request) -> ResponseStore:
+    return request.app.state.responses
+
+
+@router.post("/v1/responses")
+async def create_response(body: ResponsesRequest, request: Request) -> Response:
+    history: list[dict[str, Any]] = []
+    if body.previous_response_id is not None:
+        history = stored(
+            _store(request), body.previous_response_id, "previous_response_id"
+        ).conversation
+    try:
+        api, conversation = body.to_api(history)
+    except InvalidRequestError as exc:
+        raise bad_request(exc) from None
+    run = await Run(request.app.state.ctx, api, new_id("resp", "_")).start(request)
+    turn = Turn(body, run, conversation)
+    events = turn.events(_store(request))
+    return await respond(run, events, body.stream, _last_response, turn.error_frames, done=False)
+
+
+@router.get("/v1/responses/{response_id}")
+async def retrieve_response(response_id: str, request: Request) -> dict[str, Any]:
+    return stored(_store(request), response_id).response
+
+
+@router.delete("/v1/responses/{response_id}")
+async def delete_response(response_id: str, request: Request) -> dict[str, Any]:
+    stored(_store(request), response_id)  # a 404 if there is none
+    _store(request).delete(response_id)
+    return {"id": response_id, "object": "response", "deleted": True}
+
+
+def list_input_items(
+    store: ResponseStore, response_id: str, limit: int, order: str, after: str | None
+) -> dict[str, Any]:
+    """The request's input items, newest first unless order is "asc", `limit` at a time, from
+    after the item `after`."""
+    items = stored(store, response_id).input_items
+    if not 1 <= limit <= MAX_LISTED_ITEMS:
+        raise RequestError(HTTP_BAD_REQUEST, f"limit: must be in [1, {MAX_LISTED_ITEMS}]", "limit")
+    if order not in ("asc", "desc"):
+        raise RequestError(HTTP_BAD_REQUEST, "order: must be 'asc' or 'desc'", "order")
+    items = items if order == "asc" else items[::-1]
+    if after is not None:
+        ids = [item["id"] for item in items]
+        if after not in ids:
+            raise RequestError(HTTP_BAD_REQUEST, f"after: no input item {after!r}", "after")
+        items = items[ids.index(after) + 1 :]
+    page = items[:limit]
+    return {
+        "object": "list",
+        "data": page,
+        "first_id": page[0]["id"] if page else None,
+        "last_id": page[-1]["id"] if page else None,
+        "has_more": len(items) > limit,
+    }
+
+
+@router.get("/v1/responses/{response_id}/input_items")
+async def get_input_items(
+    response_id: str,
+    request: Request,
+    limit: int = 20,
+    order: str = "desc",
+    after: str | None = None,
+) -> dict[str, Any]:
+    return list_input_items(_store(request), response_id, limit, order, after)

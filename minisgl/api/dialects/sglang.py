@@ -1,0 +1,414 @@
+"""SGLang's native API: POST /generate, and the worker endpoints that make a minisgl server a
+first-class worker of the SGLang Model Gateway (`pip install sglang-router`, command `smg`) and
+of tools written for SGLang (`sglang.bench_serving --backend sglang`).
+
+/generate (SGLang's GenerateReqInput, the parts minisgl serves):
+- `text` (a string or a list) or `input_ids` (a list of ids or a list of lists): one prompt or a
+  batch; `sampling_params`: an object (or one per prompt) with SGLang's names: `max_new_tokens`
+  (default 128), `min_new_tokens`, `sampling_seed`, `no_stop_trim`, `n`, the constraints
+  `json_schema`, `regex`, `ebnf`, and the sampling fields OpenAI's endpoints take;
+- `stream`, `return_logprob`, `top_logprobs_num`, `logprob_start_len` (-1: output only; k >= 0:
+  also the prompt's from position k), `rid` (the meta_info id: one, or one per prompt).
+The reply, per sequence: `{"text", "output_ids", "meta_info"}` (a list of them for a batch or
+n > 1); meta_info: `id`, `finish_reason` (null, `{"type": "stop", "matched": ...}`, `{"type":
+"length", "length": max_new_tokens}` or `{"type": "abort", ...}`), `prompt_tokens`,
+`completion_tokens`, `cached_tokens`, `e2e_latency` (seconds, at the end), and with logprobs
+`output_token_logprobs` ([logprob, id, null] per token), `output_top_logprobs`,
+`input_token_logprobs`, `input_top_logprobs`. A stream's events are cumulative (SGLang's
+default: each carries the text and ids so far), ending with `data: [DONE]`.
+
+What the gateway (sglang-router 0.3.x) reads when it registers a worker: GET /server_info (or
+/get_server_info): `served_model_name` becomes the worker's model id, `model_path` is where the
+gateway loads the tokenizer from, `tp_size`, `dp_size` become labels; GET /model_info (or
+/get_model_info): `model_type`, `architectures`, `tokenizer_path`; GET /get_load: one entry per
+data-parallel rank (a minisgl server is one) with the tokens it holds (the power_of_two policy);
+GET /health_generate: SGLang's deep health check (the engine still produces tokens); GET/POST
+/flush_cache: empty the prefix cache when idle. Field names and meanings follow SGLang's
+http_server.py; only what minisgl can state truthfully is there (never the API key).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib.metadata
+import json
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, cast
+
+from fastapi import APIRouter, Request
+from fastapi.exceptions import RequestValidationError
+from pydantic import ValidationError, model_validator
+from starlette.responses import JSONResponse, Response
+
+from minisgl.api.dialects.openai import CONSTRAINT_FIELDS, OpenAISampling
+from minisgl.api.errors import HTTP_BAD_REQUEST, HTTP_SERVICE_UNAVAILABLE, RequestError, error_dict
+from minisgl.api.pipeline import Choice, Run, ServingContext, WireEvent, respond
+from minisgl.api.request import (
+    SAMPLING_NAMES,
+    ApiRequest,
+    WireModel,
+    bad_request,
+    new_id,
+    sampling_of,
+)
+from minisgl.config import ServerArgs
+from minisgl.core import (
+    MAX_LOGPROBS,
+    FinishReason,
+    InvalidRequestError,
+    SamplingParams,
+    TokenLogprob,
+)
+from minisgl.runtime.engine_client import BackendUnavailable, RoutedOutput
+
+# SGLang's default when sampling_params has no max_new_tokens.
+DEFAULT_MAX_NEW_TOKENS = 128
+ALIASES = {
+    "max_new_tokens": "max_tokens",
+    "min_new_tokens": "min_tokens",
+    "sampling_seed": "seed",
+    "no_stop_trim": "include_stop_str_in_output",
+}
+_SGLANG_NAMES = {name: wire for wire, name in ALIASES.items()}
+# Every rule on a sampling field is reported under `sampling_params.<SGLang's name>`.
+WIRE_NAMES = {
+    **{name: f"sampling_params.{_SGLANG_NAMES.get(name, name)}" for name in SAMPLING_NAMES},
+    **{name: f"sampling_params.{name}" for name in CONSTRAINT_FIELDS},
+    "logprobs": "top_logprobs_num",
+    "prompt_logprobs": "top_logprobs_num",
+}
+# /get_load: how long to wait for fresh scheduler stats.
+LOAD_STATS_TIMEOUT_S = 1.0
+# /health_generate: the engine must produce output within this long (SGLang waits 20 s: under a
+# long prefill the probe's own token can take that long on a busy GPU).
+HEALTH_GENERATE_TIMEOUT_S = 20.0
+HEALTH_GENERATE_POLL_S = 0.05
+# The probe's one-token prompt: id 0 exists in every vocabulary (SGLang sends the same).
+HEALTH_PROMPT = (0,)
+HEALTH_PARAMS = SamplingParams(max_tokens=1, temperature=0)
+# /flush_cache: the scheduler answers between steps (a long prefill step can take seconds).
+FLUSH_CACHE_TIMEOUT_S = 30.0
+# Each minisgl server is a single data-parallel rank; replicas are separate workers.
+DP_RANK = 0
+DP_SIZE = 1
+CONFIG_FILE = "config.json"
+PACKAGE_NAME = "minisgl"
+
+
+class SGLangSampling(OpenAISampling):
+    """SGLang's `sampling_params` object (logprob settings come from the request)."""
+
+    max_new_tokens: int | None = DEFAULT_MAX_NEW_TOKENS
+    min_new_tokens: int | None = None
+    sampling_seed: int | None = None
+    no_stop_trim: bool = False  # SGLang's name for include_stop_str_in_output
+
+
+class GenerateRequest(WireModel):
+    text: str | list[str] | None = None
+    input_ids: list[int] | list[list[int]] | None = None
+    sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
+    stream: bool = False
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    logprob_start_len: int = -1
+    rid: str | list[str] | None = None  # one id, or one per prompt of a batch
+
+    @model_validator(mode="after")
+    def _one_prompt_field(self) -> GenerateRequest:
+        if (self.text is None) == (self.input_ids is None):
+            raise InvalidRequestError("text", "give exactly one of text and input_ids")
+        if isinstance(self.rid, list) and len(self.rid) != len(self.prompts()):
+            raise InvalidRequestError("rid", "a list of ids needs one id per prompt")
+        if not 0 <= self.top_logprobs_num <= MAX_LOGPROBS:
+            raise InvalidRequestError("top_logprobs_num", f"must be in [0, {MAX_LOGPROBS}]")
+        if self.logprob_start_len < -1:
+            raise InvalidRequestError("logprob_start_len", "must be -1 (output only) or >= 0")
+        return self
+
+    @property
+    def is_batch(self) -> bool:
+        if self.text is not None:
+            return isinstance(self.text, list)
+        return bool(self.input_ids) and isinstance(self.input_ids[0], list)  # type: ignore[index]
+
+    def prompts(self) -> list[str] | list[list[int]]:
+        if self.text is not None:
+            return self.text if isinstance(self.text, list) else [self.text]
+        ids = self.input_ids or []
+        return cast("list[list[int]]", ids) if self.is_batch else [cast("list[int]", ids)]
+
+    def _sampling(self, num_prompts: int) -> list[SGLangSampling]:
+        given = self.sampling_params
+        rows = given if isinstance(given, list) else [given or {}] * num_prompts
+        if len(rows) != num_prompts:
+            raise InvalidRequestError("sampling_params", "needs one object per prompt")
+        try:
+            return [SGLangSampling.model_validate(row) for row in rows]
+        except ValidationError as exc:  # reported as the body's own errors are
+            errors = [{**e, "loc": ("sampling_params", *e["loc"])} for e in exc.errors()]
+            raise RequestValidationError(errors) from None
+
+    def to_api(self) -> ApiRequest:
+        prompts = self.prompts()
+        if not prompts:
+            raise InvalidRequestError("text", "must not be empty")
+        rows = self._sampling(len(prompts))
+        if any(row.n != rows[0].n for row in rows):
+            raise InvalidRequestError("sampling_params.n", "must be the same for every prompt")
+        constraints = [row.constraint_fields for row in rows]
+        if any(fields != constraints[0] for fields in constraints):  # one grammar for all
+            raise InvalidRequestError("sampling_params", "every prompt needs the same constraint")
+        logprobs = self.top_logprobs_num if self.return_logprob else None
+        scored = self.return_logprob and self.logprob_start_len >= 0
+        sampling = []
+        for row in rows:
+            fields, _ = sampling_of(row, ALIASES)
+            fields["max_tokens"] = row.max_new_tokens  # SGLang's name decides
+            fields["logprobs"] = logprobs
+            # max_new_tokens 0 without logprobs: SGLang's prefill-only request runs as one that
+            # scores its prompt (the only kind that may generate nothing).
+            prefill_only = row.max_new_tokens == 0
+            fields["prompt_logprobs"] = (
+                self.top_logprobs_num if scored else (0 if prefill_only else None)
+            )
+            sampling.append(fields)
+        prompt_field = "text" if self.text is not None else "input_ids"
+        wire_names = {**WIRE_NAMES, "prompt": prompt_field}
+        return ApiRequest(prompts, sampling, wire_names, rows[0].n, None, constraints[0])
+
+
+def _finish_reason(choice: Choice, max_new_tokens: int) -> dict[str, Any] | None:
+    reason = choice.finish_reason
+    if reason is None:
+        return None
+    if reason == FinishReason.LENGTH:
+        return {"type": "length", "length": max_new_tokens}
+    if reason == FinishReason.STOP:  # the stop string, or the token id (EOS included)
+        return {"type": "stop", "matched": choice.matched_stop}
+    return {"type": "abort", "message": choice.error or reason.value}
+
+
+def _triples(entries: list[TokenLogprob]) -> tuple[list[list[Any]], list[list[list[Any]]]]:
+    """SGLang's logprob layout: [logprob, token id, text (null: not asked)] per token, and the
+    top alternatives of each as a list of such triples."""
+    chosen = [[lp.logprob, lp.token_id, None] for lp in entries]
+    top = [[[tlp, tid, None] for tid, tlp in lp.top] for lp in entries]
+    return chosen, top
+
+
+def _item(run: Run, body: GenerateRequest, choice: Choice, start_s: float) -> dict[str, Any]:
+    """One sequence as SGLang reports it, so far (its text and ids are cumulative)."""
+    prompt = run.prompts[choice.prompt_index]
+    rid = body.rid[choice.prompt_index] if isinstance(body.rid, list) else body.rid
+    max_new_tokens = run.params[choice.prompt_index][0].max_tokens
+    meta: dict[str, Any] = {
+        "id": rid or choice.rid,
+        "finish_reason": _finish_reason(choice, max_new_tokens),
+        "prompt_tokens": len(prompt),
+        "completion_tokens": choice.num_tokens,
+        "cached_tokens": choice.num_cached_prompt_tokens,
+    }
+    if choice.finished:
+        meta["e2e_latency"] = time.perf_counter() - start_s
+    if body.return_logprob:
+        meta["output_token_logprobs"], meta["output_top_logprobs"] = _triples(choice.logprobs)
+        start = body.logprob_start_len
+        in_chosen: list[list[Any]] = []
+        in_top: list[Any] = []
+        if start >= 0:
+            scored, scored_top = _triples(choice.prompt_logprobs)
+            in_chosen = [[None, prompt[0], None], *scored]  # nothing comes before it
+            in_top = [None, *scored_top]
+        meta["input_token_logprobs"] = in_chosen[max(start, 0) :]
+        meta["input_top_logprobs"] = in_top[max(start, 0) :]
+    item: dict[str, Any] = {"text": choice.text, "output_ids": list(choice.token_ids)}
+    item["meta_info"] = meta
+    if body.is_batch or run.req.n > 1:
+        item["index"] = choice.index
+    return item
+
+
+async def generate_events(run: Run, body: GenerateRequest) -> AsyncIterator[WireEvent]:
+    start_s = time.perf_counter()
+    async for event in run.events():
+        # Each item is cumulative: a reply needs only each sequence's last.
+        if body.stream or event.choice.finished:
+            yield None, _item(run, body, event.choice, start_s)
+
+
+def fold_generate(items: list[dict[str, Any]], many: bool) -> dict[str, Any] | list[Any]:
+    last = {item.get("index", 0): item for item in items}
+    ordered = [last[i] for i in sorted(last)]
+    return ordered if many else ordered[0]
+
+
+router = APIRouter()
+
+
+@router.api_route("/generate", methods=["POST", "PUT"])
+async def generate(body: GenerateRequest, request: Request) -> Response:
+    try:
+        api = body.to_api()
+    except InvalidRequestError as exc:
+        raise bad_request(exc) from None
+    run = Run(request.app.state.ctx, api, new_id("generate"))
+    await run.prepare()
+    shortest = min(len(ids) for ids in run.prompts)
+    if body.return_logprob and body.logprob_start_len >= max(shortest, 1):
+        message = f"logprob_start_len: must be below the prompt's length ({shortest} tokens)"
+        raise RequestError(HTTP_BAD_REQUEST, message, param="logprob_start_len")
+    run.submit(request)
+    many = body.is_batch or api.n > 1
+    fold = lambda items: fold_generate(items, many)  # noqa: E731
+    return await respond(run, generate_events(run, body), body.stream, fold)
+
+
+@dataclass(frozen=True)
+class ModelCard:
+    """What the worker endpoints say about the checkpoint: fixed for the server's life."""
+
+    model_path: str
+    tokenizer_path: str
+    model_type: str | None
+    architectures: tuple[str, ...]
+
+
+def _reported_path(given: str | None, resolved: str) -> str:
+    """As SGLang reports it: a hub id as typed (another machine's gateway can fetch it), a local
+    folder as an absolute path (a relative one means nothing to another process's cwd)."""
+    if given is None:  # the bundled default model: only its converted folder exists
+        return str(Path(resolved).resolve())
+    if Path(given).expanduser().is_dir():
+        return str(Path(given).expanduser().resolve())
+    return given
+
+
+def build_model_card(args: ServerArgs, model_path: str, tokenizer_path: str) -> ModelCard:
+    """`model_path` / `tokenizer_path`: the resolved local folders the server loads from."""
+    config: dict[str, Any] = {}
+    with contextlib.suppress(OSError, ValueError):  # the scheduler reports a broken config
+        config = json.loads((Path(model_path) / CONFIG_FILE).read_text())
+    reported_model = _reported_path(args.model, model_path)
+    return ModelCard(
+        model_path=reported_model,
+        tokenizer_path=_reported_path(args.tokenizer, tokenizer_path)
+        if args.tokenizer
+        else reported_model,
+        model_type=config.get("model_type"),
+        architectures=tuple(config.get("architectures") or ()),
+    )
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version(PACKAGE_NAME)
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree, not installed
+        return "unknown"
+
+
+def _unavailable(message: str) -> JSONResponse:
+    body = error_dict(message, "server_error", code=HTTP_SERVICE_UNAVAILABLE)
+    return JSONResponse(body, status_code=HTTP_SERVICE_UNAVAILABLE)
+
+
+async def _engine_answers(ctx: ServingContext, timeout_s: float) -> bool:
+    """Submit a one-token greedy request; True once the engine produces any output after it was
+    sent, its own or another request's (a busy server may queue the probe behind real work:
+    like SGLang, output of any request proves the engine runs)."""
+    loop = asyncio.get_running_loop()
+    sent_s = loop.time()
+    rid = new_id("health")
+    queue: asyncio.Queue = asyncio.Queue()
+    try:
+        ctx.engine.submit(rid, 0, list(HEALTH_PROMPT), HEALTH_PARAMS, queue)
+    except BackendUnavailable:  # shutting down, or the backend stopped
+        return False
+    try:
+        while loop.time() - sent_s < timeout_s:
+            with contextlib.suppress(asyncio.TimeoutError):
+                item = await asyncio.wait_for(queue.get(), HEALTH_GENERATE_POLL_S)
+                failed = (FinishReason.ERROR, FinishReason.ABORT)  # proves nothing
+                return isinstance(item, RoutedOutput) and item.output.finish_reason not in failed
+            if ctx.engine.last_output_s > sent_s:
+                return True
+        return False
+    finally:
+        ctx.engine.abort(rid)  # a no-op once it finished
+
+
+def _server_info(request: Request) -> dict[str, Any]:
+    ctx, args, card = request.app.state.ctx, request.app.state.args, request.app.state.card
+    return {
+        "model_path": card.model_path,
+        "tokenizer_path": card.tokenizer_path,
+        "served_model_name": ctx.served_model_name,
+        "is_generation": True,
+        "context_length": ctx.limits.max_model_len,
+        # The KV pool, in tokens; a request's prompt can be at most max_req_input_len.
+        "max_total_num_tokens": ctx.limits.kv_capacity_tokens,
+        "max_req_input_len": ctx.limits.max_seq_len - 1,
+        "page_size": args.page_size,
+        "disable_radix_cache": args.cache_type != "radix",
+        "tp_size": args.tp_size,
+        "dp_size": DP_SIZE,
+        "nnodes": args.nnodes,
+        "max_running_requests": args.max_running_requests,
+        "max_queued_requests": args.max_queued_requests,
+        "version": _version(),
+    }
+
+
+def _model_info(request: Request) -> dict[str, Any]:
+    card = request.app.state.card
+    return {
+        "model_path": card.model_path,
+        "tokenizer_path": card.tokenizer_path,
+        "is_generation": True,
+        "model_type": card.model_type,
+        "architectures": list(card.architectures),
+    }
+
+
+for path, handler in (("server_info", _server_info), ("model_info", _model_info)):
+    for prefix in ("/", "/get_"):  # SGLang's old names too
+        router.add_api_route(prefix + path, handler, methods=["GET"])
+
+
+@router.get("/get_load")
+async def get_load(request: Request) -> Response:
+    stats = await request.app.state.ctx.engine.stats(LOAD_STATS_TIMEOUT_S)
+    if stats is None:
+        return _unavailable("The scheduler did not answer.")
+    queued = stats.stats.num_queue_reqs
+    load = {
+        "dp_rank": DP_RANK,
+        "num_reqs": stats.stats.num_running_reqs + queued,
+        "num_waiting_reqs": queued,
+        # KV tokens held by running requests (cached prefixes nobody uses are free to evict and
+        # do not count); prompts still waiting are not counted.
+        "num_tokens": (stats.stats.num_total_pages - stats.stats.num_free_pages)
+        * request.app.state.args.page_size,
+    }
+    return JSONResponse([load])
+
+
+@router.api_route("/flush_cache", methods=["GET", "POST"])
+async def flush_cache(request: Request) -> Response:
+    reply = await request.app.state.ctx.engine.flush_cache(FLUSH_CACHE_TIMEOUT_S)
+    if reply is None:
+        return _unavailable("The scheduler did not answer.")
+    if not reply.flushed:
+        body = error_dict(reply.message, code=HTTP_BAD_REQUEST)
+        return JSONResponse(body, status_code=HTTP_BAD_REQUEST)
+    return Response("Cache flushed.\n", media_type="text/plain")
+
+
+@router.get("/health_generate")
+async def health_generate(request: Request) -> Response:
+    ok = await _engine_answers(request.app.state.ctx, HEALTH_GENERATE_TIMEOUT_S)
+    return Response(status_code=200 if ok else HTTP_SERVICE_UNAVAILABLE)

@@ -1,0 +1,483 @@
+"""The one generation pipeline every dialect runs: admission (model, fan-out, capacity) ->
+prompt (template, tokens, constraint, on the tokenizer thread) -> params (one SamplingParams per
+choice) -> a `Run` of choices in flight -> events.
+
+A dialect turns a Run's outputs into its wire events; `respond` sends them as a stream, or folds
+them into the one reply of a non-streaming request, so the two cannot disagree. Whatever ends a
+stream early (timeout, a failed choice, the backend stopping, a bug) reaches the client as an
+error event in the dialect's shape, never as a cut connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, TypeVar, cast
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from transformers import PreTrainedTokenizerBase
+
+from minisgl.api.errors import (
+    HTTP_BAD_REQUEST,
+    HTTP_GATEWAY_TIMEOUT,
+    HTTP_SERVER_ERROR,
+    HTTP_SERVICE_UNAVAILABLE,
+    RequestError,
+    error_dict,
+)
+from minisgl.api.metrics import ServerMetrics
+from minisgl.api.request import ApiRequest, ChatPrompt, choice_params
+from minisgl.api.sse import SSE_DONE, SSE_HEADERS, SSE_MEDIA_TYPE, sse_event
+from minisgl.chat import ChatDelta, ChatOutputParser, ChatSettings, PreparedChat, prepare_chat
+from minisgl.chat.requests import constraint_from_fields
+from minisgl.core import Constraint, FinishReason, InvalidRequestError, SamplingParams, TokenLogprob
+from minisgl.grammar import GrammarCompiler
+from minisgl.limits import ModelLimits
+from minisgl.runtime.engine_client import (
+    DISCONNECTED,
+    BackendUnavailable,
+    EngineClient,
+    RoutedOutput,
+)
+from minisgl.runtime.messages import DetokenizedOutput
+
+logger = logging.getLogger(__name__)
+
+# HTTP status for a response nobody will read (nginx's "client closed request").
+CLIENT_CLOSED_REQUEST = 499
+# Token id -> text is asked for every token when logprobs are on: cache the common ones.
+TOKEN_TEXT_CACHE_SIZE = 1 << 16
+# Queue full: how long a client should wait before trying again.
+QUEUE_FULL_RETRY_AFTER_S = 1
+
+_T = TypeVar("_T")
+
+
+@dataclass
+class ServingContext:
+    """Everything a handler needs, built once when the API server starts."""
+
+    tokenizer: PreTrainedTokenizerBase
+    engine: EngineClient
+    metrics: ServerMetrics
+    served_model_name: str
+    accepted_model_names: frozenset[str]
+    limits: ModelLimits
+    max_sequences_per_request: int
+    max_in_flight_sequences: int  # running plus queued; more: 503
+    request_timeout_s: float | None
+    # Tokenizing a long prompt takes milliseconds: done on this one thread, not on the event loop,
+    # so streams of other requests keep flowing. One thread: encodes never run concurrently.
+    tokenizer_thread: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="minisgl-tokenize")
+    )
+    chat: ChatSettings = field(default_factory=ChatSettings)
+    eos_token_ids: tuple[int, ...] = ()
+    # For the sampling fields a request leaves unset (--sampling-defaults model): the checkpoint's
+    # generation_config.json values; empty means the OpenAI API's defaults.
+    sampling_defaults: dict[str, float | int] = field(default_factory=dict)
+    # Made at the first constrained request (reading the vocabulary takes ~0.5-1.5 s).
+    _grammar: GrammarCompiler | None = field(default=None, init=False)
+
+    async def on_tokenizer_thread(self, fn: Callable[..., _T], *args: Any) -> _T:
+        return await asyncio.get_running_loop().run_in_executor(self.tokenizer_thread, fn, *args)
+
+    def compile_constraint(self, constraint: Constraint, param: str) -> str:
+        """Compile (cached) and serialize a constraint for the scheduler, on the tokenizer
+        thread, so the scheduler never compiles on its loop. Raises InvalidRequestError naming
+        `param` for a bad or unsupported one."""
+        if self._grammar is None:
+            self._grammar = GrammarCompiler(
+                self.tokenizer, self.limits.vocab_size, self.eos_token_ids
+            )
+        try:
+            return self._grammar.serialize(constraint)
+        except InvalidRequestError as exc:
+            raise InvalidRequestError(param, exc.message) from None
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model not in self.accepted_model_names:
+            raise RequestError(
+                404, f"The model `{model}` does not exist.", param="model", err_type="NotFoundError"
+            )
+
+    @functools.cached_property
+    def token_text(self) -> Callable[[int], str]:
+        @functools.lru_cache(maxsize=TOKEN_TEXT_CACHE_SIZE)
+        def decode_one(token_id: int) -> str:
+            return cast(str, self.tokenizer.decode([token_id], skip_special_tokens=False))
+
+        return decode_one
+
+
+@dataclass
+class Prepared:
+    """A request's prompts as token ids, with what the template and constraint made of them."""
+
+    prompt_ids: list[list[int]]
+    texts: list[str | None]  # each prompt as text when the client gave text
+    chat: PreparedChat | None
+    constraint: Constraint | None
+    grammar_blob: str | None  # the constraint compiled and serialized for the scheduler
+
+
+def _prepare(ctx: ServingContext, req: ApiRequest) -> Prepared:
+    """On the tokenizer thread. Raises InvalidRequestError, or ValueError about the messages."""
+    chat = None
+    if isinstance(req.prompt, ChatPrompt):
+        p = req.prompt
+        chat = prepare_chat(
+            ctx.tokenizer,
+            ctx.chat,
+            p.messages,
+            tools=p.tools,
+            tool_choice=p.tool_choice,
+            parallel_tool_calls=p.parallel_tool_calls,
+            template_kwargs=p.template_kwargs,
+            separate_reasoning=p.separate_reasoning,
+            constraint_fields=req.constraint_fields,
+        )
+        prompts, texts = [chat.prompt_ids], [None]
+        constraint, param = chat.constraint, chat.constraint_param
+    else:
+        found = constraint_from_fields(req.constraint_fields)
+        param, constraint = found if found else (None, None)
+        texts = [item if isinstance(item, str) else None for item in req.prompt]
+        prompts = [
+            list(ctx.tokenizer(item)["input_ids"]) if isinstance(item, str) else list(item)
+            for item in req.prompt
+        ]
+    blob = ctx.compile_constraint(constraint, param or "") if constraint is not None else None
+    return Prepared(prompts, texts, chat, constraint, blob)
+
+
+async def prepare(ctx: ServingContext, req: ApiRequest) -> Prepared:
+    """The prompts, their constraint and parsers; a 400 for any broken rule, named as this
+    dialect's clients spell the field."""
+    try:
+        return await ctx.on_tokenizer_thread(_prepare, ctx, req)
+    except InvalidRequestError as exc:
+        raise req.invalid(exc) from None
+    except ValueError as exc:  # about the messages
+        param = req.wire("messages")
+        message = f"{param}: {exc}" if param != "messages" else str(exc)
+        raise RequestError(HTTP_BAD_REQUEST, message, param=param) from None
+
+
+def admit(ctx: ServingContext, req: ApiRequest) -> None:
+    """Before any work: the model, and the sequences one request starts (prompts x n)."""
+    ctx.check_model(req.model)
+    num_sequences = req.num_prompts * req.n
+    if num_sequences > ctx.max_sequences_per_request:
+        raise RequestError(
+            HTTP_BAD_REQUEST,
+            f"this request asks for {num_sequences} sequences ({req.num_prompts} prompts x "
+            f"n={req.n}); the server allows at most {ctx.max_sequences_per_request}",
+            param="n" if req.n > ctx.max_sequences_per_request else req.prompt_param,
+        )
+    check_capacity(ctx, num_sequences)
+
+
+def check_capacity(ctx: ServingContext, num_sequences: int) -> None:
+    """503 when the queue of waiting sequences would overflow (--max-queued-requests)."""
+    if ctx.engine.num_active_requests + num_sequences > ctx.max_in_flight_sequences:
+        raise RequestError(
+            HTTP_SERVICE_UNAVAILABLE,
+            "The server is overloaded: its request queue is full. Please retry later.",
+            err_type="server_overloaded",
+            headers={"Retry-After": str(QUEUE_FULL_RETRY_AFTER_S)},
+        )
+
+
+class ClientDisconnected(Exception):
+    pass
+
+
+class ChoiceFailed(Exception):
+    """A choice ended with an error: a stream ends with that error event, a reply is that error."""
+
+    def __init__(self, message: str, internal: bool = False) -> None:
+        super().__init__(message)
+        self.internal = internal  # the server's failure (a step that raised), not the request's
+
+
+@dataclass
+class Choice:
+    """One sequence of a run: what it produced so far (cumulative) and how it ended."""
+
+    index: int  # prompt_index * n + j
+    prompt_index: int
+    rid: str
+    parser: ChatOutputParser | None  # chat prompts: reasoning and tool calls split off
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # prompt tokens 1..
+    num_tokens: int = 0  # generated, a hidden final EOS included (usage counts it)
+    num_cached_prompt_tokens: int = 0
+    finish_reason: FinishReason | None = None
+    matched_stop: int | str | None = None  # DetokenizedOutput.matched_stop of the finish
+    error: str | None = None
+    last_token_time_s: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class Event:
+    """One output of one choice, as a dialect renders it; `delta`: the output parsed (chat)."""
+
+    choice: Choice
+    output: DetokenizedOutput
+    delta: ChatDelta
+
+
+class Run:
+    """A request's choices in flight: one scheduler request per (prompt, choice), all reporting
+    into one queue. Submitted all or none; `close` aborts whatever is unfinished (the client
+    left, a timeout, an error) and stops watching the client."""
+
+    def __init__(self, ctx: ServingContext, req: ApiRequest, request_id: str) -> None:
+        self.ctx = ctx
+        self.req = req
+        self.id = request_id
+        self.prepared: Prepared | None = None
+        self.params: list[list[SamplingParams]] = []
+        self.choices: list[Choice] = []
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._num_unfinished = 0
+        self._arrival_time_s = time.perf_counter()
+        self._watcher: asyncio.Task | None = None
+        self._timer: asyncio.TimerHandle | None = None
+
+    @property
+    def prompts(self) -> list[list[int]]:
+        assert self.prepared is not None
+        return self.prepared.prompt_ids
+
+    async def start(self, http_request: Request) -> Run:
+        """Admit, prepare and submit every choice (or none)."""
+        await self.prepare()
+        self.submit(http_request)
+        return self
+
+    async def prepare(self) -> None:
+        """Admission, prompts, constraint and every choice's SamplingParams (a 400 or 503 if a
+        rule breaks); nothing is sent yet."""
+        ctx, req = self.ctx, self.req
+        admit(ctx, req)  # a 503 comes before any tokenizing
+        self.prepared = prepared = await prepare(ctx, req)
+        self.params = [
+            choice_params(req, p, ids, ctx.limits, ctx.sampling_defaults, prepared.constraint)
+            for p, ids in enumerate(prepared.prompt_ids)
+        ]
+        chat = prepared.chat
+        self.choices = [
+            Choice(p * req.n + j, p, f"{self.id}-{p}-{j}", chat.new_parser() if chat else None)
+            for p in range(len(self.params))
+            for j in range(req.n)
+        ]
+
+    def submit(self, http_request: Request) -> None:
+        check_capacity(self.ctx, len(self.choices))  # it may have filled while we tokenized
+        assert self.prepared is not None
+        try:
+            for choice in self.choices:
+                params = self.params[choice.prompt_index][choice.index % self.req.n]
+                self.ctx.engine.submit(
+                    choice.rid,
+                    choice.index,
+                    self.prompts[choice.prompt_index],
+                    params,
+                    self._queue,
+                    self.prepared.grammar_blob,
+                )
+                self._num_unfinished += 1
+        except BaseException as exc:
+            self.close()
+            if isinstance(exc, BackendUnavailable):
+                raise RequestError(HTTP_SERVICE_UNAVAILABLE, str(exc)) from None
+            raise
+        self._watcher = asyncio.create_task(self._watch_disconnect(http_request))
+        timeout_s = self.ctx.request_timeout_s
+        if timeout_s is not None:
+            timed_out = RequestError(
+                HTTP_GATEWAY_TIMEOUT,
+                f"The request did not finish within the server's timeout ({timeout_s:g} s) "
+                "and was aborted.",
+                err_type="timeout_error",
+            )
+            loop = asyncio.get_running_loop()
+            self._timer = loop.call_later(timeout_s, self._queue.put_nowait, timed_out)
+
+    async def _watch_disconnect(self, http_request: Request) -> None:
+        # The body is already read, so the next ASGI message is the disconnect (or the end).
+        while True:
+            message = await http_request.receive()
+            if message["type"] == "http.disconnect":
+                self._queue.put_nowait(DISCONNECTED)
+                return
+
+    async def events(self) -> AsyncIterator[Event]:
+        """Every output as it arrives, its choice updated; raises ChoiceFailed at the first
+        choice that fails, ClientDisconnected, or the RequestError that ended the run."""
+        while self._num_unfinished > 0:
+            item = await self._queue.get()
+            if item is DISCONNECTED:
+                raise ClientDisconnected()
+            if isinstance(item, BackendUnavailable):
+                raise RequestError(HTTP_SERVICE_UNAVAILABLE, str(item))
+            if isinstance(item, RequestError):  # timed out
+                raise item
+            assert isinstance(item, RoutedOutput)
+            choice, output = self.choices[item.index], item.output
+            self._update(choice, output)
+            if output.finish_reason == FinishReason.ERROR:
+                raise ChoiceFailed(output.error or "request failed", output.internal_error)
+            yield Event(choice, output, self._parse(choice, output))
+
+    def _update(self, choice: Choice, output: DetokenizedOutput) -> None:
+        now_s = time.perf_counter()
+        metrics = self.ctx.metrics
+        if output.num_new_tokens > 0:
+            if choice.last_token_time_s is None:
+                metrics.time_to_first_token_s.observe(now_s - self._arrival_time_s)
+            else:  # several tokens in one output share the gap evenly
+                gap_s = (now_s - choice.last_token_time_s) / output.num_new_tokens
+                for _ in range(output.num_new_tokens):
+                    metrics.inter_token_latency_s.observe(gap_s)
+            choice.last_token_time_s = now_s
+        choice.text += output.text
+        choice.token_ids.extend(output.token_ids)
+        choice.logprobs.extend(output.logprobs)
+        choice.prompt_logprobs.extend(output.prompt_logprobs)
+        choice.num_tokens += output.num_new_tokens
+        choice.num_cached_prompt_tokens = max(
+            choice.num_cached_prompt_tokens, output.num_cached_prompt_tokens
+        )
+        if output.finish_reason is not None:
+            choice.finish_reason = output.finish_reason
+            choice.matched_stop = output.matched_stop
+            choice.error = output.error
+            self._num_unfinished -= 1
+            metrics.e2e_request_latency_s.observe(now_s - self._arrival_time_s)
+            metrics.request_finished(output.finish_reason)
+
+    @staticmethod
+    def _parse(choice: Choice, output: DetokenizedOutput) -> ChatDelta:
+        if choice.parser is None:
+            return ChatDelta(content=output.text)
+        delta = choice.parser.feed(output.text, output.num_new_tokens)
+        if output.finish_reason is not None:
+            rest = choice.parser.finish()
+            delta.reasoning += rest.reasoning
+            delta.content += rest.content
+            delta.tool_calls += rest.tool_calls
+        return delta
+
+    def close(self) -> None:
+        """Abort every unfinished choice (an early exit) and stop watching the client."""
+        if self._watcher is not None:
+            self._watcher.cancel()
+        if self._timer is not None:
+            self._timer.cancel()
+        for choice in self.choices:
+            if not choice.finished:
+                self.ctx.engine.abort(choice.rid)
+                choice.finish_reason = FinishReason.ABORT
+                self.ctx.metrics.request_finished(FinishReason.ABORT)
+        self._num_unfinished = 0
+
+    def usage(self) -> tuple[int, int, int]:
+        """(prompt tokens, completion tokens, cached prompt tokens); each prompt counts once."""
+        prompt_tokens = sum(len(p) for p in self.prompts)
+        completion_tokens = sum(c.num_tokens for c in self.choices)
+        cached_tokens = sum(c.num_cached_prompt_tokens for c in self.choices[:: self.req.n])
+        return prompt_tokens, completion_tokens, cached_tokens
+
+    @property
+    def reasoning_tokens(self) -> int:
+        return sum(c.parser.reasoning_tokens for c in self.choices if c.parser is not None)
+
+
+# A dialect's wire events: (SSE event name or None, payload).
+WireEvent = tuple[str | None, dict[str, Any]]
+
+
+def openai_error_frames(body: dict[str, Any]) -> list[str]:
+    """How OpenAI-style streams end on an error: the error, then [DONE]."""
+    return [sse_event(body), SSE_DONE]
+
+
+def _error_body(exc: BaseException, request_id: str) -> dict[str, Any]:
+    if isinstance(exc, ChoiceFailed):
+        if exc.internal:  # the server failed the request: a 500, as a non-streamed one gets
+            return error_dict(str(exc), "server_error", code=HTTP_SERVER_ERROR)
+        return error_dict(str(exc))
+    if isinstance(exc, RequestError):
+        return exc.body()
+    logger.exception("request %s failed while streaming", request_id, exc_info=exc)
+    message = f"internal error while streaming (request id {request_id})"
+    return error_dict(message, "server_error", code=HTTP_SERVER_ERROR)
+
+
+async def stream_frames(
+    run: Run,
+    events: AsyncIterator[WireEvent],
+    error_frames: Callable[[dict[str, Any]], list[str]],
+    done: bool,
+) -> AsyncIterator[str]:
+    """The events as server-sent events (then [DONE] when `done`). Whatever ends the stream
+    early reaches the client as the dialect's error frames; a client that left gets nothing."""
+    try:
+        async for name, payload in events:
+            yield sse_event(payload, name)
+        if done:
+            yield SSE_DONE
+    except ClientDisconnected:
+        return
+    except Exception as exc:
+        for frame in error_frames(_error_body(exc, run.id)):
+            yield frame
+    finally:
+        run.close()
+
+
+async def respond(
+    run: Run,
+    events: AsyncIterator[WireEvent],
+    stream: bool,
+    fold: Callable[[list[dict[str, Any]]], dict[str, Any] | list[Any]],
+    error_frames: Callable[[dict[str, Any]], list[str]] = openai_error_frames,
+    done: bool = True,
+) -> Response:
+    """A stream of the events, or their fold: the reply of a non-streaming request."""
+    if stream:
+        frames = stream_frames(run, events, error_frames, done)
+        return StreamingResponse(frames, media_type=SSE_MEDIA_TYPE, headers=SSE_HEADERS)
+    try:
+        payloads = [payload async for _, payload in events]
+    except ClientDisconnected:
+        return Response(status_code=CLIENT_CLOSED_REQUEST)  # nobody reads it
+    except ChoiceFailed as exc:
+        status = HTTP_SERVER_ERROR if exc.internal else HTTP_BAD_REQUEST
+        raise RequestError(status, str(exc)) from None
+    finally:
+        run.close()
+    return JSONResponse(fold(payloads))
+
+
+def joined_logprobs(parts: Sequence[dict[str, list[Any]] | None]) -> dict[str, list[Any]] | None:
+    """Per-chunk logprob tables (dicts of lists) joined key by key; None when there are none."""
+    present = [part for part in parts if part is not None]
+    if not present:
+        return None
+    return {key: [v for part in present for v in part[key]] for key in present[0]}

@@ -1,0 +1,231 @@
+"""The internal request every dialect's body becomes, and the rules that make it SamplingParams.
+
+A dialect (minisgl.api.dialects) validates its own wire shape with a `WireModel`: strict JSON
+types (no "3" or true for an integer, no NaN or Infinity), text that is valid Unicode anywhere in
+the body, an explicit null meaning the default, unknown fields ignored (as vLLM and SGLang do).
+Its fields named like `SamplingParams`' fields, and those its alias table maps to one, become
+`ApiRequest.sampling`; the value rules are SamplingParams' own and the model's are
+minisgl.limits', so a new sampling field needs a typed attribute and nothing else. The same alias
+table names the field in a 400: a rule broken on `max_tokens` names `max_output_tokens` on the
+Responses API, `sampling_params.max_new_tokens` on SGLang's /generate.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, model_validator
+
+from minisgl.api.errors import HTTP_BAD_REQUEST, RequestError
+from minisgl.core import Constraint, InvalidRequestError, SamplingParams
+from minisgl.limits import ModelLimits, check_request, resolve_max_tokens
+
+SAMPLING_NAMES = frozenset(f.name for f in dataclasses.fields(SamplingParams))
+# The fields a checkpoint's generation_config.json may give defaults for (--sampling-defaults).
+MODEL_DEFAULT_NAMES = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+)
+
+
+def new_id(prefix: str, sep: str = "-") -> str:
+    """`chatcmpl-...`; with sep "_", the Responses and Anthropic shape (`resp_...`, `msg_...`)."""
+    return f"{prefix}{sep}{uuid.uuid4().hex}"
+
+
+def find_invalid_text(data: Any) -> str | None:
+    """The top-level field of a JSON value holding a string that is not valid Unicode (a lone
+    surrogate such as "\\ud800", which JSON escapes allow): such text cannot be encoded for
+    the tokenizer or the other processes. "body" when it is not under a field; None if clean.
+    Iterative, so any nesting depth costs no recursion."""
+    stack: list[tuple[str, Any]] = [("body", data)]
+    if isinstance(data, dict):
+        stack = [(str(key), value) for key, value in data.items()]
+        stack += [("body", key) for key in data]
+    while stack:
+        where, value = stack.pop()
+        if isinstance(value, str):
+            if not value.isascii():
+                try:
+                    value.encode("utf-8")
+                except UnicodeEncodeError:
+                    return where
+        elif isinstance(value, dict):
+            stack.extend((where, key) for key in value)
+            stack.extend((where, item) for item in value.values())
+        elif isinstance(value, list):
+            stack.extend((where, item) for item in value)
+    return None
+
+
+class WireModel(BaseModel):
+    """A request body (or part of one) in some dialect's shape."""
+
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _text_is_valid_unicode(cls, data: Any) -> Any:
+        where = find_invalid_text(data)
+        if where is not None:
+            raise InvalidRequestError(where, "must be valid Unicode text (no lone surrogates)")
+        return data
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_the_default(cls, data: Any) -> Any:
+        """An explicit null for a field is left out, so the field takes its default."""
+        if isinstance(data, dict):
+            data = {k: v for k, v in data.items() if v is not None or k not in cls.model_fields}
+        return data
+
+
+class SamplingWire(WireModel):
+    """The sampling fields every generation dialect takes under SamplingParams' own names:
+    OpenAI's temperature and top_p, and the extras vLLM and SGLang accept everywhere."""
+
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    seed: int | None = None
+    stop_token_ids: list[int] | None = None
+    logit_bias: dict[str, Any] | None = None  # token id (as text) -> bias in [-100, 100]
+    min_tokens: int | None = None  # no EOS, stop token or stop string before this many
+    ignore_eos: bool = False
+
+
+def sampling_of(
+    body: BaseModel, aliases: Mapping[str, str]
+) -> tuple[dict[str, Any], dict[str, str]]:
+    """(the SamplingParams fields `body` sets, by their names; what each is called on the wire).
+
+    `aliases` maps a wire field to the internal name it stands for (a SamplingParams field, or
+    another name the pipeline reports errors on, such as "messages"). A set alias wins over a
+    field of the internal name itself (max_completion_tokens over max_tokens)."""
+    sent = body.model_fields_set
+    sampling = {name: getattr(body, name) for name in SAMPLING_NAMES & sent}
+    wire_names = {}
+    for wire_name, name in aliases.items():
+        if wire_name in sent or name not in sent:
+            wire_names[name] = wire_name
+        if wire_name in sent and name in SAMPLING_NAMES:
+            sampling[name] = getattr(body, wire_name)
+    return sampling, wire_names
+
+
+def with_reasoning_effort(
+    kwargs: Mapping[str, Any] | None, effort: str | None
+) -> Mapping[str, Any] | None:
+    """Chat template variables with OpenAI's `reasoning_effort` (reaching the template as vLLM
+    passes it); "none" also turns a hybrid model's thinking off (Qwen3's enable_thinking)
+    unless the request sets that itself."""
+    if effort is None:
+        return kwargs
+    merged = {"reasoning_effort": effort, **(kwargs or {})}
+    if effort == "none":
+        merged.setdefault("enable_thinking", False)
+    return merged
+
+
+def bad_request(exc: InvalidRequestError) -> RequestError:
+    """A 400 for a rule broken while a dialect translated its body (the param is its own)."""
+    return RequestError(HTTP_BAD_REQUEST, str(exc), param=exc.param)
+
+
+@dataclass(frozen=True)
+class ChatPrompt:
+    """A conversation to render with the chat template (minisgl.chat.prepare_chat)."""
+
+    messages: Any
+    tools: Any = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool = True
+    template_kwargs: Mapping[str, Any] | None = None
+    separate_reasoning: bool = True  # SGLang: false keeps the reasoning inside the content
+
+
+@dataclass(frozen=True)
+class ApiRequest:
+    """What every dialect's request becomes; the pipeline (minisgl.api.pipeline) runs it.
+
+    `prompt`: a conversation, or one or more prompts (text or token ids), each run `n` times.
+    `sampling`: SamplingParams fields the client set (or one such mapping per prompt);
+    `max_tokens` None or absent means what the context leaves. `wire_names`: internal name ->
+    the client's field, for a 400's param."""
+
+    prompt: ChatPrompt | list[str] | list[list[int]]
+    sampling: Mapping[str, Any] | list[Mapping[str, Any]]
+    wire_names: Mapping[str, str] = field(default_factory=dict)
+    n: int = 1
+    model: str | None = None
+    constraint_fields: Mapping[str, Any] = field(default_factory=dict)
+
+    def wire(self, name: str) -> str:
+        return self.wire_names.get(name, name)
+
+    def sampling_for(self, prompt_index: int) -> Mapping[str, Any]:
+        return self.sampling[prompt_index] if isinstance(self.sampling, list) else self.sampling
+
+    @property
+    def is_chat(self) -> bool:
+        return isinstance(self.prompt, ChatPrompt)
+
+    @property
+    def num_prompts(self) -> int:
+        return 1 if isinstance(self.prompt, ChatPrompt) else len(self.prompt)
+
+    @property
+    def prompt_param(self) -> str:
+        return self.wire("messages" if self.is_chat else "prompt")
+
+    def invalid(self, exc: InvalidRequestError) -> RequestError:
+        """A 400 for a broken rule, `param` named as this dialect's clients spell it."""
+        param = self.wire(exc.param)
+        return RequestError(HTTP_BAD_REQUEST, f"{param}: {exc.message}", param=param)
+
+
+def choice_params(
+    req: ApiRequest,
+    prompt_index: int,
+    prompt_ids: list[int],
+    limits: ModelLimits,
+    defaults: Mapping[str, float | int],
+    constraint: Constraint | None,
+) -> list[SamplingParams]:
+    """One SamplingParams per choice of this prompt, every rule checked (a 400 if one breaks).
+    `defaults`: the model's recommended values for the sampling fields the request leaves."""
+    sampling = req.sampling_for(prompt_index)
+    fields = {name: value for name, value in sampling.items() if value is not None}
+    for name in MODEL_DEFAULT_NAMES:
+        if name in defaults:
+            fields.setdefault(name, defaults[name])
+    requested = fields.get("max_tokens")
+    seed = fields.pop("seed", None)
+    try:
+        fields["max_tokens"] = resolve_max_tokens(
+            requested, len(prompt_ids), limits, req.prompt_param, req.wire("max_tokens")
+        )
+        if requested is None and "min_tokens" in fields:  # more than explicit max_tokens: a 400
+            fields["min_tokens"] = min(fields["min_tokens"], fields["max_tokens"])
+        # With a seed, choice j uses seed + j: n sequences that are reproducible yet differ.
+        params = [
+            SamplingParams(**fields, seed=None if seed is None else seed + j, constraint=constraint)
+            for j in range(req.n)
+        ]
+        check_request(prompt_ids, params[0], limits, req.prompt_param)  # the same for every j
+    except InvalidRequestError as exc:
+        raise req.invalid(exc) from None
+    return params

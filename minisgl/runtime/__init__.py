@@ -1,0 +1,1 @@
+"""TEMPORARY shim (api branch): replaced by the runtime branch at merge."""

@@ -1,0 +1,3 @@
+"""TEMPORARY shim (api branch): replaced by the runtime branch at merge."""
+
+from minisgl.message import *  # noqa: F403
