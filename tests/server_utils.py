@@ -138,16 +138,13 @@ def running_server(*extra_args: str, api_key: str | None = None) -> Iterator[Ser
         srv.stop()
 
 
-def require_default_model() -> None:
-    """Skip the calling test (module fixture) when the bundled default model is missing."""
-    import pytest
-
+def require_default_model() -> Path:
+    """The bundled default model's folder, converted once. It is part of the test setup
+    (scripts/test.sh installs it): when it is missing or broken the calling test fails with
+    the reason, it is never skipped."""
     from minisgl.models.resolve import resolve_model_path
 
-    try:
-        resolve_model_path(None)
-    except Exception as exc:  # the default model package is missing
-        pytest.skip(f"default model unavailable: {exc}")
+    return resolve_model_path(None)
 
 
 def openai_client(server: ServerProcess, timeout_s: float, api_key: str = "unused") -> Any:

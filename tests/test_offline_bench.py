@@ -24,6 +24,16 @@ WORKLOAD = (
 )
 
 
+SAMPLING_SETTINGS = [
+    "greedy",
+    "temperature 0.8",
+    "Qwen3 (t 0.6, top-k 20, top-p 0.95)",
+    "top-p 0.9",
+    "min-p 0.05",
+    "penalties (rep 1.1, freq 0.5, pres 0.5)",
+]
+
+
 def run_script(script: str, model: Path, *args: str, workload: tuple[str, ...] = WORKLOAD) -> str:
     command = [sys.executable, str(OFFLINE / script), f"--model={model}", *workload, *args]
     done = subprocess.run(command, capture_output=True, text=True, timeout=TIMEOUT_S, cwd=ROOT)
@@ -31,14 +41,39 @@ def run_script(script: str, model: Path, *args: str, workload: tuple[str, ...] =
     return done.stdout
 
 
+def rate_bounds(num_tokens: int, seconds_text: str) -> tuple[float, float]:
+    """The tokens-per-second a run may print given its time printed with 2 decimals (and
+    the rate itself rounded to 1 decimal or to an integer: half a unit either side)."""
+    seconds = float(seconds_text)
+    return num_tokens / (seconds + 0.005) - 0.5, num_tokens / max(seconds - 0.005, 1e-9) + 0.5
+
+
 def test_bench_counts_every_output_token(tiny_qwen3):
     out = run_script("bench.py", tiny_qwen3)
-    # "minisgl radix ...: 6 reqs, <in> in + 72 out tokens in <s> s ..."
-    match = re.search(r": (\d+) reqs, (\d+) in \+ (\d+) out tokens in ([\d.]+) s", out)
-    assert match, out
-    assert int(match[1]) == NUM_REQUESTS
-    assert int(match[3]) == NUM_REQUESTS * 12
-    assert float(match[4]) > 0
+    # "workload random: 6 requests, <in> input tokens, 72 output tokens"
+    workload = re.search(r"workload random: (\d+) requests, (\d+) input tokens, (\d+) output", out)
+    # "minisgl radix ...: 6 reqs, <in> in + 72 out tokens in <s> s (CPU ..) | output <r> tok/s
+    # | total <r> tok/s | ... | prefix-cache hit <h>%"
+    result = re.search(
+        r": (\d+) reqs, (\d+) in \+ (\d+) out tokens in ([\d.]+) s .*\| output ([\d.]+) tok/s"
+        r" \| total ([\d.]+) tok/s .*\| prefix-cache hit ([\d.]+)%",
+        out,
+    )
+    computed = re.search(r"prefill computed (\d+) tokens, retractions (\d+)", out)
+    assert workload and result and computed, out
+    num_in, num_out = int(result[2]), int(result[3])
+    assert int(workload[1]) == int(result[1]) == NUM_REQUESTS
+    # 6 prompts of 8 to 24 tokens; ignore_eos: exactly 12 tokens out of each
+    assert NUM_REQUESTS * 8 <= num_in <= NUM_REQUESTS * 24 and num_in == int(workload[2])
+    assert num_out == int(workload[3]) == NUM_REQUESTS * 12
+    # The scheduler's own count of prompt tokens it computed: all of them (random prompts
+    # share no prefix, so nothing comes from the cache), and nothing was retracted
+    assert int(computed[1]) == num_in and int(computed[2]) == 0
+    assert float(result[7]) == 0.0
+    low, high = rate_bounds(num_out, result[4])
+    assert low <= float(result[5]) <= high, out
+    low, high = rate_bounds(num_in + num_out, result[4])
+    assert low <= float(result[6]) <= high, out
 
 
 def test_profile_steps_reports_its_window(tiny_qwen3):
@@ -60,8 +95,11 @@ def test_sampling_benchmark_runs():
     command = [sys.executable, str(script), "--rows", "1", "3", "--iters", "1"]
     done = subprocess.run(command, capture_output=True, text=True, timeout=TIMEOUT_S, cwd=ROOT)
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
-    rows = re.findall(r"^(.+?)\s+([\d.]+)\s+([\d.]+)$", done.stdout, re.MULTILINE)
-    assert len(rows) == 6 and all(float(a) > 0 and float(b) > 0 for _, a, b in rows), done.stdout
+    assert "ms per batch (mean of 1)" in done.stdout, done.stdout
+    assert re.search(r"^setting\s+1 rows\s+3 rows$", done.stdout, re.MULTILINE), done.stdout
+    rows = re.findall(r"^(.+?)\s+(\d+\.\d\d)\s+(\d+\.\d\d)$", done.stdout, re.MULTILINE)
+    # one line per setting the script names, each with a time per batch for 1 and 3 rows
+    assert [name for name, _, _ in rows] == SAMPLING_SETTINGS, done.stdout
 
 
 def test_penalties_benchmark_runs(tiny_qwen3):
@@ -69,9 +107,11 @@ def test_penalties_benchmark_runs(tiny_qwen3):
     command = [sys.executable, str(script), str(tiny_qwen3)]
     done = subprocess.run(command, capture_output=True, text=True, timeout=TIMEOUT_S, cwd=ROOT)
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
-    rates = re.findall(r"^(plain|penalties)\s+[\d.]+ s\s+(\d+) output tok/s$", done.stdout, re.M)
-    assert [name for name, _ in rates] == ["plain", "penalties"], done.stdout
-    assert all(int(rate) > 0 for _, rate in rates)
+    rates = re.findall(r"^(plain|penalties)\s+([\d.]+) s\s+(\d+) output tok/s$", done.stdout, re.M)
+    assert [name for name, _, _ in rates] == ["plain", "penalties"], done.stdout
+    for _, seconds, rate in rates:  # 64 requests x 64 tokens, over the time it printed
+        low, high = rate_bounds(64 * 64, seconds)
+        assert low <= int(rate) <= high, done.stdout
 
 
 def test_profile_steps_refuses_a_matrix(tiny_qwen3):

@@ -2,6 +2,10 @@
 
 One server (the bundled SmolLM2-135M-Instruct) is shared by the module; the last test stops it
 with SIGTERM. A second server covers --api-key, /health turning 503 and a child dying.
+
+Oracles: HF transformers on the same checkpoint (its tokenizer and chat template for token
+counts, its forward for greedy tokens and logprobs, its logits processors for penalties and
+min_tokens), OpenAI's documented defaults and penalty formula, and values computed by hand.
 """
 
 from __future__ import annotations
@@ -11,16 +15,20 @@ import json
 import os
 import signal
 import time
+from pathlib import Path
 
 import httpx
 import openai
 import psutil
 import pytest
 import torch
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    LogitsProcessor,
+    LogitsProcessorList,
+)
 
-from minisgl.api.dialects.openai import DEFAULT_COMPLETION_MAX_TOKENS
-from minisgl.models.resolve import resolve_model_path
-from minisgl.tokenizer import apply_chat_template, load_tokenizer
 from tests.server_utils import (
     ServerProcess,
     alive,
@@ -32,16 +40,23 @@ from tests.server_utils import (
 
 MODEL = "SmolLM2-135M-Instruct"
 MAX_MODEL_LEN = 1024  # matches TEST_SERVER_FLAGS
+PAGE_SIZE = 1  # the server's default --page-size: the radix cache matches token by token
+OPENAI_COMPLETION_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
 REQUEST_TIMEOUT_S = 120.0
 DRAIN_TIMEOUT_S = 30.0
 NUM_CONCURRENT_CLIENTS = 32
 SMALL_KV_POOL_PAGES = 256
 TP_SIZE = 3
 SHUTDOWN_TIMEOUT_S = 1  # the last test's stream outlives it
+LOGPROB_ATOL = 1e-3  # fp32 logprobs against HF's log-softmax (batch shape changes rounding)
 USER_MESSAGES = [
     {"role": "user", "content": "Write a short story about a robot who learns to paint."}
 ]
 PROMPT = "The history of the city of Paris began"
+# SmolLM2 answers this greedily with 7 tokens and EOS: "The capital of France is Paris."
+EOS_MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
+# ... and continues this one greedily with " go" again and again: what penalties change.
+REPEAT_PROMPT = "Repeat after me: go go go go go go"
 
 
 @pytest.fixture(scope="module")
@@ -57,13 +72,70 @@ def client(server: ServerProcess) -> openai.OpenAI:
 
 
 @pytest.fixture(scope="module")
-def tokenizer():
-    return load_tokenizer(resolve_model_path(None))
+def tokenizer(default_model_dir: Path):
+    return AutoTokenizer.from_pretrained(str(default_model_dir))
+
+
+@pytest.fixture(scope="module")
+def hf(default_model_dir: Path):
+    """The oracle: transformers' own model on the checkpoint the server serves."""
+    return AutoModelForCausalLM.from_pretrained(str(default_model_dir), dtype=torch.float32).eval()
+
+
+def chat_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """The prompt HF's chat template makes of `messages`, ready for the assistant's reply."""
+    encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    return list(encoded["input_ids"])
+
+
+def hf_greedy(hf, prompt: list[int], num_tokens: int) -> tuple[list[int], list[torch.Tensor]]:
+    """HF's greedy continuation of `prompt`, EOS ignored, with each step's log-softmax (the
+    whole sequence recomputed each step: a few short steps, no cache API involved)."""
+    out: list[int] = []
+    steps: list[torch.Tensor] = []
+    with torch.no_grad():
+        for _ in range(num_tokens):
+            logits = hf(torch.tensor([prompt + out])).logits[0, -1].float()
+            steps.append(torch.log_softmax(logits, dim=-1))
+            out.append(int(steps[-1].argmax()))
+    return out, steps
+
+
+def hf_generate(hf, prompt: list[int], num_tokens: int, **kwargs) -> list[int]:
+    """HF generate, greedy, stopping at EOS as the model's generation config says."""
+    with torch.no_grad():
+        out = hf.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=num_tokens,
+            do_sample=False,
+            **kwargs,
+        )
+    return out[0, len(prompt) :].tolist()
+
+
+class OpenAIPenalties(LogitsProcessor):
+    """OpenAI's documented formula: logit[j] -= frequency * c[j] + presence * (c[j] > 0), with
+    c[j] the times token j occurs in the output so far (the prompt does not count)."""
+
+    def __init__(self, prompt_len: int, presence: float = 0.0, frequency: float = 0.0) -> None:
+        self.prompt_len, self.presence, self.frequency = prompt_len, presence, frequency
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        counts = torch.bincount(input_ids[0, self.prompt_len :], minlength=scores.shape[-1])
+        counts = counts[None, : scores.shape[-1]].to(scores.dtype)
+        return scores - self.frequency * counts - self.presence * (counts > 0).to(scores.dtype)
 
 
 def post(server: ServerProcess, path: str, body, **kwargs) -> httpx.Response:
     kwargs.setdefault("timeout", REQUEST_TIMEOUT_S)
     return httpx.post(server.url + path, json=body, **kwargs)
+
+
+def flush_cache(server: ServerProcess) -> None:
+    """SGLang's /flush_cache: the next request finds nothing in the prefix cache."""
+    response = httpx.post(server.url + "/flush_cache", timeout=REQUEST_TIMEOUT_S)
+    assert response.status_code == 200, response.text
 
 
 def sse_events(response: httpx.Response) -> list:
@@ -85,7 +157,7 @@ def greedy_chat(client: openai.OpenAI, max_tokens: int = 24, **extra) -> str:
 # ---- basics --------------------------------------------------------------------------------
 
 
-def test_models_health_metrics(server: ServerProcess, client: openai.OpenAI):
+def test_models_health_metrics(server: ServerProcess, client: openai.OpenAI, tokenizer):
     models = httpx.get(server.url + "/v1/models").json()
     assert models["data"][0]["id"] == MODEL
     assert models["data"][0]["object"] == "model"
@@ -93,8 +165,7 @@ def test_models_health_metrics(server: ServerProcess, client: openai.OpenAI):
     assert models["data"][0]["max_model_len"] == MAX_MODEL_LEN
     assert [m.id for m in client.models.list()] == [MODEL]
     assert httpx.get(server.url + "/health").status_code == 200
-    greedy_chat(client, max_tokens=2)
-    metrics = server.metrics()
+    before = server.metrics()
     for name in (
         "minisgl:prompt_tokens_total",
         "minisgl:generation_tokens_total",
@@ -107,25 +178,36 @@ def test_models_health_metrics(server: ServerProcess, client: openai.OpenAI):
         "minisgl:inter_token_latency_seconds_count",
         "minisgl:e2e_request_latency_seconds_count",
     ):
-        assert name in metrics, name
-    assert metrics["minisgl:generation_tokens_total"] >= 2
-    assert metrics["minisgl:time_to_first_token_seconds_count"] >= 1
+        assert name in before, name
+    greedy_chat(client, max_tokens=2, extra_body={"ignore_eos": True})
+    after = server.metrics()
+
+    def grew(name: str) -> float:
+        return after[f"minisgl:{name}"] - before[f"minisgl:{name}"]
+
+    # One request of a known prompt and exactly 2 output tokens: the counters grew by that.
+    assert grew("prompt_tokens_total") == len(chat_ids(tokenizer, USER_MESSAGES))
+    assert grew("generation_tokens_total") == 2
+    assert grew("time_to_first_token_seconds_count") == 1
+    assert grew("e2e_request_latency_seconds_count") == 1
+    assert after["minisgl:num_running_reqs"] == after["minisgl:num_queue_reqs"] == 0
 
 
-def test_chat_stream_matches_non_stream(client: openai.OpenAI, tokenizer):
+def test_chat_stream_matches_non_stream(server: ServerProcess, client: openai.OpenAI, tokenizer):
+    flush_cache(server)  # a cold cache: the first request computes its whole prompt
     response = client.chat.completions.create(
-        model=MODEL, messages=USER_MESSAGES, max_tokens=20, temperature=0
-    )
+        model=MODEL, messages=USER_MESSAGES, max_tokens=20, temperature=0,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
     assert response.object == "chat.completion" and response.id
     choice = response.choices[0]
     assert choice.index == 0 and choice.message.role == "assistant"
-    assert choice.finish_reason in ("stop", "length")
+    assert choice.finish_reason == "length"  # ignore_eos: only max_tokens ends it
     usage = response.usage
-    assert usage.prompt_tokens == len(apply_chat_template(tokenizer, USER_MESSAGES))
-    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
-    if choice.finish_reason == "length":
-        assert usage.completion_tokens == 20
-    assert usage.prompt_tokens_details.cached_tokens >= 0
+    assert usage.prompt_tokens == len(chat_ids(tokenizer, USER_MESSAGES))
+    assert usage.completion_tokens == 20
+    assert usage.total_tokens == usage.prompt_tokens + 20
+    assert usage.prompt_tokens_details.cached_tokens == 0
 
     stream = client.chat.completions.create(
         model=MODEL,
@@ -134,22 +216,25 @@ def test_chat_stream_matches_non_stream(client: openai.OpenAI, tokenizer):
         temperature=0,
         stream=True,
         stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
     )
     chunks = list(stream)
     assert all(c.object == "chat.completion.chunk" for c in chunks)
     assert chunks[0].choices[0].delta.role == "assistant"
     finishes = [c for c in chunks if c.choices and c.choices[0].finish_reason is not None]
-    assert len(finishes) == 1 and finishes[0].choices[0].finish_reason == choice.finish_reason
+    assert len(finishes) == 1 and finishes[0].choices[0].finish_reason == "length"
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == choice.message.content
     assert chunks[-1].choices == [] and chunks[-1].usage is not None
-    assert chunks[-1].usage.completion_tokens == usage.completion_tokens
+    assert chunks[-1].usage.completion_tokens == 20
     assert chunks[-1].usage.prompt_tokens == usage.prompt_tokens
-    # The same prompt again: the radix cache serves (most of) it.
-    assert chunks[-1].usage.prompt_tokens_details.cached_tokens > 0
+    # The same prompt again: the radix cache holds all of it (page size 1), and the last
+    # prompt token is computed anyway, since its logits give the first output token.
+    cached = (usage.prompt_tokens - 1) // PAGE_SIZE * PAGE_SIZE
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == cached
 
 
-def test_chat_content_parts_and_system(client: openai.OpenAI):
+def test_chat_content_parts_and_system(client: openai.OpenAI, tokenizer):
     parts = [
         {"type": "text", "text": "Write a short story "},
         {"type": "text", "text": "about a robot who learns to paint."},
@@ -158,18 +243,19 @@ def test_chat_content_parts_and_system(client: openai.OpenAI):
         model=MODEL, messages=[{"role": "user", "content": parts}], max_tokens=24, temperature=0
     )
     assert response.choices[0].message.content == greedy_chat(client)
+    conversation = [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello."},
+        {"role": "user", "content": "Bye"},
+    ]
     response = client.chat.completions.create(
-        model=MODEL,
-        messages=[
-            {"role": "system", "content": "You are terse."},
-            {"role": "user", "content": "Hi"},
-            {"role": "assistant", "content": "Hello."},
-            {"role": "user", "content": "Bye"},
-        ],
-        max_completion_tokens=5,
-        temperature=0,
-    )
-    assert response.usage.completion_tokens <= 5
+        model=MODEL, messages=conversation, max_completion_tokens=5, temperature=0,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    assert response.usage.completion_tokens == 5
+    assert response.choices[0].finish_reason == "length"
+    assert response.usage.prompt_tokens == len(chat_ids(tokenizer, conversation))
 
 
 def test_completion_prompt_shapes(server: ServerProcess, client: openai.OpenAI, tokenizer):
@@ -223,12 +309,12 @@ def test_default_max_tokens(server: ServerProcess, client: openai.OpenAI, tokeni
         body = {"model": MODEL, "prompt": PROMPT, "temperature": 0, "ignore_eos": True} | extra
         response = post(server, "/v1/completions", body)
         assert response.status_code == 200, response.text
-        assert response.json()["usage"]["completion_tokens"] == DEFAULT_COMPLETION_MAX_TOKENS
+        assert response.json()["usage"]["completion_tokens"] == OPENAI_COMPLETION_MAX_TOKENS
         assert response.json()["choices"][0]["finish_reason"] == "length"
     room = 3
 
     def chat_len(words: int) -> int:
-        return len(apply_chat_template(tokenizer, [{"role": "user", "content": "hello " * words}]))
+        return len(chat_ids(tokenizer, [{"role": "user", "content": "hello " * words}]))
 
     low, high = 1, MAX_MODEL_LEN  # the most words whose prompt leaves `room` tokens or more
     for _ in range(MAX_MODEL_LEN.bit_length() + 1):
@@ -271,14 +357,11 @@ def test_logit_bias(server: ServerProcess, client: openai.OpenAI, tokenizer):
     assert tokens == [" banana"] * 3
 
 
-def test_echo_with_logprobs_scores_the_prompt(server: ServerProcess, tokenizer):
+def test_echo_with_logprobs_scores_the_prompt(server: ServerProcess, tokenizer, hf):
     """echo + logprobs: every prompt token with its logprob under transformers' forward of the
     same checkpoint (the first token's is null), then the generated ones; max_tokens 0 only
     scores. The same again with the prompt in the prefix cache, and streamed."""
-    from transformers import AutoModelForCausalLM
-
     ids = tokenizer(PROMPT)["input_ids"]
-    hf = AutoModelForCausalLM.from_pretrained(str(resolve_model_path(None)), dtype=torch.float32)
     with torch.no_grad():
         logits = hf(torch.tensor([ids])).logits[0].float()
     want = torch.log_softmax(logits, -1)[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]
@@ -398,11 +481,12 @@ def test_stop_strings(client: openai.OpenAI):
     assert "".join(c.choices[0].text for c in streamed if c.choices) == expected + stop
 
 
-def test_stop_token_ids_and_eos(client: openai.OpenAI, tokenizer):
-    reference = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0)
-    ids = tokenizer(reference.choices[0].text, add_special_tokens=False)["input_ids"]
-    stop_id = ids[2]
-    first = ids.index(stop_id)
+def test_stop_token_ids_and_eos(client: openai.OpenAI, tokenizer, hf):
+    """A stop token from HF's greedy reply ends the reply there; EOS ends one (no stop_reason);
+    ignore_eos, min_tokens and skip_special_tokens change an EOS-ending reply as HF says."""
+    greedy, _ = hf_greedy(hf, tokenizer(PROMPT)["input_ids"], 8)
+    stop_id = greedy[2]
+    first = greedy.index(stop_id)
     response = client.completions.create(
         model=MODEL,
         prompt=PROMPT,
@@ -412,43 +496,68 @@ def test_stop_token_ids_and_eos(client: openai.OpenAI, tokenizer):
     )
     assert response.choices[0].finish_reason == "stop"
     assert response.choices[0].stop_reason == stop_id
-    assert response.choices[0].text == tokenizer.decode(ids[:first])
-    assert response.usage.completion_tokens == first + 1
+    assert response.choices[0].text == tokenizer.decode(greedy[:first])
+    assert response.usage.completion_tokens == first + 1  # the stop token counts, as in vLLM
 
-    eos_text = tokenizer.eos_token
+    prompt = chat_ids(tokenizer, EOS_MESSAGES)
+    reply, _ = hf_greedy(hf, prompt, 12)  # EOS is not a stop for this helper
+    num_before_eos = reply.index(tokenizer.eos_token_id)
+    assert num_before_eos + 1 < 12, tokenizer.decode(reply)  # EOS, then more to see
     chat = client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "Say hi."}], max_tokens=64, temperature=0
+        model=MODEL, messages=EOS_MESSAGES, max_tokens=12, temperature=0
     )
-    assert eos_text not in chat.choices[0].message.content
-    if chat.choices[0].finish_reason == "stop":  # by EOS: no stop_reason, as vLLM
-        assert chat.choices[0].stop_reason is None
-    forced = client.chat.completions.create(
-        model=MODEL,
-        messages=[{"role": "user", "content": "Say hi."}],
-        max_tokens=chat.usage.completion_tokens + 4,
-        temperature=0,
-        extra_body={"ignore_eos": True},
+    choice = chat.choices[0]
+    assert choice.finish_reason == "stop" and choice.stop_reason is None  # by EOS, as vLLM
+    assert choice.message.content == tokenizer.decode(reply[:num_before_eos])
+    assert chat.usage.completion_tokens == num_before_eos + 1  # EOS counts, hidden
+
+    def chat_with(**extra) -> tuple[str, str, int]:
+        response = client.chat.completions.create(
+            model=MODEL, messages=EOS_MESSAGES, max_tokens=12, temperature=0, extra_body=extra
+        )
+        choice = response.choices[0]
+        return choice.message.content or "", choice.finish_reason, response.usage.completion_tokens
+
+    # ignore_eos: EOS is just a token; the reply runs to max_tokens, EOS hidden in the text ...
+    assert chat_with(ignore_eos=True) == (
+        tokenizer.decode(reply, skip_special_tokens=True),
+        "length",
+        12,
     )
-    assert forced.choices[0].finish_reason == "length"
-    assert forced.usage.completion_tokens == chat.usage.completion_tokens + 4
+    # ... or shown, with skip_special_tokens false
+    shown = chat_with(ignore_eos=True, skip_special_tokens=False)
+    assert shown == (tokenizer.decode(reply, skip_special_tokens=False), "length", 12)
+    assert tokenizer.eos_token in shown[0]
+    # min_tokens: no EOS before that many tokens (HF's min_new_tokens)
+    min_tokens = num_before_eos + 3
+    longer = hf_generate(hf, prompt, 12, min_new_tokens=min_tokens)
+    assert len(longer) >= min_tokens
+    ends_at_eos = longer[-1] == tokenizer.eos_token_id
+    assert chat_with(min_tokens=min_tokens) == (
+        tokenizer.decode(longer, skip_special_tokens=True),
+        "stop" if ends_at_eos else "length",
+        len(longer),
+    )
 
 
 # ---- sampling ------------------------------------------------------------------------------
 
 
 def test_n_and_seed(client: openai.OpenAI):
-    def sample(seed: int | None) -> list[str]:
+    def sample(seed: int | None, n: int = 2) -> list[str]:
         response = client.chat.completions.create(
-            model=MODEL, messages=USER_MESSAGES, max_tokens=16, temperature=1.0, n=2, seed=seed
-        )
-        assert [c.index for c in response.choices] == [0, 1]
-        assert 2 <= response.usage.completion_tokens <= 2 * 16
+            model=MODEL, messages=USER_MESSAGES, max_tokens=16, temperature=1.0, n=n, seed=seed,
+            extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        assert [c.index for c in response.choices] == list(range(n))
+        assert response.usage.completion_tokens == n * 16  # ignore_eos: each choice is 16
         return [c.message.content for c in response.choices]
 
     first = sample(1234)
     assert sample(1234) == first
     assert first[0] != first[1]  # seed + i per choice: different sequences
-    assert len(sample(None)) == 2
+    assert sample(98765)[0] != first[0]  # another seed, another sample
+    assert len(sample(None, n=3)) == 3
 
     stream = client.completions.create(
         model=MODEL, prompt=PROMPT, max_tokens=6, temperature=1.0, n=2, seed=7, stream=True
@@ -458,39 +567,66 @@ def test_n_and_seed(client: openai.OpenAI):
     assert finished == [0, 1]
 
 
-def test_every_sampling_field_is_accepted(server: ServerProcess):
-    body = {
-        "model": MODEL,
-        "messages": USER_MESSAGES,
-        "max_tokens": 4,
-        "temperature": 0.7,
-        "top_p": 0.9,
-        "top_k": 20,
-        "min_p": 0.05,
-        "presence_penalty": 0.5,
-        "frequency_penalty": 0.5,
-        "repetition_penalty": 1.1,
-        "seed": 3,
-        "stop": "\n\n",
-        "stop_token_ids": [0],
-        "logit_bias": {"0": -1.5, "7": 2},
-        "ignore_eos": False,
-        "n": 1,
-        "user": "tester",
-        "some_future_openai_field": {"x": 1},
-    }
-    response = post(server, "/v1/chat/completions", body)
-    assert response.status_code == 200, response.text
-    completion = {k: v for k, v in body.items() if k != "messages"} | {
-        "prompt": PROMPT,
-        "echo": False,
-        "logprobs": 1,
-    }
-    response = post(server, "/v1/completions", completion)
-    assert response.status_code == 200, response.text
+def test_every_sampling_field_changes_what_it_should(
+    server: ServerProcess, client: openai.OpenAI, tokenizer, hf
+):
+    """Unknown fields are ignored, so a 200 proves nothing: each field is set to a value that
+    decides the reply, and the reply is checked against an oracle that is not minisgl."""
+    num_tokens = 8
+    prompt_ids = chat_ids(tokenizer, USER_MESSAGES)
+    greedy_ids, _ = hf_greedy(hf, prompt_ids, num_tokens)
+    greedy_text = tokenizer.decode(greedy_ids)
+
+    def chat(**fields) -> str:
+        body = {"model": MODEL, "messages": USER_MESSAGES, "max_tokens": num_tokens,
+                "ignore_eos": True} | fields  # fmt: skip
+        response = post(server, "/v1/chat/completions", body)
+        assert response.status_code == 200, response.text
+        assert response.json()["usage"]["completion_tokens"] == num_tokens
+        return response.json()["choices"][0]["message"]["content"]
+
+    # temperature 0: HF's greedy continuation
+    assert chat(temperature=0) == greedy_text
+    # Sampling at temperature 1 with this seed leaves the greedy path ...
+    sampled = chat(temperature=1.0, seed=5)
+    assert sampled != greedy_text
+    assert chat(temperature=1.0, seed=5) == sampled  # seed: reproducible
+    # ... and each of these keeps only the most likely token, whatever the seed draws:
+    assert chat(temperature=1.0, seed=5, top_k=1) == greedy_text
+    assert chat(temperature=1.0, seed=5, top_p=1e-6) == greedy_text  # the smallest nucleus
+    assert chat(temperature=1.0, seed=5, min_p=1.0) == greedy_text  # p >= 1.0 x the top p
+    # Fields the server does not know are ignored, known ones like `user` too
+    assert chat(temperature=0, user="tester", some_future_openai_field={"x": 1}) == greedy_text
+
+    # Penalties, on a prompt whose greedy continuation repeats one token
+    repeat_ids = tokenizer(REPEAT_PROMPT)["input_ids"]
+    plain = hf_generate(hf, repeat_ids, num_tokens)
+    assert len(set(plain)) == 1, tokenizer.decode(plain)
+
+    def completion(**fields) -> str:
+        body = {"model": MODEL, "prompt": REPEAT_PROMPT, "max_tokens": num_tokens,
+                "temperature": 0, "ignore_eos": True} | fields  # fmt: skip
+        response = post(server, "/v1/completions", body)
+        assert response.status_code == 200, response.text
+        return response.json()["choices"][0]["text"]
+
+    assert completion() == tokenizer.decode(plain)
+    # HF's RepetitionPenaltyLogitsProcessor: prompt and output tokens
+    want = hf_generate(hf, repeat_ids, num_tokens, repetition_penalty=1.3)
+    assert want != plain and completion(repetition_penalty=1.3) == tokenizer.decode(want)
+    # OpenAI's presence and frequency penalties: output tokens only
+    for name, value in (("presence", 2.0), ("frequency", 0.5)):
+        processor = OpenAIPenalties(len(repeat_ids), **{name: value})
+        want = hf_generate(
+            hf, repeat_ids, num_tokens, logits_processor=LogitsProcessorList([processor])
+        )
+        assert want != plain, name
+        assert completion(**{f"{name}_penalty": value}) == tokenizer.decode(want), name
 
 
-def test_logprobs(client: openai.OpenAI):
+def test_logprobs(client: openai.OpenAI, tokenizer, hf):
+    """The chosen token's logprob and the top alternatives are HF's log-softmax of the raw
+    logits (before sampling), on both endpoints."""
     chat = client.chat.completions.create(
         model=MODEL,
         messages=USER_MESSAGES,
@@ -498,12 +634,18 @@ def test_logprobs(client: openai.OpenAI):
         temperature=0,
         logprobs=True,
         top_logprobs=3,
+        extra_body={"ignore_eos": True},
     )
     content = chat.choices[0].logprobs.content
-    assert len(content) == chat.usage.completion_tokens
-    for entry in content:
-        assert entry.logprob <= 0 and len(entry.top_logprobs) == 3
-        assert entry.token == entry.top_logprobs[0].token  # greedy picks the top token
+    assert len(content) == chat.usage.completion_tokens == 6
+    greedy, steps = hf_greedy(hf, chat_ids(tokenizer, USER_MESSAGES), 6)
+    for entry, token_id, step in zip(content, greedy, steps, strict=True):
+        assert entry.token == tokenizer.decode([token_id])
+        assert entry.logprob == pytest.approx(step[token_id].item(), abs=LOGPROB_ATOL)
+        top = step.topk(3)
+        assert [t.token for t in entry.top_logprobs] == [tokenizer.decode([i]) for i in top.indices]
+        got = torch.tensor([t.logprob for t in entry.top_logprobs])
+        torch.testing.assert_close(got, top.values, atol=LOGPROB_ATOL, rtol=0)
     assert "".join(e.token for e in content) == chat.choices[0].message.content
 
     streamed = client.chat.completions.create(
@@ -514,6 +656,7 @@ def test_logprobs(client: openai.OpenAI):
         logprobs=True,
         top_logprobs=2,
         stream=True,
+        extra_body={"ignore_eos": True},
     )
     entries = [
         e
@@ -522,20 +665,30 @@ def test_logprobs(client: openai.OpenAI):
         for e in c.choices[0].logprobs.content
     ]
     assert [e.token for e in entries] == [e.token for e in content]
+    assert all(len(e.top_logprobs) == 2 for e in entries)
 
     completion = client.completions.create(
-        model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, logprobs=2
-    )
+        model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, logprobs=2,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
     logprobs = completion.choices[0].logprobs
-    num_tokens = completion.usage.completion_tokens
-    assert (
-        len(logprobs.tokens)
-        == len(logprobs.token_logprobs)
-        == len(logprobs.text_offset)
-        == num_tokens
+    assert completion.usage.completion_tokens == 6
+    assert len(logprobs.tokens) == len(logprobs.token_logprobs) == len(logprobs.text_offset) == 6
+    greedy, steps = hf_greedy(hf, tokenizer(PROMPT)["input_ids"], 6)
+    assert logprobs.tokens == [tokenizer.decode([t]) for t in greedy]
+    want = torch.stack([step[t] for step, t in zip(steps, greedy, strict=True)])
+    torch.testing.assert_close(
+        torch.tensor(logprobs.token_logprobs), want, atol=LOGPROB_ATOL, rtol=0
     )
-    assert all(1 <= len(top) <= 2 for top in logprobs.top_logprobs)
-    assert logprobs.text_offset == sorted(logprobs.text_offset) and logprobs.text_offset[0] == 0
+    for top, step in zip(logprobs.top_logprobs, steps, strict=True):
+        best = step.topk(2)
+        assert list(top) == [tokenizer.decode([i]) for i in best.indices]
+        torch.testing.assert_close(
+            torch.tensor(list(top.values())), best.values, atol=LOGPROB_ATOL, rtol=0
+        )
+    # character offsets of each token in the text: the lengths of the tokens before it
+    offsets = [sum(len(t) for t in logprobs.tokens[:i]) for i in range(6)]
+    assert logprobs.text_offset == offsets
     assert "".join(logprobs.tokens) == completion.choices[0].text
 
 
@@ -656,7 +809,7 @@ def _wait_idle(server: ServerProcess) -> dict[str, float]:
 
 def test_client_disconnect_aborts(server: ServerProcess):
     body = {"model": MODEL, "messages": USER_MESSAGES, "max_tokens": 900, "ignore_eos": True}
-    aborted_before = server.metrics()["minisgl:aborted_requests_total"]
+    before = _wait_idle(server)
     with httpx.stream(
         "POST",
         server.url + "/v1/chat/completions",
@@ -671,9 +824,14 @@ def test_client_disconnect_aborts(server: ServerProcess):
     # Non-streaming: the client gives up (timeout) while the request still runs.
     with pytest.raises(httpx.TimeoutException):
         post(server, "/v1/chat/completions", body, timeout=1.0)
-    metrics = _wait_idle(server)
-    assert metrics["minisgl:aborted_requests_total"] >= aborted_before + 2
-    assert metrics["minisgl:generation_tokens_total"] < 1800  # both stopped early
+    after = _wait_idle(server)
+
+    def grew(name: str) -> float:
+        return after[f"minisgl:{name}"] - before[f"minisgl:{name}"]
+
+    assert grew("aborted_requests_total") == 2  # these two requests, nothing else
+    assert grew('request_success_total{finished_reason="abort"}') == 2
+    assert grew("generation_tokens_total") < 2 * 900  # both stopped early
 
 
 def test_concurrent_clients(server: ServerProcess):

@@ -22,8 +22,14 @@ import pydantic
 import pytest
 from transformers import AutoTokenizer
 
-from minisgl.models.resolve import resolve_model_path
-from tests.server_utils import ServerProcess, openai_client, running_server, start_server, wait_idle
+from tests.server_utils import (
+    ServerProcess,
+    openai_client,
+    require_default_model,
+    running_server,
+    start_server,
+    wait_idle,
+)
 
 MODEL = "SmolLM2-135M-Instruct"
 REQUEST_TIMEOUT_S = 180.0
@@ -89,16 +95,9 @@ TOOLS = [
 TOOL_SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
 
 
-def _available() -> None:
-    try:
-        resolve_model_path(None)
-    except Exception as exc:  # the default model package is missing
-        pytest.skip(f"default model unavailable: {exc}")
-
-
 @pytest.fixture(scope="module")
 def server():
-    _available()
+    require_default_model()  # a missing or broken bundled model fails here, loudly
     with running_server("--tool-call-parser", "hermes") as srv:
         yield srv
 
@@ -142,15 +141,23 @@ def test_twenty_json_schemas_streaming_and_not(server: ServerProcess, client: op
 
 
 def test_json_object_regex_and_choice(server: ServerProcess, client: openai.OpenAI):
-    reply = client.chat.completions.create(
-        model=MODEL, messages=USER, max_tokens=32, temperature=0,
-        response_format={"type": "json_object"},
-    )  # fmt: skip
-    text = reply.choices[0].message.content or ""
-    if reply.choices[0].finish_reason == "stop":
-        assert isinstance(json.loads(text), dict)
-    else:  # cut by max_tokens: still a JSON object so far
-        assert text.startswith("{")
+    def json_object(max_tokens: int) -> tuple[str, str | None, int]:
+        reply = client.chat.completions.create(
+            model=MODEL, messages=USER, max_tokens=max_tokens, temperature=0,
+            response_format={"type": "json_object"},
+        )  # fmt: skip
+        assert reply.usage is not None
+        choice = reply.choices[0]
+        return choice.message.content or "", choice.finish_reason, reply.usage.completion_tokens
+
+    # Room enough: the grammar ends the object (SmolLM2 closes it after ~75 tokens) ...
+    text, finish, num_tokens = json_object(MAX_TOKENS)
+    assert finish == "stop" and num_tokens < MAX_TOKENS, (finish, text)
+    assert isinstance(json.loads(text), dict)
+    # ... and cut short, the same greedy reply stops at max_tokens: a prefix of that object
+    cut, finish, num_tokens = json_object(16)
+    assert finish == "length" and num_tokens == 16
+    assert text.startswith(cut) and len(cut) < len(text)
     phone = r"\(\d{3}\) \d{3}-\d{4}"
     body = {"prompt": "Call me at", "regex": phone, "max_tokens": 24, "temperature": 0}
     completion = httpx.post(server.url + "/v1/completions", json=body, timeout=REQUEST_TIMEOUT_S)
@@ -161,6 +168,7 @@ def test_json_object_regex_and_choice(server: ServerProcess, client: openai.Open
         extra_body={"guided_choice": ["alpha", "beta"]},
     )  # fmt: skip
     assert chat.choices[0].message.content in ("alpha", "beta")
+    assert chat.choices[0].finish_reason == "stop"  # the grammar ended it, not max_tokens
 
 
 def test_n_logprobs_stop_and_usage_with_a_schema(client: openai.OpenAI):
