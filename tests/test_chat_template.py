@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from minisgl.chat import ChatSettings, prepare_chat
+from minisgl.chat import ChatPrompt, ChatSettings, prepare_chat
 from minisgl.chat.reasoning import Mode
 from minisgl.chat.requests import constraint_from_fields, plan_tools
 from minisgl.core import InvalidRequestError
@@ -105,11 +105,10 @@ def test_a_custom_template_replaces_the_checkpoint_one(tokenizer, tmp_path) -> N
     path = tmp_path / "t.jinja"
     path.write_text("{% for m in messages %}[{{ m.role }}|{{ m.content }}]{% endfor %}{{ x }}")
     settings = ChatSettings.resolve(tokenizer, str(path), '{"x": "!"}')
-    prepared = prepare_chat(tokenizer, settings, [{"role": "user", "content": "hey"}])
+    prepared = prepare_chat(tokenizer, settings, ChatPrompt([{"role": "user", "content": "hey"}]))
     assert tokenizer.decode(prepared.prompt_ids) == "[user|hey]!"
-    override = prepare_chat(
-        tokenizer, settings, [{"role": "user", "content": "hey"}], template_kwargs={"x": "?"}
-    )
+    hey = ChatPrompt([{"role": "user", "content": "hey"}], template_kwargs={"x": "?"})
+    override = prepare_chat(tokenizer, settings, hey)
     assert tokenizer.decode(override.prompt_ids) == "[user|hey]?"
     with pytest.raises(ValueError, match="cannot read"):
         ChatSettings.resolve(tokenizer, str(tmp_path / "missing.jinja"))
@@ -124,26 +123,20 @@ def test_reasoning_gates_the_grammar_unless_thinking_is_off(tokenizer) -> None:
     settings = ChatSettings(reasoning_parser="qwen3", tool_call_parser="hermes")
     user = [{"role": "user", "content": "hi"}]
     fields = {"response_format": {"type": "json_object"}}
-    thinking = prepare_chat(tokenizer, settings, user, constraint_fields=fields)
+    thinking = prepare_chat(tokenizer, settings, ChatPrompt(user), fields)
     assert thinking.reasoning_mode == Mode.MAYBE
     assert thinking.constraint is not None and thinking.constraint.start_after == (THINK_END_ID,)
     off = prepare_chat(
-        tokenizer,
-        settings,
-        user,
-        template_kwargs={"enable_thinking": False},
-        constraint_fields=fields,
+        tokenizer, settings, ChatPrompt(user, template_kwargs={"enable_thinking": False}), fields
     )
     assert off.reasoning_mode == Mode.CONTENT
     assert off.constraint is not None and off.constraint.start_after == ()
-    unsplit = prepare_chat(
-        tokenizer, settings, user, separate_reasoning=False, constraint_fields=fields
-    )
+    unsplit = prepare_chat(tokenizer, settings, ChatPrompt(user, separate_reasoning=False), fields)
     # the model still thinks when the request keeps its reasoning in the content
     assert unsplit.reasoning_parser is None and unsplit.constraint is not None
     assert unsplit.constraint.start_after == (THINK_END_ID,)
     with pytest.raises(InvalidRequestError, match="return_dict") as info:
-        prepare_chat(tokenizer, settings, user, template_kwargs={"return_dict": True})
+        prepare_chat(tokenizer, settings, ChatPrompt(user, template_kwargs={"return_dict": True}))
     assert info.value.param == "chat_template_kwargs"
 
 

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from minisgl.api.dialects.sglang import build_model_card
+from minisgl.api.dialects.sglang import model_info
 from minisgl.config import DataParallelArgs, ServerArgs, data_parallel_args, parse_server_args
 from minisgl.server import dp as dp_module
 from minisgl.server import placement as placement_module
@@ -173,11 +173,11 @@ def test_a_lost_replica_is_stopped_and_the_rest_serve(monkeypatch, caplog):
 
 def test_model_card_reports_paths_as_sglang_does(tiny_qwen3, monkeypatch):
     monkeypatch.chdir(tiny_qwen3.parent)
-    card = build_model_card(ServerArgs(model=tiny_qwen3.name), str(tiny_qwen3), str(tiny_qwen3))
-    assert card.model_path == card.tokenizer_path == str(tiny_qwen3.resolve())  # absolute
-    assert (card.model_type, card.architectures) == ("qwen3", ("Qwen3ForCausalLM",))
-    hub = build_model_card(ServerArgs(model="Qwen/Qwen3-8B"), str(tiny_qwen3), str(tiny_qwen3))
-    assert hub.model_path == "Qwen/Qwen3-8B"  # a hub id as typed: another machine can fetch it
+    info = model_info(ServerArgs(model=tiny_qwen3.name), str(tiny_qwen3), str(tiny_qwen3))
+    assert info["model_path"] == info["tokenizer_path"] == str(tiny_qwen3.resolve())  # absolute
+    assert (info["model_type"], info["architectures"]) == ("qwen3", ["Qwen3ForCausalLM"])
+    hub = model_info(ServerArgs(model="Qwen/Qwen3-8B"), str(tiny_qwen3), str(tiny_qwen3))
+    assert hub["model_path"] == "Qwen/Qwen3-8B"  # a hub id as typed: another machine can fetch it
 
 
 # ---- two replicas, for real ----------------------------------------------------------------------

@@ -19,7 +19,6 @@ from types import SimpleNamespace
 
 import httpx
 import pytest
-from minisgl.server.engine_client import EngineClient
 from starlette.applications import Starlette
 from starlette.responses import PlainTextResponse
 from starlette.routing import Route
@@ -31,6 +30,7 @@ from minisgl.config import ServerArgs
 from minisgl.core import MAX_STOP_STRINGS, FinishReason, ReqOutput, SamplingParams
 from minisgl.limits import ModelLimits, check_request, resolve_max_tokens
 from minisgl.message import BatchTokenOutput, Endpoints, MessageQueue, TokenizedRequest
+from minisgl.runtime.engine_client import EngineClient
 from minisgl.scheduler.scheduler import Scheduler
 from minisgl.server.scheduler_proc import MAX_FAILED_STEPS_IN_A_ROW, SchedulerLoop
 from minisgl.tokenizer import apply_chat_template, load_tokenizer

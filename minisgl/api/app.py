@@ -19,7 +19,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
 
 from minisgl.api.dialects import anthropic, openai, responses, sglang, vllm
-from minisgl.api.errors import HTTP_SERVICE_UNAVAILABLE, RequestError, error_dict, shape_error
+from minisgl.api.errors import (
+    HTTP_BAD_REQUEST,
+    HTTP_SERVICE_UNAVAILABLE,
+    RequestError,
+    error_dict,
+    shape_error,
+)
 from minisgl.api.metrics import ServerMetrics
 from minisgl.api.middleware import Lifecycle, install_middleware
 from minisgl.api.pipeline import ServingContext
@@ -128,7 +134,7 @@ def create_app(
     app = FastAPI(title="minisgl", lifespan=lifespan)
     app.state.lifecycle = Lifecycle()
     app.state.args = args
-    app.state.card = sglang.build_model_card(args, str(model_path), str(tokenizer_path))
+    app.state.model_info = sglang.model_info(args, str(model_path), str(tokenizer_path))
     app.state.responses = responses.ResponseStore()
 
     def count_response(handler: str, method: str, status: int) -> None:
@@ -153,6 +159,11 @@ def create_app(
     @app.exception_handler(RequestError)
     async def on_request_error(request: Request, exc: RequestError) -> JSONResponse:
         return error_response(request, exc.body(), exc.status_code, exc.headers)
+
+    @app.exception_handler(InvalidRequestError)  # a dialect's translation: the param is its own
+    async def on_invalid(request: Request, exc: InvalidRequestError) -> JSONResponse:
+        body = error_dict(str(exc), param=exc.param, code=HTTP_BAD_REQUEST)
+        return error_response(request, body, HTTP_BAD_REQUEST)
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:

@@ -3,9 +3,9 @@ untouched). Outermost first, as `install_middleware` stacks them:
 
     RequestGuard   any exception escaping a handler -> one log line, an OpenAI-shaped 500;
                    every answer's status, by route, to the server's counter
-    DrainGate      shutting down -> 503 for new requests; counts the open ones
-    ApiKeyGate     --api-key: a bearer token on every path but the probes
-    BodyLimit      bodies over --max-request-body-bytes -> 413, before anything parses them
+    Gate           shutting down -> 503 for new requests; --api-key on every path but the
+                   probes -> 401; bodies over --max-request-body-bytes -> 413, before anything
+                   parses them; counts the open requests
 """
 
 from __future__ import annotations
@@ -46,15 +46,17 @@ class Lifecycle:
 
 
 async def _send_json(
-    scope: Scope,
-    send: Send,
-    status: int,
-    body: dict[str, Any],
-    headers: dict[str, str] | None = None,
+    scope: Scope, send: Send, status: int, body: dict[str, Any], headers: dict[str, str]
 ) -> None:
     body = shape_error(scope.get("path", ""), body, status)
     response = JSONResponse(body, status_code=status, headers=headers)
     await response(scope, _no_receive, send)
+
+
+async def _refuse(scope: Scope, send: Send, message: str, kind: str, status: int) -> None:
+    # A refused body may still be arriving: the connection closes (but after a 401).
+    headers = {} if status == HTTP_UNAUTHORIZED else {"Connection": "close"}
+    await _send_json(scope, send, status, error_dict(message, kind, code=status), headers)
 
 
 async def _no_receive() -> Message:
@@ -122,99 +124,74 @@ class RequestGuard:
                 self._observe(route_template(scope), str(scope.get("method", "")), status)
 
 
-class DrainGate:
-    def __init__(self, app: ASGIApp, lifecycle: Lifecycle) -> None:
+class Gate:
+    """What every request passes before the app sees it, in order: a server shutting down
+    answers 503 (but /metrics); every path but the probes needs `Authorization: Bearer KEY` or
+    `x-api-key: KEY` (Anthropic's SDK header) when --api-key is set (the docs pages and the
+    OpenAPI schema too, as in SGLang); a body over the limit is 413 (a declared Content-Length
+    over it without reading it). The body is read here and replayed; later receives (the
+    disconnect) pass through. Requests in progress, probes excluded, are counted."""
+
+    def __init__(
+        self, app: ASGIApp, lifecycle: Lifecycle, api_key: str | None, max_body_bytes: int
+    ) -> None:
         self.app = app
         self.lifecycle = lifecycle
+        self._keys = None if not api_key else (f"Bearer {api_key}".encode(), api_key.encode())
+        self.max_body_bytes = max_body_bytes
+
+    def _allowed(self, headers: dict[bytes, bytes]) -> bool:
+        if self._keys is None:
+            return True
+        bearer = hmac.compare_digest(headers.get(b"authorization", b""), self._keys[0])
+        return hmac.compare_digest(headers.get(b"x-api-key", b""), self._keys[1]) or bearer
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
+        path = scope.get("path", "")
+        if scope["type"] == "http" and self.lifecycle.draining and path != METRICS_PATH:
+            message = "The server is shutting down."
+            await _refuse(scope, send, message, "server_error", HTTP_SERVICE_UNAVAILABLE)
             return
-        path = scope["path"]
-        if self.lifecycle.draining and path != METRICS_PATH:
-            body = error_dict(
-                "The server is shutting down.", "server_error", code=HTTP_SERVICE_UNAVAILABLE
-            )
-            await _send_json(scope, send, HTTP_SERVICE_UNAVAILABLE, body, {"Connection": "close"})
-            return
-        if path in PROBE_PATHS:
+        if scope["type"] != "http" or path in PROBE_PATHS:
             await self.app(scope, receive, send)
             return
         self.lifecycle.num_open_requests += 1
         try:
-            await self.app(scope, receive, send)
+            if not self._allowed(dict(scope["headers"])):
+                message = "Invalid or missing API key."
+                await _refuse(scope, send, message, "authentication_error", HTTP_UNAUTHORIZED)
+                return
+            body = await self._read_body(scope, receive)
+            if body is None:
+                message = f"Request body too large: the limit is {self.max_body_bytes} bytes."
+                await _refuse(scope, send, message, "invalid_request_error", HTTP_PAYLOAD_TOO_LARGE)
+                return
+            pending = [body]
+
+            async def replay() -> Message:
+                return pending.pop() if pending else await receive()
+
+            await self.app(scope, replay, send)
         finally:
             self.lifecycle.num_open_requests -= 1
 
-
-class ApiKeyGate:
-    """Every path but the probes (PROBE_PATHS) needs `Authorization: Bearer KEY` (the docs
-    pages and the OpenAPI schema too, as in SGLang), or `x-api-key: KEY`, the header
-    Anthropic's SDK sends."""
-
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
-        self.app = app
-        self._bearer = f"Bearer {api_key}".encode()
-        self._key = api_key.encode()
-
-    def _allowed(self, headers: dict[bytes, bytes]) -> bool:
-        bearer = hmac.compare_digest(headers.get(b"authorization", b""), self._bearer)
-        return hmac.compare_digest(headers.get(b"x-api-key", b""), self._key) or bearer
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        guarded = scope["type"] == "http" and scope["path"] not in PROBE_PATHS
-        if guarded and not self._allowed(dict(scope["headers"])):
-            body = error_dict(
-                "Invalid or missing API key.", "authentication_error", code=HTTP_UNAUTHORIZED
-            )
-            await _send_json(scope, send, HTTP_UNAUTHORIZED, body)
-            return
-        await self.app(scope, receive, send)
-
-
-class BodyLimit:
-    """Reads the body up to the limit before the app sees it (a declared Content-Length over it
-    is refused without reading), then replays it; later receives (the disconnect) pass through."""
-
-    def __init__(self, app: ASGIApp, max_body_bytes: int) -> None:
-        self.app = app
-        self.max_body_bytes = max_body_bytes
-
-    async def _too_large(self, scope: Scope, send: Send) -> None:
-        message = f"Request body too large: the limit is {self.max_body_bytes} bytes."
-        body = error_dict(message, code=HTTP_PAYLOAD_TOO_LARGE)
-        await _send_json(scope, send, HTTP_PAYLOAD_TOO_LARGE, body, {"Connection": "close"})
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
+    async def _read_body(self, scope: Scope, receive: Receive) -> Message | None:
+        """The whole body as one message; None when it is over the limit."""
         declared = dict(scope["headers"]).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
-            await self._too_large(scope, send)
-            return
+            return None
         chunks: list[bytes] = []
         size = 0
         while True:
             message = await receive()
             if message["type"] != "http.request":
-                break  # the client left before sending it all: the app sees the disconnect
-            chunk = message.get("body", b"")
-            size += len(chunk)
+                return message  # the client left before sending it all: the app sees it
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
             if size > self.max_body_bytes:
-                await self._too_large(scope, send)
-                return
-            chunks.append(chunk)
+                return None
             if not message.get("more_body", False):
-                message = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
-                break
-        pending: list[Message] = [message]
-
-        async def replay() -> Message:
-            return pending.pop() if pending else await receive()
-
-        await self.app(scope, replay, send)
+                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
 
 
 def install_middleware(
@@ -225,8 +202,5 @@ def install_middleware(
     observe: ResponseObserver | None = None,
 ) -> None:
     # add_middleware puts each new one outside the previous: add them innermost first.
-    app.add_middleware(BodyLimit, max_body_bytes=max_body_bytes)
-    if api_key:
-        app.add_middleware(ApiKeyGate, api_key=api_key)
-    app.add_middleware(DrainGate, lifecycle=lifecycle)
+    app.add_middleware(Gate, lifecycle=lifecycle, api_key=api_key, max_body_bytes=max_body_bytes)
     app.add_middleware(RequestGuard, observe=observe)

@@ -14,7 +14,7 @@ import asyncio
 import functools
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar, cast
@@ -32,9 +32,16 @@ from minisgl.api.errors import (
     error_dict,
 )
 from minisgl.api.metrics import ServerMetrics
-from minisgl.api.request import ApiRequest, ChatPrompt, choice_params
+from minisgl.api.request import ApiRequest, choice_params
 from minisgl.api.sse import SSE_DONE, SSE_HEADERS, SSE_MEDIA_TYPE, sse_event
-from minisgl.chat import ChatDelta, ChatOutputParser, ChatSettings, PreparedChat, prepare_chat
+from minisgl.chat import (
+    ChatDelta,
+    ChatOutputParser,
+    ChatPrompt,
+    ChatSettings,
+    PreparedChat,
+    prepare_chat,
+)
 from minisgl.chat.requests import constraint_from_fields
 from minisgl.core import Constraint, FinishReason, InvalidRequestError, SamplingParams, TokenLogprob
 from minisgl.grammar import GrammarCompiler
@@ -129,21 +136,11 @@ class Prepared:
 
 def _prepare(ctx: ServingContext, req: ApiRequest) -> Prepared:
     """On the tokenizer thread. Raises InvalidRequestError, or ValueError about the messages."""
-    chat = None
+    chat: PreparedChat | None = None
+    texts: list[str | None] = [None]
     if isinstance(req.prompt, ChatPrompt):
-        p = req.prompt
-        chat = prepare_chat(
-            ctx.tokenizer,
-            ctx.chat,
-            p.messages,
-            tools=p.tools,
-            tool_choice=p.tool_choice,
-            parallel_tool_calls=p.parallel_tool_calls,
-            template_kwargs=p.template_kwargs,
-            separate_reasoning=p.separate_reasoning,
-            constraint_fields=req.constraint_fields,
-        )
-        prompts, texts = [chat.prompt_ids], [None]
+        chat = prepare_chat(ctx.tokenizer, ctx.chat, req.prompt, req.constraint_fields)
+        prompts = [chat.prompt_ids]
         constraint, param = chat.constraint, chat.constraint_param
     else:
         found = constraint_from_fields(req.constraint_fields)
@@ -473,11 +470,3 @@ async def respond(
     finally:
         run.close()
     return JSONResponse(fold(payloads))
-
-
-def joined_logprobs(parts: Sequence[dict[str, list[Any]] | None]) -> dict[str, list[Any]] | None:
-    """Per-chunk logprob tables (dicts of lists) joined key by key; None when there are none."""
-    present = [part for part in parts if part is not None]
-    if not present:
-        return None
-    return {key: [v for part in present for v in part[key]] for key in present[0]}

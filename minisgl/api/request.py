@@ -21,6 +21,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, model_validator
 
 from minisgl.api.errors import HTTP_BAD_REQUEST, RequestError
+from minisgl.chat import ChatPrompt
 from minisgl.core import Constraint, InvalidRequestError, SamplingParams
 from minisgl.limits import ModelLimits, check_request, resolve_max_tokens
 
@@ -124,37 +125,6 @@ def sampling_of(
         if wire_name in sent and name in SAMPLING_NAMES:
             sampling[name] = getattr(body, wire_name)
     return sampling, wire_names
-
-
-def with_reasoning_effort(
-    kwargs: Mapping[str, Any] | None, effort: str | None
-) -> Mapping[str, Any] | None:
-    """Chat template variables with OpenAI's `reasoning_effort` (reaching the template as vLLM
-    passes it); "none" also turns a hybrid model's thinking off (Qwen3's enable_thinking)
-    unless the request sets that itself."""
-    if effort is None:
-        return kwargs
-    merged = {"reasoning_effort": effort, **(kwargs or {})}
-    if effort == "none":
-        merged.setdefault("enable_thinking", False)
-    return merged
-
-
-def bad_request(exc: InvalidRequestError) -> RequestError:
-    """A 400 for a rule broken while a dialect translated its body (the param is its own)."""
-    return RequestError(HTTP_BAD_REQUEST, str(exc), param=exc.param)
-
-
-@dataclass(frozen=True)
-class ChatPrompt:
-    """A conversation to render with the chat template (minisgl.chat.prepare_chat)."""
-
-    messages: Any
-    tools: Any = None
-    tool_choice: Any = None
-    parallel_tool_calls: bool = True
-    template_kwargs: Mapping[str, Any] | None = None
-    separate_reasoning: bool = True  # SGLang: false keeps the reasoning inside the content
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,14 @@ from minisgl.chat.output import (
     ChatOutputParser,
     ReplyBlocks,
 )
-from minisgl.chat.prepare import ChatSettings, PreparedChat, parse_template_kwargs, prepare_chat
+from minisgl.chat.prepare import (
+    ChatPrompt,
+    ChatSettings,
+    PreparedChat,
+    parse_template_kwargs,
+    prepare_chat,
+    with_reasoning_effort,
+)
 from minisgl.chat.requests import constraint_from_fields
 
 __all__ = [
@@ -21,10 +28,12 @@ __all__ = [
     "BlockSink",
     "ChatDelta",
     "ChatOutputParser",
+    "ChatPrompt",
     "ChatSettings",
     "PreparedChat",
     "ReplyBlocks",
     "constraint_from_fields",
     "parse_template_kwargs",
     "prepare_chat",
+    "with_reasoning_effort",
 ]

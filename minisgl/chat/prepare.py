@@ -141,26 +141,47 @@ class PreparedChat:
         return ChatOutputParser(reasoning, tools)
 
 
+@dataclass(frozen=True)
+class ChatPrompt:
+    """A conversation to render with the chat template, as a request gives it."""
+
+    messages: Any
+    tools: Any = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool = True
+    template_kwargs: Mapping[str, Any] | None = None
+    separate_reasoning: bool = True  # SGLang: false keeps the reasoning inside the content
+
+
+def with_reasoning_effort(
+    kwargs: Mapping[str, Any] | None, effort: str | None
+) -> Mapping[str, Any] | None:
+    """Template variables with OpenAI's `reasoning_effort` (it reaches the template as vLLM
+    passes it); "none" also turns a hybrid model's thinking off (Qwen3's enable_thinking)
+    unless the request sets that itself."""
+    if effort is None:
+        return kwargs
+    merged = {"reasoning_effort": effort, **(kwargs or {})}
+    if effort == "none":
+        merged.setdefault("enable_thinking", False)
+    return merged
+
+
 def prepare_chat(
     tokenizer: PreTrainedTokenizerBase,
     settings: ChatSettings,
-    messages: Any,
-    *,
-    tools: Any = None,
-    tool_choice: Any = None,
-    parallel_tool_calls: bool = True,
-    template_kwargs: Mapping[str, Any] | None = None,
-    separate_reasoning: bool = True,
+    prompt: ChatPrompt,
     constraint_fields: Mapping[str, Any] | None = None,
 ) -> PreparedChat:
     """Raises InvalidRequestError (a field to blame) or ValueError (about `messages`)."""
-    plan = plan_tools(tools, tool_choice, parallel_tool_calls, settings.tool_call_parser)
-    kwargs = {**settings.template_kwargs, **parse_template_kwargs(template_kwargs)}
-    text = render_chat(tokenizer, messages, plan.template_tools, settings.chat_template, kwargs)
+    p = prompt
+    plan = plan_tools(p.tools, p.tool_choice, p.parallel_tool_calls, settings.tool_call_parser)
+    kwargs = {**settings.template_kwargs, **parse_template_kwargs(p.template_kwargs)}
+    text = render_chat(tokenizer, p.messages, plan.template_tools, settings.chat_template, kwargs)
     # The model reasons whether or not this request wants the reasoning split off.
     parser = settings.reasoning_parser
     mode = initial_mode(parser, text) if parser is not None else Mode.CONTENT
-    reasoning = parser if separate_reasoning else None
+    reasoning = parser if p.separate_reasoning else None
     found = constraint_from_fields(constraint_fields or {})
     constraint, param = (found[1], found[0]) if found else (None, None)
     if plan.constraint is not None:

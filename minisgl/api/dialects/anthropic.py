@@ -33,14 +33,12 @@ from minisgl.api.errors import ERROR_SHAPES
 from minisgl.api.pipeline import Run, WireEvent, prepare, respond
 from minisgl.api.request import (
     ApiRequest,
-    ChatPrompt,
     SamplingWire,
-    bad_request,
     new_id,
     sampling_of,
 )
 from minisgl.api.sse import sse_event
-from minisgl.chat import CALL, REASONING, ReplyBlocks
+from minisgl.chat import CALL, REASONING, ChatPrompt, ReplyBlocks
 from minisgl.chat.tool_parsers import ToolCallDelta
 from minisgl.core import FinishReason, InvalidRequestError
 
@@ -249,7 +247,7 @@ class BlockEvents:
 
     def open(self, kind: str, call: ToolCallDelta | None) -> None:
         self._index += 1
-        block = copy.deepcopy(_EMPTY_BLOCKS.get(kind))
+        block: dict[str, Any] = copy.deepcopy(_EMPTY_BLOCKS.get(kind, {}))
         if call is not None:
             block = {"type": "tool_use", "id": new_id("toolu", "_"), "name": call.name or ""}
             block["input"] = {}
@@ -352,10 +350,7 @@ router = APIRouter()
 
 @router.post(PATH_PREFIX)
 async def create_message(body: MessagesRequest, request: Request) -> Response:
-    try:
-        api = body.to_api()
-    except InvalidRequestError as exc:
-        raise bad_request(exc) from None
+    api = body.to_api()
     run = await Run(request.app.state.ctx, api, new_id("msg", "_")).start(request)
     events = message_events(run, body)
     return await respond(run, events, body.stream, fold_message, _error_frames, done=False)
@@ -365,9 +360,6 @@ async def create_message(body: MessagesRequest, request: Request) -> Response:
 async def count_tokens(body: CountTokensRequest, request: Request) -> dict[str, Any]:
     ctx = request.app.state.ctx
     ctx.check_model(body.model)
-    try:
-        api = body.to_api()
-    except InvalidRequestError as exc:
-        raise bad_request(exc) from None
+    api = body.to_api()
     prepared = await prepare(ctx, api)
     return {"input_tokens": len(prepared.prompt_ids[0])}

@@ -18,18 +18,15 @@ from fastapi import APIRouter, Request
 from pydantic import Field, model_validator
 from starlette.responses import Response
 
-from minisgl.api.errors import HTTP_BAD_REQUEST, RequestError
-from minisgl.api.pipeline import Run, ServingContext, WireEvent, joined_logprobs, respond
+from minisgl.api.pipeline import Run, ServingContext, WireEvent, respond
 from minisgl.api.request import (
     ApiRequest,
-    ChatPrompt,
     SamplingWire,
     WireModel,
     new_id,
     sampling_of,
-    with_reasoning_effort,
 )
-from minisgl.chat import ChatDelta
+from minisgl.chat import ChatDelta, ChatPrompt, with_reasoning_effort
 from minisgl.core import FinishReason, InvalidRequestError, TokenLogprob
 
 # OpenAI's bound on choices per request.
@@ -47,6 +44,7 @@ CONSTRAINT_FIELDS = (
     "guided_choice",
     "structured_outputs",
 )
+COMPLETION_LOGPROB_KEYS = ("tokens", "token_logprobs", "top_logprobs", "text_offset")
 CHAT_ALIASES = {"max_completion_tokens": "max_tokens", "top_logprobs": "logprobs"}
 
 
@@ -149,7 +147,7 @@ class CompletionRequest(OpenAISampling):
     def to_api(self) -> ApiRequest:
         prompt = self.prompt
         if not prompt:
-            raise RequestError(HTTP_BAD_REQUEST, "prompt: must not be empty", param="prompt")
+            raise InvalidRequestError("prompt", "must not be empty")
         if isinstance(prompt, str) or isinstance(prompt[0], int):
             prompt = [prompt]  # type: ignore[assignment]
         sampling, wire_names = sampling_of(self, {})
@@ -281,57 +279,58 @@ async def chat_events(run: Run, body: ChatCompletionRequest) -> AsyncIterator[Wi
         yield None, {**base, "choices": [], "usage": usage}
 
 
-def fold_chat(chunks: list[dict[str, Any]], with_reasoning: bool) -> dict[str, Any]:
-    """The chunks of a chat stream as one chat.completion (OpenAI's non-streaming reply)."""
-    replies: dict[int, dict[str, Any]] = {}
+def accumulate(total: dict[str, Any], delta: dict[str, Any]) -> dict[str, Any]:
+    """OpenAI's rule for adding up a stream's deltas (its SDK's `accumulate_delta`): text is
+    appended, objects merge key by key, a list's entries with an integer "index" merge into the
+    entry of that index and other entries are appended; null adds nothing and any other value
+    replaces the last. `delta` is taken over, not copied."""
+    for key, value in delta.items():
+        old = total.get(key)
+        if value is None:
+            total.setdefault(key, None)
+        elif isinstance(old, str) and isinstance(value, str):
+            total[key] = old + value
+        elif isinstance(old, dict) and isinstance(value, dict):
+            accumulate(old, value)
+        elif isinstance(old, list) and isinstance(value, list):
+            for entry in value:
+                index = entry.get("index") if isinstance(entry, dict) else None
+                same = [e for e in old if type(index) is int and e["index"] == index]
+                if same:
+                    accumulate(same[0], entry)
+                else:
+                    old.append(entry)
+        else:
+            total[key] = value
+    return total
+
+
+def _fold(chunks: list[dict[str, Any]], kind: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """A stream's chunks added up: the reply's head and its choices, in index order."""
+    choices: dict[int, dict[str, Any]] = {}
     for chunk in chunks:
         for part in chunk["choices"]:
-            reply = replies.setdefault(
-                part["index"], {"content": "", "reasoning": "", "calls": {}, "logprobs": None}
-            )
-            delta = part["delta"]
-            reply["content"] += delta.get("content", "")
-            reply["reasoning"] += delta.get("reasoning_content", "")
-            for call in delta.get("tool_calls", ()):
-                function = call["function"]
-                if "id" in call:  # a call's first delta
-                    named = {"name": function["name"], "arguments": ""}
-                    reply["calls"][call["index"]] = {
-                        "id": call["id"],
-                        "type": "function",
-                        "function": named,
-                    }
-                reply["calls"][call["index"]]["function"]["arguments"] += function["arguments"]
-            if part["logprobs"] is not None:
-                reply["logprobs"] = joined_logprobs([reply["logprobs"], part["logprobs"]])
-            if part["finish_reason"] is not None:
-                reply["finish"] = (part["finish_reason"], part["stop_reason"])
-    choices = []
-    for index in sorted(replies):
-        reply = replies[index]
-        calls = [reply["calls"][i] for i in sorted(reply["calls"])]
-        content = reply["content"]
-        # OpenAI: content is null when the reply is only tool calls (or only reasoning).
-        message: dict[str, Any] = {
-            "role": "assistant",
-            "content": None if not content and (calls or with_reasoning) else content,
-        }
-        if with_reasoning:
-            message["reasoning_content"] = message["reasoning"] = reply["reasoning"] or None
-        if calls:
-            message["tool_calls"] = calls
-        finish, stop = reply.get("finish", (None, None))
-        choices.append(
-            {
-                "index": index,
-                "message": message,
-                "logprobs": reply["logprobs"],
-                "finish_reason": finish,
-                "stop_reason": stop,
-            }
-        )
+            accumulate(choices.setdefault(part["index"], {"stop_reason": None}), part)
     head = {key: chunks[0][key] for key in ("id", "created", "model")}
-    return {**head, "object": "chat.completion", "choices": choices, "usage": chunks[-1]["usage"]}
+    reply = {**head, "object": kind, "usage": chunks[-1]["usage"]}
+    return reply, [choices[i] for i in sorted(choices)]
+
+
+def fold_chat(chunks: list[dict[str, Any]], with_reasoning: bool) -> dict[str, Any]:
+    """The chunks of a chat stream as one chat.completion (OpenAI's non-streaming reply)."""
+    reply, choices = _fold(chunks, "chat.completion")
+    for choice in choices:
+        message = choice.pop("delta")
+        for call in message.get("tool_calls", ()):
+            del call["index"]
+        # OpenAI: content is null when the reply is only tool calls (or only reasoning).
+        if not message.get("content") and (message.get("tool_calls") or with_reasoning):
+            message["content"] = None
+        if with_reasoning:
+            reasoning = message.pop("reasoning_content", None) or None
+            message["reasoning_content"] = message["reasoning"] = reasoning
+        choice["message"] = message
+    return {**reply, "choices": choices}
 
 
 def _completion_logprobs(
@@ -379,7 +378,7 @@ def _echo_texts(ctx: ServingContext, run: Run) -> list[str]:
     assert run.prepared is not None
     texts = run.prepared.texts
     return [
-        t if t is not None else ctx.tokenizer.decode(ids)
+        t if t is not None else str(ctx.tokenizer.decode(ids))
         for t, ids in zip(texts, run.prompts, strict=True)
     ]
 
@@ -430,22 +429,11 @@ async def completion_events(run: Run, body: CompletionRequest) -> AsyncIterator[
 
 def fold_completion(chunks: list[dict[str, Any]], with_logprobs: bool) -> dict[str, Any]:
     """The chunks of a completions stream as one text_completion (the non-streaming reply)."""
-    replies: dict[int, dict[str, Any]] = {}
-    empty = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-    for chunk in chunks:
-        for part in chunk["choices"]:
-            reply = replies.setdefault(
-                part["index"],
-                {"index": part["index"], "text": "", "logprobs": empty if with_logprobs else None},
-            )
-            reply["text"] += part["text"]
-            if part["logprobs"] is not None:
-                reply["logprobs"] = joined_logprobs([reply["logprobs"], part["logprobs"]])
-            reply["finish_reason"] = part["finish_reason"]
-            reply["stop_reason"] = part.get("stop_reason")
-    head = {key: chunks[0][key] for key in ("id", "created", "model")}
-    choices = [replies[i] for i in sorted(replies)]
-    return {**head, "object": "text_completion", "choices": choices, "usage": chunks[-1]["usage"]}
+    reply, choices = _fold(chunks, "text_completion")
+    for choice in choices:
+        if with_logprobs and choice["logprobs"] is None:  # a table even when no chunk had one
+            choice["logprobs"] = {key: [] for key in COMPLETION_LOGPROB_KEYS}
+    return {**reply, "choices": choices}
 
 
 router = APIRouter()

@@ -40,15 +40,12 @@ from minisgl.api.errors import HTTP_BAD_REQUEST, HTTP_NOT_FOUND, HTTP_SERVER_ERR
 from minisgl.api.pipeline import Run, WireEvent, respond
 from minisgl.api.request import (
     ApiRequest,
-    ChatPrompt,
     SamplingWire,
-    bad_request,
     new_id,
     sampling_of,
-    with_reasoning_effort,
 )
 from minisgl.api.sse import sse_event
-from minisgl.chat import CALL, REASONING, ReplyBlocks
+from minisgl.chat import CALL, REASONING, ChatPrompt, ReplyBlocks, with_reasoning_effort
 from minisgl.chat.tool_parsers import ToolCallDelta
 from minisgl.core import FinishReason, InvalidRequestError
 
@@ -194,6 +191,7 @@ class OutputItems:
 
     def open(self, kind: str, call: ToolCallDelta | None) -> None:
         status = {"status": "in_progress"}
+        item: dict[str, Any]
         if call is not None:
             call_id = self._call_ids.get(0, call.index)
             item = {"id": new_id("fc", "_"), "type": "function_call", "call_id": call_id}
@@ -207,7 +205,7 @@ class OutputItems:
         self.items.append(item)
         self._emit("response.output_item.added", output_index=len(self.items) - 1, item=item)
         if call is None:
-            part = {"type": "reasoning_text", "text": ""}
+            part: dict[str, Any] = {"type": "reasoning_text", "text": ""}
             if kind != REASONING:
                 part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
             item["content"].append(part)
@@ -402,10 +400,7 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
         history = stored(
             _store(request), body.previous_response_id, "previous_response_id"
         ).conversation
-    try:
-        api, conversation = body.to_api(history)
-    except InvalidRequestError as exc:
-        raise bad_request(exc) from None
+    api, conversation = body.to_api(history)
     run = await Run(request.app.state.ctx, api, new_id("resp", "_")).start(request)
     turn = Turn(body, run, conversation)
     events = turn.events(_store(request))

@@ -34,8 +34,7 @@ import contextlib
 import importlib.metadata
 import json
 import time
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 from typing import Any, cast
 
@@ -51,7 +50,6 @@ from minisgl.api.request import (
     SAMPLING_NAMES,
     ApiRequest,
     WireModel,
-    bad_request,
     new_id,
     sampling_of,
 )
@@ -165,7 +163,7 @@ class GenerateRequest(WireModel):
             raise InvalidRequestError("sampling_params", "every prompt needs the same constraint")
         logprobs = self.top_logprobs_num if self.return_logprob else None
         scored = self.return_logprob and self.logprob_start_len >= 0
-        sampling = []
+        sampling: list[Mapping[str, Any]] = []
         for row in rows:
             fields, _ = sampling_of(row, ALIASES)
             fields["max_tokens"] = row.max_new_tokens  # SGLang's name decides
@@ -252,10 +250,7 @@ router = APIRouter()
 
 @router.api_route("/generate", methods=["POST", "PUT"])
 async def generate(body: GenerateRequest, request: Request) -> Response:
-    try:
-        api = body.to_api()
-    except InvalidRequestError as exc:
-        raise bad_request(exc) from None
+    api = body.to_api()
     run = Run(request.app.state.ctx, api, new_id("generate"))
     await run.prepare()
     shortest = min(len(ids) for ids in run.prompts)
@@ -268,16 +263,6 @@ async def generate(body: GenerateRequest, request: Request) -> Response:
     return await respond(run, generate_events(run, body), body.stream, fold)
 
 
-@dataclass(frozen=True)
-class ModelCard:
-    """What the worker endpoints say about the checkpoint: fixed for the server's life."""
-
-    model_path: str
-    tokenizer_path: str
-    model_type: str | None
-    architectures: tuple[str, ...]
-
-
 def _reported_path(given: str | None, resolved: str) -> str:
     """As SGLang reports it: a hub id as typed (another machine's gateway can fetch it), a local
     folder as an absolute path (a relative one means nothing to another process's cwd)."""
@@ -288,20 +273,22 @@ def _reported_path(given: str | None, resolved: str) -> str:
     return given
 
 
-def build_model_card(args: ServerArgs, model_path: str, tokenizer_path: str) -> ModelCard:
-    """`model_path` / `tokenizer_path`: the resolved local folders the server loads from."""
+def model_info(args: ServerArgs, model_path: str, tokenizer_path: str) -> dict[str, Any]:
+    """GET /model_info: the checkpoint, fixed for the server's life. `model_path` and
+    `tokenizer_path` are the resolved local folders the server loads from."""
     config: dict[str, Any] = {}
     with contextlib.suppress(OSError, ValueError):  # the scheduler reports a broken config
         config = json.loads((Path(model_path) / CONFIG_FILE).read_text())
-    reported_model = _reported_path(args.model, model_path)
-    return ModelCard(
-        model_path=reported_model,
-        tokenizer_path=_reported_path(args.tokenizer, tokenizer_path)
+    model = _reported_path(args.model, model_path)
+    return {
+        "model_path": model,
+        "tokenizer_path": _reported_path(args.tokenizer, tokenizer_path)
         if args.tokenizer
-        else reported_model,
-        model_type=config.get("model_type"),
-        architectures=tuple(config.get("architectures") or ()),
-    )
+        else model,
+        "is_generation": True,
+        "model_type": config.get("model_type"),
+        "architectures": config.get("architectures") or [],
+    }
 
 
 def _version() -> str:
@@ -342,10 +329,10 @@ async def _engine_answers(ctx: ServingContext, timeout_s: float) -> bool:
 
 
 def _server_info(request: Request) -> dict[str, Any]:
-    ctx, args, card = request.app.state.ctx, request.app.state.args, request.app.state.card
+    ctx, args, info = request.app.state.ctx, request.app.state.args, request.app.state.model_info
     return {
-        "model_path": card.model_path,
-        "tokenizer_path": card.tokenizer_path,
+        "model_path": info["model_path"],
+        "tokenizer_path": info["tokenizer_path"],
         "served_model_name": ctx.served_model_name,
         "is_generation": True,
         "context_length": ctx.limits.max_model_len,
@@ -364,14 +351,7 @@ def _server_info(request: Request) -> dict[str, Any]:
 
 
 def _model_info(request: Request) -> dict[str, Any]:
-    card = request.app.state.card
-    return {
-        "model_path": card.model_path,
-        "tokenizer_path": card.tokenizer_path,
-        "is_generation": True,
-        "model_type": card.model_type,
-        "architectures": list(card.architectures),
-    }
+    return request.app.state.model_info
 
 
 for path, handler in (("server_info", _server_info), ("model_info", _model_info)):

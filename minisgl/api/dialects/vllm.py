@@ -15,7 +15,8 @@ from pydantic import Field, model_validator
 
 from minisgl.api.errors import HTTP_BAD_REQUEST, RequestError
 from minisgl.api.pipeline import ServingContext, prepare
-from minisgl.api.request import ApiRequest, ChatPrompt, WireModel
+from minisgl.api.request import ApiRequest, WireModel
+from minisgl.chat import ChatPrompt
 from minisgl.core import InvalidRequestError
 
 # The most ids one /detokenize takes (a whole context of the largest models, with room).
