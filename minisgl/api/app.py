@@ -172,8 +172,10 @@ def create_app(
 
     # Any other exception: RequestGuard (minisgl.api.middleware) logs it once and answers 500.
 
+    # The dialects' routes join the app's own (include_router would nest them behind one
+    # route, which the middleware's per-route counter could not see through).
     for dialect in (openai, responses, anthropic, vllm, sglang):
-        app.include_router(dialect.router)
+        app.router.routes.extend(dialect.router.routes)
 
     @app.get("/health")
     async def health(request: Request) -> Response:
