@@ -16,8 +16,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from minisgl.config import ServerArgs, parse_server_args
-from minisgl.server.launch import ServerStack, StackError
-from minisgl.server.model_names import served_model_name
+from minisgl.models.names import served_model_name
+from minisgl.runtime.launch import ServerStack, StackError
 
 PROMPT = ">>> "
 RESET_COMMAND = "/reset"

@@ -10,7 +10,7 @@ import threading
 import pytest
 
 from minisgl.core import FinishReason, ReqOutput, SamplingParams, TokenLogprob
-from minisgl.message import (
+from minisgl.runtime.messages import (
     AbortRequest,
     BatchDetokenizedOutput,
     BatchTokenOutput,

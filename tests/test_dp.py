@@ -19,13 +19,13 @@ import httpx
 import pytest
 
 from minisgl.config import DataParallelArgs, ServerArgs, data_parallel_args, parse_server_args
-from minisgl.server import dp as dp_module
-from minisgl.server import placement as placement_module
-from minisgl.server.dp import DataParallelStack
-from minisgl.server.gateway import gateway_command, gateway_installed, http_url
-from minisgl.server.launch import CHILD_FAILED_EXIT_CODE, StackError
+from minisgl.runtime import dp as dp_module
+from minisgl.runtime import placement as placement_module
+from minisgl.runtime.dp import DataParallelStack
+from minisgl.runtime.gateway import gateway_command, gateway_installed, http_url
+from minisgl.runtime.launch import CHILD_FAILED_EXIT_CODE, StackError
+from minisgl.runtime.placement import Placement, plan_placements
 from minisgl.server.native_api import build_model_card
-from minisgl.server.placement import Placement, plan_placements
 from tests.dp_utils import (
     FAST_HEALTH_CHECKS,
     DataParallelProcess,

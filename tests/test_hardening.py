@@ -24,13 +24,13 @@ from starlette.routing import Route
 from minisgl.config import ServerArgs
 from minisgl.core import MAX_STOP_STRINGS, FinishReason, ReqOutput, SamplingParams
 from minisgl.limits import ModelLimits, check_request, resolve_max_tokens
-from minisgl.message import BatchTokenOutput, Endpoints, MessageQueue, TokenizedRequest
+from minisgl.runtime.engine_client import EngineClient
+from minisgl.runtime.messages import BatchTokenOutput, Endpoints, MessageQueue, TokenizedRequest
+from minisgl.runtime.scheduler_proc import MAX_FAILED_STEPS_IN_A_ROW, SchedulerLoop
 from minisgl.scheduler.scheduler import Scheduler
-from minisgl.server.engine_client import EngineClient
 from minisgl.server.errors import RequestError
 from minisgl.server.generation import ChoiceFailed, stream_response
 from minisgl.server.middleware import Lifecycle, install_middleware
-from minisgl.server.scheduler_proc import MAX_FAILED_STEPS_IN_A_ROW, SchedulerLoop
 from minisgl.tokenizer import apply_chat_template, load_tokenizer
 from tests.conftest import QWEN3_VOCAB
 from tests.server_utils import ServerProcess, running_server, wait_idle

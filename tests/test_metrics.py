@@ -11,16 +11,16 @@ import torch
 
 from minisgl import LLM, SamplingParams
 from minisgl.core import FinishReason
-from minisgl.message import StatsReply, decode, encode
+from minisgl.engine.gpu_probe import GPU_SAMPLE_INTERVAL_S, GpuProbe, make_gpu_probe
+from minisgl.runtime.messages import StatsReply, decode, encode
+from minisgl.runtime.scheduler_proc import build_stats_reply
 from minisgl.scheduler.stats import (
     BATCH_SIZE_BUCKETS,
     QUEUE_TIME_BUCKETS_S,
     HistogramCounts,
     ThroughputWindow,
 )
-from minisgl.server.gpu_stats import GPU_SAMPLE_INTERVAL_S, GpuProbe, make_gpu_probe
 from minisgl.server.metrics import GPU_METRIC_NAMES, ServerMetrics
-from minisgl.server.scheduler_proc import build_stats_reply
 from tests.server_utils import parse_metrics
 from tests.test_scheduler import GREEDY, NEW_TOKENS, workload
 

@@ -105,7 +105,7 @@ def cpu_threads_per_rank(args: ServerArgs) -> int | None:
     """On CPU the ranks of a node share its cores: oversubscribing them slows every rank."""
     if resolve_device(args.device).type != "cpu":
         return None
-    # The cores this process may use: --dp pins each replica to its own (minisgl.server.dp).
+    # The cores this process may use: --dp pins each replica to its own (minisgl.runtime.dp).
     if hasattr(os, "sched_getaffinity"):
         num_cpus = len(os.sched_getaffinity(0))
     else:

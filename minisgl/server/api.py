@@ -22,18 +22,18 @@ from minisgl.chat import ChatSettings
 from minisgl.config import ServerArgs
 from minisgl.core import InvalidRequestError
 from minisgl.limits import ModelLimits
-from minisgl.message import Endpoints, StatsReply
 from minisgl.models.config import load_sampling_defaults
-from minisgl.server.engine_client import EngineClient
+from minisgl.models.names import accepted_model_names, served_model_name
+from minisgl.runtime.engine_client import EngineClient
+from minisgl.runtime.messages import Endpoints, StatsReply
+from minisgl.runtime.supervisor import BACKEND_FAILED_SIGNAL, ChildStartupError
 from minisgl.server.errors import RequestError, backend_stopped_error, shape_error
 from minisgl.server.generation import ServingContext
 from minisgl.server.messages_protocol import CountTokensRequest, MessagesRequest
 from minisgl.server.metrics import ServerMetrics
 from minisgl.server.middleware import Lifecycle, install_middleware
-from minisgl.server.model_names import accepted_model_names, served_model_name
 from minisgl.server.native_api import build_model_card, install_native_routes
 from minisgl.server.native_generate import install_generate_route
-from minisgl.server.process import BACKEND_FAILED_SIGNAL, ChildStartupError
 from minisgl.server.protocol import ChatCompletionRequest, CompletionRequest, error_dict, now_s
 from minisgl.server.responses_protocol import ResponsesRequest
 from minisgl.server.serving_chat import create_chat_completion

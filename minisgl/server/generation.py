@@ -33,8 +33,8 @@ from minisgl.core import (
 )
 from minisgl.grammar import GrammarCompiler
 from minisgl.limits import ModelLimits, check_request, resolve_max_tokens
-from minisgl.message import DetokenizedOutput
-from minisgl.server.engine_client import DISCONNECTED, EngineClient, RoutedOutput
+from minisgl.runtime.engine_client import DISCONNECTED, EngineClient, RoutedOutput
+from minisgl.runtime.messages import DetokenizedOutput
 from minisgl.server.errors import (
     HTTP_BAD_REQUEST,
     HTTP_GATEWAY_TIMEOUT,

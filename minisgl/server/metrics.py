@@ -23,7 +23,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from minisgl.core import FinishReason
-from minisgl.message import StatsReply
+from minisgl.runtime.messages import StatsReply
 from minisgl.scheduler.stats import (
     BATCH_SIZE_BUCKETS,
     BATCH_TOKENS_BUCKETS,

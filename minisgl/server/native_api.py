@@ -34,10 +34,10 @@ from starlette.responses import JSONResponse, Response
 
 from minisgl.config import ServerArgs
 from minisgl.core import FinishReason, SamplingParams
-from minisgl.server.engine_client import RoutedOutput
+from minisgl.models.names import served_model_name
+from minisgl.runtime.engine_client import RoutedOutput
 from minisgl.server.errors import HTTP_BAD_REQUEST, HTTP_SERVICE_UNAVAILABLE, RequestError
 from minisgl.server.generation import ServingContext
-from minisgl.server.model_names import served_model_name
 from minisgl.server.protocol import error_dict, new_id
 
 # /get_load: how long to wait for fresh scheduler stats.

@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING, Any
 
 from minisgl.config import ServerArgs
 from minisgl.core import FinishReason, Req, ReqOutput
-from minisgl.message import (
+from minisgl.engine.gpu_probe import GpuProbe, make_gpu_probe
+from minisgl.runtime.messages import (
     AbortRequest,
     BatchTokenOutput,
     DetokenizeInit,
@@ -32,7 +33,6 @@ from minisgl.message import (
     TokenizedRequest,
 )
 from minisgl.scheduler.stats import ThroughputWindow
-from minisgl.server.gpu_stats import GpuProbe, make_gpu_probe
 from minisgl.tokenizer.detokenizer import PROMPT_CONTEXT_TOKENS
 
 if TYPE_CHECKING:

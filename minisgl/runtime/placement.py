@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from minisgl.config import ServerArgs
-from minisgl.server.launch import StackError
+from minisgl.runtime.launch import StackError
 
 CUDA_VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
 

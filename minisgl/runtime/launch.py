@@ -1,8 +1,8 @@
 """Process orchestration: scheduler, detokenizer and API server, each in its own process.
 
     launcher (this process: starts, watches, stops)
-      |- scheduler     model + KV pool; steps batches              minisgl.server.scheduler_proc
-      |- detokenizer   token ids -> text, stop strings             minisgl.server.detokenizer_proc
+      |- scheduler     model + KV pool; steps batches              minisgl.runtime.scheduler_proc
+      |- detokenizer   token ids -> text, stop strings             minisgl.runtime.detokenizer_proc
       |- api server    FastAPI + uvicorn, tokenizes prompts        minisgl.server.api
 
 All three start at once (the API server pings the scheduler until the model is loaded). The
@@ -24,10 +24,10 @@ from multiprocessing.process import BaseProcess
 from typing import Any, Protocol
 
 from minisgl.config import ServerArgs
-from minisgl.message import Endpoints
+from minisgl.models.names import served_model_name
 from minisgl.models.resolve import resolve_model_path_for
-from minisgl.server.model_names import served_model_name
-from minisgl.server.process import BACKEND_FAILED_SIGNAL, child_main, setup_logging
+from minisgl.runtime.messages import Endpoints
+from minisgl.runtime.supervisor import BACKEND_FAILED_SIGNAL, child_main, setup_logging
 
 logger = logging.getLogger("minisgl")
 
@@ -77,7 +77,7 @@ class ServerStack:
 
     def __init__(self, args: ServerArgs, replica: int | None = None) -> None:
         self.args = args
-        # With --dp (minisgl.server.dp), children are named per replica: sched0, api1, ...
+        # With --dp (minisgl.runtime.dp), children are named per replica: sched0, api1, ...
         self._name_suffix = "" if replica is None else str(replica)
         self.endpoints: Endpoints | None = None
         self._children: list[_Child] = []
@@ -108,12 +108,12 @@ class ServerStack:
         targets: list[tuple[str, str, tuple[Any, ...]]] = [
             (
                 "sched",
-                "minisgl.server.scheduler_proc:run_scheduler_process",
+                "minisgl.runtime.scheduler_proc:run_scheduler_process",
                 (self.args, endpoints),
             ),
             (
                 "detok",
-                "minisgl.server.detokenizer_proc:run_detokenizer_process",
+                "minisgl.runtime.detokenizer_proc:run_detokenizer_process",
                 (tokenizer_path, endpoints),
             ),
             (
@@ -228,7 +228,7 @@ class ServerStack:
 
 class Stack(Protocol):
     """What `run_until_stopped` drives: a ServerStack, or the replicas of --dp (DataParallelStack
-    in minisgl.server.dp)."""
+    in minisgl.runtime.dp)."""
 
     @property
     def stop_requested(self) -> bool: ...

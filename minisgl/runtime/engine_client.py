@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from minisgl.core import FinishReason, SamplingParams
-from minisgl.message import (
+from minisgl.runtime.messages import (
     AbortRequest,
     BatchDetokenizedOutput,
     DetokenizedOutput,

@@ -2,10 +2,10 @@
 
     launcher (this process: starts, watches, stops)
       |- replica 0     a whole server (a ServerStack: scheduler [+ tp ranks], detokenizer, API)
-      |                on --port + 1, on its own GPUs or cores (minisgl.server.placement)
+      |                on --port + 1, on its own GPUs or cores (minisgl.runtime.placement)
       |- ...
       |- replica N-1   on --port + N
-      |- gateway       sglang-router on --port (minisgl.server.gateway)
+      |- gateway       sglang-router on --port (minisgl.runtime.gateway)
 
 The gateway starts once every replica serves, and learns the model from their /server_info and
 /model_info (minisgl.server.native_api). A replica that dies is reported, its other processes
@@ -22,17 +22,17 @@ from dataclasses import dataclass
 from multiprocessing.connection import wait
 
 from minisgl.config import DataParallelArgs, ServerArgs
-from minisgl.server.gateway import INSTALL_HINT, Gateway, gateway_installed, http_url
-from minisgl.server.launch import (
+from minisgl.models.names import served_model_name
+from minisgl.runtime.gateway import INSTALL_HINT, Gateway, gateway_installed, http_url
+from minisgl.runtime.launch import (
     CHILD_FAILED_EXIT_CODE,
     WATCH_INTERVAL_S,
     ServerStack,
     StackError,
     run_until_stopped,
 )
-from minisgl.server.model_names import served_model_name
-from minisgl.server.placement import placed, plan_placements
-from minisgl.server.process import setup_logging
+from minisgl.runtime.placement import placed, plan_placements
+from minisgl.runtime.supervisor import setup_logging
 
 logger = logging.getLogger("minisgl")
 

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from typing import Any
 
 from minisgl.config import DataParallelArgs, ServerArgs
-from minisgl.server.launch import STOP_GRACE_S, WATCH_INTERVAL_S, StackError
+from minisgl.runtime.launch import STOP_GRACE_S, WATCH_INTERVAL_S, StackError
 
 logger = logging.getLogger("minisgl")
 
@@ -81,7 +81,7 @@ def _prepare_process() -> None:
     """Runs in the gateway's process before it execs. SIGINT ignored: Python then installs no
     KeyboardInterrupt handler (which would print a traceback after the gateway's own graceful
     Ctrl-C handling, installed later, has run). SIGTERM when the launcher dies (Linux), as the
-    replicas' own watchdogs do (minisgl.server.process)."""
+    replicas' own watchdogs do (minisgl.runtime.supervisor)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)

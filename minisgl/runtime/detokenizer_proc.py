@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from transformers import PreTrainedTokenizerBase
 
 from minisgl.core import FinishReason, ReqOutput
-from minisgl.message import (
+from minisgl.runtime.messages import (
     AbortRequest,
     BatchDetokenizedOutput,
     BatchTokenOutput,
