@@ -24,15 +24,9 @@ from multiprocessing.connection import wait
 from minisgl.config import DataParallelArgs, ServerArgs
 from minisgl.models.names import served_model_name
 from minisgl.runtime.gateway import INSTALL_HINT, Gateway, gateway_installed, http_url
-from minisgl.runtime.launch import (
-    CHILD_FAILED_EXIT_CODE,
-    WATCH_INTERVAL_S,
-    ServerStack,
-    StackError,
-    run_until_stopped,
-)
-from minisgl.runtime.placement import placed, plan_placements
-from minisgl.runtime.supervisor import setup_logging
+from minisgl.runtime.launch import CHILD_FAILED_EXIT_CODE, ServerStack, run_until_stopped
+from minisgl.runtime.placement import plan_placements
+from minisgl.runtime.supervisor import WATCH_INTERVAL_S, StartupError, setup_logging
 
 logger = logging.getLogger("minisgl")
 
@@ -71,16 +65,18 @@ class DataParallelStack:
 
     def _check(self) -> None:
         if self.args.nnodes > 1:
-            raise StackError(
+            raise StartupError(
                 "--dp runs every replica on this machine; with --nnodes, start each replica's "
                 "nodes by hand and put the gateway in front (docs/scaling.md)"
             )
         if self.args.dist_init_addr is not None:
-            raise StackError("--dist-init-addr: with --dp each replica's tp group picks its own")
+            raise StartupError("--dist-init-addr: with --dp each replica's tp group picks its own")
         if self.args.device.startswith("cuda:"):
-            raise StackError("--dp gives each replica its GPUs: pick them by CUDA_VISIBLE_DEVICES")
+            raise StartupError(
+                "--dp gives each replica its GPUs: pick them by CUDA_VISIBLE_DEVICES"
+            )
         if self.dp.use_router and not gateway_installed():
-            raise StackError(
+            raise StartupError(
                 f"--dp {self.dp.dp_size} puts the SGLang Model Gateway in front of the replicas, "
                 f"but sglang-router is not installed: {INSTALL_HINT}; or pass --no-router to "
                 "start the replicas alone"
@@ -93,7 +89,7 @@ class DataParallelStack:
             url = http_url(args.host, args.port)
             replica = _Replica(index, ServerStack(args, replica=index), url)
             self._replicas.append(replica)
-            with placed(placement):
+            with placement.for_new_processes():
                 replica.stack.start()
             logger.info("replica %d: %s on %s", index, url, placement.describe())
 
@@ -101,8 +97,8 @@ class DataParallelStack:
         for replica in self._replicas:  # they load in parallel; this only waits for each
             try:
                 replica.stack.wait_ready()
-            except StackError as exc:
-                raise StackError(f"replica {replica.index}: {exc}") from None
+            except StartupError as exc:
+                raise StartupError(f"replica {replica.index}: {exc}") from None
         if self.dp.use_router:
             self._gateway = Gateway(self.args, self.dp, [r.url for r in self._replicas])
             self._gateway.start(lambda: self.stop_requested)
@@ -124,7 +120,7 @@ class DataParallelStack:
             live = [r for r in self._replicas if r.alive]
             wait([s for r in live for s in r.stack.sentinels], timeout=WATCH_INTERVAL_S)
             for replica in live:
-                failure = replica.stack.exited_child()
+                failure = replica.stack.failure()
                 if failure is not None:
                     self._lose(replica, failure)
             if not any(r.alive for r in self._replicas):

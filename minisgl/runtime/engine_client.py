@@ -1,7 +1,9 @@
 """The API server's side of the IPC: send requests, route results to per-request queues.
 
 One asyncio task reads the detokenizer's socket and dispatches each output to the queue of the
-request group it belongs to; handlers only ever await their own queue.
+request group it belongs to; handlers only ever await their own queue. When the backend goes
+away (a drain that ran out of time, or a process that died), every open request still ends:
+as aborted, or with a BackendUnavailable on its queue.
 """
 
 from __future__ import annotations
@@ -26,12 +28,19 @@ from minisgl.runtime.messages import (
     StatsRequest,
     TokenizedRequest,
 )
-from minisgl.server.errors import RequestError, shutting_down_error
 
 logger = logging.getLogger(__name__)
 
 # Put on a group's queue when its client disconnects, so the handler wakes up and aborts.
 DISCONNECTED = object()
+SHUTTING_DOWN = "The server is shutting down."
+BACKEND_STOPPED = "The inference backend stopped unexpectedly; the request was not completed."
+
+
+class BackendUnavailable(Exception):
+    """The backend takes no more requests (shutting down, or stopped): `submit` raises it, and
+    `abort_all(message)` puts it on each open request's queue. The API answers it with a 503;
+    its one argument is the message."""
 
 
 @dataclass
@@ -55,8 +64,8 @@ class EngineClient:
         # Event-loop time of the latest output from the backend: proof that it generates
         # (/health_generate).
         self.last_output_s = float("-inf")
-        # Set when the scheduler is going away (shutdown, or it died): new submits raise it.
-        self._closed_error: RequestError | None = None
+        # Set when the scheduler is going away (shutdown, or it died): why new submits fail.
+        self._closed_message: str | None = None
 
     def start(self) -> None:
         self._reader = asyncio.create_task(self._read_loop(), name="minisgl-engine-reader")
@@ -108,20 +117,21 @@ class EngineClient:
     ) -> None:
         """Start one sequence; its outputs arrive on `queue` tagged with `index`.
         The route exists only once the send succeeded, so a failed send leaves nothing behind."""
-        if self._closed_error is not None:
-            raise self._closed_error
+        if self._closed_message is not None:
+            raise BackendUnavailable(self._closed_message)
         self._to_scheduler.put(TokenizedRequest(rid, tuple(input_ids), params, grammar_blob))
         self._routes[rid] = (queue, index)
 
-    def abort_all(self, error: RequestError | None = None) -> None:
+    def abort_all(self, error: str | None = None) -> None:
         """Shutdown: end every open request now so no handler waits on a scheduler that is about
         to stop, and refuse new ones. Without `error` they end as aborted (a drain that ran out
-        of time); with it, `error` is raised to each handler (the backend died)."""
-        self._closed_error = error or shutting_down_error()
+        of time); with it, BackendUnavailable(error) goes on each one's queue (the backend
+        died, BACKEND_STOPPED)."""
+        self._closed_message = error or SHUTTING_DOWN
         for rid, (queue, index) in list(self._routes.items()):
             self.abort(rid)
             if error is not None:
-                queue.put_nowait(error)
+                queue.put_nowait(BackendUnavailable(error))
             else:
                 ended = DetokenizedOutput(rid, "", (), 0, finish_reason=FinishReason.ABORT)
                 queue.put_nowait(RoutedOutput(index, ended))

@@ -1,25 +1,24 @@
-"""Process orchestration: scheduler, detokenizer and API server, each in its own process.
+"""Launching a server: scheduler, detokenizer and API server, each in its own process.
 
     launcher (this process: starts, watches, stops)
       |- scheduler     model + KV pool; steps batches              minisgl.runtime.scheduler_proc
       |- detokenizer   token ids -> text, stop strings             minisgl.runtime.detokenizer_proc
       |- api server    FastAPI + uvicorn, tokenizes prompts        minisgl.server.api
 
-All three start at once (the API server pings the scheduler until the model is loaded). The
-launcher logs one line once every child reports ready; if any child dies it stops the others and
-exits non-zero; SIGTERM / Ctrl-C stop everything and remove the private socket folder.
+All three start at once (the API server pings the scheduler until the model is loaded), as
+children of minisgl.runtime.supervisor. The launcher logs one line once every child reports
+ready; if any child dies it stops the others and exits non-zero; SIGTERM / Ctrl-C stop
+everything and remove the private socket folder.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import multiprocessing as mp
 import os
 import signal
 import time
-from dataclasses import dataclass
-from multiprocessing.connection import Connection, wait
+from multiprocessing.connection import wait
 from multiprocessing.process import BaseProcess
 from typing import Any, Protocol
 
@@ -27,49 +26,32 @@ from minisgl.config import ServerArgs
 from minisgl.models.names import served_model_name
 from minisgl.models.resolve import resolve_model_path_for
 from minisgl.runtime.messages import Endpoints
-from minisgl.runtime.supervisor import BACKEND_FAILED_SIGNAL, child_main, setup_logging
+from minisgl.runtime.supervisor import (
+    BACKEND_FAILED_SIGNAL,
+    WATCH_INTERVAL_S,
+    Children,
+    StartupError,
+    setup_logging,
+)
 
 logger = logging.getLogger("minisgl")
 
 # Loading a large checkpoint can take minutes; this only bounds a start that never finishes.
 STARTUP_TIMEOUT_S = 3600.0
-WATCH_INTERVAL_S = 0.2
 # SIGTERM'd children get this long to exit before they are killed (the API server gets it on top
 # of its drain, --shutdown-timeout).
 STOP_GRACE_S = 10.0
 CHILD_FAILED_EXIT_CODE = 1
-EXIT_CODE_WAIT_S = 1.0
 API_CHILD = "api"
-
-
-def describe_exit(exitcode: int | None) -> str:
-    """multiprocessing's exit code in words: negative means killed by that signal."""
-    if exitcode is None:
-        return "exit code unknown"
-    if exitcode < 0:
-        try:
-            return f"killed by {signal.Signals(-exitcode).name}"
-        except ValueError:
-            return f"killed by signal {-exitcode}"
-    return f"exit code {exitcode}"
+SCHEDULER_TARGET = "minisgl.runtime.scheduler_proc:run_scheduler_process"
+DETOKENIZER_TARGET = "minisgl.runtime.detokenizer_proc:run_detokenizer_process"
+API_TARGET = "minisgl.server.api:run_api_server"
 
 
 def _send_signal(process: BaseProcess, sig: int) -> None:
     if process.pid is not None:
         with contextlib.suppress(ProcessLookupError):  # it exited meanwhile
             os.kill(process.pid, sig)
-
-
-class StackError(RuntimeError):
-    pass
-
-
-@dataclass
-class _Child:
-    name: str
-    process: BaseProcess
-    conn: Connection  # the launcher's end: ("ready", info) or ("error", message)
-    ready: bool = False
 
 
 class ServerStack:
@@ -80,7 +62,7 @@ class ServerStack:
         # With --dp (minisgl.runtime.dp), children are named per replica: sched0, api1, ...
         self._name_suffix = "" if replica is None else str(replica)
         self.endpoints: Endpoints | None = None
-        self._children: list[_Child] = []
+        self._children = Children()
         self._num_stop_requests = 0
 
     @property
@@ -100,61 +82,21 @@ class ServerStack:
         try:
             model_path = str(resolve_model_path_for(self.args))  # converts the default once
         except (FileNotFoundError, OSError, ValueError) as exc:
-            raise StackError(str(exc)) from None
+            raise StartupError(str(exc)) from None
         tokenizer_path = self.args.tokenizer or model_path
         self.endpoints = endpoints = Endpoints.create()
-        ctx = mp.get_context("spawn")  # torch state does not survive fork safely
+        self._children = Children(log_level=self.args.log_level, cleanup_dir=endpoints.root)
         # Targets by name: the launcher itself never imports torch, transformers or FastAPI.
-        targets: list[tuple[str, str, tuple[Any, ...]]] = [
-            (
-                "sched",
-                "minisgl.runtime.scheduler_proc:run_scheduler_process",
-                (self.args, endpoints),
-            ),
-            (
-                "detok",
-                "minisgl.runtime.detokenizer_proc:run_detokenizer_process",
-                (tokenizer_path, endpoints),
-            ),
-            (
-                "api",
-                "minisgl.server.api:run_api_server",
-                (self.args, endpoints, tokenizer_path, model_path),
-            ),
-        ]
-        for base_name, target, args in targets:
-            name = base_name + self._name_suffix
-            parent_conn, child_conn = ctx.Pipe(duplex=False)
-            process = ctx.Process(
-                target=child_main,
-                args=(name, target, child_conn, self.args.log_level, endpoints.root, *args),
-                name=f"minisgl-{name}",
-            )
-            process.start()
-            child_conn.close()  # the child holds its own copy; EOF here means the child is gone
-            self._children.append(_Child(name, process, parent_conn))
+        targets: dict[str, tuple[str, tuple[Any, ...]]] = {
+            "sched": (SCHEDULER_TARGET, (self.args, endpoints)),
+            "detok": (DETOKENIZER_TARGET, (tokenizer_path, endpoints)),
+            API_CHILD: (API_TARGET, (self.args, endpoints, tokenizer_path, model_path)),
+        }
+        for name, (target, args) in targets.items():
+            self._children.spawn(name + self._name_suffix, target, *args)
 
     def wait_ready(self, timeout_s: float = STARTUP_TIMEOUT_S) -> None:
-        deadline_s = time.monotonic() + timeout_s
-        while not all(child.ready for child in self._children):
-            if self.stop_requested:
-                raise StackError("stopped during startup")
-            if time.monotonic() > deadline_s:
-                raise StackError(f"server did not start within {timeout_s:.0f} s")
-            pending = {child.conn: child for child in self._children if not child.ready}
-            for conn in wait(list(pending), timeout=WATCH_INTERVAL_S):
-                child = pending[conn]  # type: ignore[index]
-                try:
-                    kind, payload = child.conn.recv()
-                except (EOFError, OSError):
-                    child.process.join(timeout=EXIT_CODE_WAIT_S)  # for the exit code
-                    raise StackError(
-                        f"{child.name} exited during startup "
-                        f"({describe_exit(child.process.exitcode)})"
-                    ) from None
-                if kind == "error":
-                    raise StackError(str(payload))
-                child.ready = True
+        self._children.wait(lambda child: child.ready, timeout_s, lambda: self.stop_requested)
 
     def ready_message(self) -> str:
         return f"minisgl serving {served_model_name(self.args)} at {self.url}"
@@ -162,22 +104,17 @@ class ServerStack:
     @property
     def sentinels(self) -> list[int]:
         """Become ready (multiprocessing.connection.wait) when a child exits."""
-        return [child.process.sentinel for child in self._children]
+        return self._children.sentinels
 
-    def exited_child(self) -> str | None:
-        """The first child that has exited, in words, or None while all run."""
-        for child in self._children:
-            if not child.process.is_alive():
-                # The sentinel fires as the child exits, a moment before its code can be read.
-                child.process.join(timeout=EXIT_CODE_WAIT_S)
-                return f"{child.name} exited unexpectedly ({describe_exit(child.process.exitcode)})"
-        return None
+    def failure(self) -> str | None:
+        """The first child that failed, in words, or None while all run."""
+        return self._children.failure()
 
     def watch(self) -> int:
         """Block until a stop is requested (0) or any child exits (non-zero)."""
         while not self.stop_requested:
             wait(self.sentinels, timeout=WATCH_INTERVAL_S)
-            failure = self.exited_child()
+            failure = self.failure()
             if failure is not None:
                 logger.error("%s; shutting down", failure)
                 return CHILD_FAILED_EXIT_CODE
@@ -187,41 +124,27 @@ class ServerStack:
         """SIGTERM (drain) or BACKEND_FAILED_SIGNAL to the API server; wait for it to exit.
         While it drains, a worker dying or another stop request cuts the drain short."""
         api_name = API_CHILD + self._name_suffix
-        api = next((c for c in self._children if c.name == api_name), None)
-        if api is None or not api.process.is_alive():
+        api = next((c.process for c in self._children.members if c.name == api_name), None)
+        if api is None or not api.is_alive():
             return
         drain_s = 0.0 if backend_failed else self.args.shutdown_timeout_s
         deadline_s = time.monotonic() + drain_s + STOP_GRACE_S
-        if backend_failed:
-            _send_signal(api.process, BACKEND_FAILED_SIGNAL)
-        else:
-            api.process.terminate()
-        workers = {c.process.sentinel: c for c in self._children if c is not api}
+        _send_signal(api, BACKEND_FAILED_SIGNAL if backend_failed else signal.SIGTERM)
+        workers = [c.process for c in self._children.members if c.process is not api]
         num_stops_seen = self._num_stop_requests
-        while api.process.is_alive() and time.monotonic() < deadline_s:
-            wait([api.process.sentinel, *workers], timeout=WATCH_INTERVAL_S)
-            if not backend_failed and any(not c.process.is_alive() for c in workers.values()):
+        while api.is_alive() and time.monotonic() < deadline_s:
+            wait([api.sentinel, *(w.sentinel for w in workers)], timeout=WATCH_INTERVAL_S)
+            if not backend_failed and any(not w.is_alive() for w in workers):
                 backend_failed = True
-                _send_signal(api.process, BACKEND_FAILED_SIGNAL)
+                _send_signal(api, BACKEND_FAILED_SIGNAL)
             if self._num_stop_requests > num_stops_seen:  # asked again: stop waiting
                 num_stops_seen = self._num_stop_requests
-                api.process.terminate()
+                api.terminate()
 
     def shutdown(self, backend_failed: bool = False) -> None:
         """Stop every child, front to back (see the module docstring); idempotent."""
         self._stop_api_server(backend_failed)
-        for child in self._children:
-            if child.process.is_alive():
-                child.process.terminate()
-        deadline_s = time.monotonic() + STOP_GRACE_S
-        for child in self._children:
-            child.process.join(timeout=max(0.0, deadline_s - time.monotonic()))
-            if child.process.is_alive():
-                logger.warning("%s did not stop in time; killing it", child.name)
-                child.process.kill()
-                child.process.join()
-            child.conn.close()
-        self._children.clear()
+        self._children.stop(STOP_GRACE_S)
         if self.endpoints is not None:
             self.endpoints.remove()
 
@@ -265,7 +188,7 @@ def run_until_stopped(stack: Stack) -> int:
         stack.wait_ready()
         logger.info("%s", stack.ready_message())
         exit_code = stack.watch()
-    except StackError as exc:
+    except StartupError as exc:
         if stack.stop_requested:
             exit_code = 0
         else:

@@ -3,16 +3,18 @@
 Process layout (tp=1):
 
     API server --TokenizedRequest/AbortRequest-->  scheduler       (scheduler_in, PULL)
+    API server --FlushCacheRequest-------------->  scheduler       (scheduler_in)
     API server --StatsRequest------------------->  scheduler ctl   (scheduler_ctl, PULL)
     scheduler  --DetokenizeInit/BatchTokenOutput-> detokenizer     (detokenizer_in, PULL)
     detokenizer --AbortRequest (stop string)----->  scheduler       (scheduler_in)
     detokenizer --BatchDetokenizedOutput--------->  API server      (api_in, PULL)
-    scheduler ctl --StatsReply------------------->  API server      (api_in)
+    scheduler (ctl) --FlushCacheReply/StatsReply->  API server      (api_in)
 
 Every receiver binds its PULL socket; senders connect. The codec is msgpack with an explicit
 registry: each message dataclass has a fixed tag and is encoded as an ext value holding
-[tag, field values...]; nested dataclasses (SamplingParams, ReqOutput, TokenLogprob) and enums
-travel the same way. Arrays decode as tuples, so sequence fields are typed as tuples.
+[tag, field values...]; nested dataclasses (SamplingParams, ReqOutput, TokenLogprob,
+SchedulerStats) and enums travel the same way. Arrays decode as tuples, so sequence fields are
+typed as tuples.
 """
 
 from __future__ import annotations
@@ -21,15 +23,15 @@ import dataclasses
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Literal, TypeVar
+from dataclasses import dataclass
+from typing import Any, Literal
 
 import msgpack
 import zmq
 import zmq.asyncio
 
 from minisgl.core import Constraint, FinishReason, ReqOutput, SamplingParams, TokenLogprob
+from minisgl.scheduler.stats import HistogramSnapshot, SchedulerStats
 
 # ---------------------------------------------------------------------------------------------
 # Messages
@@ -106,34 +108,15 @@ class StatsRequest:
 
 @dataclass(frozen=True)
 class StatsReply:
+    """The scheduler's numbers (SchedulerStats defines them and how /metrics exports them) and
+    what the API server needs to know about the model."""
+
     request_id: int
     max_model_len: int
     vocab_size: int
-    num_running_reqs: int = 0
-    num_queue_reqs: int = 0
-    kv_cache_usage_ratio: float = 0.0
-    num_free_pages: int = 0
-    num_total_pages: int = 0
-    prompt_tokens_total: int = 0
-    generation_tokens_total: int = 0
-    cached_prompt_tokens_total: int = 0
-    eos_token_ids: tuple[int, ...] = field(default=())
-    kv_capacity_tokens: int = 0  # total pages x page size; 0: unknown
-    prefill_tokens_total: int = 0
-    num_retractions_total: int = 0
-    gen_throughput_tokens_per_s: float = 0.0  # over the last few seconds
-    # Histograms travel as (per-bucket counts, sum); the bounds are constants in
-    # minisgl.scheduler.stats, so they never cross the wire. Empty counts: no data yet.
-    queue_time_s_bucket_counts: tuple[int, ...] = ()
-    queue_time_s_sum: float = 0.0
-    batch_size_bucket_counts: tuple[int, ...] = ()
-    batch_size_sum: float = 0.0
-    batch_tokens_bucket_counts: tuple[int, ...] = ()
-    batch_tokens_sum: float = 0.0
-    # The scheduler's GPU (rank 0's with tp); None on CPU or when it cannot be read.
-    gpu_utilization_ratio: float | None = None
-    gpu_memory_used_bytes: int | None = None
-    gpu_memory_total_bytes: int | None = None
+    eos_token_ids: tuple[int, ...]
+    kv_capacity_tokens: int  # total pages x page size: the most one sequence can hold
+    stats: SchedulerStats
 
 
 @dataclass(frozen=True)
@@ -174,6 +157,8 @@ _DATACLASS_TAGS: dict[type, int] = {
     Constraint: 4,
     FlushCacheRequest: 18,
     FlushCacheReply: 19,
+    SchedulerStats: 5,
+    HistogramSnapshot: 6,
 }
 _ENUM_TAGS: dict[type, int] = {FinishReason: 1}
 
@@ -256,22 +241,17 @@ class Endpoints:
     def remove(self) -> None:
         shutil.rmtree(self.root, ignore_errors=True)
 
-    def exists(self) -> bool:
-        return Path(self.root).is_dir()
 
-
-SocketKind = Literal["push", "pull", "pub", "sub"]
-_SOCKET_TYPES = {"push": zmq.PUSH, "pull": zmq.PULL, "pub": zmq.PUB, "sub": zmq.SUB}
-_RECEIVERS = ("pull", "sub")
+SocketKind = Literal["push", "pull"]
+_SOCKET_TYPES = {"push": zmq.PUSH, "pull": zmq.PULL}
 # Sends must never block a process's loop: no high-water mark, and closing drops unsent data
 # after this long instead of hanging on a peer that is gone.
 LINGER_MS = 500
-
-T = TypeVar("T")
+MS_PER_S = 1000
 
 
 class MessageQueue:
-    """A typed message pipe over one ZeroMQ socket (push/pull or pub/sub).
+    """A typed message pipe over one ZeroMQ socket: "push" sends, "pull" receives.
 
     `asyncio=True` uses pyzmq's asyncio socket, for the API server's event loop: then `aget` is
     the way to receive. `put` never blocks either way.
@@ -281,32 +261,32 @@ class MessageQueue:
         self, kind: SocketKind, endpoint: str, bind: bool, *, asyncio: bool = False
     ) -> None:
         self.kind = kind
-        self.endpoint = endpoint
         context: zmq.Context = zmq.asyncio.Context.instance() if asyncio else zmq.Context.instance()
         self._socket = context.socket(_SOCKET_TYPES[kind])
         self._socket.setsockopt(zmq.LINGER, LINGER_MS)
         self._socket.setsockopt(zmq.SNDHWM, 0)
         self._socket.setsockopt(zmq.RCVHWM, 0)
-        if kind == "sub":
-            self._socket.setsockopt(zmq.SUBSCRIBE, b"")
         if bind:
             self._socket.bind(endpoint)
         else:
             self._socket.connect(endpoint)
 
     def put(self, message: Any) -> None:
-        assert self.kind not in _RECEIVERS, f"cannot send on a {self.kind} socket"
+        assert self.kind == "push", "cannot send on a pull socket"
         self._socket.send(encode(message), copy=False)
 
     def get(self, timeout_s: float | None = None) -> Any | None:
         """Next message; None if nothing arrives within timeout_s (0: do not wait)."""
-        if timeout_s is not None and not self._socket.poll(int(timeout_s * 1000), zmq.POLLIN):
+        if timeout_s is not None and not self._socket.poll(int(timeout_s * MS_PER_S), zmq.POLLIN):
             return None
         return decode(self._socket.recv())
 
-    def get_all(self) -> list[Any]:
-        """Every message already waiting, without blocking."""
-        messages = []
+    def get_all(self, timeout_s: float = 0.0) -> list[Any]:
+        """Every message waiting, after waiting up to timeout_s for the first one."""
+        first = self.get(timeout_s)
+        if first is None:
+            return []
+        messages = [first]
         while self._socket.poll(0, zmq.POLLIN):
             messages.append(decode(self._socket.recv()))
         return messages

@@ -24,10 +24,10 @@ from minisgl.core import InvalidRequestError
 from minisgl.limits import ModelLimits
 from minisgl.models.config import load_sampling_defaults
 from minisgl.models.names import accepted_model_names, served_model_name
-from minisgl.runtime.engine_client import EngineClient
+from minisgl.runtime.engine_client import BACKEND_STOPPED, EngineClient
 from minisgl.runtime.messages import Endpoints, StatsReply
 from minisgl.runtime.supervisor import BACKEND_FAILED_SIGNAL, ChildStartupError
-from minisgl.server.errors import RequestError, backend_stopped_error, shape_error
+from minisgl.server.errors import RequestError, shape_error
 from minisgl.server.generation import ServingContext
 from minisgl.server.messages_protocol import CountTokensRequest, MessagesRequest
 from minisgl.server.metrics import ServerMetrics
@@ -296,13 +296,13 @@ class _Shutdown:
         self._engine = engine
         self._timeout_s = timeout_s
         self._hurry = False
-        self._error: RequestError | None = None
+        self._error: str | None = None  # set: the backend stopped, open requests fail with it
         self._task: asyncio.Task | None = None
 
     def on_signal(self, sig: int) -> None:
         """Runs on the event loop (call_soon_threadsafe from the signal handler)."""
         if sig == BACKEND_FAILED_SIGNAL:
-            self._error = backend_stopped_error()
+            self._error = BACKEND_STOPPED
         if self._task is not None or self._error is not None:
             self._hurry = True
         if self._task is None:

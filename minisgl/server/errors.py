@@ -37,17 +37,6 @@ class RequestError(Exception):
         return error_dict(self.message, self.err_type, self.param, self.status_code)
 
 
-def shutting_down_error() -> RequestError:
-    return RequestError(HTTP_SERVICE_UNAVAILABLE, "The server is shutting down.")
-
-
-def backend_stopped_error() -> RequestError:
-    return RequestError(
-        HTTP_SERVICE_UNAVAILABLE,
-        "The inference backend stopped unexpectedly; the request was not completed.",
-    )
-
-
 # Anthropic's error types by HTTP status (its Messages API answers errors in its own shape).
 ANTHROPIC_ERROR_TYPES = {
     400: "invalid_request_error",

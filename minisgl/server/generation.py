@@ -4,7 +4,7 @@ A request with n choices (and, for completions, several prompts) becomes one Gen
 scheduler request per choice, all reporting into one asyncio queue. The group tracks per-choice
 text, tokens, logprobs and timing, and aborts whatever is unfinished when the handler leaves
 early (client disconnect, timeout, error). Errors that end a request early (timeout, a backend
-that stopped) arrive on the same queue as a RequestError and are raised to the handler.
+that stopped) arrive on the same queue and are raised to the handler as a RequestError.
 """
 
 from __future__ import annotations
@@ -33,7 +33,12 @@ from minisgl.core import (
 )
 from minisgl.grammar import GrammarCompiler
 from minisgl.limits import ModelLimits, check_request, resolve_max_tokens
-from minisgl.runtime.engine_client import DISCONNECTED, EngineClient, RoutedOutput
+from minisgl.runtime.engine_client import (
+    DISCONNECTED,
+    BackendUnavailable,
+    EngineClient,
+    RoutedOutput,
+)
 from minisgl.runtime.messages import DetokenizedOutput
 from minisgl.server.errors import (
     HTTP_BAD_REQUEST,
@@ -262,6 +267,9 @@ class GenerationGroup:
                 self._ctx.engine.submit(
                     choice.rid, choice.index, prompt, params, self._queue, self._grammar_blob
                 )
+        except BackendUnavailable as exc:  # shutting down, or the backend stopped
+            self.close()
+            raise RequestError(HTTP_SERVICE_UNAVAILABLE, str(exc)) from None
         except BaseException:
             self.close()
             raise
@@ -294,8 +302,10 @@ class GenerationGroup:
         item = await self._queue.get()
         if item is DISCONNECTED:
             raise ClientDisconnected()
-        if isinstance(item, RequestError):  # timed out, or the backend stopped
+        if isinstance(item, RequestError):  # timed out
             raise item
+        if isinstance(item, BackendUnavailable):  # the backend stopped
+            raise RequestError(HTTP_SERVICE_UNAVAILABLE, str(item))
         assert isinstance(item, RoutedOutput)
         choice, output = self.choices[item.index], item.output
         now_s = time.perf_counter()

@@ -35,8 +35,8 @@ from starlette.responses import JSONResponse, Response
 from minisgl.config import ServerArgs
 from minisgl.core import FinishReason, SamplingParams
 from minisgl.models.names import served_model_name
-from minisgl.runtime.engine_client import RoutedOutput
-from minisgl.server.errors import HTTP_BAD_REQUEST, HTTP_SERVICE_UNAVAILABLE, RequestError
+from minisgl.runtime.engine_client import BackendUnavailable, RoutedOutput
+from minisgl.server.errors import HTTP_BAD_REQUEST, HTTP_SERVICE_UNAVAILABLE
 from minisgl.server.generation import ServingContext
 from minisgl.server.protocol import error_dict, new_id
 
@@ -118,7 +118,7 @@ async def _engine_answers(ctx: ServingContext, timeout_s: float) -> bool:
     queue: asyncio.Queue = asyncio.Queue()
     try:
         ctx.engine.submit(rid, 0, list(HEALTH_PROMPT), HEALTH_PARAMS, queue)
-    except RequestError:  # shutting down, or the backend stopped
+    except BackendUnavailable:  # shutting down, or the backend stopped
         return False
     try:
         while loop.time() - sent_s < timeout_s:
@@ -179,9 +179,10 @@ def install_native_routes(app: FastAPI, args: ServerArgs, card: ModelCard) -> No
 
     @app.get("/get_load")
     async def get_load(request: Request) -> Response:
-        stats = await ctx_of(request).engine.stats(LOAD_STATS_TIMEOUT_S)
-        if stats is None:
+        reply = await ctx_of(request).engine.stats(LOAD_STATS_TIMEOUT_S)
+        if reply is None:
             return _unavailable("The scheduler did not answer.")
+        stats = reply.stats
         used_pages = stats.num_total_pages - stats.num_free_pages
         load = {
             "dp_rank": DP_RANK,
