@@ -104,8 +104,8 @@ def test_endpoints_are_private_and_removed():
 def test_push_pull():
     endpoints = Endpoints.create()
     try:
-        pull = MessageQueue("pull", endpoints.scheduler_in, bind=True)
-        push = MessageQueue("push", endpoints.scheduler_in, bind=False)
+        pull = MessageQueue("pull", endpoints.scheduler_in)
+        push = MessageQueue("push", endpoints.scheduler_in)
         for message in MESSAGES:
             push.put(message)
         received = [pull.get(timeout_s=2.0) for _ in MESSAGES]
@@ -131,9 +131,9 @@ def test_async_queue():
     endpoints = Endpoints.create()
 
     async def main() -> object:
-        pull = MessageQueue("pull", endpoints.api_in, bind=True, asyncio=True)
+        pull = MessageQueue("pull", endpoints.api_in, asyncio=True)
         sender = threading.Thread(
-            target=lambda: MessageQueue("push", endpoints.api_in, bind=False).put(MESSAGES[5])
+            target=lambda: MessageQueue("push", endpoints.api_in).put(MESSAGES[5])
         )
         sender.start()
         message = await asyncio.wait_for(pull.aget(), timeout=5.0)

@@ -22,8 +22,8 @@ from minisgl.config import DataParallelArgs, ServerArgs, data_parallel_args, par
 from minisgl.runtime import dp as dp_module
 from minisgl.runtime import placement as placement_module
 from minisgl.runtime.dp import DataParallelStack
-from minisgl.runtime.gateway import gateway_command, gateway_installed, http_url
-from minisgl.runtime.launch import CHILD_FAILED_EXIT_CODE
+from minisgl.runtime.gateway import gateway_command, gateway_installed
+from minisgl.runtime.launch import CHILD_FAILED_EXIT_CODE, http_url
 from minisgl.runtime.placement import Placement, plan_placements
 from minisgl.runtime.supervisor import StartupError
 from minisgl.server.native_api import build_model_card
@@ -129,6 +129,7 @@ class _FakeStack:
     """A replica without processes: it fails when told to."""
 
     def __init__(self, args: ServerArgs, replica: int) -> None:
+        self.replica, self.url = replica, http_url(args.host, args.port)
         self.failed_with: str | None = None
         self.on_check = lambda: None
         self.shutdowns: list[bool] = []
@@ -157,7 +158,7 @@ def test_a_lost_replica_is_stopped_and_the_rest_serve(monkeypatch, caplog):
     assert launch.ready_message().endswith(
         "replicas at http://127.0.0.1:5001, http://127.0.0.1:5002"
     )
-    first, second = (replica.stack for replica in launch._replicas)
+    first, second = launch._replicas
     second.failed_with = "sched1 exited unexpectedly (killed by SIGKILL)"
     first.on_check = launch.request_stop  # then SIGTERM arrives
     assert launch.watch() == 0
@@ -168,7 +169,7 @@ def test_a_lost_replica_is_stopped_and_the_rest_serve(monkeypatch, caplog):
     lost_all = DataParallelStack(ServerArgs(port=5000), DataParallelArgs(2, use_router=False))
     lost_all.start()
     for replica in lost_all._replicas:
-        replica.stack.failed_with = "api exited"
+        replica.failed_with = "api exited"
     assert lost_all.watch() == CHILD_FAILED_EXIT_CODE  # nothing left to serve
 
 

@@ -152,10 +152,10 @@ def test_scheduler_loop_survives_a_failed_step(tiny_qwen3, monkeypatch):
     sched = Scheduler(
         ServerArgs(model=str(tiny_qwen3), dtype="float32", num_pages=600, overlap="off")
     )
-    detokenizer = MessageQueue("pull", endpoints.detokenizer_in, bind=True)
-    api = MessageQueue("pull", endpoints.api_in, bind=True)
+    detokenizer = MessageQueue("pull", endpoints.detokenizer_in)
+    api = MessageQueue("pull", endpoints.api_in)
     loop = SchedulerLoop(sched, endpoints)
-    to_scheduler = MessageQueue("push", endpoints.scheduler_in, bind=False)
+    to_scheduler = MessageQueue("push", endpoints.scheduler_in)
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     real_forward = sched.engine.forward
     failures = {"left": 1}

@@ -34,9 +34,9 @@ IDLE_POLL_TIMEOUT_S = 0.1
 class DetokenizerWorker:
     def __init__(self, tokenizer: PreTrainedTokenizerBase, endpoints: Endpoints) -> None:
         self._tokenizer = tokenizer
-        self._inbox = MessageQueue("pull", endpoints.detokenizer_in, bind=True)
-        self._to_api = MessageQueue("push", endpoints.api_in, bind=False)
-        self._to_scheduler = MessageQueue("push", endpoints.scheduler_in, bind=False)
+        self._inbox = MessageQueue("pull", endpoints.detokenizer_in)
+        self._to_api = MessageQueue("push", endpoints.api_in)
+        self._to_scheduler = MessageQueue("push", endpoints.scheduler_in)
         self._requests: dict[str, RequestDetokenizer] = {}
 
     def _init_request(self, message: DetokenizeInit) -> None:

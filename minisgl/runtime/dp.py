@@ -18,12 +18,11 @@ from __future__ import annotations
 
 import logging
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from multiprocessing.connection import wait
 
 from minisgl.config import DataParallelArgs, ServerArgs
 from minisgl.models.names import served_model_name
-from minisgl.runtime.gateway import INSTALL_HINT, Gateway, gateway_installed, http_url
+from minisgl.runtime.gateway import INSTALL_HINT, Gateway, gateway_installed
 from minisgl.runtime.launch import CHILD_FAILED_EXIT_CODE, ServerStack, run_until_stopped
 from minisgl.runtime.placement import plan_placements
 from minisgl.runtime.supervisor import WATCH_INTERVAL_S, StartupError, setup_logging
@@ -35,21 +34,13 @@ def replica_port(args: ServerArgs, index: int) -> int:
     return args.port + 1 + index
 
 
-@dataclass
-class _Replica:
-    index: int
-    stack: ServerStack
-    url: str
-    alive: bool = True
-
-
 class DataParallelStack:
     """The replicas and the gateway, driven like a ServerStack by `run_until_stopped`."""
 
     def __init__(self, args: ServerArgs, dp: DataParallelArgs) -> None:
         self.args = args
         self.dp = dp
-        self._replicas: list[_Replica] = []
+        self._replicas: list[ServerStack] = []  # the live ones: a replica that dies leaves
         self._gateway: Gateway | None = None
         self._num_stop_requests = 0
 
@@ -61,7 +52,7 @@ class DataParallelStack:
         """Safe in a signal handler (as ServerStack.request_stop)."""
         self._num_stop_requests += 1
         for replica in self._replicas:
-            replica.stack.request_stop()
+            replica.request_stop()
 
     def _check(self) -> None:
         if self.args.nnodes > 1:
@@ -85,20 +76,18 @@ class DataParallelStack:
     def start(self) -> None:
         self._check()
         for index, placement in enumerate(plan_placements(self.args, self.dp.dp_size)):
-            args = self.args.replace(port=replica_port(self.args, index))
-            url = http_url(args.host, args.port)
-            replica = _Replica(index, ServerStack(args, replica=index), url)
+            replica = ServerStack(self.args.replace(port=replica_port(self.args, index)), index)
             self._replicas.append(replica)
             with placement.for_new_processes():
-                replica.stack.start()
-            logger.info("replica %d: %s on %s", index, url, placement.describe())
+                replica.start()
+            logger.info("replica %d: %s on %s", index, replica.url, placement.describe())
 
     def wait_ready(self) -> None:
         for replica in self._replicas:  # they load in parallel; this only waits for each
             try:
-                replica.stack.wait_ready()
+                replica.wait_ready()
             except StartupError as exc:
-                raise StartupError(f"replica {replica.index}: {exc}") from None
+                raise StartupError(f"replica {replica.replica}: {exc}") from None
         if self.dp.use_router:
             self._gateway = Gateway(self.args, self.dp, [r.url for r in self._replicas])
             self._gateway.start(lambda: self.stop_requested)
@@ -117,13 +106,12 @@ class DataParallelStack:
         """Until a stop is requested (0), the gateway exits or no replica is left (non-zero).
         A replica that dies is stopped; the others keep serving."""
         while not self.stop_requested:
-            live = [r for r in self._replicas if r.alive]
-            wait([s for r in live for s in r.stack.sentinels], timeout=WATCH_INTERVAL_S)
-            for replica in live:
-                failure = replica.stack.failure()
+            wait([s for r in self._replicas for s in r.sentinels], timeout=WATCH_INTERVAL_S)
+            for replica in list(self._replicas):
+                failure = replica.failure()
                 if failure is not None:
                     self._lose(replica, failure)
-            if not any(r.alive for r in self._replicas):
+            if not self._replicas:
                 logger.error("every replica has exited; shutting down")
                 return CHILD_FAILED_EXIT_CODE
             if self._gateway is not None and self._gateway.exit_code is not None:
@@ -134,16 +122,15 @@ class DataParallelStack:
                 return CHILD_FAILED_EXIT_CODE
         return 0
 
-    def _lose(self, replica: _Replica, failure: str) -> None:
-        replica.alive = False
-        num_left = sum(r.alive for r in self._replicas)
+    def _lose(self, replica: ServerStack, failure: str) -> None:
+        self._replicas.remove(replica)
         logger.error(
             "replica %d (%s): %s; stopping it, %d replica(s) keep serving",
-            *(replica.index, replica.url, failure, num_left),
+            *(replica.replica, replica.url, failure, len(self._replicas)),
         )
         if self._gateway is not None:
             self._gateway.remove_worker(replica.url)
-        replica.stack.shutdown(backend_failed=True)
+        replica.shutdown(backend_failed=True)
 
     def shutdown(self, backend_failed: bool = False) -> None:
         """The gateway first, then every replica at once (each drains, bounded); idempotent.
@@ -151,12 +138,10 @@ class DataParallelStack:
         if self._gateway is not None:
             num_stops_seen = self._num_stop_requests
             self._gateway.stop(hurry=lambda: self._num_stop_requests > num_stops_seen)
-        live = [r for r in self._replicas if r.alive]
-        if live:
-            with ThreadPoolExecutor(len(live)) as pool:
-                list(pool.map(lambda r: r.stack.shutdown(backend_failed), live))
-        for replica in live:
-            replica.alive = False
+        if self._replicas:
+            with ThreadPoolExecutor(len(self._replicas)) as pool:
+                list(pool.map(lambda r: r.shutdown(backend_failed), self._replicas))
+        self._replicas.clear()
 
 
 def serve_data_parallel(args: ServerArgs, dp: DataParallelArgs) -> int:

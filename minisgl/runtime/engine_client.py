@@ -52,9 +52,9 @@ class RoutedOutput:
 class EngineClient:
     def __init__(self, endpoints: Endpoints) -> None:
         # Sends go through plain sockets: with no high-water mark they never block the loop.
-        self._to_scheduler = MessageQueue("push", endpoints.scheduler_in, bind=False)
-        self._to_scheduler_ctl = MessageQueue("push", endpoints.scheduler_ctl, bind=False)
-        self._inbox = MessageQueue("pull", endpoints.api_in, bind=True, asyncio=True)
+        self._to_scheduler = MessageQueue("push", endpoints.scheduler_in)
+        self._to_scheduler_ctl = MessageQueue("push", endpoints.scheduler_ctl)
+        self._inbox = MessageQueue("pull", endpoints.api_in, asyncio=True)
         self._routes: dict[str, tuple[asyncio.Queue, int]] = {}
         # Control replies (stats, cache flush) by request id: one counter for both kinds.
         self._waiters: dict[int, asyncio.Future[Any]] = {}
@@ -81,8 +81,6 @@ class EngineClient:
         while True:
             try:
                 self._dispatch(await self._inbox.aget())
-            except asyncio.CancelledError:
-                raise
             except Exception:  # a dead reader would leave every request waiting forever
                 logger.exception("api server: could not handle a message from the backend")
 

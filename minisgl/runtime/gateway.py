@@ -23,7 +23,7 @@ from collections.abc import Callable
 from typing import Any
 
 from minisgl.config import DataParallelArgs, ServerArgs
-from minisgl.runtime.launch import STOP_GRACE_S
+from minisgl.runtime.launch import STOP_GRACE_S, http_url
 from minisgl.runtime.supervisor import WATCH_INTERVAL_S, StartupError, prepare_exec_child
 
 logger = logging.getLogger("minisgl")
@@ -39,17 +39,10 @@ HTTP_TIMEOUT_S = 2.0
 HEALTH_CHECK_INTERVAL_S = 5
 # Our log levels -> the gateway's. It logs every request at info: keep it to warnings.
 LOG_LEVELS = {"debug": "debug", "info": "warn", "warning": "warn", "error": "error"}
-WILDCARD_HOSTS = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}
 
 
 def gateway_installed() -> bool:
     return importlib.util.find_spec(GATEWAY_PACKAGE) is not None
-
-
-def http_url(host: str, port: int) -> str:
-    """A URL to reach a server listening on host:port (a wildcard listens on loopback too)."""
-    host = WILDCARD_HOSTS.get(host, host)
-    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
 def metrics_port(args: ServerArgs, dp: DataParallelArgs) -> int:

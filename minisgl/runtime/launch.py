@@ -46,6 +46,13 @@ API_CHILD = "api"
 SCHEDULER_TARGET = "minisgl.runtime.scheduler_proc:run_scheduler_process"
 DETOKENIZER_TARGET = "minisgl.runtime.detokenizer_proc:run_detokenizer_process"
 API_TARGET = "minisgl.server.api:run_api_server"
+WILDCARD_HOSTS = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}
+
+
+def http_url(host: str, port: int) -> str:
+    """A URL to reach a server listening on host:port (a wildcard listens on loopback too)."""
+    host = WILDCARD_HOSTS.get(host, host)
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
 def _send_signal(process: BaseProcess, sig: int) -> None:
@@ -59,15 +66,13 @@ class ServerStack:
 
     def __init__(self, args: ServerArgs, replica: int | None = None) -> None:
         self.args = args
-        # With --dp (minisgl.runtime.dp), children are named per replica: sched0, api1, ...
+        self.replica = replica  # its index with --dp (minisgl.runtime.dp)
+        self.url = http_url(args.host, args.port)
+        # With --dp, children are named per replica: sched0, api1, ...
         self._name_suffix = "" if replica is None else str(replica)
         self.endpoints: Endpoints | None = None
         self._children = Children()
         self._num_stop_requests = 0
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.args.host}:{self.args.port}"
 
     @property
     def stop_requested(self) -> bool:

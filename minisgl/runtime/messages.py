@@ -10,11 +10,11 @@ Process layout (tp=1):
     detokenizer --BatchDetokenizedOutput--------->  API server      (api_in, PULL)
     scheduler (ctl) --FlushCacheReply/StatsReply->  API server      (api_in)
 
-Every receiver binds its PULL socket; senders connect. The codec is msgpack with an explicit
-registry: each message dataclass has a fixed tag and is encoded as an ext value holding
-[tag, field values...]; nested dataclasses (SamplingParams, ReqOutput, TokenLogprob,
-SchedulerStats) and enums travel the same way. Arrays decode as tuples, so sequence fields are
-typed as tuples.
+Every receiver binds its PULL socket; senders connect (MessageQueue does it). The codec is
+msgpack with an explicit registry: each message dataclass has a fixed tag and is encoded as an
+ext value holding [tag, field values...]; nested dataclasses (SamplingParams, ReqOutput,
+TokenLogprob, SchedulerStats) and enums travel the same way. Arrays decode as tuples, so
+sequence fields are typed as tuples.
 """
 
 from __future__ import annotations
@@ -175,14 +175,14 @@ def _default(obj: Any) -> Any:
         return list(obj)
     if cls in _DATACLASS_TAGS:
         values = [_DATACLASS_TAGS[cls], *(getattr(obj, name) for name in _INIT_FIELDS[cls])]
-        return msgpack.ExtType(EXT_DATACLASS, _pack(values))
+        return msgpack.ExtType(EXT_DATACLASS, encode(values))
     if cls in _ENUM_TAGS:
-        return msgpack.ExtType(EXT_ENUM, _pack([_ENUM_TAGS[cls], obj.value]))
+        return msgpack.ExtType(EXT_ENUM, encode([_ENUM_TAGS[cls], obj.value]))
     raise TypeError(f"cannot encode {cls.__name__}: not in the message registry")
 
 
 def _ext_hook(code: int, data: bytes) -> Any:
-    values = msgpack.unpackb(data, ext_hook=_ext_hook, use_list=False)
+    values = decode(data)
     if code == EXT_DATACLASS:
         cls = _DATACLASS_BY_TAG[values[0]]
         return cls(*values[1:])
@@ -191,13 +191,9 @@ def _ext_hook(code: int, data: bytes) -> Any:
     raise ValueError(f"unknown msgpack ext code {code}")
 
 
-def _pack(obj: Any) -> bytes:
-    # strict_types: FinishReason is a str subclass and must reach _default, not pack as a str.
-    return msgpack.packb(obj, default=_default, strict_types=True)
-
-
 def encode(message: Any) -> bytes:
-    return _pack(message)
+    # strict_types: FinishReason is a str subclass and must reach _default, not pack as a str.
+    return msgpack.packb(message, default=_default, strict_types=True)
 
 
 def decode(data: bytes) -> Any:
@@ -257,16 +253,14 @@ class MessageQueue:
     the way to receive. `put` never blocks either way.
     """
 
-    def __init__(
-        self, kind: SocketKind, endpoint: str, bind: bool, *, asyncio: bool = False
-    ) -> None:
+    def __init__(self, kind: SocketKind, endpoint: str, *, asyncio: bool = False) -> None:
         self.kind = kind
         context: zmq.Context = zmq.asyncio.Context.instance() if asyncio else zmq.Context.instance()
         self._socket = context.socket(_SOCKET_TYPES[kind])
         self._socket.setsockopt(zmq.LINGER, LINGER_MS)
         self._socket.setsockopt(zmq.SNDHWM, 0)
         self._socket.setsockopt(zmq.RCVHWM, 0)
-        if bind:
+        if kind == "pull":  # every receiver binds its socket; senders connect
             self._socket.bind(endpoint)
         else:
             self._socket.connect(endpoint)

@@ -77,11 +77,11 @@ class SchedulerLoop:
         self.scheduler = scheduler
         self._gpu_probe = gpu_probe
         self._gen_throughput = ThroughputWindow()
-        self._inbox = MessageQueue("pull", endpoints.scheduler_in, bind=True)
-        self._to_detokenizer = MessageQueue("push", endpoints.detokenizer_in, bind=False)
-        self._to_api = MessageQueue("push", endpoints.api_in, bind=False)  # control replies
+        self._inbox = MessageQueue("pull", endpoints.scheduler_in)
+        self._to_detokenizer = MessageQueue("push", endpoints.detokenizer_in)
+        self._to_api = MessageQueue("push", endpoints.api_in)  # control replies
         self._stats_time_s = 0.0
-        self._stats = self._stats_snapshot()
+        self._stats = build_stats_reply(scheduler, self._gen_throughput, gpu_probe)
         self._stopped = threading.Event()
         self._failed_steps = 0  # consecutive steps that raised
         self._responder = threading.Thread(
@@ -94,8 +94,8 @@ class SchedulerLoop:
         a long step. It only reads `_stats`, which the loop replaces (never mutates) between
         steps. If the scheduler process dies, nobody answers and /health turns 503."""
         # zmq sockets belong to one thread: this thread makes its own.
-        inbox = MessageQueue("pull", endpoints.scheduler_ctl, bind=True)
-        to_api = MessageQueue("push", endpoints.api_in, bind=False)
+        inbox = MessageQueue("pull", endpoints.scheduler_ctl)
+        to_api = MessageQueue("push", endpoints.api_in)
         try:
             while not self._stopped.is_set():
                 message = inbox.get(timeout_s=CTL_POLL_TIMEOUT_S)
@@ -105,13 +105,10 @@ class SchedulerLoop:
             inbox.close()
             to_api.close()
 
-    def _stats_snapshot(self) -> StatsReply:
-        return build_stats_reply(self.scheduler, self._gen_throughput, self._gpu_probe)
-
     def _refresh_stats(self, force: bool = False) -> None:
         now_s = time.monotonic()
         if force or now_s - self._stats_time_s >= STATS_REFRESH_INTERVAL_S:
-            self._stats = self._stats_snapshot()
+            self._stats = build_stats_reply(self.scheduler, self._gen_throughput, self._gpu_probe)
             self._stats_time_s = now_s
 
     def _handle(self, message: Any) -> ReqOutput | None:
