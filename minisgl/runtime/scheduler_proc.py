@@ -136,10 +136,7 @@ class SchedulerLoop:
         except Exception as exc:  # one bad request must not stop the loop everyone depends on
             if not isinstance(exc, ValueError):
                 logger.exception("scheduler: request %s failed to queue", rid)
-            error = FinishReason.ERROR
-            return ReqOutput(
-                rid, (), finish_reason=error, prompt_len=len(input_ids), error=str(exc)
-            )
+            return ReqOutput(rid, (), FinishReason.ERROR, prompt_len=len(input_ids), error=str(exc))
         return None
 
     def _flush_cache(self, request_id: int) -> FlushCacheReply:

@@ -45,7 +45,7 @@ class HistogramCounts:
 
     bounds: tuple[float, ...]
     counts: list[int] = field(init=False)
-    total: float = 0.0
+    sum: float = 0.0  # of the observed values
 
     def __post_init__(self) -> None:
         self.counts = [0] * (len(self.bounds) + 1)
@@ -53,10 +53,10 @@ class HistogramCounts:
     def observe(self, value: float) -> None:
         # bisect_left: a value equal to a bound belongs to that bound's bucket (le = "<=").
         self.counts[bisect.bisect_left(self.bounds, value)] += 1
-        self.total += value
+        self.sum += value
 
     def snapshot(self) -> HistogramSnapshot:
-        return HistogramSnapshot(tuple(self.counts), self.total)
+        return HistogramSnapshot(tuple(self.counts), self.sum)
 
 
 @dataclass
