@@ -23,7 +23,7 @@ DEFAULT_CUDA_MAX_PREFILL_TOKENS = 8192
 DEFAULT_CPU_MAX_PREFILL_TOKENS = 1024
 MIB = 1 << 20
 
-# Data parallelism (minisgl/server/dp.py): the SGLang Model Gateway's routing policies.
+# Data parallelism (minisgl/runtime/dp.py): the SGLang Model Gateway's routing policies.
 ROUTER_POLICIES = ("cache_aware", "round_robin", "random", "power_of_two")
 DEFAULT_ROUTER_POLICY = "cache_aware"
 

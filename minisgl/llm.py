@@ -12,11 +12,10 @@ from typing import Any
 from tqdm import tqdm
 
 from minisgl.config import ServerArgs
-from minisgl.core import FinishReason, Req, SamplingParams, TokenLogprob, next_request_id
-from minisgl.scheduler.protocol import SchedulerAPI
-from minisgl.scheduler.scheduler import Scheduler
+from minisgl.core import Req, SamplingParams, TokenLogprob, next_request_id
+from minisgl.scheduler.tp import make_scheduler
 from minisgl.tokenizer.chat import apply_chat_template, load_chat_template, load_tokenizer
-from minisgl.tokenizer.detokenizer import IncrementalDetokenizer
+from minisgl.tokenizer.detokenizer import RequestDetokenizer, stop_reason
 
 Prompt = str | list[int]
 
@@ -39,13 +38,7 @@ class RequestOutput:
 class LLM:
     def __init__(self, model: str | None = None, **options: Any) -> None:
         self.args = ServerArgs.from_kwargs(model=model, **options)
-        self.scheduler: SchedulerAPI
-        if self.args.tp_size > 1:
-            from minisgl.scheduler.tp import TPScheduler
-
-            self.scheduler = TPScheduler(self.args)
-        else:
-            self.scheduler = Scheduler(self.args)
+        self.scheduler = make_scheduler(self.args)
         try:
             self.tokenizer = load_tokenizer(self.args.tokenizer or self.scheduler.model_path)
             path = self.args.chat_template
@@ -113,18 +106,20 @@ class LLM:
     def _run(
         self, reqs: list[Req], outputs: list[RequestOutput], use_tqdm: bool
     ) -> list[RequestOutput]:
-        by_rid = {req.rid: (req, out) for req, out in zip(reqs, outputs, strict=True)}
-        detoks = {
-            req.rid: IncrementalDetokenizer(
-                self.tokenizer,
-                req.input_ids,
-                req.sampling_params.stop,
-                req.sampling_params.skip_special_tokens,
-                req.sampling_params.min_tokens,
-                req.sampling_params.include_stop_str_in_output,
+        eos_token_ids = self.scheduler.eos_token_ids
+        by_rid = {
+            req.rid: (
+                req,
+                out,
+                RequestDetokenizer(
+                    self.tokenizer,
+                    req.input_ids,
+                    req.sampling_params,
+                    eos_token_ids,
+                    incremental=False,
+                ),
             )
-            for req in reqs
-            if req.sampling_params.stop
+            for req, out in zip(reqs, outputs, strict=True)
         }
         for req in reqs:
             self.scheduler.add_request(req)
@@ -133,41 +128,25 @@ class LLM:
         while pending:
             for result in self.scheduler.step():
                 if result.rid not in pending:
-                    continue
-                req, out = by_rid[result.rid]
-                out.token_ids.extend(result.new_token_ids)
+                    continue  # output after a stop string ended it here
+                req, out, detok = by_rid[result.rid]
+                out.token_ids.extend(result.new_token_ids)  # a final EOS included, as vLLM
                 out.logprobs.extend(result.new_logprobs)
                 if result.prompt_logprobs:
                     out.prompt_logprobs = [None, *result.prompt_logprobs]
                 out.num_cached_tokens = result.num_cached_prompt_tokens
-                finish = result.finish_reason
-                detok = detoks.get(result.rid)
-                if detok is not None and finish is None:
-                    detok.add(list(result.new_token_ids))
-                    if detok.stopped:  # a stop string: end it here, the scheduler frees it
-                        self.scheduler.abort_request(result.rid)
-                        finish = FinishReason.STOP
-                if finish is not None:
-                    out.finish_reason = finish.value
-                    out.text = self._final_text(req, out, detok)
-                    out.stop_reason = _stop_reason(req, out, detok, finish)
+                delta = detok.add(result)
+                assert delta is not None  # only None after a stop string, no longer pending
+                out.text += delta.text
+                if delta.abort:  # a stop string: end it here, the scheduler frees it
+                    self.scheduler.abort_request(result.rid)
+                if delta.finish_reason is not None:
+                    out.finish_reason = delta.finish_reason.value
+                    out.stop_reason = stop_reason(req.sampling_params, delta.matched_stop)
                     pending.discard(result.rid)
                     bar.update(1)
         bar.close()
         return outputs
-
-    def _final_text(
-        self, req: Req, out: RequestOutput, detok: IncrementalDetokenizer | None
-    ) -> str:
-        if detok is not None:
-            if not detok.stopped:
-                detok.add(out.token_ids[len(out.token_ids) - 1 :])
-                detok.flush()
-            return detok.text
-        text = self.tokenizer.decode(
-            out.token_ids, skip_special_tokens=req.sampling_params.skip_special_tokens
-        )
-        return str(text)
 
     def check_page_accounting(self) -> None:
         """Assert every KV page is free, cached or owned by a live request (tests call this)."""
@@ -181,14 +160,3 @@ class LLM:
 
     def __exit__(self, *exc_info: object) -> None:
         self.shutdown()  # with tp_size > 1 this also stops the other ranks' processes
-
-
-def _stop_reason(
-    req: Req, out: RequestOutput, detok: IncrementalDetokenizer | None, finish: FinishReason
-) -> int | str | None:
-    if finish != FinishReason.STOP:
-        return None
-    if detok is not None and detok.stop_str is not None:
-        return detok.stop_str
-    last = out.token_ids[-1] if out.token_ids else None
-    return last if last in req.sampling_params.stop_token_ids else None

@@ -1,8 +1,10 @@
 """Chat with a model in the terminal: `python -m minisgl.shell` (or `minisgl.server --shell`).
 
 It starts the full server stack on a free local port and talks to it over the same HTTP API as
-any client, streaming the reply as it is generated. Commands: /reset clears the history, /exit
-quits (so do Ctrl-D and Ctrl-C at the prompt; Ctrl-C during a reply stops that reply).
+any client, streaming the reply as it is generated. It speaks HTTP with the standard library
+only, so it runs on exactly what `pip install -e .` installs. Commands: /reset clears the
+history, /exit quits (so do Ctrl-D and Ctrl-C at the prompt; Ctrl-C during a reply stops that
+reply).
 """
 
 from __future__ import annotations
@@ -13,11 +15,11 @@ import json
 import socket
 import sys
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 from minisgl.config import ServerArgs, parse_server_args
-from minisgl.server.launch import ServerStack, StackError
-from minisgl.server.model_names import served_model_name
+from minisgl.models.names import served_model_name
+from minisgl.runtime.launch import ServerStack
+from minisgl.runtime.supervisor import StartupError
 
 PROMPT = ">>> "
 RESET_COMMAND = "/reset"
@@ -28,32 +30,18 @@ SHELL_LOG_LEVEL = "warning"
 
 
 def _free_port(host: str) -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
+    with socket.create_server((host, 0)) as sock:
         return int(sock.getsockname()[1])
 
 
-@dataclass(frozen=True)
-class ServerAddress:
-    """Where the shell's server listens. The shell speaks HTTP with the standard library only,
-    so it runs on exactly what `pip install -e .` installs."""
-
-    host: str
-    port: int
-    api_key: str | None = None
-
-
-def stream_reply(
-    server: ServerAddress, model: str, messages: list[dict[str, str]]
-) -> Iterator[str]:
+def stream_reply(server: ServerArgs, model: str, messages: list[dict[str, str]]) -> Iterator[str]:
     """Yield the assistant's reply in pieces, as the server streams them. Leaving early (Ctrl-C)
     closes the connection, which aborts the request on the server."""
     body = json.dumps({"model": model, "messages": messages, "stream": True}).encode()
-    headers = {"Content-Type": "application/json"}
-    if server.api_key:
-        headers["Authorization"] = f"Bearer {server.api_key}"
-    conn = http.client.HTTPConnection(server.host, server.port, timeout=REPLY_TIMEOUT_S)
-    try:
+    auth = {"Authorization": f"Bearer {server.api_key}"} if server.api_key else {}
+    connection = http.client.HTTPConnection(server.host, server.port, timeout=REPLY_TIMEOUT_S)
+    with contextlib.closing(connection) as conn:
+        headers = {"Content-Type": "application/json", **auth}
         conn.request("POST", "/v1/chat/completions", body=body, headers=headers)
         response = conn.getresponse()
         if response.status != 200:
@@ -74,11 +62,9 @@ def stream_reply(
                 content = choice.get("delta", {}).get("content")
                 if content:
                     yield content
-    finally:
-        conn.close()
 
 
-def chat_loop(server: ServerAddress, model: str) -> None:
+def chat_loop(server: ServerArgs, model: str) -> None:
     with contextlib.suppress(ImportError):
         import readline  # noqa: F401  (line editing and history for input())
     print(f"minisgl shell: chatting with {model}. {RESET_COMMAND} clears history, /exit quits.")
@@ -97,10 +83,10 @@ def chat_loop(server: ServerAddress, model: str) -> None:
             history.clear()
             print("(history cleared)")
             continue
-        history.append({"role": "user", "content": line})
+        question = {"role": "user", "content": line}
         parts: list[str] = []
         try:
-            for piece in stream_reply(server, model, history):
+            for piece in stream_reply(server, model, [*history, question]):
                 parts.append(piece)
                 print(piece, end="", flush=True)
         except KeyboardInterrupt:
@@ -108,10 +94,8 @@ def chat_loop(server: ServerAddress, model: str) -> None:
         except (RuntimeError, OSError) as exc:  # OSError: the server went away
             print(f"[error] {exc}", end="")
         print()
-        if parts:
-            history.append({"role": "assistant", "content": "".join(parts)})
-        else:
-            history.pop()  # no reply: forget the question too, keeping roles alternating
+        if parts:  # no reply: the question is forgotten too, keeping roles alternating
+            history += [question, {"role": "assistant", "content": "".join(parts)}]
 
 
 def run_shell(args: ServerArgs) -> int:
@@ -121,9 +105,9 @@ def run_shell(args: ServerArgs) -> int:
     try:
         stack.start()
         stack.wait_ready()
-        chat_loop(ServerAddress(args.host, args.port, args.api_key), served_model_name(args))
+        chat_loop(args, served_model_name(args))
         return 0
-    except StackError as exc:
+    except StartupError as exc:
         print(f"server failed to start: {exc}", file=sys.stderr)
         return 1
     finally:
@@ -131,8 +115,7 @@ def run_shell(args: ServerArgs) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args, _ = parse_server_args(argv)
-    return run_shell(args)
+    return run_shell(parse_server_args(argv)[0])
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""IncrementalDetokenizer: multi-byte characters, stop strings, hold-back, equality with decode."""
+"""IncrementalDetokenizer: multi-byte characters, stop strings, hold-back, equality with decode;
+RequestDetokenizer: one request's outputs, its hidden final token and what matched."""
 
 from __future__ import annotations
 
@@ -6,7 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from minisgl.core import FinishReason, ReqOutput, SamplingParams, TokenLogprob
 from minisgl.tokenizer import IncrementalDetokenizer, apply_chat_template, load_tokenizer
+from minisgl.tokenizer.detokenizer import RequestDetokenizer, stop_reason
 from tests.conftest import qwen3_tokenizer_dir
 
 REPLACEMENT_CHAR = "\ufffd"
@@ -149,6 +152,96 @@ def test_stop_inside_multibyte_text(tokenizer):
     detok = IncrementalDetokenizer(tokenizer, _prompt(tokenizer), stop=["世界"])
     joined = "".join(_stream(detok, ids))
     assert detok.stopped and joined == "你好，"
+
+
+# ---- one request's outputs -------------------------------------------------------------------
+
+
+def _outputs(ids: list[int], finish: FinishReason | None, rid: str = "r") -> list[ReqOutput]:
+    """One output per token, as the scheduler sends them; the last carries `finish`."""
+    return [
+        ReqOutput(
+            rid,
+            (token_id,),
+            finish_reason=finish if i == len(ids) - 1 else None,
+            new_logprobs=(TokenLogprob(token_id, -1.0, ()),),
+        )
+        for i, token_id in enumerate(ids)
+    ]
+
+
+@pytest.mark.parametrize("incremental", [True, False])
+def test_final_eos_is_counted_but_not_shown(tokenizer, incremental):
+    ids = tokenizer.encode("Hi there", add_special_tokens=False)
+    eos = tokenizer.eos_token_id
+    params = SamplingParams(skip_special_tokens=False)  # even as text, the final EOS is hidden
+    detok = RequestDetokenizer(tokenizer, _prompt(tokenizer), params, (eos,), incremental)
+    deltas = [detok.add(out) for out in _outputs([*ids, eos], FinishReason.STOP)]
+    assert all(d is not None for d in deltas) and detok.done
+    assert "".join(d.text for d in deltas) == "Hi there"  # type: ignore[union-attr]
+    last = deltas[-1]
+    assert last is not None and last.token_ids == () and last.logprobs == ()
+    assert last.finish_reason == FinishReason.STOP and last.matched_stop == eos
+    assert stop_reason(params, last.matched_stop) is None  # vLLM: EOS is no stop_reason
+    # ignore_eos: an EOS that ends nothing is an ordinary token
+    kept = RequestDetokenizer(
+        tokenizer, _prompt(tokenizer), SamplingParams(ignore_eos=True), (eos,), incremental
+    )
+    ending = [kept.add(out) for out in _outputs([*ids, eos], FinishReason.LENGTH)][-1]
+    assert ending is not None and ending.token_ids == (eos,) and ending.matched_stop is None
+
+
+def test_stop_token_id_is_matched_and_hidden(tokenizer):
+    ids = tokenizer.encode("one two three", add_special_tokens=False)
+    params = SamplingParams(stop_token_ids=(ids[-1],))
+    detok = RequestDetokenizer(tokenizer, _prompt(tokenizer), params, (tokenizer.eos_token_id,))
+    deltas = [detok.add(out) for out in _outputs(ids, FinishReason.STOP)]
+    text = "".join(d.text for d in deltas if d is not None)
+    assert text == tokenizer.decode(ids[:-1])
+    assert deltas[-1] is not None and deltas[-1].matched_stop == ids[-1]
+    assert stop_reason(params, ids[-1]) == ids[-1]
+
+
+def test_stop_string_ends_it_and_drops_what_follows(tokenizer):
+    """A stop string ends the request at once (asking the scheduler to abort it); the outputs
+    the scheduler still sends for it, up to its own end, are dropped."""
+    ids = tokenizer.encode("The answer is 42. END and then more", add_special_tokens=False)
+    params = SamplingParams(stop=("END",))
+    detok = RequestDetokenizer(tokenizer, _prompt(tokenizer), params, (tokenizer.eos_token_id,))
+    outputs = _outputs(ids, FinishReason.ABORT)
+    deltas = [detok.add(out) for out in outputs]
+    ended = [i for i, d in enumerate(deltas) if d is not None and d.finish_reason is not None]
+    assert len(ended) == 1  # exactly one terminal event
+    first = deltas[ended[0]]
+    assert first is not None and first.abort and first.matched_stop == "END"
+    assert first.finish_reason == FinishReason.STOP
+    shown = "".join(d.text for d in deltas if d is not None)
+    assert shown == "The answer is 42. "
+    assert all(d is None for d in deltas[ended[0] + 1 :]) and detok.done
+    assert stop_reason(params, "END") == "END"
+
+
+def test_stop_string_in_the_final_output_needs_no_abort(tokenizer):
+    ids = tokenizer.encode("stop here", add_special_tokens=False)
+    params = SamplingParams(stop=("here",))
+    detok = RequestDetokenizer(tokenizer, _prompt(tokenizer), params, ())
+    out = ReqOutput("r", tuple(ids), finish_reason=FinishReason.LENGTH)
+    delta = detok.add(out)
+    assert delta is not None and not delta.abort and detok.done
+    assert (delta.finish_reason, delta.matched_stop, delta.text) == (
+        FinishReason.STOP,
+        "here",
+        "stop ",
+    )
+
+
+def test_offline_text_is_decoded_once_at_the_end(tokenizer):
+    text = SAMPLE_TEXTS[1]
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    detok = RequestDetokenizer(tokenizer, _prompt(tokenizer), SamplingParams(), (), False)
+    deltas = [detok.add(out) for out in _outputs(ids, FinishReason.LENGTH)]
+    assert [d.text for d in deltas[:-1] if d is not None] == [""] * (len(ids) - 1)
+    assert deltas[-1] is not None and deltas[-1].text == tokenizer.decode(ids)
 
 
 # ---- chat templates ------------------------------------------------------------------------

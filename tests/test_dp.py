@@ -20,12 +20,13 @@ import pytest
 
 from minisgl.api.dialects.sglang import model_info
 from minisgl.config import DataParallelArgs, ServerArgs, data_parallel_args, parse_server_args
-from minisgl.server import dp as dp_module
-from minisgl.server import placement as placement_module
-from minisgl.server.dp import DataParallelStack
-from minisgl.server.gateway import gateway_command, gateway_installed, http_url
-from minisgl.server.launch import CHILD_FAILED_EXIT_CODE, StackError
-from minisgl.server.placement import Placement, plan_placements
+from minisgl.runtime import dp as dp_module
+from minisgl.runtime import placement as placement_module
+from minisgl.runtime.dp import DataParallelStack
+from minisgl.runtime.gateway import gateway_command, gateway_installed
+from minisgl.runtime.launch import CHILD_FAILED_EXIT_CODE, http_url
+from minisgl.runtime.placement import Placement, plan_placements
+from minisgl.runtime.supervisor import StartupError
 from tests.dp_utils import (
     FAST_HEALTH_CHECKS,
     DataParallelProcess,
@@ -92,7 +93,7 @@ def test_placements_split_gpus_and_cores(monkeypatch):
     args = ServerArgs(tp_size=2)
     monkeypatch.setattr(placement_module, "_visible_gpus", lambda _: ["4", "5", "6", "7"])
     assert plan_placements(args, 2) == [Placement("4,5"), Placement("6,7")]
-    with pytest.raises(StackError, match="needs 6 GPUs; 4 visible"):
+    with pytest.raises(StartupError, match="needs 6 GPUs; 4 visible"):
         plan_placements(args, 3)
     monkeypatch.setattr(placement_module, "_visible_gpus", lambda _: [])
     monkeypatch.setattr(os, "sched_getaffinity", lambda _: {0, 1, 2, 3, 4}, raising=False)
@@ -111,7 +112,7 @@ def test_tp_ranks_split_the_cores_of_their_replica(monkeypatch):
 
 def test_what_dp_refuses(monkeypatch):
     monkeypatch.setattr(dp_module, "gateway_installed", lambda: False)
-    with pytest.raises(StackError) as info:
+    with pytest.raises(StartupError) as info:
         DataParallelStack(ServerArgs(), DataParallelArgs(2)).start()
     assert "pip install sglang-router" in str(info.value) and "--no-router" in str(info.value)
     refused = {
@@ -120,7 +121,7 @@ def test_what_dp_refuses(monkeypatch):
         "CUDA_VISIBLE_DEVICES": ServerArgs(device="cuda:1"),
     }
     for words, args in refused.items():
-        with pytest.raises(StackError, match=words):
+        with pytest.raises(StartupError, match=words):
             DataParallelStack(args, DataParallelArgs(2, use_router=False)).start()
 
 
@@ -128,7 +129,8 @@ class _FakeStack:
     """A replica without processes: it fails when told to."""
 
     def __init__(self, args: ServerArgs, replica: int) -> None:
-        self.failure: str | None = None
+        self.replica, self.url = replica, http_url(args.host, args.port)
+        self.failed_with: str | None = None
         self.on_check = lambda: None
         self.shutdowns: list[bool] = []
         self.sentinels: list[int] = []
@@ -139,9 +141,9 @@ class _FakeStack:
 
     def request_stop(self) -> None: ...
 
-    def exited_child(self) -> str | None:
+    def failure(self) -> str | None:
         self.on_check()
-        return self.failure
+        return self.failed_with
 
     def shutdown(self, backend_failed: bool = False) -> None:
         self.shutdowns.append(backend_failed)
@@ -156,8 +158,8 @@ def test_a_lost_replica_is_stopped_and_the_rest_serve(monkeypatch, caplog):
     assert launch.ready_message().endswith(
         "replicas at http://127.0.0.1:5001, http://127.0.0.1:5002"
     )
-    first, second = (replica.stack for replica in launch._replicas)
-    second.failure = "sched1 exited unexpectedly (killed by SIGKILL)"
+    first, second = launch._replicas
+    second.failed_with = "sched1 exited unexpectedly (killed by SIGKILL)"
     first.on_check = launch.request_stop  # then SIGTERM arrives
     assert launch.watch() == 0
     assert "replica 1 (http://127.0.0.1:5002): sched1 exited" in caplog.text
@@ -167,7 +169,7 @@ def test_a_lost_replica_is_stopped_and_the_rest_serve(monkeypatch, caplog):
     lost_all = DataParallelStack(ServerArgs(port=5000), DataParallelArgs(2, use_router=False))
     lost_all.start()
     for replica in lost_all._replicas:
-        replica.stack.failure = "api exited"
+        replica.failed_with = "api exited"
     assert lost_all.watch() == CHILD_FAILED_EXIT_CODE  # nothing left to serve
 
 

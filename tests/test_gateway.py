@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from minisgl.server.gateway import gateway_installed
+from minisgl.runtime.gateway import gateway_installed
 from tests.dp_utils import FAST_HEALTH_CHECKS, DataParallelProcess, prompt_tokens_served, start_dp
 
 pytestmark = pytest.mark.skipif(

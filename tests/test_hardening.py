@@ -29,10 +29,10 @@ from minisgl.api.pipeline import ChoiceFailed, openai_error_frames, stream_frame
 from minisgl.config import ServerArgs
 from minisgl.core import MAX_STOP_STRINGS, FinishReason, ReqOutput, SamplingParams
 from minisgl.limits import ModelLimits, check_request, resolve_max_tokens
-from minisgl.message import BatchTokenOutput, Endpoints, MessageQueue, TokenizedRequest
 from minisgl.runtime.engine_client import EngineClient
+from minisgl.runtime.messages import BatchTokenOutput, Endpoints, MessageQueue, TokenizedRequest
+from minisgl.runtime.scheduler_proc import MAX_FAILED_STEPS_IN_A_ROW, SchedulerLoop
 from minisgl.scheduler.scheduler import Scheduler
-from minisgl.server.scheduler_proc import MAX_FAILED_STEPS_IN_A_ROW, SchedulerLoop
 from minisgl.tokenizer import apply_chat_template, load_tokenizer
 from tests.conftest import QWEN3_VOCAB
 from tests.server_utils import ServerProcess, running_server, wait_idle
@@ -154,10 +154,10 @@ def test_scheduler_loop_survives_a_failed_step(tiny_qwen3, monkeypatch):
     sched = Scheduler(
         ServerArgs(model=str(tiny_qwen3), dtype="float32", num_pages=600, overlap="off")
     )
-    detokenizer = MessageQueue("pull", endpoints.detokenizer_in, bind=True)
-    api = MessageQueue("pull", endpoints.api_in, bind=True)
+    detokenizer = MessageQueue("pull", endpoints.detokenizer_in)
+    api = MessageQueue("pull", endpoints.api_in)
     loop = SchedulerLoop(sched, endpoints)
-    to_scheduler = MessageQueue("push", endpoints.scheduler_in, bind=False)
+    to_scheduler = MessageQueue("push", endpoints.scheduler_in)
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     real_forward = sched.engine.forward
     failures = {"left": 1}

@@ -3,6 +3,7 @@ and the scheduler's numbers (retractions, per-step batch sizes) on their way to 
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from types import SimpleNamespace
 
@@ -12,20 +13,83 @@ import torch
 from minisgl import LLM, SamplingParams
 from minisgl.api.metrics import GPU_METRIC_NAMES, ServerMetrics
 from minisgl.core import FinishReason
-from minisgl.message import StatsReply, decode, encode
+from minisgl.engine.gpu_probe import GPU_SAMPLE_INTERVAL_S, GpuProbe, GpuSample, make_gpu_probe
+from minisgl.runtime.messages import StatsReply, decode, encode
+from minisgl.runtime.scheduler_proc import build_stats_reply
 from minisgl.scheduler.stats import (
     BATCH_SIZE_BUCKETS,
     QUEUE_TIME_BUCKETS_S,
     HistogramCounts,
+    HistogramSnapshot,
+    SchedulerStats,
     ThroughputWindow,
 )
-from minisgl.server.gpu_stats import GPU_SAMPLE_INTERVAL_S, GpuProbe, make_gpu_probe
-from minisgl.server.scheduler_proc import build_stats_reply
 from tests.server_utils import parse_metrics
 from tests.test_scheduler import GREEDY, NEW_TOKENS, workload
 
 GIB = 1 << 30
 RETRACTION_POOL_TOKENS = 168  # test_scheduler's pool that forces retractions on its workload
+# Every number the scheduler's stats export on /metrics today, written out by hand: its type and
+# help text, and which SchedulerStats value it shows (dashboards and alerts depend on all three).
+SCHEDULER_METRICS = {
+    "prompt_tokens": ("counter", "Prompt tokens of admitted requests", "prompt_tokens_total"),
+    "generation_tokens": ("counter", "Tokens generated", "generation_tokens_total"),
+    "cached_prompt_tokens": (
+        "counter", "Prompt tokens served from the prefix cache", "cached_prompt_tokens_total"
+    ),
+    "prefix_cache_queries": (
+        "counter", "Prompt tokens looked up in the prefix cache", "prompt_tokens_total"
+    ),
+    "prefix_cache_hits": (
+        "counter", "Prompt tokens found in the prefix cache", "cached_prompt_tokens_total"
+    ),
+    "prefill_tokens": (
+        "counter", "Prompt tokens computed (prefix-cache hits excluded)", "prefill_tokens_total"
+    ),
+    "num_retractions": (
+        "counter",
+        "Running requests retracted (KV freed, requeued) to make room",
+        "num_retractions_total",
+    ),
+    "num_running_reqs": ("gauge", "Requests in the running batch", "num_running_reqs"),
+    "num_queue_reqs": ("gauge", "Requests waiting to be scheduled", "num_queue_reqs"),
+    "kv_cache_usage_ratio": ("gauge", "Fraction of KV pages in use", "kv_cache_usage_ratio"),
+    "num_free_kv_pages": ("gauge", "Free KV pages", "num_free_pages"),
+    "num_total_kv_pages": ("gauge", "KV pages in the pool", "num_total_pages"),
+    "gen_throughput": (
+        "gauge",
+        "Generated tokens per second over the last few seconds",
+        "gen_throughput_tokens_per_s",
+    ),
+    "gpu_utilization_ratio": (
+        "gauge", "Fraction of time a kernel ran on the GPU (NVML)", "gpu_utilization_ratio"
+    ),
+    "gpu_memory_used_bytes": (
+        "gauge", "GPU memory in use on the device (all processes)", "gpu_memory_used_bytes"
+    ),
+    "gpu_memory_total_bytes": ("gauge", "GPU memory of the device", "gpu_memory_total_bytes"),
+    "queue_time_seconds": (
+        "histogram", "Time from arrival at the scheduler to first admission", "queue_time_s"
+    ),
+    "iteration_num_reqs": (
+        "histogram", "Requests in one forward step (decodes and prefill chunks)", "batch_size"
+    ),
+    "iteration_tokens": ("histogram", "Tokens computed in one forward step", "batch_tokens"),
+}  # fmt: skip
+
+
+def stats(**values) -> SchedulerStats:
+    """A SchedulerStats of zeros, but for `values`."""
+    required = [
+        f.name
+        for f in dataclasses.fields(SchedulerStats)
+        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    ]
+    return SchedulerStats(**(dict.fromkeys(required, 0) | values))
+
+
+def reply_of(scheduler_stats: SchedulerStats) -> StatsReply:
+    return StatsReply(1, 128, 10, eos_token_ids=(2,), kv_capacity_tokens=64, stats=scheduler_stats)
 
 
 def render(reply: StatsReply | None, metrics: ServerMetrics | None = None) -> dict[str, float]:
@@ -52,18 +116,16 @@ def test_throughput_window():
 
 def test_scheduler_numbers_are_exported():
     queue_counts = (1, 2) + (0,) * (len(QUEUE_TIME_BUCKETS_S) - 2) + (3,)
-    reply = StatsReply(
-        request_id=1,
-        max_model_len=128,
-        vocab_size=10,
-        prompt_tokens_total=100,
-        cached_prompt_tokens_total=40,
-        prefill_tokens_total=60,
-        generation_tokens_total=7,
-        num_retractions_total=3,
-        gen_throughput_tokens_per_s=12.5,
-        queue_time_s_bucket_counts=queue_counts,
-        queue_time_s_sum=99.0,
+    reply = reply_of(
+        stats(
+            prompt_tokens_total=100,
+            cached_prompt_tokens_total=40,
+            prefill_tokens_total=60,
+            generation_tokens_total=7,
+            num_retractions_total=3,
+            gen_throughput_tokens_per_s=12.5,
+            queue_time_s=HistogramSnapshot(queue_counts, 99.0),
+        )
     )
     assert decode(encode(reply)) == reply
     values = render(reply)
@@ -85,13 +147,12 @@ def test_scheduler_numbers_are_exported():
 
 
 def test_gpu_gauges_only_with_gpu_numbers():
-    reply = StatsReply(
-        request_id=1,
-        max_model_len=128,
-        vocab_size=10,
-        gpu_utilization_ratio=0.25,
-        gpu_memory_used_bytes=3 * GIB,
-        gpu_memory_total_bytes=8 * GIB,
+    reply = reply_of(
+        stats(
+            gpu_utilization_ratio=0.25,
+            gpu_memory_used_bytes=3 * GIB,
+            gpu_memory_total_bytes=8 * GIB,
+        )
     )
     values = render(reply)
     assert values.keys() >= GPU_METRIC_NAMES
@@ -127,8 +188,8 @@ def test_gpu_probe(monkeypatch):
     assert isinstance(probe, GpuProbe) and probe.device_index == 1
     sample = probe.sample(0.0)
     assert sample is not None
-    assert sample.utilization_ratio == pytest.approx(0.37)
-    assert (sample.memory_used_bytes, sample.memory_total_bytes) == (6 * GIB, 8 * GIB)
+    assert sample.gpu_utilization_ratio == pytest.approx(0.37)
+    assert (sample.gpu_memory_used_bytes, sample.gpu_memory_total_bytes) == (6 * GIB, 8 * GIB)
     assert probe.sample(GPU_SAMPLE_INTERVAL_S / 2) is sample  # not read again so soon
     assert next(calls) == 1
 
@@ -137,8 +198,8 @@ def test_gpu_probe(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "utilization", no_nvml)
     later = probe.sample(2 * GPU_SAMPLE_INTERVAL_S)
-    assert later is not None and later.utilization_ratio is None  # memory still reported
-    assert later.memory_total_bytes == 8 * GIB
+    assert later is not None and later.gpu_utilization_ratio is None  # memory still reported
+    assert later.gpu_memory_total_bytes == 8 * GIB
 
 
 def test_retractions_and_batches_reach_metrics(tiny_qwen3):
@@ -173,29 +234,68 @@ def test_retractions_and_batches_reach_metrics(tiny_qwen3):
         llm.shutdown()
 
 
-def test_build_stats_reply_maps_every_field():
-    """Every SchedulerStats number lands in the reply under its own name."""
-    stats = SimpleNamespace(
-        num_running_reqs=1,
-        num_queue_reqs=2,
-        kv_cache_usage_ratio=0.5,
-        num_free_pages=3,
-        num_total_pages=4,
-        prompt_tokens_total=5,
-        generation_tokens_total=6,
-        cached_prompt_tokens_total=7,
-        prefill_tokens_total=8,
-        num_retractions_total=9,
-        aborted_requests_total=10,
-        queue_time_s=HistogramCounts((1.0,)).snapshot(),
-        batch_size=HistogramCounts((1.0,)).snapshot(),
-        batch_tokens=HistogramCounts((1.0,)).snapshot(),
-    )
+def test_build_stats_reply_adds_the_process_numbers():
+    """The scheduler's own stats pass through whole; this process adds throughput and GPU."""
+    scheduler_stats = stats(num_running_reqs=1, prompt_tokens_total=5, num_total_pages=4)
     scheduler = SimpleNamespace(
-        stats=lambda: stats, max_model_len=64, vocab_size=32, eos_token_ids=(2,), page_size=16
+        stats=lambda: scheduler_stats,
+        max_model_len=64,
+        vocab_size=32,
+        eos_token_ids=[2],
+        page_size=16,
     )
-    reply = build_stats_reply(scheduler, ThroughputWindow(), None)
-    for name in ("num_running_reqs", "prompt_tokens_total", "prefill_tokens_total"):
-        assert getattr(reply, name) == getattr(stats, name)
-    assert reply.num_retractions_total == 9 and reply.kv_capacity_tokens == 4 * 16
-    assert reply.gpu_utilization_ratio is None
+    gpu = SimpleNamespace(sample=lambda now_s: GpuSample(0.5, 3 * GIB, 8 * GIB))
+    reply = build_stats_reply(scheduler, ThroughputWindow(), gpu)  # type: ignore[arg-type]
+    assert (reply.max_model_len, reply.vocab_size, reply.eos_token_ids) == (64, 32, (2,))
+    assert reply.kv_capacity_tokens == 4 * 16
+    assert reply.stats == dataclasses.replace(
+        scheduler_stats,
+        gpu_utilization_ratio=0.5,
+        gpu_memory_used_bytes=3 * GIB,
+        gpu_memory_total_bytes=8 * GIB,
+    )
+    assert build_stats_reply(scheduler, ThroughputWindow(), None).stats == scheduler_stats
+
+
+def test_every_scheduler_metric_keeps_its_name_type_and_help():
+    """Each metric is exported from one SchedulerStats field, as it always was: exact names,
+    types and help texts, each showing its own value."""
+    values = {name: 10.0 + i for i, name in enumerate(SchedulerStats.__dataclass_fields__)}
+    histogram = HistogramSnapshot((1, 2) + (0,) * 12, 7.0)
+    for name in ("queue_time_s", "batch_size", "batch_tokens"):
+        values[name] = dataclasses.replace(histogram, sum=values[name])  # type: ignore[assignment]
+    text = ServerMetrics(lambda: reply_of(SchedulerStats(**values))).render().decode()
+    families = {
+        line.split()[2]: line.split()[3]
+        for line in text.splitlines()
+        if line.startswith("# TYPE minisgl:")
+    }
+    helps = {
+        line.split()[2]: line.split(" ", 3)[3]
+        for line in text.splitlines()
+        if line.startswith("# HELP minisgl:")
+    }
+    parsed = parse_metrics(text)
+    exposed = set()
+    for name, (kind, help_text, field_name) in SCHEDULER_METRICS.items():
+        shown = f"minisgl:{name}_total" if kind == "counter" else f"minisgl:{name}"
+        exposed.add(shown)
+        assert (families[shown], helps[shown]) == (kind, help_text), name
+        value = values[field_name]
+        if kind == "counter":
+            assert parsed[f"minisgl:{name}_total"] == value
+        elif kind == "gauge":
+            assert parsed[f"minisgl:{name}"] == value
+        else:
+            assert parsed[f"minisgl:{name}_sum"] == value.sum  # type: ignore[union-attr]
+            assert parsed[f"minisgl:{name}_count"] == 3
+    server_side = {
+        "minisgl:aborted_requests_total",
+        "minisgl:request_success_total",
+        "minisgl:time_to_first_token_seconds",
+        "minisgl:inter_token_latency_seconds",
+        "minisgl:http_requests_total",
+        "minisgl:e2e_request_latency_seconds",
+    }
+    created = {name for name in families if name.endswith("_created")}  # prometheus_client's own
+    assert families.keys() - created == exposed | server_side

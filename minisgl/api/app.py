@@ -34,9 +34,9 @@ from minisgl.config import ServerArgs
 from minisgl.core import InvalidRequestError
 from minisgl.limits import ModelLimits
 from minisgl.models.config import load_sampling_defaults
-from minisgl.runtime.engine_client import EngineClient
+from minisgl.models.names import accepted_model_names, served_model_name
+from minisgl.runtime.engine_client import BACKEND_STOPPED, EngineClient
 from minisgl.runtime.messages import Endpoints, StatsReply
-from minisgl.runtime.model_names import accepted_model_names, served_model_name
 from minisgl.runtime.supervisor import BACKEND_FAILED_SIGNAL, ChildStartupError
 from minisgl.tokenizer import load_tokenizer
 
@@ -55,7 +55,6 @@ GRACEFUL_SHUTDOWN_S = 2
 DRAIN_POLL_S = 0.05
 KEEP_ALIVE_S = 30
 STARTUP_POLL_S = 0.05
-BACKEND_STOPPED = "The inference backend stopped unexpectedly; the request was not completed."
 
 
 def _validation_error_body(exc: RequestValidationError) -> dict[str, Any]:
@@ -226,7 +225,7 @@ class _Shutdown:
         self._engine = engine
         self._timeout_s = timeout_s
         self._hurry = False
-        self._error: str | None = None
+        self._error: str | None = None  # set: the backend stopped, open requests fail with it
         self._task: asyncio.Task | None = None
 
     def on_signal(self, sig: int) -> None:

@@ -1,7 +1,9 @@
 """The API server's side of the IPC: send requests, route results to per-request queues.
 
 One asyncio task reads the detokenizer's socket and dispatches each output to the queue of the
-request group it belongs to; handlers only ever await their own queue.
+request group it belongs to; handlers only ever await their own queue. When the backend goes
+away (a drain that ran out of time, or a process that died), every open request still ends:
+as aborted, or with a BackendUnavailable on its queue.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from minisgl.core import FinishReason, SamplingParams
-from minisgl.message import (
+from minisgl.runtime.messages import (
     AbortRequest,
     BatchDetokenizedOutput,
     DetokenizedOutput,
@@ -27,15 +29,18 @@ from minisgl.message import (
     TokenizedRequest,
 )
 
-
-class BackendUnavailable(Exception):
-    pass
-
-
 logger = logging.getLogger(__name__)
 
 # Put on a group's queue when its client disconnects, so the handler wakes up and aborts.
 DISCONNECTED = object()
+SHUTTING_DOWN = "The server is shutting down."
+BACKEND_STOPPED = "The inference backend stopped unexpectedly; the request was not completed."
+
+
+class BackendUnavailable(Exception):
+    """The backend takes no more requests (shutting down, or stopped): `submit` raises it, and
+    `abort_all(message)` puts it on each open request's queue. The API answers it with a 503;
+    its one argument is the message."""
 
 
 @dataclass
@@ -47,9 +52,9 @@ class RoutedOutput:
 class EngineClient:
     def __init__(self, endpoints: Endpoints) -> None:
         # Sends go through plain sockets: with no high-water mark they never block the loop.
-        self._to_scheduler = MessageQueue("push", endpoints.scheduler_in, bind=False)
-        self._to_scheduler_ctl = MessageQueue("push", endpoints.scheduler_ctl, bind=False)
-        self._inbox = MessageQueue("pull", endpoints.api_in, bind=True, asyncio=True)
+        self._to_scheduler = MessageQueue("push", endpoints.scheduler_in)
+        self._to_scheduler_ctl = MessageQueue("push", endpoints.scheduler_ctl)
+        self._inbox = MessageQueue("pull", endpoints.api_in, asyncio=True)
         self._routes: dict[str, tuple[asyncio.Queue, int]] = {}
         # Control replies (stats, cache flush) by request id: one counter for both kinds.
         self._waiters: dict[int, asyncio.Future[Any]] = {}
@@ -59,8 +64,8 @@ class EngineClient:
         # Event-loop time of the latest output from the backend: proof that it generates
         # (/health_generate).
         self.last_output_s = float("-inf")
-        # Set when the scheduler is going away (shutdown, or it died): new submits raise it.
-        self._closed_error: BackendUnavailable | None = None
+        # Set when the scheduler is going away (shutdown, or it died): why new submits fail.
+        self._closed_message: str | None = None
 
     def start(self) -> None:
         self._reader = asyncio.create_task(self._read_loop(), name="minisgl-engine-reader")
@@ -76,8 +81,6 @@ class EngineClient:
         while True:
             try:
                 self._dispatch(await self._inbox.aget())
-            except asyncio.CancelledError:
-                raise
             except Exception:  # a dead reader would leave every request waiting forever
                 logger.exception("api server: could not handle a message from the backend")
 
@@ -112,16 +115,17 @@ class EngineClient:
     ) -> None:
         """Start one sequence; its outputs arrive on `queue` tagged with `index`.
         The route exists only once the send succeeded, so a failed send leaves nothing behind."""
-        if self._closed_error is not None:
-            raise self._closed_error
+        if self._closed_message is not None:
+            raise BackendUnavailable(self._closed_message)
         self._to_scheduler.put(TokenizedRequest(rid, tuple(input_ids), params, grammar_blob))
         self._routes[rid] = (queue, index)
 
     def abort_all(self, error: str | None = None) -> None:
         """Shutdown: end every open request now so no handler waits on a scheduler that is about
         to stop, and refuse new ones. Without `error` they end as aborted (a drain that ran out
-        of time); with it, `error` is raised to each handler (the backend died)."""
-        self._closed_error = BackendUnavailable(error or "The server is shutting down.")
+        of time); with it, BackendUnavailable(error) goes on each one's queue (the backend
+        died, BACKEND_STOPPED)."""
+        self._closed_message = error or SHUTTING_DOWN
         for rid, (queue, index) in list(self._routes.items()):
             self.abort(rid)
             if error is not None:

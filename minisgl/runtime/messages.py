@@ -1,3 +1,293 @@
-"""TEMPORARY shim (api branch): replaced by the runtime branch at merge."""
+"""Messages between minisgl processes, their codec and the queue that carries them.
 
-from minisgl.message import *  # noqa: F403
+Process layout (tp=1):
+
+    API server --TokenizedRequest/AbortRequest-->  scheduler       (scheduler_in, PULL)
+    API server --FlushCacheRequest-------------->  scheduler       (scheduler_in)
+    API server --StatsRequest------------------->  scheduler ctl   (scheduler_ctl, PULL)
+    scheduler  --DetokenizeInit/BatchTokenOutput-> detokenizer     (detokenizer_in, PULL)
+    detokenizer --AbortRequest (stop string)----->  scheduler       (scheduler_in)
+    detokenizer --BatchDetokenizedOutput--------->  API server      (api_in, PULL)
+    scheduler (ctl) --FlushCacheReply/StatsReply->  API server      (api_in)
+
+Every receiver binds its PULL socket; senders connect (MessageQueue does it). The codec is
+msgpack with an explicit registry: each message dataclass has a fixed tag and is encoded as an
+ext value holding [tag, field values...]; nested dataclasses (SamplingParams, ReqOutput,
+TokenLogprob, SchedulerStats) and enums travel the same way. Arrays decode as tuples, so
+sequence fields are typed as tuples.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import msgpack
+import zmq
+import zmq.asyncio
+
+from minisgl.core import Constraint, FinishReason, ReqOutput, SamplingParams, TokenLogprob
+from minisgl.scheduler.stats import HistogramSnapshot, SchedulerStats
+
+# ---------------------------------------------------------------------------------------------
+# Messages
+
+
+@dataclass(frozen=True)
+class TokenizedRequest:
+    """A new request for the scheduler: the prompt is already token ids."""
+
+    rid: str
+    input_ids: tuple[int, ...]
+    sampling_params: SamplingParams
+    # sampling_params.constraint compiled by the API server (minisgl.grammar), so the scheduler
+    # never compiles on its loop; None for unconstrained requests.
+    grammar_blob: str | None = None
+
+
+@dataclass(frozen=True)
+class AbortRequest:
+    """Stop a request (client gone, or a stop string seen); its KV pages are freed."""
+
+    rid: str
+
+
+@dataclass(frozen=True)
+class DetokenizeInit:
+    """Sent by the scheduler ahead of a request's first output, on the same socket, so the
+    detokenizer always knows a request before its tokens arrive."""
+
+    rid: str
+    prompt_tail_ids: tuple[int, ...]  # the last few prompt tokens seed the decoding window
+    sampling_params: SamplingParams
+    eos_token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class BatchTokenOutput:
+    """One scheduler step's results."""
+
+    outputs: tuple[ReqOutput, ...]
+
+
+@dataclass(frozen=True)
+class DetokenizedOutput:
+    """One request's progress as text, for the API server."""
+
+    rid: str
+    text: str  # new text, safe to show (no partial characters, no stop string)
+    token_ids: tuple[int, ...]  # new tokens whose text is shown (a final eos is not)
+    num_new_tokens: int  # new tokens generated, a hidden final eos included (for usage)
+    logprobs: tuple[TokenLogprob, ...] = ()
+    finish_reason: FinishReason | None = None
+    prompt_len: int = 0
+    num_cached_prompt_tokens: int = 0
+    error: str | None = None
+    internal_error: bool = False  # ReqOutput.internal_error: a 500, not a 400
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()  # ReqOutput.prompt_logprobs, passed on
+    # What ended a STOP finish: the stop string, or the final token's id (EOS or a stop token);
+    # None otherwise.
+    matched_stop: int | str | None = None
+
+
+@dataclass(frozen=True)
+class BatchDetokenizedOutput:
+    outputs: tuple[DetokenizedOutput, ...]
+
+
+@dataclass(frozen=True)
+class StatsRequest:
+    """Ping + stats query; the scheduler answers with a StatsReply carrying the same id."""
+
+    request_id: int
+
+
+@dataclass(frozen=True)
+class StatsReply:
+    """The scheduler's numbers (SchedulerStats defines them and how /metrics exports them) and
+    what the API server needs to know about the model."""
+
+    request_id: int
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    kv_capacity_tokens: int  # total pages x page size: the most one sequence can hold
+    stats: SchedulerStats
+
+
+@dataclass(frozen=True)
+class FlushCacheRequest:
+    """Empty the prefix cache (SGLang's /flush_cache); only done when the scheduler is idle.
+    Sent on the scheduler's request socket, so it comes after every request sent before it."""
+
+    request_id: int
+
+
+@dataclass(frozen=True)
+class FlushCacheReply:
+    request_id: int
+    flushed: bool
+    message: str = ""
+
+
+# ---------------------------------------------------------------------------------------------
+# Codec
+
+# msgpack ext type codes: one for registered dataclasses, one for registered enums.
+EXT_DATACLASS = 1
+EXT_ENUM = 2
+
+# Tags are part of the wire format between processes of one launch: append, never renumber.
+_DATACLASS_TAGS: dict[type, int] = {
+    SamplingParams: 1,
+    TokenLogprob: 2,
+    ReqOutput: 3,
+    TokenizedRequest: 10,
+    AbortRequest: 11,
+    DetokenizeInit: 12,
+    BatchTokenOutput: 13,
+    DetokenizedOutput: 14,
+    BatchDetokenizedOutput: 15,
+    StatsRequest: 16,
+    StatsReply: 17,
+    Constraint: 4,
+    FlushCacheRequest: 18,
+    FlushCacheReply: 19,
+    SchedulerStats: 5,
+    HistogramSnapshot: 6,
+}
+_ENUM_TAGS: dict[type, int] = {FinishReason: 1}
+
+_DATACLASS_BY_TAG = {tag: cls for cls, tag in _DATACLASS_TAGS.items()}
+_ENUM_BY_TAG = {tag: cls for cls, tag in _ENUM_TAGS.items()}
+_INIT_FIELDS = {
+    cls: tuple(f.name for f in dataclasses.fields(cls) if f.init) for cls in _DATACLASS_TAGS
+}
+
+
+def _default(obj: Any) -> Any:
+    cls = type(obj)
+    if cls is tuple:
+        return list(obj)
+    if cls in _DATACLASS_TAGS:
+        values = [_DATACLASS_TAGS[cls], *(getattr(obj, name) for name in _INIT_FIELDS[cls])]
+        return msgpack.ExtType(EXT_DATACLASS, encode(values))
+    if cls in _ENUM_TAGS:
+        return msgpack.ExtType(EXT_ENUM, encode([_ENUM_TAGS[cls], obj.value]))
+    raise TypeError(f"cannot encode {cls.__name__}: not in the message registry")
+
+
+def _ext_hook(code: int, data: bytes) -> Any:
+    values = decode(data)
+    if code == EXT_DATACLASS:
+        cls = _DATACLASS_BY_TAG[values[0]]
+        return cls(*values[1:])
+    if code == EXT_ENUM:
+        return _ENUM_BY_TAG[values[0]](values[1])
+    raise ValueError(f"unknown msgpack ext code {code}")
+
+
+def encode(message: Any) -> bytes:
+    # strict_types: FinishReason is a str subclass and must reach _default, not pack as a str.
+    return msgpack.packb(message, default=_default, strict_types=True)
+
+
+def decode(data: bytes) -> Any:
+    return msgpack.unpackb(data, ext_hook=_ext_hook, use_list=False)
+
+
+# ---------------------------------------------------------------------------------------------
+# Endpoints and the queue
+
+
+@dataclass(frozen=True)
+class Endpoints:
+    """ipc:// socket paths inside one private per-launch folder."""
+
+    root: str
+
+    @classmethod
+    def create(cls) -> Endpoints:
+        # mkdtemp makes the folder with mode 0700: other users cannot connect to our sockets.
+        return cls(tempfile.mkdtemp(prefix="minisgl-"))
+
+    def _path(self, name: str) -> str:
+        return f"ipc://{os.path.join(self.root, name)}"
+
+    @property
+    def scheduler_in(self) -> str:
+        return self._path("scheduler_in")
+
+    @property
+    def scheduler_ctl(self) -> str:
+        return self._path("scheduler_ctl")
+
+    @property
+    def detokenizer_in(self) -> str:
+        return self._path("detokenizer_in")
+
+    @property
+    def api_in(self) -> str:
+        return self._path("api_in")
+
+    def remove(self) -> None:
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+SocketKind = Literal["push", "pull"]
+_SOCKET_TYPES = {"push": zmq.PUSH, "pull": zmq.PULL}
+# Sends must never block a process's loop: no high-water mark, and closing drops unsent data
+# after this long instead of hanging on a peer that is gone.
+LINGER_MS = 500
+MS_PER_S = 1000
+
+
+class MessageQueue:
+    """A typed message pipe over one ZeroMQ socket: "push" sends, "pull" receives.
+
+    `asyncio=True` uses pyzmq's asyncio socket, for the API server's event loop: then `aget` is
+    the way to receive. `put` never blocks either way.
+    """
+
+    def __init__(self, kind: SocketKind, endpoint: str, *, asyncio: bool = False) -> None:
+        self.kind = kind
+        context: zmq.Context = zmq.asyncio.Context.instance() if asyncio else zmq.Context.instance()
+        self._socket = context.socket(_SOCKET_TYPES[kind])
+        self._socket.setsockopt(zmq.LINGER, LINGER_MS)
+        self._socket.setsockopt(zmq.SNDHWM, 0)
+        self._socket.setsockopt(zmq.RCVHWM, 0)
+        if kind == "pull":  # every receiver binds its socket; senders connect
+            self._socket.bind(endpoint)
+        else:
+            self._socket.connect(endpoint)
+
+    def put(self, message: Any) -> None:
+        assert self.kind == "push", "cannot send on a pull socket"
+        self._socket.send(encode(message), copy=False)
+
+    def get(self, timeout_s: float | None = None) -> Any | None:
+        """Next message; None if nothing arrives within timeout_s (0: do not wait)."""
+        if timeout_s is not None and not self._socket.poll(int(timeout_s * MS_PER_S), zmq.POLLIN):
+            return None
+        return decode(self._socket.recv())
+
+    def get_all(self, timeout_s: float = 0.0) -> list[Any]:
+        """Every message waiting, after waiting up to timeout_s for the first one."""
+        first = self.get(timeout_s)
+        if first is None:
+            return []
+        messages = [first]
+        while self._socket.poll(0, zmq.POLLIN):
+            messages.append(decode(self._socket.recv()))
+        return messages
+
+    async def aget(self) -> Any:
+        data = await self._socket.recv()  # type: ignore[misc]
+        return decode(data)
+
+    def close(self) -> None:
+        self._socket.close()

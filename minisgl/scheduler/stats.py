@@ -1,7 +1,12 @@
 """The scheduler's numbers for /metrics and tests: counters, per-step histograms, throughput.
 
-Everything here is plain Python (no torch): the API server imports the bucket bounds to label
-the histograms it exports, and the scheduler process fills them in.
+`SchedulerStats` is their one definition: each field carries, as dataclass metadata, how /metrics
+exports it (its `Metric`: kind, name(s), help text). The scheduler fills in its own numbers, the
+scheduler process adds its process-level ones (throughput, GPU), the StatsReply message carries
+the whole snapshot to the API server, and the Prometheus collector there (minisgl.api.metrics)
+exports every field that has a Metric. A new metric is one new field.
+
+Everything here is plain Python (no torch): the API server imports it.
 """
 
 from __future__ import annotations
@@ -9,6 +14,7 @@ from __future__ import annotations
 import bisect
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any, Literal
 
 # Histogram bucket upper bounds (Prometheus `le`); values above the last go to +Inf.
 # Queue time: from arrival at the scheduler to first admission, a fast GPU step to a long backlog.
@@ -39,7 +45,7 @@ class HistogramCounts:
 
     bounds: tuple[float, ...]
     counts: list[int] = field(init=False)
-    total: float = 0.0
+    sum: float = 0.0  # of the observed values
 
     def __post_init__(self) -> None:
         self.counts = [0] * (len(self.bounds) + 1)
@@ -47,10 +53,10 @@ class HistogramCounts:
     def observe(self, value: float) -> None:
         # bisect_left: a value equal to a bound belongs to that bound's bucket (le = "<=").
         self.counts[bisect.bisect_left(self.bounds, value)] += 1
-        self.total += value
+        self.sum += value
 
     def snapshot(self) -> HistogramSnapshot:
-        return HistogramSnapshot(tuple(self.counts), self.total)
+        return HistogramSnapshot(tuple(self.counts), self.sum)
 
 
 @dataclass
@@ -72,24 +78,102 @@ def _empty(bounds: tuple[float, ...]) -> HistogramSnapshot:
     return HistogramCounts(bounds).snapshot()
 
 
+MetricKind = Literal["counter", "gauge", "histogram"]
+METRIC = "metric"  # the dataclass metadata key
+
+
+@dataclass(frozen=True)
+class Metric:
+    """How /metrics exports one SchedulerStats field. Several (name, help) pairs export one value
+    under several names: where vLLM's and SGLang's names for it differ, both. Names are without
+    the `minisgl:` prefix, counters without the `_total` that Prometheus appends. A gauge whose
+    value is None is not exported (the GPU's, off CUDA)."""
+
+    kind: MetricKind
+    names: tuple[tuple[str, str], ...]  # (name, help)
+    bucket_bounds: tuple[float, ...] = ()  # histograms: the buckets' upper bounds
+
+
+def _exported(
+    kind: MetricKind, names: tuple[tuple[str, str], ...], bounds: tuple[float, ...] = (), **kw: Any
+) -> Any:
+    """A SchedulerStats field exported as `kind`; `kw` go to dataclasses.field (a default)."""
+    return field(metadata={METRIC: Metric(kind, names, bounds)}, **kw)
+
+
+def _gauge(name: str, help_text: str, **kw: Any) -> Any:
+    return _exported("gauge", ((name, help_text),), **kw)
+
+
+def _counter(*names: tuple[str, str]) -> Any:
+    return _exported("counter", names)
+
+
+def _histogram(name: str, help_text: str, bounds: tuple[float, ...]) -> Any:
+    """Empty (zero counts) until observed."""
+    return _exported(
+        "histogram", ((name, help_text),), bounds, default_factory=lambda: _empty(bounds)
+    )
+
+
 @dataclass(frozen=True)
 class SchedulerStats:
     """A snapshot for /metrics and tests. Counters are totals since start."""
 
-    num_running_reqs: int
-    num_queue_reqs: int
-    kv_cache_usage_ratio: float  # pages held by live requests (and their locked prefixes) / all
-    num_free_pages: int  # free list plus evictable cache
-    num_total_pages: int
-    prompt_tokens_total: int  # prompt tokens looked up in the prefix cache (first admission)
-    generation_tokens_total: int
-    cached_prompt_tokens_total: int  # of those, tokens found in the cache
-    prefill_tokens_total: int  # prompt tokens actually computed (cache hits excluded)
-    num_retractions_total: int
-    aborted_requests_total: int
-    queue_time_s: HistogramSnapshot = field(default_factory=lambda: _empty(QUEUE_TIME_BUCKETS_S))
-    batch_size: HistogramSnapshot = field(default_factory=lambda: _empty(BATCH_SIZE_BUCKETS))
-    batch_tokens: HistogramSnapshot = field(default_factory=lambda: _empty(BATCH_TOKENS_BUCKETS))
+    num_running_reqs: int = _gauge("num_running_reqs", "Requests in the running batch")
+    num_queue_reqs: int = _gauge("num_queue_reqs", "Requests waiting to be scheduled")
+    # Pages held by live requests (and their locked prefixes) / all.
+    kv_cache_usage_ratio: float = _gauge("kv_cache_usage_ratio", "Fraction of KV pages in use")
+    num_free_pages: int = _gauge("num_free_kv_pages", "Free KV pages")  # free list + evictable
+    num_total_pages: int = _gauge("num_total_kv_pages", "KV pages in the pool")
+    # Prompt tokens looked up in the prefix cache (first admission).
+    prompt_tokens_total: int = _counter(
+        ("prompt_tokens", "Prompt tokens of admitted requests"),
+        ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache"),
+    )
+    generation_tokens_total: int = _counter(("generation_tokens", "Tokens generated"))
+    # Of those, tokens found in the cache.
+    cached_prompt_tokens_total: int = _counter(
+        ("cached_prompt_tokens", "Prompt tokens served from the prefix cache"),
+        ("prefix_cache_hits", "Prompt tokens found in the prefix cache"),
+    )
+    # Prompt tokens actually computed (cache hits excluded).
+    prefill_tokens_total: int = _counter(
+        ("prefill_tokens", "Prompt tokens computed (prefix-cache hits excluded)")
+    )
+    num_retractions_total: int = _counter(
+        ("num_retractions", "Running requests retracted (KV freed, requeued) to make room")
+    )
+    # Not exported: minisgl:aborted_requests_total is counted in the API server, which sees every
+    # abort (client gone, timeout, shutdown). Kept only while Scheduler.stats() still passes it.
+    aborted_requests_total: int = 0
+    queue_time_s: HistogramSnapshot = _histogram(
+        "queue_time_seconds",
+        "Time from arrival at the scheduler to first admission",
+        QUEUE_TIME_BUCKETS_S,
+    )
+    batch_size: HistogramSnapshot = _histogram(
+        "iteration_num_reqs",
+        "Requests in one forward step (decodes and prefill chunks)",
+        BATCH_SIZE_BUCKETS,
+    )
+    batch_tokens: HistogramSnapshot = _histogram(
+        "iteration_tokens", "Tokens computed in one forward step", BATCH_TOKENS_BUCKETS
+    )
+    # The scheduler process's own numbers (minisgl.runtime.scheduler_proc); offline, the defaults.
+    gen_throughput_tokens_per_s: float = _gauge(
+        "gen_throughput", "Generated tokens per second over the last few seconds", default=0.0
+    )
+    # The scheduler's GPU (rank 0's with tp); None on CPU or when it cannot be read.
+    gpu_utilization_ratio: float | None = _gauge(
+        "gpu_utilization_ratio", "Fraction of time a kernel ran on the GPU (NVML)", default=None
+    )
+    gpu_memory_used_bytes: int | None = _gauge(
+        "gpu_memory_used_bytes", "GPU memory in use on the device (all processes)", default=None
+    )
+    gpu_memory_total_bytes: int | None = _gauge(
+        "gpu_memory_total_bytes", "GPU memory of the device", default=None
+    )
 
 
 class ThroughputWindow:

@@ -45,13 +45,16 @@ from minisgl.engine.engine import Engine
 from minisgl.models.config import load_model_config
 from minisgl.models.llama import local_head_counts
 from minisgl.models.resolve import resolve_model_path_for
+from minisgl.runtime.supervisor import Children, StartupError, describe_exit
+from minisgl.scheduler.protocol import SchedulerAPI
 from minisgl.scheduler.scheduler import Scheduler
 from minisgl.scheduler.stats import SchedulerStats
 from minisgl.scheduler.tp_ranks import (
+    JOIN_TIMEOUT_S,
+    KILL_TIMEOUT_S,
     AbortOp,
     AddOp,
     Command,
-    Followers,
     Op,
     TPRankError,
     apply_ops,
@@ -60,6 +63,7 @@ from minisgl.scheduler.tp_ranks import (
     cpu_threads_per_rank,
     dist_backend,
     follow,
+    spawn_followers,
     start_rank,
 )
 
@@ -88,9 +92,14 @@ def check_tp_compatible(args: ServerArgs) -> None:
         raise
 
 
-def _abandon(followers: Followers) -> None:
+def make_scheduler(args: ServerArgs) -> SchedulerAPI:
+    """The scheduler `args` ask for: with tp_size > 1, rank 0 of a tp group (the same API)."""
+    return TPScheduler(args) if args.tp_size > 1 else Scheduler(args)
+
+
+def _abandon(followers: Children) -> None:
     """Finalizer of a TPScheduler dropped without shutdown(): no stray processes, no stale group."""
-    followers.kill()
+    followers.stop(KILL_TIMEOUT_S)
     destroy_distributed()
 
 
@@ -124,26 +133,29 @@ class TPScheduler:
         # Before any process starts: a model that cannot be split fails here, with the numbers.
         check_tp_compatible(args)
         try:
-            self._followers = Followers(args, range(1, ranks_per_node(args.tp_size, args.nnodes)))
+            local_ranks = range(1, ranks_per_node(args.tp_size, args.nnodes))
+            self._followers = spawn_followers(args, local_ranks)
         except BaseException:
             reset_tp_info()
             raise
         self._finalizer = weakref.finalize(self, _abandon, self._followers)
         try:
-            self._followers.wait_started(READY_TIMEOUT_S)
+            # Every child runs our code first: one that dies while Python bootstraps it would
+            # otherwise leave rank 0 waiting for the whole rendezvous timeout.
+            self._followers.wait(lambda child: child.started, READY_TIMEOUT_S)
             init_distributed(0, args.tp_size, args.dist_init_addr, dist_backend(args), 0)
             broadcast(args)
             threads = cpu_threads_per_rank(args)
             if threads is not None:
                 torch.set_num_threads(threads)
             self.scheduler = Scheduler(args)
-            self._followers.wait_ready(READY_TIMEOUT_S)
+            self._followers.wait(lambda child: child.ready, READY_TIMEOUT_S)
         except BaseException as exc:
-            failure = self._followers.failure(grace_s=DEATH_GRACE_S)
+            failure = self._followers.failure(wait_s=DEATH_GRACE_S)
             self._finalizer()  # kill followers, leave the group
             torch.set_num_threads(self._previous_threads)
-            if failure is not None and not isinstance(exc, TPRankError):
-                raise TPRankError(f"tensor parallelism failed to start: {failure}") from exc
+            if not isinstance(exc, TPRankError) and (failure or isinstance(exc, StartupError)):
+                raise TPRankError(f"tensor parallelism failed to start: {failure or exc}") from exc
             raise
         self.engine: Engine = self.scheduler.engine
         self.max_model_len = self.scheduler.max_model_len
@@ -159,7 +171,7 @@ class TPScheduler:
     @property
     def follower_pids(self) -> list[int]:
         """This node's follower processes (tests kill one to check failure handling)."""
-        return self._followers.pids
+        return [child.process.pid for child in self._followers.members if child.process.pid]
 
     # ---- requests in: queued, broadcast with the next step -----------------------------------
 
@@ -205,7 +217,7 @@ class TPScheduler:
                 broadcast(command)
                 return
             except Exception as exc:
-                failure = self._followers.failure(grace_s=DEATH_GRACE_S) or (
+                failure = self._followers.failure(wait_s=DEATH_GRACE_S) or (
                     f"rank 0 could not send to the other ranks: {type(exc).__name__}: {exc}"
                 )
         self._broken = failure
@@ -217,7 +229,7 @@ class TPScheduler:
             return fn()
         except Exception as exc:
             # Whatever failed, the ranks may now disagree: the group cannot go on.
-            failure = self._followers.failure(grace_s=DEATH_GRACE_S)
+            failure = self._followers.failure(wait_s=DEATH_GRACE_S)
             self._broken = failure or f"rank 0: {type(exc).__name__}: {exc}"
             raise TPRankError(f"tensor-parallel group broken: {self._broken}") from exc
 
@@ -263,7 +275,7 @@ class TPScheduler:
         # Leaving first closes our sockets: followers not told to stop (the group broke) and
         # still waiting on rank 0 see the connection close and exit, instead of being killed.
         destroy_distributed()
-        self._followers.stop()
+        self._followers.stop(KILL_TIMEOUT_S, exit_first_s=JOIN_TIMEOUT_S)
         self._finalizer()
         torch.set_num_threads(self._previous_threads)
 
@@ -285,17 +297,17 @@ def run_follower_node(args: ServerArgs) -> None:
     ranks = [
         global_tp_rank(args.node_rank, i, args.tp_size, args.nnodes) for i in range(local_size)
     ]
-    followers = Followers(args, ranks[1:])
+    followers = spawn_followers(args, ranks[1:])
     scheduler: Scheduler | None = None
     try:
         scheduler = start_rank(args, ranks[0])
         follow(scheduler)
     finally:
         close_quietly(scheduler)
-        followers.stop()
-    failed = [f for f in followers.members if f.process.exitcode != 0]
+        followers.stop(KILL_TIMEOUT_S, exit_first_s=JOIN_TIMEOUT_S)
+    failed = [child for child in followers.members if child.process.exitcode != 0]
     if failed:
-        raise TPRankError(f"tp rank {failed[0].rank} exited with code {failed[0].process.exitcode}")
+        raise TPRankError(f"{failed[0].name} exited ({describe_exit(failed[0].process.exitcode)})")
 
 
 def main(argv: list[str] | None = None) -> None:

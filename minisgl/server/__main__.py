@@ -16,10 +16,10 @@ def main(argv: list[str] | None = None) -> int:
         return run_shell(args)
     dp = data_parallel_args(namespace)
     if dp.dp_size > 1:
-        from minisgl.server.dp import serve_data_parallel
+        from minisgl.runtime.dp import serve_data_parallel
 
         return serve_data_parallel(args, dp)
-    from minisgl.server.launch import serve
+    from minisgl.runtime.launch import serve
 
     return serve(args)
 

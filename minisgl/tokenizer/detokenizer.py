@@ -14,14 +14,21 @@ from the start of a sequence still get the space right.
 Stop strings are matched on the decoded text. Text that could still be the start of a stop string
 is held back until it can't (or until `flush`), so a stop string never leaks into any delta, even
 when it spans several tokens.
+
+`RequestDetokenizer` is one request's whole output rule, for the server's detokenizer process and
+the offline `LLM` alike: the text above, plus the final EOS or stop token that ends the request
+without showing in its text, and what matched.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import cast
 
 from transformers import PreTrainedTokenizerBase
+
+from minisgl.core import FinishReason, ReqOutput, SamplingParams, TokenLogprob
 
 # How many prompt tokens seed the decoding window (vLLM uses the same number).
 PROMPT_CONTEXT_TOKENS = 5
@@ -125,3 +132,90 @@ class IncrementalDetokenizer:
             if any(stop.startswith(suffix) for stop in self._stops):
                 return length
         return 0
+
+
+@dataclass(frozen=True)
+class TextDelta:
+    """What one scheduler output adds to a request's text."""
+
+    text: str  # safe to show: no partial character, no stop string
+    token_ids: tuple[int, ...]  # the new tokens whose text shows (a hidden final one is not)
+    logprobs: tuple[TokenLogprob, ...]  # theirs
+    finish_reason: FinishReason | None
+    # What ended a STOP finish: the stop string, or the final token's id (EOS or a stop token).
+    matched_stop: int | str | None = None
+    abort: bool = False  # a stop string ended it before the scheduler did: abort it there
+
+
+class RequestDetokenizer:
+    """One request's outputs -> text deltas, its stop strings (min_tokens and
+    include_stop_str_in_output included) and its hidden final EOS / stop token.
+
+    `incremental=False` (offline) decodes the text once, at the end, when no stop string needs
+    it earlier: decoding every token costs tens of microseconds, a fair share of a fast step.
+    """
+
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        eos_token_ids: Sequence[int],
+        incremental: bool = True,
+    ) -> None:
+        hidden = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            hidden.update(eos_token_ids)
+        self._hidden_final_ids = frozenset(hidden)  # a final token with one of these adds no text
+        self._tokenizer = tokenizer
+        self._params = params
+        self._incremental = incremental or bool(params.stop)
+        self._text = IncrementalDetokenizer(
+            tokenizer,
+            prompt_ids,
+            params.stop,
+            params.skip_special_tokens,
+            params.min_tokens,
+            params.include_stop_str_in_output,
+        )
+        self._shown_ids: list[int] = []  # for the one decode at the end (not incremental)
+        self._stopped_by_string = False
+        self.done = False  # the scheduler sent its last output for this request
+
+    def add(self, output: ReqOutput) -> TextDelta | None:
+        """None: an output the scheduler sent before the abort a stop string asked for."""
+        finish = output.finish_reason
+        matched: int | str | None = None
+        self.done = finish is not None
+        if self._stopped_by_string:
+            return None
+        token_ids = list(output.new_token_ids)
+        # Stopped by EOS / a stop token id: that token counts as generated but shows no text.
+        if finish == FinishReason.STOP and token_ids and token_ids[-1] in self._hidden_final_ids:
+            matched = token_ids.pop()
+        text = self._decode(token_ids, final=finish is not None)
+        abort = False
+        if self._text.stopped:
+            self._stopped_by_string = True
+            abort = finish is None
+            finish, matched = FinishReason.STOP, self._text.stop_str
+        logprobs = output.new_logprobs[: len(token_ids)]
+        return TextDelta(text, tuple(token_ids), logprobs, finish, matched, abort)
+
+    def _decode(self, token_ids: list[int], final: bool) -> str:
+        if not self._incremental:
+            self._shown_ids += token_ids
+            if not final:
+                return ""
+            skip = self._params.skip_special_tokens
+            return str(self._tokenizer.decode(self._shown_ids, skip_special_tokens=skip))
+        text = self._text.add(token_ids)
+        return text + self._text.flush() if final else text
+
+
+def stop_reason(params: SamplingParams, matched_stop: int | str | None) -> int | str | None:
+    """vLLM's `stop_reason`: the stop string or the stop_token_ids entry that ended the output;
+    None for EOS, length and the rest."""
+    if isinstance(matched_stop, int) and matched_stop not in params.stop_token_ids:
+        return None  # EOS
+    return matched_stop

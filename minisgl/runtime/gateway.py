@@ -4,13 +4,12 @@ It runs as `python -m sglang_router.launch_router` (what `smg launch` runs) with
 it comes from the same environment. Its control plane (`/workers`, opened by the API key when
 one is set) says when it has registered the replicas, and takes a dead one out of rotation.
 Its graceful stop is Ctrl-C (SIGINT): it refuses new requests and lets in-flight ones finish;
-SIGTERM ends it at once.
+SIGTERM ends it at once, and it gets SIGTERM when the launcher dies (set up by
+minisgl.runtime.supervisor.prepare_exec_child).
 """
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import importlib.util
 import json
 import logging
@@ -24,7 +23,8 @@ from collections.abc import Callable
 from typing import Any
 
 from minisgl.config import DataParallelArgs, ServerArgs
-from minisgl.server.launch import STOP_GRACE_S, WATCH_INTERVAL_S, StackError
+from minisgl.runtime.launch import STOP_GRACE_S, http_url
+from minisgl.runtime.supervisor import WATCH_INTERVAL_S, StartupError, prepare_exec_child
 
 logger = logging.getLogger("minisgl")
 
@@ -33,25 +33,16 @@ GATEWAY_MODULE = "sglang_router.launch_router"
 INSTALL_HINT = 'pip install sglang-router (or pip install -e ".[router]")'
 # It registers workers in the background after it starts listening: wait this long for all.
 READY_TIMEOUT_S = 120.0
-POLL_INTERVAL_S = 0.2
 HTTP_TIMEOUT_S = 2.0
 # Its own default (60 s) leaves a dead replica in rotation for minutes; on one machine probing
 # every few seconds costs nothing. --router-args overrides it.
 HEALTH_CHECK_INTERVAL_S = 5
 # Our log levels -> the gateway's. It logs every request at info: keep it to warnings.
 LOG_LEVELS = {"debug": "debug", "info": "warn", "warning": "warn", "error": "error"}
-WILDCARD_HOSTS = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}
-PR_SET_PDEATHSIG = 1  # prctl(2)
 
 
 def gateway_installed() -> bool:
     return importlib.util.find_spec(GATEWAY_PACKAGE) is not None
-
-
-def http_url(host: str, port: int) -> str:
-    """A URL to reach a server listening on host:port (a wildcard listens on loopback too)."""
-    host = WILDCARD_HOSTS.get(host, host)
-    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
 def metrics_port(args: ServerArgs, dp: DataParallelArgs) -> int:
@@ -77,16 +68,6 @@ def gateway_command(args: ServerArgs, dp: DataParallelArgs, worker_urls: list[st
     return [*command, *dp.router_args]
 
 
-def _prepare_process() -> None:
-    """Runs in the gateway's process before it execs. SIGINT ignored: Python then installs no
-    KeyboardInterrupt handler (which would print a traceback after the gateway's own graceful
-    Ctrl-C handling, installed later, has run). SIGTERM when the launcher dies (Linux), as the
-    replicas' own watchdogs do (minisgl.server.process)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
 class Gateway:
     """One gateway process in front of `worker_urls`; `start`, then `stop`."""
 
@@ -105,16 +86,16 @@ class Gateway:
 
     def start(self, stop_requested: Callable[[], bool]) -> None:
         """Start it and wait until it lists every worker as healthy."""
-        self._process = subprocess.Popen(self._command, preexec_fn=_prepare_process)
+        self._process = subprocess.Popen(self._command, preexec_fn=prepare_exec_child)
         deadline_s = time.monotonic() + READY_TIMEOUT_S
         while not self._sees_every_worker():
             if stop_requested():
-                raise StackError("stopped during startup")
+                raise StartupError("stopped during startup")
             if self.exit_code is not None:
-                raise StackError(f"the gateway exited (exit code {self.exit_code})")
+                raise StartupError(f"the gateway exited (exit code {self.exit_code})")
             if time.monotonic() > deadline_s:
-                raise StackError(f"the gateway registered no replicas in {READY_TIMEOUT_S:.0f} s")
-            time.sleep(POLL_INTERVAL_S)
+                raise StartupError(f"the gateway registered no replicas in {READY_TIMEOUT_S:.0f} s")
+            time.sleep(WATCH_INTERVAL_S)
 
     def _control(self, path: str, method: str = "GET") -> dict[str, Any]:
         """A call to its control plane; {} when it does not answer (not listening yet, ...)."""

@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING, Any
 
 from minisgl.config import ServerArgs
 from minisgl.core import FinishReason, Req, ReqOutput
-from minisgl.message import (
+from minisgl.engine.gpu_probe import GpuProbe, make_gpu_probe
+from minisgl.runtime.messages import (
     AbortRequest,
     BatchTokenOutput,
     DetokenizeInit,
@@ -32,7 +33,6 @@ from minisgl.message import (
     TokenizedRequest,
 )
 from minisgl.scheduler.stats import ThroughputWindow
-from minisgl.server.gpu_stats import GpuProbe, make_gpu_probe
 from minisgl.tokenizer.detokenizer import PROMPT_CONTEXT_TOKENS
 
 if TYPE_CHECKING:
@@ -45,6 +45,7 @@ IDLE_POLL_TIMEOUT_S = 0.05
 # handed to the thread that answers pings; refreshing this often is cheap and fresh enough.
 STATS_REFRESH_INTERVAL_S = 0.05
 CTL_POLL_TIMEOUT_S = 0.1
+RESPONDER_JOIN_TIMEOUT_S = 1.0
 # A step that raises fails the requests it ran; this many in a row mean the scheduler itself is
 # broken, and the process ends.
 MAX_FAILED_STEPS_IN_A_ROW = 3
@@ -53,69 +54,20 @@ MAX_FAILED_STEPS_IN_A_ROW = 3
 def build_stats_reply(
     scheduler: SchedulerAPI, gen_throughput: ThroughputWindow, gpu_probe: GpuProbe | None
 ) -> StatsReply:
-    """The scheduler's stats() (plus generation throughput and GPU numbers) as a StatsReply."""
+    """The scheduler's stats() with this process's numbers (throughput, GPU) filled in."""
     stats = scheduler.stats()
     now_s = time.monotonic()
     gpu = gpu_probe.sample(now_s) if gpu_probe is not None else None
-    return StatsReply(
-        request_id=-1,
-        max_model_len=scheduler.max_model_len,
-        vocab_size=scheduler.vocab_size,
-        num_running_reqs=stats.num_running_reqs,
-        num_queue_reqs=stats.num_queue_reqs,
-        kv_cache_usage_ratio=float(stats.kv_cache_usage_ratio),
-        num_free_pages=stats.num_free_pages,
-        num_total_pages=stats.num_total_pages,
-        prompt_tokens_total=stats.prompt_tokens_total,
-        generation_tokens_total=stats.generation_tokens_total,
-        cached_prompt_tokens_total=stats.cached_prompt_tokens_total,
-        eos_token_ids=tuple(scheduler.eos_token_ids),
-        kv_capacity_tokens=stats.num_total_pages * scheduler.page_size,
-        prefill_tokens_total=stats.prefill_tokens_total,
-        num_retractions_total=stats.num_retractions_total,
+    stats = dataclasses.replace(
+        stats,
         gen_throughput_tokens_per_s=gen_throughput.update(now_s, stats.generation_tokens_total),
-        queue_time_s_bucket_counts=stats.queue_time_s.bucket_counts,
-        queue_time_s_sum=stats.queue_time_s.sum,
-        batch_size_bucket_counts=stats.batch_size.bucket_counts,
-        batch_size_sum=stats.batch_size.sum,
-        batch_tokens_bucket_counts=stats.batch_tokens.bucket_counts,
-        batch_tokens_sum=stats.batch_tokens.sum,
-        gpu_utilization_ratio=gpu.utilization_ratio if gpu is not None else None,
-        gpu_memory_used_bytes=gpu.memory_used_bytes if gpu is not None else None,
-        gpu_memory_total_bytes=gpu.memory_total_bytes if gpu is not None else None,
+        **(dataclasses.asdict(gpu) if gpu is not None else {}),
     )
-
-
-class StatsResponder:
-    """Answers StatsRequest pings from its own thread, so /health works even during a long step.
-
-    It only reads `snapshot`, which the scheduler loop replaces (never mutates) between steps.
-    If the scheduler process dies, nobody answers and /health turns 503.
-    """
-
-    def __init__(self, endpoints: Endpoints, snapshot: StatsReply) -> None:
-        self.snapshot = snapshot
-        self._endpoints = endpoints
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="stats-responder", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        # zmq sockets belong to one thread: this thread makes its own.
-        inbox = MessageQueue("pull", self._endpoints.scheduler_ctl, bind=True)
-        to_api = MessageQueue("push", self._endpoints.api_in, bind=False)
-        try:
-            while not self._stop.is_set():
-                message = inbox.get(timeout_s=CTL_POLL_TIMEOUT_S)
-                if isinstance(message, StatsRequest):
-                    to_api.put(dataclasses.replace(self.snapshot, request_id=message.request_id))
-        finally:
-            inbox.close()
-            to_api.close()
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=1.0)
+    kv_capacity_tokens = stats.num_total_pages * scheduler.page_size
+    eos_token_ids = tuple(scheduler.eos_token_ids)
+    return StatsReply(
+        -1, scheduler.max_model_len, scheduler.vocab_size, eos_token_ids, kv_capacity_tokens, stats
+    )
 
 
 class SchedulerLoop:
@@ -125,28 +77,39 @@ class SchedulerLoop:
         self.scheduler = scheduler
         self._gpu_probe = gpu_probe
         self._gen_throughput = ThroughputWindow()
-        self._inbox = MessageQueue("pull", endpoints.scheduler_in, bind=True)
-        self._to_detokenizer = MessageQueue("push", endpoints.detokenizer_in, bind=False)
-        self._to_api = MessageQueue("push", endpoints.api_in, bind=False)  # control replies
+        self._inbox = MessageQueue("pull", endpoints.scheduler_in)
+        self._to_detokenizer = MessageQueue("push", endpoints.detokenizer_in)
+        self._to_api = MessageQueue("push", endpoints.api_in)  # control replies
         self._stats_time_s = 0.0
-        self._responder = StatsResponder(endpoints, self._stats_snapshot())
-        self._stopped = False
+        self._stats = build_stats_reply(scheduler, self._gen_throughput, gpu_probe)
+        self._stopped = threading.Event()
         self._failed_steps = 0  # consecutive steps that raised
+        self._responder = threading.Thread(
+            target=self._answer_stats, args=(endpoints,), name="stats-responder", daemon=True
+        )
+        self._responder.start()
 
-    def _stats_snapshot(self) -> StatsReply:
-        return build_stats_reply(self.scheduler, self._gen_throughput, self._gpu_probe)
+    def _answer_stats(self, endpoints: Endpoints) -> None:
+        """The stats responder thread: answers StatsRequest pings, so /health works even during
+        a long step. It only reads `_stats`, which the loop replaces (never mutates) between
+        steps. If the scheduler process dies, nobody answers and /health turns 503."""
+        # zmq sockets belong to one thread: this thread makes its own.
+        inbox = MessageQueue("pull", endpoints.scheduler_ctl)
+        to_api = MessageQueue("push", endpoints.api_in)
+        try:
+            while not self._stopped.is_set():
+                message = inbox.get(timeout_s=CTL_POLL_TIMEOUT_S)
+                if isinstance(message, StatsRequest):
+                    to_api.put(dataclasses.replace(self._stats, request_id=message.request_id))
+        finally:
+            inbox.close()
+            to_api.close()
 
     def _refresh_stats(self, force: bool = False) -> None:
         now_s = time.monotonic()
         if force or now_s - self._stats_time_s >= STATS_REFRESH_INTERVAL_S:
-            self._responder.snapshot = self._stats_snapshot()
+            self._stats = build_stats_reply(self.scheduler, self._gen_throughput, self._gpu_probe)
             self._stats_time_s = now_s
-
-    def _receive(self, timeout_s: float) -> list[Any]:
-        first = self._inbox.get(timeout_s=timeout_s)
-        if first is None:
-            return []
-        return [first, *self._inbox.get_all()]
 
     def _handle(self, message: Any) -> ReqOutput | None:
         """Feed one message to the scheduler; a rejected request becomes an error output."""
@@ -161,34 +124,19 @@ class SchedulerLoop:
             return None
         eos_token_ids = tuple(self.scheduler.eos_token_ids)
         # Ahead of any output, on the same socket: the detokenizer learns of the request first.
-        self._to_detokenizer.put(
-            DetokenizeInit(
-                rid=message.rid,
-                prompt_tail_ids=message.input_ids[-PROMPT_CONTEXT_TOKENS:],
-                sampling_params=message.sampling_params,
-                eos_token_ids=eos_token_ids,
-            )
-        )
+        rid, input_ids, params = message.rid, message.input_ids, message.sampling_params
+        prompt_tail_ids = input_ids[-PROMPT_CONTEXT_TOKENS:]
+        self._to_detokenizer.put(DetokenizeInit(rid, prompt_tail_ids, params, eos_token_ids))
         try:
             req = Req(
-                message.rid,
-                list(message.input_ids),
-                message.sampling_params,
-                eos_token_ids=eos_token_ids,
-                grammar_blob=message.grammar_blob,
+                rid, list(input_ids), params, eos_token_ids, grammar_blob=message.grammar_blob
             )
             req.arrival_time = time.monotonic()
             self.scheduler.add_request(req)
         except Exception as exc:  # one bad request must not stop the loop everyone depends on
             if not isinstance(exc, ValueError):
-                logger.exception("scheduler: request %s failed to queue", message.rid)
-            return ReqOutput(
-                rid=message.rid,
-                new_token_ids=(),
-                finish_reason=FinishReason.ERROR,
-                prompt_len=len(message.input_ids),
-                error=str(exc),
-            )
+                logger.exception("scheduler: request %s failed to queue", rid)
+            return ReqOutput(rid, (), FinishReason.ERROR, prompt_len=len(input_ids), error=str(exc))
         return None
 
     def _flush_cache(self, request_id: int) -> FlushCacheReply:
@@ -202,7 +150,7 @@ class SchedulerLoop:
 
     def run_once(self, idle_timeout_s: float = IDLE_POLL_TIMEOUT_S) -> None:
         busy = self.scheduler.has_work()
-        messages = self._receive(0.0 if busy else idle_timeout_s)
+        messages = self._inbox.get_all(0.0 if busy else idle_timeout_s)
         outputs = [out for out in map(self._handle, messages) if out is not None]
         if messages or self.scheduler.has_work():
             outputs.extend(self._step())
@@ -234,36 +182,30 @@ class SchedulerLoop:
         return outputs
 
     def run(self) -> None:
-        while not self._stopped:
+        while not self._stopped.is_set():
             self.run_once()
 
     def close(self) -> None:
-        self._stopped = True
-        self._responder.close()
+        self._stopped.set()
+        self._responder.join(timeout=RESPONDER_JOIN_TIMEOUT_S)
         self._inbox.close()
         self._to_detokenizer.close()
         self._to_api.close()
 
 
 def run_scheduler_process(
-    args: ServerArgs, endpoints: Endpoints, report_ready: Callable[[dict], None]
+    args: ServerArgs, endpoints: Endpoints, report_ready: Callable[[], None]
 ) -> None:
     # Heavy (torch): imported in this child only. With tp_size > 1, TPScheduler (same API) runs
     # rank 0 here, spawns ranks 1..N-1 and broadcasts each step's requests and aborts to them.
-    scheduler: SchedulerAPI
-    if args.tp_size > 1:
-        from minisgl.scheduler.tp import TPScheduler
+    from minisgl.engine.engine import resolve_device
+    from minisgl.scheduler.tp import make_scheduler
 
-        scheduler = TPScheduler(args)
-    else:
-        from minisgl.scheduler.scheduler import Scheduler
-
-        scheduler = Scheduler(args)
-    from minisgl.engine.engine import resolve_device  # torch is loaded by now
+    scheduler = make_scheduler(args)
 
     device = resolve_device(args.device)
     loop = SchedulerLoop(scheduler, endpoints, make_gpu_probe(device.type, device.index))
-    report_ready({"max_model_len": scheduler.max_model_len, "vocab_size": scheduler.vocab_size})
+    report_ready()
     try:
         loop.run()
     finally:

@@ -19,9 +19,11 @@ PERCENT = 100.0
 
 @dataclass(frozen=True)
 class GpuSample:
-    utilization_ratio: float | None  # None: NVML unavailable
-    memory_used_bytes: int  # the whole device's, as nvidia-smi shows it (all processes)
-    memory_total_bytes: int
+    """Named as the SchedulerStats fields it fills in (minisgl.scheduler.stats)."""
+
+    gpu_utilization_ratio: float | None  # None: NVML unavailable
+    gpu_memory_used_bytes: int  # the whole device's, as nvidia-smi shows it (all processes)
+    gpu_memory_total_bytes: int
 
 
 class GpuProbe:

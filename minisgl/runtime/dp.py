@@ -2,13 +2,13 @@
 
     launcher (this process: starts, watches, stops)
       |- replica 0     a whole server (a ServerStack: scheduler [+ tp ranks], detokenizer, API)
-      |                on --port + 1, on its own GPUs or cores (minisgl.server.placement)
+      |                on --port + 1, on its own GPUs or cores (minisgl.runtime.placement)
       |- ...
       |- replica N-1   on --port + N
-      |- gateway       sglang-router on --port (minisgl.server.gateway)
+      |- gateway       sglang-router on --port (minisgl.runtime.gateway)
 
 The gateway starts once every replica serves, and learns the model from their /server_info and
-/model_info (minisgl.server.native_api). A replica that dies is reported, its other processes
+/model_info (minisgl.api.dialects.sglang). A replica that dies is reported, its other processes
 are stopped and it leaves the gateway's rotation; the rest keep serving. SIGTERM / Ctrl-C: the
 gateway first (it lets in-flight requests finish), then every replica at once, each draining as
 a single server does.
@@ -18,21 +18,14 @@ from __future__ import annotations
 
 import logging
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from multiprocessing.connection import wait
 
 from minisgl.config import DataParallelArgs, ServerArgs
-from minisgl.server.gateway import INSTALL_HINT, Gateway, gateway_installed, http_url
-from minisgl.server.launch import (
-    CHILD_FAILED_EXIT_CODE,
-    WATCH_INTERVAL_S,
-    ServerStack,
-    StackError,
-    run_until_stopped,
-)
-from minisgl.server.model_names import served_model_name
-from minisgl.server.placement import placed, plan_placements
-from minisgl.server.process import setup_logging
+from minisgl.models.names import served_model_name
+from minisgl.runtime.gateway import INSTALL_HINT, Gateway, gateway_installed
+from minisgl.runtime.launch import CHILD_FAILED_EXIT_CODE, ServerStack, run_until_stopped
+from minisgl.runtime.placement import plan_placements
+from minisgl.runtime.supervisor import WATCH_INTERVAL_S, StartupError, setup_logging
 
 logger = logging.getLogger("minisgl")
 
@@ -41,21 +34,13 @@ def replica_port(args: ServerArgs, index: int) -> int:
     return args.port + 1 + index
 
 
-@dataclass
-class _Replica:
-    index: int
-    stack: ServerStack
-    url: str
-    alive: bool = True
-
-
 class DataParallelStack:
     """The replicas and the gateway, driven like a ServerStack by `run_until_stopped`."""
 
     def __init__(self, args: ServerArgs, dp: DataParallelArgs) -> None:
         self.args = args
         self.dp = dp
-        self._replicas: list[_Replica] = []
+        self._replicas: list[ServerStack] = []  # the live ones: a replica that dies leaves
         self._gateway: Gateway | None = None
         self._num_stop_requests = 0
 
@@ -67,20 +52,22 @@ class DataParallelStack:
         """Safe in a signal handler (as ServerStack.request_stop)."""
         self._num_stop_requests += 1
         for replica in self._replicas:
-            replica.stack.request_stop()
+            replica.request_stop()
 
     def _check(self) -> None:
         if self.args.nnodes > 1:
-            raise StackError(
+            raise StartupError(
                 "--dp runs every replica on this machine; with --nnodes, start each replica's "
                 "nodes by hand and put the gateway in front (docs/scaling.md)"
             )
         if self.args.dist_init_addr is not None:
-            raise StackError("--dist-init-addr: with --dp each replica's tp group picks its own")
+            raise StartupError("--dist-init-addr: with --dp each replica's tp group picks its own")
         if self.args.device.startswith("cuda:"):
-            raise StackError("--dp gives each replica its GPUs: pick them by CUDA_VISIBLE_DEVICES")
+            raise StartupError(
+                "--dp gives each replica its GPUs: pick them by CUDA_VISIBLE_DEVICES"
+            )
         if self.dp.use_router and not gateway_installed():
-            raise StackError(
+            raise StartupError(
                 f"--dp {self.dp.dp_size} puts the SGLang Model Gateway in front of the replicas, "
                 f"but sglang-router is not installed: {INSTALL_HINT}; or pass --no-router to "
                 "start the replicas alone"
@@ -89,20 +76,18 @@ class DataParallelStack:
     def start(self) -> None:
         self._check()
         for index, placement in enumerate(plan_placements(self.args, self.dp.dp_size)):
-            args = self.args.replace(port=replica_port(self.args, index))
-            url = http_url(args.host, args.port)
-            replica = _Replica(index, ServerStack(args, replica=index), url)
+            replica = ServerStack(self.args.replace(port=replica_port(self.args, index)), index)
             self._replicas.append(replica)
-            with placed(placement):
-                replica.stack.start()
-            logger.info("replica %d: %s on %s", index, url, placement.describe())
+            with placement.for_new_processes():
+                replica.start()
+            logger.info("replica %d: %s on %s", index, replica.url, placement.describe())
 
     def wait_ready(self) -> None:
         for replica in self._replicas:  # they load in parallel; this only waits for each
             try:
-                replica.stack.wait_ready()
-            except StackError as exc:
-                raise StackError(f"replica {replica.index}: {exc}") from None
+                replica.wait_ready()
+            except StartupError as exc:
+                raise StartupError(f"replica {replica.replica}: {exc}") from None
         if self.dp.use_router:
             self._gateway = Gateway(self.args, self.dp, [r.url for r in self._replicas])
             self._gateway.start(lambda: self.stop_requested)
@@ -121,13 +106,12 @@ class DataParallelStack:
         """Until a stop is requested (0), the gateway exits or no replica is left (non-zero).
         A replica that dies is stopped; the others keep serving."""
         while not self.stop_requested:
-            live = [r for r in self._replicas if r.alive]
-            wait([s for r in live for s in r.stack.sentinels], timeout=WATCH_INTERVAL_S)
-            for replica in live:
-                failure = replica.stack.exited_child()
+            wait([s for r in self._replicas for s in r.sentinels], timeout=WATCH_INTERVAL_S)
+            for replica in list(self._replicas):
+                failure = replica.failure()
                 if failure is not None:
                     self._lose(replica, failure)
-            if not any(r.alive for r in self._replicas):
+            if not self._replicas:
                 logger.error("every replica has exited; shutting down")
                 return CHILD_FAILED_EXIT_CODE
             if self._gateway is not None and self._gateway.exit_code is not None:
@@ -138,16 +122,15 @@ class DataParallelStack:
                 return CHILD_FAILED_EXIT_CODE
         return 0
 
-    def _lose(self, replica: _Replica, failure: str) -> None:
-        replica.alive = False
-        num_left = sum(r.alive for r in self._replicas)
+    def _lose(self, replica: ServerStack, failure: str) -> None:
+        self._replicas.remove(replica)
         logger.error(
             "replica %d (%s): %s; stopping it, %d replica(s) keep serving",
-            *(replica.index, replica.url, failure, num_left),
+            *(replica.replica, replica.url, failure, len(self._replicas)),
         )
         if self._gateway is not None:
             self._gateway.remove_worker(replica.url)
-        replica.stack.shutdown(backend_failed=True)
+        replica.shutdown(backend_failed=True)
 
     def shutdown(self, backend_failed: bool = False) -> None:
         """The gateway first, then every replica at once (each drains, bounded); idempotent.
@@ -155,12 +138,10 @@ class DataParallelStack:
         if self._gateway is not None:
             num_stops_seen = self._num_stop_requests
             self._gateway.stop(hurry=lambda: self._num_stop_requests > num_stops_seen)
-        live = [r for r in self._replicas if r.alive]
-        if live:
-            with ThreadPoolExecutor(len(live)) as pool:
-                list(pool.map(lambda r: r.stack.shutdown(backend_failed), live))
-        for replica in live:
-            replica.alive = False
+        if self._replicas:
+            with ThreadPoolExecutor(len(self._replicas)) as pool:
+                list(pool.map(lambda r: r.shutdown(backend_failed), self._replicas))
+        self._replicas.clear()
 
 
 def serve_data_parallel(args: ServerArgs, dp: DataParallelArgs) -> int:

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from minisgl.config import ServerArgs
-from minisgl.server.launch import StackError
+from minisgl.runtime.supervisor import StartupError
 
 CUDA_VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
 
@@ -28,6 +28,26 @@ class Placement:
         if self.cpus is not None:
             return f"cores {','.join(map(str, sorted(self.cpus)))}"
         return "every core"
+
+    @contextlib.contextmanager
+    def for_new_processes(self) -> Iterator[None]:
+        """Processes started inside get this placement: a process gets a copy of its parent's
+        environment and CPU affinity when it starts. This process gets its own back after."""
+        saved_env = os.environ.get(CUDA_VISIBLE_DEVICES)
+        saved_cpus = os.sched_getaffinity(0) if self.cpus is not None else None
+        try:
+            if self.cuda_visible_devices is not None:
+                os.environ[CUDA_VISIBLE_DEVICES] = self.cuda_visible_devices
+            if self.cpus is not None:
+                os.sched_setaffinity(0, self.cpus)
+            yield
+        finally:
+            if saved_env is None:
+                os.environ.pop(CUDA_VISIBLE_DEVICES, None)
+            else:
+                os.environ[CUDA_VISIBLE_DEVICES] = saved_env
+            if saved_cpus is not None:
+                os.sched_setaffinity(0, saved_cpus)
 
 
 def _visible_gpus(args: ServerArgs) -> list[str]:
@@ -50,7 +70,7 @@ def plan_placements(args: ServerArgs, dp_size: int) -> list[Placement]:
     if gpus:
         per_replica = args.tp_size
         if len(gpus) < dp_size * per_replica:
-            raise StackError(
+            raise StartupError(
                 f"--dp {dp_size} --tp {per_replica} needs {dp_size * per_replica} GPUs; "
                 f"{len(gpus)} visible"
             )
@@ -63,24 +83,3 @@ def plan_placements(args: ServerArgs, dp_size: int) -> list[Placement]:
         return [Placement(cpus=frozenset({cpus[i % len(cpus)]})) for i in range(dp_size)]
     bounds = [len(cpus) * i // dp_size for i in range(dp_size + 1)]
     return [Placement(cpus=frozenset(cpus[bounds[i] : bounds[i + 1]])) for i in range(dp_size)]
-
-
-@contextlib.contextmanager
-def placed(placement: Placement) -> Iterator[None]:
-    """Processes started inside inherit the placement (a process gets a copy of its parent's
-    environment and CPU affinity when it starts); the launcher gets its own back afterwards."""
-    saved_env = os.environ.get(CUDA_VISIBLE_DEVICES)
-    saved_cpus = os.sched_getaffinity(0) if placement.cpus is not None else None
-    try:
-        if placement.cuda_visible_devices is not None:
-            os.environ[CUDA_VISIBLE_DEVICES] = placement.cuda_visible_devices
-        if placement.cpus is not None:
-            os.sched_setaffinity(0, placement.cpus)
-        yield
-    finally:
-        if saved_env is None:
-            os.environ.pop(CUDA_VISIBLE_DEVICES, None)
-        else:
-            os.environ[CUDA_VISIBLE_DEVICES] = saved_env
-        if saved_cpus is not None:
-            os.sched_setaffinity(0, saved_cpus)

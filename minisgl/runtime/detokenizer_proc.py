@@ -1,0 +1,103 @@
+"""The detokenizer process: token ids -> text deltas, stop strings, and the hidden final eos
+(minisgl.tokenizer.detokenizer.RequestDetokenizer, one per request).
+
+When a stop string appears it reports finish_reason "stop" to the API server right away and
+asks the scheduler to abort the request (freeing its KV pages); whatever the scheduler still
+sends for that request afterwards is dropped.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from transformers import PreTrainedTokenizerBase
+
+from minisgl.core import ReqOutput
+from minisgl.runtime.messages import (
+    AbortRequest,
+    BatchDetokenizedOutput,
+    BatchTokenOutput,
+    DetokenizedOutput,
+    DetokenizeInit,
+    Endpoints,
+    MessageQueue,
+)
+from minisgl.tokenizer import load_tokenizer
+from minisgl.tokenizer.detokenizer import RequestDetokenizer
+
+logger = logging.getLogger(__name__)
+
+IDLE_POLL_TIMEOUT_S = 0.1
+
+
+class DetokenizerWorker:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, endpoints: Endpoints) -> None:
+        self._tokenizer = tokenizer
+        self._inbox = MessageQueue("pull", endpoints.detokenizer_in)
+        self._to_api = MessageQueue("push", endpoints.api_in)
+        self._to_scheduler = MessageQueue("push", endpoints.scheduler_in)
+        self._requests: dict[str, RequestDetokenizer] = {}
+
+    def _init_request(self, message: DetokenizeInit) -> None:
+        self._requests[message.rid] = RequestDetokenizer(
+            self._tokenizer, message.prompt_tail_ids, message.sampling_params, message.eos_token_ids
+        )
+
+    def _process(self, output: ReqOutput) -> DetokenizedOutput | None:
+        request = self._requests.get(output.rid)
+        if request is None:
+            logger.debug("detokenizer: output for unknown request %s dropped", output.rid)
+            return None
+        delta = request.add(output)
+        if request.done:
+            del self._requests[output.rid]
+        if delta is None:
+            return None
+        if delta.abort:
+            self._to_scheduler.put(AbortRequest(output.rid))
+        return DetokenizedOutput(
+            rid=output.rid,
+            text=delta.text,
+            token_ids=delta.token_ids,
+            num_new_tokens=len(output.new_token_ids),
+            logprobs=delta.logprobs,
+            finish_reason=delta.finish_reason,
+            prompt_len=output.prompt_len,
+            num_cached_prompt_tokens=output.num_cached_prompt_tokens,
+            error=output.error,
+            internal_error=output.internal_error,
+            prompt_logprobs=output.prompt_logprobs,
+            matched_stop=delta.matched_stop,
+        )
+
+    def run_once(self, timeout_s: float = IDLE_POLL_TIMEOUT_S) -> None:
+        results: list[DetokenizedOutput] = []
+        for message in self._inbox.get_all(timeout_s):
+            if isinstance(message, DetokenizeInit):
+                self._init_request(message)
+            elif isinstance(message, BatchTokenOutput):
+                results += [r for r in map(self._process, message.outputs) if r is not None]
+            else:
+                logger.warning("detokenizer: unexpected message %s", type(message).__name__)
+        if results:
+            self._to_api.put(BatchDetokenizedOutput(tuple(results)))
+
+    def run(self) -> None:
+        while True:
+            self.run_once()
+
+    def close(self) -> None:
+        for queue in (self._inbox, self._to_api, self._to_scheduler):
+            queue.close()
+
+
+def run_detokenizer_process(
+    tokenizer_path: str, endpoints: Endpoints, report_ready: Callable[[], None]
+) -> None:
+    worker = DetokenizerWorker(load_tokenizer(tokenizer_path), endpoints)
+    report_ready()
+    try:
+        worker.run()
+    finally:
+        worker.close()

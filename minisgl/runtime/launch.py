@@ -1,0 +1,205 @@
+"""Launching a server: scheduler, detokenizer and API server, each in its own process.
+
+    launcher (this process: starts, watches, stops)
+      |- scheduler     model + KV pool; steps batches              minisgl.runtime.scheduler_proc
+      |- detokenizer   token ids -> text, stop strings             minisgl.runtime.detokenizer_proc
+      |- api server    FastAPI + uvicorn, tokenizes prompts        minisgl.api.app
+
+All three start at once (the API server pings the scheduler until the model is loaded), as
+children of minisgl.runtime.supervisor. The launcher logs one line once every child reports
+ready; if any child dies it stops the others and exits non-zero; SIGTERM / Ctrl-C stop
+everything and remove the private socket folder.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import time
+from multiprocessing.connection import wait
+from multiprocessing.process import BaseProcess
+from typing import Any, Protocol
+
+from minisgl.config import ServerArgs
+from minisgl.models.names import served_model_name
+from minisgl.models.resolve import resolve_model_path_for
+from minisgl.runtime.messages import Endpoints
+from minisgl.runtime.supervisor import (
+    BACKEND_FAILED_SIGNAL,
+    WATCH_INTERVAL_S,
+    Children,
+    StartupError,
+    setup_logging,
+)
+
+logger = logging.getLogger("minisgl")
+
+# Loading a large checkpoint can take minutes; this only bounds a start that never finishes.
+STARTUP_TIMEOUT_S = 3600.0
+# SIGTERM'd children get this long to exit before they are killed (the API server gets it on top
+# of its drain, --shutdown-timeout).
+STOP_GRACE_S = 10.0
+CHILD_FAILED_EXIT_CODE = 1
+API_CHILD = "api"
+SCHEDULER_TARGET = "minisgl.runtime.scheduler_proc:run_scheduler_process"
+DETOKENIZER_TARGET = "minisgl.runtime.detokenizer_proc:run_detokenizer_process"
+API_TARGET = "minisgl.api.app:run_api_server"
+WILDCARD_HOSTS = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}
+
+
+def http_url(host: str, port: int) -> str:
+    """A URL to reach a server listening on host:port (a wildcard listens on loopback too)."""
+    host = WILDCARD_HOSTS.get(host, host)
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def _send_signal(process: BaseProcess, sig: int) -> None:
+    if process.pid is not None:
+        with contextlib.suppress(ProcessLookupError):  # it exited meanwhile
+            os.kill(process.pid, sig)
+
+
+class ServerStack:
+    """The server's processes. `start`, then `wait_ready`, then `watch`; always `shutdown`."""
+
+    def __init__(self, args: ServerArgs, replica: int | None = None) -> None:
+        self.args = args
+        self.replica = replica  # its index with --dp (minisgl.runtime.dp)
+        self.url = http_url(args.host, args.port)
+        # With --dp, children are named per replica: sched0, api1, ...
+        self._name_suffix = "" if replica is None else str(replica)
+        self.endpoints: Endpoints | None = None
+        self._children = Children()
+        self._num_stop_requests = 0
+
+    @property
+    def stop_requested(self) -> bool:
+        return self._num_stop_requests > 0
+
+    def request_stop(self) -> None:
+        """Safe to call from a signal handler: the wait loops notice within WATCH_INTERVAL_S.
+        A second call while the API server drains makes it abort what is left at once."""
+        self._num_stop_requests += 1
+
+    def start(self) -> None:
+        try:
+            model_path = str(resolve_model_path_for(self.args))  # converts the default once
+        except (FileNotFoundError, OSError, ValueError) as exc:
+            raise StartupError(str(exc)) from None
+        tokenizer_path = self.args.tokenizer or model_path
+        self.endpoints = endpoints = Endpoints.create()
+        self._children = Children(log_level=self.args.log_level, cleanup_dir=endpoints.root)
+        # Targets by name: the launcher itself never imports torch, transformers or FastAPI.
+        targets: dict[str, tuple[str, tuple[Any, ...]]] = {
+            "sched": (SCHEDULER_TARGET, (self.args, endpoints)),
+            "detok": (DETOKENIZER_TARGET, (tokenizer_path, endpoints)),
+            API_CHILD: (API_TARGET, (self.args, endpoints, tokenizer_path, model_path)),
+        }
+        for name, (target, args) in targets.items():
+            self._children.spawn(name + self._name_suffix, target, *args)
+
+    def wait_ready(self, timeout_s: float = STARTUP_TIMEOUT_S) -> None:
+        self._children.wait(lambda child: child.ready, timeout_s, lambda: self.stop_requested)
+
+    def ready_message(self) -> str:
+        return f"minisgl serving {served_model_name(self.args)} at {self.url}"
+
+    @property
+    def sentinels(self) -> list[int]:
+        """Become ready (multiprocessing.connection.wait) when a child exits."""
+        return self._children.sentinels
+
+    def failure(self) -> str | None:
+        """The first child that failed, in words, or None while all run."""
+        return self._children.failure()
+
+    def watch(self) -> int:
+        """Block until a stop is requested (0) or any child exits (non-zero)."""
+        while not self.stop_requested:
+            wait(self.sentinels, timeout=WATCH_INTERVAL_S)
+            failure = self.failure()
+            if failure is not None:
+                logger.error("%s; shutting down", failure)
+                return CHILD_FAILED_EXIT_CODE
+        return 0
+
+    def _stop_api_server(self, backend_failed: bool) -> None:
+        """SIGTERM (drain) or BACKEND_FAILED_SIGNAL to the API server; wait for it to exit.
+        While it drains, a worker dying or another stop request cuts the drain short."""
+        api_name = API_CHILD + self._name_suffix
+        api = next((c.process for c in self._children.members if c.name == api_name), None)
+        if api is None or not api.is_alive():
+            return
+        drain_s = 0.0 if backend_failed else self.args.shutdown_timeout_s
+        deadline_s = time.monotonic() + drain_s + STOP_GRACE_S
+        _send_signal(api, BACKEND_FAILED_SIGNAL if backend_failed else signal.SIGTERM)
+        workers = [c.process for c in self._children.members if c.process is not api]
+        num_stops_seen = self._num_stop_requests
+        while api.is_alive() and time.monotonic() < deadline_s:
+            wait([api.sentinel, *(w.sentinel for w in workers)], timeout=WATCH_INTERVAL_S)
+            if not backend_failed and any(not w.is_alive() for w in workers):
+                backend_failed = True
+                _send_signal(api, BACKEND_FAILED_SIGNAL)
+            if self._num_stop_requests > num_stops_seen:  # asked again: stop waiting
+                num_stops_seen = self._num_stop_requests
+                api.terminate()
+
+    def shutdown(self, backend_failed: bool = False) -> None:
+        """Stop every child, front to back (see the module docstring); idempotent."""
+        self._stop_api_server(backend_failed)
+        self._children.stop(STOP_GRACE_S)
+        if self.endpoints is not None:
+            self.endpoints.remove()
+
+
+class Stack(Protocol):
+    """What `run_until_stopped` drives: a ServerStack, or the replicas of --dp (DataParallelStack
+    in minisgl.runtime.dp)."""
+
+    @property
+    def stop_requested(self) -> bool: ...
+
+    def request_stop(self) -> None: ...
+
+    def start(self) -> None: ...
+
+    def wait_ready(self) -> None: ...
+
+    def ready_message(self) -> str: ...
+
+    def watch(self) -> int: ...
+
+    def shutdown(self, backend_failed: bool = False) -> None: ...
+
+
+def serve(args: ServerArgs) -> int:
+    """Run the server until SIGTERM / Ctrl-C; the return value is the process exit code."""
+    setup_logging(args.log_level)
+    return run_until_stopped(ServerStack(args))
+
+
+def run_until_stopped(stack: Stack) -> int:
+    """Start `stack`, serve until SIGTERM / Ctrl-C or a failure, always shut it down; the return
+    value is the process exit code."""
+    previous = {
+        sig: signal.signal(sig, lambda *_: stack.request_stop())
+        for sig in (signal.SIGINT, signal.SIGTERM)
+    }
+    exit_code = CHILD_FAILED_EXIT_CODE
+    try:
+        stack.start()
+        stack.wait_ready()
+        logger.info("%s", stack.ready_message())
+        exit_code = stack.watch()
+    except StartupError as exc:
+        if stack.stop_requested:
+            exit_code = 0
+        else:
+            logger.error("server failed to start: %s", exc)
+    finally:
+        stack.shutdown(backend_failed=exit_code != 0)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return exit_code
