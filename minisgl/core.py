@@ -367,11 +367,6 @@ class Req:
     def remaining_prefill_len(self) -> int:
         return self.device_len - self.cached_len
 
-    @property
-    def max_total_len(self) -> int:
-        """The longest this sequence can become: prompt plus max_tokens."""
-        return self.prompt_len + self.sampling_params.max_tokens
-
 
 @dataclass(frozen=True)
 class ReqOutput:

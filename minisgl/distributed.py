@@ -30,10 +30,6 @@ class TPInfo:
     rank: int = 0
     size: int = 1
 
-    @property
-    def is_primary(self) -> bool:
-        return self.rank == 0
-
 
 _TP_INFO: TPInfo | None = None
 

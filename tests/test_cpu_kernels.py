@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from minisgl import LLM, SamplingParams
-from minisgl.attention.base import AttentionBatch
+from minisgl.attention.base import AttentionBatch, AttentionConfig
 from minisgl.attention.torch_native import TorchNativeBackend
 from minisgl.kernels import build, cpu
 from minisgl.kvcache.pool import KVPool, KVShape
@@ -178,47 +178,61 @@ def test_paged_decode_attention_matches_sdpa(page_size, num_heads, num_kv_heads,
     q = torch.randn(num_tokens, num_heads, head_dim, generator=g)
     k = torch.randn(num_tokens, num_kv_heads, head_dim, generator=g)
     v = torch.randn(num_tokens, num_kv_heads, head_dim, generator=g)
-    backend = TorchNativeBackend()
+    cfg = AttentionConfig(
+        num_heads, num_kv_heads, head_dim, page_size, width, torch.float32, torch.device("cpu")
+    )
+    backend, reference = TorchNativeBackend(cfg), TorchNativeBackend()  # the SDPA path for all
     scale = head_dim**-0.5
     kernel_meta = backend.prepare(batch)
     assert kernel_meta.kernel_decodes is not None
-    reference_meta = backend.prepare(batch)
-    reference_meta.kernel_decodes = None  # the SDPA path for everything
     pool_before = pool.buffer.clone()
     got = backend.forward(q, k, v, 1, scale, pool, kernel_meta)
     stored = pool.buffer.clone()
     pool.buffer.copy_(pool_before)
-    want = backend.forward(q, k, v, 1, scale, pool, reference_meta)
+    want = reference.forward(q, k, v, 1, scale, pool, reference.prepare(batch))
     torch.testing.assert_close(got, want, atol=ATOL, rtol=ATOL)
     assert torch.equal(stored, pool.buffer)  # the kernel stored the same K/V
 
 
 def test_seeded_uniform_is_bit_for_bit_the_torch_formula():
-    from minisgl.engine.sampler import _seeded_uniform_torch
+    from minisgl.engine.sampler import seeded_uniform
 
     seeds = torch.tensor([0, 1, 2**40 + 5, 123456789, 2**63 - 1])
     positions = torch.tensor([0, 5, 100000, 3, 2**33])
     got = _kernels().seeded_uniform(seeds, positions, 1003)
-    assert torch.equal(got, _seeded_uniform_torch(seeds, positions, 1003))
+    assert torch.equal(got, seeded_uniform(seeds, positions, 1003))  # no kernels: torch ops
 
 
-def test_sampling_kernel_draws_the_torch_path_tokens(monkeypatch):
+def _sampler(kernels: bool = True):
+    """The CPU's sampler, with its kernels or (False) torch ops only."""
+    from minisgl.engine.sampler import Sampler
+
+    sampler = Sampler(torch.device("cpu"))
+    assert sampler.cpu_kernels is not None
+    if not kernels:
+        sampler.cpu_kernels = None
+    return sampler
+
+
+def _sampling_batch(params, seeds, positions, vocab):
+    from minisgl.engine.device import ComputeStream
+    from minisgl.engine.sampling_batch import SamplingBatch
+
+    return SamplingBatch.build(params, seeds, positions, vocab, ComputeStream(torch.device("cpu")))
+
+
+def test_sampling_kernel_draws_the_torch_path_tokens():
     """Temperature sampling (and greedy rows) in one kernel pass: the same tokens as the torch
     formula on every row (only a near-tie within fp32 rounding could differ)."""
     from minisgl.core import SamplingParams
-    from minisgl.engine import sampler
-    from minisgl.engine.device import Device
 
     vocab, rows = 5003, 48
     logits = _randn(rows, vocab, seed=16) * 4
     temps = [0.0 if i % 7 == 0 else 0.2 + 0.05 * i for i in range(rows)]
     params = [SamplingParams(temperature=t) for t in temps]
-    batch = sampler.SamplingBatch.build(
-        params, list(range(rows)), [3 * i for i in range(rows)], vocab, Device(torch.device("cpu"))
-    )
-    got = sampler.sample(logits, batch).token_ids
-    monkeypatch.setattr(sampler, "cpu_kernels", lambda: None)
-    want = sampler.sample(logits, batch).token_ids
+    batch = _sampling_batch(params, list(range(rows)), [3 * i for i in range(rows)], vocab)
+    got = _sampler().sample(logits, batch).token_ids
+    want = _sampler(kernels=False).sample(logits, batch).token_ids
     assert torch.equal(got, want)
     assert len(set(got.tolist())) > rows // 2  # it did sample, not collapse to one token
 
@@ -228,8 +242,7 @@ def test_greedy_kernel_is_torch_argmax(vocab, monkeypatch):
     """An all-greedy batch takes the kernel's vector argmax: torch.argmax's ids, ties to the
     first (within and across vector lanes and the tail), rows of -inf included."""
     from minisgl.core import SamplingParams
-    from minisgl.engine import sampler
-    from minisgl.engine.device import Device
+    from minisgl.engine.sampler import Sampler
 
     rows = 12
     logits = _randn(rows, vocab, seed=vocab)
@@ -239,22 +252,18 @@ def test_greedy_kernel_is_torch_argmax(vocab, monkeypatch):
         logits[2, 1] = logits[2, vocab - 1] = 99.0  # the first of two maxima
         logits[3, vocab - 1] = 99.0  # in the tail
     params = [SamplingParams(temperature=0)] * rows
-    batch = sampler.SamplingBatch.build(
-        params, [0] * rows, [0] * rows, vocab, Device(torch.device("cpu"))
-    )
+    batch = _sampling_batch(params, [0] * rows, [0] * rows, vocab)
     calls = []
-    real = sampler._argmax
-    monkeypatch.setattr(sampler, "_argmax", lambda *a: calls.append(1) or real(*a))
-    got = sampler.sample(logits, batch).token_ids
+    real = Sampler._argmax
+    monkeypatch.setattr(Sampler, "_argmax", lambda *a: calls.append(1) or real(*a))
+    got = _sampler().sample(logits, batch).token_ids
     assert calls and torch.equal(got, logits.argmax(dim=-1))
 
 
-def test_sampling_kernel_after_the_grammar_mask_and_penalties(monkeypatch):
+def test_sampling_kernel_after_the_grammar_mask_and_penalties():
     """The kernel draws from the logits after the grammar mask (-inf) and the penalties: the
     torch path's tokens, never a masked one, and logprobs still of the raw logits."""
     from minisgl.core import SamplingParams
-    from minisgl.engine import sampler
-    from minisgl.engine.device import Device
 
     vocab, rows = 1000, 12
     logits = _randn(rows, vocab, seed=17) * 3
@@ -262,9 +271,7 @@ def test_sampling_kernel_after_the_grammar_mask_and_penalties(monkeypatch):
         SamplingParams(temperature=0.0 if i % 5 == 0 else 0.3 + 0.1 * i, logprobs=2)
         for i in range(rows)
     ]
-    sb = sampler.SamplingBatch.build(
-        params, [100 + i for i in range(rows)], [7] * rows, vocab, Device(torch.device("cpu"))
-    )
+    sb = _sampling_batch(params, [100 + i for i in range(rows)], [7] * rows, vocab)
     # rows 1, 5 and 8 constrained: a few allowed tokens each, the raw argmax among the banned
     allowed = {1: {3, 40, 41, 999}, 5: {int(logits[5].argmin()), 500}, 8: {7}}
     bits = torch.zeros(len(allowed), -(-vocab // 32), dtype=torch.int64)
@@ -283,15 +290,13 @@ def test_sampling_kernel_after_the_grammar_mask_and_penalties(monkeypatch):
     sb.presence, sb.frequency = torch.full((rows,), 0.5), torch.full((rows,), 0.25)
     for seed in range(8):
         sb.seeds = torch.arange(rows) + 1000 * seed
-        got = sampler.sample(logits, sb)
-        with monkeypatch.context() as m:
-            m.setattr(sampler, "cpu_kernels", lambda: None)
-            want = sampler.sample(logits, sb)
+        got = _sampler().sample(logits, sb)
+        want = _sampler(kernels=False).sample(logits, sb)
         assert torch.equal(got.token_ids, want.token_ids)
         for row, tokens in allowed.items():
             assert int(got.token_ids[row]) in tokens
-        assert got.logprobs is not None and want.logprobs is not None
-        assert torch.equal(got.logprobs, want.logprobs)
+        assert got.scores is not None and want.scores is not None
+        assert torch.equal(got.scores.chosen, want.scores.chosen)
 
 
 def test_concurrent_first_builds_compile_once(tmp_path):
@@ -432,7 +437,7 @@ def test_lm_head_reuses_one_logits_buffer():
     head = ParallelLMHead(vocab, hidden)
     weight = _randn(vocab, hidden, seed=20)
     head.weight.data.copy_(weight)
-    head.use_cpu_kernels(_kernels(), tied=True)
+    head.use_cpu_kernels(_kernels(), keep_weight=True)
     pointers = []
     for rows, seed in ((8, 21), (3, 22), (8, 23), (40, 24), (5, 25)):
         x = _randn(rows, hidden, seed=seed)

@@ -172,19 +172,19 @@ def test_empty_batches():
 
 
 def test_switch(monkeypatch):
-    cpu_x = torch.zeros(1)
+    cpu = torch.device("cpu")
     try:
         monkeypatch.setenv(gpu.ENABLE_ENV, "0")
         gpu.reset()
-        assert gpu.fused_kernels_for(cpu_x) is None
+        assert gpu.fused_kernels(cpu) is None
         monkeypatch.setenv(gpu.ENABLE_ENV, "auto")
         gpu.reset()
-        assert gpu.fused_kernels_for(cpu_x) is None  # CPU tensors: CPU kernels or torch ops
+        assert gpu.fused_kernels(cpu) is None  # on the CPU: CPU kernels or torch ops
         if ON_CUDA:
-            assert gpu.fused_kernels_for(cpu_x.cuda()) is tf
+            assert gpu.fused_kernels(torch.device("cuda")) is tf
         monkeypatch.setenv(gpu.ENABLE_ENV, "1")
         gpu.reset()
-        assert gpu.fused_kernels_for(cpu_x) is tf
+        assert gpu.fused_kernels(cpu) is tf
     finally:
         monkeypatch.delenv(gpu.ENABLE_ENV)
         gpu.reset()

@@ -6,10 +6,12 @@ import pytest
 import torch
 
 from minisgl import LLM, SamplingParams
-from minisgl.engine.device import Device
-from minisgl.engine.sampler import SamplingBatch, sample, seeded_uniform
+from minisgl.engine.device import ComputeStream
+from minisgl.engine.sampler import Sampler, seeded_uniform
+from minisgl.engine.sampling_batch import SamplingBatch
 
-CPU = Device(torch.device("cpu"))
+CPU = ComputeStream(torch.device("cpu"))
+sample = Sampler(torch.device("cpu")).sample
 
 
 @pytest.fixture(scope="module")
@@ -291,7 +293,6 @@ def test_sampling_frequencies_follow_probabilities():
 def _reference_draw(logits: torch.Tensor, params: list[SamplingParams], seeds, positions):
     """The filtered draw spelled out per row: sort the whole vocabulary, zero what top-k, top-p
     and min-p drop, race over every token (what `sample` must equal without sorting)."""
-    from minisgl.engine.sampler import _seeded_uniform_torch
 
     vocab = logits.shape[-1]
     out = []
@@ -306,7 +307,7 @@ def _reference_draw(logits: torch.Tensor, params: list[SamplingParams], seeds, p
         drop |= sorted_probs < p.min_p * sorted_probs[0]
         drop[0] = False
         kept = torch.zeros(vocab).scatter(0, order, sorted_probs.masked_fill(drop, 0.0))
-        u = _seeded_uniform_torch(torch.tensor([seeds[i]]), torch.tensor([positions[i]]), vocab)
+        u = seeded_uniform(torch.tensor([seeds[i]]), torch.tensor([positions[i]]), vocab)
         out.append(int((kept / -torch.log(u[0])).argmax()))
     return out
 

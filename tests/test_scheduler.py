@@ -147,7 +147,7 @@ def assert_all_pages_back(sched: Scheduler) -> None:
     sched.check_page_accounting()
     sched.flush_cache()
     assert sched.cache.allocator.num_free == sched.cache.num_total_pages
-    assert sched.table.num_free_rows == sched.args.max_running_requests
+    assert sched.cache.rows.num_free == sched.args.max_running_requests
 
 
 @pytest.fixture(scope="module", params=[True, False], ids=["overlap", "no_overlap"])
@@ -323,10 +323,10 @@ def test_table_writes_and_the_forward_threads_flush_safely():
     half-applied (this raised `torch.cat(): expected a non-empty list` now and then)."""
     import threading
 
-    from minisgl.engine.device import Device
+    from minisgl.engine.device import ComputeStream
     from minisgl.engine.tables import DeviceTables
 
-    tables = DeviceTables(8, 64, Device(torch.device("cpu")))
+    tables = DeviceTables(8, 64, ComputeStream(torch.device("cpu")))
     stop = threading.Event()
     errors: list[BaseException] = []
 

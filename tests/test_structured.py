@@ -19,13 +19,14 @@ import xgrammar as xgr
 
 from minisgl import LLM, SamplingParams
 from minisgl.core import Constraint, InvalidRequestError
-from minisgl.engine.device import Device
-from minisgl.engine.sampler import SamplingBatch, apply_vocab_mask, sample
+from minisgl.engine.device import ComputeStream
+from minisgl.engine.sampler import Sampler, apply_vocab_mask
+from minisgl.engine.sampling_batch import SamplingBatch
 from minisgl.grammar import GrammarCompiler, GrammarState, build_vocab_mask
 from minisgl.tokenizer import load_tokenizer
 from tests.conftest import QWEN3_VOCAB, qwen3_tokenizer_dir
 
-CPU = Device(torch.device("cpu"))
+CPU = ComputeStream(torch.device("cpu"))
 EOS = 151645
 THINK_END = 151668  # "</think>" in the Qwen3 vocabulary
 OPTIONS = dict(num_pages=2048, max_running_requests=16, dtype="float32")
@@ -66,13 +67,13 @@ def test_sampler_masks_only_the_constrained_rows() -> None:
     assert torch.equal(masked[0], logits[0]) and torch.equal(masked[2], logits[2])
     for seed in range(20):
         sb.seeds = torch.full((4,), seed)
-        result = sample(logits, sb)
+        result = Sampler(torch.device("cpu")).sample(logits, sb)
         assert int(result.token_ids[1]) in allowed[0] and int(result.token_ids[3]) == 99
         assert int(result.token_ids[0]) == int(logits[0].argmax())  # unconstrained: untouched
     # logprobs report the model's own distribution, not the masked one
-    assert result.logprobs is not None
+    assert result.scores is not None
     raw = torch.log_softmax(logits, -1)
-    assert torch.allclose(result.logprobs[3], raw[3, 99])
+    assert torch.allclose(result.scores.chosen[3], raw[3, 99])
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,8 @@ if not ON_CUDA and os.environ.get("TRITON_INTERPRET") != "1":
 
 from minisgl.core import SamplingParams  # noqa: E402
 from minisgl.engine import sampler  # noqa: E402
-from minisgl.engine.device import Device  # noqa: E402
+from minisgl.engine.device import ComputeStream  # noqa: E402
+from minisgl.engine.sampling_batch import SamplingBatch  # noqa: E402
 from minisgl.kernels import gpu  # noqa: E402
 from minisgl.kernels import triton_sampling as ts  # noqa: E402
 
@@ -35,7 +36,7 @@ def _torch_draw(
     """sampler.py's formula, written out (no kernel of any kind)."""
     logits = logits.float()
     probs = torch.softmax(logits / temps.clamp(min=1e-5)[:, None], dim=-1)
-    u = sampler._seeded_uniform_torch(seeds, positions, logits.shape[-1])
+    u = sampler.seeded_uniform(seeds, positions, logits.shape[-1])
     sampled = (probs / -torch.log(u)).argmax(dim=-1)
     return torch.where(temps == 0, logits.argmax(dim=-1), sampled)
 
@@ -116,10 +117,10 @@ def test_sampler_dispatches_plain_rows_to_the_kernel(monkeypatch):
     try:
         logits, temps, seeds, positions = _inputs(6, 3000, seed=3)
         params = [SamplingParams(temperature=float(t), max_tokens=4) for t in temps]
-        sb = sampler.SamplingBatch.build(
-            params, seeds.tolist(), positions.tolist(), 3000, Device(DEVICE)
+        sb = SamplingBatch.build(
+            params, seeds.tolist(), positions.tolist(), 3000, ComputeStream(DEVICE)
         )
-        got = sampler.sample(logits.to(DEVICE), sb).token_ids.cpu()
+        got = sampler.Sampler(DEVICE).sample(logits.to(DEVICE), sb).token_ids.cpu()
     finally:
         gpu.reset()
     assert calls, "the Triton kernel was not used"

@@ -1,4 +1,4 @@
-"""Micro-benchmark: one batch's sampling (minisgl.engine.sampler.sample) over a Qwen3-sized
+"""Micro-benchmark: one batch's sampling (minisgl.engine.sampler.Sampler) over a Qwen3-sized
 vocabulary (151,936), for the sampling settings clients send, on the device at hand.
 
 Logits are random with a spread like a language model's (scale --logit-scale), so a top-p
@@ -18,8 +18,9 @@ import time
 import torch
 
 from minisgl.core import SamplingParams
-from minisgl.engine.device import Device
-from minisgl.engine.sampler import SamplingBatch, sample
+from minisgl.engine.device import ComputeStream
+from minisgl.engine.sampler import Sampler
+from minisgl.engine.sampling_batch import SamplingBatch
 
 SETTINGS = {
     "greedy": dict(temperature=0.0),
@@ -44,7 +45,8 @@ def main() -> None:
     p.add_argument("--logit-scale", type=float, default=4.0)
     p.add_argument("--iters", type=int, default=5)
     args = p.parse_args()
-    device = Device(torch.device(args.device))
+    device = ComputeStream(torch.device(args.device))
+    sample = Sampler(device.device).sample
     g = torch.Generator().manual_seed(0)
     print(f"sampling over {VOCAB} tokens on {args.device}, ms per batch (mean of {args.iters})")
     print(f"{'setting':<38}" + "".join(f"{f'{r} rows':>12}" for r in args.rows))
@@ -56,7 +58,7 @@ def main() -> None:
             sb = SamplingBatch.build(params, list(range(rows)), [7] * rows, VOCAB, device)
             if params[0].has_penalties:
                 _add_history(sb, params, rows, g, device)
-            with device.on_stream():  # the engine's stream: what synchronize waits for
+            with device.active():  # the engine's stream: what synchronize waits for
                 sample(logits, sb)  # warm-up
                 device.synchronize()
                 start = time.perf_counter()
@@ -72,9 +74,9 @@ def _add_history(
     params: list[SamplingParams],
     rows: int,
     g: torch.Generator,
-    device: Device,
+    device: ComputeStream,
 ) -> None:
-    """What Engine._add_penalties hands the sampler, for random token histories."""
+    """What SamplingBatch.for_batch hands the sampler, for random token histories."""
     ids = torch.randint(0, VOCAB, (rows, HISTORY_LEN), generator=g)
     in_output = (torch.arange(HISTORY_LEN) >= HISTORY_LEN // 2)[None, :].expand(rows, -1)
     sb.history_ids, sb.history_in_output = ids.to(device.device), in_output.to(device.device)

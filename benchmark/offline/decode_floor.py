@@ -34,6 +34,10 @@ try:  # absent before the CPU kernels existed: the floors still measure older ch
     from minisgl.kernels import cpu as cpu_kernels
 except ImportError:
     cpu_kernels = None  # type: ignore[assignment]
+try:  # minisgl/kernels/cpu_ops.py; in cpu.py before it
+    from minisgl.kernels.cpu_ops import huge_page_zeros
+except ImportError:
+    huge_page_zeros = getattr(cpu_kernels, "huge_page_zeros", None)
 
 BANDWIDTH_REPEATS = 10
 MATMUL_REPEATS = 5
@@ -136,8 +140,8 @@ def read_bandwidth_gb_s(num_bytes: int) -> tuple[float, float]:
     """(best, median) GB/s of a `sum()` over `num_bytes`, from the faster buffer kind."""
     numel = num_bytes // 4
     buffers = [torch.ones(numel, dtype=torch.float32)]
-    if cpu_kernels is not None:
-        buffers.append(cpu_kernels.huge_page_zeros((numel,), torch.float32).fill_(1.0))
+    if huge_page_zeros is not None:
+        buffers.append(huge_page_zeros((numel,), torch.float32).fill_(1.0))
     rates = [
         sorted(num_bytes / t / GB for t in _times_s(buf.sum, BANDWIDTH_REPEATS)) for buf in buffers
     ]

@@ -107,54 +107,37 @@ class FlashInferBackend(AttentionBackend):
 
     # ---- metadata --------------------------------------------------------------------------
 
-    def _plan_kwargs(self) -> dict[str, Any]:
+    def _plan(
+        self, wrapper: Any, batch: AttentionBatch, *qo_indptr: torch.Tensor, **kw: Any
+    ) -> None:
+        """`wrapper.plan(...)` for `batch` (a prefill wrapper's `qo_indptr` first), after the
+        previous plan's host-to-device copy has run."""
         cfg = self.cfg
-        return dict(q_data_type=cfg.dtype, kv_data_type=cfg.dtype, sm_scale=cfg.scale)
-
-    def _plan(self, wrapper: Any, *args: Any, **kwargs: Any) -> None:
-        """`wrapper.plan(...)`, after the previous plan's host-to-device copy has run."""
+        indptr, indices, last_page_len = paged_kv_lists(batch, cfg.page_size)
+        heads = (cfg.num_qo_heads, cfg.num_kv_heads, cfg.head_dim, cfg.page_size)
         self._planned.synchronize()
-        wrapper.plan(*args, **kwargs)
-        self._planned.record()
-
-    def _plan_decode(self, wrapper: Any, batch: AttentionBatch) -> FlashInferMetadata:
-        cfg = self.cfg
-        indptr, indices, last_page_len = paged_kv_lists(batch, self.cfg.page_size)
-        self._plan(
-            wrapper,
+        wrapper.plan(
+            *qo_indptr,
             indptr,
             indices,
             last_page_len,
-            cfg.num_qo_heads,
-            cfg.num_kv_heads,
-            cfg.head_dim,
-            cfg.page_size,
-            **self._plan_kwargs(),
+            *heads,
+            q_data_type=cfg.dtype,
+            kv_data_type=cfg.dtype,
+            sm_scale=cfg.scale,
+            **kw,
         )
-        return FlashInferMetadata(wrapper, batch.out_slots)
+        self._planned.record()
 
     def prepare(self, batch: AttentionBatch) -> FlashInferMetadata:
         if batch.is_decode:
-            return self._plan_decode(self.decode_wrapper, batch)
-        cfg = self.cfg
-        indptr, indices, last_page_len = paged_kv_lists(batch, self.cfg.page_size)
-        wrapper = self.prefill_wrapper  # every sequence, decodes as one-query prefills
+            self._plan(self.decode_wrapper, batch)
+            return FlashInferMetadata(self.decode_wrapper, batch.out_slots)
+        # Every sequence through the prefill wrapper, decodes as one-query prefills.
         qo_indptr = torch.zeros(batch.num_seqs + 1, dtype=torch.int32)
         torch.cumsum(torch.tensor(batch.extend_lens_cpu, dtype=torch.int32), 0, out=qo_indptr[1:])
-        self._plan(
-            wrapper,
-            qo_indptr.pin_memory(),
-            indptr,
-            indices,
-            last_page_len,
-            cfg.num_qo_heads,
-            cfg.num_kv_heads,
-            cfg.head_dim,
-            cfg.page_size,
-            causal=True,
-            **self._plan_kwargs(),
-        )
-        return FlashInferMetadata(wrapper, batch.out_slots)
+        self._plan(self.prefill_wrapper, batch, qo_indptr.pin_memory(), causal=True)
+        return FlashInferMetadata(self.prefill_wrapper, batch.out_slots)
 
     # ---- the forward -----------------------------------------------------------------------
 
@@ -202,4 +185,5 @@ class FlashInferBackend(AttentionBackend):
             )
             self._graph_wrappers[size] = wrapper
         # In graph mode plan() copies into the fixed buffers the captured kernels read.
-        return self._plan_decode(wrapper, batch)
+        self._plan(wrapper, batch)
+        return FlashInferMetadata(wrapper, batch.out_slots)

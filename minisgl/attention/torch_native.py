@@ -21,7 +21,8 @@ from minisgl.attention.base import (
     AttentionConfig,
     copy_to_device,
 )
-from minisgl.kernels.cpu import CpuKernels, get, kernels_for
+from minisgl.kernels.cpu import kernels_for
+from minisgl.kernels.cpu_ops import CpuKernels
 from minisgl.kvcache.pool import KVPool
 
 # A decode joins the current group while its KV length is at least this fraction of the group's
@@ -63,33 +64,22 @@ class _KernelDecodes:
 @dataclass
 class TorchNativeMetadata:
     out_slots: torch.Tensor
-    decodes: list[tuple[int, int, int]]  # (kv_len, query row, sequence index)
     prefills: list[_Prefill]
-    batch: AttentionBatch
-    kernel_decodes: _KernelDecodes | None  # set when the CPU kernels compute the decodes
-    _decode_groups: list[_DecodeGroup] | None = None
-
-    def decode_groups(self) -> list[_DecodeGroup]:
-        """The padded SDPA groups, built on first use (only the SDPA path needs them)."""
-        if self._decode_groups is None:
-            self._decode_groups = TorchNativeBackend.group_decodes(self.batch, self.decodes)
-        return self._decode_groups
+    # The decodes: for the CPU paged-attention kernel where it applies, else as SDPA groups.
+    kernel_decodes: _KernelDecodes | None
+    decode_groups: list[_DecodeGroup]
 
 
 class TorchNativeBackend(AttentionBackend):
     def __init__(self, cfg: AttentionConfig | None = None) -> None:
-        """Sizes nothing ahead: every buffer follows the batch (cfg is the registry's common
-        constructor argument). The CPU kernels are used when cfg says fp32 on the CPU (or,
-        without cfg, whenever a batch's tensors are)."""
+        """Sizes nothing ahead: every buffer follows the batch. The CPU kernels compute the
+        decodes when cfg says fp32 on the CPU and a head layout the kernel supports; without
+        cfg, SDPA computes everything (a reference)."""
         self._kernels: CpuKernels | None = None
-        if cfg is None or (cfg.device.type == "cpu" and cfg.dtype == torch.float32):
-            kernels = get()
-            if cfg is None or (
-                kernels is not None
-                and kernels.supports_decode_attention(
-                    cfg.num_qo_heads, cfg.num_kv_heads, cfg.head_dim
-                )
-            ):
+        if cfg is not None:
+            kernels = kernels_for(cfg.device, cfg.dtype)
+            heads = (cfg.num_qo_heads, cfg.num_kv_heads, cfg.head_dim)
+            if kernels is not None and kernels.supports_decode_attention(*heads):
                 self._kernels = kernels
 
     def prepare(self, batch: AttentionBatch) -> TorchNativeMetadata:
@@ -111,10 +101,11 @@ class TorchNativeBackend(AttentionBackend):
                     mask = torch.arange(kv_len, device=device)[None, :] <= q_pos[:, None]
                 prefills.append(_Prefill(token_start, token_start + q_len, row, mask))
             token_start += q_len
-        kernel_decodes = None
-        if self._kernels is not None and device.type == "cpu" and decodes:
+        if self._kernels is not None and decodes:
             kernel_decodes = self._kernel_decodes(batch, decodes)
-        return TorchNativeMetadata(batch.out_slots, decodes, prefills, batch, kernel_decodes)
+            return TorchNativeMetadata(batch.out_slots, prefills, kernel_decodes, [])
+        groups = self.group_decodes(batch, decodes)
+        return TorchNativeMetadata(batch.out_slots, prefills, None, groups)
 
     @staticmethod
     def _kernel_decodes(
@@ -166,20 +157,14 @@ class TorchNativeBackend(AttentionBackend):
     ) -> torch.Tensor:
         pool.store(layer_id, metadata.out_slots, k, v)
         k_cache, v_cache = pool.k_cache(layer_id), pool.v_cache(layer_id)
-        kernels = kernels_for(q) if self._kernels is not None else None
-        if kernels is not None and not kernels.supports_decode_attention(
-            q.shape[1], k_cache.shape[1], q.shape[2]
-        ):
-            kernels = None
         out = torch.empty_like(q)
-        if kernels is not None and metadata.kernel_decodes is not None:
-            d = metadata.kernel_decodes
-            kernels.decode_attention(
+        d = metadata.kernel_decodes
+        if self._kernels is not None and d is not None:
+            self._kernels.decode_attention(
                 q, d.token_index, k_cache, v_cache, d.page_table, d.table_rows,
                 d.kv_lens, out, scale,
             )  # fmt: skip
-        computed = kernels is not None and metadata.kernel_decodes is not None
-        self._sdpa(q, k_cache, v_cache, scale, metadata, out, decodes=not computed)
+        self._sdpa(q, k_cache, v_cache, scale, metadata, out)
         return out
 
     def _sdpa(
@@ -190,11 +175,10 @@ class TorchNativeBackend(AttentionBackend):
         scale: float,
         metadata: TorchNativeMetadata,
         out: torch.Tensor,
-        decodes: bool,
     ) -> None:
-        """The SDPA path: prefill chunks always, decodes unless a kernel computed them."""
+        """The SDPA path: prefill chunks always, decodes unless the kernel computes them."""
         # SDPA wants [batch, heads, len, head_dim]; GQA repeats KV heads inside the kernel.
-        for group in metadata.decode_groups() if decodes else []:
+        for group in metadata.decode_groups:
             num_decodes = group.token_index.numel()
             if group.k_buf is None or group.v_buf is None:
                 shape = (group.kv_slots.numel(), *k_cache.shape[1:])

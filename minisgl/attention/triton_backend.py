@@ -71,6 +71,18 @@ class TritonDecodeMetadata:
     page_table: torch.Tensor
     for_graph: bool
 
+    @staticmethod
+    def of(batch: AttentionBatch, num_seqs: int, for_graph: bool) -> TritonDecodeMetadata:
+        """The first `num_seqs` sequences of `batch`, each one query."""
+        return TritonDecodeMetadata(
+            num_seqs,
+            batch.table_rows[:num_seqs],
+            batch.kv_lens[:num_seqs],
+            batch.out_slots[:num_seqs],
+            batch.page_table,
+            for_graph,
+        )
+
 
 @dataclass
 class TritonExtendMetadata:
@@ -121,20 +133,11 @@ class TritonBackend(AttentionBackend):
 
     def prepare(self, batch: AttentionBatch) -> TritonDecodeMetadata | TritonExtendMetadata:
         if batch.is_decode:
-            return self._decode_metadata(batch, for_graph=False)
+            return TritonDecodeMetadata.of(batch, batch.num_seqs, for_graph=False)
         extend_lens = batch.extend_lens_cpu
         # One query attending to its whole KV is a decode, whether it samples or ends a chunk.
         num_decodes = next((i for i, n in enumerate(extend_lens) if n != 1), len(extend_lens))
-        decodes = None
-        if num_decodes:
-            decodes = TritonDecodeMetadata(
-                num_seqs=num_decodes,
-                table_rows=batch.table_rows[:num_decodes],
-                kv_lens=batch.kv_lens[:num_decodes],
-                out_slots=batch.out_slots[:num_decodes],
-                page_table=batch.page_table,
-                for_graph=False,
-            )
+        decodes = TritonDecodeMetadata.of(batch, num_decodes, False) if num_decodes else None
         return TritonExtendMetadata(
             extend_lens=extend_lens[num_decodes:],
             table_rows=batch.table_rows[num_decodes:],
@@ -164,18 +167,7 @@ class TritonBackend(AttentionBackend):
             raise ValueError(
                 f"graph batch of {batch.num_seqs} exceeds init_graph_state({self._graph_max_seqs})"
             )
-        return self._decode_metadata(batch, for_graph=True)
-
-    @staticmethod
-    def _decode_metadata(batch: AttentionBatch, for_graph: bool) -> TritonDecodeMetadata:
-        return TritonDecodeMetadata(
-            num_seqs=batch.num_seqs,
-            table_rows=batch.table_rows,
-            kv_lens=batch.kv_lens,
-            out_slots=batch.out_slots,
-            page_table=batch.page_table,
-            for_graph=for_graph,
-        )
+        return TritonDecodeMetadata.of(batch, batch.num_seqs, for_graph=True)
 
     # ---- forward ----------------------------------------------------------------------------
 

@@ -72,10 +72,6 @@ class ReasoningParser:
         self._buf = ""  # text not classified yet
         self._reasoning_started = False  # leading whitespace of the reasoning is dropped
 
-    @property
-    def in_reasoning(self) -> bool:
-        return self.mode in (Mode.MAYBE, Mode.REASONING)
-
     def feed(self, text: str) -> ReasoningDelta:
         self._buf += text
         return self._run(final=False)

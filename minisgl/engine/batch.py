@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -26,10 +27,6 @@ class ForwardBatch:
     # Per sequence: top alternatives for the prompt logprobs of this chunk's positions (each
     # scores the prompt token after it), None where not wanted. None: no sequence wants them.
     prompt_logprobs: list[int | None] | None = None
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(self.extend_lens)
 
     @property
     def num_seqs(self) -> int:
@@ -91,31 +88,61 @@ class ForwardOutput:
 
 
 @dataclass
+class TokenScores:
+    """Logprobs of some chosen tokens and their top alternatives, a row per token: on the
+    device, or host copies on their way (`map(stream.to_host_async)`)."""
+
+    chosen: torch.Tensor  # float32 [rows]: each chosen token's logprob
+    top_ids: torch.Tensor  # int64 [rows, max k]
+    top_logprobs: torch.Tensor  # float32 [rows, max k]
+
+    @staticmethod
+    def of(logits: torch.Tensor, token_ids: torch.Tensor, max_k: int) -> TokenScores:
+        """From logits [rows, vocab] and the chosen int64 token ids [rows]."""
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        chosen = logprobs.gather(1, token_ids[:, None]).squeeze(1)
+        top_logprobs, top_ids = logprobs.topk(max_k, dim=-1)  # k = 0 gives empty
+        return TokenScores(chosen, top_ids, top_logprobs)
+
+    def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> TokenScores:
+        return TokenScores(fn(self.chosen), fn(self.top_ids), fn(self.top_logprobs))
+
+    def token_logprobs(
+        self, token_ids: list[int], top_k: Sequence[int | None]
+    ) -> list[TokenLogprob | None]:
+        """Per row (on the host): its TokenLogprob with its first top_k[row] alternatives, or
+        None where top_k[row] is None (not wanted)."""
+        chosen, top_ids, top_lps = (
+            t.tolist() for t in (self.chosen, self.top_ids, self.top_logprobs)
+        )
+        return [
+            None
+            if k is None
+            else TokenLogprob(
+                token_ids[j], chosen[j], tuple(zip(top_ids[j][:k], top_lps[j][:k], strict=True))
+            )
+            for j, k in enumerate(top_k)
+        ]
+
+
+@dataclass
 class PromptScores:
     """A batch's prompt logprobs on their way to the host (copies started non-blocking)."""
 
     counts: list[int]  # per sequence: prompt tokens scored (ForwardBatch.num_prompt_scores)
     top_k: list[int]  # per sequence: alternatives wanted
     token_ids: torch.Tensor  # int64 [scored]: the scored prompt tokens, sequence by sequence
-    logprobs: torch.Tensor  # float32 [scored]
-    top_ids: torch.Tensor  # int64 [scored, max k]
-    top_logprobs: torch.Tensor  # float32 [scored, max k]
+    scores: TokenScores
 
     def result(self) -> dict[int, list[TokenLogprob]]:
-        token_ids, chosen = self.token_ids.tolist(), self.logprobs.tolist()
-        top_ids, top_lps = self.top_ids.tolist(), self.top_logprobs.tolist()
+        row_k = [k for count, k in zip(self.counts, self.top_k, strict=True) for _ in range(count)]
+        rows = self.scores.token_logprobs(self.token_ids.tolist(), row_k)
         out: dict[int, list[TokenLogprob]] = {}
         start = 0
-        for seq, (count, k) in enumerate(zip(self.counts, self.top_k, strict=True)):
-            if count == 0:
-                continue
-            out[seq] = [
-                TokenLogprob(
-                    token_ids[j], chosen[j], tuple(zip(top_ids[j][:k], top_lps[j][:k], strict=True))
-                )
-                for j in range(start, start + count)
-            ]
-            start += count
+        for seq, count in enumerate(self.counts):
+            if count:
+                out[seq] = [lp for lp in rows[start : start + count] if lp is not None]
+                start += count
         return out
 
 
@@ -128,16 +155,10 @@ class PendingOutput:
     """
 
     params: list[SamplingParams]
-    token_ids: torch.Tensor | None  # int64 [rows]
-    logprobs: torch.Tensor | None  # float32 [rows]
-    top_ids: torch.Tensor | None  # int64 [rows, k]
-    top_logprobs: torch.Tensor | None  # float32 [rows, k]
-    ready: Event | None
+    token_ids: torch.Tensor | None = None  # int64 [rows]; None: nothing sampled
+    scores: TokenScores | None = None  # None: no row wants logprobs
+    ready: Event | None = None
     prompt_scores: PromptScores | None = None
-
-    @staticmethod
-    def empty() -> PendingOutput:
-        return PendingOutput([], None, None, None, None, None)
 
     def result(self) -> ForwardOutput:
         if self.ready is not None:
@@ -147,14 +168,6 @@ class PendingOutput:
             return ForwardOutput([], [], scored)
         token_ids = self.token_ids.tolist()
         logprobs: list[TokenLogprob | None] = [None] * len(token_ids)
-        if self.logprobs is not None:
-            assert self.top_ids is not None and self.top_logprobs is not None
-            chosen = self.logprobs.tolist()
-            top_ids, top_lps = self.top_ids.tolist(), self.top_logprobs.tolist()
-            for j, p in enumerate(self.params):
-                if p.logprobs is None:
-                    continue
-                k = p.logprobs
-                top = tuple(zip(top_ids[j][:k], top_lps[j][:k], strict=True))
-                logprobs[j] = TokenLogprob(token_ids[j], chosen[j], top)
+        if self.scores is not None:
+            logprobs = self.scores.token_logprobs(token_ids, [p.logprobs for p in self.params])
         return ForwardOutput(token_ids, logprobs, scored)

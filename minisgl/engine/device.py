@@ -11,36 +11,37 @@ tensors go host -> pinned buffer -> device with one non-blocking copy in stream 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 
-class Device:
-    """The engine's device: its compute stream and the host<->device copies around it."""
+class ComputeStream:
+    """The engine's compute stream on its device, and the host<->device copies around it."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.is_cuda = device.type == "cuda"
         # The forward runs on its own stream, so the scheduler thread never queues work behind
         # it on the default stream (and a profile shows the engine's work on one lane).
-        self.stream: Any = torch.cuda.Stream(device) if self.is_cuda else None
+        self.cuda_stream: Any = torch.cuda.Stream(device) if self.is_cuda else None
 
     @contextlib.contextmanager
-    def on_stream(self) -> Iterator[None]:
-        if self.stream is None:
+    def active(self) -> Iterator[None]:
+        """Queue the work done inside on this stream (on CPU: run it, nothing to queue)."""
+        if self.cuda_stream is None:
             yield
             return
-        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
+        with torch.cuda.device(self.device), torch.cuda.stream(self.cuda_stream):
             yield
 
     def follow_default_stream(self) -> None:
         """Order the engine's stream after everything queued so far on the device's default
         stream. Its stream comes from torch's pool, made non-blocking: without this, buffers
         created at start-up (on the default stream) could be read before they are written."""
-        if self.stream is not None:
-            self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        if self.cuda_stream is not None:
+            self.cuda_stream.wait_stream(torch.cuda.current_stream(self.device))
 
     def stage(self, *host: torch.Tensor) -> list[torch.Tensor]:
         """Copy 1-D host tensors of one dtype to the device in a single non-blocking copy."""
@@ -50,10 +51,6 @@ class Device:
         packed = torch.cat(host).pin_memory()
         on_device = packed.to(self.device, non_blocking=True)
         return list(on_device.split(lengths))
-
-    def tensor(self, values: Sequence[Any], dtype: torch.dtype) -> torch.Tensor:
-        """`torch.tensor(values, dtype, device)` without a stream-wide wait on CUDA."""
-        return self.stage(torch.tensor(values, dtype=dtype))[0]
 
     def to_host_async(self, x: torch.Tensor) -> torch.Tensor:
         """Start copying `x` to host memory; read the result only after `record_event().wait`."""
@@ -67,18 +64,18 @@ class Device:
         return Event(self)
 
     def synchronize(self) -> None:
-        if self.stream is not None:
-            self.stream.synchronize()
+        if self.cuda_stream is not None:
+            self.cuda_stream.synchronize()
 
 
 class Event:
     """Marks the current point of the engine's stream; `wait` blocks the host until it passes."""
 
-    def __init__(self, device: Device) -> None:
+    def __init__(self, stream: ComputeStream) -> None:
         self._event: Any = None
-        if device.stream is not None:
+        if stream.cuda_stream is not None:
             self._event = torch.cuda.Event()
-            self._event.record(device.stream)
+            self._event.record(stream.cuda_stream)
 
     def wait(self) -> None:
         if self._event is not None:

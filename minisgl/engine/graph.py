@@ -17,6 +17,7 @@ their cost is dominated by the prefill's matmuls, not by launches.
 
 from __future__ import annotations
 
+import bisect
 import logging
 import time
 from collections.abc import Callable
@@ -25,9 +26,9 @@ from typing import Any
 import torch
 
 from minisgl.attention.base import AttentionBackend, AttentionBatch
+from minisgl.attention.context import ForwardContext, forward_context
 from minisgl.engine.batch import ForwardBatch
-from minisgl.engine.context import ForwardContext, forward_context
-from minisgl.engine.device import Device
+from minisgl.engine.device import ComputeStream
 from minisgl.engine.tables import DeviceTables
 from minisgl.kvcache.pool import KVPool
 
@@ -58,17 +59,17 @@ class GraphRunner:
         backend: AttentionBackend,
         pool: KVPool,
         tables: DeviceTables,
-        device: Device,
+        stream: ComputeStream,
         max_batch_size: int,
     ) -> None:
         self.model = model
         self.backend = backend
         self.pool = pool
         self.tables = tables
-        self.device = device
+        self.stream = stream
         self.max_batch_size = max_batch_size
         self.sizes = graph_batch_sizes(max_batch_size)
-        dev = device.device
+        dev = stream.device
         # Static inputs: every replay reads these addresses.
         self.table_rows = torch.zeros(max_batch_size, dtype=torch.int64, device=dev)
         self.positions = torch.zeros(max_batch_size, dtype=torch.int64, device=dev)
@@ -80,10 +81,8 @@ class GraphRunner:
             backend.init_graph_state(max_batch_size)
 
     def padded_size(self, num_seqs: int) -> int | None:
-        for size in self.sizes:
-            if size >= num_seqs:
-                return size
-        return None
+        index = bisect.bisect_left(self.sizes, num_seqs)
+        return self.sizes[index] if index < len(self.sizes) else None
 
     def can_run(self, batch: ForwardBatch) -> bool:
         return batch.is_decode and batch.num_seqs <= self.max_batch_size
@@ -97,23 +96,20 @@ class GraphRunner:
         rows = batch.table_rows + [self.tables.dummy_row] * pad
         positions = batch.prefix_lens + [0] * pad
         attn = self._fill(size, rows, positions)
+        if not self.backend.supports_graphs:
+            return self._forward(size, self.backend.prepare(attn))[:num_seqs]
+        metadata = self.backend.prepare_graph(attn, capturing=False)
         graph = self._graphs.get(size)
-        if graph is not None:
-            self.backend.prepare_graph(attn, capturing=False)
-            graph[0].replay()
-            return graph[1][:num_seqs]
-        metadata = (
-            self.backend.prepare_graph(attn, capturing=False)
-            if self.backend.supports_graphs
-            else self.backend.prepare(attn)
-        )
-        return self._forward(size, metadata)[:num_seqs]
+        if graph is None:  # not captured (CPU): the same buffers, eagerly
+            return self._forward(size, metadata)[:num_seqs]
+        graph[0].replay()
+        return graph[1][:num_seqs]
 
     def _fill(self, size: int, rows: list[int], positions: list[int]) -> AttentionBatch:
         """Write one step's rows and positions into the static buffers (all device values of the
         returned batch are this step's when the backend prepares)."""
         kv_lens = [p + 1 for p in positions]
-        rows_d, pos_d, kv_d = self.device.stage(
+        rows_d, pos_d, kv_d = self.stream.stage(
             torch.tensor(rows, dtype=torch.int64),
             torch.tensor(positions, dtype=torch.int64),
             torch.tensor(kv_lens, dtype=torch.int64),
@@ -143,23 +139,23 @@ class GraphRunner:
     @torch.inference_mode()
     def capture(self) -> None:
         """Capture one graph per padded size, largest first (smaller ones reuse its memory)."""
-        assert self.device.is_cuda and self.backend.supports_graphs
+        assert self.stream.is_cuda and self.backend.supports_graphs
         start_s = time.perf_counter()
-        free_before, _ = torch.cuda.mem_get_info(self.device.device)
+        free_before, _ = torch.cuda.mem_get_info(self.stream.device)
         mempool = torch.cuda.graph_pool_handle()
         dummy = self.tables.dummy_row
         for size in reversed(self.sizes):
-            with self.device.on_stream():
+            with self.stream.active():
                 attn = self._fill(size, [dummy] * size, [0] * size)
                 metadata = self.backend.prepare_graph(attn, capturing=True)
                 self._forward(size, metadata)  # warm-up: lazy inits and autotuning run here
-            self.device.synchronize()
+            self.stream.synchronize()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=mempool, stream=self.device.stream):
+            with torch.cuda.graph(graph, pool=mempool, stream=self.stream.cuda_stream):
                 logits = self._forward(size, metadata)
             self._graphs[size] = (graph, logits)
-        self.device.synchronize()
-        free_after, _ = torch.cuda.mem_get_info(self.device.device)
+        self.stream.synchronize()
+        free_after, _ = torch.cuda.mem_get_info(self.stream.device)
         logger.info(
             "captured %d CUDA graphs (batch sizes %d..%d) in %.1f s using %.2f GiB",
             len(self.sizes),

@@ -4,25 +4,25 @@ On CUDA, after the weights are loaded, one warm-up forward at the largest prefil
 the activation peak (it also compiles/JITs the attention kernels before the first request). The
 pool then gets `mem_fraction_static` of the device, minus what other processes and our weights
 already hold, minus that peak, minus a reserve for CUDA graphs and the sampler's [batch, vocab]
-temporaries. Every number is logged.
+temporaries. Every number is logged. All of it runs before the pool exists: the engine builds
+the pool from the number planned here.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
-from minisgl.config import DEFAULT_CPU_KV_CACHE_GB
+from minisgl.config import DEFAULT_CPU_KV_CACHE_GB, ServerArgs
 from minisgl.core import SamplingParams
 from minisgl.distributed import get_tp_info
 from minisgl.engine.batch import ForwardBatch
 from minisgl.engine.graph import graph_batch_sizes
-from minisgl.kvcache.pool import KVPool
-
-if TYPE_CHECKING:
-    from minisgl.engine.engine import Engine
+from minisgl.engine.tables import DeviceTables
+from minisgl.kvcache.pool import KVPool, KVShape
 
 logger = logging.getLogger(__name__)
 
@@ -34,20 +34,42 @@ SAMPLER_VOCAB_COPIES = 12
 # capturing the largest needs its [rows, vocab] temporaries once more.
 GRAPH_RESERVE_BASE_BYTES = 256 << 20
 
+# A forward of one batch through a given pool, to its sampled tokens (the engine's).
+ForwardThrough = Callable[[ForwardBatch, KVPool], object]
 
-def plan_kv_pages(engine: Engine, graph_max_bs: int) -> int:
-    args = engine.args
-    per_page = engine.kv_shape.bytes_per_token(engine.dtype) * engine.page_size
+
+@dataclass(frozen=True)
+class MemoryNeeds:
+    """What the KV budget depends on besides the flags, from the engine being built."""
+
+    kv_shape: KVShape
+    dtype: torch.dtype
+    vocab_size: int
+    weights_bytes: int
+    graph_max_bs: int  # 0: no CUDA graphs
+    prefill_tokens: int  # the largest prefill chunk: what the warm-up forward computes
+
+
+def plan_kv_pages(
+    args: ServerArgs,
+    needs: MemoryNeeds,
+    tables: DeviceTables,
+    forward: ForwardThrough,
+) -> int:
+    """The pool size in pages. `forward` runs the warm-up on CUDA (through a temporary pool
+    mapped by the dummy table row)."""
+    page_bytes = needs.kv_shape.bytes_per_token(needs.dtype) * args.page_size
+    device = tables.stream.device
     if args.num_pages is not None:
         num_pages = args.num_pages
     elif args.kv_cache_gb is not None:
-        num_pages = int(args.kv_cache_gb * GIB // per_page)
-    elif engine.dev.is_cuda:
-        num_pages = int(_cuda_kv_budget(engine, graph_max_bs) // per_page)
+        num_pages = int(args.kv_cache_gb * GIB // page_bytes)
+    elif tables.stream.is_cuda:
+        num_pages = int(_cuda_kv_budget(args, needs, tables, forward) // page_bytes)
     else:
-        num_pages = int(DEFAULT_CPU_KV_CACHE_GB * GIB // per_page)
+        num_pages = int(DEFAULT_CPU_KV_CACHE_GB * GIB // page_bytes)
     if get_tp_info().size > 1:  # every rank must agree: take the smallest
-        t = torch.tensor([num_pages], device=engine.device)
+        t = torch.tensor([num_pages], device=device)
         torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN)
         num_pages = int(t.item())
     if num_pages < 1:
@@ -58,29 +80,31 @@ def plan_kv_pages(engine: Engine, graph_max_bs: int) -> int:
     return num_pages
 
 
-def _cuda_kv_budget(engine: Engine, graph_max_bs: int) -> float:
-    device = engine.device
+def _cuda_kv_budget(
+    args: ServerArgs, needs: MemoryNeeds, tables: DeviceTables, forward: ForwardThrough
+) -> float:
+    device = tables.stream.device
     torch.cuda.synchronize(device)
     free_after_weights, total = torch.cuda.mem_get_info(device)
-    activation_peak = _profile_prefill(engine)
-    vocab_bytes = engine.model_config.vocab_size * 4
-    sampler_reserve = engine.args.max_running_requests * vocab_bytes * SAMPLER_VOCAB_COPIES
+    activation_peak = _profile_prefill(args.page_size, needs, tables, forward)
+    vocab_bytes = needs.vocab_size * 4
+    graph_max_bs = needs.graph_max_bs
+    sampler_reserve = args.max_running_requests * vocab_bytes * SAMPLER_VOCAB_COPIES
     graph_rows = sum(graph_batch_sizes(graph_max_bs)) + graph_max_bs if graph_max_bs else 0
     graph_reserve = graph_rows * vocab_bytes + GRAPH_RESERVE_BASE_BYTES if graph_max_bs else 0
-    not_ours = total * (1 - engine.args.mem_fraction_static)
+    not_ours = total * (1 - args.mem_fraction_static)
     budget = free_after_weights - not_ours - activation_peak - sampler_reserve - graph_reserve
-    weights = sum(p.numel() * p.element_size() for p in engine.model.parameters())
     logger.info(
         "GPU memory: total %.2f GiB, weights %.2f GiB, free after weights %.2f GiB, "
         "left to others (1 - mem_fraction_static) %.2f GiB, prefill activations %.2f GiB "
         "(warm-up at %d tokens), sampler reserve %.2f GiB, graph reserve %.2f GiB -> "
         "KV cache %.2f GiB",
         total / GIB,
-        weights / GIB,
+        needs.weights_bytes / GIB,
         free_after_weights / GIB,
         not_ours / GIB,
         activation_peak / GIB,
-        engine.max_prefill_tokens,
+        needs.prefill_tokens,
         sampler_reserve / GIB,
         graph_reserve / GIB,
         budget / GIB,
@@ -88,36 +112,26 @@ def _cuda_kv_budget(engine: Engine, graph_max_bs: int) -> float:
     return max(budget, 0.0)
 
 
-def _profile_prefill(engine: Engine) -> int:
+def _profile_prefill(
+    page_size: int, needs: MemoryNeeds, tables: DeviceTables, forward: ForwardThrough
+) -> int:
     """Peak bytes allocated by one forward of the largest prefill chunk, through a temporary
     pool just large enough for it (the dummy table row maps its positions)."""
-    device = engine.device
-    num_tokens = min(engine.max_prefill_tokens, engine.max_model_len)
-    num_pages = -(-num_tokens // engine.page_size)
-    pool = KVPool(engine.kv_shape, num_pages, engine.page_size, engine.dtype, device)
-    row = engine.tables.dummy_row
-    engine.tables.page_table[row, :num_tokens] = torch.arange(
-        num_tokens, dtype=torch.int32, device=device
-    )
-    engine.tables.token_table[row].zero_()
-    batch = ForwardBatch(
-        table_rows=[row],
-        prefix_lens=[0],
-        extend_lens=[num_tokens],
-        sampling=[SamplingParams(temperature=0.0)],
-        seeds=[0],
-        prompt_lens=[num_tokens],
-    )
-    engine.kv_pool = pool
+    device = tables.stream.device
+    num_tokens = needs.prefill_tokens
+    pool = KVPool(needs.kv_shape, -(-num_tokens // page_size), page_size, needs.dtype, device)
+    row = tables.dummy_row
+    tables.page_table[row, :num_tokens] = torch.arange(num_tokens, dtype=torch.int32, device=device)
+    tables.token_table[row].zero_()
+    greedy = SamplingParams(temperature=0.0)
+    batch = ForwardBatch([row], [0], [num_tokens], [greedy], [0], [num_tokens])
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
     before = torch.cuda.memory_allocated(device)
     try:
-        engine.forward(batch).result()
+        forward(batch, pool)
         torch.cuda.synchronize(device)
-        peak = torch.cuda.max_memory_allocated(device) - before
+        return int(torch.cuda.max_memory_allocated(device) - before)
     finally:
-        del engine.kv_pool
         del pool
         torch.cuda.empty_cache()
-    return int(peak)

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from minisgl.engine.batch import ForwardBatch, PromptScores
-from minisgl.engine.device import Device
+from minisgl.engine.batch import ForwardBatch, PromptScores, TokenScores
+from minisgl.engine.device import ComputeStream
 
 
 def score_index(batch: ForwardBatch, starts: torch.Tensor) -> torch.Tensor | None:
@@ -26,7 +26,7 @@ def score_index(batch: ForwardBatch, starts: torch.Tensor) -> torch.Tensor | Non
 
 
 def score_prompt(
-    batch: ForwardBatch, logits: torch.Tensor, token_table: torch.Tensor, device: Device
+    batch: ForwardBatch, logits: torch.Tensor, token_table: torch.Tensor, stream: ComputeStream
 ) -> PromptScores:
     """logits: [scored, vocab], the rows of `score_index` in order. The scored tokens are read
     from the token table (the whole prompt is there from admission on)."""
@@ -38,17 +38,8 @@ def score_prompt(
     for row, prefix, count in zip(batch.table_rows, batch.prefix_lens, counts, strict=True):
         rows += [row] * count
         positions += range(prefix + 1, prefix + 1 + count)  # the token after each position
-    rows_d, positions_d = device.stage(torch.tensor(rows), torch.tensor(positions))
+    rows_d, positions_d = stream.stage(torch.tensor(rows), torch.tensor(positions))
     token_ids = token_table[rows_d, positions_d].long()
-    logprobs = torch.log_softmax(logits.float(), dim=-1)
-    chosen = logprobs.gather(1, token_ids[:, None]).squeeze(1)
-    top_logprobs, top_ids = logprobs.topk(max(top_k), dim=-1)  # k = 0 gives empty
-    host = device.to_host_async
-    return PromptScores(
-        counts=counts,
-        top_k=top_k,
-        token_ids=host(token_ids),
-        logprobs=host(chosen),
-        top_ids=host(top_ids),
-        top_logprobs=host(top_logprobs),
-    )
+    scores = TokenScores.of(logits, token_ids, max(top_k))
+    host = stream.to_host_async
+    return PromptScores(counts, top_k, host(token_ids), scores.map(host))

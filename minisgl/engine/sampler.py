@@ -1,4 +1,8 @@
-"""Batched sampling: penalties, temperature, top-k / top-p / min-p, seeded draws, logprobs.
+"""Batched sampling: the logits processors (structured-output mask, logit_bias, min_tokens
+bans, penalties), temperature, top-k / top-p / min-p, seeded draws, logprobs.
+
+The processors return new logits (out of place: the raw ones stay what logprobs report, and
+may be a CUDA graph's static output) and cost nothing for a batch that does not use them.
 
 Randomness is counter-based: the uniform number for (request seed, token position, vocab id) is
 a hash of those three integers. A request's draws therefore depend only on its own seed and
@@ -12,10 +16,11 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from minisgl.core import SamplingParams
-from minisgl.engine.device import Device
-from minisgl.kernels.cpu import get as cpu_kernels
-from minisgl.kernels.gpu import sampling_kernels_for
+from minisgl.engine.batch import TokenScores
+from minisgl.engine.sampling_batch import SamplingBatch
+from minisgl.kernels import cpu
+from minisgl.kernels.cpu_ops import CpuKernels
+from minisgl.kernels.gpu import sampling_kernels
 
 _MASK32 = 0xFFFFFFFF
 # u = (top bits of the hash + 0.5) / 2^bits. 23 bits keep every u exact in float32 and < 1:
@@ -36,19 +41,17 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def seeded_uniform(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Uniform (0, 1) numbers of shape [rows, vocab]; a pure function of (seed, position, id).
-    On CPU one kernel call computes the same bits (the tensor formula below costs ~1 ms per
-    row of a 49k vocabulary)."""
-    kernels = cpu_kernels() if seeds.device.type == "cpu" else None
-    if kernels is not None and seeds.dtype == positions.dtype == torch.int64:
-        return kernels.seeded_uniform(seeds, positions, vocab_size)
-    return _seeded_uniform_torch(seeds, positions, vocab_size)
-
-
-def _seeded_uniform_torch(
-    seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int
+def seeded_uniform(
+    seeds: torch.Tensor,
+    positions: torch.Tensor,
+    vocab_size: int,
+    kernels: CpuKernels | None = None,
 ) -> torch.Tensor:
+    """Uniform (0, 1) numbers of shape [rows, vocab] for int64 seeds and positions [rows]; a
+    pure function of (seed, position, id). With the CPU kernels one call computes the same bits
+    (the tensor formula costs ~1 ms per row of a 49k vocabulary)."""
+    if kernels is not None:
+        return kernels.seeded_uniform(seeds, positions, vocab_size)
     ids = torch.arange(vocab_size, device=seeds.device, dtype=torch.int64)
     return seeded_uniform_at(seeds, positions, ids[None, :])
 
@@ -66,126 +69,6 @@ def seeded_uniform_at(
 def _unit_interval(h: torch.Tensor) -> torch.Tensor:
     """32-bit hashes (int64) to float32 uniforms strictly inside (0, 1)."""
     return ((h >> (32 - _UNIFORM_BITS)).float() + 0.5) / float(1 << _UNIFORM_BITS)
-
-
-@dataclass
-class SamplingBatch:
-    """Per-row sampling inputs, on the device. Built by the engine from the requests' params."""
-
-    temperatures: torch.Tensor  # float32 [rows]; 0 rows are greedy
-    top_k: torch.Tensor  # int64 [rows]; vocab size when off
-    top_p: torch.Tensor  # float32 [rows]
-    min_p: torch.Tensor  # float32 [rows]
-    seeds: torch.Tensor  # int64 [rows]
-    positions: torch.Tensor  # int64 [rows]: position of the token being sampled
-    all_greedy: bool
-    # Rows that sample under top-k, top-p or min-p (int64 [f]) and the others (int64, None when
-    # empty); filter_rows is None when no row filters. Filtered rows draw among their
-    # `num_candidates` most likely tokens (the largest top-k among them, the vocabulary when one
-    # has none), found with topk instead of sorting the vocabulary.
-    filter_rows: torch.Tensor | None
-    plain_rows: torch.Tensor | None
-    num_candidates: int
-    # penalties (None when no row uses them)
-    repetition: torch.Tensor | None = None  # float32 [rows]
-    presence: torch.Tensor | None = None
-    frequency: torch.Tensor | None = None
-    # Each row's tokens so far, prompt then output: int64 [rows, length], the vocabulary size
-    # past a row's end; and which of those positions are output (bool, same shape).
-    history_ids: torch.Tensor | None = None
-    history_in_output: torch.Tensor | None = None
-    max_logprobs: int | None = None  # None: no row wants logprobs
-    # logit_bias, flattened over the rows that set one (None when none does)
-    bias_rows: torch.Tensor | None = None  # int64 [entries]
-    bias_ids: torch.Tensor | None = None  # int64 [entries]
-    bias_values: torch.Tensor | None = None  # float32 [entries]
-    # min_tokens: (row, token) pairs that may not be drawn yet (None when none); see apply_bans
-    ban_rows: torch.Tensor | None = None  # int64 [entries]
-    ban_ids: torch.Tensor | None = None  # int64 [entries]
-    # structured outputs (None when no row is constrained)
-    mask_rows: torch.Tensor | None = None  # int64 [k]: the constrained rows
-    mask_bits: torch.Tensor | None = None  # int32 [k, ceil(vocab / 32)]: allowed tokens
-
-    @staticmethod
-    def build(
-        params: list[SamplingParams],
-        seeds: list[int],
-        positions: list[int],
-        vocab_size: int,
-        device: Device,
-        output_lens: list[int] | None = None,
-        eos_token_ids: tuple[int, ...] = (),
-    ) -> SamplingBatch:
-        """output_lens: tokens each row has generated (min_tokens: until a row has min_tokens,
-        its stop tokens, EOS among them unless ignore_eos, are banned; see apply_bans)."""
-        top_k = [min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size for p in params]
-        wants = [p.logprobs for p in params if p.logprobs is not None]
-        all_greedy = all(p.is_greedy for p in params)
-        filtered = [
-            i
-            for i, (k, p) in enumerate(zip(top_k, params, strict=True))
-            if p.temperature > 0 and (k < vocab_size or p.top_p < 1 or p.min_p > 0)
-        ]
-        plain = sorted(set(range(len(params))) - set(filtered)) if filtered else []
-        # One staged copy per dtype: building each tensor on the device would wait for the stream.
-        temperatures, top_p, min_p = device.stage(
-            torch.tensor([p.temperature for p in params], dtype=torch.float32),
-            torch.tensor([p.top_p for p in params], dtype=torch.float32),
-            torch.tensor([p.min_p for p in params], dtype=torch.float32),
-        )
-        top_k_t, seeds_t, positions_t, filter_rows, plain_rows = device.stage(
-            torch.tensor(top_k, dtype=torch.int64),
-            torch.tensor(seeds, dtype=torch.int64),
-            torch.tensor(positions, dtype=torch.int64),
-            torch.tensor(filtered, dtype=torch.int64),
-            torch.tensor(plain, dtype=torch.int64),
-        )
-        biased = [(i, t, b) for i, p in enumerate(params) for t, b in p.logit_bias]
-        banned: list[tuple[int, int]] = []
-        for i, (p, done) in enumerate(zip(params, output_lens or [0] * len(params), strict=True)):
-            if done < p.min_tokens:
-                stops = {*p.stop_token_ids, *(() if p.ignore_eos else eos_token_ids)}
-                banned += [(i, t) for t in sorted(stops) if t < vocab_size]
-        ban_rows = ban_ids = None
-        if banned:
-            ban_rows, ban_ids = device.stage(*torch.tensor(banned, dtype=torch.int64).T)
-        bias_rows = bias_ids = bias_values = None
-        if biased:
-            rows_l, ids_l, values_l = zip(*biased, strict=True)
-            bias_rows, bias_ids = device.stage(
-                torch.tensor(rows_l, dtype=torch.int64), torch.tensor(ids_l, dtype=torch.int64)
-            )
-            (bias_values,) = device.stage(torch.tensor(values_l, dtype=torch.float32))
-        return SamplingBatch(
-            ban_rows=ban_rows,
-            ban_ids=ban_ids,
-            bias_rows=bias_rows,
-            bias_ids=bias_ids,
-            bias_values=bias_values,
-            temperatures=temperatures,
-            top_k=top_k_t,
-            top_p=top_p,
-            min_p=min_p,
-            seeds=seeds_t,
-            positions=positions_t,
-            all_greedy=all_greedy,
-            filter_rows=filter_rows if filtered else None,
-            plain_rows=plain_rows if plain else None,
-            num_candidates=max((top_k[i] for i in filtered), default=0),
-            max_logprobs=max(wants) if wants else None,
-        )
-
-    @property
-    def needs_filter(self) -> bool:
-        return self.filter_rows is not None
-
-
-@dataclass
-class SampleResult:
-    token_ids: torch.Tensor  # int64 [rows]
-    logprobs: torch.Tensor | None  # float32 [rows]: chosen token's logprob
-    top_ids: torch.Tensor | None  # int64 [rows, k]
-    top_logprobs: torch.Tensor | None  # float32 [rows, k]
 
 
 _BITS_PER_BYTE = 8
@@ -273,6 +156,13 @@ def apply_penalties(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
     return out.scatter_(1, target, values)[:, :vocab]
 
 
+def process_logits(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
+    """All of the above, in vLLM's order: logits processors (the bias first; -inf stays -inf),
+    then penalties."""
+    logits = apply_vocab_mask(apply_logit_bias(logits, sb), sb)
+    return apply_penalties(apply_bans(logits, sb), sb)
+
+
 @dataclass(frozen=True)
 class _Rows:
     """The per-row sampling inputs of some rows of a batch."""
@@ -327,92 +217,103 @@ def _cut_inside(
     return by_top_k | by_top_p | by_min_p
 
 
-def _argmax(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
-    """logits.argmax(-1); on CPU the sampling kernel's greedy path (temperature 0 on every row):
-    one vector pass per row over the threads, ~3x torch's at 256 rows of a 151k vocabulary."""
-    kernels = cpu_kernels() if logits.device.type == "cpu" else None
-    if kernels is None or logits.dtype != torch.float32:
-        return logits.argmax(dim=-1)
-    greedy = torch.zeros(logits.shape[0], dtype=torch.float32)
-    return kernels.sample(logits, greedy, sb.seeds, sb.positions)
+@dataclass
+class SampleResult:
+    token_ids: torch.Tensor  # int64 [rows]
+    scores: TokenScores | None  # the chosen tokens' logprobs; None when no row wants them
 
 
-def _draw_all(logits: torch.Tensor, sb_rows: _Rows) -> torch.Tensor:
-    """Exponential race over the whole vocabulary (greedy where the temperature is 0):
-    argmax p_i / E_i with E_i ~ Exp(1) draws i with probability p_i."""
-    rows = (sb_rows.temperatures, sb_rows.seeds, sb_rows.positions)
-    # One pass per row, no [rows, vocab] temporaries: the same draw as the formula below (on
-    # CUDA a Triton kernel, on CPU a C kernel; the formula costs ~20 GB of traffic at 256 rows).
-    triton_kernels = sampling_kernels_for(logits)
-    if triton_kernels is not None and logits.stride(-1) == 1:
-        return triton_kernels.sample(logits, *rows)
-    kernels = cpu_kernels() if logits.device.type == "cpu" else None
-    if kernels is not None and logits.dtype == torch.float32:
-        return kernels.sample(logits, *rows)
-    greedy_ids = logits.argmax(dim=-1)
-    probs = torch.softmax(logits / sb_rows.temperatures.clamp(min=1e-5)[:, None], dim=-1)
-    u = seeded_uniform(sb_rows.seeds, sb_rows.positions, logits.shape[-1])
-    sampled = (probs / -torch.log(u)).argmax(dim=-1)
-    return torch.where(sb_rows.temperatures == 0, greedy_ids, sampled)
+class Sampler:
+    """Draws a batch's tokens from its logits (float32 [rows, vocab], raw from the model).
 
+    Which kernels it calls is settled here, once, for its device: on CUDA the Triton kernel for
+    the temperature draw, on the CPU the C kernels (the temperature draw, the greedy argmax, the
+    seeded uniforms), torch ops for everything else. `cpu_kernels = None` forces the torch ops
+    (what tests compare against)."""
 
-def _draw_filtered(logits: torch.Tensor, rows: _Rows, num_candidates: int) -> torch.Tensor:
-    """The race among each row's surviving candidates (rows with a temperature > 0): the same
-    draw as racing over the vocabulary with every dropped token's probability set to 0."""
-    probs = torch.softmax(logits / rows.temperatures.clamp(min=1e-5)[:, None], dim=-1)
-    vocab_size = logits.shape[-1]
-    if logits.device.type != "cpu" or num_candidates <= CPU_FIRST_CANDIDATES:
-        return _race(probs.topk(num_candidates, dim=-1), rows, vocab_size)
-    short = probs.topk(CPU_FIRST_CANDIDATES, dim=-1)
-    decided = _cut_inside(short[0], rows.top_k, rows.top_p, rows.min_p)
-    if bool(decided.all()):
-        return _race(short, rows, vocab_size)
-    # The rows whose cut lies further down take the longer list; only they pay for it.
-    token_ids = torch.empty(logits.shape[0], dtype=torch.int64)
-    short_kept = (short[0][decided], short[1][decided])
-    token_ids[decided] = _race(short_kept, rows.take(decided), vocab_size)
-    rest = ~decided
-    long = probs[rest].topk(num_candidates, dim=-1)
-    token_ids[rest] = _race(long, rows.take(rest), vocab_size)
-    return token_ids
+    def __init__(self, device: torch.device) -> None:
+        self.triton_kernels = sampling_kernels(device)
+        self.cpu_kernels = cpu.kernels_for(device, torch.float32)
 
+    def sample(self, logits: torch.Tensor, sb: SamplingBatch) -> SampleResult:
+        raw_logits = logits
+        logits = process_logits(logits, sb)
+        if sb.all_greedy:
+            token_ids = self._argmax(logits, sb)
+        elif sb.filter_rows is None:
+            token_ids = self._draw_all(logits, _Rows.of(sb, None))
+        else:
+            token_ids = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
+            if sb.plain_rows is not None:
+                plain = sb.plain_rows
+                token_ids[plain] = self._draw_all(logits[plain], _Rows.of(sb, plain))
+            rows = sb.filter_rows
+            filtered = self._draw_filtered(logits[rows], _Rows.of(sb, rows), sb.num_candidates)
+            token_ids[rows] = filtered
+        if sb.max_logprobs is None:
+            return SampleResult(token_ids, None)
+        # Logprobs of the model's own distribution (before penalties and temperature), as vLLM.
+        return SampleResult(token_ids, TokenScores.of(raw_logits, token_ids, sb.max_logprobs))
 
-def _race(
-    candidates: tuple[torch.Tensor, torch.Tensor], rows: _Rows, vocab_size: int
-) -> torch.Tensor:
-    """Token ids [rows]: the exponential race among the candidates (probabilities and ids
-    [rows, k], most likely first) that top-k, top-p and min-p keep."""
-    cand_probs, cand_ids = candidates
-    kept = cand_probs.masked_fill(~_keep(cand_probs, rows.top_k, rows.top_p, rows.min_p), 0.0)
-    if cand_ids.shape[-1] == vocab_size:  # every token: the whole row's uniforms (CPU: a kernel)
-        u = seeded_uniform(rows.seeds, rows.positions, vocab_size).gather(1, cand_ids)
-    else:
-        u = seeded_uniform_at(rows.seeds, rows.positions, cand_ids)
-    choice = (kept / -torch.log(u)).argmax(dim=-1, keepdim=True)
-    return cand_ids.gather(1, choice).squeeze(1)
+    def _argmax(self, logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
+        """logits.argmax(-1); on CPU the sampling kernel's greedy path (temperature 0 on every
+        row): one vector pass per row over the threads, ~3x torch's at 256 rows of a 151k
+        vocabulary."""
+        if self.cpu_kernels is None:
+            return logits.argmax(dim=-1)
+        greedy = torch.zeros(logits.shape[0], dtype=torch.float32)
+        return self.cpu_kernels.sample(logits, greedy, sb.seeds, sb.positions)
 
+    def _draw_all(self, logits: torch.Tensor, sb_rows: _Rows) -> torch.Tensor:
+        """Exponential race over the whole vocabulary (greedy where the temperature is 0):
+        argmax p_i / E_i with E_i ~ Exp(1) draws i with probability p_i."""
+        rows = (sb_rows.temperatures, sb_rows.seeds, sb_rows.positions)
+        # One pass per row, no [rows, vocab] temporaries: the same draw as the formula below (on
+        # CUDA a Triton kernel, on CPU a C kernel; the formula costs ~20 GB of traffic at 256
+        # rows).
+        if self.triton_kernels is not None and logits.stride(-1) == 1:
+            return self.triton_kernels.sample(logits, *rows)
+        if self.cpu_kernels is not None:
+            return self.cpu_kernels.sample(logits, *rows)
+        greedy_ids = logits.argmax(dim=-1)
+        probs = torch.softmax(logits / sb_rows.temperatures.clamp(min=1e-5)[:, None], dim=-1)
+        u = seeded_uniform(sb_rows.seeds, sb_rows.positions, logits.shape[-1])
+        sampled = (probs / -torch.log(u)).argmax(dim=-1)
+        return torch.where(sb_rows.temperatures == 0, greedy_ids, sampled)
 
-def sample(logits: torch.Tensor, sb: SamplingBatch) -> SampleResult:
-    """logits: float32 [rows, vocab], raw from the model."""
-    raw_logits = logits
-    # The bias first (vLLM's order: logits processors, then penalties); -inf stays -inf.
-    logits = apply_vocab_mask(apply_logit_bias(logits, sb), sb)
-    logits = apply_penalties(apply_bans(logits, sb), sb)
-    if sb.all_greedy:
-        token_ids = _argmax(logits, sb)
-    elif sb.filter_rows is None:
-        token_ids = _draw_all(logits, _Rows.of(sb, None))
-    else:
-        token_ids = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
-        if sb.plain_rows is not None:
-            plain = sb.plain_rows
-            token_ids[plain] = _draw_all(logits[plain], _Rows.of(sb, plain))
-        rows = sb.filter_rows
-        token_ids[rows] = _draw_filtered(logits[rows], _Rows.of(sb, rows), sb.num_candidates)
-    if sb.max_logprobs is None:
-        return SampleResult(token_ids, None, None, None)
-    # Logprobs of the model's own distribution (before penalties and temperature), as vLLM.
-    logprobs = torch.log_softmax(raw_logits, dim=-1)
-    chosen = logprobs.gather(1, token_ids[:, None]).squeeze(1)
-    top_logprobs, top_ids = logprobs.topk(sb.max_logprobs, dim=-1)  # k = 0 gives empty
-    return SampleResult(token_ids, chosen, top_ids, top_logprobs)
+    def _draw_filtered(
+        self, logits: torch.Tensor, rows: _Rows, num_candidates: int
+    ) -> torch.Tensor:
+        """The race among each row's surviving candidates (rows with a temperature > 0): the
+        same draw as racing over the vocabulary with every dropped token's probability set
+        to 0."""
+        probs = torch.softmax(logits / rows.temperatures.clamp(min=1e-5)[:, None], dim=-1)
+        if logits.device.type != "cpu" or num_candidates <= CPU_FIRST_CANDIDATES:
+            return self._race(probs.topk(num_candidates, dim=-1), rows, logits.shape[-1])
+        short = probs.topk(CPU_FIRST_CANDIDATES, dim=-1)
+        decided = _cut_inside(short[0], rows.top_k, rows.top_p, rows.min_p)
+        if bool(decided.all()):
+            return self._race(short, rows, logits.shape[-1])
+        # The rows whose cut lies further down take the longer list; only they pay for it.
+        token_ids = torch.empty(logits.shape[0], dtype=torch.int64)
+        short_kept = (short[0][decided], short[1][decided])
+        token_ids[decided] = self._race(short_kept, rows.take(decided), logits.shape[-1])
+        rest = ~decided
+        long = probs[rest].topk(num_candidates, dim=-1)
+        token_ids[rest] = self._race(long, rows.take(rest), logits.shape[-1])
+        return token_ids
+
+    def _race(
+        self, candidates: tuple[torch.Tensor, torch.Tensor], rows: _Rows, vocab_size: int
+    ) -> torch.Tensor:
+        """Token ids [rows]: the exponential race among the candidates (probabilities and ids
+        [rows, k], most likely first) that top-k, top-p and min-p keep."""
+        cand_probs, cand_ids = candidates
+        kept = cand_probs.masked_fill(~_keep(cand_probs, rows.top_k, rows.top_p, rows.min_p), 0.0)
+        if cand_ids.shape[-1] == vocab_size:  # every token: the whole row's uniforms (a kernel)
+            u = seeded_uniform(rows.seeds, rows.positions, vocab_size, self.cpu_kernels)
+            u = u.gather(1, cand_ids)
+        else:
+            u = seeded_uniform_at(rows.seeds, rows.positions, cand_ids)
+        choice = (kept / -torch.log(u)).argmax(dim=-1, keepdim=True)
+        return cand_ids.gather(1, choice).squeeze(1)

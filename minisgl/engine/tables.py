@@ -22,23 +22,23 @@ import threading
 
 import torch
 
-from minisgl.engine.device import Device
+from minisgl.engine.device import ComputeStream
 
 
 class DeviceTables:
-    def __init__(self, num_rows: int, width: int, device: Device) -> None:
-        self.device = device
+    def __init__(self, num_rows: int, width: int, stream: ComputeStream) -> None:
+        self.stream = stream
         self.width = width
         self.num_rows = num_rows  # rows requests may use; row `num_rows` is the dummy row
         self.dummy_row = num_rows
         shape = (num_rows + 1, width)
-        self.page_table = torch.zeros(shape, dtype=torch.int32, device=device.device)
-        self.token_table = torch.zeros(shape, dtype=torch.int32, device=device.device)
-        # Pending writes: flat indices into the tables and the int32 values to put there.
-        self._page_index: list[torch.Tensor] = []
-        self._page_values: list[torch.Tensor] = []
-        self._token_index: list[torch.Tensor] = []
-        self._token_values: list[torch.Tensor] = []
+        self.page_table = torch.zeros(shape, dtype=torch.int32, device=stream.device)
+        self.token_table = torch.zeros(shape, dtype=torch.int32, device=stream.device)
+        # Pending writes per table: flat indices into it and the values to put there (int64).
+        self._pending: dict[str, tuple[list[torch.Tensor], list[torch.Tensor]]] = {
+            "page_table": ([], []),
+            "token_table": ([], []),
+        }
         self._lock = threading.Lock()  # the queue: scheduler thread vs CPU overlap's forward
 
     def point_dummy_row(self, dummy_slot: int) -> None:
@@ -47,39 +47,32 @@ class DeviceTables:
         self.token_table[self.dummy_row].zero_()
 
     def write_tokens(self, row: int, start: int, token_ids: list[int]) -> None:
-        self._write(self._token_index, self._token_values, row, start, torch.tensor(token_ids))
+        self._write("token_table", row, start, torch.tensor(token_ids))
 
     def write_slots(self, row: int, start: int, slots: torch.Tensor) -> None:
-        self._write(self._page_index, self._page_values, row, start, slots)
+        self._write("page_table", row, start, slots)
 
-    def _write(
-        self,
-        index: list[torch.Tensor],
-        values: list[torch.Tensor],
-        row: int,
-        start: int,
-        data: torch.Tensor,
-    ) -> None:
+    def _write(self, table: str, row: int, start: int, data: torch.Tensor) -> None:
         if data.numel() == 0:
             return
         assert 0 <= row < self.num_rows and start + data.numel() <= self.width
+        index, values = self._pending[table]
         with self._lock:
             index.append(torch.arange(data.numel(), dtype=torch.int64) + row * self.width + start)
             values.append(data.to(torch.int64))
-        if not self.device.is_cuda:
+        if not self.stream.is_cuda:
             self.flush()
 
     def flush(self) -> None:
-        """Apply pending writes (on the engine's stream: call inside `Device.on_stream`)."""
+        """Apply pending writes (on the engine's stream: call inside `ComputeStream.active`)."""
         with self._lock:
-            for table, index, values in (
-                (self.page_table, self._page_index, self._page_values),
-                (self.token_table, self._token_index, self._token_values),
-            ):
+            for table, (index, values) in self._pending.items():
                 if not index:
                     continue
-                flat_index, flat_values = self.device.stage(*_last_writes(index, values))
-                table.view(-1).index_copy_(0, flat_index, flat_values.to(torch.int32))
+                flat_index, flat_values = self.stream.stage(*_last_writes(index, values))
+                getattr(self, table).view(-1).index_copy_(
+                    0, flat_index, flat_values.to(torch.int32)
+                )
                 index.clear()
                 values.clear()
 

@@ -29,7 +29,7 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-CACHE_DIR_ENV = "MINISGL_CACHE_DIR"  # shared with the default model's cache (models/)
+CACHE_DIR_ENV = "MINISGL_CACHE_DIR"
 SOURCE_DIR = Path(__file__).with_name("csrc")
 COMPILERS = ("gcc", "cc")
 FLAGS = ("-O3", "-fopenmp", "-ffp-contract=fast", "-std=gnu11", "-shared", "-fPIC")
@@ -37,9 +37,11 @@ NATIVE_FLAGS = ("-march=native",)  # dropped if the compiler rejects it
 BUILD_TIMEOUT_S = 120
 
 
-def _cache_dir() -> Path:
+def cache_root() -> Path:
+    """minisgl's cache folder (the kernels' builds, the converted default model):
+    $MINISGL_CACHE_DIR or ~/.cache/minisgl."""
     root = os.environ.get(CACHE_DIR_ENV)
-    return (Path(root) if root else Path.home() / ".cache" / "minisgl") / "kernels"
+    return Path(root) if root else Path.home() / ".cache" / "minisgl"
 
 
 def _cpu_identity() -> str:
@@ -116,7 +118,7 @@ def build_library() -> Path:
     errors = []
     for flags in (FLAGS + NATIVE_FLAGS, FLAGS):
         key = hashlib.sha256("\n".join([*identity, " ".join(flags)]).encode()).hexdigest()[:16]
-        target = _cache_dir() / f"minisgl_cpu_{key}.so"
+        target = cache_root() / "kernels" / f"minisgl_cpu_{key}.so"
         failed = target.with_suffix(".failed")  # the key covers sources, compiler and CPU
         if target.exists():
             return target

@@ -1,14 +1,16 @@
-"""When the layers and the sampler use the fused Triton kernels (minisgl/kernels/
-triton_fused.py: norms, rope, activation, KV store; triton_sampling.py: temperature sampling).
+"""Which kernels a layer or the sampler calls: the fused Triton kernels (minisgl/kernels/
+triton_fused.py: norms, rope, activation, KV store; triton_sampling.py: temperature sampling),
+the C kernels (minisgl/kernels/cpu.py), or none (torch ops). Chosen once, when the layer is
+built: its device and dtype are known then and never change.
 
 `MINISGL_FUSED_KERNELS`:
-- unset or `auto`: for CUDA tensors, when Triton imports (it ships with torch's Linux CUDA
-  wheels); CPU tensors keep the CPU kernels or torch ops;
+- unset or `auto`: the Triton kernels on CUDA, when Triton imports (it ships with torch's Linux
+  CUDA wheels); on the CPU the C kernels (fp32) or torch ops;
 - `0`: never (torch ops everywhere: the A/B knob for benchmarks and debugging);
-- `1`: for CPU tensors too, which only works under Triton's interpreter (TRITON_INTERPRET=1):
-  how tests run a whole model through the kernels without a GPU.
+- `1`: on the CPU too, which only works under Triton's interpreter (TRITON_INTERPRET=1): how
+  tests run a whole model through the kernels without a GPU.
 
-Read once per process (`fused_kernels_for` sits on every layer's path); `reset()` re-reads it.
+Read once per process; `reset()` re-reads it.
 """
 
 from __future__ import annotations
@@ -17,9 +19,13 @@ import functools
 import importlib
 import logging
 import os
+from dataclasses import dataclass
 from types import ModuleType
 
 import torch
+
+from minisgl.kernels import cpu
+from minisgl.kernels.cpu_ops import CpuKernels
 
 logger = logging.getLogger(__name__)
 
@@ -46,19 +52,39 @@ def _module(name: str) -> ModuleType | None:
         return None
 
 
-def _applies_to(x: torch.Tensor) -> bool:
+def _triton_module(name: str, device: torch.device) -> ModuleType | None:
     mode = _mode()
-    return mode == "force" or (mode == "auto" and x.is_cuda)
+    return _module(name) if mode == "force" or (mode == "auto" and device.type == "cuda") else None
 
 
-def fused_kernels_for(x: torch.Tensor) -> ModuleType | None:
-    """The fused layer kernels module (triton_fused) when it applies to tensors like x."""
-    return _module("triton_fused") if _applies_to(x) else None
+def fused_kernels(device: torch.device) -> ModuleType | None:
+    """The fused layer kernels module (triton_fused) when it applies on `device`."""
+    return _triton_module("triton_fused", device)
 
 
-def sampling_kernels_for(x: torch.Tensor) -> ModuleType | None:
-    """The sampling kernel module (triton_sampling) when it applies to tensors like x."""
-    return _module("triton_sampling") if _applies_to(x) else None
+def sampling_kernels(device: torch.device) -> ModuleType | None:
+    """The sampling kernel module (triton_sampling) when it applies on `device`."""
+    return _triton_module("triton_sampling", device)
+
+
+@dataclass(frozen=True)
+class LayerKernels:
+    """What a layer calls: at most one of the two is set; neither means torch ops."""
+
+    fused: ModuleType | None  # the Triton kernels (triton_fused)
+    cpu: CpuKernels | None  # the C kernels
+
+
+def layer_kernels(
+    device: torch.device | None = None, dtype: torch.dtype | None = None
+) -> LayerKernels:
+    """The kernels of a layer computing in `dtype` on `device`; by default where a layer built
+    now puts its parameters (torch's default device and dtype: the engine builds the model
+    under its own)."""
+    device = torch.get_default_device() if device is None else device
+    dtype = torch.get_default_dtype() if dtype is None else dtype
+    fused = fused_kernels(device)
+    return LayerKernels(fused, None if fused is not None else cpu.kernels_for(device, dtype))
 
 
 def reset() -> None:

@@ -1,7 +1,7 @@
 """Prefix caches: which token prefixes already have KV in the pool (contract: base.py)."""
 
-from minisgl.kvcache.base import MatchResult, NaiveCache, PrefixCache
-from minisgl.kvcache.radix import RadixCache
+from minisgl.kvcache.base import MatchResult, PrefixCache
+from minisgl.kvcache.radix import NaiveCache, RadixCache
 
 __all__ = ["MatchResult", "NaiveCache", "PrefixCache", "RadixCache", "create_prefix_cache"]
 

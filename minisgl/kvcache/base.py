@@ -81,33 +81,3 @@ class PrefixCache(ABC):
     @property
     def total_size(self) -> int:
         return self.evictable_size + self.protected_size
-
-
-class NaiveCache(PrefixCache):
-    """No reuse: matches nothing, keeps nothing (`--cache-type naive`)."""
-
-    def match_prefix(self, token_ids: Sequence[int]) -> MatchResult:
-        return MatchResult(None, torch.empty(0, dtype=torch.int64))
-
-    def lock(self, handle: Any) -> None:
-        pass
-
-    def unlock(self, handle: Any) -> None:
-        pass
-
-    def insert(self, token_ids: Sequence[int], slot_indices: torch.Tensor) -> int:
-        return len(token_ids)
-
-    def evict(self, num_tokens: int) -> torch.Tensor:
-        return torch.empty(0, dtype=torch.int64)
-
-    def reset(self) -> torch.Tensor:
-        return torch.empty(0, dtype=torch.int64)
-
-    @property
-    def evictable_size(self) -> int:
-        return 0
-
-    @property
-    def protected_size(self) -> int:
-        return 0

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
-from minisgl.kernels.cpu import huge_page_zeros, kernels_for
-from minisgl.kernels.gpu import fused_kernels_for
+from minisgl.kernels.cpu_ops import huge_page_zeros
+from minisgl.kernels.gpu import layer_kernels
 
 
 @dataclass(frozen=True)
@@ -24,8 +24,7 @@ class KVShape:
     head_dim: int
 
     def bytes_per_token(self, dtype: torch.dtype) -> int:
-        elem = torch.empty(0, dtype=dtype).element_size()
-        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * elem
+        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * dtype.itemsize
 
 
 class KVPool:
@@ -51,6 +50,8 @@ class KVPool:
             self.buffer = huge_page_zeros(dims, dtype).zero_()
         else:
             self.buffer = torch.zeros(dims, dtype=dtype, device=device)
+        kernels = layer_kernels(device, dtype)
+        self._store_kernels = kernels.fused or kernels.cpu  # both have the same store_kv
 
     def k_cache(self, layer_id: int) -> torch.Tensor:
         return self.buffer[layer_id, 0]
@@ -63,7 +64,7 @@ class KVPool:
         in one kernel where one applies (Triton on CUDA, the C kernels for fp32 on CPU; each
         declines layouts it does not take), else two index copies."""
         k_cache, v_cache = self.buffer[layer_id, 0], self.buffer[layer_id, 1]
-        kernels = fused_kernels_for(k) or kernels_for(k)
+        kernels = self._store_kernels
         if kernels is not None and kernels.store_kv(k, v, k_cache, v_cache, slots):
             return
         k_cache.index_copy_(0, slots, k)

@@ -35,6 +35,21 @@ def _empty_slots() -> torch.Tensor:
     return torch.empty(0, dtype=torch.int64)
 
 
+def _token_list(token_ids: Sequence[int]) -> list[int]:
+    if isinstance(token_ids, torch.Tensor):
+        return [int(t) for t in token_ids.tolist()]
+    return list(token_ids)
+
+
+def _common_len(key: list[int], tokens: list[int], start: int, page_size: int) -> int:
+    """Length of the common prefix of `key` and `tokens[start:]`, rounded down to pages."""
+    limit = min(len(key), len(tokens) - start)
+    n = 0
+    while n < limit and key[n] == tokens[start + n]:
+        n += 1
+    return n - n % page_size
+
+
 class _Node:
     __slots__ = ("children", "key", "last_access", "lock_ref", "node_id", "parent", "slot_indices")
 
@@ -79,7 +94,7 @@ class RadixCache(PrefixCache):
     # ---- public API -------------------------------------------------------------------------
 
     def match_prefix(self, token_ids: Sequence[int]) -> MatchResult:
-        tokens = self._as_list(token_ids)
+        tokens = _token_list(token_ids)
         tokens = tokens[: len(tokens) - len(tokens) % self.page_size]  # unaligned tail never hits
         node, chunks = self._walk(tokens)
         return MatchResult(node, torch.cat(chunks) if chunks else _empty_slots())
@@ -104,7 +119,7 @@ class RadixCache(PrefixCache):
                 self._refresh_candidate(node)
 
     def insert(self, token_ids: Sequence[int], slot_indices: torch.Tensor) -> int:
-        tokens = self._as_list(token_ids)
+        tokens = _token_list(token_ids)
         assert len(tokens) == len(slot_indices), (
             f"insert: {len(tokens)} token ids but {len(slot_indices)} slot indices"
         )
@@ -169,7 +184,7 @@ class RadixCache(PrefixCache):
             if child is None:
                 break
             # >= page_size, since the first page matched (it is the child's dict key).
-            common_len = self._common_len(child.key, tokens, pos)
+            common_len = _common_len(child.key, tokens, pos, self.page_size)
             if common_len < len(child.key):
                 child = self._split(child, common_len)
             self._touch(child)
@@ -203,14 +218,6 @@ class RadixCache(PrefixCache):
             return tokens[start]
         return tuple(tokens[start : start + self.page_size])
 
-    def _common_len(self, key: list[int], tokens: list[int], start: int) -> int:
-        """Length of the common prefix of `key` and `tokens[start:]`, rounded down to pages."""
-        limit = min(len(key), len(tokens) - start)
-        n = 0
-        while n < limit and key[n] == tokens[start + n]:
-            n += 1
-        return n - n % self.page_size
-
     def _touch(self, node: _Node) -> None:
         node.last_access = self._clock
         if node in self._evictable_leaves:
@@ -231,11 +238,6 @@ class RadixCache(PrefixCache):
         if len(self._lru_heap) > max_len:
             self._lru_heap = [(n.last_access, n.node_id, n) for n in self._evictable_leaves]
             heapq.heapify(self._lru_heap)
-
-    def _as_list(self, token_ids: Sequence[int]) -> list[int]:
-        if isinstance(token_ids, torch.Tensor):
-            return [int(t) for t in token_ids.tolist()]
-        return list(token_ids)
 
     def _as_node(self, handle: Any) -> _Node:
         if handle is None:
@@ -281,3 +283,10 @@ class RadixCache(PrefixCache):
         assert leaves == self._evictable_leaves
         live = {(n.last_access, n.node_id) for n in leaves}
         assert live <= {(access, node_id) for access, node_id, _ in self._lru_heap}
+
+
+class NaiveCache(RadixCache):
+    """No reuse (`--cache-type naive`): a tree that takes nothing offered, so matches nothing."""
+
+    def insert(self, token_ids: Sequence[int], slot_indices: torch.Tensor) -> int:
+        return len(token_ids)

@@ -7,7 +7,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from minisgl.distributed import all_gather_last_dim, all_reduce, get_tp_info
-from minisgl.kernels.cpu import CpuKernels, PackedLinear, huge_page_zeros
+from minisgl.kernels.cpu_ops import huge_page_zeros
+from minisgl.layers.linear import PackedWeight
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -34,11 +35,11 @@ class VocabParallelEmbedding(nn.Module):
         return all_reduce(out)
 
 
-class ParallelLMHead(VocabParallelEmbedding):
-    """Logits = h E^T over this rank's vocab slice, gathered to the full vocabulary."""
+class ParallelLMHead(VocabParallelEmbedding, PackedWeight):
+    """Logits = h E^T over this rank's vocab slice, gathered to the full vocabulary. With the
+    CPU kernels a tied weight is kept: the embedding looks rows of it up by token id (tied models
+    hold the head twice)."""
 
-    _kernels: CpuKernels | None = None
-    _packed: PackedLinear | None = None
     # CPU: the logits go into this buffer, grown to the most rows seen and reused every step.
     # [rows, vocab] fp32 is large (155 MB at 256 rows of a 151k vocabulary), and a fresh one
     # each step costs page faults twice over: glibc maps blocks over 32 MiB afresh and unmaps
@@ -46,23 +47,12 @@ class ParallelLMHead(VocabParallelEmbedding):
     # So the logits are valid until the next step's, as a CUDA graph's static output is.
     _logits_buffer: torch.Tensor | None = None
 
-    def use_cpu_kernels(self, kernels: CpuKernels, tied: bool) -> None:
-        """Pack the (loaded) weight for the CPU kernels. A tied weight is the embedding's too,
-        which looks rows up by token id, so it is kept (tied models hold the head twice);
-        an untied one is freed."""
-        self._packed = kernels.pack(self.weight.data)
-        self._kernels = kernels
-        if not tied:
-            self.weight = nn.Parameter(self.weight.data.new_empty(0), requires_grad=False)
-
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self._kernels is not None and self._packed is not None:
+        out = None
+        if self.packed is not None:
             rows = hidden.reshape(-1, hidden.shape[-1]).shape[0]
-            out = self._logits_out(rows, self._packed.out_features, hidden.dtype)
-            logits = self._kernels.linear(hidden, self._packed, out=out)
-        else:
-            logits = F.linear(hidden, self.weight)
-        logits = all_gather_last_dim(logits)
+            out = self._logits_out(rows, self.packed.out_features, hidden.dtype)
+        logits = all_gather_last_dim(self.matmul(hidden, None, out))
         return logits[..., : self.vocab_size]
 
     def _logits_out(self, rows: int, vocab: int, dtype: torch.dtype) -> torch.Tensor:

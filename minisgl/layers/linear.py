@@ -17,35 +17,36 @@ import torch.nn.functional as F
 from torch import nn
 
 from minisgl.distributed import all_reduce, divide, get_tp_info
-from minisgl.kernels.cpu import CpuKernels, PackedLinear
+from minisgl.kernels.cpu_ops import CpuKernels, PackedLinear
 
 
-class _PackableLinear(nn.Module):
-    """The CPU-kernel switch shared by both linear kinds (weight [out, in], optional bias)."""
+class PackedWeight(nn.Module):
+    """The CPU-kernel switch of a layer multiplying by a weight [out, in] (both linear kinds,
+    the LM head)."""
 
     weight: nn.Parameter
-    bias: nn.Parameter | None
     _kernels: CpuKernels | None = None
-    _packed: PackedLinear | None = None
+    packed: PackedLinear | None = None  # the weight in the kernels' layout, once repacked
 
-    def use_cpu_kernels(self, kernels: CpuKernels) -> None:
-        """Repack the loaded weight for `kernels` and free the original (call after loading)."""
-        self._packed = kernels.pack(self.weight.data)
+    def use_cpu_kernels(self, kernels: CpuKernels, keep_weight: bool = False) -> None:
+        """Repack the loaded weight for `kernels` (call after loading) and free the original
+        unless something else reads it (`keep_weight`)."""
+        self.packed = kernels.pack(self.weight.data)
         self._kernels = kernels
-        # An empty placeholder keeps the parameter's name; nothing reads it after loading.
-        self.weight = nn.Parameter(self.weight.data.new_empty(0), requires_grad=False)
+        if not keep_weight:
+            # An empty placeholder keeps the parameter's name; nothing reads it after loading.
+            self.weight = nn.Parameter(self.weight.data.new_empty(0), requires_grad=False)
 
-    @property
-    def packed(self) -> PackedLinear | None:
-        return self._packed
-
-    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if self._kernels is not None and self._packed is not None:
-            return self._kernels.linear(x, self._packed, bias)
+    def matmul(
+        self, x: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """x W^T + bias; with the kernels, into `out` when given ([rows, out], contiguous)."""
+        if self._kernels is not None and self.packed is not None:
+            return self._kernels.linear(x, self.packed, bias, out)
         return F.linear(x, self.weight, bias)
 
 
-class ColumnParallelLinear(_PackableLinear):
+class ColumnParallelLinear(PackedWeight):
     """y = x W^T with W's rows (outputs) split across ranks; several logical weights may merge.
 
     `output_sizes` are the full (unsharded) sizes of the merged parts, e.g. [q, k, v] or
@@ -88,7 +89,7 @@ class ColumnParallelLinear(_PackableLinear):
         param.data.narrow(0, start, shard).copy_(piece)
 
 
-class RowParallelLinear(_PackableLinear):
+class RowParallelLinear(PackedWeight):
     """y = x W^T with W's columns (inputs) split across ranks; partial sums are all-reduced."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool) -> None:

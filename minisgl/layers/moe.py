@@ -88,6 +88,7 @@ class Experts(nn.Module):
         shape_down = (cfg.num_experts, hidden_size, self.inter_shard)
         self.gate_up_proj = nn.Parameter(torch.empty(shape_gate_up), requires_grad=False)
         self.down_proj = nn.Parameter(torch.empty(shape_down), requires_grad=False)
+        self.use_triton = self.down_proj.is_cuda and triton_available()  # else moe_torch
 
     def _inter_slice(self) -> slice:
         start = get_tp_info().rank * self.inter_shard
@@ -126,7 +127,7 @@ class Experts(nn.Module):
     def forward(
         self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
     ) -> torch.Tensor:
-        if x.is_cuda and triton_available():
+        if self.use_triton:
             from minisgl.layers.fused_moe_triton import fused_moe
 
             return fused_moe(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids)

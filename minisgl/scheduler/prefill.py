@@ -123,7 +123,7 @@ class PrefillManager:
         return tuple(req.input_ids[:SHARED_PREFIX_PROBE_LEN])
 
     def _can_admit(self, req: Req, running: list[Req]) -> bool:
-        if len(running) >= self.max_running_requests or not self.cache.table.num_free_rows:
+        if len(running) >= self.max_running_requests or not self.cache.rows.num_free:
             return False
         need_tokens = min(req.prompt_len + len(req.output_ids), self.max_prefill_tokens)
         need_pages = -(-need_tokens // self.page_size) + len(running)

@@ -144,9 +144,6 @@ class SchedulerStats:
     num_retractions_total: int = _counter(
         ("num_retractions", "Running requests retracted (KV freed, requeued) to make room")
     )
-    # Not exported: minisgl:aborted_requests_total is counted in the API server, which sees every
-    # abort (client gone, timeout, shutdown). Kept only while Scheduler.stats() still passes it.
-    aborted_requests_total: int = 0
     queue_time_s: HistogramSnapshot = _histogram(
         "queue_time_seconds",
         "Time from arrival at the scheduler to first admission",

@@ -20,6 +20,7 @@
 #include <stdatomic.h>
 #include <stdint.h>
 #include <string.h>
+#include <time.h>
 
 /* Bumped whenever an exported signature changes, so a stale cached build is never called. */
 #define MG_ABI_VERSION 6
@@ -39,6 +40,12 @@
 
 static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 static inline int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
+
+static inline int64_t now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+}
 
 typedef float vf __attribute__((vector_size(VW * sizeof(float))));
 typedef int32_t vi __attribute__((vector_size(VW * sizeof(int32_t))));
@@ -105,7 +112,8 @@ static inline float sexp(float x) {
  * standalone entry points run it in one OpenMP region (run_parallel); the fused decode stack
  * runs a whole step in one region and hands each op to its team (team_run): threads take chunks
  * of items from a shared counter, then meet at a barrier that spins briefly and then yields the
- * core, so a thread another process preempted delays the others little and costs them no CPU. */
+ * core, so a thread another process preempted delays the others little and costs them no CPU
+ * (both in parallel.c). */
 typedef void (*range_fn)(const void* args, int64_t begin, int64_t end);
 
 void run_parallel(const void* args, range_fn fn, int64_t items, int64_t chunk, int nthreads);

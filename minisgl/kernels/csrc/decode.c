@@ -1,4 +1,4 @@
-/* Work splitting, and a whole dense decoder stack for a decode-only batch in one call.
+/* A whole dense decoder stack for a decode-only batch in one call.
  *
  * Sequence b computes one token at positions[b] of table row table_rows[b] (KV length
  * kv_lens[b], its K/V stored at out_slots[b]). Per layer, exactly the op-by-op path's kernels in
@@ -10,85 +10,17 @@
  * On return `hidden` holds the last layer's output plus the residual: what the final norm
  * takes. Pool layout: [layers, 2 (k, v), num_slots, kv_heads, head_dim], contiguous.
  *
- * The whole step is one OpenMP region: the ~10 ops of each layer meet at our own barrier
- * (team_sync), which spins for a few microseconds and then yields the core. libgomp's own
- * barriers either spin for milliseconds (its default: on a machine shared with other processes
- * a preempted thread then stalls every op, and the spinning threads take the CPU it needs) or
- * sleep at once (OMP_WAIT_POLICY=PASSIVE: every region then pays a wake-up), and a step at
- * batch 1 has ~300 of them. */
+ * The whole step is one OpenMP region: the ~10 ops of each layer are handed to the team and meet
+ * at its barrier (team_run, parallel.c), not at libgomp's. */
 #include <omp.h>
-#include <sched.h>
 #include <stdlib.h>
-#include <time.h>
 
 #include "common.h"
 
-#define BARRIER_SPIN_NS 3000 /* spin this long at a barrier before yielding the core */
-#define BARRIER_CLOCK_EVERY 64 /* spins between clock reads */
 #define OPS_PER_LAYER 12 /* team_run calls per layer, an upper bound */
 #define OPS_PER_STEP 4 /* team_run calls outside the layers, an upper bound */
 
 int mg_abi_version(void) { return MG_ABI_VERSION; }
-
-void run_parallel(const void* args, range_fn fn, int64_t items, int64_t chunk, int nthreads) {
-    const int64_t chunks = (items + chunk - 1) / chunk;
-    if (nthreads <= 1 || chunks <= 1) {
-        if (items > 0) fn(args, 0, items);
-        return;
-    }
-#pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads)
-    for (int64_t c = 0; c < chunks; c++) fn(args, c * chunk, min64(items, (c + 1) * chunk));
-}
-
-static inline void cpu_relax(void) {
-#if defined(__x86_64__) || defined(__i386__)
-    __builtin_ia32_pause();
-#elif defined(__aarch64__)
-    __asm__ __volatile__("yield");
-#endif
-}
-
-static inline int64_t now_ns(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
-}
-
-void team_sync(mg_team* team) {
-    if (team->size == 1) return;
-    mg_barrier* b = team->barrier;
-    const int generation = atomic_load_explicit(&b->generation, memory_order_acquire);
-    if (atomic_fetch_add_explicit(&b->arrived, 1, memory_order_acq_rel) == team->size - 1) {
-        atomic_store_explicit(&b->arrived, 0, memory_order_relaxed);
-        atomic_fetch_add_explicit(&b->generation, 1, memory_order_release);
-        return;
-    }
-    int64_t spin_until = 0;
-    for (int64_t spins = 0;
-         atomic_load_explicit(&b->generation, memory_order_acquire) == generation; spins++) {
-        if (spins % BARRIER_CLOCK_EVERY == 0) {
-            const int64_t t = now_ns();
-            if (spin_until == 0) spin_until = t + BARRIER_SPIN_NS;
-            if (t > spin_until) {
-                sched_yield();
-                continue;
-            }
-        }
-        cpu_relax();
-    }
-}
-
-int team_run(mg_team* team, const void* args, range_fn fn, int64_t items, int64_t chunk) {
-    if (team->next_counter >= team->num_counters) return 1;
-    atomic_llong* counter = &team->counters[team->next_counter++];
-    for (;;) {
-        const int64_t begin = atomic_fetch_add_explicit(counter, chunk, memory_order_relaxed);
-        if (begin >= items) break;
-        fn(args, begin, min64(items, begin + chunk));
-    }
-    team_sync(team);
-    return 0;
-}
 
 /* ---- the stack -------------------------------------------------------------------------------- */
 typedef struct {

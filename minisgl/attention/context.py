@@ -1,7 +1,8 @@
 """The forward context: what attention layers need for the batch being computed.
 
 Set by the engine around each forward (the second of the two set-once-per-forward globals the
-design allows), so model code keeps the plain `forward(positions, hidden)` signature.
+design allows), so model code keeps the plain `forward(positions, hidden)` signature. It lives
+here, beside the backends it carries, so models read it without importing the engine.
 """
 
 from __future__ import annotations
@@ -9,11 +10,10 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from minisgl.attention.base import AttentionBackend
-    from minisgl.kvcache.pool import KVPool
+from minisgl.attention.base import AttentionBackend
+from minisgl.kvcache.pool import KVPool
 
 
 @dataclass

@@ -1,0 +1,386 @@
+"""Typed wrappers over the fp32 CPU kernels' library (csrc/), called through ctypes with raw
+pointers: the C signatures, the structs the fused decode stack reads, and the packed weight
+layout. `minisgl.kernels.cpu` builds and loads the library (see there for why these kernels).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import mmap
+from dataclasses import dataclass
+
+import torch
+
+# mg_decode_layers' op timers, in the C enum's order (MG_NUM_OPS in csrc/decode.c)
+DECODE_OPS = (
+    "rmsnorm + residual add", "qkv_proj", "q/k head norm", "rope + KV store",
+    "decode attention", "o_proj", "gate_up_proj", "silu_mul", "down_proj",
+)  # fmt: skip
+# decode attention limits (ATTN_MAX_HEADS, ATTN_MAX_HEAD_DIM in csrc/attention.c)
+ATTN_MAX_HEADS = 128
+ATTN_MAX_HEAD_DIM = 256
+
+HUGE_PAGE_BYTES = 2 << 20  # x86-64 / arm64 transparent huge page size
+
+_P = ctypes.c_void_p
+_I = ctypes.c_int64
+_SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
+    "mg_abi_version": (ctypes.c_int, []),
+    "mg_block_n": (ctypes.c_int, []),
+    "mg_linear": (None, [_P, _I, _P, _P, _P, _I, _I, _I, _I, ctypes.c_int]),
+    "mg_rmsnorm": (None, [_P, _I, _I, _P, _I, _P, _P, _I, _I, _I, ctypes.c_float, ctypes.c_int]),
+    "mg_silu_mul": (None, [_P, _I, _P, _I, _I, _I, ctypes.c_int]),
+    "mg_rope": (None, [_P, _I, _I, _P, _I, _I, _I, _I, _P, _P, _P, ctypes.c_int]),
+    "mg_store_kv": (None, [_P, _I, _P, _I, _P, _P, _P, _I, _I]),
+    "mg_decode_attention": (
+        ctypes.c_int,
+        [_P, _I, _P, _P, _P, _P, _I, _P, _P, _P, _I, _I, _I, _I, _I, ctypes.c_float, ctypes.c_int],
+    ),
+    "mg_decode_scratch_floats": (_I, [_P, _I]),
+    "mg_decode_layers": (
+        ctypes.c_int,
+        [_P, _P, _I, _P, _P, _P, _I, _P, _P, _P, _I, _P, _P, ctypes.c_int],
+    ),
+    "mg_num_ops": (ctypes.c_int, []),
+    "mg_seeded_uniform": (None, [_P, _P, _I, _I, _P, ctypes.c_int]),
+    "mg_sample": (None, [_P, _I, _P, _P, _P, _I, _I, _P, ctypes.c_int]),
+}
+
+
+class LayerWeights(ctypes.Structure):
+    """`mg_layer`: one dense decoder layer's weights (packed panels; NULL where absent)."""
+
+    _fields_ = [
+        (name, ctypes.c_void_p)
+        for name in (
+            "input_norm", "post_norm", "qkv", "qkv_bias", "q_norm", "k_norm", "o", "gate_up",
+            "down",
+        )
+    ]  # fmt: skip
+
+
+class StackShape(ctypes.Structure):
+    """`mg_model`: sizes of a dense decoder stack and its layers' weights."""
+
+    _fields_ = [
+        *[(name, ctypes.c_int64) for name in (
+            "num_layers", "hidden", "heads", "kv_heads", "head_dim", "inter",
+        )],
+        *[(name, ctypes.c_float) for name in ("eps", "head_norm_eps", "scale")],
+        ("cos_cache", ctypes.c_void_p),
+        ("sin_cache", ctypes.c_void_p),
+        ("layers", ctypes.POINTER(LayerWeights)),
+    ]  # fmt: skip
+
+
+@dataclass(frozen=True)
+class PackedLinear:
+    """A linear weight [out, in] as column panels [ceil(out / block_n), in, block_n], the rows
+    past `out_features` zero. What `CpuKernels.linear` multiplies by."""
+
+    panels: torch.Tensor
+    out_features: int
+    in_features: int
+
+
+def huge_page_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zeroed CPU tensor in memory advised for transparent huge pages (Linux), else plain.
+
+    Streaming the weights crosses a 4 KiB page every 1024 floats: with huge pages the TLB
+    misses and the prefetchers' restarts at page boundaries mostly go away (the panel kernel read
+    the SmolLM2 weights ~1.4x faster in a same-process A/B here). The memory is a private
+    anonymous mapping: zero-filled, committed page by page as it is first written, and freed
+    when the last tensor viewing it goes away (the tensor keeps the mapping alive)."""
+    num_bytes = math.prod(shape) * dtype.itemsize
+    if not hasattr(mmap, "MADV_HUGEPAGE") or num_bytes < HUGE_PAGE_BYTES:
+        return torch.zeros(shape, dtype=dtype)
+    mapping = mmap.mmap(
+        -1, num_bytes + HUGE_PAGE_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+    )
+    mapping.madvise(mmap.MADV_HUGEPAGE)
+    raw = torch.frombuffer(mapping, dtype=torch.uint8)
+    start = (-raw.data_ptr()) % HUGE_PAGE_BYTES  # huge pages need 2 MiB-aligned addresses
+    return raw[start : start + num_bytes].view(dtype).view(shape)
+
+
+def _rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """A 2-D x with contiguous rows (a copy only when they are not) and its row stride."""
+    if x.shape[1] > 1 and x.stride(1) != 1:
+        x = x.contiguous()
+    return x, x.stride(0)
+
+
+def _heads_stride(x: torch.Tensor) -> int | None:
+    """Token stride of a [tokens, heads, head_dim] view whose heads lie back to back, else None."""
+    if x.dim() != 3 or x.stride(2) != 1 or (x.shape[1] > 1 and x.stride(1) != x.shape[2]):
+        return None
+    return x.stride(0)
+
+
+class CpuKernels:
+    """Typed wrappers over the library. Inputs are fp32 CPU tensors; each method documents the
+    layouts it accepts. Made by `minisgl.kernels.cpu.get()` once the library passed its
+    self-check."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        for name, (restype, argtypes) in _SIGNATURES.items():
+            fn = getattr(lib, name)
+            fn.restype, fn.argtypes = restype, argtypes
+        self._lib = lib
+        self.block_n = int(lib.mg_block_n())
+        if lib.mg_num_ops() != len(DECODE_OPS):
+            raise RuntimeError("the library's op timers do not match DECODE_OPS")
+
+    # ---- linear ----------------------------------------------------------------------------
+
+    def pack(self, weight: torch.Tensor) -> PackedLinear:
+        out_features, in_features = weight.shape
+        num_panels = -(-out_features // self.block_n)
+        panels = huge_page_zeros((num_panels, in_features, self.block_n), weight.dtype)
+        # [out, in] -> [panels, in, block_n]; the rows past out_features stay zero
+        full, rest = divmod(out_features, self.block_n)
+        if full:
+            panels[:full].copy_(
+                weight[: full * self.block_n].view(full, self.block_n, -1).transpose(1, 2)
+            )
+        if rest:
+            panels[full, :, :rest].copy_(weight[full * self.block_n :].t())
+        return PackedLinear(panels, out_features, in_features)
+
+    def linear(
+        self,
+        x: torch.Tensor,
+        weight: PackedLinear,
+        bias: torch.Tensor | None = None,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """x [..., in] -> [..., out] = x @ W^T + bias; into `out` ([rows, out], contiguous)
+        when given."""
+        lead = x.shape[:-1]
+        x2, ldx = _rows(x.reshape(-1, weight.in_features))
+        num_rows = x2.shape[0]
+        y = torch.empty(num_rows, weight.out_features, dtype=x.dtype) if out is None else out
+        assert y.shape == (num_rows, weight.out_features) and y.is_contiguous()
+        if num_rows:
+            self._lib.mg_linear(
+                x2.data_ptr(),
+                ldx,
+                weight.panels.data_ptr(),
+                None if bias is None else bias.data_ptr(),
+                y.data_ptr(),
+                weight.out_features,
+                num_rows,
+                weight.in_features,
+                weight.out_features,
+                torch.get_num_threads(),
+            )
+        return y.view(*lead, weight.out_features)
+
+    # ---- elementwise -----------------------------------------------------------------------
+
+    def rmsnorm(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        residual: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """RMSNorm of x [tokens, hidden]; with `residual` (contiguous, same shape) it normalizes
+        x + residual and stores that sum into `residual` (the fused residual add)."""
+        x, ldx = _rows(x)
+        num_tokens, hidden = x.shape
+        out = torch.empty(num_tokens, hidden, dtype=x.dtype)
+        if residual is not None:
+            assert residual.is_contiguous() and residual.shape == x.shape
+        self._lib.mg_rmsnorm(
+            x.data_ptr(),
+            ldx,
+            1,
+            None if residual is None else residual.data_ptr(),
+            hidden,
+            weight.data_ptr(),
+            out.data_ptr(),
+            hidden,
+            num_tokens,
+            hidden,
+            eps,
+            torch.get_num_threads(),
+        )
+        return out
+
+    def rmsnorm_heads_(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> bool:
+        """RMSNorm of every head of x [tokens, heads, head_dim] in place (Qwen3's q/k norm).
+        Returns False, untouched, when x's heads are not laid out back to back."""
+        ld = _heads_stride(x)
+        if ld is None:
+            return False
+        num_tokens, heads, head_dim = x.shape
+        ptr = x.data_ptr()
+        self._lib.mg_rmsnorm(
+            ptr, ld, heads, None, 0, weight.data_ptr(), ptr, ld, num_tokens, head_dim, eps,
+            torch.get_num_threads(),
+        )  # fmt: skip
+        return True
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """[tokens, 2 * inter] -> silu(gate) * up, [tokens, inter]."""
+        gate_up, ld = _rows(gate_up)
+        num_tokens, inter = gate_up.shape[0], gate_up.shape[1] // 2
+        out = torch.empty(num_tokens, inter, dtype=gate_up.dtype)
+        self._lib.mg_silu_mul(
+            gate_up.data_ptr(), ld, out.data_ptr(), inter, num_tokens, inter,
+            torch.get_num_threads(),
+        )  # fmt: skip
+        return out
+
+    def rope_(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        positions: torch.Tensor,
+        cos_cache: torch.Tensor,
+        sin_cache: torch.Tensor,
+    ) -> bool:
+        """Rotate q [tokens, heads, D] and k [tokens, kv_heads, D] in place by the cos/sin rows
+        ([max_pos, D], contiguous) of int64 `positions`. False, untouched, for other layouts."""
+        ldq, ldk = _heads_stride(q), _heads_stride(k)
+        if ldq is None or ldk is None or positions.dtype != torch.int64:
+            return False
+        positions = positions.contiguous()
+        self._lib.mg_rope(
+            q.data_ptr(), ldq, q.shape[1], k.data_ptr(), ldk, k.shape[1], q.shape[0], q.shape[2],
+            positions.data_ptr(), cos_cache.data_ptr(), sin_cache.data_ptr(),
+            torch.get_num_threads(),
+        )  # fmt: skip
+        return True
+
+    def seeded_uniform(
+        self, seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int
+    ) -> torch.Tensor:
+        """minisgl.engine.sampler.seeded_uniform, bit for bit: [rows, vocab] uniforms for int64
+        seeds and positions [rows]."""
+        seeds, positions = seeds.contiguous(), positions.contiguous()
+        out = torch.empty(seeds.numel(), vocab_size, dtype=torch.float32)
+        self._lib.mg_seeded_uniform(
+            seeds.data_ptr(), positions.data_ptr(), seeds.numel(), vocab_size, out.data_ptr(),
+            torch.get_num_threads(),
+        )  # fmt: skip
+        return out
+
+    def sample(
+        self,
+        logits: torch.Tensor,
+        temperatures: torch.Tensor,
+        seeds: torch.Tensor,
+        positions: torch.Tensor,
+    ) -> torch.Tensor:
+        """Token ids [rows] (int64): argmax of softmax(logits / t) / -log(u) per row, u the seeded
+        uniforms, greedy where the temperature is 0 (sampler.sample without filters)."""
+        logits, ld = _rows(logits)
+        temperatures = temperatures.contiguous()
+        seeds, positions = seeds.contiguous(), positions.contiguous()
+        rows, vocab = logits.shape
+        out = torch.empty(rows, dtype=torch.int64)
+        self._lib.mg_sample(
+            logits.data_ptr(), ld, temperatures.data_ptr(), seeds.data_ptr(),
+            positions.data_ptr(), rows, vocab, out.data_ptr(), torch.get_num_threads(),
+        )  # fmt: skip
+        return out
+
+    # ---- KV pool and attention -------------------------------------------------------------
+
+    def store_kv(
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slots: torch.Tensor,
+    ) -> bool:
+        """k_cache[slots] = k and v_cache[slots] = v for k, v [tokens, kv_heads, D] and caches
+        [slots, kv_heads, D] (contiguous). False, untouched, for other layouts."""
+        ldk, ldv = _heads_stride(k), _heads_stride(v)
+        if ldk is None or ldv is None or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+            return False
+        slots = slots.contiguous()
+        self._lib.mg_store_kv(
+            k.data_ptr(), ldk, v.data_ptr(), ldv, k_cache.data_ptr(), v_cache.data_ptr(),
+            slots.data_ptr(), k.shape[0], k.shape[1] * k.shape[2],
+        )  # fmt: skip
+        return True
+
+    def decode_attention(
+        self,
+        q: torch.Tensor,
+        q_rows: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        page_table: torch.Tensor,
+        table_rows: torch.Tensor,
+        kv_lens: torch.Tensor,
+        out: torch.Tensor,
+        scale: float,
+    ) -> None:
+        """For decode i: out[q_rows[i]] = attention of q[q_rows[i]] ([heads, D]) over positions
+        [0, kv_lens[i]) of page-table row table_rows[i], read from the pool's slots.
+        q, out: [tokens, heads, D] (out with heads back to back); caches [slots, kv_heads, D],
+        contiguous; int64 index tensors; the int32 page table with contiguous rows. Callers
+        check `supports_decode_attention` first."""
+        num_heads, head_dim = q.shape[1], q.shape[2]
+        ldq, ldo = _heads_stride(q), _heads_stride(out)
+        if ldq is None:
+            q = q.contiguous()
+            ldq = q.stride(0)
+        assert ldo is not None and page_table.stride(1) == 1 and k_cache.is_contiguous()
+        status = self._lib.mg_decode_attention(
+            q.data_ptr(), ldq, q_rows.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+            page_table.data_ptr(), page_table.stride(0), table_rows.data_ptr(),
+            kv_lens.data_ptr(), out.data_ptr(), ldo, q_rows.numel(), num_heads,
+            k_cache.shape[1], head_dim, scale, torch.get_num_threads(),
+        )  # fmt: skip
+        if status != 0:
+            raise RuntimeError(
+                f"decode attention failed (status {status}): {num_heads} heads, "
+                f"head_dim {head_dim}, or out of memory"
+            )
+
+    def decode_layers(
+        self,
+        stack: StackShape,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        out_slots: torch.Tensor,
+        page_table: torch.Tensor,
+        table_rows: torch.Tensor,
+        kv_lens: torch.Tensor,
+        pool_buffer: torch.Tensor,
+        op_seconds: torch.Tensor | None = None,
+    ) -> None:
+        """Run every layer of a dense stack for a decode-only batch (see mg_decode_layers):
+        hidden [seqs, hidden] (contiguous) holds the embeddings and receives the last layer's
+        output plus the residual. Index tensors are int64 [seqs], contiguous; the pool buffer
+        is [layers, 2, slots, kv_heads, head_dim], contiguous. `op_seconds` (float64
+        [len(DECODE_OPS)]), when given, accumulates each op's wall time over the layers."""
+        num_seqs = hidden.shape[0]
+        scratch = torch.empty(
+            int(self._lib.mg_decode_scratch_floats(ctypes.addressof(stack), num_seqs))
+        )
+        status = self._lib.mg_decode_layers(
+            ctypes.addressof(stack), hidden.data_ptr(), num_seqs, positions.data_ptr(),
+            out_slots.data_ptr(), page_table.data_ptr(), page_table.stride(0),
+            table_rows.data_ptr(), kv_lens.data_ptr(), pool_buffer.data_ptr(),
+            pool_buffer.shape[2], scratch.data_ptr(),
+            None if op_seconds is None else op_seconds.data_ptr(), torch.get_num_threads(),
+        )  # fmt: skip
+        if status != 0:
+            raise ValueError("decode_layers: unsupported attention shape")
+
+    @staticmethod
+    def supports_decode_attention(num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
+        group = num_heads // num_kv_heads
+        return (
+            group * num_kv_heads == num_heads
+            and num_heads <= ATTN_MAX_HEADS
+            and head_dim <= ATTN_MAX_HEAD_DIM
+        )

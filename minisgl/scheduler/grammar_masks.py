@@ -1,0 +1,58 @@
+"""Structured outputs in the scheduler: each constrained request's grammar matcher, each batch's
+vocabulary mask, and when that mask must wait for the previous batch.
+
+A constrained request's mask for batch N+1 depends on its token from batch N. When that token
+is still in flight (overlap), the step launches N+1's forward, processes N (which advances the
+grammars), then builds the mask and launches N+1's sampling (SGLang's order; see
+docs/architecture.md, "Structured outputs").
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from minisgl.core import Req
+from minisgl.engine.batch import VocabMask
+from minisgl.grammar import GrammarCompiler, GrammarState, build_vocab_mask
+from minisgl.grammar.compiler import compiler_for_checkpoint
+
+
+class GrammarMasks:
+    def __init__(self, tokenizer_path: str, vocab_size: int, eos_token_ids: tuple[int, ...]):
+        self._tokenizer_path = tokenizer_path
+        self._vocab_size = vocab_size
+        self._eos_token_ids = eos_token_ids
+        self._compiler: GrammarCompiler | None = None  # made at the first constrained request
+
+    def compiled(self, req: Req) -> Any:
+        """The request's compiled grammar (None when it has no constraint); a bad constraint
+        raises here. Cached: the second call for a request costs a lookup."""
+        constraint = req.sampling_params.constraint
+        if constraint is None:
+            return None
+        if self._compiler is None:
+            # Once per process: reads the tokenizer's vocabulary (~0.5-1.5 s).
+            self._compiler = compiler_for_checkpoint(
+                self._tokenizer_path, self._vocab_size, self._eos_token_ids
+            )
+        return self._compiler.load(constraint, req.grammar_blob)
+
+    def attach(self, req: Req) -> None:
+        """Give a constrained request the matcher that follows its output."""
+        compiled = self.compiled(req)
+        if compiled is not None:
+            assert req.sampling_params.constraint is not None
+            req.grammar = GrammarState(compiled, req.sampling_params.constraint.start_after)
+            req.grammar_blob = None  # loaded: the serialized copy is not needed any more
+
+    def mask(self, sampled: list[Req]) -> VocabMask | None:
+        """The mask of a batch's sampled requests (in sampling order); None: none constrained."""
+        states = [None if r.finished else r.grammar for r in sampled]
+        return build_vocab_mask(states, self._vocab_size)
+
+    @staticmethod
+    def must_wait(previous: list[Req], sampled: list[Req]) -> bool:
+        """Whether a constrained request sampled now has its previous token still in flight
+        (sampled by `previous`, the batch not processed yet)."""
+        in_flight = {id(r) for r in previous if r.grammar is not None}
+        return any(id(r) in in_flight for r in sampled if r.grammar is not None)
