@@ -31,9 +31,10 @@ from minisgl.api.dialects.responses import (
     Turn,
     list_input_items,
 )
-from minisgl.api.dialects.responses_input import input_items, input_messages
-from minisgl.api.errors import RequestError, shape_error
-from minisgl.api.pipeline import Choice, ChoiceFailed, Event, stream_frames
+from minisgl.api.dialects.responses_items import input_items, input_messages
+from minisgl.api.errors import ChoiceFailed, RequestError, shape_error
+from minisgl.api.pipeline import Choice, Event
+from minisgl.api.sse import stream_frames
 from minisgl.chat import ChatDelta
 from minisgl.core import InvalidRequestError, SamplingParams
 from minisgl.runtime.messages import DetokenizedOutput

@@ -23,9 +23,9 @@ from starlette.applications import Starlette
 from starlette.responses import PlainTextResponse
 from starlette.routing import Route
 
-from minisgl.api.errors import RequestError
+from minisgl.api.errors import ChoiceFailed, RequestError
 from minisgl.api.middleware import Lifecycle, install_middleware
-from minisgl.api.pipeline import ChoiceFailed, openai_error_frames, stream_frames
+from minisgl.api.sse import openai_error_frames, stream_frames
 from minisgl.config import ServerArgs
 from minisgl.core import MAX_STOP_STRINGS, FinishReason, ReqOutput, SamplingParams
 from minisgl.limits import ModelLimits, check_request, resolve_max_tokens

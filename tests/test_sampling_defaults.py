@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from minisgl.api.app import sampling_defaults
-from minisgl.api.dialects.openai import CompletionRequest
+from minisgl.api.dialects.completions import CompletionRequest
 from minisgl.api.request import choice_params
 from minisgl.config import ServerArgs
 from minisgl.limits import ModelLimits

@@ -14,16 +14,13 @@ from typing import Any
 
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
 
-from minisgl.api.dialects import anthropic, openai, responses, sglang, vllm
+from minisgl.api.dialects import anthropic, completions, openai, responses, sglang, vllm
 from minisgl.api.errors import (
-    HTTP_BAD_REQUEST,
+    ANSWERED_ERRORS,
     HTTP_SERVICE_UNAVAILABLE,
-    RequestError,
-    error_dict,
+    as_request_error,
     shape_error,
 )
 from minisgl.api.metrics import ServerMetrics
@@ -31,7 +28,6 @@ from minisgl.api.middleware import Lifecycle, install_middleware
 from minisgl.api.pipeline import ServingContext
 from minisgl.chat import ChatSettings
 from minisgl.config import ServerArgs
-from minisgl.core import InvalidRequestError
 from minisgl.limits import ModelLimits
 from minisgl.models.config import load_sampling_defaults
 from minisgl.models.names import accepted_model_names, served_model_name
@@ -55,22 +51,6 @@ GRACEFUL_SHUTDOWN_S = 2
 DRAIN_POLL_S = 0.05
 KEEP_ALIVE_S = 30
 STARTUP_POLL_S = 0.05
-
-
-def _validation_error_body(exc: RequestValidationError) -> dict[str, Any]:
-    errors = exc.errors()
-    first = errors[0] if errors else {}
-    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
-    rule = (first.get("ctx") or {}).get("error")
-    if first.get("type") == "json_invalid":
-        message, param = "Request body is not valid JSON.", None
-    elif isinstance(rule, InvalidRequestError):  # raised by one of our own validators
-        message, param = str(rule), rule.param
-    else:
-        param = loc[0] if loc else None
-        where = ".".join(loc) or "body"
-        message = f"{where}: {first.get('msg', 'invalid value')}"
-    return error_dict(message, param=param, code=400)
 
 
 async def _wait_for_scheduler(engine: EngineClient) -> StatsReply:
@@ -145,35 +125,19 @@ def create_app(
         app, app.state.lifecycle, args.api_key, args.max_request_body_bytes, count_response
     )
 
-    def error_response(
-        request: Request, body: dict[str, Any], status: int, headers: Any = None
-    ) -> JSONResponse:
-        shaped = shape_error(request.url.path, body, status)
-        return JSONResponse(shaped, status_code=status, headers=headers)
+    async def on_error(request: Request, exc: Exception) -> JSONResponse:
+        error = as_request_error(exc)
+        assert error is not None  # registered for the kinds that have an answer
+        shaped = shape_error(request.url.path, error.body(), error.status_code)
+        return JSONResponse(shaped, status_code=error.status_code, headers=error.headers)
 
-    @app.exception_handler(RequestValidationError)
-    async def on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return error_response(request, _validation_error_body(exc), 400)
-
-    @app.exception_handler(RequestError)
-    async def on_request_error(request: Request, exc: RequestError) -> JSONResponse:
-        return error_response(request, exc.body(), exc.status_code, exc.headers)
-
-    @app.exception_handler(InvalidRequestError)  # a dialect's translation: the param is its own
-    async def on_invalid(request: Request, exc: InvalidRequestError) -> JSONResponse:
-        body = error_dict(str(exc), param=exc.param, code=HTTP_BAD_REQUEST)
-        return error_response(request, body, HTTP_BAD_REQUEST)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        body = error_dict(str(exc.detail), "invalid_request_error", code=exc.status_code)
-        return error_response(request, body, exc.status_code, exc.headers)
-
+    for kind in ANSWERED_ERRORS:
+        app.add_exception_handler(kind, on_error)
     # Any other exception: RequestGuard (minisgl.api.middleware) logs it once and answers 500.
 
     # The dialects' routes join the app's own (include_router would nest them behind one
     # route, which the middleware's per-route counter could not see through).
-    for dialect in (openai, responses, anthropic, vllm, sglang):
+    for dialect in (openai, completions, responses, anthropic, vllm, sglang):
         app.router.routes.extend(dialect.router.routes)
 
     @app.get("/health")
@@ -190,12 +154,22 @@ def create_app(
     return app
 
 
-class _UvicornServer(uvicorn.Server):
+class _Server(uvicorn.Server):
     """uvicorn that leaves Ctrl-C to the launcher (the terminal sends SIGINT to every process of
-    the group, and the launcher decides the shutdown order) and hands SIGTERM and
-    BACKEND_FAILED_SIGNAL to `on_stop_signal` once serving, instead of stopping at once."""
+    the group, and the launcher decides the shutdown order) and, once serving, stops in order:
+    SIGTERM refuses new requests (503, /health too), lets open ones finish for up to
+    `drain_s`, aborts what is left, then stops uvicorn; a second SIGTERM skips the wait.
+    BACKEND_FAILED_SIGNAL (the launcher saw the scheduler or detokenizer die) ends open
+    requests at once with a 503 error (non-streaming) or an error event (streaming)."""
 
-    on_stop_signal: Callable[[int], None] | None = None
+    def __init__(self, config: uvicorn.Config, app: FastAPI, drain_s: float) -> None:
+        super().__init__(config)
+        self._app = app
+        self._drain_s = drain_s
+        self.loop: asyncio.AbstractEventLoop | None = None  # set once serving
+        self._hurry = False
+        self._error: str | None = None  # set: the backend stopped, open requests fail with it
+        self._task: asyncio.Task | None = None
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
@@ -205,59 +179,36 @@ class _UvicornServer(uvicorn.Server):
         yield
 
     def handle_exit(self, sig: int, frame: Any) -> None:
-        if self.on_stop_signal is None:  # not serving yet: stop right away
+        if self.loop is None:  # not serving yet: stop right away
             super().handle_exit(sig, frame)
-        else:
-            self.on_stop_signal(sig)
+        else:  # in the signal handler: hand over to the event loop
+            self.loop.call_soon_threadsafe(self._on_signal, sig)
 
-
-class _Shutdown:
-    """SIGTERM: refuse new requests (503, /health too), let open ones finish for up to
-    `timeout_s`, abort what is left, then stop uvicorn. A second SIGTERM skips the wait.
-    BACKEND_FAILED_SIGNAL (the launcher saw the scheduler or detokenizer die): open requests end
-    at once with a 503 error (non-streaming) or an error event (streaming)."""
-
-    def __init__(
-        self, server: uvicorn.Server, lifecycle: Lifecycle, engine: EngineClient, timeout_s: float
-    ) -> None:
-        self._server = server
-        self._lifecycle = lifecycle
-        self._engine = engine
-        self._timeout_s = timeout_s
-        self._hurry = False
-        self._error: str | None = None  # set: the backend stopped, open requests fail with it
-        self._task: asyncio.Task | None = None
-
-    def on_signal(self, sig: int) -> None:
-        """Runs on the event loop (call_soon_threadsafe from the signal handler)."""
+    def _on_signal(self, sig: int) -> None:
         if sig == BACKEND_FAILED_SIGNAL:
             self._error = BACKEND_STOPPED
         if self._task is not None or self._error is not None:
             self._hurry = True
         if self._task is None:
-            self._task = asyncio.create_task(self._run(), name="minisgl-shutdown")
+            self._task = asyncio.create_task(self._shut_down(), name="minisgl-shutdown")
 
     async def _wait_idle(self, timeout_s: float) -> None:
-        loop = asyncio.get_running_loop()
+        lifecycle, loop = self._app.state.lifecycle, asyncio.get_running_loop()
         deadline_s = loop.time() + timeout_s
-        while self._lifecycle.num_open_requests > 0 and loop.time() < deadline_s:
-            if self._hurry:
-                return
+        while lifecycle.num_open_requests > 0 and loop.time() < deadline_s and not self._hurry:
             await asyncio.sleep(DRAIN_POLL_S)
 
-    async def _run(self) -> None:
-        self._lifecycle.draining = True
+    async def _shut_down(self) -> None:
+        lifecycle = self._app.state.lifecycle
+        lifecycle.draining = True
         if not self._hurry:
-            logger.info(
-                "shutting down: %d open request(s) get up to %g s to finish",
-                self._lifecycle.num_open_requests,
-                self._timeout_s,
-            )
-            await self._wait_idle(self._timeout_s)
-        self._engine.abort_all(self._error)
+            message = "shutting down: %d open request(s) get up to %g s to finish"
+            logger.info(message, lifecycle.num_open_requests, self._drain_s)
+            await self._wait_idle(self._drain_s)
+        self._app.state.ctx.engine.abort_all(self._error)
         self._hurry = False
         await self._wait_idle(GRACEFUL_SHUTDOWN_S)  # the aborted ones send their last chunks
-        self._server.should_exit = True
+        self.should_exit = True
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -298,7 +249,7 @@ def run_api_server(
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
         timeout_keep_alive=KEEP_ALIVE_S,
     )
-    server = _UvicornServer(config)
+    server = _Server(config, app, args.shutdown_timeout_s)
     listen_socket = bind(args.host, args.port)
 
     async def main() -> None:
@@ -306,15 +257,7 @@ def run_api_server(
         while not server.started and not serve_task.done():
             await asyncio.sleep(STARTUP_POLL_S)
         if server.started:
-            loop = asyncio.get_running_loop()
-            shutdown = _Shutdown(
-                server, app.state.lifecycle, app.state.ctx.engine, args.shutdown_timeout_s
-            )
-
-            def on_stop_signal(sig: int) -> None:  # in the signal handler: hand over to the loop
-                loop.call_soon_threadsafe(shutdown.on_signal, sig)
-
-            server.on_stop_signal = on_stop_signal
+            server.loop = asyncio.get_running_loop()
             report_ready()
         await serve_task
         if not server.started:

@@ -5,6 +5,12 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException
+
+from minisgl.core import InvalidRequestError
+from minisgl.runtime.engine_client import BackendUnavailable
+
 HTTP_BAD_REQUEST = 400
 HTTP_NOT_FOUND = 404
 HTTP_SERVER_ERROR = 500
@@ -46,6 +52,18 @@ class RequestError(Exception):
         return error_dict(self.message, self.err_type, self.param, self.status_code)
 
 
+class ClientDisconnected(Exception):
+    pass
+
+
+class ChoiceFailed(Exception):
+    """A choice ended with an error: a stream ends with that error event, a reply is that error."""
+
+    def __init__(self, message: str, internal: bool = False) -> None:
+        super().__init__(message)
+        self.internal = internal  # the server's failure (a step that raised), not the request's
+
+
 # A dialect that answers errors in its own shape registers it for its path prefix; everything
 # else, the middleware's refusals included, answers in OpenAI's.
 ErrorShape = Callable[[int, str], dict[str, Any]]
@@ -58,3 +76,42 @@ def shape_error(path: str, body: dict[str, Any], status_code: int) -> dict[str, 
         if path.startswith(prefix):
             return shape(status_code, str(body.get("error", {}).get("message", "")))
     return body
+
+
+def _validation_error(exc: RequestValidationError) -> RequestError:
+    first = exc.errors()[0] if exc.errors() else {}
+    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+    rule = (first.get("ctx") or {}).get("error")
+    if first.get("type") == "json_invalid":
+        return RequestError(HTTP_BAD_REQUEST, "Request body is not valid JSON.")
+    if isinstance(rule, InvalidRequestError):  # raised by one of our own validators
+        return RequestError(HTTP_BAD_REQUEST, str(rule), param=rule.param)
+    where = ".".join(loc) or "body"
+    message = f"{where}: {first.get('msg', 'invalid value')}"
+    return RequestError(HTTP_BAD_REQUEST, message, param=loc[0] if loc else None)
+
+
+ANSWERED_ERRORS = (
+    RequestError,
+    InvalidRequestError,
+    BackendUnavailable,
+    RequestValidationError,
+    HTTPException,
+)
+
+
+def as_request_error(exc: BaseException) -> RequestError | None:
+    """The error response an exception stands for; None for a bug (a 500 whoever catches it).
+    InvalidRequestError: a rule a dialect's translation broke (the param is its own)."""
+    if isinstance(exc, RequestError):
+        return exc
+    if isinstance(exc, InvalidRequestError):
+        return RequestError(HTTP_BAD_REQUEST, str(exc), param=exc.param)
+    if isinstance(exc, BackendUnavailable):
+        return RequestError(HTTP_SERVICE_UNAVAILABLE, str(exc))
+    if isinstance(exc, RequestValidationError):
+        return _validation_error(exc)
+    if isinstance(exc, HTTPException):
+        kind = "invalid_request_error"
+        return RequestError(exc.status_code, str(exc.detail), None, kind, exc.headers)
+    return None

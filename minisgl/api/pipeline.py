@@ -20,20 +20,18 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar, cast
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
 from transformers import PreTrainedTokenizerBase
 
 from minisgl.api.errors import (
     HTTP_BAD_REQUEST,
     HTTP_GATEWAY_TIMEOUT,
-    HTTP_SERVER_ERROR,
     HTTP_SERVICE_UNAVAILABLE,
+    ChoiceFailed,
+    ClientDisconnected,
     RequestError,
-    error_dict,
 )
 from minisgl.api.metrics import ServerMetrics
 from minisgl.api.request import ApiRequest, choice_params
-from minisgl.api.sse import SSE_DONE, SSE_HEADERS, SSE_MEDIA_TYPE, sse_event
 from minisgl.chat import (
     ChatDelta,
     ChatOutputParser,
@@ -48,7 +46,6 @@ from minisgl.grammar import GrammarCompiler
 from minisgl.limits import ModelLimits
 from minisgl.runtime.engine_client import (
     DISCONNECTED,
-    BackendUnavailable,
     EngineClient,
     RoutedOutput,
 )
@@ -56,8 +53,6 @@ from minisgl.runtime.messages import DetokenizedOutput
 
 logger = logging.getLogger(__name__)
 
-# HTTP status for a response nobody will read (nginx's "client closed request").
-CLIENT_CLOSED_REQUEST = 499
 # Token id -> text is asked for every token when logprobs are on: cache the common ones.
 TOKEN_TEXT_CACHE_SIZE = 1 << 16
 # Queue full: how long a client should wait before trying again.
@@ -192,18 +187,6 @@ def check_capacity(ctx: ServingContext, num_sequences: int) -> None:
         )
 
 
-class ClientDisconnected(Exception):
-    pass
-
-
-class ChoiceFailed(Exception):
-    """A choice ended with an error: a stream ends with that error event, a reply is that error."""
-
-    def __init__(self, message: str, internal: bool = False) -> None:
-        super().__init__(message)
-        self.internal = internal  # the server's failure (a step that raised), not the request's
-
-
 @dataclass
 class Choice:
     """One sequence of a run: what it produced so far (cumulative) and how it ended."""
@@ -298,10 +281,8 @@ class Run:
                     self.prepared.grammar_blob,
                 )
                 self._num_unfinished += 1
-        except BaseException as exc:
+        except BaseException:
             self.close()
-            if isinstance(exc, BackendUnavailable):
-                raise RequestError(HTTP_SERVICE_UNAVAILABLE, str(exc)) from None
             raise
         self._watcher = asyncio.create_task(self._watch_disconnect(http_request))
         timeout_s = self.ctx.request_timeout_s
@@ -330,9 +311,7 @@ class Run:
             item = await self._queue.get()
             if item is DISCONNECTED:
                 raise ClientDisconnected()
-            if isinstance(item, BackendUnavailable):
-                raise RequestError(HTTP_SERVICE_UNAVAILABLE, str(item))
-            if isinstance(item, RequestError):  # timed out
+            if isinstance(item, Exception):  # timed out, or the backend stopped
                 raise item
             assert isinstance(item, RoutedOutput)
             choice, output = self.choices[item.index], item.output
@@ -403,70 +382,3 @@ class Run:
     @property
     def reasoning_tokens(self) -> int:
         return sum(c.parser.reasoning_tokens for c in self.choices if c.parser is not None)
-
-
-# A dialect's wire events: (SSE event name or None, payload).
-WireEvent = tuple[str | None, dict[str, Any]]
-
-
-def openai_error_frames(body: dict[str, Any]) -> list[str]:
-    """How OpenAI-style streams end on an error: the error, then [DONE]."""
-    return [sse_event(body), SSE_DONE]
-
-
-def _error_body(exc: BaseException, request_id: str) -> dict[str, Any]:
-    if isinstance(exc, ChoiceFailed):
-        if exc.internal:  # the server failed the request: a 500, as a non-streamed one gets
-            return error_dict(str(exc), "server_error", code=HTTP_SERVER_ERROR)
-        return error_dict(str(exc))
-    if isinstance(exc, RequestError):
-        return exc.body()
-    logger.exception("request %s failed while streaming", request_id, exc_info=exc)
-    message = f"internal error while streaming (request id {request_id})"
-    return error_dict(message, "server_error", code=HTTP_SERVER_ERROR)
-
-
-async def stream_frames(
-    run: Run,
-    events: AsyncIterator[WireEvent],
-    error_frames: Callable[[dict[str, Any]], list[str]],
-    done: bool,
-) -> AsyncIterator[str]:
-    """The events as server-sent events (then [DONE] when `done`). Whatever ends the stream
-    early reaches the client as the dialect's error frames; a client that left gets nothing."""
-    try:
-        async for name, payload in events:
-            yield sse_event(payload, name)
-        if done:
-            yield SSE_DONE
-    except ClientDisconnected:
-        return
-    except Exception as exc:
-        for frame in error_frames(_error_body(exc, run.id)):
-            yield frame
-    finally:
-        run.close()
-
-
-async def respond(
-    run: Run,
-    events: AsyncIterator[WireEvent],
-    stream: bool,
-    fold: Callable[[list[dict[str, Any]]], dict[str, Any] | list[Any]],
-    error_frames: Callable[[dict[str, Any]], list[str]] = openai_error_frames,
-    done: bool = True,
-) -> Response:
-    """A stream of the events, or their fold: the reply of a non-streaming request."""
-    if stream:
-        frames = stream_frames(run, events, error_frames, done)
-        return StreamingResponse(frames, media_type=SSE_MEDIA_TYPE, headers=SSE_HEADERS)
-    try:
-        payloads = [payload async for _, payload in events]
-    except ClientDisconnected:
-        return Response(status_code=CLIENT_CLOSED_REQUEST)  # nobody reads it
-    except ChoiceFailed as exc:
-        status = HTTP_SERVER_ERROR if exc.internal else HTTP_BAD_REQUEST
-        raise RequestError(status, str(exc)) from None
-    finally:
-        run.close()
-    return JSONResponse(fold(payloads))

@@ -30,14 +30,14 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from minisgl.api.errors import ERROR_SHAPES
-from minisgl.api.pipeline import Run, WireEvent, prepare, respond
+from minisgl.api.pipeline import Run, prepare
 from minisgl.api.request import (
     ApiRequest,
     SamplingWire,
     new_id,
     sampling_of,
 )
-from minisgl.api.sse import sse_event
+from minisgl.api.sse import WireEvent, respond, sse_event
 from minisgl.chat import CALL, REASONING, ChatPrompt, ReplyBlocks
 from minisgl.chat.tool_parsers import ToolCallDelta
 from minisgl.core import FinishReason, InvalidRequestError

@@ -1,24 +1,25 @@
-"""OpenAI's chat and text completions: POST /v1/chat/completions and /v1/completions.
+"""OpenAI's chat completions (POST /v1/chat/completions), /v1/models, and what OpenAI's
+text completions (minisgl.api.dialects.completions) share with them: the sampling fields, usage,
+the chunks and their fold.
 
 Each choice's reply goes through its own parser (minisgl.chat), so reasoning, content and tool
 calls split the same way streamed or not: a non-streaming reply is the fold of the chunks a
-stream sends (`fold_chat`, `fold_completion`).
+stream sends (`accumulate`).
 """
 
 from __future__ import annotations
 
 import functools
-import itertools
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
-from typing import Any, cast
+from typing import Any
 
 from fastapi import APIRouter, Request
 from pydantic import Field, model_validator
 from starlette.responses import Response
 
-from minisgl.api.pipeline import Run, ServingContext, WireEvent, respond
+from minisgl.api.pipeline import Run, ServingContext
 from minisgl.api.request import (
     ApiRequest,
     SamplingWire,
@@ -26,13 +27,12 @@ from minisgl.api.request import (
     new_id,
     sampling_of,
 )
+from minisgl.api.sse import WireEvent, respond
 from minisgl.chat import ChatDelta, ChatPrompt, with_reasoning_effort
 from minisgl.core import FinishReason, InvalidRequestError, TokenLogprob
 
 # OpenAI's bound on choices per request.
 MAX_CHOICES_PER_REQUEST = 128
-# /v1/completions without max_tokens: OpenAI's default (and vLLM's and SGLang's).
-DEFAULT_COMPLETION_MAX_TOKENS = 16
 CONSTRAINT_FIELDS = (
     "response_format",
     "regex",
@@ -44,7 +44,6 @@ CONSTRAINT_FIELDS = (
     "guided_choice",
     "structured_outputs",
 )
-COMPLETION_LOGPROB_KEYS = ("tokens", "token_logprobs", "top_logprobs", "text_offset")
 CHAT_ALIASES = {"max_completion_tokens": "max_tokens", "top_logprobs": "logprobs"}
 
 
@@ -127,46 +126,13 @@ class ChatCompletionRequest(OpenAISampling):
         return ApiRequest(prompt, sampling, wire_names, self.n, self.model, self.constraint_fields)
 
 
-class CompletionRequest(OpenAISampling):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    logprobs: int | None = None
-    echo: bool = False
-    # Not supported; refused rather than ignored, so a client learns its request was not run
-    # as written (vLLM refuses suffix too). best_of equal to n is plain sampling.
-    suffix: str | None = None
-    best_of: int | None = None
-
-    @model_validator(mode="after")
-    def _refuse_unsupported(self) -> CompletionRequest:
-        if self.suffix:
-            raise InvalidRequestError("suffix", "is not supported")
-        if self.best_of is not None and self.best_of != self.n:
-            raise InvalidRequestError("best_of", "is not supported (other than equal to n)")
-        return self
-
-    def to_api(self) -> ApiRequest:
-        prompt = self.prompt
-        if not prompt:
-            raise InvalidRequestError("prompt", "must not be empty")
-        if isinstance(prompt, str) or isinstance(prompt[0], int):
-            prompt = [prompt]  # type: ignore[assignment]
-        sampling, wire_names = sampling_of(self, {})
-        sampling.setdefault("max_tokens", DEFAULT_COMPLETION_MAX_TOKENS)
-        # echo with logprobs scores the prompt too (OpenAI: the first token's is null); echo
-        # with max_tokens 0 only echoes, through the same prompt-only path.
-        scored = self.echo and (self.logprobs is not None or sampling["max_tokens"] == 0)
-        sampling["prompt_logprobs"] = (self.logprobs or 0) if scored else None
-        prompts = cast("list[str] | list[list[int]]", prompt)
-        return ApiRequest(prompts, sampling, wire_names, self.n, self.model, self.constraint_fields)
-
-
-def _finish_text(reason: FinishReason | None, num_calls: int = 0) -> str | None:
+def finish_text(reason: FinishReason | None, num_calls: int = 0) -> str | None:
     if reason == FinishReason.STOP and num_calls > 0:
         return "tool_calls"
     return None if reason is None else reason.value
 
 
-def _stop_reason(run: Run, matched: int | str | None) -> int | str | None:
+def stop_reason(run: Run, matched: int | str | None) -> int | str | None:
     """vLLM's `stop_reason`: the stop string or the `stop_token_ids` entry that ended the
     choice; null for EOS, length and the rest."""
     stop_token_ids = run.req.sampling_for(0).get("stop_token_ids") or ()
@@ -238,15 +204,15 @@ def _delta_dict(delta: ChatDelta, choice: int, call_ids: CallIds) -> dict[str, A
     return out
 
 
-def _header(run: Run, body: OpenAISampling, kind: str) -> dict[str, Any]:
+def header(run: Run, body: OpenAISampling, kind: str) -> dict[str, Any]:
     model = body.model or run.ctx.served_model_name
-    header = {"id": run.id, "object": kind, "created": int(time.time()), "model": model}
+    head = {"id": run.id, "object": kind, "created": int(time.time()), "model": model}
     if body.stream_usage:
-        header["usage"] = None  # OpenAI sends usage null on every chunk but the last
-    return header
+        head["usage"] = None  # OpenAI sends usage null on every chunk but the last
+    return head
 
 
-def _chunk(
+def chunk(
     base: dict[str, Any], index: int, finish: str | None, stop: Any, **part: Any
 ) -> WireEvent:
     choice = {"index": index, **part, "finish_reason": finish}
@@ -256,7 +222,7 @@ def _chunk(
 
 
 async def chat_events(run: Run, body: ChatCompletionRequest) -> AsyncIterator[WireEvent]:
-    base = _header(run, body, "chat.completion.chunk")
+    base = header(run, body, "chat.completion.chunk")
     # Each choice's role chunk goes out with its first output, not at once: benchmark clients
     # (vllm bench serve) time the first token at the first chunk, as OpenAI and vLLM send it.
     announced: set[int] = set()
@@ -266,14 +232,14 @@ async def chat_events(run: Run, body: ChatCompletionRequest) -> AsyncIterator[Wi
         if choice.index not in announced:
             announced.add(choice.index)
             role = {"role": "assistant", "content": ""}
-            yield _chunk(base, choice.index, None, None, delta=role, logprobs=None)
+            yield chunk(base, choice.index, None, None, delta=role, logprobs=None)
         num_calls = choice.parser.num_calls if choice.parser is not None else 0
-        finish = _finish_text(output.finish_reason, num_calls)
+        finish = finish_text(output.finish_reason, num_calls)
         delta = _delta_dict(event.delta, choice.index, call_ids)
         logprobs = chat_logprobs(run.ctx, output.logprobs) if body.logprobs else None
         if delta or finish is not None or (logprobs and logprobs["content"]):
-            stop = _stop_reason(run, output.matched_stop)
-            yield _chunk(base, choice.index, finish, stop, delta=delta, logprobs=logprobs)
+            stop = stop_reason(run, output.matched_stop)
+            yield chunk(base, choice.index, finish, stop, delta=delta, logprobs=logprobs)
     if body.stream_usage or not body.stream:
         usage = usage_dict(run, run.reasoning_tokens)
         yield None, {**base, "choices": [], "usage": usage}
@@ -305,11 +271,11 @@ def accumulate(total: dict[str, Any], delta: dict[str, Any]) -> dict[str, Any]:
     return total
 
 
-def _fold(chunks: list[dict[str, Any]], kind: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+def fold(chunks: list[dict[str, Any]], kind: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """A stream's chunks added up: the reply's head and its choices, in index order."""
     choices: dict[int, dict[str, Any]] = {}
-    for chunk in chunks:
-        for part in chunk["choices"]:
+    for sent in chunks:
+        for part in sent["choices"]:
             accumulate(choices.setdefault(part["index"], {"stop_reason": None}), part)
     head = {key: chunks[0][key] for key in ("id", "created", "model")}
     reply = {**head, "object": kind, "usage": chunks[-1]["usage"]}
@@ -318,7 +284,7 @@ def _fold(chunks: list[dict[str, Any]], kind: str) -> tuple[dict[str, Any], list
 
 def fold_chat(chunks: list[dict[str, Any]], with_reasoning: bool) -> dict[str, Any]:
     """The chunks of a chat stream as one chat.completion (OpenAI's non-streaming reply)."""
-    reply, choices = _fold(chunks, "chat.completion")
+    reply, choices = fold(chunks, "chat.completion")
     for choice in choices:
         message = choice.pop("delta")
         for call in message.get("tool_calls", ()):
@@ -333,109 +299,6 @@ def fold_chat(chunks: list[dict[str, Any]], with_reasoning: bool) -> dict[str, A
     return {**reply, "choices": choices}
 
 
-def _completion_logprobs(
-    ctx: ServingContext, logprobs: Sequence[TokenLogprob], offset: int
-) -> dict[str, Any]:
-    """The legacy completions format, text offsets counted from `offset`."""
-    tokens, token_logprobs, top_logprobs, text_offset = [], [], [], []
-    for lp in logprobs:
-        text = ctx.token_text(lp.token_id)
-        tokens.append(text)
-        token_logprobs.append(lp.logprob)
-        top_logprobs.append({ctx.token_text(tid): tlp for tid, tlp in lp.top})
-        text_offset.append(offset)
-        offset += len(text)
-    return {
-        "tokens": tokens,
-        "token_logprobs": token_logprobs,
-        "top_logprobs": top_logprobs,
-        "text_offset": text_offset,
-    }
-
-
-def _echo_logprobs(
-    ctx: ServingContext, prompt_ids: Sequence[int], scored: Sequence[TokenLogprob]
-) -> dict[str, Any]:
-    """The prompt's part of echo + logprobs: every prompt token, the first with a null logprob
-    and top_logprobs (nothing comes before it), offsets from 0."""
-    tokens = [ctx.token_text(tid) for tid in prompt_ids]
-    missing = [None] * (len(tokens) - 1 - len(scored))  # none arrived: the request was aborted
-    return {
-        "tokens": tokens,
-        "token_logprobs": [None, *(lp.logprob for lp in scored), *missing],
-        "top_logprobs": [
-            None,
-            *({ctx.token_text(tid): tlp for tid, tlp in lp.top} for lp in scored),
-            *missing,
-        ],
-        "text_offset": list(itertools.accumulate(map(len, tokens[:-1]), initial=0)),
-    }
-
-
-def _echo_texts(ctx: ServingContext, run: Run) -> list[str]:
-    """Prompt texts for echo, on the tokenizer thread: token id prompts are decoded only now,
-    once every rule (the vocabulary range included) has passed."""
-    assert run.prepared is not None
-    texts = run.prepared.texts
-    return [
-        t if t is not None else str(ctx.tokenizer.decode(ids))
-        for t, ids in zip(texts, run.prompts, strict=True)
-    ]
-
-
-async def completion_events(run: Run, body: CompletionRequest) -> AsyncIterator[WireEvent]:
-    ctx = run.ctx
-    base = _header(run, body, "text_completion")
-    echoed = await ctx.on_tokenizer_thread(_echo_texts, ctx, run) if body.echo else []
-    # text_offset of each choice's next token. Under echo with logprobs the prompt's tokens
-    # come first, their offsets summed over their texts as vLLM does, so the output continues
-    # from that sum (which differs from the echoed text's length where one character spans
-    # several tokens, each shown alone as U+FFFD): offsets never go back.
-    offsets = {}
-    for choice in run.choices:
-        prompt = run.prompts[choice.prompt_index]
-        if not body.echo:
-            offsets[choice.index] = 0
-        elif body.logprobs is None:
-            offsets[choice.index] = len(echoed[choice.prompt_index])
-        else:
-            offsets[choice.index] = sum(len(ctx.token_text(tid)) for tid in prompt)
-    # echo: the prompt goes first; with logprobs it waits for the choice's first output, which
-    # brings the prompt's logprobs.
-    waiting = {c.index for c in run.choices} if body.echo and body.logprobs is not None else set()
-    if body.echo and not waiting:
-        for choice in run.choices:
-            yield _chunk(
-                base, choice.index, None, None, text=echoed[choice.prompt_index], logprobs=None
-            )
-    async for event in run.events():
-        choice, output = event.choice, event.output
-        if choice.index in waiting:
-            waiting.discard(choice.index)
-            scored = _echo_logprobs(ctx, run.prompts[choice.prompt_index], output.prompt_logprobs)
-            text = echoed[choice.prompt_index]
-            yield _chunk(base, choice.index, None, None, text=text, logprobs=scored)
-        logprobs = None
-        if body.logprobs is not None and output.logprobs:
-            logprobs = _completion_logprobs(ctx, output.logprobs, offsets[choice.index])
-            offsets[choice.index] += sum(map(len, logprobs["tokens"]))
-        finish = _finish_text(output.finish_reason)
-        if output.text or finish is not None or logprobs is not None:
-            stop = _stop_reason(run, output.matched_stop)
-            yield _chunk(base, choice.index, finish, stop, text=output.text, logprobs=logprobs)
-    if body.stream_usage or not body.stream:
-        yield None, {**base, "choices": [], "usage": usage_dict(run)}
-
-
-def fold_completion(chunks: list[dict[str, Any]], with_logprobs: bool) -> dict[str, Any]:
-    """The chunks of a completions stream as one text_completion (the non-streaming reply)."""
-    reply, choices = _fold(chunks, "text_completion")
-    for choice in choices:
-        if with_logprobs and choice["logprobs"] is None:  # a table even when no chunk had one
-            choice["logprobs"] = {key: [] for key in COMPLETION_LOGPROB_KEYS}
-    return {**reply, "choices": choices}
-
-
 router = APIRouter()
 
 
@@ -446,13 +309,6 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     with_reasoning = run.prepared.chat.reasoning_parser is not None
     fold = functools.partial(fold_chat, with_reasoning=with_reasoning)
     return await respond(run, chat_events(run, body), bool(body.stream), fold)
-
-
-@router.post("/v1/completions")
-async def create_completion(body: CompletionRequest, request: Request) -> Response:
-    run = await Run(request.app.state.ctx, body.to_api(), new_id("cmpl")).start(request)
-    fold = functools.partial(fold_completion, with_logprobs=body.logprobs is not None)
-    return await respond(run, completion_events(run, body), bool(body.stream), fold)
 
 
 def _model_card(ctx: ServingContext) -> dict[str, Any]:

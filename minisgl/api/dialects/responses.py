@@ -1,7 +1,7 @@
 """OpenAI's Responses API: POST /v1/responses, GET and DELETE /v1/responses/{id}, GET
 /v1/responses/{id}/input_items.
 
-A request runs as a chat (minisgl.api.dialects.responses_input translates its input). The
+A request runs as a chat (minisgl.api.dialects.responses_items translates its input). The
 reply's blocks (minisgl.chat.ReplyBlocks) become output items in the order the model wrote
 them: a `reasoning` item, a `message` with one `output_text` part, `function_call` items. A
 stream sends OpenAI's events (response.created, response.in_progress, each item's added /
@@ -11,7 +11,7 @@ the last one carries the whole response, which is the non-streaming reply. With 
 request's `previous_response_id`, bounded by count and size (oldest first).
 
 vLLM's and SGLang's sampling extras (top_k, min_p, penalties, seed, stop, ...) pass through.
-`background`, `truncation: "auto"` and what responses_input refuses are a 400 naming the field.
+`background`, `truncation: "auto"` and what responses_items refuses are a 400 naming the field.
 """
 
 from __future__ import annotations
@@ -28,8 +28,9 @@ from fastapi import APIRouter, Request
 from pydantic import model_validator
 from starlette.responses import Response
 
-from minisgl.api.dialects.openai import CallIds, chat_logprobs
-from minisgl.api.dialects.responses_input import (
+from minisgl.api.dialects.openai import chat_logprobs
+from minisgl.api.dialects.responses_items import (
+    OutputItems,
     chat_tool_choice,
     chat_tools,
     input_items,
@@ -37,16 +38,15 @@ from minisgl.api.dialects.responses_input import (
     response_format,
 )
 from minisgl.api.errors import HTTP_BAD_REQUEST, HTTP_NOT_FOUND, HTTP_SERVER_ERROR, RequestError
-from minisgl.api.pipeline import Run, WireEvent, respond
+from minisgl.api.pipeline import Run
 from minisgl.api.request import (
     ApiRequest,
     SamplingWire,
     new_id,
     sampling_of,
 )
-from minisgl.api.sse import sse_event
-from minisgl.chat import CALL, REASONING, ChatPrompt, ReplyBlocks, with_reasoning_effort
-from minisgl.chat.tool_parsers import ToolCallDelta
+from minisgl.api.sse import WireEvent, respond, sse_event
+from minisgl.chat import ChatPrompt, ReplyBlocks, with_reasoning_effort
 from minisgl.core import FinishReason, InvalidRequestError
 
 INCLUDE_LOGPROBS = "message.output_text.logprobs"
@@ -170,93 +170,6 @@ class ResponseStore:
         if entry is not None:
             self._chars -= entry.size_chars
         return entry is not None
-
-
-class OutputItems:
-    """The reply's blocks as output items, and the stream events that build them
-    (a minisgl.chat.BlockSink)."""
-
-    def __init__(self, emit: Any) -> None:
-        self.items: list[dict[str, Any]] = []
-        self._emit = emit
-        self._call_ids = CallIds()
-
-    def _at(self, part: bool = True) -> dict[str, Any]:
-        """Where an event about the open item (and its one content part) points."""
-        where: dict[str, Any] = {
-            "item_id": self.items[-1]["id"],
-            "output_index": len(self.items) - 1,
-        }
-        return {**where, "content_index": 0} if part else where
-
-    def open(self, kind: str, call: ToolCallDelta | None) -> None:
-        status = {"status": "in_progress"}
-        item: dict[str, Any]
-        if call is not None:
-            call_id = self._call_ids.get(0, call.index)
-            item = {"id": new_id("fc", "_"), "type": "function_call", "call_id": call_id}
-            item |= {"name": call.name or "", "arguments": "", **status}
-        elif kind == REASONING:
-            item = {"id": new_id("rs", "_"), "type": "reasoning", "summary": [], "content": []}
-            item |= status
-        else:
-            item = {"id": new_id("msg", "_"), "type": "message", "role": "assistant", **status}
-            item["content"] = []
-        self.items.append(item)
-        self._emit("response.output_item.added", output_index=len(self.items) - 1, item=item)
-        if call is None:
-            part: dict[str, Any] = {"type": "reasoning_text", "text": ""}
-            if kind != REASONING:
-                part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-            item["content"].append(part)
-            self._emit("response.content_part.added", **self._at(), part=part)
-
-    def write(self, kind: str, text: str, logprobs: list[Any]) -> None:
-        item = self.items[-1]
-        if kind == CALL:
-            item["arguments"] += text
-            if text:
-                self._emit("response.function_call_arguments.delta", **self._at(False), delta=text)
-            return
-        part = item["content"][0]
-        part["text"] += text
-        if kind == REASONING:
-            self._emit("response.reasoning_text.delta", **self._at(), delta=text)
-        else:
-            part["logprobs"] += logprobs
-            self._emit("response.output_text.delta", **self._at(), delta=text, logprobs=logprobs)
-
-    def close(self, status: str) -> None:
-        item = self.items[-1]
-        if item["type"] == "function_call":
-            args = item["arguments"]
-            self._emit("response.function_call_arguments.done", **self._at(False), arguments=args)
-        else:
-            part = item["content"][0]
-            if item["type"] == "message":
-                done = {"text": part["text"], "logprobs": part["logprobs"]}
-                self._emit("response.output_text.done", **self._at(), **done)
-            else:
-                self._emit("response.reasoning_text.done", **self._at(), text=part["text"])
-            self._emit("response.content_part.done", **self._at(), part=part)
-        item["status"] = status
-        self._emit("response.output_item.done", output_index=len(self.items) - 1, item=item)
-
-    def assistant_message(self) -> dict[str, Any]:
-        """The reply as a chat message: what a later turn's conversation holds."""
-        message: dict[str, Any] = {"role": "assistant", "content": ""}
-        calls = []
-        for item in self.items:
-            if item["type"] == "message":
-                message["content"] += item["content"][0]["text"]
-            elif item["type"] == "reasoning":
-                message["reasoning_content"] = item["content"][0]["text"]
-            else:
-                function = {"name": item["name"], "arguments": item["arguments"]}
-                calls.append({"id": item["call_id"], "type": "function", "function": function})
-        if calls:
-            message["tool_calls"] = calls
-        return message
 
 
 class Turn:

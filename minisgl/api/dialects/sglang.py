@@ -45,7 +45,7 @@ from starlette.responses import JSONResponse, Response
 
 from minisgl.api.dialects.openai import CONSTRAINT_FIELDS, OpenAISampling
 from minisgl.api.errors import HTTP_BAD_REQUEST, HTTP_SERVICE_UNAVAILABLE, RequestError, error_dict
-from minisgl.api.pipeline import Choice, Run, ServingContext, WireEvent, respond
+from minisgl.api.pipeline import Choice, Run, ServingContext
 from minisgl.api.request import (
     SAMPLING_NAMES,
     ApiRequest,
@@ -53,6 +53,7 @@ from minisgl.api.request import (
     new_id,
     sampling_of,
 )
+from minisgl.api.sse import WireEvent, respond
 from minisgl.config import ServerArgs
 from minisgl.core import (
     MAX_LOGPROBS,

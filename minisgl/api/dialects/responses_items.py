@@ -1,5 +1,6 @@
-"""The Responses API's input, as the chat messages, tools and constraint the pipeline runs, and
-as the typed items GET /v1/responses/{id}/input_items lists.
+"""The Responses API's items: its input as the chat messages, tools and constraint the pipeline
+runs, and as the typed items GET /v1/responses/{id}/input_items lists; its output items, built
+from a reply's blocks (`OutputItems`).
 
 - `instructions` -> a leading system message (not carried over by `previous_response_id`, as
   OpenAI does it); `input` text -> a user message; input items -> chat messages: `message`
@@ -16,7 +17,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from minisgl.api.dialects.openai import CallIds
 from minisgl.api.request import new_id
+from minisgl.chat import CALL, REASONING
+from minisgl.chat.tool_parsers import ToolCallDelta
 from minisgl.core import InvalidRequestError
 
 TEXT_PART_TYPES = frozenset({"input_text", "output_text", "text", "summary_text", "reasoning_text"})
@@ -197,3 +201,90 @@ def response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
         return dict(fmt)
     inner = {k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt}
     return {"type": "json_schema", "json_schema": inner}
+
+
+class OutputItems:
+    """The reply's blocks as output items, and the stream events that build them
+    (a minisgl.chat.BlockSink)."""
+
+    def __init__(self, emit: Any) -> None:
+        self.items: list[dict[str, Any]] = []
+        self._emit = emit
+        self._call_ids = CallIds()
+
+    def _at(self, part: bool = True) -> dict[str, Any]:
+        """Where an event about the open item (and its one content part) points."""
+        where: dict[str, Any] = {
+            "item_id": self.items[-1]["id"],
+            "output_index": len(self.items) - 1,
+        }
+        return {**where, "content_index": 0} if part else where
+
+    def open(self, kind: str, call: ToolCallDelta | None) -> None:
+        status = {"status": "in_progress"}
+        item: dict[str, Any]
+        if call is not None:
+            call_id = self._call_ids.get(0, call.index)
+            item = {"id": new_id("fc", "_"), "type": "function_call", "call_id": call_id}
+            item |= {"name": call.name or "", "arguments": "", **status}
+        elif kind == REASONING:
+            item = {"id": new_id("rs", "_"), "type": "reasoning", "summary": [], "content": []}
+            item |= status
+        else:
+            item = {"id": new_id("msg", "_"), "type": "message", "role": "assistant", **status}
+            item["content"] = []
+        self.items.append(item)
+        self._emit("response.output_item.added", output_index=len(self.items) - 1, item=item)
+        if call is None:
+            part: dict[str, Any] = {"type": "reasoning_text", "text": ""}
+            if kind != REASONING:
+                part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+            item["content"].append(part)
+            self._emit("response.content_part.added", **self._at(), part=part)
+
+    def write(self, kind: str, text: str, logprobs: list[Any]) -> None:
+        item = self.items[-1]
+        if kind == CALL:
+            item["arguments"] += text
+            if text:
+                self._emit("response.function_call_arguments.delta", **self._at(False), delta=text)
+            return
+        part = item["content"][0]
+        part["text"] += text
+        if kind == REASONING:
+            self._emit("response.reasoning_text.delta", **self._at(), delta=text)
+        else:
+            part["logprobs"] += logprobs
+            self._emit("response.output_text.delta", **self._at(), delta=text, logprobs=logprobs)
+
+    def close(self, status: str) -> None:
+        item = self.items[-1]
+        if item["type"] == "function_call":
+            args = item["arguments"]
+            self._emit("response.function_call_arguments.done", **self._at(False), arguments=args)
+        else:
+            part = item["content"][0]
+            if item["type"] == "message":
+                done = {"text": part["text"], "logprobs": part["logprobs"]}
+                self._emit("response.output_text.done", **self._at(), **done)
+            else:
+                self._emit("response.reasoning_text.done", **self._at(), text=part["text"])
+            self._emit("response.content_part.done", **self._at(), part=part)
+        item["status"] = status
+        self._emit("response.output_item.done", output_index=len(self.items) - 1, item=item)
+
+    def assistant_message(self) -> dict[str, Any]:
+        """The reply as a chat message: what a later turn's conversation holds."""
+        message: dict[str, Any] = {"role": "assistant", "content": ""}
+        calls = []
+        for item in self.items:
+            if item["type"] == "message":
+                message["content"] += item["content"][0]["text"]
+            elif item["type"] == "reasoning":
+                message["reasoning_content"] = item["content"][0]["text"]
+            else:
+                function = {"name": item["name"], "arguments": item["arguments"]}
+                calls.append({"id": item["call_id"], "type": "function", "function": function})
+        if calls:
+            message["tool_calls"] = calls
+        return message

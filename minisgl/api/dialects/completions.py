@@ -1,0 +1,179 @@
+"""OpenAI's text completions: POST /v1/completions (echo, the legacy logprobs format).
+
+A non-streaming reply is the fold of the chunks a stream sends (minisgl.api.dialects.openai).
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from collections.abc import AsyncIterator, Sequence
+from typing import Any, cast
+
+from fastapi import APIRouter, Request
+from pydantic import model_validator
+from starlette.responses import Response
+
+from minisgl.api.dialects.openai import (
+    OpenAISampling,
+    chunk,
+    finish_text,
+    fold,
+    header,
+    stop_reason,
+    usage_dict,
+)
+from minisgl.api.pipeline import Run, ServingContext
+from minisgl.api.request import ApiRequest, new_id, sampling_of
+from minisgl.api.sse import WireEvent, respond
+from minisgl.core import InvalidRequestError, TokenLogprob
+
+# /v1/completions without max_tokens: OpenAI's default (and vLLM's and SGLang's).
+DEFAULT_COMPLETION_MAX_TOKENS = 16
+LOGPROB_KEYS = ("tokens", "token_logprobs", "top_logprobs", "text_offset")
+
+
+class CompletionRequest(OpenAISampling):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool = False
+    # Not supported; refused rather than ignored, so a client learns its request was not run
+    # as written (vLLM refuses suffix too). best_of equal to n is plain sampling.
+    suffix: str | None = None
+    best_of: int | None = None
+
+    @model_validator(mode="after")
+    def _refuse_unsupported(self) -> CompletionRequest:
+        if self.suffix:
+            raise InvalidRequestError("suffix", "is not supported")
+        if self.best_of is not None and self.best_of != self.n:
+            raise InvalidRequestError("best_of", "is not supported (other than equal to n)")
+        return self
+
+    def to_api(self) -> ApiRequest:
+        prompt = self.prompt
+        if not prompt:
+            raise InvalidRequestError("prompt", "must not be empty")
+        if isinstance(prompt, str) or isinstance(prompt[0], int):
+            prompt = [prompt]  # type: ignore[assignment]
+        sampling, wire_names = sampling_of(self, {})
+        sampling.setdefault("max_tokens", DEFAULT_COMPLETION_MAX_TOKENS)
+        # echo with logprobs scores the prompt too (OpenAI: the first token's is null); echo
+        # with max_tokens 0 only echoes, through the same prompt-only path.
+        scored = self.echo and (self.logprobs is not None or sampling["max_tokens"] == 0)
+        sampling["prompt_logprobs"] = (self.logprobs or 0) if scored else None
+        prompts = cast("list[str] | list[list[int]]", prompt)
+        return ApiRequest(prompts, sampling, wire_names, self.n, self.model, self.constraint_fields)
+
+
+def _completion_logprobs(
+    ctx: ServingContext, logprobs: Sequence[TokenLogprob], offset: int
+) -> dict[str, Any]:
+    """The legacy completions format, text offsets counted from `offset`."""
+    tokens, token_logprobs, top_logprobs, text_offset = [], [], [], []
+    for lp in logprobs:
+        text = ctx.token_text(lp.token_id)
+        tokens.append(text)
+        token_logprobs.append(lp.logprob)
+        top_logprobs.append({ctx.token_text(tid): tlp for tid, tlp in lp.top})
+        text_offset.append(offset)
+        offset += len(text)
+    return {
+        "tokens": tokens,
+        "token_logprobs": token_logprobs,
+        "top_logprobs": top_logprobs,
+        "text_offset": text_offset,
+    }
+
+
+def _echo_logprobs(
+    ctx: ServingContext, prompt_ids: Sequence[int], scored: Sequence[TokenLogprob]
+) -> dict[str, Any]:
+    """The prompt's part of echo + logprobs: every prompt token, the first with a null logprob
+    and top_logprobs (nothing comes before it), offsets from 0."""
+    tokens = [ctx.token_text(tid) for tid in prompt_ids]
+    missing = [None] * (len(tokens) - 1 - len(scored))  # none arrived: the request was aborted
+    return {
+        "tokens": tokens,
+        "token_logprobs": [None, *(lp.logprob for lp in scored), *missing],
+        "top_logprobs": [
+            None,
+            *({ctx.token_text(tid): tlp for tid, tlp in lp.top} for lp in scored),
+            *missing,
+        ],
+        "text_offset": list(itertools.accumulate(map(len, tokens[:-1]), initial=0)),
+    }
+
+
+def _echo_texts(ctx: ServingContext, run: Run) -> list[str]:
+    """Prompt texts for echo, on the tokenizer thread: token id prompts are decoded only now,
+    once every rule (the vocabulary range included) has passed."""
+    assert run.prepared is not None
+    texts = run.prepared.texts
+    return [
+        t if t is not None else str(ctx.tokenizer.decode(ids))
+        for t, ids in zip(texts, run.prompts, strict=True)
+    ]
+
+
+async def completion_events(run: Run, body: CompletionRequest) -> AsyncIterator[WireEvent]:
+    ctx = run.ctx
+    base = header(run, body, "text_completion")
+    echoed = await ctx.on_tokenizer_thread(_echo_texts, ctx, run) if body.echo else []
+    # text_offset of each choice's next token. Under echo with logprobs the prompt's tokens
+    # come first, their offsets summed over their texts as vLLM does, so the output continues
+    # from that sum (which differs from the echoed text's length where one character spans
+    # several tokens, each shown alone as U+FFFD): offsets never go back.
+    offsets = {}
+    for choice in run.choices:
+        prompt = run.prompts[choice.prompt_index]
+        if not body.echo:
+            offsets[choice.index] = 0
+        elif body.logprobs is None:
+            offsets[choice.index] = len(echoed[choice.prompt_index])
+        else:
+            offsets[choice.index] = sum(len(ctx.token_text(tid)) for tid in prompt)
+    # echo: the prompt goes first; with logprobs it waits for the choice's first output, which
+    # brings the prompt's logprobs.
+    waiting = {c.index for c in run.choices} if body.echo and body.logprobs is not None else set()
+    if body.echo and not waiting:
+        for choice in run.choices:
+            yield chunk(
+                base, choice.index, None, None, text=echoed[choice.prompt_index], logprobs=None
+            )
+    async for event in run.events():
+        choice, output = event.choice, event.output
+        if choice.index in waiting:
+            waiting.discard(choice.index)
+            scored = _echo_logprobs(ctx, run.prompts[choice.prompt_index], output.prompt_logprobs)
+            text = echoed[choice.prompt_index]
+            yield chunk(base, choice.index, None, None, text=text, logprobs=scored)
+        logprobs = None
+        if body.logprobs is not None and output.logprobs:
+            logprobs = _completion_logprobs(ctx, output.logprobs, offsets[choice.index])
+            offsets[choice.index] += sum(map(len, logprobs["tokens"]))
+        finish = finish_text(output.finish_reason)
+        if output.text or finish is not None or logprobs is not None:
+            stop = stop_reason(run, output.matched_stop)
+            yield chunk(base, choice.index, finish, stop, text=output.text, logprobs=logprobs)
+    if body.stream_usage or not body.stream:
+        yield None, {**base, "choices": [], "usage": usage_dict(run)}
+
+
+def fold_completion(chunks: list[dict[str, Any]], with_logprobs: bool) -> dict[str, Any]:
+    """The chunks of a completions stream as one text_completion (the non-streaming reply)."""
+    reply, choices = fold(chunks, "text_completion")
+    for choice in choices:
+        if with_logprobs and choice["logprobs"] is None:  # a table even when no chunk had one
+            choice["logprobs"] = {key: [] for key in LOGPROB_KEYS}
+    return {**reply, "choices": choices}
+
+
+router = APIRouter()
+
+
+@router.post("/v1/completions")
+async def create_completion(body: CompletionRequest, request: Request) -> Response:
+    run = await Run(request.app.state.ctx, body.to_api(), new_id("cmpl")).start(request)
+    fold = functools.partial(fold_completion, with_logprobs=body.logprobs is not None)
+    return await respond(run, completion_events(run, body), bool(body.stream), fold)
