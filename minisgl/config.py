@@ -36,6 +36,30 @@ TOOL_CALL_PARSER_CHOICES = ("hermes", "qwen25", "llama3_json", "auto")
 SAMPLING_DEFAULTS_CHOICES = ("model", "openai")
 
 
+# One home for each option's allowed values: ServerArgs checks them, the CLI offers them.
+CHOICES: dict[str, tuple[str, ...]] = {
+    "cache_type": ("radix", "naive"),
+    "overlap": ("auto", "on", "off"),
+    "attention_backend": ATTENTION_BACKENDS,
+    "sampling_defaults": SAMPLING_DEFAULTS_CHOICES,
+    "reasoning_parser": REASONING_PARSER_CHOICES,
+    "tool_call_parser": TOOL_CALL_PARSER_CHOICES,
+}
+_OPTIONAL_CHOICES = ("reasoning_parser", "tool_call_parser")  # None: off
+_LOWER_BOUNDS = {
+    "page_size": 1,
+    "num_pages": 1,
+    "tp_size": 1,
+    "max_running_requests": 1,
+    "max_prefill_tokens": 1,
+    "cuda_graph_max_bs": 0,
+    "max_sequences_per_request": 1,
+    "max_queued_requests": 0,
+    "max_request_body_bytes": 1,
+    "shutdown_timeout_s": 0,
+}
+
+
 def _env_flag(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() in {"1", "true", "yes", "on"}
 
@@ -110,44 +134,21 @@ class ServerArgs:
             if not ok:
                 raise ValueError(f"{name}: {msg}")
 
-        check(self.page_size >= 1, "page_size", "must be >= 1")
-        check(self.num_pages is None or self.num_pages >= 1, "num_pages", "must be >= 1")
-        check(self.tp_size >= 1, "tp_size", "must be >= 1")
-        check(self.max_running_requests >= 1, "max_running_requests", "must be >= 1")
-        check(
-            self.max_prefill_tokens is None or self.max_prefill_tokens >= 1,
-            "max_prefill_tokens",
-            "must be >= 1",
-        )
-        check(self.cache_type in ("radix", "naive"), "cache_type", "must be 'radix' or 'naive'")
+        for name, low in _LOWER_BOUNDS.items():
+            value = getattr(self, name)
+            check(value is None or value >= low, name, f"must be >= {low}")
+        for name, choices in CHOICES.items():
+            value = getattr(self, name)
+            allowed = value in choices or (value is None and name in _OPTIONAL_CHOICES)
+            check(allowed, name, f"must be one of {', '.join(choices)}")
         check(self.dtype in ("auto", "float32", "float16", "bfloat16"), "dtype", "unknown dtype")
         check(0 < self.mem_fraction_static < 1, "mem_fraction_static", "must be in (0, 1)")
-        check(self.overlap in ("auto", "on", "off"), "overlap", "must be auto, on or off")
-        check(
-            self.attention_backend in ATTENTION_BACKENDS,
-            "attention_backend",
-            f"must be one of {', '.join(ATTENTION_BACKENDS)}",
-        )
-        check(
-            self.cuda_graph_max_bs is None or self.cuda_graph_max_bs >= 0,
-            "cuda_graph_max_bs",
-            "must be >= 0",
-        )
-        check(
-            self.sampling_defaults in SAMPLING_DEFAULTS_CHOICES,
-            "sampling_defaults",
-            f"must be one of {', '.join(SAMPLING_DEFAULTS_CHOICES)}",
-        )
         check(self.nnodes >= 1 and 0 <= self.node_rank < self.nnodes, "node_rank", "out of range")
-        check(self.max_sequences_per_request >= 1, "max_sequences_per_request", "must be >= 1")
-        check(self.max_queued_requests >= 0, "max_queued_requests", "must be >= 0")
         check(
             self.request_timeout_s is None or self.request_timeout_s > 0,
             "request_timeout_s",
             "must be > 0",
         )
-        check(self.max_request_body_bytes >= 1, "max_request_body_bytes", "must be >= 1")
-        check(self.shutdown_timeout_s >= 0, "shutdown_timeout_s", "must be >= 0")
         kwargs: Any = self.chat_template_kwargs
         if isinstance(kwargs, dict):  # LLM(chat_template_kwargs={...}): kept as JSON text
             object.__setattr__(self, "chat_template_kwargs", json.dumps(kwargs))
@@ -157,16 +158,6 @@ class ServerArgs:
             except ValueError:
                 parsed = None
             check(isinstance(parsed, dict), "chat_template_kwargs", "must be a JSON object")
-        check(
-            self.reasoning_parser in (None, *REASONING_PARSER_CHOICES),
-            "reasoning_parser",
-            f"must be one of {', '.join(REASONING_PARSER_CHOICES)}",
-        )
-        check(
-            self.tool_call_parser in (None, *TOOL_CALL_PARSER_CHOICES),
-            "tool_call_parser",
-            f"must be one of {', '.join(TOOL_CALL_PARSER_CHOICES)}",
-        )
 
     @property
     def template_kwargs(self) -> dict[str, Any]:
@@ -240,18 +231,8 @@ def build_arg_parser() -> argparse.ArgumentParser:
         elif "float" in type_name:
             kind = float
         kwargs: dict[str, Any] = {"dest": f.name, "type": kind, "default": default}
-        if f.name == "cache_type":
-            kwargs["choices"] = ["radix", "naive"]
-        elif f.name == "overlap":
-            kwargs["choices"] = ["auto", "on", "off"]
-        elif f.name == "attention_backend":
-            kwargs["choices"] = list(ATTENTION_BACKENDS)
-        elif f.name == "reasoning_parser":
-            kwargs["choices"] = list(REASONING_PARSER_CHOICES)
-        elif f.name == "tool_call_parser":
-            kwargs["choices"] = list(TOOL_CALL_PARSER_CHOICES)
-        elif f.name == "sampling_defaults":
-            kwargs["choices"] = list(SAMPLING_DEFAULTS_CHOICES)
+        if f.name in CHOICES:
+            kwargs["choices"] = list(CHOICES[f.name])
         parser.add_argument(*flags, **kwargs)
     parser.add_argument("--shell", action="store_true", help="chat in this terminal")
     dp = parser.add_argument_group("data parallelism (docs/scaling.md)")

@@ -10,6 +10,7 @@ import enum
 import itertools
 import math
 import operator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -150,6 +151,44 @@ def logit_bias_pairs(bias: Any) -> tuple[tuple[int, float], ...]:
     return tuple(sorted(pairs))
 
 
+def _logprobs_count(value: Any) -> bool:
+    return value is None or (_is_int(value) and 0 <= value <= MAX_LOGPROBS)
+
+
+# The rules of SamplingParams' fields that need nothing but the field itself, checked in order.
+_FIELD_RULES: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
+    ("temperature", lambda v: _in_range(v, 0, math.inf), "must be a finite number >= 0"),
+    ("top_p", lambda v: _in_range(v, 0, 1) and v > 0, "must be in (0, 1]"),
+    (
+        "top_k",
+        lambda v: _is_int(v) and -1 <= v <= INT32_MAX,
+        "must be -1 or 0 (off) or a positive integer (at most the vocabulary size)",
+    ),
+    ("min_p", lambda v: _in_range(v, 0, 1), "must be in [0, 1]"),
+    (
+        "repetition_penalty",
+        lambda v: _in_range(v, 0, math.inf) and v > 0,
+        "must be a finite number > 0",
+    ),
+    ("presence_penalty", lambda v: _in_range(v, -2, 2), "must be in [-2, 2]"),
+    ("frequency_penalty", lambda v: _in_range(v, -2, 2), "must be in [-2, 2]"),
+    (
+        "seed",
+        lambda v: v is None or (_is_int(v) and INT64_MIN <= v <= INT64_MAX),
+        "must be a 64-bit signed integer",
+    ),
+    ("ignore_eos", lambda v: isinstance(v, bool), "must be a boolean"),
+    ("skip_special_tokens", lambda v: isinstance(v, bool), "must be a boolean"),
+    ("include_stop_str_in_output", lambda v: isinstance(v, bool), "must be a boolean"),
+    ("logprobs", _logprobs_count, f"must be in [0, {MAX_LOGPROBS}]"),
+    (
+        "constraint",
+        lambda v: v is None or isinstance(v, Constraint),
+        "must be a Constraint",
+    ),
+)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick each next token and when to stop. Defaults follow vLLM / OpenAI."""
@@ -198,12 +237,8 @@ class SamplingParams:
         as_ints = tuple(None if isinstance(t, bool) else _index_or_none(t) for t in stop_ids)
         _check(None not in as_ints, "stop_token_ids", "must be a list of ints")
         object.__setattr__(self, "stop_token_ids", as_ints)
-        _check(
-            self.prompt_logprobs is None
-            or (_is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= MAX_LOGPROBS),
-            "prompt_logprobs",
-            f"must be in [0, {MAX_LOGPROBS}]",
-        )
+        message = f"must be in [0, {MAX_LOGPROBS}]"
+        _check(_logprobs_count(self.prompt_logprobs), "prompt_logprobs", message)
         min_tokens = 0 if self.prompt_logprobs is not None else 1  # 0: only score the prompt
         _check(
             _is_int(self.max_tokens) and min_tokens <= self.max_tokens <= INT32_MAX,
@@ -215,28 +250,8 @@ class SamplingParams:
             "min_tokens",
             "must be an integer from 0 to max_tokens",
         )
-        _check(
-            _in_range(self.temperature, 0, math.inf), "temperature", "must be a finite number >= 0"
-        )
-        _check(_in_range(self.top_p, 0, 1) and self.top_p > 0, "top_p", "must be in (0, 1]")
-        _check(
-            _is_int(self.top_k) and -1 <= self.top_k <= INT32_MAX,
-            "top_k",
-            "must be -1 or 0 (off) or a positive integer (at most the vocabulary size)",
-        )
-        _check(_in_range(self.min_p, 0, 1), "min_p", "must be in [0, 1]")
-        _check(
-            _in_range(self.repetition_penalty, 0, math.inf) and self.repetition_penalty > 0,
-            "repetition_penalty",
-            "must be a finite number > 0",
-        )
-        _check(_in_range(self.presence_penalty, -2, 2), "presence_penalty", "must be in [-2, 2]")
-        _check(_in_range(self.frequency_penalty, -2, 2), "frequency_penalty", "must be in [-2, 2]")
-        _check(
-            self.seed is None or (_is_int(self.seed) and INT64_MIN <= self.seed <= INT64_MAX),
-            "seed",
-            "must be a 64-bit signed integer",
-        )
+        for name, allowed, message in _FIELD_RULES:
+            _check(allowed(getattr(self, name)), name, message)
         _check(len(self.stop) <= MAX_STOP_STRINGS, "stop", f"at most {MAX_STOP_STRINGS} strings")
         _check(
             all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_STRING_CHARS for s in self.stop),
@@ -252,26 +267,6 @@ class SamplingParams:
             all(_is_int(t) and 0 <= t <= MAX_TOKEN_ID for t in self.stop_token_ids),
             "stop_token_ids",
             f"must be token ids in [0, {MAX_TOKEN_ID}]",
-        )
-        _check(isinstance(self.ignore_eos, bool), "ignore_eos", "must be a boolean")
-        _check(
-            isinstance(self.skip_special_tokens, bool), "skip_special_tokens", "must be a boolean"
-        )
-        _check(
-            isinstance(self.include_stop_str_in_output, bool),
-            "include_stop_str_in_output",
-            "must be a boolean",
-        )
-        _check(
-            self.logprobs is None
-            or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
-            "logprobs",
-            f"must be in [0, {MAX_LOGPROBS}]",
-        )
-        _check(
-            self.constraint is None or isinstance(self.constraint, Constraint),
-            "constraint",
-            "must be a Constraint",
         )
         object.__setattr__(self, "logit_bias", logit_bias_pairs(self.logit_bias))
 

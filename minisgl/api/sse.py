@@ -5,6 +5,7 @@ events, never as a cut connection."""
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 from collections.abc import AsyncIterator, Callable
@@ -27,6 +28,32 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+# A dialect's wire events: (SSE event name or None, payload).
+WireEvent = tuple[str | None, dict[str, Any]]
+
+
+class EventBuffer:
+    """Named events made while a reply is built, sent after each output. Each is a snapshot
+    (what it shows, an item or a block, keeps changing after it); `numbered` adds OpenAI's
+    `sequence_number` (the Responses API)."""
+
+    def __init__(self, numbered: bool = False) -> None:
+        self._events: list[WireEvent] = []
+        self._numbered = numbered
+        self._count = 0
+
+    def emit(self, kind: str, **fields: Any) -> None:
+        event: dict[str, Any] = {"type": kind}
+        if self._numbered:
+            event["sequence_number"] = self._count
+        self._count += 1
+        self._events.append((kind, {**event, **copy.deepcopy(fields)}))
+
+    def take(self) -> list[WireEvent]:
+        events, self._events = self._events, []
+        return events
+
+
 # HTTP status for a response nobody will read (nginx's "client closed request").
 CLIENT_CLOSED_REQUEST = 499
 
@@ -44,10 +71,6 @@ def sse_event(data: Any, name: str | None = None) -> str:
     """One event; with `name`, an `event:` line first (the Responses and Anthropic streams)."""
     head = f"event: {name}\n" if name is not None else ""
     return f"{head}data: {dumps(data)}\n\n"
-
-
-# A dialect's wire events: (SSE event name or None, payload).
-WireEvent = tuple[str | None, dict[str, Any]]
 
 
 def openai_error_frames(body: dict[str, Any]) -> list[str]:

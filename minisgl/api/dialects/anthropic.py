@@ -21,7 +21,6 @@ message_stop), and the non-streaming reply is their fold (`fold_message`).
 
 from __future__ import annotations
 
-import copy
 import json
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
@@ -37,7 +36,7 @@ from minisgl.api.request import (
     new_id,
     sampling_of,
 )
-from minisgl.api.sse import WireEvent, respond, sse_event
+from minisgl.api.sse import EventBuffer, WireEvent, respond, sse_event
 from minisgl.chat import CALL, REASONING, ChatPrompt, ReplyBlocks
 from minisgl.chat.tool_parsers import ToolCallDelta
 from minisgl.core import FinishReason, InvalidRequestError
@@ -239,15 +238,15 @@ class BlockEvents:
     """The reply's blocks as Anthropic's stream events (a minisgl.chat.BlockSink)."""
 
     def __init__(self) -> None:
-        self.pending: list[WireEvent] = []
+        self.events = EventBuffer()
         self._index = -1
 
     def emit(self, kind: str, **fields: Any) -> None:
-        self.pending.append((kind, {"type": kind, **fields}))
+        self.events.emit(kind, **fields)
 
     def open(self, kind: str, call: ToolCallDelta | None) -> None:
         self._index += 1
-        block: dict[str, Any] = copy.deepcopy(_EMPTY_BLOCKS.get(kind, {}))
+        block: dict[str, Any] = _EMPTY_BLOCKS.get(kind, {})  # copied by the emit
         if call is not None:
             block = {"type": "tool_use", "id": new_id("toolu", "_"), "name": call.name or ""}
             block["input"] = {}
@@ -295,9 +294,8 @@ async def message_events(run: Run, body: MessagesRequest) -> AsyncIterator[WireE
         if event.output.finish_reason is not None:
             blocks.finish()
             finish, matched = event.output.finish_reason, event.output.matched_stop
-        for pending in sink.pending:
-            yield pending
-        sink.pending.clear()
+        for wire_event in sink.events.take():
+            yield wire_event
     reason, sequence = stop_reason(finish, matched, blocks.num_calls, body.stop_sequences or [])
     prompt, completion, cached = run.usage()
     usage = {
@@ -311,8 +309,8 @@ async def message_events(run: Run, body: MessagesRequest) -> AsyncIterator[WireE
         "message_delta", delta={"stop_reason": reason, "stop_sequence": sequence}, usage=usage
     )
     sink.emit("message_stop")
-    for pending in sink.pending:
-        yield pending
+    for wire_event in sink.events.take():
+        yield wire_event
 
 
 def fold_message(events: list[dict[str, Any]]) -> dict[str, Any]:

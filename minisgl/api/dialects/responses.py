@@ -16,7 +16,6 @@ vLLM's and SGLang's sampling extras (top_k, min_p, penalties, seed, stop, ...) p
 
 from __future__ import annotations
 
-import copy
 import json
 import time
 from collections import OrderedDict
@@ -45,7 +44,7 @@ from minisgl.api.request import (
     new_id,
     sampling_of,
 )
-from minisgl.api.sse import WireEvent, respond, sse_event
+from minisgl.api.sse import EventBuffer, WireEvent, respond, sse_event
 from minisgl.chat import ChatPrompt, ReplyBlocks, with_reasoning_effort
 from minisgl.core import FinishReason, InvalidRequestError
 
@@ -180,9 +179,8 @@ class Turn:
         self._body = body
         self._run = run
         self._conversation = conversation
-        self.pending: list[WireEvent] = []
-        self._num_events = 0
-        self.output = OutputItems(self.emit)
+        self.events = EventBuffer(numbered=True)
+        self.output = OutputItems(self.events.emit)
         self.blocks = ReplyBlocks(self.output)
         self.finish_reason: FinishReason | None = None
         params = run.params[0][0]  # with the model's sampling defaults applied
@@ -209,11 +207,6 @@ class Turn:
             "truncation": "disabled",
             "user": body.user,
         }
-
-    def emit(self, kind: str, **fields: Any) -> None:
-        event = {"type": kind, "sequence_number": self._num_events, **copy.deepcopy(fields)}
-        self._num_events += 1
-        self.pending.append((kind, event))
 
     @property
     def status(self) -> str:
@@ -244,11 +237,11 @@ class Turn:
             "usage": usage,
         }
 
-    async def events(self, store: ResponseStore) -> AsyncIterator[WireEvent]:
-        self.emit("response.created", response=self.response("in_progress"))
-        self.emit("response.in_progress", response=self.response("in_progress"))
-        for pending in self._take():
-            yield pending
+    async def wire_events(self, store: ResponseStore) -> AsyncIterator[WireEvent]:
+        self.events.emit("response.created", response=self.response("in_progress"))
+        self.events.emit("response.in_progress", response=self.response("in_progress"))
+        for wire_event in self.events.take():
+            yield wire_event
         async for event in self._run.events():
             logprobs = []
             if self._body.wants_logprobs:
@@ -257,30 +250,26 @@ class Turn:
             if event.output.finish_reason is not None:
                 self.finish_reason = event.output.finish_reason
                 self.blocks.finish(self.status)
-            for pending in self._take():
-                yield pending
+            for wire_event in self.events.take():
+                yield wire_event
         response = self.response(self.status)
         if self._body.store:
             conversation = [*self._conversation, self.output.assistant_message()]
             store.put(response, conversation, input_items(self._body.input))
-        self.emit(f"response.{self.status}", response=response)
-        for pending in self._take():
-            yield pending
-
-    def _take(self) -> list[WireEvent]:
-        taken = self.pending
-        self.pending = []
-        return taken
+        self.events.emit(f"response.{self.status}", response=response)
+        for wire_event in self.events.take():
+            yield wire_event
 
     def error_frames(self, body: dict[str, Any]) -> list[str]:
         """A stream that fails: the error event, then response.failed (no [DONE] here)."""
         error = body["error"]
-        self.emit("error", code=error["type"], message=error["message"], param=error.get("param"))
+        param = error.get("param")
+        self.events.emit("error", code=error["type"], message=error["message"], param=param)
         client_error = isinstance(error.get("code"), int) and error["code"] < HTTP_SERVER_ERROR
         code = "invalid_prompt" if client_error else "server_error"
         failure = {"code": code, "message": error["message"]}
-        self.emit("response.failed", response=self.response("failed", failure))
-        return [sse_event(event, kind) for kind, event in self._take()]
+        self.events.emit("response.failed", response=self.response("failed", failure))
+        return [sse_event(event, kind) for kind, event in self.events.take()]
 
 
 def stored(store: ResponseStore, response_id: str, param: str = "response_id") -> StoredResponse:
@@ -316,7 +305,7 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
     api, conversation = body.to_api(history)
     run = await Run(request.app.state.ctx, api, new_id("resp", "_")).start(request)
     turn = Turn(body, run, conversation)
-    events = turn.events(_store(request))
+    events = turn.wire_events(_store(request))
     return await respond(run, events, body.stream, _last_response, turn.error_frames, done=False)
 
 
