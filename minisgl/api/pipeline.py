@@ -123,7 +123,6 @@ class Prepared:
     """A request's prompts as token ids, with what the template and constraint made of them."""
 
     prompt_ids: list[list[int]]
-    texts: list[str | None]  # each prompt as text when the client gave text
     chat: PreparedChat | None
     constraint: Constraint | None
     grammar_blob: str | None  # the constraint compiled and serialized for the scheduler
@@ -132,7 +131,6 @@ class Prepared:
 def _prepare(ctx: ServingContext, req: ApiRequest) -> Prepared:
     """On the tokenizer thread. Raises InvalidRequestError, or ValueError about the messages."""
     chat: PreparedChat | None = None
-    texts: list[str | None] = [None]
     if isinstance(req.prompt, ChatPrompt):
         chat = prepare_chat(ctx.tokenizer, ctx.chat, req.prompt, req.constraint_fields)
         prompts = [chat.prompt_ids]
@@ -140,13 +138,12 @@ def _prepare(ctx: ServingContext, req: ApiRequest) -> Prepared:
     else:
         found = constraint_from_fields(req.constraint_fields)
         param, constraint = found if found else (None, None)
-        texts = [item if isinstance(item, str) else None for item in req.prompt]
         prompts = [
             list(ctx.tokenizer(item)["input_ids"]) if isinstance(item, str) else list(item)
             for item in req.prompt
         ]
     blob = ctx.compile_constraint(constraint, param or "") if constraint is not None else None
-    return Prepared(prompts, texts, chat, constraint, blob)
+    return Prepared(prompts, chat, constraint, blob)
 
 
 async def prepare(ctx: ServingContext, req: ApiRequest) -> Prepared:

@@ -26,16 +26,6 @@ from minisgl.core import Constraint, InvalidRequestError, SamplingParams
 from minisgl.limits import ModelLimits, check_request, resolve_max_tokens
 
 SAMPLING_NAMES = frozenset(f.name for f in dataclasses.fields(SamplingParams))
-# The fields a checkpoint's generation_config.json may give defaults for (--sampling-defaults).
-MODEL_DEFAULT_NAMES = (
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "presence_penalty",
-    "frequency_penalty",
-    "repetition_penalty",
-)
 
 
 def new_id(prefix: str, sep: str = "-") -> str:
@@ -150,16 +140,12 @@ class ApiRequest:
         return self.sampling[prompt_index] if isinstance(self.sampling, list) else self.sampling
 
     @property
-    def is_chat(self) -> bool:
-        return isinstance(self.prompt, ChatPrompt)
-
-    @property
     def num_prompts(self) -> int:
         return 1 if isinstance(self.prompt, ChatPrompt) else len(self.prompt)
 
     @property
     def prompt_param(self) -> str:
-        return self.wire("messages" if self.is_chat else "prompt")
+        return self.wire("messages" if isinstance(self.prompt, ChatPrompt) else "prompt")
 
     def invalid(self, exc: InvalidRequestError) -> RequestError:
         """A 400 for a broken rule, `param` named as this dialect's clients spell it."""
@@ -178,10 +164,8 @@ def choice_params(
     """One SamplingParams per choice of this prompt, every rule checked (a 400 if one breaks).
     `defaults`: the model's recommended values for the sampling fields the request leaves."""
     sampling = req.sampling_for(prompt_index)
-    fields = {name: value for name, value in sampling.items() if value is not None}
-    for name in MODEL_DEFAULT_NAMES:
-        if name in defaults:
-            fields.setdefault(name, defaults[name])
+    # The model's defaults (minisgl.models.config.GENERATION_SAMPLING_KEYS), then the request's.
+    fields = {**defaults, **{name: value for name, value in sampling.items() if value is not None}}
     requested = fields.get("max_tokens")
     seed = fields.pop("seed", None)
     try:

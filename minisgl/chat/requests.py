@@ -201,6 +201,7 @@ _FIELDS = {
     "guided_choice": lambda v: Constraint("ebnf", _choice_grammar(v, "guided_choice")),
     "structured_outputs": _structured_outputs,
 }
+CONSTRAINT_FIELDS = tuple(_FIELDS)  # the request fields that ask for a constraint
 
 
 def constraint_from_fields(fields: Mapping[str, Any]) -> tuple[str, Constraint] | None:

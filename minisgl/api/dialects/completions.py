@@ -20,13 +20,13 @@ from minisgl.api.dialects.openai import (
     finish_text,
     fold,
     header,
-    stop_reason,
     usage_dict,
 )
 from minisgl.api.pipeline import Run, ServingContext
 from minisgl.api.request import ApiRequest, new_id, sampling_of
 from minisgl.api.sse import WireEvent, respond
 from minisgl.core import InvalidRequestError, TokenLogprob
+from minisgl.tokenizer.detokenizer import stop_reason
 
 # /v1/completions without max_tokens: OpenAI's default (and vLLM's and SGLang's).
 DEFAULT_COMPLETION_MAX_TOKENS = 16
@@ -108,11 +108,9 @@ def _echo_logprobs(
 def _echo_texts(ctx: ServingContext, run: Run) -> list[str]:
     """Prompt texts for echo, on the tokenizer thread: token id prompts are decoded only now,
     once every rule (the vocabulary range included) has passed."""
-    assert run.prepared is not None
-    texts = run.prepared.texts
+    given = zip(cast("list[Any]", run.req.prompt), run.prompts, strict=True)
     return [
-        t if t is not None else str(ctx.tokenizer.decode(ids))
-        for t, ids in zip(texts, run.prompts, strict=True)
+        text if isinstance(text, str) else str(ctx.tokenizer.decode(ids)) for text, ids in given
     ]
 
 
@@ -154,7 +152,7 @@ async def completion_events(run: Run, body: CompletionRequest) -> AsyncIterator[
             offsets[choice.index] += sum(map(len, logprobs["tokens"]))
         finish = finish_text(output.finish_reason)
         if output.text or finish is not None or logprobs is not None:
-            stop = stop_reason(run, output.matched_stop)
+            stop = stop_reason(run.params[0][0], output.matched_stop)
             yield chunk(base, choice.index, finish, stop, text=output.text, logprobs=logprobs)
     if body.stream_usage or not body.stream:
         yield None, {**base, "choices": [], "usage": usage_dict(run)}

@@ -29,21 +29,12 @@ from minisgl.api.request import (
 )
 from minisgl.api.sse import WireEvent, respond
 from minisgl.chat import ChatDelta, ChatPrompt, with_reasoning_effort
+from minisgl.chat.requests import CONSTRAINT_FIELDS
 from minisgl.core import FinishReason, InvalidRequestError, TokenLogprob
+from minisgl.tokenizer.detokenizer import stop_reason
 
 # OpenAI's bound on choices per request.
 MAX_CHOICES_PER_REQUEST = 128
-CONSTRAINT_FIELDS = (
-    "response_format",
-    "regex",
-    "ebnf",
-    "json_schema",
-    "guided_json",
-    "guided_regex",
-    "guided_grammar",
-    "guided_choice",
-    "structured_outputs",
-)
 CHAT_ALIASES = {"max_completion_tokens": "max_tokens", "top_logprobs": "logprobs"}
 
 
@@ -130,15 +121,6 @@ def finish_text(reason: FinishReason | None, num_calls: int = 0) -> str | None:
     if reason == FinishReason.STOP and num_calls > 0:
         return "tool_calls"
     return None if reason is None else reason.value
-
-
-def stop_reason(run: Run, matched: int | str | None) -> int | str | None:
-    """vLLM's `stop_reason`: the stop string or the `stop_token_ids` entry that ended the
-    choice; null for EOS, length and the rest."""
-    stop_token_ids = run.req.sampling_for(0).get("stop_token_ids") or ()
-    if isinstance(matched, int) and matched not in stop_token_ids:
-        return None  # EOS
-    return matched
 
 
 def usage_dict(run: Run, reasoning_tokens: int | None = None) -> dict[str, Any]:
@@ -238,7 +220,7 @@ async def chat_events(run: Run, body: ChatCompletionRequest) -> AsyncIterator[Wi
         delta = _delta_dict(event.delta, choice.index, call_ids)
         logprobs = chat_logprobs(run.ctx, output.logprobs) if body.logprobs else None
         if delta or finish is not None or (logprobs and logprobs["content"]):
-            stop = stop_reason(run, output.matched_stop)
+            stop = stop_reason(run.params[0][0], output.matched_stop)
             yield chunk(base, choice.index, finish, stop, delta=delta, logprobs=logprobs)
     if body.stream_usage or not body.stream:
         usage = usage_dict(run, run.reasoning_tokens)

@@ -43,7 +43,7 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError, model_validator
 from starlette.responses import JSONResponse, Response
 
-from minisgl.api.dialects.openai import CONSTRAINT_FIELDS, OpenAISampling
+from minisgl.api.dialects.openai import OpenAISampling
 from minisgl.api.errors import HTTP_BAD_REQUEST, HTTP_SERVICE_UNAVAILABLE, RequestError, error_dict
 from minisgl.api.pipeline import Choice, Run, ServingContext
 from minisgl.api.request import (
@@ -54,6 +54,7 @@ from minisgl.api.request import (
     sampling_of,
 )
 from minisgl.api.sse import WireEvent, respond
+from minisgl.chat.requests import CONSTRAINT_FIELDS
 from minisgl.config import ServerArgs
 from minisgl.core import (
     MAX_LOGPROBS,
