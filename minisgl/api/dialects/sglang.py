@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import importlib.metadata
 import json
 import time
@@ -260,8 +261,7 @@ async def generate(body: GenerateRequest, request: Request) -> Response:
         message = f"logprob_start_len: must be below the prompt's length ({shortest} tokens)"
         raise RequestError(HTTP_BAD_REQUEST, message, param="logprob_start_len")
     run.submit(request)
-    many = body.is_batch or api.n > 1
-    fold = lambda items: fold_generate(items, many)  # noqa: E731
+    fold = functools.partial(fold_generate, many=body.is_batch or api.n > 1)
     return await respond(run, generate_events(run, body), body.stream, fold)
 
 
