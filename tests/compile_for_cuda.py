@@ -140,7 +140,8 @@ def sampling_launches() -> list[Launch]:
 
 
 def attention_launches() -> list[Launch]:
-    from minisgl.attention import triton_kernels, triton_ops
+    from minisgl.attention import triton_backend as tb
+    from minisgl.attention import triton_kernels
 
     def run() -> None:
         for dtype, head_dim in ((torch.bfloat16, 128), (torch.float16, 64), (torch.float32, 128)):
@@ -149,21 +150,16 @@ def attention_launches() -> list[Launch]:
             cache = torch.zeros(slots, kv_heads, head_dim, dtype=dtype)
             table = torch.zeros(seqs, slots, dtype=torch.int32)
             rows, lens = torch.arange(seqs), torch.tensor([5, 9, 30])
-            part_out, part_lse = (
-                torch.zeros(shape)
-                for shape in triton_ops.decode_partial_shape(seqs, heads, 4, head_dim)
+            part_out = torch.zeros(seqs, heads, 4, head_dim)
+            part_lse = torch.zeros(seqs, heads, 4)
+            decodes = tb.TritonDecodeMetadata(rows, lens, rows, table, part_out, part_lse, 4)
+            tb.decode_attention(q, cache, cache, torch.empty_like(q), decodes, 0.1)
+            block_map = tb.extend_block_map([2, 4, 1], tb.extend_block_m(head_dim))
+            extend = tb.TritonExtendMetadata(
+                rows, torch.tensor([3, 5, 29]), lens, rows, table, block_map, None
             )
-            out = torch.empty_like(q)
-            triton_ops.decode_attention(
-                q, cache, cache, out, table, rows, lens, part_out, part_lse, 4, 0.1
-            )
-            block_m = triton_ops.extend_block_m(head_dim)
-            block_map = triton_ops.extend_block_map([2, 4, 1], block_m)
             q = torch.randn(7, heads, head_dim, dtype=dtype)
-            triton_ops.extend_attention(
-                q, cache, cache, torch.empty_like(q), table, rows, torch.tensor([3, 5, 29]),
-                lens, block_map, block_m, 0.1,
-            )  # fmt: skip
+            tb.extend_attention(q, cache, cache, torch.empty_like(q), extend, 0.1)
 
     return record(triton_kernels, run)
 

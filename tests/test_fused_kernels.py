@@ -176,15 +176,17 @@ def test_switch(monkeypatch):
     try:
         monkeypatch.setenv(gpu.ENABLE_ENV, "0")
         gpu.reset()
-        assert gpu.fused_kernels(cpu) is None
+        assert gpu.triton_kernels("triton_fused", cpu) is None
         monkeypatch.setenv(gpu.ENABLE_ENV, "auto")
         gpu.reset()
-        assert gpu.fused_kernels(cpu) is None  # on the CPU: CPU kernels or torch ops
+        assert (
+            gpu.triton_kernels("triton_fused", cpu) is None
+        )  # on the CPU: CPU kernels or torch ops
         if ON_CUDA:
-            assert gpu.fused_kernels(torch.device("cuda")) is tf
+            assert gpu.triton_kernels("triton_fused", torch.device("cuda")) is tf
         monkeypatch.setenv(gpu.ENABLE_ENV, "1")
         gpu.reset()
-        assert gpu.fused_kernels(cpu) is tf
+        assert gpu.triton_kernels("triton_fused", cpu) is tf
     finally:
         monkeypatch.delenv(gpu.ENABLE_ENV)
         gpu.reset()

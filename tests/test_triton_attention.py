@@ -47,6 +47,7 @@ FP32_ATOL = 1e-5
 LOGPROB_ATOL = 1e-4  # fp32 logprobs of a whole model, as tests/test_model_parity.py allows
 HALF_ATOL = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 SCALE_OF_HEAD_DIM = -0.5  # softmax scale = head_dim ** -0.5, as the models use
+MAX_SEQ_LEN = 1024  # the backends' config: longer than any scenario
 
 
 @dataclass(frozen=True)
@@ -117,9 +118,16 @@ def _reference(pool, batch, q, k, v) -> torch.Tensor:
     return _run(TorchNativeBackend(), pool32, batch, q.float(), k.float(), v.float())
 
 
-def _check(s: Scenario, backend: TritonBackend | None = None) -> None:
+def _triton(s: Scenario, decode_splits: int | None = None) -> TritonBackend:
+    cfg = AttentionConfig(
+        s.num_heads, s.num_kv_heads, s.head_dim, s.page_size, MAX_SEQ_LEN, s.dtype, DEVICE
+    )
+    return TritonBackend(cfg, decode_splits)
+
+
+def _check(s: Scenario, decode_splits: int | None = None) -> None:
     pool, batch, q, k, v = _build(s)
-    got = _run(backend or TritonBackend(), pool, batch, q, k, v)
+    got = _run(_triton(s, decode_splits), pool, batch, q, k, v)
     want = _reference(pool, batch, q, k, v)
     assert got.dtype == s.dtype and got.shape == q.shape
     atol = FP32_ATOL if s.dtype == torch.float32 else HALF_ATOL[s.dtype]
@@ -148,9 +156,9 @@ def test_mixed_batch_matches_torch(page_size, num_heads, num_kv_heads, head_dim)
 @pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(4, 2), (8, 2)])
 def test_mixed_batch_decodes_take_the_decode_kernel(page_size, num_heads, num_kv_heads):
     s = Scenario(DECODES_FIRST, num_heads, num_kv_heads, 64, page_size)
-    metadata = TritonBackend().prepare(_build(s)[1])
-    assert metadata.decodes is not None and metadata.decodes.num_seqs == 4
-    assert metadata.extend_lens == [37, 13, 1, 80]
+    metadata = _triton(s).prepare(_build(s)[1])
+    assert metadata.decodes is not None and metadata.decodes.table_rows.numel() == 4
+    assert metadata.prefix_lens.tolist() == [0, 20, 64, 33]
     _check(s)
 
 
@@ -167,7 +175,7 @@ def test_decode_batch_matches_torch(page_size, num_heads, num_kv_heads, head_dim
 def test_decode_splits_merge_exactly(splits):
     # 150 keys in 4 splits: three full-tile splits and an empty one; 16 splits: mostly empty.
     assert splits <= MAX_DECODE_SPLITS
-    _check(Scenario(DECODES, seed=1), TritonBackend(decode_splits=splits))
+    _check(Scenario(DECODES, seed=1), decode_splits=splits)
 
 
 @requires_triton
@@ -193,7 +201,7 @@ def test_strided_query():
     qkv = torch.cat([q.flatten(1), torch.zeros(q.shape[0], 16, device=DEVICE)], dim=1)
     q_view = qkv[:, : q[0].numel()].view(q.shape)
     assert not q_view.is_contiguous()
-    got = _run(TritonBackend(), pool, batch, q_view, k, v)
+    got = _run(_triton(s), pool, batch, q_view, k, v)
     torch.testing.assert_close(got, _reference(pool, batch, q, k, v), atol=FP32_ATOL, rtol=0)
 
 
@@ -218,7 +226,7 @@ def _padded(batch: AttentionBatch, dummy_row: int, dummy_slot: int, pad: int) ->
 def test_padded_decode_leaves_real_rows_unchanged():
     s = Scenario(DECODES, page_size=16)
     pool, batch, q, k, v = _build(s)
-    backend = TritonBackend(decode_splits=4)
+    backend = _triton(s, decode_splits=4)
     plain = _run(backend, pool, batch, q, k, v)
     pad = 3
     # The scenario leaves table rows and pages unused: padding points at one of each.
@@ -243,13 +251,13 @@ def test_graph_hooks_refresh_from_static_buffers():
     buffers between replays and the same scratch serves every batch size."""
     s = Scenario(DECODES, page_size=16)
     pool, batch, q, k, v = _build(s)
-    backend = TritonBackend()
+    backend = _triton(s)
     backend.init_graph_state(max_batch_size=8)
     meta = backend.prepare_graph(batch, capturing=True)
     first = _run(backend, pool, batch, q, k, v, metadata=meta)
     torch.testing.assert_close(first, _reference(pool, batch, q, k, v), atol=FP32_ATOL, rtol=0)
     scratch = backend._graph_scratch
-    assert scratch is not None and scratch.out.shape[0] == 8
+    assert scratch is not None and scratch[0].shape[0] == 8
     # Next "replay": every sequence one token longer, written in place into the same buffers.
     batch.kv_lens.add_(1)
     batch.out_slots.copy_(batch.page_table[batch.table_rows, batch.kv_lens - 1].long())

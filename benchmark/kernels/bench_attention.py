@@ -28,7 +28,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are decorated
 
-from minisgl.attention.base import AttentionBackend, AttentionBatch  # noqa: E402
+from minisgl.attention.base import AttentionBackend, AttentionBatch, AttentionConfig  # noqa: E402
 from minisgl.attention.torch_native import TorchNativeBackend  # noqa: E402
 from minisgl.attention.triton_backend import TritonBackend  # noqa: E402
 from minisgl.kvcache.pool import KVPool, KVShape  # noqa: E402
@@ -99,6 +99,14 @@ def _make_batch(
     return pool, batch, q, k, v
 
 
+def _triton(pool: KVPool) -> TritonBackend:
+    width = pool.num_slots  # no sequence is longer than the pool
+    dtype, device = pool.buffer.dtype, pool.buffer.device
+    return TritonBackend(
+        AttentionConfig(NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, 1, width, dtype, device)
+    )
+
+
 def _layer(backend: AttentionBackend, pool, batch, q, k, v) -> Callable[[], torch.Tensor]:
     """One layer's attention as the engine runs it: metadata once, then forward."""
     meta = backend.prepare(batch)
@@ -120,7 +128,7 @@ def bench_decode(batch_size: int, args, dtype, device) -> tuple[str, bool]:
     pool, batch, q, k, v = _make_batch(
         [kv - 1 for kv in kv_lens.tolist()], [1] * batch_size, dtype, device
     )
-    triton_fn = _layer(TritonBackend(), pool, batch, q, k, v)
+    triton_fn = _layer(_triton(pool), pool, batch, q, k, v)
     torch_fn = _layer(TorchNativeBackend(), pool, batch, q, k, v)
     diff = _compare(f"decode bs={batch_size}", triton_fn(), torch_fn())
     t_triton = _timed(triton_fn, args.iters, device)
@@ -138,7 +146,7 @@ def bench_decode(batch_size: int, args, dtype, device) -> tuple[str, bool]:
 def _graph_check(pool, batch, q, k, v, iters: int) -> str:
     """Capture the Triton decode, shorten every sequence by one token in place, replay, compare
     with torch-native eager; returns the replay time and the difference."""
-    backend = TritonBackend()
+    backend = _triton(pool)
     backend.init_graph_state(batch.num_seqs)
     meta = backend.prepare_graph(batch, capturing=True)
     scale = HEAD_DIM**-0.5
@@ -180,7 +188,7 @@ def bench_extend(args, dtype, device) -> tuple[str, bool]:
         prefix_lens.append(0 if len(extend_lens) % 2 == 0 else ext)
         extend_lens.append(ext)
     pool, batch, q, k, v = _make_batch(prefix_lens, extend_lens, dtype, device)
-    triton_fn = _layer(TritonBackend(), pool, batch, q, k, v)
+    triton_fn = _layer(_triton(pool), pool, batch, q, k, v)
     torch_fn = _layer(TorchNativeBackend(), pool, batch, q, k, v)
     diff = _compare("extend", triton_fn(), torch_fn())
     t_triton = _timed(triton_fn, args.iters, device)

@@ -14,53 +14,42 @@ import torch
 
 from minisgl.attention.base import AttentionBackend, AttentionBatch, AttentionConfig
 
-# name -> "module:Class", imported on first use
+# name -> (module, class), imported on first use
 _REGISTRY = {
-    "torch": "minisgl.attention.torch_native:TorchNativeBackend",
-    "triton": "minisgl.attention.triton_backend:TritonBackend",
-    "flashinfer": "minisgl.attention.flashinfer_backend:FlashInferBackend",
+    "torch": ("minisgl.attention.torch_native", "TorchNativeBackend"),
+    "triton": ("minisgl.attention.triton_backend", "TritonBackend"),
+    "flashinfer": ("minisgl.attention.flashinfer_backend", "FlashInferBackend"),
 }
 BACKEND_NAMES = ("auto", *_REGISTRY)
-# name -> the package it needs, looked up (not imported) when "auto" chooses
-_REQUIRED_PACKAGE = {"flashinfer": "flashinfer", "triton": "triton"}
+# The CUDA backends in the order "auto" prefers them; each needs the package of its name (looked
+# up, not imported, when "auto" chooses).
 _CUDA_PREFERENCE = ("flashinfer", "triton")
 _HALF_ONLY = {"flashinfer"}  # no fp32 kernels
 
 
-def _usable(name: str, dtype: torch.dtype) -> bool:
-    if name in _HALF_ONLY and dtype not in (torch.float16, torch.bfloat16):
-        return False
-    return name in _REGISTRY and importlib.util.find_spec(_REQUIRED_PACKAGE[name]) is not None
+def _installed(package: str) -> bool:
+    return importlib.util.find_spec(package) is not None
 
 
 def resolve_backend_name(name: str, device: torch.device, dtype: torch.dtype) -> str:
     if name == "auto":
-        if device.type == "cuda":
-            return next((n for n in _CUDA_PREFERENCE if _usable(n, dtype)), "torch")
-        return "torch"
+        if device.type != "cuda":
+            return "torch"
+        half = dtype in (torch.float16, torch.bfloat16)
+        usable = (n for n in _CUDA_PREFERENCE if _installed(n) and (half or n not in _HALF_ONLY))
+        return next(usable, "torch")
     if name not in _REGISTRY:
         raise ValueError(
             f"attention_backend: unknown '{name}' (choose from {', '.join(BACKEND_NAMES)})"
         )
-    package = _REQUIRED_PACKAGE.get(name)
-    if package is not None and importlib.util.find_spec(package) is None:
-        raise ValueError(f"attention_backend '{name}' needs the '{package}' package installed")
+    if name in _CUDA_PREFERENCE and not _installed(name):
+        raise ValueError(f"attention_backend '{name}' needs the '{name}' package installed")
     return name
 
 
 def create_backend(name: str, cfg: AttentionConfig) -> AttentionBackend:
-    name = resolve_backend_name(name, cfg.device, cfg.dtype)
-    module_name, class_name = _REGISTRY[name].split(":")
-    module = importlib.import_module(module_name)
-    if name == "triton" and cfg.device.type != "cuda":
-        from minisgl.attention.triton_kernels import INTERPRETER
-
-        if not INTERPRETER:
-            raise ValueError(
-                "attention_backend 'triton' runs on CUDA; on CPU only in Triton's interpreter "
-                "(set TRITON_INTERPRET=1 before start-up; slow, meant for tests)"
-            )
-    backend: AttentionBackend = getattr(module, class_name)(cfg)
+    module_name, class_name = _REGISTRY[resolve_backend_name(name, cfg.device, cfg.dtype)]
+    backend: AttentionBackend = getattr(importlib.import_module(module_name), class_name)(cfg)
     return backend
 
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from minisgl.attention.base import (
     AttentionBackend,
@@ -37,31 +38,22 @@ TENSOR_CORE_MIN_GQA = 4
 PREFILL_KERNEL_BACKEND = "fa2"
 
 
-def paged_kv_lists(
-    batch: AttentionBatch, page_size: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def paged_kv_lists(batch: AttentionBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """FlashInfer's paged-KV description of a batch: (indptr int32 on the host, page ids int32 on
     the device, last page lengths int32 on the host). Host tensors are pinned on CUDA."""
+    page_size, device = batch.page_size, batch.table_rows.device
     kv_lens = torch.tensor(batch.kv_lens_cpu, dtype=torch.int32)
     num_pages = (kv_lens + page_size - 1) // page_size
-    indptr = torch.zeros(len(batch.kv_lens_cpu) + 1, dtype=torch.int32)
-    torch.cumsum(num_pages, 0, out=indptr[1:])
+    indptr = F.pad(torch.cumsum(num_pages, 0, dtype=torch.int32), (1, 0))
     last_page_len = (kv_lens - 1) % page_size + 1
-    total = int(indptr[-1])
-    device = batch.table_rows.device
-    pin = device.type == "cuda"
-    # Page k of sequence i is the page holding position k * page_size of its table row; built
-    # on the device from the table, so nothing waits for the host.
-    num_pages_d = copy_to_device(num_pages, device)
-    seq = torch.repeat_interleave(
-        torch.arange(len(batch.kv_lens_cpu), device=device), num_pages_d, output_size=total
-    )
-    first_page = copy_to_device(indptr[:-1].long(), device)
-    first = torch.repeat_interleave(first_page, num_pages_d, output_size=total)
-    page_pos = (torch.arange(total, device=device) - first) * page_size
-    slots = batch.page_table[batch.table_rows[seq], page_pos]
-    page_ids = (slots // page_size).to(torch.int32)
-    if pin:
+    # Page k of sequence i is the page holding position k * page_size of its table row: the
+    # (sequence, position) pairs are built on the host, the gather from the table on the device,
+    # so nothing waits for the host.
+    seq = torch.repeat_interleave(num_pages.long())
+    first_pos = (torch.arange(seq.numel()) - indptr[seq]) * page_size
+    seq_d, pos_d = copy_to_device(torch.stack([seq, first_pos]), device)
+    page_ids = (batch.page_table[batch.table_rows[seq_d], pos_d] // page_size).to(torch.int32)
+    if device.type == "cuda":
         indptr, last_page_len = indptr.pin_memory(), last_page_len.pin_memory()
     return indptr, page_ids, last_page_len
 
@@ -109,18 +101,16 @@ class FlashInferBackend(AttentionBackend):
 
     def _plan(
         self, wrapper: Any, batch: AttentionBatch, *qo_indptr: torch.Tensor, **kw: Any
-    ) -> None:
+    ) -> FlashInferMetadata:
         """`wrapper.plan(...)` for `batch` (a prefill wrapper's `qo_indptr` first), after the
         previous plan's host-to-device copy has run."""
         cfg = self.cfg
-        indptr, indices, last_page_len = paged_kv_lists(batch, cfg.page_size)
+        kv_lists = paged_kv_lists(batch)  # (indptr, page ids, last page lengths)
         heads = (cfg.num_qo_heads, cfg.num_kv_heads, cfg.head_dim, cfg.page_size)
         self._planned.synchronize()
         wrapper.plan(
             *qo_indptr,
-            indptr,
-            indices,
-            last_page_len,
+            *kv_lists,
             *heads,
             q_data_type=cfg.dtype,
             kv_data_type=cfg.dtype,
@@ -128,16 +118,15 @@ class FlashInferBackend(AttentionBackend):
             **kw,
         )
         self._planned.record()
+        return FlashInferMetadata(wrapper, batch.out_slots)
 
     def prepare(self, batch: AttentionBatch) -> FlashInferMetadata:
         if batch.is_decode:
-            self._plan(self.decode_wrapper, batch)
-            return FlashInferMetadata(self.decode_wrapper, batch.out_slots)
+            return self._plan(self.decode_wrapper, batch)
         # Every sequence through the prefill wrapper, decodes as one-query prefills.
-        qo_indptr = torch.zeros(batch.num_seqs + 1, dtype=torch.int32)
-        torch.cumsum(torch.tensor(batch.extend_lens_cpu, dtype=torch.int32), 0, out=qo_indptr[1:])
-        self._plan(self.prefill_wrapper, batch, qo_indptr.pin_memory(), causal=True)
-        return FlashInferMetadata(self.prefill_wrapper, batch.out_slots)
+        extend_lens = torch.tensor(batch.extend_lens_cpu, dtype=torch.int32)
+        qo_indptr = F.pad(torch.cumsum(extend_lens, 0, dtype=torch.int32), (1, 0))
+        return self._plan(self.prefill_wrapper, batch, qo_indptr.pin_memory(), causal=True)
 
     # ---- the forward -----------------------------------------------------------------------
 
@@ -154,10 +143,8 @@ class FlashInferBackend(AttentionBackend):
         # The scale is baked into the plan (one per forward, shared by all layers).
         assert abs(scale - self.cfg.scale) < 1e-6 * self.cfg.scale, (scale, self.cfg.scale)
         pool.store(layer_id, metadata.out_slots, k, v)
-        ps = pool.page_size
-        shape = (pool.num_slots // ps, ps, pool.num_kv_heads, pool.head_dim)
-        k_cache = pool.k_cache(layer_id).view(shape)
-        v_cache = pool.v_cache(layer_id).view(shape)
+        pages = (-1, pool.page_size, pool.num_kv_heads, pool.head_dim)  # [slots] -> [pages, page]
+        k_cache, v_cache = pool.k_cache(layer_id).view(pages), pool.v_cache(layer_id).view(pages)
         return metadata.wrapper.run(q.contiguous(), (k_cache, v_cache))
 
     # ---- CUDA graphs -----------------------------------------------------------------------
@@ -185,5 +172,4 @@ class FlashInferBackend(AttentionBackend):
             )
             self._graph_wrappers[size] = wrapper
         # In graph mode plan() copies into the fixed buffers the captured kernels read.
-        self._plan(wrapper, batch)
-        return FlashInferMetadata(wrapper, batch.out_slots)
+        return self._plan(wrapper, batch)

@@ -11,6 +11,7 @@ new K/V are stored by one kernel call. The SDPA path stays the reference (and th
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -32,8 +33,7 @@ MIN_DECODE_GROUP_FILL = 0.5
 
 @dataclass
 class _Prefill:
-    token_start: int  # first query row of this sequence in the batch
-    token_end: int
+    tokens: slice  # this sequence's query rows in the batch
     kv_slots: torch.Tensor  # int64 [kv_len]
     mask: torch.Tensor | None  # bool [q_len, kv_len]; None means plain causal from position 0
 
@@ -51,9 +51,9 @@ class _DecodeGroup:
     v_buf: torch.Tensor | None = None
 
 
-@dataclass
-class _KernelDecodes:
-    """Every decode of the batch, for the CPU paged-attention kernel (int64, one per decode)."""
+class _KernelDecodes(NamedTuple):
+    """Every decode of the batch, for the CPU paged-attention kernel (int64, one per decode), in
+    the order `CpuKernels.decode_attention` takes them."""
 
     token_index: torch.Tensor  # query rows
     table_rows: torch.Tensor
@@ -90,60 +90,27 @@ class TorchNativeBackend(AttentionBackend):
         for i, (prefix_len, kv_len) in enumerate(
             zip(batch.prefix_lens_cpu, batch.kv_lens_cpu, strict=True)
         ):
-            q_len = kv_len - prefix_len
-            if q_len == 1:
-                decodes.append((kv_len, token_start, i))
-            else:
-                row = batch.page_table[batch.table_rows[i], :kv_len].long()
-                mask = None
-                if prefix_len > 0:
-                    q_pos = torch.arange(prefix_len, kv_len, device=device)
-                    mask = torch.arange(kv_len, device=device)[None, :] <= q_pos[:, None]
-                prefills.append(_Prefill(token_start, token_start + q_len, row, mask))
-            token_start += q_len
-        if self._kernels is not None and decodes:
-            kernel_decodes = self._kernel_decodes(batch, decodes)
-            return TorchNativeMetadata(batch.out_slots, prefills, kernel_decodes, [])
-        groups = self.group_decodes(batch, decodes)
-        return TorchNativeMetadata(batch.out_slots, prefills, None, groups)
-
-    @staticmethod
-    def _kernel_decodes(
-        batch: AttentionBatch, decodes: list[tuple[int, int, int]]
-    ) -> _KernelDecodes:
+            tokens = slice(token_start, token_start + kv_len - prefix_len)
+            token_start = tokens.stop
+            if kv_len - prefix_len == 1:
+                decodes.append((kv_len, tokens.start, i))
+                continue
+            mask = None
+            if prefix_len > 0:
+                q_pos = torch.arange(prefix_len, kv_len, device=device)
+                mask = torch.arange(kv_len, device=device)[None, :] <= q_pos[:, None]
+            row = batch.page_table[batch.table_rows[i], :kv_len].long()
+            prefills.append(_Prefill(tokens, row, mask))
+        if self._kernels is None or not decodes:
+            return TorchNativeMetadata(batch.out_slots, prefills, None, _group(batch, decodes))
         seq_index = torch.tensor([d[2] for d in decodes], dtype=torch.int64)
-        return _KernelDecodes(
+        kernel_decodes = _KernelDecodes(
             token_index=torch.tensor([d[1] for d in decodes], dtype=torch.int64),
             table_rows=batch.table_rows[seq_index].contiguous(),
             kv_lens=batch.kv_lens[seq_index].contiguous(),
             page_table=batch.page_table.contiguous(),
         )
-
-    @staticmethod
-    def group_decodes(
-        batch: AttentionBatch, decodes: list[tuple[int, int, int]]
-    ) -> list[_DecodeGroup]:
-        device = batch.out_slots.device
-        groups: list[list[tuple[int, int, int]]] = []
-        for entry in sorted(decodes, reverse=True):
-            if not groups or entry[0] < MIN_DECODE_GROUP_FILL * groups[-1][0][0]:
-                groups.append([])
-            groups[-1].append(entry)
-        result = []
-        for members in groups:
-            max_kv = members[0][0]
-            seq_index = copy_to_device(torch.tensor([m[2] for m in members]), device)
-            kv_lens = batch.kv_lens[seq_index]
-            valid = torch.arange(max_kv, device=device)[None, :] < kv_lens[:, None]
-            slots = batch.page_table[batch.table_rows[seq_index], :max_kv].long()
-            result.append(
-                _DecodeGroup(
-                    token_index=copy_to_device(torch.tensor([m[1] for m in members]), device),
-                    kv_slots=slots.masked_fill(~valid, 0).flatten(),
-                    mask=valid[:, None, None, :],  # [decodes, 1, 1, max_kv]
-                )
-            )
-        return result
+        return TorchNativeMetadata(batch.out_slots, prefills, kernel_decodes, [])
 
     def forward(
         self,
@@ -158,26 +125,12 @@ class TorchNativeBackend(AttentionBackend):
         pool.store(layer_id, metadata.out_slots, k, v)
         k_cache, v_cache = pool.k_cache(layer_id), pool.v_cache(layer_id)
         out = torch.empty_like(q)
-        d = metadata.kernel_decodes
-        if self._kernels is not None and d is not None:
+        if self._kernels is not None and metadata.kernel_decodes is not None:
             self._kernels.decode_attention(
-                q, d.token_index, k_cache, v_cache, d.page_table, d.table_rows,
-                d.kv_lens, out, scale,
-            )  # fmt: skip
-        self._sdpa(q, k_cache, v_cache, scale, metadata, out)
-        return out
-
-    def _sdpa(
-        self,
-        q: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        scale: float,
-        metadata: TorchNativeMetadata,
-        out: torch.Tensor,
-    ) -> None:
-        """The SDPA path: prefill chunks always, decodes unless the kernel computes them."""
-        # SDPA wants [batch, heads, len, head_dim]; GQA repeats KV heads inside the kernel.
+                q, *metadata.kernel_decodes, k_cache, v_cache, out, scale
+            )
+        # The SDPA path: prefill chunks always, decodes unless the kernel computed them. SDPA
+        # wants [batch, heads, len, head_dim]; GQA repeats KV heads inside the kernel.
         for group in metadata.decode_groups:
             num_decodes = group.token_index.numel()
             if group.k_buf is None or group.v_buf is None:
@@ -194,10 +147,31 @@ class TorchNativeBackend(AttentionBackend):
             )
             out[group.token_index] = o.squeeze(2)
         for p in metadata.prefills:
-            pq = q[p.token_start : p.token_end].transpose(0, 1).unsqueeze(0)  # [1, H, q_len, D]
+            pq = q[p.tokens].transpose(0, 1).unsqueeze(0)  # [1, H, q_len, D]
             pk = k_cache[p.kv_slots].transpose(0, 1).unsqueeze(0)  # [1, KVH, kv_len, D]
             pv = v_cache[p.kv_slots].transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(
                 pq, pk, pv, attn_mask=p.mask, is_causal=p.mask is None, scale=scale, enable_gqa=True
             )
-            out[p.token_start : p.token_end] = o.squeeze(0).transpose(0, 1)
+            out[p.tokens] = o.squeeze(0).transpose(0, 1)
+        return out
+
+
+def _group(batch: AttentionBatch, decodes: list[tuple[int, int, int]]) -> list[_DecodeGroup]:
+    """Decodes (kv_len, query row, sequence index) as padded SDPA groups, longest first."""
+    device = batch.out_slots.device
+    groups: list[list[tuple[int, int, int]]] = []
+    for entry in sorted(decodes, reverse=True):
+        if not groups or entry[0] < MIN_DECODE_GROUP_FILL * groups[-1][0][0]:
+            groups.append([])
+        groups[-1].append(entry)
+    result = []
+    for members in groups:
+        max_kv = members[0][0]
+        seq_index = copy_to_device(torch.tensor([m[2] for m in members]), device)
+        valid = torch.arange(max_kv, device=device)[None, :] < batch.kv_lens[seq_index, None]
+        slots = batch.page_table[batch.table_rows[seq_index], :max_kv].long()
+        token_index = copy_to_device(torch.tensor([m[1] for m in members]), device)
+        mask = valid[:, None, None, :]  # [decodes, 1, 1, max_kv]
+        result.append(_DecodeGroup(token_index, slots.masked_fill(~valid, 0).flatten(), mask))
+    return result

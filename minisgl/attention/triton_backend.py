@@ -5,17 +5,20 @@ Decode-only batches run the split-KV decode kernel, whose launches depend only o
 and read every length from device tensors, so the engine can capture them in CUDA graphs. Any
 other batch (prefill chunks, possibly with decodes mixed in) runs the extend kernel, which takes
 every query's K/V, cached prefix and new tokens alike, from the pool through the page table.
+
+This module is the host side: tile sizes, launch grids, scratch and the extend kernel's
+query-block map. See `triton_kernels` for the device code.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import ClassVar
+import math
+from dataclasses import dataclass
 
 import torch
 import triton
 
-from minisgl.attention import triton_ops as ops
+from minisgl.attention import triton_kernels as kernels
 from minisgl.attention.base import (
     AttentionBackend,
     AttentionBatch,
@@ -24,6 +27,16 @@ from minisgl.attention.base import (
 )
 from minisgl.kvcache.pool import KVPool
 
+LOG2_E = math.log2(math.e)
+# tl.dot wants each dimension of a tile to be >= 16 for tensor cores: GQA head groups (2 to 8
+# query heads per KV head in common models) are padded up to this many rows.
+MIN_DOT_ROWS = 16
+MAX_HEAD_DIM = 256
+
+# Decode (flash-decoding): one program per (sequence, KV head, KV split). BLOCK_N keys per step.
+DECODE_BLOCK_N = 64
+DECODE_NUM_WARPS = 4
+DECODE_NUM_STAGES = 2
 # Decode splits each sequence's keys into up to this many parts (a power of two), computed by
 # separate programs and merged by a small reduce kernel: enough parallelism at batch size 1.
 MAX_DECODE_SPLITS = 16
@@ -33,143 +46,257 @@ DECODE_PROGRAMS_PER_SM = 4
 # The interpreter has no SMs; this stands in for the count. Small, since each program is slow
 # there, but enough that small CPU batches (tests) still run several splits through the reduce.
 INTERPRETER_NUM_SMS = 4
+# Extend: one program per (query block, query head), BLOCK_M queries x BLOCK_N keys per step.
+# Large head dims halve BLOCK_M to keep the fp32 accumulator in registers.
+EXTEND_BLOCK_M = 128
+EXTEND_BLOCK_M_LARGE_HEAD = 64
+EXTEND_BLOCK_N = 64
+EXTEND_NUM_WARPS = 8
+EXTEND_NUM_STAGES = 2
 
 
-@dataclass
-class DecodeScratch:
-    """fp32 partial results of the split decode kernel, for up to `out.shape[0]` sequences."""
+def _dot_precision(dtype: torch.dtype) -> str:
+    # TF32 would cost fp32 inputs ~3 decimal digits; 16-bit inputs are exact in any mode.
+    return "ieee" if dtype == torch.float32 else "tf32"
 
-    out: torch.Tensor  # [seqs, heads, MAX_DECODE_SPLITS, head_dim]
-    lse: torch.Tensor  # [seqs, heads, MAX_DECODE_SPLITS]
 
-    @classmethod
-    def allocate(
-        cls, num_seqs: int, num_heads: int, head_dim: int, device: torch.device
-    ) -> DecodeScratch:
-        out_shape, lse_shape = ops.decode_partial_shape(
-            num_seqs, num_heads, MAX_DECODE_SPLITS, head_dim
-        )
-        return cls(
-            torch.empty(out_shape, dtype=torch.float32, device=device),
-            torch.empty(lse_shape, dtype=torch.float32, device=device),
-        )
+def block_d(head_dim: int) -> int:
+    if not 0 < head_dim <= MAX_HEAD_DIM:
+        raise ValueError(f"head_dim {head_dim} is not supported (1..{MAX_HEAD_DIM})")
+    return max(MIN_DOT_ROWS, triton.next_power_of_2(head_dim))
 
-    def fits(self, num_seqs: int, q: torch.Tensor) -> bool:
-        rows, heads, _, head_dim = self.out.shape
-        return rows >= num_seqs and (heads, head_dim) == (q.shape[1], q.shape[2])
+
+def extend_block_m(head_dim: int) -> int:
+    return EXTEND_BLOCK_M if head_dim <= 128 else EXTEND_BLOCK_M_LARGE_HEAD
+
+
+def extend_block_map(extend_lens: list[int], block_m: int) -> torch.Tensor:
+    """Host-side map of query blocks, int32 [seqs + 2 * blocks]: each sequence's first query
+    token, then each block's sequence, then each block's first query within its sequence."""
+    q_lens = torch.tensor(extend_lens, dtype=torch.int64)
+    num_blocks = (q_lens + block_m - 1) // block_m
+    block_seq = torch.repeat_interleave(num_blocks)
+    first_block = torch.cumsum(num_blocks, 0) - num_blocks
+    block_q_start = (torch.arange(block_seq.numel()) - first_block[block_seq]) * block_m
+    seq_q_start = torch.cumsum(q_lens, 0) - q_lens
+    return torch.cat([seq_q_start, block_seq, block_q_start]).to(torch.int32)
 
 
 @dataclass
 class TritonDecodeMetadata:
-    """A decode-only batch. Only references the batch's tensors: for CUDA graphs those are the
-    engine's static buffers, so replays see the lengths the engine wrote there."""
+    """Sequences of one query each. Only references the batch's tensors: for CUDA graphs those
+    are the engine's static buffers, so replays see the lengths the engine wrote there."""
 
-    num_seqs: int
     table_rows: torch.Tensor
     kv_lens: torch.Tensor
     out_slots: torch.Tensor
     page_table: torch.Tensor
-    for_graph: bool
-
-    @staticmethod
-    def of(batch: AttentionBatch, num_seqs: int, for_graph: bool) -> TritonDecodeMetadata:
-        """The first `num_seqs` sequences of `batch`, each one query."""
-        return TritonDecodeMetadata(
-            num_seqs,
-            batch.table_rows[:num_seqs],
-            batch.kv_lens[:num_seqs],
-            batch.out_slots[:num_seqs],
-            batch.page_table,
-            for_graph,
-        )
+    part_out: torch.Tensor  # fp32 [>= seqs, heads, MAX_DECODE_SPLITS, head_dim]
+    part_lse: torch.Tensor  # fp32 [>= seqs, heads, MAX_DECODE_SPLITS]
+    num_splits: int  # a function of the batch shape only: a captured grid fits every replay
 
 
 @dataclass
 class TritonExtendMetadata:
     """A batch with prefill chunks. Its leading one-query sequences (the decodes, which the
     scheduler puts first) go to the decode kernel (`decodes`); the extend kernel, which tiles
-    queries 64-128 rows at a time, takes the rest (`extend_lens` and the tensors below, from
-    the first non-decode sequence on). `out_slots` covers every token: the store is one."""
+    queries 64-128 rows at a time, takes the rest (the tensors below, from the first
+    non-decode sequence on). `out_slots` covers every token: the store is one."""
 
-    extend_lens: list[int]
     table_rows: torch.Tensor
     prefix_lens: torch.Tensor
     kv_lens: torch.Tensor
     out_slots: torch.Tensor
     page_table: torch.Tensor
-    decodes: TritonDecodeMetadata | None = None
-    # Query-block maps on the device by BLOCK_M, built at the first layer (the block size
-    # depends on head_dim, which only forward sees) and reused by every other layer.
-    block_maps: dict[int, torch.Tensor] = field(default_factory=dict)
+    block_map: torch.Tensor  # extend_block_map(extend lens, BLOCK_M), on the device
+    decodes: TritonDecodeMetadata | None
 
-    def block_map(self, block_m: int, device: torch.device) -> torch.Tensor:
-        if block_m not in self.block_maps:
-            host = ops.extend_block_map(self.extend_lens, block_m)
-            self.block_maps[block_m] = copy_to_device(host, device)
-        return self.block_maps[block_m]
+
+def decode_attention(
+    q: torch.Tensor,  # [seqs, heads, head_dim], one query per sequence
+    k_cache: torch.Tensor,  # [slots, kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    out: torch.Tensor,  # [seqs, heads, head_dim]
+    meta: TritonDecodeMetadata,
+    scale: float,
+) -> None:
+    """Paged decode attention. The launch grid depends only on (seqs, kv_heads, num_splits) and
+    every length is read on the device, so the launches can be captured in a CUDA graph."""
+    num_seqs, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[1]
+    part_out, part_lse, num_splits = meta.part_out, meta.part_lse, meta.num_splits
+    max_splits = part_lse.shape[2]
+    assert num_heads % num_kv_heads == 0 and k_cache.stride() == v_cache.stride()
+    assert q.stride(2) == out.stride(2) == k_cache.stride(2) == meta.page_table.stride(1) == 1
+    assert 1 <= num_splits <= max_splits and part_out.stride(3) == part_lse.stride(2) == 1
+    assert part_out.shape[0] >= num_seqs and part_lse.shape[0] >= num_seqs
+    group = num_heads // num_kv_heads
+    dim_block = block_d(head_dim)
+    kernels.decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
+        q,
+        k_cache,
+        v_cache,
+        meta.page_table,
+        meta.table_rows,
+        meta.kv_lens,
+        part_out,
+        part_lse,
+        scale * LOG2_E,
+        num_splits,
+        *q.stride()[:2],
+        *k_cache.stride()[:2],  # v_cache's too
+        meta.page_table.stride(0),
+        *part_out.stride()[:3],
+        *part_lse.stride()[:2],
+        GROUP=group,
+        HEAD_DIM=head_dim,
+        BLOCK_H=max(MIN_DOT_ROWS, triton.next_power_of_2(group)),
+        BLOCK_N=DECODE_BLOCK_N,
+        BLOCK_D=dim_block,
+        DOT_PRECISION=_dot_precision(q.dtype),
+        num_warps=DECODE_NUM_WARPS,
+        num_stages=DECODE_NUM_STAGES,
+    )
+    kernels.decode_reduce_kernel[(num_seqs, num_heads)](
+        part_out,
+        part_lse,
+        out,
+        num_splits,
+        *part_out.stride()[:3],
+        *part_lse.stride()[:2],
+        *out.stride()[:2],
+        HEAD_DIM=head_dim,
+        BLOCK_D=dim_block,
+        MAX_SPLITS=triton.next_power_of_2(max_splits),
+    )
+
+
+def extend_attention(
+    q: torch.Tensor,  # [tokens, heads, head_dim]
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    out: torch.Tensor,  # [tokens, heads, head_dim]
+    meta: TritonExtendMetadata,
+    scale: float,
+) -> None:
+    """Causal attention of each sequence's new queries over its whole paged K/V (cached prefix
+    and this batch's tokens, already stored)."""
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_seqs = meta.table_rows.numel()
+    num_kv_heads = k_cache.shape[1]
+    assert num_heads % num_kv_heads == 0 and k_cache.stride() == v_cache.stride()
+    assert q.stride(2) == out.stride(2) == k_cache.stride(2) == meta.page_table.stride(1) == 1
+    num_blocks = (meta.block_map.numel() - num_seqs) // 2
+    if num_blocks == 0:
+        return
+    kernels.extend_kernel[(num_blocks, num_heads)](
+        q,
+        k_cache,
+        v_cache,
+        out,
+        meta.page_table,
+        meta.table_rows,
+        meta.prefix_lens,
+        meta.kv_lens,
+        *meta.block_map.split([num_seqs, num_blocks, num_blocks]),
+        scale * LOG2_E,
+        *q.stride()[:2],
+        *k_cache.stride()[:2],  # v_cache's too
+        *out.stride()[:2],
+        meta.page_table.stride(0),
+        GROUP=num_heads // num_kv_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_M=extend_block_m(head_dim),
+        BLOCK_N=EXTEND_BLOCK_N,
+        BLOCK_D=block_d(head_dim),
+        DOT_PRECISION=_dot_precision(q.dtype),
+        num_warps=EXTEND_NUM_WARPS,
+        num_stages=EXTEND_NUM_STAGES,
+    )
 
 
 class TritonBackend(AttentionBackend):
-    supports_graphs: ClassVar[bool] = True
+    supports_graphs = True
 
-    def __init__(
-        self, cfg: AttentionConfig | None = None, decode_splits: int | None = None
-    ) -> None:
-        """cfg: the model's attention shape (the engine always gives it; without it, scratch
-        buffers are sized at the first forward). decode_splits: a fixed number of KV splits per
-        decoded sequence (1 to MAX_DECODE_SPLITS); None picks it from the batch size and the
-        GPU's SM count."""
+    def __init__(self, cfg: AttentionConfig, decode_splits: int | None = None) -> None:
+        """decode_splits: a fixed number of KV splits per decoded sequence (1 to
+        MAX_DECODE_SPLITS); None picks it from the batch size and the GPU's SM count."""
         if decode_splits is not None and not 1 <= decode_splits <= MAX_DECODE_SPLITS:
             raise ValueError(f"decode_splits must be in 1..{MAX_DECODE_SPLITS}")
+        if cfg.device.type != "cuda" and not kernels.INTERPRETER:
+            raise ValueError(
+                "attention_backend 'triton' runs on CUDA; on CPU only in Triton's interpreter "
+                "(set TRITON_INTERPRET=1 before start-up; slow, meant for tests)"
+            )
         self.cfg = cfg
         self.decode_splits = decode_splits
-        self._num_sms: int | None = None
-        self._graph_max_seqs = 0
-        # Captured graphs read the graph scratch: once allocated it is never replaced.
-        self._graph_scratch: DecodeScratch | None = None
-        self._eager_scratch: DecodeScratch | None = None
+        num_sms = (
+            torch.cuda.get_device_properties(cfg.device).multi_processor_count
+            if cfg.device.type == "cuda"
+            else INTERPRETER_NUM_SMS
+        )
+        self._target_programs = DECODE_PROGRAMS_PER_SM * num_sms
+        # Scratch of the split decode kernel: eager batches grow theirs; captured graphs read
+        # the graph scratch (init_graph_state), which is never replaced.
+        self._eager_scratch = self._scratch(0)
+        self._graph_scratch: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    # ---- metadata ---------------------------------------------------------------------------
+    def _scratch(self, num_seqs: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp32 partial outputs and log-sum-exps of the split decode kernel."""
+        shape = (num_seqs, self.cfg.num_qo_heads, MAX_DECODE_SPLITS)
+        return (
+            torch.empty((*shape, self.cfg.head_dim), dtype=torch.float32, device=self.cfg.device),
+            torch.empty(shape, dtype=torch.float32, device=self.cfg.device),
+        )
+
+    def _decodes(
+        self, batch: AttentionBatch, num_seqs: int, scratch: tuple[torch.Tensor, torch.Tensor]
+    ) -> TritonDecodeMetadata:
+        """The first `num_seqs` sequences of `batch`, each one query."""
+        wanted = triton.cdiv(self._target_programs, num_seqs * self.cfg.num_kv_heads)
+        num_splits = self.decode_splits or min(MAX_DECODE_SPLITS, triton.next_power_of_2(wanted))
+        return TritonDecodeMetadata(
+            batch.table_rows[:num_seqs],
+            batch.kv_lens[:num_seqs],
+            batch.out_slots[:num_seqs],
+            batch.page_table,
+            *scratch,
+            num_splits,
+        )
 
     def prepare(self, batch: AttentionBatch) -> TritonDecodeMetadata | TritonExtendMetadata:
-        if batch.is_decode:
-            return TritonDecodeMetadata.of(batch, batch.num_seqs, for_graph=False)
         extend_lens = batch.extend_lens_cpu
         # One query attending to its whole KV is a decode, whether it samples or ends a chunk.
         num_decodes = next((i for i, n in enumerate(extend_lens) if n != 1), len(extend_lens))
-        decodes = TritonDecodeMetadata.of(batch, num_decodes, False) if num_decodes else None
+        if self._eager_scratch[0].shape[0] < num_decodes:
+            self._eager_scratch = self._scratch(num_decodes)
+        decodes = self._decodes(batch, num_decodes, self._eager_scratch) if num_decodes else None
+        if decodes is not None and num_decodes == batch.num_seqs:
+            return decodes
+        block_map = extend_block_map(extend_lens[num_decodes:], extend_block_m(self.cfg.head_dim))
         return TritonExtendMetadata(
-            extend_lens=extend_lens[num_decodes:],
             table_rows=batch.table_rows[num_decodes:],
             prefix_lens=batch.prefix_lens[num_decodes:],
             kv_lens=batch.kv_lens[num_decodes:],
             out_slots=batch.out_slots,
             page_table=batch.page_table,
+            block_map=copy_to_device(block_map, batch.table_rows.device),
             decodes=decodes,
         )
 
     def init_graph_state(self, max_batch_size: int) -> None:
-        # Captured graphs read this scratch: allocated once, here (or, without a config, at the
-        # first forward, which the engine runs eagerly before capturing), and never replaced.
-        self._graph_max_seqs = max(self._graph_max_seqs, max_batch_size)
-        if self.cfg is not None and self._graph_scratch is None:
-            cfg = self.cfg
-            self._graph_scratch = DecodeScratch.allocate(
-                self._graph_max_seqs, cfg.num_qo_heads, cfg.head_dim, cfg.device
-            )
+        if self._graph_scratch is None:
+            self._graph_scratch = self._scratch(max_batch_size)
 
     def prepare_graph(self, batch: AttentionBatch, capturing: bool) -> TritonDecodeMetadata:
         # Capture and replay alike: nothing to refresh, since the kernels read the table rows and
         # KV lengths from the engine's static buffers and size their grid by the batch size.
         if not batch.is_decode:
             raise ValueError("CUDA graphs replay decode-only batches")
-        if batch.num_seqs > self._graph_max_seqs:
-            raise ValueError(
-                f"graph batch of {batch.num_seqs} exceeds init_graph_state({self._graph_max_seqs})"
-            )
-        return TritonDecodeMetadata.of(batch, batch.num_seqs, for_graph=True)
-
-    # ---- forward ----------------------------------------------------------------------------
+        scratch = self._graph_scratch
+        if scratch is None or batch.num_seqs > scratch[0].shape[0]:
+            raise ValueError(f"graph batch of {batch.num_seqs} exceeds init_graph_state")
+        return self._decodes(batch, batch.num_seqs, scratch)
 
     def forward(
         self,
@@ -187,80 +314,11 @@ class TritonBackend(AttentionBackend):
             q = q.contiguous()
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if isinstance(metadata, TritonDecodeMetadata):
-            self._decode(q, k_cache, v_cache, out, metadata, scale)
+            decode_attention(q, k_cache, v_cache, out, metadata, scale)
             return out
-        num_decodes = 0
-        if metadata.decodes is not None:
-            num_decodes = metadata.decodes.num_seqs  # one query each: the first rows of q
-            decode_q, decode_out = q[:num_decodes], out[:num_decodes]
-            self._decode(decode_q, k_cache, v_cache, decode_out, metadata.decodes, scale)
-        block_m = ops.extend_block_m(q.shape[2])
-        ops.extend_attention(
-            q[num_decodes:],
-            k_cache,
-            v_cache,
-            out[num_decodes:],
-            metadata.page_table,
-            metadata.table_rows,
-            metadata.prefix_lens,
-            metadata.kv_lens,
-            metadata.block_map(block_m, q.device),
-            block_m,
-            scale,
-        )
+        decodes, n = metadata.decodes, 0  # the decodes: one query each, q's first n rows
+        if decodes is not None:
+            n = decodes.table_rows.numel()
+            decode_attention(q[:n], k_cache, v_cache, out[:n], decodes, scale)
+        extend_attention(q[n:], k_cache, v_cache, out[n:], metadata, scale)
         return out
-
-    def _decode(
-        self,
-        q: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        out: torch.Tensor,
-        metadata: TritonDecodeMetadata,
-        scale: float,
-    ) -> None:
-        scratch = self._decode_scratch(metadata, q)
-        ops.decode_attention(
-            q,
-            k_cache,
-            v_cache,
-            out,
-            metadata.page_table,
-            metadata.table_rows,
-            metadata.kv_lens,
-            scratch.out,
-            scratch.lse,
-            self._num_splits(metadata.num_seqs, k_cache.shape[1], q.device),
-            scale,
-        )
-
-    def _decode_scratch(self, metadata: TritonDecodeMetadata, q: torch.Tensor) -> DecodeScratch:
-        if metadata.for_graph:
-            if self._graph_scratch is None:
-                self._graph_scratch = DecodeScratch.allocate(
-                    self._graph_max_seqs, q.shape[1], q.shape[2], q.device
-                )
-            if not self._graph_scratch.fits(metadata.num_seqs, q):
-                raise ValueError("graph decode batch does not fit the scratch of init_graph_state")
-            return self._graph_scratch
-        if self._eager_scratch is None or not self._eager_scratch.fits(metadata.num_seqs, q):
-            rows = metadata.num_seqs
-            if self._eager_scratch is not None:
-                rows = max(rows, self._eager_scratch.out.shape[0])
-            self._eager_scratch = DecodeScratch.allocate(rows, q.shape[1], q.shape[2], q.device)
-        return self._eager_scratch
-
-    def _num_splits(self, num_seqs: int, num_kv_heads: int, device: torch.device) -> int:
-        """A function of the batch shape only (never of KV lengths), so a captured graph's grid
-        stays valid for every replay."""
-        if self.decode_splits is not None:
-            return self.decode_splits
-        if self._num_sms is None:
-            self._num_sms = (
-                torch.cuda.get_device_properties(device).multi_processor_count
-                if device.type == "cuda"
-                else INTERPRETER_NUM_SMS
-            )
-        target = DECODE_PROGRAMS_PER_SM * self._num_sms
-        wanted = triton.cdiv(target, num_seqs * num_kv_heads)
-        return min(MAX_DECODE_SPLITS, triton.next_power_of_2(wanted))

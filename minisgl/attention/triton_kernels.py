@@ -1,6 +1,6 @@
 """Triton attention kernels over the paged KV pool: split-KV decode and extend (prefill).
 
-Device code only; `triton_ops` sizes the tiles and launches them.
+Device code only; `triton_backend` sizes the tiles and launches them.
 
 Both read K/V through the page table: `page_table[row, pos]` is the token slot holding position
 `pos` of the sequence in table row `row`, and `k_cache[slot]` is its [kv_heads, head_dim] keys,
@@ -45,7 +45,7 @@ def _dot(a, b, DOT_PRECISION: tl.constexpr):
 def _attend_tile(
     q,  # [ROWS, BLOCK_D]
     q_pos,  # int32 [ROWS]: each row sees keys at positions <= q_pos
-    k_head_ptr,  # K cache offset to this KV head: slot s is at k_head_ptr + s * stride_k_slot
+    k_head_ptr,  # K cache offset to this KV head: slot s is at k_head_ptr + s * stride_kv_slot
     v_head_ptr,
     pt_row_ptr,  # this sequence's page-table row
     n0,
@@ -54,8 +54,7 @@ def _attend_tile(
     l_i,
     acc,
     qk_scale,
-    stride_k_slot,
-    stride_v_slot,
+    stride_kv_slot,  # K and V caches share their layout
     HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -68,7 +67,7 @@ def _attend_tile(
     slots = tl.load(pt_row_ptr + pos, mask=n_mask, other=0).to(tl.int64)
     kv_mask = n_mask[:, None] & (offs_d < HEAD_DIM)[None, :]
     k = tl.load(
-        k_head_ptr + slots[:, None] * stride_k_slot + offs_d[None, :], mask=kv_mask, other=0.0
+        k_head_ptr + slots[:, None] * stride_kv_slot + offs_d[None, :], mask=kv_mask, other=0.0
     )
     s = _dot(q, tl.trans(k), DOT_PRECISION) * qk_scale  # [ROWS, BLOCK_N]
     visible = (pos[None, :] <= q_pos[:, None]) & n_mask[None, :]
@@ -79,7 +78,7 @@ def _attend_tile(
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     v = tl.load(
-        v_head_ptr + slots[:, None] * stride_v_slot + offs_d[None, :], mask=kv_mask, other=0.0
+        v_head_ptr + slots[:, None] * stride_kv_slot + offs_d[None, :], mask=kv_mask, other=0.0
     )
     acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PRECISION)
     return m_new, l_i, acc
@@ -95,8 +94,7 @@ def _attend_range(
     start,
     end,
     qk_scale,
-    stride_k_slot,
-    stride_v_slot,
+    stride_kv_slot,
     ROWS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -123,8 +121,7 @@ def _attend_range(
                 l_i,
                 acc,
                 qk_scale,
-                stride_k_slot,
-                stride_v_slot,
+                stride_kv_slot,
                 HEAD_DIM,
                 BLOCK_N,
                 BLOCK_D,
@@ -145,8 +142,7 @@ def _attend_range(
                 l_i,
                 acc,
                 qk_scale,
-                stride_k_slot,
-                stride_v_slot,
+                stride_kv_slot,
                 HEAD_DIM,
                 BLOCK_N,
                 BLOCK_D,
@@ -170,10 +166,8 @@ def decode_split_kernel(
     num_splits,
     stride_q_tok,
     stride_q_head,
-    stride_k_slot,
-    stride_k_head,
-    stride_v_slot,
-    stride_v_head,
+    stride_kv_slot,
+    stride_kv_head,
     stride_pt_row,
     stride_po_seq,
     stride_po_head,
@@ -214,14 +208,13 @@ def decode_split_kernel(
     m_i, l_i, acc = _attend_range(
         q,
         q_pos,
-        k_ptr + kv_head * stride_k_head,
-        v_ptr + kv_head * stride_v_head,
+        k_ptr + kv_head * stride_kv_head,
+        v_ptr + kv_head * stride_kv_head,
         page_table_ptr + row * stride_pt_row,
         start,
         end,
         qk_scale,
-        stride_k_slot,
-        stride_v_slot,
+        stride_kv_slot,
         ROWS=BLOCK_H,
         HEAD_DIM=HEAD_DIM,
         BLOCK_N=BLOCK_N,
@@ -307,10 +300,8 @@ def extend_kernel(
     qk_scale,
     stride_q_tok,
     stride_q_head,
-    stride_k_slot,
-    stride_k_head,
-    stride_v_slot,
-    stride_v_head,
+    stride_kv_slot,
+    stride_kv_head,
     stride_o_tok,
     stride_o_head,
     stride_pt_row,
@@ -349,14 +340,13 @@ def extend_kernel(
     m_i, l_i, acc = _attend_range(
         q,
         q_pos,
-        k_ptr + kv_head * stride_k_head,
-        v_ptr + kv_head * stride_v_head,
+        k_ptr + kv_head * stride_kv_head,
+        v_ptr + kv_head * stride_kv_head,
         page_table_ptr + row * stride_pt_row,
         0,
         end,
         qk_scale,
-        stride_k_slot,
-        stride_v_slot,
+        stride_kv_slot,
         ROWS=BLOCK_M,
         HEAD_DIM=HEAD_DIM,
         BLOCK_N=BLOCK_N,

@@ -20,7 +20,7 @@ from minisgl.engine.batch import TokenScores
 from minisgl.engine.sampling_batch import SamplingBatch
 from minisgl.kernels import cpu
 from minisgl.kernels.cpu_ops import CpuKernels
-from minisgl.kernels.gpu import sampling_kernels
+from minisgl.kernels.gpu import triton_kernels
 
 _MASK32 = 0xFFFFFFFF
 # u = (top bits of the hash + 0.5) / 2^bits. 23 bits keep every u exact in float32 and < 1:
@@ -232,7 +232,7 @@ class Sampler:
     (what tests compare against)."""
 
     def __init__(self, device: torch.device) -> None:
-        self.triton_kernels = sampling_kernels(device)
+        self.triton_kernels = triton_kernels("triton_sampling", device)
         self.cpu_kernels = cpu.kernels_for(device, torch.float32)
 
     def sample(self, logits: torch.Tensor, sb: SamplingBatch) -> SampleResult:

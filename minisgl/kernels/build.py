@@ -35,6 +35,7 @@ COMPILERS = ("gcc", "cc")
 FLAGS = ("-O3", "-fopenmp", "-ffp-contract=fast", "-std=gnu11", "-shared", "-fPIC")
 NATIVE_FLAGS = ("-march=native",)  # dropped if the compiler rejects it
 BUILD_TIMEOUT_S = 120
+CPU_FIELDS = ("model name", "flags", "Features", "CPU part")  # of /proc/cpuinfo (x86, arm)
 
 
 def cache_root() -> Path:
@@ -50,12 +51,8 @@ def _cpu_identity() -> str:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
         return platform.processor() or platform.machine()
-    keep = [
-        line
-        for line in text.splitlines()
-        if line.split(":")[0].strip() in ("model name", "flags", "Features", "CPU part")
-    ]
-    return "\n".join(sorted(set(keep))) or platform.machine()
+    keep = {line for line in text.splitlines() if line.split(":")[0].strip() in CPU_FIELDS}
+    return "\n".join(sorted(keep)) or platform.machine()
 
 
 def _compiler_version(compiler: str) -> str:
@@ -85,17 +82,19 @@ def _compile(compiler: str, flags: tuple[str, ...], target: Path) -> str | None:
     os.close(fd)
     sources = [str(path) for path in _sources() if path.suffix == ".c"]
     cmd = [compiler, *flags, *sources, "-o", tmp_name, "-lm"]
+    start_s = time.perf_counter()
     try:
         result = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
         if result.returncode != 0:
             return f"{' '.join(cmd)} failed: {result.stderr.strip()[-2000:]}"
         os.replace(tmp_name, target)
-        return None
     except (OSError, subprocess.SubprocessError) as exc:
         return f"{' '.join(cmd)} failed: {exc}"
     finally:
         if os.path.exists(tmp_name):
             os.unlink(tmp_name)
+    logger.info("built the CPU kernels in %.1f s: %s", time.perf_counter() - start_s, target)
+    return None
 
 
 def _sources() -> list[Path]:
@@ -128,15 +127,10 @@ def build_library() -> Path:
         with _build_lock(target):
             if target.exists():  # built by another process while we waited for the lock
                 return target
-            start_s = time.perf_counter()
             error = _compile(compiler, flags, target)
-            if error is not None:
-                with contextlib.suppress(OSError):
-                    failed.write_text(error)
-        if error is None:
-            logger.info(
-                "built the CPU kernels in %.1f s: %s", time.perf_counter() - start_s, target
-            )
-            return target
+            if error is None:
+                return target
+            with contextlib.suppress(OSError):
+                failed.write_text(error)
         errors.append(error)
     raise RuntimeError("; ".join(errors))

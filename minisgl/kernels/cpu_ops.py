@@ -314,11 +314,11 @@ class CpuKernels:
         self,
         q: torch.Tensor,
         q_rows: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        page_table: torch.Tensor,
         table_rows: torch.Tensor,
         kv_lens: torch.Tensor,
+        page_table: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
         out: torch.Tensor,
         scale: float,
     ) -> None:
@@ -328,10 +328,8 @@ class CpuKernels:
         contiguous; int64 index tensors; the int32 page table with contiguous rows. Callers
         check `supports_decode_attention` first."""
         num_heads, head_dim = q.shape[1], q.shape[2]
-        ldq, ldo = _heads_stride(q), _heads_stride(out)
-        if ldq is None:
-            q = q.contiguous()
-            ldq = q.stride(0)
+        q = q if _heads_stride(q) is not None else q.contiguous()
+        ldq, ldo = q.stride(0), _heads_stride(out)
         assert ldo is not None and page_table.stride(1) == 1 and k_cache.is_contiguous()
         status = self._lib.mg_decode_attention(
             q.data_ptr(), ldq, q_rows.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
@@ -378,9 +376,5 @@ class CpuKernels:
 
     @staticmethod
     def supports_decode_attention(num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
-        group = num_heads // num_kv_heads
-        return (
-            group * num_kv_heads == num_heads
-            and num_heads <= ATTN_MAX_HEADS
-            and head_dim <= ATTN_MAX_HEAD_DIM
-        )
+        whole_groups = num_heads % num_kv_heads == 0
+        return whole_groups and num_heads <= ATTN_MAX_HEADS and head_dim <= ATTN_MAX_HEAD_DIM

@@ -52,19 +52,11 @@ def _module(name: str) -> ModuleType | None:
         return None
 
 
-def _triton_module(name: str, device: torch.device) -> ModuleType | None:
+def triton_kernels(name: str, device: torch.device) -> ModuleType | None:
+    """The Triton kernel module `name` ("triton_fused": the layers', "triton_sampling": the
+    sampler's) when it applies on `device`."""
     mode = _mode()
     return _module(name) if mode == "force" or (mode == "auto" and device.type == "cuda") else None
-
-
-def fused_kernels(device: torch.device) -> ModuleType | None:
-    """The fused layer kernels module (triton_fused) when it applies on `device`."""
-    return _triton_module("triton_fused", device)
-
-
-def sampling_kernels(device: torch.device) -> ModuleType | None:
-    """The sampling kernel module (triton_sampling) when it applies on `device`."""
-    return _triton_module("triton_sampling", device)
 
 
 @dataclass(frozen=True)
@@ -83,7 +75,7 @@ def layer_kernels(
     under its own)."""
     device = torch.get_default_device() if device is None else device
     dtype = torch.get_default_dtype() if dtype is None else dtype
-    fused = fused_kernels(device)
+    fused = triton_kernels("triton_fused", device)
     return LayerKernels(fused, None if fused is not None else cpu.kernels_for(device, dtype))
 
 

@@ -15,7 +15,7 @@ They round exactly where the torch reference does (layers/norm.py, layers/rope.p
 linear.py's MLP): in 16-bit dtypes every intermediate the reference materialises in that dtype is
 rounded to it here too, so outputs match the torch path up to the order of a mean's summation.
 
-Importing this module imports triton: `minisgl.kernels.gpu.fused_kernels_for` imports it lazily.
+Importing this module imports triton: `minisgl.kernels.gpu.triton_kernels` imports it lazily.
 Under TRITON_INTERPRET=1 (set before triton is imported) they run on CPU tensors, which is how
 CI checks them against the torch reference (tests/test_fused_kernels.py).
 """
@@ -90,51 +90,42 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x2 if x2.stride(-1) == 1 else x2.contiguous()
 
 
-def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm over the last dim of x (any leading shape): a new tensor of x's dtype."""
+def rmsnorm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor:
+    """RMSNorm over the last dim of x (any leading shape): a new tensor of x's dtype. With
+    `residual` (2-D rows with unit column stride, x's shape) it normalizes x + residual and
+    stores that sum into `residual` (the fused residual add)."""
     x2 = _rows(x)
     out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
-    _launch_rmsnorm(x2, None, weight, out, eps)
+    if residual is not None:
+        assert residual.dim() == 2 and residual.stride(-1) == 1 and residual.shape == x.shape
+    res = x2 if residual is None else residual  # read only with a residual
+    num_rows, num_cols = x2.shape
+    if num_rows:
+        block = triton.next_power_of_2(num_cols)
+        _rmsnorm_kernel[(num_rows,)](
+            x2,
+            res,
+            weight,
+            out,
+            x2.stride(0),
+            res.stride(0),
+            out.stride(0),
+            num_cols,
+            eps,
+            HAS_RESIDUAL=residual is not None,
+            BLOCK=block,
+            num_warps=_num_warps(block),
+        )
     return out.view(x.shape)
 
 
 def add_rmsnorm_(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> torch.Tensor:
-    """residual <- x + residual (in place; residual must be 2-D rows with unit column stride);
-    returns RMSNorm(residual) as a new tensor."""
-    assert residual.dim() == 2 and residual.stride(-1) == 1 and residual.shape == x.shape
-    x2 = _rows(x)
-    out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
-    _launch_rmsnorm(x2, residual, weight, out, eps)
-    return out
-
-
-def _launch_rmsnorm(
-    x: torch.Tensor,
-    residual: torch.Tensor | None,
-    weight: torch.Tensor,
-    out: torch.Tensor,
-    eps: float,
-) -> None:
-    num_rows, num_cols = x.shape
-    if num_rows == 0:
-        return
-    block = triton.next_power_of_2(num_cols)
-    _rmsnorm_kernel[(num_rows,)](
-        x,
-        x if residual is None else residual,
-        weight,
-        out,
-        x.stride(0),
-        0 if residual is None else residual.stride(0),
-        out.stride(0),
-        num_cols,
-        eps,
-        HAS_RESIDUAL=residual is not None,
-        BLOCK=block,
-        num_warps=_num_warps(block),
-    )
+    """residual <- x + residual (in place); returns RMSNorm(residual) as a new tensor."""
+    return rmsnorm(x, weight, eps, residual)
 
 
 # ---- per-head q/k norm + rotary embedding --------------------------------------------------------
@@ -267,36 +258,33 @@ def qk_norm_rope(
     assert cos_cache.stride(-1) == 1 and cos_cache.stride() == sin_cache.stride()
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
-    if num_tokens == 0:
-        return q_out, k_out
     has_norm = q_weight is not None and k_weight is not None
     half = head_dim // 2
-    _qk_norm_rope_kernel[(num_tokens,)](
-        q,
-        k,
-        q_out,
-        k_out,
-        positions,
-        cos_cache,
-        sin_cache,
-        q_weight if has_norm else q,
-        k_weight if has_norm else k,
-        q.stride(0),
-        q.stride(1),
-        k.stride(0),
-        k.stride(1),
-        cos_cache.stride(0),
-        num_q_heads,
-        num_kv_heads,
-        eps,
-        HEAD_DIM=head_dim,
-        HALF=half,
-        BLOCK_D=triton.next_power_of_2(half),
-        BLOCK_HQ=triton.next_power_of_2(num_q_heads),
-        BLOCK_HK=triton.next_power_of_2(num_kv_heads),
-        HAS_NORM=has_norm,
-        num_warps=4,
-    )
+    if num_tokens:
+        _qk_norm_rope_kernel[(num_tokens,)](
+            q,
+            k,
+            q_out,
+            k_out,
+            positions,
+            cos_cache,
+            sin_cache,
+            q_weight if has_norm else q,
+            k_weight if has_norm else k,
+            *q.stride()[:2],
+            *k.stride()[:2],
+            cos_cache.stride(0),
+            num_q_heads,
+            num_kv_heads,
+            eps,
+            HEAD_DIM=head_dim,
+            HALF=half,
+            BLOCK_D=triton.next_power_of_2(half),
+            BLOCK_HQ=triton.next_power_of_2(num_q_heads),
+            BLOCK_HK=triton.next_power_of_2(num_kv_heads),
+            HAS_NORM=has_norm,
+            num_warps=4,
+        )
     return q_out, k_out
 
 
@@ -325,11 +313,10 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     num_rows, width = x.shape
     num_cols = width // 2
     out = torch.empty((num_rows, num_cols), dtype=x.dtype, device=x.device)
-    if num_rows == 0:
-        return out.view(*gate_up.shape[:-1], num_cols)
-    block = min(SILU_BLOCK, triton.next_power_of_2(num_cols))
-    grid = (num_rows, triton.cdiv(num_cols, block))
-    _silu_mul_kernel[grid](x, out, x.stride(0), num_cols, BLOCK=block, num_warps=4)
+    if num_rows:
+        block = min(SILU_BLOCK, triton.next_power_of_2(num_cols))
+        grid = (num_rows, triton.cdiv(num_cols, block))
+        _silu_mul_kernel[grid](x, out, x.stride(0), num_cols, BLOCK=block, num_warps=4)
     return out.view(*gate_up.shape[:-1], num_cols)
 
 
@@ -371,10 +358,8 @@ def store_kv(
     assert k.shape == v.shape and k.shape[1:] == k_cache.shape[1:] == v_cache.shape[1:]
     num_tokens = k.shape[0]
     row_size = k.shape[1] * k.shape[2]
-    for x in (k, v):
-        if x.stride(2) != 1 or x.stride(1) != x.shape[2]:
-            return False
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+    heads_back_to_back = all(x.stride(2) == 1 and x.stride(1) == x.shape[2] for x in (k, v))
+    if not (heads_back_to_back and k_cache.is_contiguous() and v_cache.is_contiguous()):
         return False
     if num_tokens == 0:
         return True

@@ -12,7 +12,7 @@ a row, so they drop out: one pass instead of three. u_i are sampler.py's seeded 
 bit (the same lowbias32 hashes, in uint32 arithmetic); rows with temperature 0 take the argmax of
 their logits. Ties go to the lowest id, as torch.argmax.
 
-Importing this module imports triton: `minisgl.kernels.gpu.sampling_kernels_for` imports it
+Importing this module imports triton: `minisgl.kernels.gpu.triton_kernels` imports it
 lazily. Under TRITON_INTERPRET=1 it runs on CPU tensors (tests/test_triton_sampling.py).
 """
 
@@ -128,20 +128,19 @@ def sample(
     rows, vocab_size = logits.shape
     assert logits.stride(1) == 1, "the vocabulary must be contiguous"
     out = torch.empty(rows, dtype=torch.int64, device=logits.device)
-    if rows == 0:
-        return out
-    _sample_kernel[(rows,)](
-        logits,
-        temperatures,
-        seeds,
-        positions,
-        out,
-        logits.stride(0),
-        vocab_size,
-        MIN_TEMPERATURE,
-        UNIFORM_SHIFT=32 - UNIFORM_BITS,
-        UNIFORM_SCALE=1.0 / (1 << UNIFORM_BITS),
-        BLOCK=BLOCK,
-        num_warps=NUM_WARPS,
-    )
+    if rows:
+        _sample_kernel[(rows,)](
+            logits,
+            temperatures,
+            seeds,
+            positions,
+            out,
+            logits.stride(0),
+            vocab_size,
+            MIN_TEMPERATURE,
+            UNIFORM_SHIFT=32 - UNIFORM_BITS,
+            UNIFORM_SCALE=1.0 / (1 << UNIFORM_BITS),
+            BLOCK=BLOCK,
+            num_warps=NUM_WARPS,
+        )
     return out
