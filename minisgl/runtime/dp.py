@@ -25,7 +25,7 @@ from minisgl.models.names import served_model_name
 from minisgl.runtime.gateway import INSTALL_HINT, Gateway, gateway_installed
 from minisgl.runtime.launch import CHILD_FAILED_EXIT_CODE, ServerStack, run_until_stopped
 from minisgl.runtime.placement import plan_placements
-from minisgl.runtime.supervisor import WATCH_INTERVAL_S, StartupError, setup_logging
+from minisgl.supervisor import WATCH_INTERVAL_S, StartupError, setup_logging
 
 logger = logging.getLogger("minisgl")
 

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from minisgl.config import ServerArgs
-from minisgl.runtime.supervisor import StartupError
+from minisgl.supervisor import StartupError
 
 CUDA_VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
 

@@ -45,7 +45,7 @@ from minisgl.engine.engine import Engine
 from minisgl.models.config import load_model_config
 from minisgl.models.llama import local_head_counts
 from minisgl.models.resolve import resolve_model_path_for
-from minisgl.runtime.supervisor import Children, StartupError, describe_exit
+from minisgl.supervisor import Children, StartupError, describe_exit
 from minisgl.scheduler.protocol import SchedulerAPI
 from minisgl.scheduler.scheduler import Scheduler
 from minisgl.scheduler.stats import SchedulerStats

@@ -2,7 +2,7 @@
 
 Rank 0 (`minisgl.scheduler.tp`) broadcasts one `Command` per step over the gloo control group;
 a follower (`start_rank`, then `follow`) replays each on its own `Scheduler`. `spawn_followers`
-starts a node's follower processes as children of minisgl.runtime.supervisor: each reports over
+starts a node's follower processes as children of minisgl.supervisor: each reports over
 a pipe that it started, then that it is ready or why it failed, so rank 0 can name the rank that
 broke the group.
 """
@@ -27,7 +27,7 @@ from minisgl.distributed import (
     ranks_per_node,
 )
 from minisgl.engine.engine import resolve_device
-from minisgl.runtime.supervisor import Children
+from minisgl.supervisor import Children
 from minisgl.scheduler.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
@@ -153,7 +153,7 @@ def close_quietly(scheduler: Scheduler | None) -> None:
 
 
 def run_follower(args: ServerArgs, rank: int, report_ready: Callable[[], None]) -> None:
-    """A spawned follower's process (`minisgl.runtime.supervisor.child_main` runs it, and
+    """A spawned follower's process (`minisgl.supervisor.child_main` runs it, and
     reports its failure to rank 0)."""
     scheduler: Scheduler | None = None
     try:
