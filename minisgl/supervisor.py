@@ -118,8 +118,7 @@ def child_main(
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _exit_on_signal)
     signal.signal(BACKEND_FAILED_SIGNAL, _exit_on_signal)  # the API server handles it itself
-    watchdog = threading.Thread(target=_watch_parent, args=(os.getppid(), cleanup_dir), daemon=True)
-    watchdog.start()
+    threading.Thread(target=_watch_parent, args=(os.getppid(), cleanup_dir), daemon=True).start()
     _report(conn, "started")
     exit_code = 0
     try:
