@@ -75,10 +75,6 @@ class DetokenizerWorker:
         if results:
             self._to_api.put(msg.BatchDetokenizedOutput(tuple(results)))
 
-    def run(self) -> None:
-        while True:
-            self.run_once()
-
     def close(self) -> None:
         for queue in (self._inbox, self._to_api, self._to_scheduler):
             queue.close()
@@ -90,6 +86,7 @@ def run_detokenizer_process(
     worker = DetokenizerWorker(load_tokenizer(tokenizer_path), endpoints)
     report_ready()
     try:
-        worker.run()
+        while True:
+            worker.run_once()
     finally:
         worker.close()

@@ -180,9 +180,8 @@ class DataParallelStack(StopRequests):
         """Until a stop is requested (0), the gateway exits or no replica is left (non-zero).
         A replica that dies is stopped; the others keep serving."""
         while not self.stop_requested:
-            wait(
-                [s for r in self._replicas for s in r.children.sentinels], timeout=WATCH_INTERVAL_S
-            )
+            sentinels = [s for replica in self._replicas for s in replica.children.sentinels]
+            wait(sentinels, timeout=WATCH_INTERVAL_S)
             for replica in list(self._replicas):
                 failure = replica.children.failure()
                 if failure is not None:

@@ -20,7 +20,7 @@ import signal
 import time
 from multiprocessing.connection import wait
 from multiprocessing.process import BaseProcess
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from minisgl.config import ServerArgs
 from minisgl.models.names import served_model_name
@@ -100,13 +100,10 @@ class ServerStack(StopRequests):
         self.endpoints = endpoints = Endpoints.create()
         self.children = Children(log_level=self.args.log_level, cleanup_dir=endpoints.root)
         # Targets by name: the launcher itself never imports torch, transformers or FastAPI.
-        targets: dict[str, tuple[str, tuple[Any, ...]]] = {
-            "sched": (SCHEDULER_TARGET, (self.args, endpoints)),
-            "detok": (DETOKENIZER_TARGET, (tokenizer_path, endpoints)),
-            API_CHILD: (API_TARGET, (self.args, endpoints, tokenizer_path, model_path)),
-        }
-        for name, (target, args) in targets.items():
-            self.children.spawn(name + self._name_suffix, target, *args)
+        spawn, suffix, args = self.children.spawn, self._name_suffix, self.args
+        spawn("sched" + suffix, SCHEDULER_TARGET, args, endpoints)
+        spawn("detok" + suffix, DETOKENIZER_TARGET, tokenizer_path, endpoints)
+        spawn(API_CHILD + suffix, API_TARGET, args, endpoints, tokenizer_path, model_path)
 
     def wait_ready(self, timeout_s: float = STARTUP_TIMEOUT_S) -> None:
         self.children.wait(lambda child: child.ready, timeout_s, lambda: self.stop_requested)

@@ -35,8 +35,9 @@ class GrammarMasks:
             from transformers import AutoTokenizer
 
             tokenizer = AutoTokenizer.from_pretrained(self._tokenizer_path, local_files_only=True)
-            eos_ids = self._eos_token_ids
-            self._compiler = GrammarCompiler(tokenizer, self._vocab_size, eos_ids, "constraint")
+            self._compiler = GrammarCompiler(
+                tokenizer, self._vocab_size, self._eos_token_ids, param="constraint"
+            )
         return self._compiler.load(constraint, req.grammar_blob)
 
     def attach(self, req: Req) -> None:
