@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from minisgl.config import ServerArgs, parse_server_args
 from minisgl.models.names import served_model_name
 from minisgl.runtime.launch import ServerStack
-from minisgl.runtime.supervisor import StartupError
+from minisgl.supervisor import StartupError
 
 PROMPT = ">>> "
 RESET_COMMAND = "/reset"

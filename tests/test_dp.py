@@ -21,12 +21,10 @@ import pytest
 from minisgl.api.dialects.sglang import model_info
 from minisgl.config import DataParallelArgs, ServerArgs, data_parallel_args, parse_server_args
 from minisgl.runtime import dp as dp_module
-from minisgl.runtime import placement as placement_module
-from minisgl.runtime.dp import DataParallelStack
+from minisgl.runtime.dp import DataParallelStack, Placement, plan_placements
 from minisgl.runtime.gateway import gateway_command, gateway_installed
 from minisgl.runtime.launch import CHILD_FAILED_EXIT_CODE, http_url
-from minisgl.runtime.placement import Placement, plan_placements
-from minisgl.runtime.supervisor import StartupError
+from minisgl.supervisor import StartupError
 from tests.dp_utils import (
     FAST_HEALTH_CHECKS,
     DataParallelProcess,
@@ -91,11 +89,11 @@ def test_urls_reach_wildcard_hosts():
 
 def test_placements_split_gpus_and_cores(monkeypatch):
     args = ServerArgs(tp_size=2)
-    monkeypatch.setattr(placement_module, "_visible_gpus", lambda _: ["4", "5", "6", "7"])
+    monkeypatch.setattr(dp_module, "_visible_gpus", lambda _: ["4", "5", "6", "7"])
     assert plan_placements(args, 2) == [Placement("4,5"), Placement("6,7")]
     with pytest.raises(StartupError, match="needs 6 GPUs; 4 visible"):
         plan_placements(args, 3)
-    monkeypatch.setattr(placement_module, "_visible_gpus", lambda _: [])
+    monkeypatch.setattr(dp_module, "_visible_gpus", lambda _: [])
     monkeypatch.setattr(os, "sched_getaffinity", lambda _: {0, 1, 2, 3, 4}, raising=False)
     cores = [p.cpus for p in plan_placements(args, 2)]
     assert cores == [frozenset({0, 1}), frozenset({2, 3, 4})]
@@ -134,6 +132,7 @@ class _FakeStack:
         self.on_check = lambda: None
         self.shutdowns: list[bool] = []
         self.sentinels: list[int] = []
+        self.children = self  # its own Children: sentinels, failure()
 
     def start(self) -> None: ...
 

@@ -45,6 +45,31 @@ def _contents(cache: RadixCache) -> Pages:
     return out
 
 
+def check_invariants(cache: RadixCache) -> None:
+    """Assert the tree invariants of minisgl/kvcache/radix.py's docstring with a full walk."""
+    evictable_len = protected_len = 0
+    leaves: set[_Node] = set()
+    for node in cache._iter_nodes():
+        assert node.parent is not None and node.lock_ref >= 0
+        assert 0 < len(node.key) == len(node.slot_indices)
+        assert len(node.key) % cache.page_size == 0
+        assert node.slot_indices.dtype == torch.int64
+        assert node.parent.children[cache._page_key(node.key)] is node
+        if node.parent is not cache._root:
+            assert node.parent.lock_ref >= node.lock_ref
+        assert node.lock_ref >= sum(child.lock_ref for child in node.children.values())
+        if node.lock_ref > 0:
+            protected_len += len(node.key)
+        else:
+            evictable_len += len(node.key)
+            if not node.children:
+                leaves.add(node)
+    assert (evictable_len, protected_len) == (cache.evictable_size, cache.protected_size)
+    assert leaves == cache._evictable_leaves
+    live = {(n.last_access, n.node_id) for n in leaves}
+    assert live <= {(access, node_id) for access, node_id, _ in cache._lru_heap}
+
+
 # ---- unit tests ---------------------------------------------------------------------------------
 
 
@@ -59,13 +84,13 @@ def test_exact_and_partial_match_page1() -> None:
     partial = cache.match_prefix([1, 2, 9])  # ends inside the node: splits it at 2
     assert partial.slot_indices.tolist() == [10, 11]
     assert len(cache._root.children[1].key) == 2
-    cache.check_invariants()
+    check_invariants(cache)
 
     assert cache.insert([1, 2, 7, 8], _slot_range(20, 4)) == 2  # branches off the split point
     assert cache.match_prefix([1, 2, 7, 8]).slot_indices.tolist() == [10, 11, 22, 23]
     assert cache.match_prefix([1, 2, 3, 4]).slot_indices.tolist() == [10, 11, 12, 13]
     assert (cache.evictable_size, cache.protected_size) == (6, 0)
-    cache.check_invariants()
+    check_invariants(cache)
 
 
 def test_page_size_4_matches_whole_pages_only() -> None:
@@ -83,7 +108,7 @@ def test_page_size_4_matches_whole_pages_only() -> None:
         *range(4),
         *range(104, 108),
     ]
-    cache.check_invariants()
+    check_invariants(cache)
 
     with pytest.raises(AssertionError, match="page_size"):
         cache.insert([1, 2, 3], _slot_range(0, 3))
@@ -131,7 +156,7 @@ def test_lock_protects_from_eviction() -> None:
     assert cache.evict(1).tolist() == [0, 1]
     with pytest.raises(AssertionError, match="evicted"):
         cache.lock(handle)  # stale handle
-    cache.check_invariants()
+    check_invariants(cache)
 
 
 def test_lock_survives_a_later_split() -> None:
@@ -141,10 +166,10 @@ def test_lock_survives_a_later_split() -> None:
     cache.lock(handle)
     cache.match_prefix([1, 2, 9])  # splits the locked node above the handle
     assert (cache.evictable_size, cache.protected_size) == (0, 4)
-    cache.check_invariants()
+    check_invariants(cache)
     cache.unlock(handle)
     assert (cache.evictable_size, cache.protected_size) == (4, 0)
-    cache.check_invariants()
+    check_invariants(cache)
 
 
 def test_root_and_none_handles_are_no_ops() -> None:
@@ -170,7 +195,7 @@ def test_evict_lru_order() -> None:
     assert cache.evict(1).tolist() == [20, 21]
     assert cache.evict(1).numel() == 0
     assert cache.total_size == 0
-    cache.check_invariants()
+    check_invariants(cache)
 
 
 def test_evict_parent_becomes_candidate() -> None:
@@ -197,7 +222,7 @@ def test_reset() -> None:
     assert cache.total_size == 0
     assert cache.match_prefix([1, 2, 3, 4]).matched_len == 0
     assert cache.reset().numel() == 0
-    cache.check_invariants()
+    check_invariants(cache)
 
 
 def test_create_prefix_cache() -> None:
@@ -340,7 +365,7 @@ class RadixCacheMachine(RuleBasedStateMachine):
 
     @invariant()
     def cache_matches_reference(self) -> None:
-        self.cache.check_invariants()  # includes lock_ref >= 0 and the size bookkeeping
+        check_invariants(self.cache)  # includes lock_ref >= 0 and the size bookkeeping
         assert _contents(self.cache) == self.ref
         assert self.cache.total_size == len(self.ref) * self.page_size
         locked_pages = {

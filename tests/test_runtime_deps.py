@@ -107,6 +107,13 @@ def test_every_runtime_import_is_a_declared_dependency():
     assert not problems, "\n".join(problems)
 
 
+def test_the_supervisor_is_the_bottom_layer():
+    """minisgl/supervisor.py imports only the standard library: the server's launcher and the tp
+    ranks in minisgl/scheduler/ both use it, and every import points down."""
+    imported = {module for module, _, _ in _imports(PACKAGE / "supervisor.py")}
+    assert imported <= {"__future__", *sys.stdlib_module_names}, imported
+
+
 def test_the_checker_sees_lazy_and_module_level_imports(tmp_path):
     """The rule above is only as good as `_imports`: it must tell the two placements apart."""
     sample = tmp_path / "sample.py"

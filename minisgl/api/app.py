@@ -33,7 +33,7 @@ from minisgl.models.config import load_sampling_defaults
 from minisgl.models.names import accepted_model_names, served_model_name
 from minisgl.runtime.engine_client import BACKEND_STOPPED, EngineClient
 from minisgl.runtime.messages import Endpoints, StatsReply
-from minisgl.runtime.supervisor import BACKEND_FAILED_SIGNAL, ChildStartupError
+from minisgl.supervisor import BACKEND_FAILED_SIGNAL, ChildStartupError
 from minisgl.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)

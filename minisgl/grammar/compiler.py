@@ -61,12 +61,12 @@ class GrammarCompiler:
         self._blobs: OrderedDict[tuple[str, str], str] = OrderedDict()
         self._lock = threading.Lock()
 
-    def _cached(self, key: tuple[str, str]) -> Any | None:
+    def _cached(self, cache: OrderedDict, key: tuple[str, str]) -> Any | None:
         with self._lock:
-            compiled = self._cache.get(key)
-            if compiled is not None:
-                self._cache.move_to_end(key)
-            return compiled
+            value = cache.get(key)
+            if value is not None:
+                cache.move_to_end(key)
+            return value
 
     def _remember(self, cache: OrderedDict, key: tuple[str, str], value: Any) -> None:
         with self._lock:
@@ -78,7 +78,7 @@ class GrammarCompiler:
     def compile(self, constraint: Constraint) -> Any:
         """The compiled grammar; raises InvalidRequestError naming `self.param` if it is bad."""
         key = constraint.grammar_key
-        compiled = self._cached(key)
+        compiled = self._cached(self._cache, key)
         if compiled is None:
             compiled = self._compile(constraint)
             self._remember(self._cache, key, compiled)
@@ -112,8 +112,7 @@ class GrammarCompiler:
     def serialize(self, constraint: Constraint) -> str:
         """Compile (cached) and serialize, for the scheduler: what TokenizedRequest carries."""
         key = constraint.grammar_key
-        with self._lock:
-            blob = self._blobs.get(key)
+        blob = self._cached(self._blobs, key)
         if blob is None:
             blob = str(self.compile(constraint).serialize_json())
             self._remember(self._blobs, key, blob)
@@ -123,7 +122,7 @@ class GrammarCompiler:
         """The compiled grammar for a request: cached, else deserialized from `blob` (compiled
         by the API server), else compiled here (the offline API sends no blob)."""
         key = constraint.grammar_key
-        compiled = self._cached(key)
+        compiled = self._cached(self._cache, key)
         if compiled is not None:
             return compiled
         if blob is None:
@@ -131,13 +130,3 @@ class GrammarCompiler:
         compiled = self._xgr.CompiledGrammar.deserialize_json(blob, self.info)
         self._remember(self._cache, key, compiled)
         return compiled
-
-
-def compiler_for_checkpoint(
-    tokenizer_path: str, vocab_size: int, stop_token_ids: Sequence[int]
-) -> GrammarCompiler:
-    """The scheduler's compiler: the checkpoint's tokenizer, errors reported as `constraint`."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path, local_files_only=True)
-    return GrammarCompiler(tokenizer, vocab_size, stop_token_ids, param="constraint")

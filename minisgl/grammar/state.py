@@ -6,8 +6,6 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-import torch
-
 from minisgl.engine.batch import VocabMask
 
 logger = logging.getLogger(__name__)
@@ -52,21 +50,16 @@ class GrammarState:
             logger.warning("grammar rejected token %d: constraint dropped", token_id)
             self.broken = True
 
-    def fill(self, bitmask: torch.Tensor, index: int) -> None:
-        self._matcher.fill_next_token_bitmask(bitmask, index)
-
 
 def build_vocab_mask(states: Sequence[GrammarState | None], vocab_size: int) -> VocabMask | None:
     """The mask for one batch's sampled rows (states in sampling order; None: unconstrained).
     None when no row is constrained."""
-    rows = [i for i, s in enumerate(states) if s is not None and s.constrains_next]
+    rows = {i: s for i, s in enumerate(states) if s is not None and s.constrains_next}
     if not rows:
         return None
     import xgrammar as xgr
 
     bitmask = xgr.allocate_token_bitmask(len(rows), vocab_size)
-    for index, row in enumerate(rows):
-        state = states[row]
-        assert state is not None
-        state.fill(bitmask, index)
-    return VocabMask(rows, bitmask)
+    for index, state in enumerate(rows.values()):
+        state._matcher.fill_next_token_bitmask(bitmask, index)
+    return VocabMask(list(rows), bitmask)

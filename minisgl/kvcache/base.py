@@ -31,11 +31,14 @@ class PrefixCache(ABC):
 
     Ownership: a slot is in exactly one place: the page allocator's free list, this cache, or a
     running request. `lock` protects a matched prefix from eviction while a request uses it;
-    every `lock` is paired with one `unlock` of the same handle.
+    every `lock` is paired with one `unlock` of the same handle. An implementation keeps
+    `evictable_size` and `protected_size` (tokens, read-only to callers) up to date.
     """
 
     def __init__(self, page_size: int) -> None:
         self.page_size = page_size
+        self.evictable_size = 0  # tokens held in unlocked entries (can be evicted now)
+        self.protected_size = 0  # tokens held in locked entries
 
     @abstractmethod
     def match_prefix(self, token_ids: Sequence[int]) -> MatchResult:
@@ -67,16 +70,6 @@ class PrefixCache(ABC):
     @abstractmethod
     def reset(self) -> torch.Tensor:
         """Drop everything (no entry may be locked). Returns all slots the cache held."""
-
-    @property
-    @abstractmethod
-    def evictable_size(self) -> int:
-        """Tokens held in unlocked entries (can be evicted now)."""
-
-    @property
-    @abstractmethod
-    def protected_size(self) -> int:
-        """Tokens held in locked entries."""
 
     @property
     def total_size(self) -> int:

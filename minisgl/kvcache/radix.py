@@ -1,6 +1,6 @@
 """Radix-tree prefix cache: requests with a common token prefix share its KV slots.
 
-Tree invariants (asserted by `check_invariants`, which the tests call after every step):
+Tree invariants (tests/test_radix_cache.py asserts them after every step):
 - Every non-root node has a non-empty key (token ids) whose length is a multiple of `page_size`,
   and an int64 slot tensor of the same length. A node stands for the prefix made of the keys on
   its path from the root; slot `i` of a node holds the KV of that node's key token `i`.
@@ -19,6 +19,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections.abc import Hashable, Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -35,12 +36,6 @@ def _empty_slots() -> torch.Tensor:
     return torch.empty(0, dtype=torch.int64)
 
 
-def _token_list(token_ids: Sequence[int]) -> list[int]:
-    if isinstance(token_ids, torch.Tensor):
-        return [int(t) for t in token_ids.tolist()]
-    return list(token_ids)
-
-
 def _common_len(key: list[int], tokens: list[int], start: int, page_size: int) -> int:
     """Length of the common prefix of `key` and `tokens[start:]`, rounded down to pages."""
     limit = min(len(key), len(tokens) - start)
@@ -50,24 +45,15 @@ def _common_len(key: list[int], tokens: list[int], start: int, page_size: int) -
     return n - n % page_size
 
 
+@dataclass(eq=False, slots=True)  # eq=False: nodes compare and hash by identity
 class _Node:
-    __slots__ = ("children", "key", "last_access", "lock_ref", "node_id", "parent", "slot_indices")
-
-    def __init__(
-        self,
-        key: list[int],
-        slot_indices: torch.Tensor,
-        parent: _Node | None,
-        node_id: int,
-        last_access: int,
-    ) -> None:
-        self.key = key
-        self.slot_indices = slot_indices
-        self.children: dict[Hashable, _Node] = {}
-        self.parent = parent  # None for the root and for evicted (detached) nodes
-        self.lock_ref = 0
-        self.last_access = last_access  # logical clock, not wall time: deterministic LRU
-        self.node_id = node_id  # unique heap tie-breaker (nodes themselves are not orderable)
+    key: list[int]
+    slot_indices: torch.Tensor
+    parent: _Node | None  # None for the root and for evicted (detached) nodes
+    node_id: int  # unique heap tie-breaker (nodes themselves are not orderable)
+    last_access: int  # logical clock, not wall time: deterministic LRU
+    children: dict[Hashable, _Node] = field(default_factory=dict)
+    lock_ref: int = 0
 
 
 class RadixCache(PrefixCache):
@@ -86,15 +72,14 @@ class RadixCache(PrefixCache):
         self._node_ids = itertools.count()
         self._clock = 0  # bumped once per match/insert; all nodes on that path get the new time
         self._root = _Node([], _empty_slots(), None, next(self._node_ids), 0)
-        self._evictable_size = 0
-        self._protected_size = 0
+        self.evictable_size = self.protected_size = 0
         self._evictable_leaves: set[_Node] = set()
         self._lru_heap: list[tuple[int, int, _Node]] = []
 
     # ---- public API -------------------------------------------------------------------------
 
     def match_prefix(self, token_ids: Sequence[int]) -> MatchResult:
-        tokens = _token_list(token_ids)
+        tokens = list(token_ids)
         tokens = tokens[: len(tokens) - len(tokens) % self.page_size]  # unaligned tail never hits
         node, chunks = self._walk(tokens)
         return MatchResult(node, torch.cat(chunks) if chunks else _empty_slots())
@@ -102,8 +87,8 @@ class RadixCache(PrefixCache):
     def lock(self, handle: Any) -> None:
         for node in self._path_to_root(self._as_node(handle)):
             if node.lock_ref == 0:
-                self._evictable_size -= len(node.key)
-                self._protected_size += len(node.key)
+                self.evictable_size -= len(node.key)
+                self.protected_size += len(node.key)
                 self._evictable_leaves.discard(node)
             node.lock_ref += 1
 
@@ -114,12 +99,12 @@ class RadixCache(PrefixCache):
         for node in self._path_to_root(handle_node):
             node.lock_ref -= 1
             if node.lock_ref == 0:
-                self._evictable_size += len(node.key)
-                self._protected_size -= len(node.key)
+                self.evictable_size += len(node.key)
+                self.protected_size -= len(node.key)
                 self._refresh_candidate(node)
 
     def insert(self, token_ids: Sequence[int], slot_indices: torch.Tensor) -> int:
-        tokens = _token_list(token_ids)
+        tokens = list(token_ids)
         assert len(tokens) == len(slot_indices), (
             f"insert: {len(tokens)} token ids but {len(slot_indices)} slot indices"
         )
@@ -133,7 +118,7 @@ class RadixCache(PrefixCache):
             new_slots = slot_indices[prefix_len:].to(torch.int64).clone()
             leaf = _Node(tokens[prefix_len:], new_slots, node, next(self._node_ids), self._clock)
             node.children[self._page_key(leaf.key)] = leaf
-            self._evictable_size += len(leaf.key)
+            self.evictable_size += len(leaf.key)
             self._refresh_candidate(leaf)
             self._refresh_candidate(node)  # it has a child now, so it is no longer a candidate
         return prefix_len
@@ -150,25 +135,17 @@ class RadixCache(PrefixCache):
             del parent.children[self._page_key(node.key)]
             node.parent = None  # detached: a leftover handle to it now fails loudly in lock
             self._evictable_leaves.remove(node)
-            self._evictable_size -= len(node.key)
+            self.evictable_size -= len(node.key)
             released.append(node.slot_indices)
             released_len += len(node.key)
             self._refresh_candidate(parent)  # may have just become an unlocked leaf
         return torch.cat(released) if released else _empty_slots()
 
     def reset(self) -> torch.Tensor:
-        assert self._protected_size == 0, "reset while a prefix is locked"
+        assert self.protected_size == 0, "reset while a prefix is locked"
         slots = [node.slot_indices for node in self._iter_nodes()]
         self._clear()
         return torch.cat(slots) if slots else _empty_slots()
-
-    @property
-    def evictable_size(self) -> int:
-        return self._evictable_size
-
-    @property
-    def protected_size(self) -> int:
-        return self._protected_size
 
     # ---- tree mechanics ---------------------------------------------------------------------
 
@@ -259,30 +236,6 @@ class RadixCache(PrefixCache):
             node = stack.pop()
             yield node
             stack.extend(node.children.values())
-
-    def check_invariants(self) -> None:
-        """Assert the module-docstring invariants with a full walk (O(tree); for tests/debug)."""
-        evictable_len = protected_len = 0
-        leaves: set[_Node] = set()
-        for node in self._iter_nodes():
-            assert node.parent is not None and node.lock_ref >= 0
-            assert 0 < len(node.key) == len(node.slot_indices)
-            assert len(node.key) % self.page_size == 0
-            assert node.slot_indices.dtype == torch.int64
-            assert node.parent.children[self._page_key(node.key)] is node
-            if node.parent is not self._root:
-                assert node.parent.lock_ref >= node.lock_ref
-            assert node.lock_ref >= sum(child.lock_ref for child in node.children.values())
-            if node.lock_ref > 0:
-                protected_len += len(node.key)
-            else:
-                evictable_len += len(node.key)
-                if not node.children:
-                    leaves.add(node)
-        assert (evictable_len, protected_len) == (self._evictable_size, self._protected_size)
-        assert leaves == self._evictable_leaves
-        live = {(n.last_access, n.node_id) for n in leaves}
-        assert live <= {(access, node_id) for access, node_id, _ in self._lru_heap}
 
 
 class NaiveCache(RadixCache):

@@ -14,15 +14,7 @@ from collections.abc import Callable
 from transformers import PreTrainedTokenizerBase
 
 from minisgl.core import ReqOutput
-from minisgl.runtime.messages import (
-    AbortRequest,
-    BatchDetokenizedOutput,
-    BatchTokenOutput,
-    DetokenizedOutput,
-    DetokenizeInit,
-    Endpoints,
-    MessageQueue,
-)
+from minisgl.runtime import messages as msg
 from minisgl.tokenizer import load_tokenizer
 from minisgl.tokenizer.detokenizer import RequestDetokenizer
 
@@ -32,19 +24,19 @@ IDLE_POLL_TIMEOUT_S = 0.1
 
 
 class DetokenizerWorker:
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, endpoints: Endpoints) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, endpoints: msg.Endpoints) -> None:
         self._tokenizer = tokenizer
-        self._inbox = MessageQueue("pull", endpoints.detokenizer_in)
-        self._to_api = MessageQueue("push", endpoints.api_in)
-        self._to_scheduler = MessageQueue("push", endpoints.scheduler_in)
+        self._inbox = msg.MessageQueue("pull", endpoints.detokenizer_in)
+        self._to_api = msg.MessageQueue("push", endpoints.api_in)
+        self._to_scheduler = msg.MessageQueue("push", endpoints.scheduler_in)
         self._requests: dict[str, RequestDetokenizer] = {}
 
-    def _init_request(self, message: DetokenizeInit) -> None:
+    def _init_request(self, message: msg.DetokenizeInit) -> None:
         self._requests[message.rid] = RequestDetokenizer(
             self._tokenizer, message.prompt_tail_ids, message.sampling_params, message.eos_token_ids
         )
 
-    def _process(self, output: ReqOutput) -> DetokenizedOutput | None:
+    def _process(self, output: ReqOutput) -> msg.DetokenizedOutput | None:
         request = self._requests.get(output.rid)
         if request is None:
             logger.debug("detokenizer: output for unknown request %s dropped", output.rid)
@@ -55,8 +47,8 @@ class DetokenizerWorker:
         if delta is None:
             return None
         if delta.abort:
-            self._to_scheduler.put(AbortRequest(output.rid))
-        return DetokenizedOutput(
+            self._to_scheduler.put(msg.AbortRequest(output.rid))
+        return msg.DetokenizedOutput(
             rid=output.rid,
             text=delta.text,
             token_ids=delta.token_ids,
@@ -72,20 +64,16 @@ class DetokenizerWorker:
         )
 
     def run_once(self, timeout_s: float = IDLE_POLL_TIMEOUT_S) -> None:
-        results: list[DetokenizedOutput] = []
+        results: list[msg.DetokenizedOutput] = []
         for message in self._inbox.get_all(timeout_s):
-            if isinstance(message, DetokenizeInit):
+            if isinstance(message, msg.DetokenizeInit):
                 self._init_request(message)
-            elif isinstance(message, BatchTokenOutput):
+            elif isinstance(message, msg.BatchTokenOutput):
                 results += [r for r in map(self._process, message.outputs) if r is not None]
             else:
                 logger.warning("detokenizer: unexpected message %s", type(message).__name__)
         if results:
-            self._to_api.put(BatchDetokenizedOutput(tuple(results)))
-
-    def run(self) -> None:
-        while True:
-            self.run_once()
+            self._to_api.put(msg.BatchDetokenizedOutput(tuple(results)))
 
     def close(self) -> None:
         for queue in (self._inbox, self._to_api, self._to_scheduler):
@@ -93,11 +81,12 @@ class DetokenizerWorker:
 
 
 def run_detokenizer_process(
-    tokenizer_path: str, endpoints: Endpoints, report_ready: Callable[[], None]
+    tokenizer_path: str, endpoints: msg.Endpoints, report_ready: Callable[[], None]
 ) -> None:
     worker = DetokenizerWorker(load_tokenizer(tokenizer_path), endpoints)
     report_ready()
     try:
-        worker.run()
+        while True:
+            worker.run_once()
     finally:
         worker.close()

@@ -2,7 +2,7 @@
 
     launcher (this process: starts, watches, stops)
       |- replica 0     a whole server (a ServerStack: scheduler [+ tp ranks], detokenizer, API)
-      |                on --port + 1, on its own GPUs or cores (minisgl.runtime.placement)
+      |                on --port + 1, on its own GPUs or cores (`plan_placements`, below)
       |- ...
       |- replica N-1   on --port + N
       |- gateway       sglang-router on --port (minisgl.runtime.gateway)
@@ -12,29 +12,109 @@ The gateway starts once every replica serves, and learns the model from their /s
 are stopped and it leaves the gateway's rotation; the rest keep serving. SIGTERM / Ctrl-C: the
 gateway first (it lets in-flight requests finish), then every replica at once, each draining as
 a single server does.
+
+Placement: each replica gets its own `--tp` GPUs on CUDA (CUDA_VISIBLE_DEVICES), its own cores
+on CPU (CPU affinity, by which torch sizes its thread pool and tp its ranks:
+minisgl.scheduler.tp_ranks.cpu_threads_per_rank).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from multiprocessing.connection import wait
 
 from minisgl.config import DataParallelArgs, ServerArgs
 from minisgl.models.names import served_model_name
 from minisgl.runtime.gateway import INSTALL_HINT, Gateway, gateway_installed
-from minisgl.runtime.launch import CHILD_FAILED_EXIT_CODE, ServerStack, run_until_stopped
-from minisgl.runtime.placement import plan_placements
-from minisgl.runtime.supervisor import WATCH_INTERVAL_S, StartupError, setup_logging
+from minisgl.runtime.launch import (
+    CHILD_FAILED_EXIT_CODE,
+    ServerStack,
+    StopRequests,
+    run_until_stopped,
+)
+from minisgl.supervisor import WATCH_INTERVAL_S, StartupError, setup_logging
 
 logger = logging.getLogger("minisgl")
 
-
-def replica_port(args: ServerArgs, index: int) -> int:
-    return args.port + 1 + index
+CUDA_VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
 
 
-class DataParallelStack:
+@dataclass(frozen=True)
+class Placement:
+    """The share of the machine one replica sees."""
+
+    cuda_visible_devices: str | None = None  # None: CPU, or leave the GPUs as they are
+    cpus: frozenset[int] | None = None  # None: every core the launcher may use
+
+    def describe(self) -> str:
+        if self.cuda_visible_devices is not None:
+            return f"GPUs {self.cuda_visible_devices}"
+        if self.cpus is not None:
+            return f"cores {','.join(map(str, sorted(self.cpus)))}"
+        return "every core"
+
+    @contextlib.contextmanager
+    def for_new_processes(self) -> Iterator[None]:
+        """Processes started inside get this placement: a process gets a copy of its parent's
+        environment and CPU affinity when it starts. This process gets its own back after."""
+        saved_env = os.environ.get(CUDA_VISIBLE_DEVICES)
+        saved_cpus = os.sched_getaffinity(0) if self.cpus is not None else None
+        try:
+            if self.cuda_visible_devices is not None:
+                os.environ[CUDA_VISIBLE_DEVICES] = self.cuda_visible_devices
+            if self.cpus is not None:
+                os.sched_setaffinity(0, self.cpus)
+            yield
+        finally:
+            if saved_env is None:
+                os.environ.pop(CUDA_VISIBLE_DEVICES, None)
+            else:
+                os.environ[CUDA_VISIBLE_DEVICES] = saved_env
+            if saved_cpus is not None:
+                os.sched_setaffinity(0, saved_cpus)
+
+
+def _visible_gpus(args: ServerArgs) -> list[str]:
+    """The GPUs this process may use, as CUDA_VISIBLE_DEVICES names them."""
+    if args.device == "cpu":
+        return []
+    import torch  # only here: the launcher stays light otherwise
+
+    count = torch.cuda.device_count()
+    visible = os.environ.get(CUDA_VISIBLE_DEVICES)
+    if visible is not None:
+        return [dev.strip() for dev in visible.split(",") if dev.strip()][:count]
+    return [str(i) for i in range(count)]
+
+
+def plan_placements(args: ServerArgs, dp_size: int) -> list[Placement]:
+    """GPUs when there are any: replica i gets the i-th group of --tp of them. Otherwise the cores
+    are split into dp_size contiguous groups (shared round-robin if there are fewer cores)."""
+    gpus = _visible_gpus(args)
+    if gpus:
+        per_replica = args.tp_size
+        if len(gpus) < dp_size * per_replica:
+            raise StartupError(
+                f"--dp {dp_size} --tp {per_replica} needs {dp_size * per_replica} GPUs; "
+                f"{len(gpus)} visible"
+            )
+        groups = [gpus[i * per_replica : (i + 1) * per_replica] for i in range(dp_size)]
+        return [Placement(cuda_visible_devices=",".join(group)) for group in groups]
+    if not hasattr(os, "sched_getaffinity"):  # no CPU affinity here (macOS): share every core
+        return [Placement() for _ in range(dp_size)]
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < dp_size:
+        return [Placement(cpus=frozenset({cpus[i % len(cpus)]})) for i in range(dp_size)]
+    bounds = [len(cpus) * i // dp_size for i in range(dp_size + 1)]
+    return [Placement(cpus=frozenset(cpus[bounds[i] : bounds[i + 1]])) for i in range(dp_size)]
+
+
+class DataParallelStack(StopRequests):
     """The replicas and the gateway, driven like a ServerStack by `run_until_stopped`."""
 
     def __init__(self, args: ServerArgs, dp: DataParallelArgs) -> None:
@@ -42,15 +122,9 @@ class DataParallelStack:
         self.dp = dp
         self._replicas: list[ServerStack] = []  # the live ones: a replica that dies leaves
         self._gateway: Gateway | None = None
-        self._num_stop_requests = 0
-
-    @property
-    def stop_requested(self) -> bool:
-        return self._num_stop_requests > 0
 
     def request_stop(self) -> None:
-        """Safe in a signal handler (as ServerStack.request_stop)."""
-        self._num_stop_requests += 1
+        super().request_stop()
         for replica in self._replicas:
             replica.request_stop()
 
@@ -76,7 +150,7 @@ class DataParallelStack:
     def start(self) -> None:
         self._check()
         for index, placement in enumerate(plan_placements(self.args, self.dp.dp_size)):
-            replica = ServerStack(self.args.replace(port=replica_port(self.args, index)), index)
+            replica = ServerStack(self.args.replace(port=self.args.port + 1 + index), index)
             self._replicas.append(replica)
             with placement.for_new_processes():
                 replica.start()
@@ -106,9 +180,10 @@ class DataParallelStack:
         """Until a stop is requested (0), the gateway exits or no replica is left (non-zero).
         A replica that dies is stopped; the others keep serving."""
         while not self.stop_requested:
-            wait([s for r in self._replicas for s in r.sentinels], timeout=WATCH_INTERVAL_S)
+            sentinels = [s for replica in self._replicas for s in replica.children.sentinels]
+            wait(sentinels, timeout=WATCH_INTERVAL_S)
             for replica in list(self._replicas):
-                failure = replica.failure()
+                failure = replica.children.failure()
                 if failure is not None:
                     self._lose(replica, failure)
             if not self._replicas:
@@ -136,8 +211,8 @@ class DataParallelStack:
         """The gateway first, then every replica at once (each drains, bounded); idempotent.
         A second stop request while the gateway drains cuts its wait short."""
         if self._gateway is not None:
-            num_stops_seen = self._num_stop_requests
-            self._gateway.stop(hurry=lambda: self._num_stop_requests > num_stops_seen)
+            num_stops_seen = self.num_stop_requests
+            self._gateway.stop(hurry=lambda: self.num_stop_requests > num_stops_seen)
         if self._replicas:
             with ThreadPoolExecutor(len(self._replicas)) as pool:
                 list(pool.map(lambda r: r.shutdown(backend_failed), self._replicas))

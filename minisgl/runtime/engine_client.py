@@ -16,18 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from minisgl.core import FinishReason, SamplingParams
-from minisgl.runtime.messages import (
-    AbortRequest,
-    BatchDetokenizedOutput,
-    DetokenizedOutput,
-    Endpoints,
-    FlushCacheReply,
-    FlushCacheRequest,
-    MessageQueue,
-    StatsReply,
-    StatsRequest,
-    TokenizedRequest,
-)
+from minisgl.runtime import messages as msg
 
 logger = logging.getLogger(__name__)
 
@@ -46,21 +35,21 @@ class BackendUnavailable(Exception):
 @dataclass
 class RoutedOutput:
     index: int  # choice index inside the request group
-    output: DetokenizedOutput
+    output: msg.DetokenizedOutput
 
 
 class EngineClient:
-    def __init__(self, endpoints: Endpoints) -> None:
+    def __init__(self, endpoints: msg.Endpoints) -> None:
         # Sends go through plain sockets: with no high-water mark they never block the loop.
-        self._to_scheduler = MessageQueue("push", endpoints.scheduler_in)
-        self._to_scheduler_ctl = MessageQueue("push", endpoints.scheduler_ctl)
-        self._inbox = MessageQueue("pull", endpoints.api_in, asyncio=True)
+        self._to_scheduler = msg.MessageQueue("push", endpoints.scheduler_in)
+        self._to_scheduler_ctl = msg.MessageQueue("push", endpoints.scheduler_ctl)
+        self._inbox = msg.MessageQueue("pull", endpoints.api_in, asyncio=True)
         self._routes: dict[str, tuple[asyncio.Queue, int]] = {}
         # Control replies (stats, cache flush) by request id: one counter for both kinds.
         self._waiters: dict[int, asyncio.Future[Any]] = {}
         self._request_ids = itertools.count()
         self._reader: asyncio.Task | None = None
-        self.last_stats: StatsReply | None = None
+        self.last_stats: msg.StatsReply | None = None
         # Event-loop time of the latest output from the backend: proof that it generates
         # (/health_generate).
         self.last_output_s = float("-inf")
@@ -85,18 +74,15 @@ class EngineClient:
                 logger.exception("api server: could not handle a message from the backend")
 
     def _dispatch(self, message: object) -> None:
-        if isinstance(message, BatchDetokenizedOutput):
+        if isinstance(message, msg.BatchDetokenizedOutput):
             self.last_output_s = asyncio.get_running_loop().time()
             for output in message.outputs:
-                route = self._routes.get(output.rid)
-                if route is None:
-                    continue  # aborted by us: the client is gone
-                queue, index = route
-                if output.finish_reason is not None:
-                    del self._routes[output.rid]
-                queue.put_nowait(RoutedOutput(index, output))
-        elif isinstance(message, (StatsReply, FlushCacheReply)):
-            if isinstance(message, StatsReply):
+                done = output.finish_reason is not None
+                route = self._routes.pop(output.rid, None) if done else self._routes.get(output.rid)
+                if route is not None:  # None: aborted by us, the client is gone
+                    route[0].put_nowait(RoutedOutput(route[1], output))
+        elif isinstance(message, (msg.StatsReply, msg.FlushCacheReply)):
+            if isinstance(message, msg.StatsReply):
                 self.last_stats = message
             waiter = self._waiters.pop(message.request_id, None)
             if waiter is not None and not waiter.done():
@@ -117,7 +103,7 @@ class EngineClient:
         The route exists only once the send succeeded, so a failed send leaves nothing behind."""
         if self._closed_message is not None:
             raise BackendUnavailable(self._closed_message)
-        self._to_scheduler.put(TokenizedRequest(rid, tuple(input_ids), params, grammar_blob))
+        self._to_scheduler.put(msg.TokenizedRequest(rid, tuple(input_ids), params, grammar_blob))
         self._routes[rid] = (queue, index)
 
     def abort_all(self, error: str | None = None) -> None:
@@ -131,24 +117,24 @@ class EngineClient:
             if error is not None:
                 queue.put_nowait(BackendUnavailable(error))
             else:
-                ended = DetokenizedOutput(rid, "", (), 0, finish_reason=FinishReason.ABORT)
+                ended = msg.DetokenizedOutput(rid, "", (), 0, finish_reason=FinishReason.ABORT)
                 queue.put_nowait(RoutedOutput(index, ended))
 
     def abort(self, rid: str) -> None:
         if self._routes.pop(rid, None) is not None:
-            self._to_scheduler.put(AbortRequest(rid))
+            self._to_scheduler.put(msg.AbortRequest(rid))
 
-    async def flush_cache(self, timeout_s: float) -> FlushCacheReply | None:
+    async def flush_cache(self, timeout_s: float) -> msg.FlushCacheReply | None:
         """Ask the scheduler to empty its prefix cache; None if it does not answer in time (a
         long step may be running). On the request socket: after every request sent before."""
-        return await self._ask(self._to_scheduler, FlushCacheRequest, timeout_s)
+        return await self._ask(self._to_scheduler, msg.FlushCacheRequest, timeout_s)
 
-    async def stats(self, timeout_s: float) -> StatsReply | None:
+    async def stats(self, timeout_s: float) -> msg.StatsReply | None:
         """Ask the scheduler for its stats; None if it does not answer in time."""
-        return await self._ask(self._to_scheduler_ctl, StatsRequest, timeout_s)
+        return await self._ask(self._to_scheduler_ctl, msg.StatsRequest, timeout_s)
 
     async def _ask(
-        self, queue: MessageQueue, request: Callable[[int], object], timeout_s: float
+        self, queue: msg.MessageQueue, request: Callable[[int], object], timeout_s: float
     ) -> Any:
         """Send request(id) and wait for the reply carrying that id (see _dispatch)."""
         request_id = next(self._request_ids)

@@ -5,7 +5,7 @@ it comes from the same environment. Its control plane (`/workers`, opened by the
 one is set) says when it has registered the replicas, and takes a dead one out of rotation.
 Its graceful stop is Ctrl-C (SIGINT): it refuses new requests and lets in-flight ones finish;
 SIGTERM ends it at once, and it gets SIGTERM when the launcher dies (set up by
-minisgl.runtime.supervisor.prepare_exec_child).
+minisgl.supervisor.prepare_exec_child).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from typing import Any
 
 from minisgl.config import DataParallelArgs, ServerArgs
 from minisgl.runtime.launch import STOP_GRACE_S, http_url
-from minisgl.runtime.supervisor import WATCH_INTERVAL_S, StartupError, prepare_exec_child
+from minisgl.supervisor import WATCH_INTERVAL_S, StartupError, prepare_exec_child
 
 logger = logging.getLogger("minisgl")
 
@@ -45,12 +45,6 @@ def gateway_installed() -> bool:
     return importlib.util.find_spec(GATEWAY_PACKAGE) is not None
 
 
-def metrics_port(args: ServerArgs, dp: DataParallelArgs) -> int:
-    """The gateway's Prometheus port: right after the replicas' (its default, 29000, would
-    collide between two launches on one machine)."""
-    return args.port + dp.dp_size + 1
-
-
 def gateway_command(args: ServerArgs, dp: DataParallelArgs, worker_urls: list[str]) -> list[str]:
     """`smg launch ...` in front of `worker_urls`; dp.router_args come last, so they win."""
     command = [
@@ -58,7 +52,9 @@ def gateway_command(args: ServerArgs, dp: DataParallelArgs, worker_urls: list[st
         *("--host", args.host, "--port", str(args.port)),
         *("--worker-urls", *worker_urls),
         *("--policy", dp.router_policy),
-        *("--prometheus-host", args.host, "--prometheus-port", str(metrics_port(args, dp))),
+        # Its Prometheus port right after the replicas' (its default, 29000, would collide
+        # between two launches on one machine).
+        *("--prometheus-host", args.host, "--prometheus-port", str(args.port + dp.dp_size + 1)),
         *("--health-check-interval-secs", str(HEALTH_CHECK_INTERVAL_S)),
         *("--shutdown-grace-period-secs", str(math.ceil(args.shutdown_timeout_s))),
         *("--log-level", LOG_LEVELS.get(args.log_level, "warn")),
@@ -75,8 +71,7 @@ class Gateway:
         self.url = http_url(args.host, args.port)
         self._command = gateway_command(args, dp, worker_urls)
         self._worker_urls = set(worker_urls)
-        self._api_key = args.api_key
-        self._drain_s = args.shutdown_timeout_s
+        self._args = args
         self._process: subprocess.Popen | None = None
 
     @property
@@ -100,8 +95,8 @@ class Gateway:
     def _control(self, path: str, method: str = "GET") -> dict[str, Any]:
         """A call to its control plane; {} when it does not answer (not listening yet, ...)."""
         request = urllib.request.Request(self.url + path, method=method)
-        if self._api_key:
-            request.add_header("Authorization", f"Bearer {self._api_key}")
+        if self._args.api_key:
+            request.add_header("Authorization", f"Bearer {self._args.api_key}")
         try:
             with urllib.request.urlopen(request, timeout=HTTP_TIMEOUT_S) as response:
                 body = json.load(response)
@@ -130,7 +125,7 @@ class Gateway:
         if process is None or process.poll() is not None:
             return
         process.send_signal(signal.SIGINT)
-        deadline_s = time.monotonic() + self._drain_s + STOP_GRACE_S
+        deadline_s = time.monotonic() + self._args.shutdown_timeout_s + STOP_GRACE_S
         while process.poll() is None and time.monotonic() < deadline_s and not hurry():
             time.sleep(WATCH_INTERVAL_S)
         if process.poll() is None:

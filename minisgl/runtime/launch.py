@@ -6,7 +6,7 @@
       |- api server    FastAPI + uvicorn, tokenizes prompts        minisgl.api.app
 
 All three start at once (the API server pings the scheduler until the model is loaded), as
-children of minisgl.runtime.supervisor. The launcher logs one line once every child reports
+children of minisgl.supervisor. The launcher logs one line once every child reports
 ready; if any child dies it stops the others and exits non-zero; SIGTERM / Ctrl-C stop
 everything and remove the private socket folder.
 """
@@ -20,19 +20,22 @@ import signal
 import time
 from multiprocessing.connection import wait
 from multiprocessing.process import BaseProcess
-from typing import Any, Protocol
+from typing import TYPE_CHECKING
 
 from minisgl.config import ServerArgs
 from minisgl.models.names import served_model_name
 from minisgl.models.resolve import resolve_model_path_for
 from minisgl.runtime.messages import Endpoints
-from minisgl.runtime.supervisor import (
+from minisgl.supervisor import (
     BACKEND_FAILED_SIGNAL,
     WATCH_INTERVAL_S,
     Children,
     StartupError,
     setup_logging,
 )
+
+if TYPE_CHECKING:
+    from minisgl.runtime.dp import DataParallelStack
 
 logger = logging.getLogger("minisgl")
 
@@ -61,7 +64,22 @@ def _send_signal(process: BaseProcess, sig: int) -> None:
             os.kill(process.pid, sig)
 
 
-class ServerStack:
+class StopRequests:
+    """How many times SIGTERM / Ctrl-C asked a stack (`run_until_stopped` drives one) to stop."""
+
+    num_stop_requests = 0
+
+    @property
+    def stop_requested(self) -> bool:
+        return self.num_stop_requests > 0
+
+    def request_stop(self) -> None:
+        """Safe to call from a signal handler: the wait loops notice within WATCH_INTERVAL_S.
+        A second call while the API server drains makes it abort what is left at once."""
+        self.num_stop_requests += 1
+
+
+class ServerStack(StopRequests):
     """The server's processes. `start`, then `wait_ready`, then `watch`; always `shutdown`."""
 
     def __init__(self, args: ServerArgs, replica: int | None = None) -> None:
@@ -71,17 +89,7 @@ class ServerStack:
         # With --dp, children are named per replica: sched0, api1, ...
         self._name_suffix = "" if replica is None else str(replica)
         self.endpoints: Endpoints | None = None
-        self._children = Children()
-        self._num_stop_requests = 0
-
-    @property
-    def stop_requested(self) -> bool:
-        return self._num_stop_requests > 0
-
-    def request_stop(self) -> None:
-        """Safe to call from a signal handler: the wait loops notice within WATCH_INTERVAL_S.
-        A second call while the API server drains makes it abort what is left at once."""
-        self._num_stop_requests += 1
+        self.children = Children()
 
     def start(self) -> None:
         try:
@@ -90,36 +98,24 @@ class ServerStack:
             raise StartupError(str(exc)) from None
         tokenizer_path = self.args.tokenizer or model_path
         self.endpoints = endpoints = Endpoints.create()
-        self._children = Children(log_level=self.args.log_level, cleanup_dir=endpoints.root)
+        self.children = Children(log_level=self.args.log_level, cleanup_dir=endpoints.root)
         # Targets by name: the launcher itself never imports torch, transformers or FastAPI.
-        targets: dict[str, tuple[str, tuple[Any, ...]]] = {
-            "sched": (SCHEDULER_TARGET, (self.args, endpoints)),
-            "detok": (DETOKENIZER_TARGET, (tokenizer_path, endpoints)),
-            API_CHILD: (API_TARGET, (self.args, endpoints, tokenizer_path, model_path)),
-        }
-        for name, (target, args) in targets.items():
-            self._children.spawn(name + self._name_suffix, target, *args)
+        spawn, suffix, args = self.children.spawn, self._name_suffix, self.args
+        spawn("sched" + suffix, SCHEDULER_TARGET, args, endpoints)
+        spawn("detok" + suffix, DETOKENIZER_TARGET, tokenizer_path, endpoints)
+        spawn(API_CHILD + suffix, API_TARGET, args, endpoints, tokenizer_path, model_path)
 
     def wait_ready(self, timeout_s: float = STARTUP_TIMEOUT_S) -> None:
-        self._children.wait(lambda child: child.ready, timeout_s, lambda: self.stop_requested)
+        self.children.wait(lambda child: child.ready, timeout_s, lambda: self.stop_requested)
 
     def ready_message(self) -> str:
         return f"minisgl serving {served_model_name(self.args)} at {self.url}"
 
-    @property
-    def sentinels(self) -> list[int]:
-        """Become ready (multiprocessing.connection.wait) when a child exits."""
-        return self._children.sentinels
-
-    def failure(self) -> str | None:
-        """The first child that failed, in words, or None while all run."""
-        return self._children.failure()
-
     def watch(self) -> int:
         """Block until a stop is requested (0) or any child exits (non-zero)."""
         while not self.stop_requested:
-            wait(self.sentinels, timeout=WATCH_INTERVAL_S)
-            failure = self.failure()
+            wait(self.children.sentinels, timeout=WATCH_INTERVAL_S)
+            failure = self.children.failure()
             if failure is not None:
                 logger.error("%s; shutting down", failure)
                 return CHILD_FAILED_EXIT_CODE
@@ -129,49 +125,29 @@ class ServerStack:
         """SIGTERM (drain) or BACKEND_FAILED_SIGNAL to the API server; wait for it to exit.
         While it drains, a worker dying or another stop request cuts the drain short."""
         api_name = API_CHILD + self._name_suffix
-        api = next((c.process for c in self._children.members if c.name == api_name), None)
+        api = next((c.process for c in self.children.members if c.name == api_name), None)
         if api is None or not api.is_alive():
             return
         drain_s = 0.0 if backend_failed else self.args.shutdown_timeout_s
         deadline_s = time.monotonic() + drain_s + STOP_GRACE_S
         _send_signal(api, BACKEND_FAILED_SIGNAL if backend_failed else signal.SIGTERM)
-        workers = [c.process for c in self._children.members if c.process is not api]
-        num_stops_seen = self._num_stop_requests
+        workers = [c.process for c in self.children.members if c.process is not api]
+        num_stops_seen = self.num_stop_requests
         while api.is_alive() and time.monotonic() < deadline_s:
             wait([api.sentinel, *(w.sentinel for w in workers)], timeout=WATCH_INTERVAL_S)
             if not backend_failed and any(not w.is_alive() for w in workers):
                 backend_failed = True
                 _send_signal(api, BACKEND_FAILED_SIGNAL)
-            if self._num_stop_requests > num_stops_seen:  # asked again: stop waiting
-                num_stops_seen = self._num_stop_requests
+            if self.num_stop_requests > num_stops_seen:  # asked again: stop waiting
+                num_stops_seen = self.num_stop_requests
                 api.terminate()
 
     def shutdown(self, backend_failed: bool = False) -> None:
         """Stop every child, front to back (see the module docstring); idempotent."""
         self._stop_api_server(backend_failed)
-        self._children.stop(STOP_GRACE_S)
+        self.children.stop(STOP_GRACE_S)
         if self.endpoints is not None:
             self.endpoints.remove()
-
-
-class Stack(Protocol):
-    """What `run_until_stopped` drives: a ServerStack, or the replicas of --dp (DataParallelStack
-    in minisgl.runtime.dp)."""
-
-    @property
-    def stop_requested(self) -> bool: ...
-
-    def request_stop(self) -> None: ...
-
-    def start(self) -> None: ...
-
-    def wait_ready(self) -> None: ...
-
-    def ready_message(self) -> str: ...
-
-    def watch(self) -> int: ...
-
-    def shutdown(self, backend_failed: bool = False) -> None: ...
 
 
 def serve(args: ServerArgs) -> int:
@@ -180,9 +156,9 @@ def serve(args: ServerArgs) -> int:
     return run_until_stopped(ServerStack(args))
 
 
-def run_until_stopped(stack: Stack) -> int:
-    """Start `stack`, serve until SIGTERM / Ctrl-C or a failure, always shut it down; the return
-    value is the process exit code."""
+def run_until_stopped(stack: ServerStack | DataParallelStack) -> int:
+    """Start `stack` (a server, or the replicas of --dp), serve until SIGTERM / Ctrl-C or a
+    failure, always shut it down; the return value is the process exit code."""
     previous = {
         sig: signal.signal(sig, lambda *_: stack.request_stop())
         for sig in (signal.SIGINT, signal.SIGTERM)

@@ -23,7 +23,8 @@ import dataclasses
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any, Literal
 
 import msgpack
@@ -137,12 +138,11 @@ class FlushCacheReply:
 # ---------------------------------------------------------------------------------------------
 # Codec
 
-# msgpack ext type codes: one for registered dataclasses, one for registered enums.
-EXT_DATACLASS = 1
-EXT_ENUM = 2
-
+# The msgpack ext type code of a registered type: its payload is [tag, values...], a dataclass's
+# init fields or an enum's value.
+EXT_REGISTERED = 1
 # Tags are part of the wire format between processes of one launch: append, never renumber.
-_DATACLASS_TAGS: dict[type, int] = {
+_TAGS: dict[type, int] = {
     SamplingParams: 1,
     TokenLogprob: 2,
     ReqOutput: 3,
@@ -159,13 +159,13 @@ _DATACLASS_TAGS: dict[type, int] = {
     FlushCacheReply: 19,
     SchedulerStats: 5,
     HistogramSnapshot: 6,
+    FinishReason: 20,
 }
-_ENUM_TAGS: dict[type, int] = {FinishReason: 1}
-
-_DATACLASS_BY_TAG = {tag: cls for cls, tag in _DATACLASS_TAGS.items()}
-_ENUM_BY_TAG = {tag: cls for cls, tag in _ENUM_TAGS.items()}
+_BY_TAG = {tag: cls for cls, tag in _TAGS.items()}
 _INIT_FIELDS = {
-    cls: tuple(f.name for f in dataclasses.fields(cls) if f.init) for cls in _DATACLASS_TAGS
+    cls: tuple(f.name for f in dataclasses.fields(cls) if f.init)
+    for cls in _TAGS
+    if dataclasses.is_dataclass(cls)
 }
 
 
@@ -173,22 +173,17 @@ def _default(obj: Any) -> Any:
     cls = type(obj)
     if cls is tuple:
         return list(obj)
-    if cls in _DATACLASS_TAGS:
-        values = [_DATACLASS_TAGS[cls], *(getattr(obj, name) for name in _INIT_FIELDS[cls])]
-        return msgpack.ExtType(EXT_DATACLASS, encode(values))
-    if cls in _ENUM_TAGS:
-        return msgpack.ExtType(EXT_ENUM, encode([_ENUM_TAGS[cls], obj.value]))
-    raise TypeError(f"cannot encode {cls.__name__}: not in the message registry")
+    if cls not in _TAGS:
+        raise TypeError(f"cannot encode {cls.__name__}: not in the message registry")
+    values = [obj.value] if isinstance(obj, Enum) else [getattr(obj, f) for f in _INIT_FIELDS[cls]]
+    return msgpack.ExtType(EXT_REGISTERED, encode([_TAGS[cls], *values]))
 
 
 def _ext_hook(code: int, data: bytes) -> Any:
-    values = decode(data)
-    if code == EXT_DATACLASS:
-        cls = _DATACLASS_BY_TAG[values[0]]
-        return cls(*values[1:])
-    if code == EXT_ENUM:
-        return _ENUM_BY_TAG[values[0]](values[1])
-    raise ValueError(f"unknown msgpack ext code {code}")
+    if code != EXT_REGISTERED:
+        raise ValueError(f"unknown msgpack ext code {code}")
+    tag, *values = decode(data)
+    return _BY_TAG[tag](*values)  # an enum's one value, or a dataclass's fields in order
 
 
 def encode(message: Any) -> bytes:
@@ -209,37 +204,24 @@ class Endpoints:
     """ipc:// socket paths inside one private per-launch folder."""
 
     root: str
+    scheduler_in: str = field(init=False)
+    scheduler_ctl: str = field(init=False)
+    detokenizer_in: str = field(init=False)
+    api_in: str = field(init=False)
+
+    def __post_init__(self) -> None:
+        for socket in dataclasses.fields(self)[1:]:  # every field but `root`: one socket each
+            object.__setattr__(self, socket.name, f"ipc://{os.path.join(self.root, socket.name)}")
 
     @classmethod
     def create(cls) -> Endpoints:
         # mkdtemp makes the folder with mode 0700: other users cannot connect to our sockets.
         return cls(tempfile.mkdtemp(prefix="minisgl-"))
 
-    def _path(self, name: str) -> str:
-        return f"ipc://{os.path.join(self.root, name)}"
-
-    @property
-    def scheduler_in(self) -> str:
-        return self._path("scheduler_in")
-
-    @property
-    def scheduler_ctl(self) -> str:
-        return self._path("scheduler_ctl")
-
-    @property
-    def detokenizer_in(self) -> str:
-        return self._path("detokenizer_in")
-
-    @property
-    def api_in(self) -> str:
-        return self._path("api_in")
-
     def remove(self) -> None:
         shutil.rmtree(self.root, ignore_errors=True)
 
 
-SocketKind = Literal["push", "pull"]
-_SOCKET_TYPES = {"push": zmq.PUSH, "pull": zmq.PULL}
 # Sends must never block a process's loop: no high-water mark, and closing drops unsent data
 # after this long instead of hanging on a peer that is gone.
 LINGER_MS = 500
@@ -253,10 +235,10 @@ class MessageQueue:
     the way to receive. `put` never blocks either way.
     """
 
-    def __init__(self, kind: SocketKind, endpoint: str, *, asyncio: bool = False) -> None:
+    def __init__(self, kind: Literal["push", "pull"], endpoint: str, *, asyncio: bool = False):
         self.kind = kind
         context: zmq.Context = zmq.asyncio.Context.instance() if asyncio else zmq.Context.instance()
-        self._socket = context.socket(_SOCKET_TYPES[kind])
+        self._socket = context.socket(zmq.PUSH if kind == "push" else zmq.PULL)
         self._socket.setsockopt(zmq.LINGER, LINGER_MS)
         self._socket.setsockopt(zmq.SNDHWM, 0)
         self._socket.setsockopt(zmq.RCVHWM, 0)
@@ -277,12 +259,9 @@ class MessageQueue:
 
     def get_all(self, timeout_s: float = 0.0) -> list[Any]:
         """Every message waiting, after waiting up to timeout_s for the first one."""
-        first = self.get(timeout_s)
-        if first is None:
-            return []
-        messages = [first]
-        while self._socket.poll(0, zmq.POLLIN):
-            messages.append(decode(self._socket.recv()))
+        messages: list[Any] = []
+        while (message := self.get(0.0 if messages else timeout_s)) is not None:
+            messages.append(message)
         return messages
 
     async def aget(self) -> Any:

@@ -4,7 +4,7 @@ Loop: when idle, block on the input socket (with a timeout, to refresh stats and
 shutdown); when busy, only drain what is already waiting, so decoding never waits for input.
 
 Tensor parallelism: this process is rank 0. With tp_size > 1 the scheduler is a TPScheduler
-(minisgl.scheduler.tp, same API), which spawns ranks 1..N-1 and broadcasts each step's
+(minisgl.scheduler.tp, a Scheduler subclass), which spawns ranks 1..N-1 and broadcasts each step's
 add_request/abort_request calls to them, so this loop does not change.
 """
 
@@ -20,23 +20,12 @@ from typing import TYPE_CHECKING, Any
 from minisgl.config import ServerArgs
 from minisgl.core import FinishReason, Req, ReqOutput
 from minisgl.engine.gpu_probe import GpuProbe, make_gpu_probe
-from minisgl.runtime.messages import (
-    AbortRequest,
-    BatchTokenOutput,
-    DetokenizeInit,
-    Endpoints,
-    FlushCacheReply,
-    FlushCacheRequest,
-    MessageQueue,
-    StatsReply,
-    StatsRequest,
-    TokenizedRequest,
-)
+from minisgl.runtime import messages as msg
 from minisgl.scheduler.stats import ThroughputWindow
 from minisgl.tokenizer.detokenizer import PROMPT_CONTEXT_TOKENS
 
 if TYPE_CHECKING:
-    from minisgl.scheduler.protocol import SchedulerAPI
+    from minisgl.scheduler.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 
@@ -52,11 +41,10 @@ MAX_FAILED_STEPS_IN_A_ROW = 3
 
 
 def build_stats_reply(
-    scheduler: SchedulerAPI, gen_throughput: ThroughputWindow, gpu_probe: GpuProbe | None
-) -> StatsReply:
+    scheduler: Scheduler, gen_throughput: ThroughputWindow, gpu_probe: GpuProbe | None
+) -> msg.StatsReply:
     """The scheduler's stats() with this process's numbers (throughput, GPU) filled in."""
-    stats = scheduler.stats()
-    now_s = time.monotonic()
+    stats, now_s = scheduler.stats(), time.monotonic()
     gpu = gpu_probe.sample(now_s) if gpu_probe is not None else None
     stats = dataclasses.replace(
         stats,
@@ -64,22 +52,20 @@ def build_stats_reply(
         **(dataclasses.asdict(gpu) if gpu is not None else {}),
     )
     kv_capacity_tokens = stats.num_total_pages * scheduler.page_size
-    eos_token_ids = tuple(scheduler.eos_token_ids)
-    return StatsReply(
-        -1, scheduler.max_model_len, scheduler.vocab_size, eos_token_ids, kv_capacity_tokens, stats
-    )
+    model = (scheduler.max_model_len, scheduler.vocab_size, tuple(scheduler.eos_token_ids))
+    return msg.StatsReply(-1, *model, kv_capacity_tokens, stats)
 
 
 class SchedulerLoop:
     def __init__(
-        self, scheduler: SchedulerAPI, endpoints: Endpoints, gpu_probe: GpuProbe | None = None
+        self, scheduler: Scheduler, endpoints: msg.Endpoints, gpu_probe: GpuProbe | None = None
     ) -> None:
         self.scheduler = scheduler
         self._gpu_probe = gpu_probe
         self._gen_throughput = ThroughputWindow()
-        self._inbox = MessageQueue("pull", endpoints.scheduler_in)
-        self._to_detokenizer = MessageQueue("push", endpoints.detokenizer_in)
-        self._to_api = MessageQueue("push", endpoints.api_in)  # control replies
+        self._inbox = msg.MessageQueue("pull", endpoints.scheduler_in)
+        self._to_detokenizer = msg.MessageQueue("push", endpoints.detokenizer_in)
+        self._to_api = msg.MessageQueue("push", endpoints.api_in)  # control replies
         self._stats_time_s = 0.0
         self._stats = build_stats_reply(scheduler, self._gen_throughput, gpu_probe)
         self._stopped = threading.Event()
@@ -89,17 +75,17 @@ class SchedulerLoop:
         )
         self._responder.start()
 
-    def _answer_stats(self, endpoints: Endpoints) -> None:
-        """The stats responder thread: answers StatsRequest pings, so /health works even during
+    def _answer_stats(self, endpoints: msg.Endpoints) -> None:
+        """The stats responder thread: answers msg.StatsRequest pings, so /health works even during
         a long step. It only reads `_stats`, which the loop replaces (never mutates) between
         steps. If the scheduler process dies, nobody answers and /health turns 503."""
         # zmq sockets belong to one thread: this thread makes its own.
-        inbox = MessageQueue("pull", endpoints.scheduler_ctl)
-        to_api = MessageQueue("push", endpoints.api_in)
+        inbox = msg.MessageQueue("pull", endpoints.scheduler_ctl)
+        to_api = msg.MessageQueue("push", endpoints.api_in)
         try:
             while not self._stopped.is_set():
                 message = inbox.get(timeout_s=CTL_POLL_TIMEOUT_S)
-                if isinstance(message, StatsRequest):
+                if isinstance(message, msg.StatsRequest):
                     to_api.put(dataclasses.replace(self._stats, request_id=message.request_id))
         finally:
             inbox.close()
@@ -113,24 +99,29 @@ class SchedulerLoop:
 
     def _handle(self, message: Any) -> ReqOutput | None:
         """Feed one message to the scheduler; a rejected request becomes an error output."""
-        if isinstance(message, AbortRequest):
+        if isinstance(message, msg.AbortRequest):
             self.scheduler.abort_request(message.rid)
             return None
-        if isinstance(message, FlushCacheRequest):
-            self._to_api.put(self._flush_cache(message.request_id))
+        if isinstance(message, msg.FlushCacheRequest):
+            if self.scheduler.has_work():  # cached pages may be in use: SGLang refuses too
+                busy = "requests are running or waiting; the cache was not flushed"
+                self._to_api.put(msg.FlushCacheReply(message.request_id, False, busy))
+                return None
+            self.scheduler.flush_cache()
+            self._refresh_stats(force=True)
+            logger.info("prefix cache flushed")
+            self._to_api.put(msg.FlushCacheReply(message.request_id, True))
             return None
-        if not isinstance(message, TokenizedRequest):
+        if not isinstance(message, msg.TokenizedRequest):
             logger.warning("scheduler: unexpected message %s", type(message).__name__)
             return None
-        eos_token_ids = tuple(self.scheduler.eos_token_ids)
-        # Ahead of any output, on the same socket: the detokenizer learns of the request first.
         rid, input_ids, params = message.rid, message.input_ids, message.sampling_params
-        prompt_tail_ids = input_ids[-PROMPT_CONTEXT_TOKENS:]
-        self._to_detokenizer.put(DetokenizeInit(rid, prompt_tail_ids, params, eos_token_ids))
+        eos_ids = tuple(self.scheduler.eos_token_ids)
+        # Ahead of any output, on the same socket: the detokenizer learns of the request first.
+        tail_ids = input_ids[-PROMPT_CONTEXT_TOKENS:]
+        self._to_detokenizer.put(msg.DetokenizeInit(rid, tail_ids, params, eos_ids))
         try:
-            req = Req(
-                rid, list(input_ids), params, eos_token_ids, grammar_blob=message.grammar_blob
-            )
+            req = Req(rid, list(input_ids), params, eos_ids, grammar_blob=message.grammar_blob)
             req.arrival_time = time.monotonic()
             self.scheduler.add_request(req)
         except Exception as exc:  # one bad request must not stop the loop everyone depends on
@@ -138,15 +129,6 @@ class SchedulerLoop:
                 logger.exception("scheduler: request %s failed to queue", rid)
             return ReqOutput(rid, (), FinishReason.ERROR, prompt_len=len(input_ids), error=str(exc))
         return None
-
-    def _flush_cache(self, request_id: int) -> FlushCacheReply:
-        if self.scheduler.has_work():  # cached pages may be in use: SGLang refuses too
-            busy = "requests are running or waiting; the cache was not flushed"
-            return FlushCacheReply(request_id, False, busy)
-        self.scheduler.flush_cache()
-        self._refresh_stats(force=True)
-        logger.info("prefix cache flushed")
-        return FlushCacheReply(request_id, True)
 
     def run_once(self, idle_timeout_s: float = IDLE_POLL_TIMEOUT_S) -> None:
         busy = self.scheduler.has_work()
@@ -157,7 +139,7 @@ class SchedulerLoop:
         else:
             self.scheduler.check_health()  # idle: a dead tp rank shows up here, not in a step
         if outputs:
-            self._to_detokenizer.put(BatchTokenOutput(tuple(outputs)))
+            self._to_detokenizer.put(msg.BatchTokenOutput(tuple(outputs)))
         # After going idle, publish at once: clients poll the gauges for "back to zero".
         self._refresh_stats(force=busy and not self.scheduler.has_work())
 
@@ -181,33 +163,27 @@ class SchedulerLoop:
         self._failed_steps = 0
         return outputs
 
-    def run(self) -> None:
-        while not self._stopped.is_set():
-            self.run_once()
-
     def close(self) -> None:
         self._stopped.set()
         self._responder.join(timeout=RESPONDER_JOIN_TIMEOUT_S)
-        self._inbox.close()
-        self._to_detokenizer.close()
-        self._to_api.close()
+        for queue in (self._inbox, self._to_detokenizer, self._to_api):
+            queue.close()
 
 
 def run_scheduler_process(
-    args: ServerArgs, endpoints: Endpoints, report_ready: Callable[[], None]
+    args: ServerArgs, endpoints: msg.Endpoints, report_ready: Callable[[], None]
 ) -> None:
-    # Heavy (torch): imported in this child only. With tp_size > 1, TPScheduler (same API) runs
+    # Heavy (torch): imported in this child only. With tp_size > 1, TPScheduler (a Scheduler) runs
     # rank 0 here, spawns ranks 1..N-1 and broadcasts each step's requests and aborts to them.
-    from minisgl.engine.engine import resolve_device
     from minisgl.scheduler.tp import make_scheduler
 
     scheduler = make_scheduler(args)
-
-    device = resolve_device(args.device)
+    device = scheduler.engine.device
     loop = SchedulerLoop(scheduler, endpoints, make_gpu_probe(device.type, device.index))
     report_ready()
     try:
-        loop.run()
+        while True:
+            loop.run_once()
     finally:
         loop.close()
         scheduler.shutdown()

@@ -160,12 +160,8 @@ class CacheManager:
         ps = self.page_size
         computed = min(req.cached_len, len(req.all_ids))
         num_full_pages = min(computed // ps, len(req.page_ids))
-        aligned = num_full_pages * ps
-        if aligned:
-            slots = self._pages_to_slots(req.page_ids[:num_full_pages])
-            not_taken = self.prefix_cache.insert(req.all_ids[:aligned], slots)
-        else:
-            not_taken = 0
+        slots = self._pages_to_slots(req.page_ids[:num_full_pages])
+        not_taken = self.prefix_cache.insert(req.all_ids[: num_full_pages * ps], slots)
         matched_pages = req.cache_matched_len // ps
         # Pages in [matched, not_taken) duplicate what the cache already held: free them.
         self.allocator.free(req.page_ids[matched_pages : not_taken // ps])

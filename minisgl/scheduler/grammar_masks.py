@@ -14,7 +14,6 @@ from typing import Any
 from minisgl.core import Req
 from minisgl.engine.batch import VocabMask
 from minisgl.grammar import GrammarCompiler, GrammarState, build_vocab_mask
-from minisgl.grammar.compiler import compiler_for_checkpoint
 
 
 class GrammarMasks:
@@ -31,9 +30,13 @@ class GrammarMasks:
         if constraint is None:
             return None
         if self._compiler is None:
-            # Once per process: reads the tokenizer's vocabulary (~0.5-1.5 s).
-            self._compiler = compiler_for_checkpoint(
-                self._tokenizer_path, self._vocab_size, self._eos_token_ids
+            # Once per process: reads the tokenizer's vocabulary (~0.5-1.5 s). Errors name the
+            # request's `constraint`.
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(self._tokenizer_path, local_files_only=True)
+            self._compiler = GrammarCompiler(
+                tokenizer, self._vocab_size, self._eos_token_ids, param="constraint"
             )
         return self._compiler.load(constraint, req.grammar_blob)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from minisgl.config import ServerArgs
 from minisgl.core import Req
 from minisgl.scheduler.cache_manager import CacheManager
 
@@ -27,24 +28,28 @@ PROMPT_LOGPROBS_STEP_TOKENS = 512
 class PrefillPlan:
     """This step's prefill work: (request, tokens to compute) pairs and who was admitted."""
 
+    budget: int  # prompt tokens this step may still compute
+    score_budget: int = PROMPT_LOGPROBS_STEP_TOKENS  # of those, prompt positions it may score
     items: list[tuple[Req, int]] = field(default_factory=list)
     admitted: list[Req] = field(default_factory=list)
 
+    def chunk_len(self, req: Req) -> int:
+        budget = min(self.budget, self.score_budget) if req.scores_prompt else self.budget
+        return min(req.remaining_prefill_len, budget)
+
+    def add(self, req: Req, chunk: int) -> None:
+        self.items.append((req, chunk))
+        self.budget -= chunk
+        self.score_budget -= chunk if req.scores_prompt else 0
+
 
 class PrefillManager:
-    def __init__(
-        self,
-        cache: CacheManager,
-        page_size: int,
-        max_prefill_tokens: int,
-        max_running_requests: int,
-        share_prefixes: bool,
-    ) -> None:
+    def __init__(self, cache: CacheManager, args: ServerArgs, max_prefill_tokens: int) -> None:
         self.cache = cache
-        self.page_size = page_size
-        self.max_prefill_tokens = max_prefill_tokens
-        self.max_running_requests = max_running_requests
-        self.share_prefixes = share_prefixes  # radix cache: defer same-step prefix siblings
+        self.page_size = cache.page_size
+        self.max_prefill_tokens = max_prefill_tokens  # the engine's, resolved from args
+        self.max_running_requests = args.max_running_requests
+        self.share_prefixes = args.cache_type == "radix"  # defer same-step prefix siblings
         self.waiting: deque[Req] = deque()
 
     def add(self, req: Req) -> None:
@@ -63,29 +68,25 @@ class PrefillManager:
 
     def schedule(self, running: list[Req]) -> PrefillPlan:
         """Chunks for running prefills, then new admissions (appended to `running`)."""
-        plan = PrefillPlan()
-        budget = self.max_prefill_tokens
-        score_budget = PROMPT_LOGPROBS_STEP_TOKENS
+        plan = PrefillPlan(self.max_prefill_tokens)
         for req in running:
-            if budget <= 0:
+            if plan.budget <= 0:
                 break
             if req.finished or req.remaining_prefill_len <= 1:
                 continue
-            chunk = self._chunk_len(req, budget, score_budget)
+            chunk = plan.chunk_len(req)
             if chunk == 0:  # a scored prompt, with this step's scoring budget spent
                 continue
             if not self.cache.reserve(req, req.cached_len + chunk):
                 break
-            plan.items.append((req, chunk))
-            budget -= chunk
-            score_budget -= chunk if req.scores_prompt else 0
+            plan.add(req, chunk)
         # Requests whose prompt starts like one admitted in this same step wait one step: by then
         # the first one's prefix is in the radix tree and they compute only their own suffix.
         admitted_keys: set[tuple[int, ...]] = set()
         deferred: list[Req] = []
-        while self.waiting and budget > 0:
+        while self.waiting and plan.budget > 0:
             req = self.waiting[0]
-            if not self._can_admit(req, running) or (req.scores_prompt and score_budget <= 0):
+            if not self._can_admit(req, running) or (req.scores_prompt and plan.score_budget <= 0):
                 break
             self.waiting.popleft()
             key = self._prefix_key(req)
@@ -96,7 +97,7 @@ class PrefillManager:
             if key is not None and req.cached_len < len(key):
                 admitted_keys.add(key)
             running.append(req)
-            chunk = self._chunk_len(req, budget, score_budget)
+            chunk = plan.chunk_len(req)
             if not self.cache.reserve(req, req.cached_len + chunk):
                 # The estimate was optimistic (its cached prefix got locked): undo, retry later.
                 running.pop()
@@ -104,17 +105,9 @@ class PrefillManager:
                 self.waiting.appendleft(req)
                 break
             plan.admitted.append(req)
-            plan.items.append((req, chunk))
-            budget -= chunk
-            score_budget -= chunk if req.scores_prompt else 0
+            plan.add(req, chunk)
         self.waiting.extendleft(reversed(deferred))
         return plan
-
-    @staticmethod
-    def _chunk_len(req: Req, budget: int, score_budget: int) -> int:
-        if req.scores_prompt:
-            budget = min(budget, score_budget)
-        return min(req.remaining_prefill_len, budget)
 
     def _prefix_key(self, req: Req) -> tuple[int, ...] | None:
         """The first tokens of a prompt, to spot requests sharing a prefix in one step."""

@@ -9,27 +9,21 @@ prefill chunk's) whose KV was never written.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
-from minisgl.core import FinishReason, Req
-from minisgl.scheduler.cache_manager import CacheManager
-from minisgl.scheduler.outputs import Outputs
-from minisgl.scheduler.overlap import OverlapLoop
+from minisgl.core import FinishReason
+
+if TYPE_CHECKING:
+    from minisgl.scheduler.scheduler import Scheduler
 
 
-def fail_admitted(
-    error: str,
-    loop: OverlapLoop,
-    outputs: Outputs,
-    waiting: Iterable[Req],
-    running: list[Req],
-    cache: CacheManager,
-) -> None:
+def fail_admitted(scheduler: Scheduler, error: str) -> None:
     """End every live request that is not waiting with `error` (an ERROR event) and take back
     all they hold. What finished before the failure stands."""
-    deferred = loop.abandon()
+    outputs, cache, running = scheduler.outputs, scheduler.cache, scheduler.running
+    deferred = scheduler.loop.abandon()
     ended = outputs.ended_rids()
-    waiting_ids = {id(req) for req in waiting}
+    waiting_ids = {id(req) for req in scheduler.prefill.waiting}
     # The running requests, and any the failure caught between the queue and the batch.
     for req in list(outputs.live.values()):
         if id(req) in waiting_ids or req.rid in ended:

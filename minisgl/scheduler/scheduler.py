@@ -20,14 +20,13 @@ from minisgl.engine.engine import Engine
 from minisgl.limits import ModelLimits, check_request
 from minisgl.scheduler.batch import Launched, build_batch
 from minisgl.scheduler.cache_manager import CacheManager
-from minisgl.scheduler.counters import SchedulerCounters
 from minisgl.scheduler.decode import DecodeManager, NeedDrain
 from minisgl.scheduler.grammar_masks import GrammarMasks
 from minisgl.scheduler.outputs import Outputs
 from minisgl.scheduler.overlap import OverlapLoop
 from minisgl.scheduler.prefill import PrefillManager
 from minisgl.scheduler.recovery import fail_admitted
-from minisgl.scheduler.stats import SchedulerStats
+from minisgl.scheduler.stats import SchedulerCounters, SchedulerStats
 
 
 class Scheduler:
@@ -41,13 +40,7 @@ class Scheduler:
         self.cache = CacheManager(
             self.engine.num_pages, self.page_size, args.cache_type, self.engine.tables
         )
-        self.prefill = PrefillManager(
-            self.cache,
-            self.page_size,
-            self.engine.max_prefill_tokens,
-            args.max_running_requests,
-            share_prefixes=args.cache_type == "radix",
-        )
+        self.prefill = PrefillManager(self.cache, args, self.engine.max_prefill_tokens)
         self.decode = DecodeManager(self.cache, self.prefill.requeue_front)
         tokenizer_path = args.tokenizer or self.model_path
         self.masks = GrammarMasks(tokenizer_path, self.vocab_size, self.eos_token_ids)
@@ -81,11 +74,8 @@ class Scheduler:
 
     def add_request(self, req: Req) -> None:
         self.validate(req)
-        req.seed = (
-            req.sampling_params.seed
-            if req.sampling_params.seed is not None
-            else self._rng.getrandbits(31)
-        ) & SEED_MASK
+        seed = req.sampling_params.seed
+        req.seed = (self._rng.getrandbits(31) if seed is None else seed) & SEED_MASK
         if not req.eos_token_ids:
             req.eos_token_ids = self.eos_token_ids
         self.masks.attach(req)
@@ -156,7 +146,7 @@ class Scheduler:
                     req.grammar.accept(req.output_ids)
                 if logprob is not None:
                     req.output_logprobs.append(logprob)
-                self.counters.generation_tokens += 1
+                self.counters.generation_tokens_total += 1
                 reason = self._finish_reason(req, token_id)
                 self.outputs.token(req, token_id, logprob, reason)
                 if reason is not None:
@@ -184,8 +174,7 @@ class Scheduler:
         """After `step()` raised: end every admitted request with `error` and start over from a
         known state (scheduler/recovery.py). Raises when the state cannot be trusted: a device
         error (CUDA's are sticky) or pages that do not add up."""
-        waiting = self.prefill.waiting
-        fail_admitted(error, self.loop, self.outputs, waiting, self.running, self.cache)
+        fail_admitted(self, error)
         self.check_page_accounting()
         return self.outputs.take()
 
@@ -193,21 +182,14 @@ class Scheduler:
 
     def stats(self) -> SchedulerStats:
         total = self.cache.num_total_pages
-        c, h = self.counters, self.counters.histograms
         return SchedulerStats(
             num_running_reqs=len(self.running),
             num_queue_reqs=len(self.prefill.waiting),
             kv_cache_usage_ratio=self.cache.num_used_pages / total,
             num_free_pages=self.cache.num_available_pages,
             num_total_pages=total,
-            prompt_tokens_total=c.prompt_tokens,
-            generation_tokens_total=c.generation_tokens,
-            cached_prompt_tokens_total=c.cached_prompt_tokens,
-            prefill_tokens_total=c.prefill_tokens,
             num_retractions_total=self.decode.num_retractions,
-            queue_time_s=h.queue_time_s.snapshot(),
-            batch_size=h.batch_size.snapshot(),
-            batch_tokens=h.batch_tokens.snapshot(),
+            **self.counters.snapshot(),
         )
 
     def check_health(self) -> None:

@@ -12,9 +12,14 @@ Everything here is plain Python (no torch): the API server imports it.
 from __future__ import annotations
 
 import bisect
+import dataclasses
+import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:
+    from minisgl.core import Req
 
 # Histogram bucket upper bounds (Prometheus `le`); values above the last go to +Inf.
 # Queue time: from arrival at the scheduler to first admission, a fast GPU step to a long backlog.
@@ -59,23 +64,43 @@ class HistogramCounts:
         return HistogramSnapshot(tuple(self.counts), self.sum)
 
 
+def _histogram_counts(bounds: tuple[float, ...]) -> Any:
+    return field(default_factory=lambda: HistogramCounts(bounds))
+
+
 @dataclass
-class SchedulerHistograms:
-    queue_time_s: HistogramCounts = field(
-        default_factory=lambda: HistogramCounts(QUEUE_TIME_BUCKETS_S)
-    )
-    batch_size: HistogramCounts = field(default_factory=lambda: HistogramCounts(BATCH_SIZE_BUCKETS))
-    batch_tokens: HistogramCounts = field(
-        default_factory=lambda: HistogramCounts(BATCH_TOKENS_BUCKETS)
-    )
+class SchedulerCounters:
+    """The scheduler's counters (totals since start) and per-step histograms: what `stats()`
+    reports, under the names of their `SchedulerStats` fields."""
 
-    def observe_step(self, num_reqs: int, num_tokens: int) -> None:
-        self.batch_size.observe(num_reqs)
-        self.batch_tokens.observe(num_tokens)
+    prompt_tokens_total: int = 0  # prompt tokens looked up in the prefix cache (first admission)
+    cached_prompt_tokens_total: int = 0  # of those, tokens found in the cache
+    prefill_tokens_total: int = 0  # prompt tokens actually computed (cache hits excluded)
+    generation_tokens_total: int = 0
+    queue_time_s: HistogramCounts = _histogram_counts(QUEUE_TIME_BUCKETS_S)
+    batch_size: HistogramCounts = _histogram_counts(BATCH_SIZE_BUCKETS)
+    batch_tokens: HistogramCounts = _histogram_counts(BATCH_TOKENS_BUCKETS)
 
+    def first_admission(self, req: Req) -> None:
+        """A request admitted for the first time (not after a retraction), its prefix matched."""
+        self.prompt_tokens_total += req.prompt_len
+        self.cached_prompt_tokens_total += req.cached_len
+        if req.arrival_time > 0:  # set by the server; offline requests have none
+            self.queue_time_s.observe(time.monotonic() - req.arrival_time)
 
-def _empty(bounds: tuple[float, ...]) -> HistogramSnapshot:
-    return HistogramCounts(bounds).snapshot()
+    def step(self, items: list[tuple[Req, int]]) -> None:
+        """A step's (request, tokens to compute) items, before they advance the requests."""
+        self.batch_size.observe(len(items))
+        self.batch_tokens.observe(sum(num_tokens for _, num_tokens in items))
+        # the prompt tokens among them (cache hits never get here)
+        self.prefill_tokens_total += sum(
+            max(0, min(r.prompt_len - r.cached_len, n)) for r, n in items
+        )
+
+    def snapshot(self) -> dict[str, Any]:
+        """SchedulerStats fields: the totals, and a snapshot of each histogram."""
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return {k: v.snapshot() if isinstance(v, HistogramCounts) else v for k, v in values.items()}
 
 
 MetricKind = Literal["counter", "gauge", "histogram"]
@@ -111,9 +136,8 @@ def _counter(*names: tuple[str, str]) -> Any:
 
 def _histogram(name: str, help_text: str, bounds: tuple[float, ...]) -> Any:
     """Empty (zero counts) until observed."""
-    return _exported(
-        "histogram", ((name, help_text),), bounds, default_factory=lambda: _empty(bounds)
-    )
+    empty = HistogramCounts(bounds).snapshot()
+    return _exported("histogram", ((name, help_text),), bounds, default=empty)
 
 
 @dataclass(frozen=True)

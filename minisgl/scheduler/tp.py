@@ -2,7 +2,7 @@
 
 Every rank holds a shard of the model and runs its own `Scheduler`, fed the same calls in the same
 order, so batches, page tables and radix trees stay identical on all ranks without ever being
-compared. Rank 0 (`TPScheduler`, the same API as `Scheduler`) queues the requests and aborts it
+compared. Rank 0 (`TPScheduler`, a `Scheduler` subclass) queues the requests and aborts it
 is given; at the start of each step it broadcasts them as one `Command` over the gloo control
 group, then every rank applies them and calls `step()`. Inside the step the model's collectives
 keep the shards in lockstep, and the engine broadcasts rank 0's sampled tokens.
@@ -16,8 +16,8 @@ Failure: a rank that dies closes its sockets, so the next collective fails at on
 rank 0 checks its children are alive before each broadcast; a wedged rank trips the collective
 timeout. Either way rank 0 raises `TPRankError` instead of hanging.
 
-This module is rank 0 and the per-node entry point; the command protocol, the followers' loop
-and the spawned processes live in `minisgl.scheduler.tp_ranks`.
+This module is rank 0 and the per-node entry point; the command protocol, the followers' loop,
+the spawned processes and nodes k > 0 live in `minisgl.scheduler.tp_ranks`.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import weakref
-from collections.abc import Callable, Sequence
-from typing import TypeVar
+from collections.abc import Callable
+from typing import NoReturn, TypeVar
 
 import torch
 
@@ -35,37 +35,19 @@ from minisgl.core import Req, ReqOutput
 from minisgl.distributed import (
     destroy_distributed,
     free_loopback_addr,
-    global_tp_rank,
     init_distributed,
     ranks_per_node,
     reset_tp_info,
     set_tp_info,
 )
-from minisgl.engine.engine import Engine
 from minisgl.models.config import load_model_config
 from minisgl.models.llama import local_head_counts
 from minisgl.models.resolve import resolve_model_path_for
-from minisgl.runtime.supervisor import Children, StartupError, describe_exit
-from minisgl.scheduler.protocol import SchedulerAPI
+from minisgl.scheduler import tp_ranks
 from minisgl.scheduler.scheduler import Scheduler
 from minisgl.scheduler.stats import SchedulerStats
-from minisgl.scheduler.tp_ranks import (
-    JOIN_TIMEOUT_S,
-    KILL_TIMEOUT_S,
-    AbortOp,
-    AddOp,
-    Command,
-    Op,
-    TPRankError,
-    apply_ops,
-    broadcast,
-    close_quietly,
-    cpu_threads_per_rank,
-    dist_backend,
-    follow,
-    spawn_followers,
-    start_rank,
-)
+from minisgl.scheduler.tp_ranks import AbortOp, AddOp, Command, Op, TPRankError, broadcast
+from minisgl.supervisor import Children, StartupError
 
 logger = logging.getLogger(__name__)
 
@@ -77,40 +59,26 @@ DEATH_GRACE_S = 1.0
 _T = TypeVar("_T")
 
 
-def check_tp_compatible(args: ServerArgs) -> None:
-    """Raise ValueError (naming the numbers) when the model cannot be split into tp_size shards.
-
-    Leaves the tp info set to rank 0 of tp_size on success; resets it on failure.
-    """
-    ranks_per_node(args.tp_size, args.nnodes)
-    cfg = load_model_config(resolve_model_path_for(args))
-    set_tp_info(0, args.tp_size)
-    try:
-        local_head_counts(cfg)
-    except ValueError:
-        reset_tp_info()
-        raise
-
-
-def make_scheduler(args: ServerArgs) -> SchedulerAPI:
-    """The scheduler `args` ask for: with tp_size > 1, rank 0 of a tp group (the same API)."""
+def make_scheduler(args: ServerArgs) -> Scheduler:
+    """The scheduler `args` ask for: with tp_size > 1, rank 0 of a tp group (a Scheduler too)."""
     return TPScheduler(args) if args.tp_size > 1 else Scheduler(args)
 
 
 def _abandon(followers: Children) -> None:
     """Finalizer of a TPScheduler dropped without shutdown(): no stray processes, no stale group."""
-    followers.stop(KILL_TIMEOUT_S)
+    followers.stop(tp_ranks.KILL_TIMEOUT_S)
     destroy_distributed()
 
 
 # ---- rank 0 --------------------------------------------------------------------------------------
 
 
-class TPScheduler:
-    """Rank 0 of a tp group, with the public API of `Scheduler` (a drop-in when tp_size > 1).
-
-    Calls made between steps are queued and take effect, on every rank, at the next `step()`;
-    `validate` and `add_request` still raise ValueError at once for a request that cannot run.
+class TPScheduler(Scheduler):
+    """Rank 0 of a tp group: a `Scheduler` (a drop-in when tp_size > 1) whose calls reach every
+    rank. Calls made between steps are queued and take effect, on every rank, at the next
+    `step()`; `validate` and `add_request` still raise ValueError at once for a request that
+    cannot run. Introspection (stats, page accounting) is rank 0's view: the others hold the
+    same state.
     """
 
     def __init__(self, args: ServerArgs) -> None:
@@ -123,18 +91,20 @@ class TPScheduler:
             )
         if args.nnodes > 1 and args.dist_init_addr is None:
             raise ValueError("dist_init_addr: node 0's 'host:port' is required when nnodes > 1")
-        self.args = args = args.replace(dist_init_addr=args.dist_init_addr or free_loopback_addr())
+        args = args.replace(dist_init_addr=args.dist_init_addr or free_loopback_addr())
         assert args.dist_init_addr is not None
         self._pending: list[Op] = []
         self._closed = False
         self._broken: str | None = None  # why the group is unusable, once it is
         self._previous_threads = torch.get_num_threads()
 
-        # Before any process starts: a model that cannot be split fails here, with the numbers.
-        check_tp_compatible(args)
+        # Before any process starts: a model that cannot be split fails here, with the numbers
+        # (leaving the tp info set to rank 0 of tp_size; reset on failure).
+        local_size = ranks_per_node(args.tp_size, args.nnodes)
+        set_tp_info(0, args.tp_size)
         try:
-            local_ranks = range(1, ranks_per_node(args.tp_size, args.nnodes))
-            self._followers = spawn_followers(args, local_ranks)
+            local_head_counts(load_model_config(resolve_model_path_for(args)))
+            self._followers = tp_ranks.spawn_followers(args, range(1, local_size))
         except BaseException:
             reset_tp_info()
             raise
@@ -143,12 +113,10 @@ class TPScheduler:
             # Every child runs our code first: one that dies while Python bootstraps it would
             # otherwise leave rank 0 waiting for the whole rendezvous timeout.
             self._followers.wait(lambda child: child.started, READY_TIMEOUT_S)
-            init_distributed(0, args.tp_size, args.dist_init_addr, dist_backend(args), 0)
+            init_distributed(0, args.tp_size, args.dist_init_addr, tp_ranks.dist_backend(args), 0)
             broadcast(args)
-            threads = cpu_threads_per_rank(args)
-            if threads is not None:
-                torch.set_num_threads(threads)
-            self.scheduler = Scheduler(args)
+            torch.set_num_threads(tp_ranks.cpu_threads_per_rank(args))
+            super().__init__(args)
             self._followers.wait(lambda child: child.ready, READY_TIMEOUT_S)
         except BaseException as exc:
             failure = self._followers.failure(wait_s=DEATH_GRACE_S)
@@ -157,16 +125,7 @@ class TPScheduler:
             if not isinstance(exc, TPRankError) and (failure or isinstance(exc, StartupError)):
                 raise TPRankError(f"tensor parallelism failed to start: {failure or exc}") from exc
             raise
-        self.engine: Engine = self.scheduler.engine
-        self.max_model_len = self.scheduler.max_model_len
-        self.vocab_size = self.scheduler.vocab_size
-        self.eos_token_ids = self.scheduler.eos_token_ids
-        self.page_size = self.scheduler.page_size
         logger.info("tp group of %d ranks ready (rendezvous %s)", args.tp_size, args.dist_init_addr)
-
-    @property
-    def model_path(self) -> str:
-        return self.scheduler.model_path
 
     @property
     def follower_pids(self) -> list[int]:
@@ -175,11 +134,8 @@ class TPScheduler:
 
     # ---- requests in: queued, broadcast with the next step -----------------------------------
 
-    def validate(self, req: Req) -> None:
-        self.scheduler.validate(req)
-
     def add_request(self, req: Req) -> None:
-        self.scheduler.validate(req)  # reject now, on rank 0, before it is broadcast anywhere
+        self.validate(req)  # reject now, on rank 0, before it is broadcast anywhere
         self._pending.append(AddOp(req))
 
     def abort_request(self, rid: str) -> None:
@@ -188,16 +144,16 @@ class TPScheduler:
     # ---- the loop ------------------------------------------------------------------------------
 
     def has_work(self) -> bool:
-        return bool(self._pending) or self.scheduler.has_work()
+        return bool(self._pending) or super().has_work()
 
     def step(self) -> list[ReqOutput]:
         ops, self._pending = tuple(self._pending), []
         self._send(Command("step", ops))
         return self._guarded(lambda: self._apply_and_step(ops))
 
-    def _apply_and_step(self, ops: Sequence[Op]) -> list[ReqOutput]:
-        apply_ops(self.scheduler, ops)
-        return self.scheduler.step()
+    def _apply_and_step(self, ops: tuple[Op, ...]) -> list[ReqOutput]:
+        tp_ranks.apply_ops(self, ops)
+        return super().step()
 
     def fail_running(self, error: str) -> list[ReqOutput]:
         """A failed step may have left the ranks disagreeing: a tp group does not go on."""
@@ -207,21 +163,17 @@ class TPScheduler:
         if self.has_work():
             raise RuntimeError("flush_cache needs an idle scheduler")
         self._send(Command("flush"))
-        self._guarded(self.scheduler.flush_cache)
+        self._guarded(super().flush_cache)
 
     def _send(self, command: Command) -> None:
-        self._raise_if_broken()
-        failure = self._followers.failure()
-        if failure is None:
-            try:
-                broadcast(command)
-                return
-            except Exception as exc:
-                failure = self._followers.failure(wait_s=DEATH_GRACE_S) or (
-                    f"rank 0 could not send to the other ranks: {type(exc).__name__}: {exc}"
-                )
-        self._broken = failure
-        raise TPRankError(f"tensor-parallel group broken: {failure}")
+        self.check_health()
+        try:
+            broadcast(command)
+        except Exception as exc:
+            self._break(
+                self._followers.failure(wait_s=DEATH_GRACE_S)
+                or f"rank 0 could not send to the other ranks: {type(exc).__name__}: {exc}"
+            )
 
     def _guarded(self, fn: Callable[[], _T]) -> _T:
         self._raise_if_broken()
@@ -230,8 +182,7 @@ class TPScheduler:
         except Exception as exc:
             # Whatever failed, the ranks may now disagree: the group cannot go on.
             failure = self._followers.failure(wait_s=DEATH_GRACE_S)
-            self._broken = failure or f"rank 0: {type(exc).__name__}: {exc}"
-            raise TPRankError(f"tensor-parallel group broken: {self._broken}") from exc
+            self._break(failure or f"rank 0: {type(exc).__name__}: {exc}", exc)
 
     def check_health(self) -> None:
         """Raise TPRankError if a rank on this node has died (the idle server calls this: with no
@@ -239,8 +190,11 @@ class TPScheduler:
         self._raise_if_broken()
         failure = self._followers.failure()
         if failure is not None:
-            self._broken = failure
-            raise TPRankError(f"tensor-parallel group broken: {failure}")
+            self._break(failure)
+
+    def _break(self, failure: str, cause: BaseException | None = None) -> NoReturn:
+        self._broken = failure
+        raise TPRankError(f"tensor-parallel group broken: {failure}") from cause
 
     def _raise_if_broken(self) -> None:
         if self._closed:
@@ -248,15 +202,10 @@ class TPScheduler:
         if self._broken is not None:
             raise TPRankError(f"tensor-parallel group broken: {self._broken}")
 
-    # ---- introspection (rank 0's view; the other ranks hold the same state) -------------------
-
     def stats(self) -> SchedulerStats:
-        stats = self.scheduler.stats()
+        stats = super().stats()
         queued = sum(isinstance(op, AddOp) for op in self._pending)
         return dataclasses.replace(stats, num_queue_reqs=stats.num_queue_reqs + queued)
-
-    def check_page_accounting(self) -> None:
-        self.scheduler.check_page_accounting()
 
     def shutdown(self) -> None:
         """Stop every rank and leave the group. Idempotent; never hangs on a dead rank."""
@@ -269,51 +218,22 @@ class TPScheduler:
             except Exception as exc:
                 logger.warning("tp shutdown: could not reach the followers: %s", exc)
         try:
-            self.scheduler.shutdown()
+            super().shutdown()
         except Exception as exc:  # the in-flight batch needed a rank that is gone
             logger.warning("tp shutdown: rank 0 drain failed: %s", exc)
         # Leaving first closes our sockets: followers not told to stop (the group broke) and
         # still waiting on rank 0 see the connection close and exit, instead of being killed.
         destroy_distributed()
-        self._followers.stop(KILL_TIMEOUT_S, exit_first_s=JOIN_TIMEOUT_S)
+        tp_ranks.stop_followers(self._followers)
         self._finalizer()
         torch.set_num_threads(self._previous_threads)
 
 
-# ---- nodes 1..nnodes-1 ---------------------------------------------------------------------------
-
-
-def run_follower_node(args: ServerArgs) -> None:
-    """Run node `args.node_rank`'s ranks until rank 0 (on node 0) stops the group.
-
-    The node's first rank runs in this process, the others in spawned children. Scheduling
-    options come from rank 0; this node's own --model path (if given) is kept.
-    """
-    if args.node_rank == 0 or args.nnodes < 2:
-        raise ValueError("run_follower_node is for nodes 1..nnodes-1 (node 0 runs rank 0)")
-    if args.dist_init_addr is None:
-        raise ValueError("dist_init_addr: node 0's 'host:port' is required")
-    local_size = ranks_per_node(args.tp_size, args.nnodes)
-    ranks = [
-        global_tp_rank(args.node_rank, i, args.tp_size, args.nnodes) for i in range(local_size)
-    ]
-    followers = spawn_followers(args, ranks[1:])
-    scheduler: Scheduler | None = None
-    try:
-        scheduler = start_rank(args, ranks[0])
-        follow(scheduler)
-    finally:
-        close_quietly(scheduler)
-        followers.stop(KILL_TIMEOUT_S, exit_first_s=JOIN_TIMEOUT_S)
-    failed = [child for child in followers.members if child.process.exitcode != 0]
-    if failed:
-        raise TPRankError(f"{failed[0].name} exited ({describe_exit(failed[0].process.exitcode)})")
-
-
 def main(argv: list[str] | None = None) -> None:
+    """Nodes 1..nnodes-1: `python -m minisgl.scheduler.tp --node-rank K ...`."""
     args, _ = parse_server_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
-    run_follower_node(args)
+    tp_ranks.run_follower_node(args)
 
 
 if __name__ == "__main__":

@@ -2,9 +2,9 @@
 
 Rank 0 (`minisgl.scheduler.tp`) broadcasts one `Command` per step over the gloo control group;
 a follower (`start_rank`, then `follow`) replays each on its own `Scheduler`. `spawn_followers`
-starts a node's follower processes as children of minisgl.runtime.supervisor: each reports over
-a pipe that it started, then that it is ready or why it failed, so rank 0 can name the rank that
-broke the group.
+starts a node's follower processes as children of minisgl.supervisor: each reports over a pipe
+that it started, then that it is ready or why it failed, so rank 0 can name the rank that broke
+the group. `run_follower_node` is a whole node k > 0 (`python -m minisgl.scheduler.tp`).
 """
 
 from __future__ import annotations
@@ -23,12 +23,13 @@ from minisgl.core import Req
 from minisgl.distributed import (
     control_group,
     destroy_distributed,
+    global_tp_rank,
     init_distributed,
     ranks_per_node,
 )
 from minisgl.engine.engine import resolve_device
-from minisgl.runtime.supervisor import Children
 from minisgl.scheduler.scheduler import Scheduler
+from minisgl.supervisor import Children, describe_exit
 
 logger = logging.getLogger(__name__)
 
@@ -84,84 +85,77 @@ def _receive() -> Any:
 
 
 def apply_ops(scheduler: Scheduler, ops: Sequence[Op]) -> None:
+    """`Scheduler`'s own add and abort: rank 0 (a TPScheduler) overrides them to queue ops."""
     for op in ops:
         if isinstance(op, AddOp):
-            scheduler.add_request(op.req)
+            Scheduler.add_request(scheduler, op.req)
         else:
-            scheduler.abort_request(op.rid)
+            Scheduler.abort_request(scheduler, op.rid)
 
 
 def dist_backend(args: ServerArgs) -> str:
     return "nccl" if resolve_device(args.device).type == "cuda" else "gloo"
 
 
-def cpu_threads_per_rank(args: ServerArgs) -> int | None:
-    """On CPU the ranks of a node share its cores: oversubscribing them slows every rank."""
+def cpu_threads_per_rank(args: ServerArgs) -> int:
+    """On CPU the ranks of a node share its cores: oversubscribing them slows every rank. Off
+    CPU, the thread count as it is."""
     if resolve_device(args.device).type != "cpu":
-        return None
+        return torch.get_num_threads()
     # The cores this process may use: --dp pins each replica to its own (minisgl.runtime.dp).
-    if hasattr(os, "sched_getaffinity"):
-        num_cpus = len(os.sched_getaffinity(0))
-    else:
-        num_cpus = os.cpu_count() or 1
+    num_cpus = (
+        len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    )
     return max(1, num_cpus // ranks_per_node(args.tp_size, args.nnodes))
 
 
-def _args_from_rank0(own: ServerArgs, rank0: ServerArgs) -> ServerArgs:
-    """Rank 0's args, so every rank schedules alike; a node keeps its own --model path and
-    --download-dir if given (both are paths on that node)."""
-    model = own.model if own.model is not None else rank0.model
-    download_dir = own.download_dir or rank0.download_dir
-    return rank0.replace(model=model, download_dir=download_dir, node_rank=own.node_rank)
+def stop_followers(followers: Children) -> None:
+    """After "stop" (or a broken group): let them exit, then SIGTERM, then SIGKILL."""
+    followers.stop(KILL_TIMEOUT_S, exit_first_s=JOIN_TIMEOUT_S)
 
 
 # ---- ranks 1..N-1 ------------------------------------------------------------------------------
 
 
 def start_rank(args: ServerArgs, rank: int) -> Scheduler:
-    """Join the tp group as `rank` (> 0), take rank 0's args, build this rank's scheduler."""
+    """Join the tp group as `rank` (> 0), take rank 0's args, build this rank's scheduler.
+    Rank 0's args, so every rank schedules alike; a node keeps its own --model path and
+    --download-dir if given (both are paths on that node)."""
     assert args.dist_init_addr is not None
     local_rank = rank % ranks_per_node(args.tp_size, args.nnodes)
     init_distributed(rank, args.tp_size, args.dist_init_addr, dist_backend(args), local_rank)
-    args = _args_from_rank0(args, _receive())
-    threads = cpu_threads_per_rank(args)
-    if threads is not None:
-        torch.set_num_threads(threads)
+    rank0: ServerArgs = _receive()
+    model = args.model if args.model is not None else rank0.model
+    download_dir = args.download_dir or rank0.download_dir
+    args = rank0.replace(model=model, download_dir=download_dir, node_rank=args.node_rank)
+    torch.set_num_threads(cpu_threads_per_rank(args))
     return Scheduler(args)
 
 
-def follow(scheduler: Scheduler) -> None:
-    """Replay rank 0's commands until it says stop (or a collective fails: rank 0 is gone)."""
-    while True:
-        command: Command = _receive()
-        apply_ops(scheduler, command.ops)
-        if command.kind == "stop":
-            return
-        if command.kind == "step":
-            scheduler.step()  # outputs are rank 0's business
-        elif command.kind == "flush":
-            scheduler.flush_cache()
-
-
-def close_quietly(scheduler: Scheduler | None) -> None:
-    try:
-        if scheduler is not None:
-            scheduler.shutdown()
-    except Exception as exc:  # a peer is gone: nothing left to drain with
-        logger.debug("tp follower: shutdown: %s", exc)
-    destroy_distributed()
-
-
-def run_follower(args: ServerArgs, rank: int, report_ready: Callable[[], None]) -> None:
-    """A spawned follower's process (`minisgl.runtime.supervisor.child_main` runs it, and
-    reports its failure to rank 0)."""
+def run_rank(args: ServerArgs, rank: int, report_ready: Callable[[], None] = lambda: None) -> None:
+    """One follower rank, until rank 0 says stop (or a collective fails: rank 0 is gone).
+    A spawned follower's process (`minisgl.supervisor.child_main` runs it, and reports its
+    failure to rank 0), or the first rank of a node k > 0."""
     scheduler: Scheduler | None = None
     try:
         scheduler = start_rank(args, rank)
         report_ready()
-        follow(scheduler)
+        while True:
+            command: Command = _receive()
+            apply_ops(scheduler, command.ops)
+            if command.kind == "stop":
+                return
+            if command.kind == "step":
+                scheduler.step()  # outputs are rank 0's business
+            elif command.kind == "flush":
+                scheduler.flush_cache()
     finally:
-        close_quietly(scheduler)
+        try:
+            if scheduler is not None:
+                scheduler.shutdown()
+        except Exception as exc:  # a peer is gone: nothing left to drain with
+            logger.debug("tp follower: shutdown: %s", exc)
+        destroy_distributed()
 
 
 def spawn_followers(args: ServerArgs, ranks: Sequence[int]) -> Children:
@@ -169,6 +163,30 @@ def spawn_followers(args: ServerArgs, ranks: Sequence[int]) -> Children:
     terminated if the caller exits without stopping them."""
     followers = Children(daemon=True, not_started_hint=_BOOTSTRAP_HINT)
     for rank in ranks:
-        target = "minisgl.scheduler.tp_ranks:run_follower"
+        target = "minisgl.scheduler.tp_ranks:run_rank"
         followers.spawn(f"tp rank {rank}", target, args, rank, title=f"tp{rank}")
     return followers
+
+
+def run_follower_node(args: ServerArgs) -> None:
+    """Run node `args.node_rank`'s ranks until rank 0 (on node 0) stops the group.
+
+    The node's first rank runs in this process, the others in spawned children. Scheduling
+    options come from rank 0; this node's own --model path (if given) is kept.
+    """
+    if args.node_rank == 0 or args.nnodes < 2:
+        raise ValueError("run_follower_node is for nodes 1..nnodes-1 (node 0 runs rank 0)")
+    if args.dist_init_addr is None:
+        raise ValueError("dist_init_addr: node 0's 'host:port' is required")
+    local_size = ranks_per_node(args.tp_size, args.nnodes)
+    ranks = [
+        global_tp_rank(args.node_rank, i, args.tp_size, args.nnodes) for i in range(local_size)
+    ]
+    followers = spawn_followers(args, ranks[1:])
+    try:
+        run_rank(args, ranks[0])
+    finally:
+        stop_followers(followers)
+    failed = [child for child in followers.members if child.process.exitcode != 0]
+    if failed:
+        raise TPRankError(f"{failed[0].name} exited ({describe_exit(failed[0].process.exitcode)})")

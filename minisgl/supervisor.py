@@ -10,8 +10,9 @@ process is ever left behind; a program that is not Python (the gateway) gets SIG
 the kernel instead (Linux). The parent side, `Children`, reads the reports, tells why a child
 is gone in words, and stops them all: SIGTERM, wait, SIGKILL.
 
-This module depends on the standard library only, nothing else of minisgl: the tp ranks import
-it from inside the scheduler, and it must not pull the runtime (or anything heavy) in with it.
+This module sits at the bottom of the package: it depends on the standard library only, so the
+server's launcher and the tp ranks in minisgl.scheduler (offline `LLM` too) both use it without
+pulling the runtime (or anything heavy) in.
 """
 
 from __future__ import annotations
@@ -117,8 +118,7 @@ def child_main(
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _exit_on_signal)
     signal.signal(BACKEND_FAILED_SIGNAL, _exit_on_signal)  # the API server handles it itself
-    watchdog = threading.Thread(target=_watch_parent, args=(os.getppid(), cleanup_dir), daemon=True)
-    watchdog.start()
+    threading.Thread(target=_watch_parent, args=(os.getppid(), cleanup_dir), daemon=True).start()
     _report(conn, "started")
     exit_code = 0
     try:
