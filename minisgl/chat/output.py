@@ -41,12 +41,13 @@ class ChatOutputParser:
     def _parse_tools(self, out: ChatDelta, final: bool) -> ChatDelta:
         if self._tools is None:
             return out
-        parsed = [self._tools.feed(out.content)] if out.content else []
+        parsed = self._tools.feed(out.content) if out.content else ChatDelta()
         if final:
-            parsed.append(self._tools.finish())
-        out.content = "".join(p.content for p in parsed)
-        out.tool_calls = [call for p in parsed for call in p.tool_calls]
-        return out
+            rest = self._tools.finish()
+            parsed.content += rest.content
+            parsed.tool_calls += rest.tool_calls
+        parsed.reasoning = out.reasoning
+        return parsed
 
 
 # The kinds of block a reply is made of, in the order the model writes them.
