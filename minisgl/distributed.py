@@ -114,14 +114,7 @@ def free_loopback_addr() -> str:
         return f"{LOOPBACK_HOST}:{s.getsockname()[1]}"
 
 
-def init_distributed(
-    rank: int,
-    size: int,
-    init_addr: str,
-    backend: str,
-    local_rank: int | None = None,
-    timeout_s: float = COLLECTIVE_TIMEOUT_S,
-) -> None:
+def init_distributed(rank: int, size: int, init_addr: str, backend: str, local_rank: int) -> None:
     """Join the tp group of `size` ranks that meets at `init_addr` ("host:port", rank 0 listens).
 
     backend: "gloo" (CPU) or "nccl" (CUDA; this rank uses device cuda:{local_rank}).
@@ -130,15 +123,12 @@ def init_distributed(
     set_tp_info(rank, size)
     host, port = parse_host_port(init_addr)
     if backend == "nccl":
-        torch.cuda.set_device(rank if local_rank is None else local_rank)
+        torch.cuda.set_device(local_rank)
+    timeout = datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S)
     dist.init_process_group(
-        backend,
-        init_method=f"tcp://{host}:{port}",
-        rank=rank,
-        world_size=size,
-        timeout=datetime.timedelta(seconds=timeout_s),
+        backend, init_method=f"tcp://{host}:{port}", rank=rank, world_size=size, timeout=timeout
     )
-    control_timeout_s = timeout_s if rank == 0 else FOLLOWER_CONTROL_TIMEOUT_S
+    control_timeout_s = COLLECTIVE_TIMEOUT_S if rank == 0 else FOLLOWER_CONTROL_TIMEOUT_S
     _CONTROL_GROUP = dist.new_group(
         backend="gloo", timeout=datetime.timedelta(seconds=control_timeout_s)
     )

@@ -78,16 +78,12 @@ def check_request(
     """Raise InvalidRequestError for a request that could never run on this model."""
     if not input_ids:
         raise InvalidRequestError(prompt_param, "must not be empty")
-    bad = next((t for t in input_ids if not 0 <= t < limits.vocab_size), None)
-    if bad is not None:
-        raise InvalidRequestError(
-            prompt_param, f"token id {bad} is outside the vocabulary [0, {limits.vocab_size})"
-        )
-    bad = next((t for t, _ in params.logit_bias if t >= limits.vocab_size), None)
-    if bad is not None:
-        raise InvalidRequestError(
-            "logit_bias", f"token id {bad} is outside the vocabulary [0, {limits.vocab_size})"
-        )
+    bias_ids = [t for t, _ in params.logit_bias]
+    for param, ids in ((prompt_param, input_ids), ("logit_bias", bias_ids)):
+        bad = next((t for t in ids if not 0 <= t < limits.vocab_size), None)
+        if bad is not None:
+            message = f"token id {bad} is outside the vocabulary [0, {limits.vocab_size})"
+            raise InvalidRequestError(param, message)
     if params.top_k > limits.vocab_size:
         raise InvalidRequestError(
             "top_k", f"must be at most the vocabulary size ({limits.vocab_size}), or -1/0 for off"

@@ -107,29 +107,18 @@ class LLM:
         self, reqs: list[Req], outputs: list[RequestOutput], use_tqdm: bool
     ) -> list[RequestOutput]:
         eos_token_ids = self.scheduler.eos_token_ids
-        by_rid = {
-            req.rid: (
-                req,
-                out,
-                RequestDetokenizer(
-                    self.tokenizer,
-                    req.input_ids,
-                    req.sampling_params,
-                    eos_token_ids,
-                    incremental=False,
-                ),
-            )
-            for req, out in zip(reqs, outputs, strict=True)
-        }
-        for req in reqs:
+        pending: dict[str, tuple[Req, RequestOutput, RequestDetokenizer]] = {}
+        for req, out in zip(reqs, outputs, strict=True):
+            params = req.sampling_params
+            detok = RequestDetokenizer(self.tokenizer, req.input_ids, params, eos_token_ids, False)
+            pending[req.rid] = (req, out, detok)
             self.scheduler.add_request(req)
-        pending = set(by_rid)
         bar = tqdm(total=len(reqs), disable=not use_tqdm, desc="generate")
         while pending:
             for result in self.scheduler.step():
                 if result.rid not in pending:
                     continue  # output after a stop string ended it here
-                req, out, detok = by_rid[result.rid]
+                req, out, detok = pending[result.rid]
                 out.token_ids.extend(result.new_token_ids)  # a final EOS included, as vLLM
                 out.logprobs.extend(result.new_logprobs)
                 if result.prompt_logprobs:
@@ -143,7 +132,7 @@ class LLM:
                 if delta.finish_reason is not None:
                     out.finish_reason = delta.finish_reason.value
                     out.stop_reason = stop_reason(req.sampling_params, delta.matched_stop)
-                    pending.discard(result.rid)
+                    del pending[result.rid]
                     bar.update(1)
         bar.close()
         return outputs

@@ -153,6 +153,7 @@ HERMES_TWO = (
         ),
         # cut inside a block: content as written
         ('<tool_call>\n{"name": "f", "argu', answer(content='<tool_call>\n{"name": "f", "argu')),
+        ("Cut right at <tool_call>", answer(content="Cut right at <tool_call>")),
         ("No tools needed < here.", answer(content="No tools needed < here.")),
     ],
 )

@@ -2,21 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from minisgl.chat.reasoning import Mode, ReasoningParser
-from minisgl.chat.tool_parsers import ToolCallDelta, ToolParser
-
-
-@dataclass
-class ChatDelta:
-    reasoning: str = ""
-    content: str = ""
-    tool_calls: list[ToolCallDelta] = field(default_factory=list)
-
-    def __bool__(self) -> bool:
-        return bool(self.reasoning or self.content or self.tool_calls)
+from minisgl.chat.streaming import ChatDelta, ToolCallDelta
+from minisgl.chat.tool_parsers import ToolParser
 
 
 class ChatOutputParser:
@@ -34,38 +24,30 @@ class ChatOutputParser:
         return 0 if self._tools is None else self._tools.num_calls
 
     def feed(self, text: str, num_tokens: int = 0) -> ChatDelta:
-        out = ChatDelta()
         parser = self._reasoning
         if parser is None:
-            out.content = text
-        else:
-            mode_before = parser.mode
-            split = parser.feed(text)
-            # this delta's tokens were reasoning, or opened it (<think> after MAYBE)
-            if mode_before == Mode.REASONING or (mode_before == Mode.MAYBE and parser.reasoned):
-                self.reasoning_tokens += num_tokens
-            out.reasoning, out.content = split.reasoning, split.content
+            return self._parse_tools(ChatDelta(content=text), final=False)
+        mode_before = parser.mode
+        out = parser.feed(text)
+        # this delta's tokens were reasoning, or opened it (<think> after MAYBE)
+        if mode_before == Mode.REASONING or (mode_before == Mode.MAYBE and parser.reasoned):
+            self.reasoning_tokens += num_tokens
         return self._parse_tools(out, final=False)
 
     def finish(self) -> ChatDelta:
-        out = ChatDelta()
-        if self._reasoning is not None:
-            split = self._reasoning.finish()
-            out.reasoning, out.content = split.reasoning, split.content
+        out = ChatDelta() if self._reasoning is None else self._reasoning.finish()
         return self._parse_tools(out, final=True)
 
     def _parse_tools(self, out: ChatDelta, final: bool) -> ChatDelta:
         if self._tools is None:
             return out
-        parsed = self._tools.feed(out.content) if out.content else None
-        content = parsed.content if parsed is not None else ""
-        calls = list(parsed.calls or []) if parsed is not None else []
+        parsed = self._tools.feed(out.content) if out.content else ChatDelta()
         if final:
             rest = self._tools.finish()
-            content += rest.content
-            calls += rest.calls or []
-        out.content, out.tool_calls = content, calls
-        return out
+            parsed.content += rest.content
+            parsed.tool_calls += rest.tool_calls
+        parsed.reasoning = out.reasoning
+        return parsed
 
 
 # The kinds of block a reply is made of, in the order the model writes them.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 from collections.abc import Mapping
@@ -22,12 +23,12 @@ from minisgl.chat.reasoning import (
 from minisgl.chat.requests import ToolPlan, constraint_from_fields, plan_tools
 from minisgl.chat.tool_parsers import (
     HERMES_START,
-    TOOL_CALL_PARSERS,
+    TOOL_PARSERS,
+    HermesParser,
     NamedCallParser,
     RequiredCallsParser,
     ToolParser,
     detect_tool_call_parser,
-    make_tool_parser,
 )
 from minisgl.core import Constraint, InvalidRequestError
 from minisgl.tokenizer.chat import encode_prompt, load_chat_template, render_chat
@@ -35,27 +36,11 @@ from minisgl.tokenizer.chat import encode_prompt, load_chat_template, render_cha
 logger = logging.getLogger(__name__)
 
 
-# apply_chat_template's own parameters: not template variables, and passing one twice would
-# change what the call returns (return_dict, tokenize) or fail.
-RESERVED_TEMPLATE_KWARGS = frozenset(
-    {
-        "conversation",
-        "messages",
-        "tools",
-        "documents",
-        "chat_template",
-        "add_generation_prompt",
-        "continue_final_message",
-        "tokenize",
-        "padding",
-        "truncation",
-        "max_length",
-        "return_tensors",
-        "return_dict",
-        "return_assistant_tokens_mask",
-        "tokenizer_kwargs",
-    }
-)
+# apply_chat_template's own parameters (and `messages`, which it hands the template itself):
+# not template variables, and passing one twice would change what the call returns
+# (return_dict, tokenize) or fail.
+_OWN_PARAMETERS = inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters
+RESERVED_TEMPLATE_KWARGS = frozenset(_OWN_PARAMETERS).union({"messages"}) - {"self", "kwargs"}
 
 
 def parse_template_kwargs(value: Any, param: str = "chat_template_kwargs") -> dict[str, Any]:
@@ -105,8 +90,8 @@ class ChatSettings:
         if tool_call_parser == "auto":
             tool_call_parser = detect_tool_call_parser(source)
             logger.info("--tool-call-parser auto: %s", tool_call_parser or "none found")
-        elif tool_call_parser is not None and tool_call_parser not in TOOL_CALL_PARSERS:
-            raise ValueError(f"tool_call_parser: must be one of {TOOL_CALL_PARSERS} or auto")
+        elif tool_call_parser is not None and tool_call_parser not in TOOL_PARSERS:
+            raise ValueError(f"tool_call_parser: must be one of {tuple(TOOL_PARSERS)} or auto")
         kwargs = parse_template_kwargs(template_kwargs)
         return cls(template, kwargs, reasoning_parser, tool_call_parser)
 
@@ -127,7 +112,7 @@ class PreparedChat:
         mode = self.tools.mode
         if mode == "auto":
             assert self.tool_call_parser is not None
-            tools = make_tool_parser(self.tool_call_parser, self.tools.max_calls)
+            tools = TOOL_PARSERS[self.tool_call_parser](self.tools.max_calls)
         elif mode == "named":
             assert self.tools.function is not None
             tools = NamedCallParser(self.tools.function)
@@ -135,8 +120,8 @@ class PreparedChat:
             tools = RequiredCallsParser(self.tools.max_calls)
         reasoning = None
         if self.reasoning_parser is not None:
-            hermes = mode == "auto" and self.tool_call_parser in ("hermes", "qwen25")
-            implicit_end = (HERMES_START,) if hermes else ()
+            # Qwen3 may call a tool before it closes its thought: <tool_call> ends reasoning too.
+            implicit_end = (HERMES_START,) if isinstance(tools, HermesParser) else ()
             reasoning = ReasoningParser(self.reasoning_mode, implicit_end)
         return ChatOutputParser(reasoning, tools)
 
@@ -182,8 +167,7 @@ def prepare_chat(
     parser = settings.reasoning_parser
     mode = initial_mode(parser, text) if parser is not None else Mode.CONTENT
     reasoning = parser if p.separate_reasoning else None
-    found = constraint_from_fields(constraint_fields or {})
-    constraint, param = (found[1], found[0]) if found else (None, None)
+    param, constraint = constraint_from_fields(constraint_fields or {}) or (None, None)
     if plan.constraint is not None:
         if constraint is not None:
             raise InvalidRequestError(

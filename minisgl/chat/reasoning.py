@@ -22,9 +22,9 @@ before closing its thought; that tag stays in the content for the tool parser.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
 
-from minisgl.chat.streaming import find_first, partial_tag_len, split_trailing_space
+from minisgl.chat.streaming import ChatDelta, TextParser, hold_back
+from minisgl.tokenizer.detokenizer import find_first
 
 REASONING_PARSERS = ("qwen3", "deepseek-r1")
 THINK_START = "<think>"
@@ -36,12 +36,6 @@ class Mode(enum.Enum):
     REASONING = "reasoning"
     AFTER = "after"  # reasoning ended: content follows (its leading blank lines dropped)
     CONTENT = "content"  # no reasoning in this reply
-
-
-@dataclass(frozen=True)
-class ReasoningDelta:
-    reasoning: str = ""
-    content: str = ""
 
 
 def initial_mode(parser: str, prompt_text: str) -> Mode:
@@ -64,82 +58,56 @@ def detect_reasoning_parser(chat_template: str | None) -> str | None:
     return "deepseek-r1" if "<｜Assistant｜>" in chat_template else "qwen3"
 
 
-class ReasoningParser:
+class ReasoningParser(TextParser):
     def __init__(self, mode: Mode, implicit_end: tuple[str, ...] = ()) -> None:
+        super().__init__()
         self.mode = mode
         self.reasoned = mode == Mode.REASONING  # the reply had a reasoning part
-        self._implicit_end = implicit_end
-        self._buf = ""  # text not classified yet
+        self._ends = (THINK_END, *implicit_end)
         self._reasoning_started = False  # leading whitespace of the reasoning is dropped
 
-    def feed(self, text: str) -> ReasoningDelta:
-        self._buf += text
-        return self._run(final=False)
-
-    def finish(self) -> ReasoningDelta:
-        return self._run(final=True)
-
-    def _run(self, final: bool) -> ReasoningDelta:
-        reasoning: list[str] = []
-        content: list[str] = []
+    def _run(self, final: bool) -> ChatDelta:
+        out = ChatDelta()
         while self._buf:
             if self.mode == Mode.CONTENT:
-                content.append(self._buf)
+                out.content += self._buf
                 self._buf = ""
             elif self.mode == Mode.AFTER:
-                stripped = self._buf.lstrip()
-                self._buf = ""
-                if stripped:
-                    content.append(stripped)
+                self._buf = self._buf.lstrip()
+                if self._buf:
                     self.mode = Mode.CONTENT
-            elif self.mode == Mode.MAYBE:
-                if not self._open(final):
+            elif self.mode == Mode.MAYBE:  # decide from the reply's start
+                opened = self._opens(final)
+                if opened is None:
                     break
-            elif not self._reason(reasoning, final):
-                break
+                self.mode = Mode.REASONING if opened else Mode.CONTENT
+                self.reasoned = opened
+            elif not self._reasoning_started:
+                # A template that opened <think> may still see the model write it (R1).
+                if self._opens(final) is None:
+                    break
+                self._buf = self._buf.lstrip()
+                self._reasoning_started = bool(self._buf)
+            else:
+                at, tag = find_first(self._buf, self._ends)
+                if tag is None:
+                    ready, self._buf = hold_back(self._buf, self._ends, final)
+                    out.reasoning += ready.rstrip()  # at the end: trailing whitespace dropped
+                    break
+                out.reasoning += self._buf[:at].rstrip()
+                # The end tag is consumed; an implicit end (a tool call) stays for the content.
+                self._buf = self._buf[at + len(tag) :] if tag == THINK_END else self._buf[at:]
+                self.mode = Mode.AFTER
         if final and self.mode == Mode.MAYBE:  # only whitespace or half a tag came
             self.mode = Mode.CONTENT
-        return ReasoningDelta("".join(reasoning), "".join(content))
+        return out
 
-    def _open(self, final: bool) -> bool:
-        """MAYBE: decide from the reply's start. False: wait for more text."""
+    def _opens(self, final: bool) -> bool | None:
+        """Whether the text opens with <think> (then consumed); None: not known yet."""
         head = self._buf.lstrip()
         if head.startswith(THINK_START):
             self._buf = head[len(THINK_START) :]
-            self.mode, self.reasoned = Mode.REASONING, True
             return True
         if not final and THINK_START.startswith(head):  # "", "<", "<th", ...
-            return False
-        self.mode = Mode.CONTENT
-        return True
-
-    def _reason(self, out: list[str], final: bool) -> bool:
-        """REASONING: emit reasoning text up to an end tag. False: wait for more text."""
-        if not self._reasoning_started:
-            head = self._buf.lstrip()
-            # A template that opened <think> may still see the model write it (R1).
-            if head.startswith(THINK_START):
-                head = head[len(THINK_START) :].lstrip()
-            elif not final and head and THINK_START.startswith(head):
-                return False
-            self._buf = head
-            if not head:
-                return False
-            self._reasoning_started = True
-        ends = (THINK_END, *self._implicit_end)
-        at, tag = find_first(self._buf, ends)
-        if tag is not None:
-            out.append(self._buf[:at].rstrip())
-            # The end tag is consumed; an implicit end (a tool call) stays for the content.
-            self._buf = self._buf[at + len(tag) :] if tag == THINK_END else self._buf[at:]
-            self.mode = Mode.AFTER
-            return True
-        if final:
-            out.append(self._buf.rstrip())
-            self._buf = ""
-            return False
-        hold = partial_tag_len(self._buf, ends)
-        ready, space = split_trailing_space(self._buf[: len(self._buf) - hold])
-        out.append(ready)
-        self._buf = space + self._buf[len(self._buf) - hold :]
+            return None
         return False

@@ -1,32 +1,55 @@
-"""Helpers shared by the incremental parsers: holding back text that may start a tag."""
+"""What the incremental parsers share: the delta they return, a text buffer fed chunk by chunk,
+and holding back text that may start a tag."""
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from minisgl.tokenizer.detokenizer import partial_match_len
 
 
-def partial_tag_len(text: str, tags: Sequence[str]) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of one of `tags`: text a
-    parser must hold back, because the next chunk may complete the tag."""
-    longest = max((len(t) for t in tags), default=0)
-    for length in range(min(len(text), longest - 1), 0, -1):
-        suffix = text[-length:]
-        if any(tag.startswith(suffix) for tag in tags):
-            return length
-    return 0
+@dataclass(frozen=True)
+class ToolCallDelta:
+    index: int  # the call's position in the reply
+    name: str | None = None  # set on a call's first delta only
+    arguments: str = ""  # argument text to append
 
 
-def find_first(text: str, tags: Sequence[str]) -> tuple[int, str | None]:
-    """(position, tag) of the earliest tag in `text`; (-1, None) when none occurs."""
-    best_at, best_tag = -1, None
-    for tag in tags:
-        at = text.find(tag)
-        if at >= 0 and (best_at < 0 or at < best_at):
-            best_at, best_tag = at, tag
-    return best_at, best_tag
+@dataclass
+class ChatDelta:
+    reasoning: str = ""
+    content: str = ""
+    tool_calls: list[ToolCallDelta] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.reasoning or self.content or self.tool_calls)
 
 
-def split_trailing_space(text: str) -> tuple[str, str]:
-    """(text without its trailing whitespace, that whitespace)."""
-    stripped = text.rstrip()
-    return stripped, text[len(stripped) :]
+class TextParser(ABC):
+    """Text deltas in, `ChatDelta`s out. Unclassified text waits in `_buf`; `_run` takes what it
+    can, all of it when `final` (the non-streamed answer is the same machine fed all at once)."""
+
+    def __init__(self) -> None:
+        self._buf = ""
+
+    def feed(self, text: str) -> ChatDelta:
+        self._buf += text
+        return self._run(final=False)
+
+    def finish(self) -> ChatDelta:
+        return self._run(final=True)
+
+    @abstractmethod
+    def _run(self, final: bool) -> ChatDelta: ...
+
+
+def hold_back(text: str, tags: Sequence[str], final: bool = False) -> tuple[str, str]:
+    """(text safe to show, text held): held is a suffix that may start one of `tags` (the next
+    chunk may complete it) and the whitespace before it, which belongs to whatever follows.
+    Nothing is held when `final`."""
+    if final:
+        return text, ""
+    ready = text[: len(text) - partial_match_len(text, tags)].rstrip()
+    return ready, text[len(ready) :]

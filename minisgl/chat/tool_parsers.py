@@ -18,35 +18,13 @@ As with reasoning, the non-streamed answer is the same machine fed all the text 
 from __future__ import annotations
 
 import json
-from abc import ABC, abstractmethod
-from dataclasses import dataclass
 from typing import Any
 
-from minisgl.chat.streaming import find_first, partial_tag_len, split_trailing_space
+from minisgl.chat.streaming import ChatDelta, TextParser, ToolCallDelta, hold_back
 
-TOOL_CALL_PARSERS = ("hermes", "qwen25", "llama3_json")
 HERMES_START, HERMES_END = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
 _DECODER = json.JSONDecoder()
-
-
-@dataclass(frozen=True)
-class ToolCallDelta:
-    index: int  # the call's position in the reply
-    name: str | None = None  # set on a call's first delta only
-    arguments: str = ""  # argument text to append
-
-
-@dataclass
-class ToolDelta:
-    content: str = ""
-    calls: list[ToolCallDelta] | None = None
-
-    def add_call(self, index: int, name: str, arguments: str) -> None:
-        self.calls = self.calls or []
-        self.calls.append(ToolCallDelta(index, name, ""))
-        if arguments:
-            self.calls.append(ToolCallDelta(index, None, arguments))
 
 
 def _as_call(value: Any, arg_keys: tuple[str, ...]) -> tuple[str, str] | None:
@@ -60,104 +38,75 @@ def _as_call(value: Any, arg_keys: tuple[str, ...]) -> tuple[str, str] | None:
     return value["name"], json.dumps(arguments, ensure_ascii=False)
 
 
-class ToolParser(ABC):
+class ToolParser(TextParser):
     def __init__(self, max_calls: int | None = None) -> None:
+        super().__init__()
         self.max_calls = max_calls  # parallel_tool_calls=false: 1
         self.num_calls = 0
 
     def _room(self) -> bool:
         return self.max_calls is None or self.num_calls < self.max_calls
 
-    @abstractmethod
-    def feed(self, text: str) -> ToolDelta: ...
-
-    @abstractmethod
-    def finish(self) -> ToolDelta: ...
+    def _add_call(self, out: ChatDelta, name: str, arguments: str) -> None:
+        """The next call: its header (name, empty arguments), then any argument text."""
+        out.tool_calls.append(ToolCallDelta(self.num_calls, name))
+        if arguments:
+            out.tool_calls.append(ToolCallDelta(self.num_calls, None, arguments))
+        self.num_calls += 1
 
 
 class HermesParser(ToolParser):
     def __init__(self, max_calls: int | None = None) -> None:
         super().__init__(max_calls)
-        self._buf = ""
         self._inside = False  # between <tool_call> and </tool_call>
         self._after_block = False  # whitespace right after a block is not content
         self._space = ""  # whitespace before the open block: content again if it is malformed
 
-    def feed(self, text: str) -> ToolDelta:
-        self._buf += text
-        return self._run(final=False)
-
-    def finish(self) -> ToolDelta:
-        return self._run(final=True)
-
-    def _run(self, final: bool) -> ToolDelta:
-        out = ToolDelta()
-        content: list[str] = []
-        while self._buf:
+    def _run(self, final: bool) -> ChatDelta:
+        out = ChatDelta()
+        while self._buf or (final and self._inside):  # a reply may end right after the tag
             if self._inside:
-                end = self._buf.find(HERMES_END)
-                if end < 0 and not final:
+                if HERMES_END not in self._buf and not final:
                     break
-                body = self._buf if end < 0 else self._buf[:end]
-                closing = "" if end < 0 else HERMES_END
-                self._buf = "" if end < 0 else self._buf[end + len(HERMES_END) :]
+                body, closing, self._buf = self._buf.partition(HERMES_END)
                 self._inside = False
-                self._block(out, content, body, closing)
-                continue
-            if self._after_block:
-                stripped = self._buf.lstrip()
-                if not stripped:
-                    self._buf = ""
+                self._block(out, body, closing)
+            elif self._after_block:
+                self._buf = self._buf.lstrip()
+                self._after_block = not self._buf
+            else:
+                at = self._buf.find(HERMES_START)
+                if at < 0 or not self._room():
+                    ready, self._buf = hold_back(self._buf, (HERMES_START,), final or at >= 0)
+                    out.content += ready
                     break
-                self._buf, self._after_block = stripped, False
-            at, _ = find_first(self._buf, (HERMES_START,))
-            if at >= 0 and self._room():
-                before, self._space = split_trailing_space(self._buf[:at])
-                content.append(before)
+                before = self._buf[:at].rstrip()
+                out.content += before
+                self._space = self._buf[len(before) : at]
                 self._buf = self._buf[at + len(HERMES_START) :]
                 self._inside = True
-                continue
-            if final or at >= 0:
-                content.append(self._buf)
-                self._buf = ""
-                break
-            hold = partial_tag_len(self._buf, (HERMES_START,))
-            ready, space = split_trailing_space(self._buf[: len(self._buf) - hold])
-            content.append(ready)
-            self._buf = space + self._buf[len(self._buf) - hold :]
-            break
-        out.content = "".join(content)
         return out
 
-    def _block(self, out: ToolDelta, content: list[str], body: str, closing: str) -> None:
+    def _block(self, out: ChatDelta, body: str, closing: str) -> None:
         """A whole block (or, at the end, an unclosed one): a call, or content as written."""
         try:
             call = _as_call(json.loads(body), ("arguments", "parameters"))
         except ValueError:
             call = None
         if call is None:
-            content.append(self._space + HERMES_START + body + closing)
+            out.content += self._space + HERMES_START + body + closing
             return
-        out.add_call(self.num_calls, *call)
-        self.num_calls += 1
+        self._add_call(out, *call)
         self._after_block = True
 
 
 class Llama3JsonParser(ToolParser):
     def __init__(self, max_calls: int | None = None) -> None:
         super().__init__(max_calls)
-        self._buf = ""
         self._mode = "start"  # start -> calls | content
 
-    def feed(self, text: str) -> ToolDelta:
-        self._buf += text
-        return self._run(final=False)
-
-    def finish(self) -> ToolDelta:
-        return self._run(final=True)
-
-    def _run(self, final: bool) -> ToolDelta:
-        out = ToolDelta()
+    def _run(self, final: bool) -> ChatDelta:
+        out = ChatDelta()
         if self._mode == "start":
             head = self._buf.lstrip()
             if head.startswith(PYTHON_TAG):
@@ -175,7 +124,7 @@ class Llama3JsonParser(ToolParser):
             self._buf = ""
         return out
 
-    def _calls(self, out: ToolDelta, final: bool) -> None:
+    def _calls(self, out: ChatDelta, final: bool) -> None:
         while True:
             if self.num_calls > 0:  # between calls: "; " separators
                 self._buf = self._buf.lstrip().removeprefix(";").lstrip()
@@ -191,8 +140,7 @@ class Llama3JsonParser(ToolParser):
             if call is None or not self._room():
                 self._mode = "content"
                 return
-            out.add_call(self.num_calls, *call)
-            self.num_calls += 1
+            self._add_call(out, *call)
             self._buf = self._buf[end:]
 
 
@@ -203,21 +151,13 @@ class NamedCallParser(ToolParser):
         super().__init__(1)
         self.name = name
 
-    def _header(self, out: ToolDelta) -> None:
-        if self.num_calls == 0:
-            out.add_call(0, self.name, "")
-            self.num_calls = 1
-
-    def feed(self, text: str) -> ToolDelta:
-        out = ToolDelta()
-        if text:
-            self._header(out)
-            out.calls = (out.calls or []) + [ToolCallDelta(0, None, text)]
-        return out
-
-    def finish(self) -> ToolDelta:
-        out = ToolDelta()
-        self._header(out)
+    def _run(self, final: bool) -> ChatDelta:
+        out = ChatDelta()
+        if self.num_calls == 0 and (self._buf or final):
+            self._add_call(out, self.name, self._buf)
+        elif self._buf:
+            out.tool_calls.append(ToolCallDelta(0, None, self._buf))
+        self._buf = ""
         return out
 
 
@@ -227,14 +167,9 @@ class RequiredCallsParser(ToolParser):
 
     def __init__(self, max_calls: int | None = None) -> None:
         super().__init__(max_calls)
-        self._buf = ""
         self._started = False  # past the "["
 
-    def feed(self, text: str) -> ToolDelta:
-        self._buf += text
-        return self._run(final=False)
-
-    def finish(self) -> ToolDelta:
+    def finish(self) -> ChatDelta:
         out = self._run(final=True)
         rest = self._buf.strip()
         if rest not in ("", "]"):  # cut short (max_tokens): shown as it is
@@ -242,8 +177,8 @@ class RequiredCallsParser(ToolParser):
         self._buf = ""
         return out
 
-    def _run(self, final: bool) -> ToolDelta:
-        out = ToolDelta()
+    def _run(self, final: bool) -> ChatDelta:
+        out = ChatDelta()
         while True:
             self._buf = self._buf.lstrip()
             if not self._started:
@@ -263,16 +198,15 @@ class RequiredCallsParser(ToolParser):
                 return out
             self._buf = self._buf[end:]
             if self._room():
-                out.add_call(self.num_calls, *call)
-                self.num_calls += 1
+                self._add_call(out, *call)
 
 
-def make_tool_parser(name: str, max_calls: int | None = None) -> ToolParser:
-    if name in ("hermes", "qwen25"):
-        return HermesParser(max_calls)
-    if name == "llama3_json":
-        return Llama3JsonParser(max_calls)
-    raise ValueError(f"tool_call_parser: unknown parser {name!r}; use one of {TOOL_CALL_PARSERS}")
+# The parser each --tool-call-parser names (qwen25 writes hermes blocks).
+TOOL_PARSERS: dict[str, type[ToolParser]] = {
+    "hermes": HermesParser,
+    "qwen25": HermesParser,
+    "llama3_json": Llama3JsonParser,
+}
 
 
 def detect_tool_call_parser(chat_template: str | None) -> str | None:

@@ -75,10 +75,8 @@ def _tool_calls(value: Any, index: int) -> list[dict[str, Any]]:
             arguments = parsed if isinstance(parsed, dict) else arguments
         elif not isinstance(arguments, Mapping):
             raise ValueError(f"{where}: function.arguments must be JSON text or an object")
-        entry: dict[str, Any] = {
-            "type": "function",
-            "function": {"name": function["name"], "arguments": arguments},
-        }
+        named = {"name": function["name"], "arguments": arguments}
+        entry: dict[str, Any] = {"type": "function", "function": named}
         if isinstance(call.get("id"), str):
             entry["id"] = call["id"]
         calls.append(entry)
@@ -97,13 +95,11 @@ def normalize_messages(messages: Any) -> list[dict[str, Any]]:
         role = message.get("role")
         if role not in CHAT_ROLES:
             raise ValueError(f"messages: message {index} has unknown role {role!r}")
+        content = message.get("content")
         # Only an assistant turn may come without content (a reply that only called tools).
-        if message.get("content") is None and role != "assistant":
+        if content is None and role != "assistant":
             raise ValueError(f"messages: message {index} ({role}) needs a content")
-        entry: dict[str, Any] = {
-            "role": role,
-            "content": message_text(message.get("content"), index),
-        }
+        entry: dict[str, Any] = {"role": role, "content": message_text(content, index)}
         for name in _TEXT_FIELDS:
             value = message.get(name)
             if value is None:
@@ -124,7 +120,7 @@ def normalize_messages(messages: Any) -> list[dict[str, Any]]:
 def render_chat(
     tokenizer: PreTrainedTokenizerBase,
     messages: Any,
-    tools: list[dict[str, Any]] | None = None,
+    tools: list[Any] | None = None,  # the JSON tool specs, as transformers takes them
     chat_template: str | None = None,
     template_kwargs: Mapping[str, Any] | None = None,
 ) -> str:
@@ -132,16 +128,15 @@ def render_chat(
     variables for the template; `chat_template` replaces the tokenizer's own."""
     if chat_template is None and not getattr(tokenizer, "chat_template", None):
         raise ValueError("messages: the tokenizer has no chat template; use /v1/completions")
-    kwargs = dict(template_kwargs or {})
-    template_tools: Any = tools or None
+    conversation = normalize_messages(messages)  # its errors name the message at fault
     try:
         text = tokenizer.apply_chat_template(
-            normalize_messages(messages),
-            tools=template_tools,
+            conversation,
+            tools=tools or None,
             chat_template=chat_template,
             add_generation_prompt=True,
             tokenize=False,
-            **kwargs,
+            **(template_kwargs or {}),
         )
     except TemplateError as exc:  # e.g. raise_exception("roles must alternate ...")
         raise ValueError(f"messages: the model's chat template rejected them: {exc}") from None

@@ -35,6 +35,28 @@ PROMPT_CONTEXT_TOKENS = 5
 REPLACEMENT_CHAR = "\ufffd"
 
 
+def find_first(text: str, tags: Sequence[str]) -> tuple[int, str | None]:
+    """(position, tag) of the earliest of `tags` in `text` (the first listed on a tie);
+    (-1, None) when none occurs. Stop strings here, think and tool-call tags in minisgl.chat."""
+    best_at, best_tag = -1, None
+    for tag in tags:
+        at = text.find(tag)
+        if at >= 0 and (best_at < 0 or at < best_at):
+            best_at, best_tag = at, tag
+    return best_at, best_tag
+
+
+def partial_match_len(text: str, tags: Sequence[str]) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of one of `tags`: text to
+    hold back, because the next chunk may complete the tag."""
+    longest = max((len(t) for t in tags), default=0)
+    for length in range(min(len(text), longest - 1), 0, -1):
+        suffix = text[-length:]
+        if any(tag.startswith(suffix) for tag in tags):
+            return length
+    return 0
+
+
 class IncrementalDetokenizer:
     """Turns a growing list of output token ids into text deltas, stopping at stop strings."""
 
@@ -56,7 +78,6 @@ class IncrementalDetokenizer:
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
         self._stops = tuple(s for s in stop if s)
-        self._max_stop_len = max((len(s) for s in self._stops), default=0)
         self._held = ""  # decoded but not yet emitted: it could be the start of a stop string
         self.text = ""  # everything emitted so far
         self.stopped = False
@@ -71,67 +92,41 @@ class IncrementalDetokenizer:
             return ""
         self._ids.extend(int(t) for t in token_ids)
         self._num_tokens += len(token_ids)
-        self._held += self._decode_ready()
         # Before min_tokens, release everything unmatched: stops count only in later text.
         return self._release(final=False, match=self._num_tokens >= self._min_tokens)
 
     def flush(self) -> str:
         """The request ended for another reason: return everything still held back."""
-        if self.stopped:
-            return ""
-        prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
-        full_text = self._decode(self._ids[self._prefix_offset :])
-        self._held += full_text[len(prefix_text) :]
-        self._prefix_offset = self._read_offset = len(self._ids)
-        return self._release(final=True)
+        return "" if self.stopped else self._release(final=True)
 
-    def _decode(self, ids: Sequence[int]) -> str:
+    def _decode(self, ids: list[int]) -> str:
         text = self._tokenizer.decode(
-            list(ids),
-            skip_special_tokens=self._skip_special_tokens,
-            clean_up_tokenization_spaces=False,
+            ids, skip_special_tokens=self._skip_special_tokens, clean_up_tokenization_spaces=False
         )
         return cast(str, text)
 
-    def _decode_ready(self) -> str:
-        """Decode the window; return the new text unless it ends mid-character."""
+    def _decode_new(self, final: bool) -> str:
+        """Decode the window; return the new text unless it ends mid-character (until final)."""
         prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
         new_text = self._decode(self._ids[self._prefix_offset :])
-        if len(new_text) <= len(prefix_text) or new_text.endswith(REPLACEMENT_CHAR):
+        incomplete = len(new_text) <= len(prefix_text) or new_text.endswith(REPLACEMENT_CHAR)
+        if incomplete and not final:
             return ""  # wait for the rest of the character (or for visible text)
         self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
         return new_text[len(prefix_text) :]
 
     def _release(self, final: bool, match: bool = True) -> str:
-        held = self._held
-        stop_at, stop_str = self._find_stop(held) if match else (len(held), None)
+        held = self._held + self._decode_new(final)
+        # Emitted text never holds a stop string: it was held back.
+        stop_at, stop_str = find_first(held, self._stops) if match else (-1, None)
         if stop_str is not None:
             out = held[: stop_at + (len(stop_str) if self._include_stop else 0)]
             self.stopped, self.stop_str, self._held = True, stop_str, ""
-        elif final:
-            out, self._held = held, ""
         else:
-            keep_len = self._partial_stop_len(held) if match else 0
+            keep_len = partial_match_len(held, self._stops) if match and not final else 0
             out, self._held = held[: len(held) - keep_len], held[len(held) - keep_len :]
         self.text += out
         return out
-
-    def _find_stop(self, text: str) -> tuple[int, str | None]:
-        """Earliest stop string in `text`. Emitted text never holds one: it was held back."""
-        best_at, best_stop = len(text), None
-        for stop in self._stops:
-            at = text.find(stop)
-            if 0 <= at < best_at:
-                best_at, best_stop = at, stop
-        return best_at, best_stop
-
-    def _partial_stop_len(self, text: str) -> int:
-        """Length of the longest suffix of `text` that some stop string starts with."""
-        for length in range(min(len(text), self._max_stop_len - 1), 0, -1):
-            suffix = text[-length:]
-            if any(stop.startswith(suffix) for stop in self._stops):
-                return length
-        return 0
 
 
 @dataclass(frozen=True)
@@ -163,10 +158,9 @@ class RequestDetokenizer:
         eos_token_ids: Sequence[int],
         incremental: bool = True,
     ) -> None:
-        hidden = set(params.stop_token_ids)
-        if not params.ignore_eos:
-            hidden.update(eos_token_ids)
-        self._hidden_final_ids = frozenset(hidden)  # a final token with one of these adds no text
+        eos_ids = () if params.ignore_eos else tuple(eos_token_ids)
+        # A final token with one of these ids adds no text.
+        self._hidden_final_ids = frozenset((*params.stop_token_ids, *eos_ids))
         self._tokenizer = tokenizer
         self._params = params
         self._incremental = incremental or bool(params.stop)
@@ -179,25 +173,22 @@ class RequestDetokenizer:
             params.include_stop_str_in_output,
         )
         self._shown_ids: list[int] = []  # for the one decode at the end (not incremental)
-        self._stopped_by_string = False
         self.done = False  # the scheduler sent its last output for this request
 
     def add(self, output: ReqOutput) -> TextDelta | None:
         """None: an output the scheduler sent before the abort a stop string asked for."""
         finish = output.finish_reason
-        matched: int | str | None = None
         self.done = finish is not None
-        if self._stopped_by_string:
+        if self._text.stopped:  # by a stop string, in an earlier output
             return None
         token_ids = list(output.new_token_ids)
+        matched: int | str | None = None
         # Stopped by EOS / a stop token id: that token counts as generated but shows no text.
         if finish == FinishReason.STOP and token_ids and token_ids[-1] in self._hidden_final_ids:
             matched = token_ids.pop()
-        text = self._decode(token_ids, final=finish is not None)
-        abort = False
+        text = self._decode(token_ids, final=self.done)
+        abort = self._text.stopped and finish is None
         if self._text.stopped:
-            self._stopped_by_string = True
-            abort = finish is None
             finish, matched = FinishReason.STOP, self._text.stop_str
         logprobs = output.new_logprobs[: len(token_ids)]
         return TextDelta(text, tuple(token_ids), logprobs, finish, matched, abort)
