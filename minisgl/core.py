@@ -330,7 +330,7 @@ class Req:
     cache_matched_len: int = 0  # tokens whose pages belong to the prefix cache, not this request
     # structured output: the compiled grammar as sent by the API server (serialized; None: the
     # scheduler compiles sampling_params.constraint itself), then the live matcher state
-    grammar_blob: str | None = None
+    grammar_json: str | None = None
     grammar: Any = None
     num_retractions: int = 0
     finish_reason: FinishReason | None = None

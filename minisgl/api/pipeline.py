@@ -125,7 +125,7 @@ class Prepared:
     prompt_ids: list[list[int]]
     chat: PreparedChat | None
     constraint: Constraint | None
-    grammar_blob: str | None  # the constraint compiled and serialized for the scheduler
+    grammar_json: str | None  # the constraint compiled and serialized for the scheduler
 
 
 def _prepare(ctx: ServingContext, req: ApiRequest) -> Prepared:
@@ -142,8 +142,8 @@ def _prepare(ctx: ServingContext, req: ApiRequest) -> Prepared:
             list(ctx.tokenizer(item)["input_ids"]) if isinstance(item, str) else list(item)
             for item in req.prompt
         ]
-    blob = ctx.compile_constraint(constraint, param or "") if constraint is not None else None
-    return Prepared(prompts, chat, constraint, blob)
+    grammar = ctx.compile_constraint(constraint, param or "") if constraint is not None else None
+    return Prepared(prompts, chat, constraint, grammar)
 
 
 async def prepare(ctx: ServingContext, req: ApiRequest) -> Prepared:
@@ -275,7 +275,7 @@ class Run:
                     self.prompts[choice.prompt_index],
                     params,
                     self._queue,
-                    self.prepared.grammar_blob,
+                    self.prepared.grammar_json,
                 )
                 self._num_unfinished += 1
         except BaseException:

@@ -58,7 +58,7 @@ class GrammarCompiler:
         # Our own cache below keys on (kind, value) and also holds deserialized grammars.
         self._compiler = xgr.GrammarCompiler(self.info, max_threads=threads, cache_enabled=False)
         self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()
-        self._blobs: OrderedDict[tuple[str, str], str] = OrderedDict()
+        self._serialized: OrderedDict[tuple[str, str], str] = OrderedDict()
         self._lock = threading.Lock()
 
     def _cached(self, cache: OrderedDict, key: tuple[str, str]) -> Any | None:
@@ -112,21 +112,21 @@ class GrammarCompiler:
     def serialize(self, constraint: Constraint) -> str:
         """Compile (cached) and serialize, for the scheduler: what TokenizedRequest carries."""
         key = constraint.grammar_key
-        blob = self._cached(self._blobs, key)
-        if blob is None:
-            blob = str(self.compile(constraint).serialize_json())
-            self._remember(self._blobs, key, blob)
-        return blob
+        text = self._cached(self._serialized, key)
+        if text is None:
+            text = str(self.compile(constraint).serialize_json())
+            self._remember(self._serialized, key, text)
+        return text
 
-    def load(self, constraint: Constraint, blob: str | None) -> Any:
-        """The compiled grammar for a request: cached, else deserialized from `blob` (compiled
-        by the API server), else compiled here (the offline API sends no blob)."""
+    def load(self, constraint: Constraint, grammar_json: str | None) -> Any:
+        """The compiled grammar for a request: cached, else deserialized from `grammar_json`
+        (compiled by the API server), else compiled here (the offline API sends none)."""
         key = constraint.grammar_key
         compiled = self._cached(self._cache, key)
         if compiled is not None:
             return compiled
-        if blob is None:
+        if grammar_json is None:
             return self.compile(constraint)
-        compiled = self._xgr.CompiledGrammar.deserialize_json(blob, self.info)
+        compiled = self._xgr.CompiledGrammar.deserialize_json(grammar_json, self.info)
         self._remember(self._cache, key, compiled)
         return compiled

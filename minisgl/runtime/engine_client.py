@@ -97,13 +97,13 @@ class EngineClient:
         input_ids: list[int],
         params: SamplingParams,
         queue: asyncio.Queue,
-        grammar_blob: str | None = None,
+        grammar_json: str | None = None,
     ) -> None:
         """Start one sequence; its outputs arrive on `queue` tagged with `index`.
         The route exists only once the send succeeded, so a failed send leaves nothing behind."""
         if self._closed_message is not None:
             raise BackendUnavailable(self._closed_message)
-        self._to_scheduler.put(msg.TokenizedRequest(rid, tuple(input_ids), params, grammar_blob))
+        self._to_scheduler.put(msg.TokenizedRequest(rid, tuple(input_ids), params, grammar_json))
         self._routes[rid] = (queue, index)
 
     def abort_all(self, error: str | None = None) -> None:

@@ -47,7 +47,7 @@ class TokenizedRequest:
     sampling_params: SamplingParams
     # sampling_params.constraint compiled by the API server (minisgl.grammar), so the scheduler
     # never compiles on its loop; None for unconstrained requests.
-    grammar_blob: str | None = None
+    grammar_json: str | None = None
 
 
 @dataclass(frozen=True)

@@ -121,7 +121,7 @@ class SchedulerLoop:
         tail_ids = input_ids[-PROMPT_CONTEXT_TOKENS:]
         self._to_detokenizer.put(msg.DetokenizeInit(rid, tail_ids, params, eos_ids))
         try:
-            req = Req(rid, list(input_ids), params, eos_ids, grammar_blob=message.grammar_blob)
+            req = Req(rid, list(input_ids), params, eos_ids, grammar_json=message.grammar_json)
             req.arrival_time = time.monotonic()
             self.scheduler.add_request(req)
         except Exception as exc:  # one bad request must not stop the loop everyone depends on

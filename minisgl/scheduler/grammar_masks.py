@@ -38,7 +38,7 @@ class GrammarMasks:
             self._compiler = GrammarCompiler(
                 tokenizer, self._vocab_size, self._eos_token_ids, param="constraint"
             )
-        return self._compiler.load(constraint, req.grammar_blob)
+        return self._compiler.load(constraint, req.grammar_json)
 
     def attach(self, req: Req) -> None:
         """Give a constrained request the matcher that follows its output."""
@@ -46,7 +46,7 @@ class GrammarMasks:
         if compiled is not None:
             assert req.sampling_params.constraint is not None
             req.grammar = GrammarState(compiled, req.sampling_params.constraint.start_after)
-            req.grammar_blob = None  # loaded: the serialized copy is not needed any more
+            req.grammar_json = None  # loaded: the serialized copy is not needed any more
 
     def mask(self, sampled: list[Req]) -> VocabMask | None:
         """The mask of a batch's sampled requests (in sampling order); None: none constrained."""
