@@ -286,10 +286,10 @@ def test_sampling_kernel_after_the_grammar_mask_and_penalties():
     sb.history_ids = torch.tensor([history] * rows)
     sb.history_in_output = (torch.arange(len(history)) >= 40)[None, :].expand(rows, -1)
     sb.history_in_output = sb.history_in_output & (sb.history_ids < vocab)
-    sb.repetition = torch.full((rows,), 1.3)
-    sb.presence, sb.frequency = torch.full((rows,), 0.5), torch.full((rows,), 0.25)
+    sb.rows.repetition = torch.full((rows,), 1.3)
+    sb.rows.presence, sb.rows.frequency = torch.full((rows,), 0.5), torch.full((rows,), 0.25)
     for seed in range(8):
-        sb.seeds = torch.arange(rows) + 1000 * seed
+        sb.rows.seeds = torch.arange(rows) + 1000 * seed
         got = _sampler().sample(logits, sb)
         want = _sampler(kernels=False).sample(logits, sb)
         assert torch.equal(got.token_ids, want.token_ids)

@@ -83,19 +83,19 @@ def test_penalties_equal_the_dense_formula():
     sb = SamplingBatch.build([SamplingParams()] * rows, [0] * rows, [0] * rows, vocab, CPU)
     sb.history_ids = ids.masked_fill(~in_seq, vocab)
     sb.history_in_output = in_seq & (pos >= prompt_lens[:, None])
-    sb.repetition = torch.tensor([1.0, 1.3, 0.7, 2.0, 1.1, 1.5])
-    sb.frequency = torch.tensor([0.0, 0.5, -0.3, 1.0, 2.0, 0.1])
-    sb.presence = torch.tensor([0.0, 0.25, 1.0, -1.0, 0.0, 2.0])
+    sb.rows.repetition = torch.tensor([1.0, 1.3, 0.7, 2.0, 1.1, 1.5])
+    sb.rows.frequency = torch.tensor([0.0, 0.5, -0.3, 1.0, 2.0, 0.1])
+    sb.rows.presence = torch.tensor([0.0, 0.25, 1.0, -1.0, 0.0, 2.0])
     seen = torch.zeros(rows, vocab, dtype=torch.bool)
     counts = torch.zeros(rows, vocab)
     for r in range(rows):
         seen[r, ids[r, : seq_lens[r]]] = True
         for t in ids[r, prompt_lens[r] : seq_lens[r]].tolist():
             counts[r, t] += 1
-    penalty = sb.repetition[:, None].expand_as(logits)
+    penalty = sb.rows.repetition[:, None].expand_as(logits)
     want = torch.where(seen, torch.where(logits > 0, logits / penalty, logits * penalty), logits)
-    want = want - sb.frequency[:, None] * counts
-    want = want - sb.presence[:, None] * (counts > 0).float()
+    want = want - sb.rows.frequency[:, None] * counts
+    want = want - sb.rows.presence[:, None] * (counts > 0).float()
     assert torch.equal(apply_penalties(logits, sb), want)
 
 

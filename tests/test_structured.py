@@ -66,7 +66,7 @@ def test_sampler_masks_only_the_constrained_rows() -> None:
     assert torch.isinf(masked[1]).sum() == vocab - 4 and torch.isinf(masked[3]).sum() == vocab - 1
     assert torch.equal(masked[0], logits[0]) and torch.equal(masked[2], logits[2])
     for seed in range(20):
-        sb.seeds = torch.full((4,), seed)
+        sb.rows.seeds = torch.full((4,), seed)
         result = Sampler(torch.device("cpu")).sample(logits, sb)
         assert int(result.token_ids[1]) in allowed[0] and int(result.token_ids[3]) == 99
         assert int(result.token_ids[0]) == int(logits[0].argmax())  # unconstrained: untouched

@@ -57,7 +57,7 @@ def main() -> None:
             params = [SamplingParams(**kwargs)] * rows  # type: ignore[arg-type]
             sb = SamplingBatch.build(params, list(range(rows)), [7] * rows, VOCAB, device)
             if params[0].has_penalties:
-                _add_history(sb, params, rows, g, device)
+                _add_history(sb, rows, g, device)
             with device.active():  # the engine's stream: what synchronize waits for
                 sample(logits, sb)  # warm-up
                 device.synchronize()
@@ -69,21 +69,12 @@ def main() -> None:
         print(f"{name:<38}" + "".join(f"{ms:12.2f}" for ms in cells))
 
 
-def _add_history(
-    sb: SamplingBatch,
-    params: list[SamplingParams],
-    rows: int,
-    g: torch.Generator,
-    device: ComputeStream,
-) -> None:
-    """What SamplingBatch.for_batch hands the sampler, for random token histories."""
+def _add_history(sb: SamplingBatch, rows: int, g: torch.Generator, device: ComputeStream) -> None:
+    """What SamplingBatch.for_batch adds for penalties, for random token histories (the
+    penalties themselves come with the batch, from its params)."""
     ids = torch.randint(0, VOCAB, (rows, HISTORY_LEN), generator=g)
     in_output = (torch.arange(HISTORY_LEN) >= HISTORY_LEN // 2)[None, :].expand(rows, -1)
     sb.history_ids, sb.history_in_output = ids.to(device.device), in_output.to(device.device)
-    sb.repetition, sb.presence, sb.frequency = (
-        torch.tensor([getattr(p, name) for p in params], device=device.device)
-        for name in ("repetition_penalty", "presence_penalty", "frequency_penalty")
-    )
 
 
 if __name__ == "__main__":

@@ -1,15 +1,26 @@
-"""What the scheduler hands the engine (`ForwardBatch`) and gets back (`PendingOutput`)."""
+"""What the scheduler hands the engine (`ForwardBatch`) and gets back (`PendingOutput`).
+
+Prompt logprobs (`SamplingParams.prompt_logprobs`): each prompt token's logprob given the tokens
+before it, from the logits of the position before it. A prefill chunk of a scored request
+computes its logits at every position that scores a prompt token, not only at the last
+(`ForwardBatch.num_prompt_scores`; those logits follow the sampled rows), and
+`PromptScores.of` turns them into scores on their way to the host. The scheduler scores at most
+PROMPT_LOGPROBS_STEP_TOKENS positions a step (scheduler/prefill.py), which bounds the
+[positions, vocab] logits.
+"""
 
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from minisgl.core import SamplingParams, TokenLogprob
-from minisgl.engine.device import Event
+from minisgl.engine.tables import DeviceTables
 
 
 @dataclass(frozen=True)
@@ -45,20 +56,16 @@ class ForwardBatch:
         predicts the first output token instead)."""
         if self.prompt_logprobs is None:
             return [0] * self.num_seqs
+        lens = zip(self.prefix_lens, self.extend_lens, self.prompt_lens, strict=True)
         return [
             0 if k is None else max(0, min(prefix + extend, prompt_len - 1) - prefix)
-            for k, prefix, extend, prompt_len in zip(
-                self.prompt_logprobs,
-                self.prefix_lens,
-                self.extend_lens,
-                self.prompt_lens,
-                strict=True,
-            )
+            for k, (prefix, extend, prompt_len) in zip(self.prompt_logprobs, lens, strict=True)
         ]
 
-    @property
-    def kv_lens(self) -> list[int]:
-        return [p + e for p, e in zip(self.prefix_lens, self.extend_lens, strict=True)]
+    @functools.cached_property
+    def sampled(self) -> list[int]:
+        """The sequences that sample, in order (their logits come first)."""
+        return [i for i, p in enumerate(self.sampling) if p is not None]
 
 
 @dataclass(frozen=True)
@@ -112,16 +119,11 @@ class TokenScores:
     ) -> list[TokenLogprob | None]:
         """Per row (on the host): its TokenLogprob with its first top_k[row] alternatives, or
         None where top_k[row] is None (not wanted)."""
-        chosen, top_ids, top_lps = (
-            t.tolist() for t in (self.chosen, self.top_ids, self.top_logprobs)
-        )
+        host = (t.tolist() for t in (self.chosen, self.top_ids, self.top_logprobs))
+        rows = zip(token_ids, *host, top_k, strict=True)
         return [
-            None
-            if k is None
-            else TokenLogprob(
-                token_ids[j], chosen[j], tuple(zip(top_ids[j][:k], top_lps[j][:k], strict=True))
-            )
-            for j, k in enumerate(top_k)
+            None if k is None else TokenLogprob(t, lp, tuple(zip(ids[:k], lps[:k], strict=True)))
+            for t, lp, ids, lps, k in rows
         ]
 
 
@@ -134,16 +136,35 @@ class PromptScores:
     token_ids: torch.Tensor  # int64 [scored]: the scored prompt tokens, sequence by sequence
     scores: TokenScores
 
+    @staticmethod
+    def of(batch: ForwardBatch, logits: torch.Tensor, tables: DeviceTables) -> PromptScores:
+        """logits: [scored, vocab], at the positions `num_prompt_scores` counts, in order. The
+        scored tokens are read from the token table (the whole prompt is there from admission
+        on)."""
+        counts = batch.num_prompt_scores
+        assert batch.prompt_logprobs is not None and logits.shape[0] == sum(counts)
+        top_k = [(k or 0) if c else 0 for k, c in zip(batch.prompt_logprobs, counts, strict=True)]
+        rows: list[int] = []
+        positions: list[int] = []
+        for row, prefix, count in zip(batch.table_rows, batch.prefix_lens, counts, strict=True):
+            rows += [row] * count
+            positions += range(prefix + 1, prefix + 1 + count)  # the token after each position
+        stream = tables.stream
+        rows_d, positions_d = stream.stage(torch.int64, rows, positions)
+        token_ids = tables.token_table[rows_d, positions_d].long()
+        scores = TokenScores.of(logits, token_ids, max(top_k))
+        return PromptScores(
+            counts, top_k, stream.to_host_async(token_ids), scores.map(stream.to_host_async)
+        )
+
     def result(self) -> dict[int, list[TokenLogprob]]:
         row_k = [k for count, k in zip(self.counts, self.top_k, strict=True) for _ in range(count)]
-        rows = self.scores.token_logprobs(self.token_ids.tolist(), row_k)
-        out: dict[int, list[TokenLogprob]] = {}
-        start = 0
-        for seq, count in enumerate(self.counts):
-            if count:
-                out[seq] = [lp for lp in rows[start : start + count] if lp is not None]
-                start += count
-        return out
+        scored = iter(self.scores.token_logprobs(self.token_ids.tolist(), row_k))  # in order
+        return {
+            seq: [lp for lp in itertools.islice(scored, count) if lp is not None]
+            for seq, count in enumerate(self.counts)
+            if count
+        }
 
 
 @dataclass
@@ -157,12 +178,12 @@ class PendingOutput:
     params: list[SamplingParams]
     token_ids: torch.Tensor | None = None  # int64 [rows]; None: nothing sampled
     scores: TokenScores | None = None  # None: no row wants logprobs
-    ready: Event | None = None
+    ready: Any = None  # a torch.cuda.Event (ComputeStream.record_event); None: nothing to wait for
     prompt_scores: PromptScores | None = None
 
     def result(self) -> ForwardOutput:
         if self.ready is not None:
-            self.ready.wait()
+            self.ready.synchronize()
         scored = {} if self.prompt_scores is None else self.prompt_scores.result()
         if self.token_ids is None:
             return ForwardOutput([], [], scored)

@@ -11,7 +11,7 @@ tensors go host -> pinned buffer -> device with one non-blocking copy in stream 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -43,43 +43,38 @@ class ComputeStream:
         if self.cuda_stream is not None:
             self.cuda_stream.wait_stream(torch.cuda.current_stream(self.device))
 
-    def stage(self, *host: torch.Tensor) -> list[torch.Tensor]:
-        """Copy 1-D host tensors of one dtype to the device in a single non-blocking copy."""
+    def stage(
+        self, dtype: torch.dtype, *values: Sequence[Any] | torch.Tensor
+    ) -> list[torch.Tensor]:
+        """Copy 1-D host values (lists or tensors) to the device as `dtype`, in a single
+        non-blocking copy."""
+        host = [torch.as_tensor(v, dtype=dtype) for v in values]
         if not self.is_cuda:
             return [t.to(self.device) for t in host]
-        lengths = [t.numel() for t in host]
-        packed = torch.cat(host).pin_memory()
-        on_device = packed.to(self.device, non_blocking=True)
-        return list(on_device.split(lengths))
+        on_device = torch.cat(host).pin_memory().to(self.device, non_blocking=True)
+        return list(on_device.split([t.numel() for t in host]))
 
     def to_host_async(self, x: torch.Tensor) -> torch.Tensor:
-        """Start copying `x` to host memory; read the result only after `record_event().wait`."""
+        """Start copying `x` to host memory; read the result only after the event recorded next
+        (`record_event`) has passed."""
         if not self.is_cuda:
             return x
         out = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
         out.copy_(x, non_blocking=True)
         return out
 
-    def record_event(self) -> Event:
-        return Event(self)
+    def record_event(self) -> Any:
+        """A torch.cuda.Event at the stream's current point (`synchronize()` blocks the host until
+        it passes); None on CPU, where everything has run already."""
+        if self.cuda_stream is None:
+            return None
+        event = torch.cuda.Event()
+        event.record(self.cuda_stream)
+        return event
 
     def synchronize(self) -> None:
         if self.cuda_stream is not None:
             self.cuda_stream.synchronize()
-
-
-class Event:
-    """Marks the current point of the engine's stream; `wait` blocks the host until it passes."""
-
-    def __init__(self, stream: ComputeStream) -> None:
-        self._event: Any = None
-        if stream.cuda_stream is not None:
-            self._event = torch.cuda.Event()
-            self._event.record(stream.cuda_stream)
-
-    def wait(self) -> None:
-        if self._event is not None:
-            self._event.synchronize()
 
 
 # Set by benchmark/offline/profile_steps.py on CPU, where ranges are off by default (each costs

@@ -21,44 +21,38 @@ from minisgl.attention.base import AttentionBatch, AttentionConfig
 from minisgl.attention.context import ForwardContext, forward_context
 from minisgl.config import ServerArgs
 from minisgl.distributed import broadcast_from_primary, get_tp_info, ranks_per_node
-from minisgl.engine.batch import ForwardBatch, ForwardOutput, PendingOutput, VocabMask
+from minisgl.engine.batch import ForwardBatch, PendingOutput, PromptScores, VocabMask
 from minisgl.engine.device import ComputeStream, nvtx_range
 from minisgl.engine.graph import GraphRunner
 from minisgl.engine.memory import MemoryNeeds, plan_kv_pages
-from minisgl.engine.prompt_scores import score_index, score_prompt
 from minisgl.engine.sampler import Sampler
 from minisgl.engine.sampling_batch import SamplingBatch
 from minisgl.engine.tables import DeviceTables
 from minisgl.kernels import cpu
 from minisgl.kvcache.pool import KVPool, KVShape
-from minisgl.models.config import ModelConfig, load_model_config
+from minisgl.models.config import load_model_config
 from minisgl.models.llama import CausalLM, local_head_counts
 from minisgl.models.loader import load_weights
 from minisgl.models.resolve import resolve_model_path_for
 
 logger = logging.getLogger(__name__)
 
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # CUDA graphs are captured up to this many decodes when --cuda-graph-max-bs is not given.
 DEFAULT_CUDA_GRAPH_MAX_BS = 256
-
-__all__ = ["Engine", "ForwardBatch", "ForwardOutput", "PendingOutput", "VocabMask"]
 
 
 def resolve_device(name: str, local_rank: int = 0) -> torch.device:
     """local_rank: this tp rank's index on its node; each rank of a node owns one GPU."""
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
-    if name == "cuda":
-        return torch.device("cuda", local_rank)
-    return torch.device(name)
+    return torch.device("cuda", local_rank) if name == "cuda" else torch.device(name)
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         # bf16 matmuls are very slow on most CPUs; fp32 is also the exact-parity setting.
         return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return _DTYPES[name]
+    return getattr(torch, name)  # ServerArgs allows float32, float16 and bfloat16
 
 
 class Engine:
@@ -72,8 +66,7 @@ class Engine:
         self.stream = ComputeStream(self.device)  # where the forward is queued, and the copies
         self.dtype = resolve_dtype(args.dtype, self.device)
         self.model_path = resolve_model_path_for(args)
-        self.model_config: ModelConfig = load_model_config(self.model_path)
-        cfg = self.model_config
+        self.model_config = cfg = load_model_config(self.model_path)
         # fails early, with the numbers, if heads don't divide by tp
         num_qo_heads, num_kv_heads = local_head_counts(cfg)
         self.kv_shape = KVShape(cfg.num_layers, num_kv_heads, cfg.head_dim)
@@ -105,9 +98,7 @@ class Engine:
         self.tables.point_dummy_row(self.num_pages * self.page_size)
         self.graphs: GraphRunner | None = None
         if graph_bs > 0:
-            self.graphs = GraphRunner(
-                self.model, self.backend, self.kv_pool, self.tables, self.stream, graph_bs
-            )
+            self.graphs = GraphRunner(self.model, self.backend, self.kv_pool, self.tables, graph_bs)
         # The pool's zero fill, the tables and the graph buffers were queued on the default
         # stream, which the engine's stream does not follow by itself.
         self.stream.follow_default_stream()
@@ -154,9 +145,7 @@ class Engine:
         --cuda-graph-max-bs runs the padded decode path eagerly (what CI checks)."""
         requested = self.args.cuda_graph_max_bs
         if requested is None:
-            if not self.stream.is_cuda:
-                return 0
-            requested = DEFAULT_CUDA_GRAPH_MAX_BS
+            requested = DEFAULT_CUDA_GRAPH_MAX_BS if self.stream.is_cuda else 0
         requested = min(requested, self.args.max_running_requests)
         if requested > 0 and self.stream.is_cuda and not self.backend.supports_graphs:
             logger.warning("CUDA graphs off: the %s backend cannot be captured", self.backend_name)
@@ -179,11 +168,11 @@ class Engine:
             self.tables.flush()
             if self.graphs is not None and self.graphs.can_run(batch):
                 return self.graphs.run(batch)
-            if batch.is_decode and self.model.cpu_decode_stack is not None:
+            if batch.is_decode and (stack := self.model.cpu_decode_stack) is not None:
                 # One fused kernel call for the whole decoder stack (models/cpu_decoder.py),
                 # with none of the per-step attention metadata.
                 rows, positions = torch.tensor(batch.table_rows), torch.tensor(batch.prefix_lens)
-                return self.model.forward_decode_cpu(
+                return stack.forward(
                     self.tables.token_table, self.tables.page_table, rows, positions, self.kv_pool
                 )
             return self._forward_eager(batch, self.kv_pool)
@@ -205,21 +194,18 @@ class Engine:
 
     def _forward_eager(self, batch: ForwardBatch, pool: KVPool) -> torch.Tensor:
         extend = torch.tensor(batch.extend_lens, dtype=torch.int64)
-        rows = torch.tensor(batch.table_rows, dtype=torch.int64)
         prefix = torch.tensor(batch.prefix_lens, dtype=torch.int64)
         kv_lens = prefix + extend
         # Flatten (row, position) pairs for every token: [tokens]
-        token_rows = rows.repeat_interleave(extend)
+        token_rows = torch.tensor(batch.table_rows).repeat_interleave(extend)
         starts = torch.cumsum(extend, 0) - extend
-        positions = torch.arange(int(extend.sum())) - starts.repeat_interleave(extend)
-        positions += prefix.repeat_interleave(extend)
-        sample_seq = [i for i, p in enumerate(batch.sampling) if p is not None]
-        last_token_index = (starts + extend - 1)[sample_seq]
-        scored = score_index(batch, starts)  # prompt logprobs: their rows follow the sampled
-        if scored is not None:
-            last_token_index = torch.cat([last_token_index, scored])
-        rows_d, prefix_d, kv_d, token_rows_d, positions_d, last_d = self.stream.stage(
-            rows, prefix, kv_lens, token_rows, positions, last_token_index
+        positions = torch.arange(int(extend.sum())) - (starts - prefix).repeat_interleave(extend)
+        # Logits at each sampled sequence's last token, then at the positions that score prompt
+        # tokens (ForwardBatch.num_prompt_scores)
+        scored = [starts[i] + torch.arange(c) for i, c in enumerate(batch.num_prompt_scores) if c]
+        logit_index = torch.cat([(starts + extend - 1)[batch.sampled], *scored])
+        rows_d, prefix_d, kv_d, token_rows_d, positions_d, logit_d = self.stream.stage(
+            torch.int64, batch.table_rows, prefix, kv_lens, token_rows, positions, logit_index
         )
         input_ids = self.tables.token_table[token_rows_d, positions_d].long()
         out_slots = self.tables.page_table[token_rows_d, positions_d].long()
@@ -235,31 +221,20 @@ class Engine:
         )
         ctx = ForwardContext(self.backend, pool, self.backend.prepare(attn))
         with forward_context(ctx):
-            return self.model(input_ids, positions_d, last_d)
+            return self.model(input_ids, positions_d, logit_d)
 
     def _sample(
         self, batch: ForwardBatch, logits: torch.Tensor, vocab_mask: VocabMask | None
     ) -> PendingOutput:
-        params = [p for p in batch.sampling if p is not None]
+        num_sampled = len(batch.sampled)
         scores = None
         if any(batch.num_prompt_scores):  # logits: the sampled rows, then the scored ones
-            scores = score_prompt(
-                batch, logits[len(params) :], self.tables.token_table, self.stream
-            )
-            logits = logits[: len(params)]
-        if not params:
-            ready = None if scores is None else self.stream.record_event()
-            return PendingOutput([], ready=ready, prompt_scores=scores)
-        sb = SamplingBatch.for_batch(
-            batch,
-            self.model_config.vocab_size,
-            self.model_config.eos_token_ids,
-            self.tables.token_table,
-            vocab_mask,
-            self.stream,
-        )
-        result = self.sampler.sample(logits, sb)
-        token_ids, token_scores = result.token_ids, result.scores
+            scores = PromptScores.of(batch, logits[num_sampled:], self.tables)
+            logits = logits[:num_sampled]
+        if not num_sampled:
+            return PendingOutput([], ready=self.stream.record_event(), prompt_scores=scores)
+        sb = SamplingBatch.for_batch(batch, self.model_config, self.tables, vocab_mask)
+        token_ids, token_scores = self.sampler.sample(logits, sb)
         if get_tp_info().size > 1:
             # Ranks compute the same logits only up to float rounding (reduction order), so a
             # near-tie could pick different tokens and the ranks' KV caches would then diverge:
@@ -268,12 +243,11 @@ class Engine:
             if token_scores is not None:
                 token_scores = token_scores.map(broadcast_from_primary)
         # The sampled token becomes the next input: write it where the next step will read it.
-        rows = [r for r, p in zip(batch.table_rows, batch.sampling, strict=True) if p is not None]
-        (rows_d,) = self.stream.stage(torch.tensor(rows))
-        self.tables.token_table[rows_d, sb.positions] = token_ids.to(torch.int32)
+        (rows_d,) = self.stream.stage(torch.int64, [batch.table_rows[i] for i in batch.sampled])
+        self.tables.token_table[rows_d, sb.rows.positions] = token_ids.to(torch.int32)
         host = self.stream.to_host_async
         return PendingOutput(
-            params,
+            sb.params,
             host(token_ids),
             None if token_scores is None else token_scores.map(host),
             self.stream.record_event(),

@@ -60,6 +60,4 @@ class GpuProbe:
 
 def make_gpu_probe(device_type: str, device_index: int | None) -> GpuProbe | None:
     """A probe for a CUDA device; None for any other device (nothing to report)."""
-    if device_type != "cuda":
-        return None
-    return GpuProbe(device_index or 0)
+    return GpuProbe(device_index or 0) if device_type == "cuda" else None

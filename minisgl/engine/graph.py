@@ -21,6 +21,7 @@ import bisect
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -28,7 +29,6 @@ import torch
 from minisgl.attention.base import AttentionBackend, AttentionBatch
 from minisgl.attention.context import ForwardContext, forward_context
 from minisgl.engine.batch import ForwardBatch
-from minisgl.engine.device import ComputeStream
 from minisgl.engine.tables import DeviceTables
 from minisgl.kvcache.pool import KVPool
 
@@ -52,33 +52,25 @@ def graph_batch_sizes(max_batch_size: int) -> list[int]:
 ModelFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
+@dataclass
 class GraphRunner:
-    def __init__(
-        self,
-        model: ModelFn,
-        backend: AttentionBackend,
-        pool: KVPool,
-        tables: DeviceTables,
-        stream: ComputeStream,
-        max_batch_size: int,
-    ) -> None:
-        self.model = model
-        self.backend = backend
-        self.pool = pool
-        self.tables = tables
-        self.stream = stream
-        self.max_batch_size = max_batch_size
-        self.sizes = graph_batch_sizes(max_batch_size)
-        dev = stream.device
-        # Static inputs: every replay reads these addresses.
-        self.table_rows = torch.zeros(max_batch_size, dtype=torch.int64, device=dev)
-        self.positions = torch.zeros(max_batch_size, dtype=torch.int64, device=dev)
-        self.kv_lens = torch.ones(max_batch_size, dtype=torch.int64, device=dev)
-        self.out_slots = torch.zeros(max_batch_size, dtype=torch.int64, device=dev)
-        self.logit_index = torch.arange(max_batch_size, dtype=torch.int64, device=dev)
+    model: ModelFn
+    backend: AttentionBackend
+    pool: KVPool
+    tables: DeviceTables
+    max_batch_size: int
+
+    def __post_init__(self) -> None:
+        self.stream = self.tables.stream
+        self.sizes = graph_batch_sizes(self.max_batch_size)
+        # Static inputs: every replay reads these addresses. [max batch] each
+        self.table_rows, self.positions, self.kv_lens, self.out_slots = torch.zeros(
+            (4, self.max_batch_size), dtype=torch.int64, device=self.stream.device
+        )
+        self.logit_index = torch.arange(self.max_batch_size, device=self.stream.device)
         self._graphs: dict[int, tuple[Any, torch.Tensor]] = {}  # size -> (graph, logits)
-        if backend.supports_graphs:
-            backend.init_graph_state(max_batch_size)
+        if self.backend.supports_graphs:
+            self.backend.init_graph_state(self.max_batch_size)
 
     def padded_size(self, num_seqs: int) -> int | None:
         index = bisect.bisect_left(self.sizes, num_seqs)
@@ -92,10 +84,7 @@ class GraphRunner:
         num_seqs = batch.num_seqs
         size = self.padded_size(num_seqs)
         assert size is not None and batch.is_decode
-        pad = size - num_seqs
-        rows = batch.table_rows + [self.tables.dummy_row] * pad
-        positions = batch.prefix_lens + [0] * pad
-        attn = self._fill(size, rows, positions)
+        attn = self._fill(size, batch.table_rows, batch.prefix_lens)
         if not self.backend.supports_graphs:
             return self._forward(size, self.backend.prepare(attn))[:num_seqs]
         metadata = self.backend.prepare_graph(attn, capturing=False)
@@ -106,14 +95,13 @@ class GraphRunner:
         return graph[1][:num_seqs]
 
     def _fill(self, size: int, rows: list[int], positions: list[int]) -> AttentionBatch:
-        """Write one step's rows and positions into the static buffers (all device values of the
-        returned batch are this step's when the backend prepares)."""
+        """Write one step's rows and positions into the static buffers, padded to `size` with
+        the dummy row at position 0 (all device values of the returned batch are this step's
+        when the backend prepares)."""
+        pad = size - len(rows)
+        rows, positions = rows + [self.tables.dummy_row] * pad, positions + [0] * pad
         kv_lens = [p + 1 for p in positions]
-        rows_d, pos_d, kv_d = self.stream.stage(
-            torch.tensor(rows, dtype=torch.int64),
-            torch.tensor(positions, dtype=torch.int64),
-            torch.tensor(kv_lens, dtype=torch.int64),
-        )
+        rows_d, pos_d, kv_d = self.stream.stage(torch.int64, rows, positions, kv_lens)
         self.table_rows[:size].copy_(rows_d)
         self.positions[:size].copy_(pos_d)
         self.kv_lens[:size].copy_(kv_d)
@@ -143,10 +131,9 @@ class GraphRunner:
         start_s = time.perf_counter()
         free_before, _ = torch.cuda.mem_get_info(self.stream.device)
         mempool = torch.cuda.graph_pool_handle()
-        dummy = self.tables.dummy_row
         for size in reversed(self.sizes):
             with self.stream.active():
-                attn = self._fill(size, [dummy] * size, [0] * size)
+                attn = self._fill(size, [], [])
                 metadata = self.backend.prepare_graph(attn, capturing=True)
                 self._forward(size, metadata)  # warm-up: lazy inits and autotuning run here
             self.stream.synchronize()

@@ -59,7 +59,6 @@ def plan_kv_pages(
     """The pool size in pages. `forward` runs the warm-up on CUDA (through a temporary pool
     mapped by the dummy table row)."""
     page_bytes = needs.kv_shape.bytes_per_token(needs.dtype) * args.page_size
-    device = tables.stream.device
     if args.num_pages is not None:
         num_pages = args.num_pages
     elif args.kv_cache_gb is not None:
@@ -69,7 +68,7 @@ def plan_kv_pages(
     else:
         num_pages = int(DEFAULT_CPU_KV_CACHE_GB * GIB // page_bytes)
     if get_tp_info().size > 1:  # every rank must agree: take the smallest
-        t = torch.tensor([num_pages], device=device)
+        t = torch.tensor([num_pages], device=tables.stream.device)
         torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN)
         num_pages = int(t.item())
     if num_pages < 1:
@@ -86,27 +85,25 @@ def _cuda_kv_budget(
     device = tables.stream.device
     torch.cuda.synchronize(device)
     free_after_weights, total = torch.cuda.mem_get_info(device)
-    activation_peak = _profile_prefill(args.page_size, needs, tables, forward)
     vocab_bytes = needs.vocab_size * 4
     graph_max_bs = needs.graph_max_bs
-    sampler_reserve = args.max_running_requests * vocab_bytes * SAMPLER_VOCAB_COPIES
-    graph_rows = sum(graph_batch_sizes(graph_max_bs)) + graph_max_bs if graph_max_bs else 0
-    graph_reserve = graph_rows * vocab_bytes + GRAPH_RESERVE_BASE_BYTES if graph_max_bs else 0
-    not_ours = total * (1 - args.mem_fraction_static)
-    budget = free_after_weights - not_ours - activation_peak - sampler_reserve - graph_reserve
+    graph_rows = sum(graph_batch_sizes(graph_max_bs)) + graph_max_bs
+    reserves = {
+        "left to others (1 - mem_fraction_static)": total * (1 - args.mem_fraction_static),
+        f"prefill activations (warm-up at {needs.prefill_tokens} tokens)": _profile_prefill(
+            args.page_size, needs, tables, forward
+        ),
+        "sampler reserve": args.max_running_requests * vocab_bytes * SAMPLER_VOCAB_COPIES,
+        "graph reserve": graph_rows * vocab_bytes + GRAPH_RESERVE_BASE_BYTES if graph_max_bs else 0,
+    }
+    budget = free_after_weights - sum(reserves.values())
     logger.info(
-        "GPU memory: total %.2f GiB, weights %.2f GiB, free after weights %.2f GiB, "
-        "left to others (1 - mem_fraction_static) %.2f GiB, prefill activations %.2f GiB "
-        "(warm-up at %d tokens), sampler reserve %.2f GiB, graph reserve %.2f GiB -> "
+        "GPU memory: total %.2f GiB, weights %.2f GiB, free after weights %.2f GiB, %s -> "
         "KV cache %.2f GiB",
         total / GIB,
         needs.weights_bytes / GIB,
         free_after_weights / GIB,
-        not_ours / GIB,
-        activation_peak / GIB,
-        needs.prefill_tokens,
-        sampler_reserve / GIB,
-        graph_reserve / GIB,
+        ", ".join(f"{name} {value / GIB:.2f} GiB" for name, value in reserves.items()),
         budget / GIB,
     )
     return max(budget, 0.0)

@@ -12,12 +12,13 @@ and free of per-request generator objects.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+import functools
+from typing import NamedTuple
 
 import torch
 
 from minisgl.engine.batch import TokenScores
-from minisgl.engine.sampling_batch import SamplingBatch
+from minisgl.engine.sampling_batch import RowInputs, SamplingBatch
 from minisgl.kernels import cpu
 from minisgl.kernels.cpu_ops import CpuKernels
 from minisgl.kernels.gpu import triton_kernels
@@ -72,20 +73,16 @@ def _unit_interval(h: torch.Tensor) -> torch.Tensor:
 
 
 _BITS_PER_BYTE = 8
-_byte_bias_tables: dict[torch.device, torch.Tensor] = {}
 
 
+@functools.cache
 def _byte_bias(device: torch.device) -> torch.Tensor:
     """[256, 8] float32: 0 where bit j of byte value b is set, -inf where it is not. Made on
     the device itself (no host copy), once per device."""
-    table = _byte_bias_tables.get(device)
-    if table is None:
-        values = torch.arange(256, device=device)[:, None]
-        shifts = torch.arange(_BITS_PER_BYTE, device=device)[None, :]
-        allowed = ((values >> shifts) & 1).bool()
-        table = torch.zeros(allowed.shape, device=device).masked_fill(~allowed, float("-inf"))
-        _byte_bias_tables[device] = table
-    return table
+    values = torch.arange(256, device=device)[:, None]
+    shifts = torch.arange(_BITS_PER_BYTE, device=device)[None, :]
+    allowed = ((values >> shifts) & 1).bool()
+    return torch.zeros(allowed.shape, device=device).masked_fill(~allowed, float("-inf"))
 
 
 def apply_vocab_mask(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
@@ -133,7 +130,6 @@ def apply_penalties(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
     throughout: nothing waits for the device."""
     if sb.history_ids is None or sb.history_in_output is None:
         return logits
-    assert sb.repetition is not None and sb.presence is not None and sb.frequency is not None
     rows, vocab = logits.shape
     ids, in_output = sb.history_ids, sb.history_in_output
     key = ids * 2 + (~in_output).long()  # a token's output positions sort before its prompt ones
@@ -145,10 +141,10 @@ def apply_penalties(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
     counts = torch.zeros_like(run).scatter_add_(1, run, in_output.long())
     count = counts.gather(1, run).float()  # the position's token's times in the output
     values = logits.gather(1, ids.clamp(max=vocab - 1))
-    penalty = sb.repetition[:, None]
+    penalty = sb.rows.repetition[:, None]
     values = torch.where(values > 0, values / penalty, values * penalty)
-    values = values - sb.frequency[:, None] * count
-    values = values - sb.presence[:, None] * (count > 0).float()
+    values = values - sb.rows.frequency[:, None] * count
+    values = values - sb.rows.presence[:, None] * (count > 0).float()
     # Only each run's first position writes (its token's one new value); the rest, and the
     # positions past a row's end (ids == vocab), write into the spare column.
     target = torch.where(starts & (ids < vocab), ids, vocab)
@@ -163,62 +159,35 @@ def process_logits(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
     return apply_penalties(apply_bans(logits, sb), sb)
 
 
-@dataclass(frozen=True)
-class _Rows:
-    """The per-row sampling inputs of some rows of a batch."""
-
-    temperatures: torch.Tensor
-    top_k: torch.Tensor
-    top_p: torch.Tensor
-    min_p: torch.Tensor
-    seeds: torch.Tensor
-    positions: torch.Tensor
-
-    @staticmethod
-    def of(sb: SamplingBatch, rows: torch.Tensor | None) -> _Rows:
-        all_rows = _Rows(sb.temperatures, sb.top_k, sb.top_p, sb.min_p, sb.seeds, sb.positions)
-        return all_rows if rows is None else all_rows.take(rows)
-
-    def take(self, rows: torch.Tensor) -> _Rows:
-        """These rows only (an index or a boolean mask)."""
-        return _Rows(*(getattr(self, f.name)[rows] for f in fields(self)))
-
-
 # On CPU a filtered draw first tries this many candidates: topk over a 150k vocabulary costs
 # ~0.1 ms a row where a full sort costs ~6 ms. Enough whenever the top-p nucleus or the min-p
 # cut ends inside it, which `_cut_inside` checks (free on CPU; on CUDA it would be a sync).
 CPU_FIRST_CANDIDATES = 256
 
 
-def _keep(
-    probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor
-) -> torch.Tensor:
+def _keep(probs: torch.Tensor, rows: RowInputs) -> torch.Tensor:
     """Which of each row's candidates ([rows, k], most likely first) survive top-k, the top-p
     nucleus and min_p * max prob. The most likely token always does."""
     rank = torch.arange(probs.shape[-1], device=probs.device)[None, :]
-    drop = rank >= top_k[:, None]
+    drop = rank >= rows.top_k[:, None]
     # A token is outside the nucleus when the mass before it already reaches top_p.
     mass_before = probs.cumsum(dim=-1) - probs
-    drop |= mass_before >= top_p[:, None]
-    drop |= probs < (min_p * probs[:, 0])[:, None]
+    drop |= mass_before >= rows.top_p[:, None]
+    drop |= probs < (rows.min_p * probs[:, 0])[:, None]
     drop[:, 0] = False
     return ~drop
 
 
-def _cut_inside(
-    probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor
-) -> torch.Tensor:
+def _cut_inside(probs: torch.Tensor, rows: RowInputs) -> torch.Tensor:
     """Per row ([rows] bool): whether it drops every token past these candidates ([rows, k],
     the k most likely), so that they are all the candidates it has and its draw is exact."""
-    k = probs.shape[-1]
-    by_top_k = top_k <= k
-    by_top_p = probs.sum(dim=-1) >= top_p  # the mass before candidate k + 1 reaches top_p
-    by_min_p = probs[:, -1] < min_p * probs[:, 0]  # every later token is below the cut
+    by_top_k = rows.top_k <= probs.shape[-1]
+    by_top_p = probs.sum(dim=-1) >= rows.top_p  # the mass before candidate k + 1 reaches top_p
+    by_min_p = probs[:, -1] < rows.min_p * probs[:, 0]  # every later token is below the cut
     return by_top_k | by_top_p | by_min_p
 
 
-@dataclass
-class SampleResult:
+class SampleResult(NamedTuple):
     token_ids: torch.Tensor  # int64 [rows]
     scores: TokenScores | None  # the chosen tokens' logprobs; None when no row wants them
 
@@ -239,50 +208,51 @@ class Sampler:
         raw_logits = logits
         logits = process_logits(logits, sb)
         if sb.all_greedy:
-            token_ids = self._argmax(logits, sb)
+            token_ids = self._argmax(logits, sb.rows)
         elif sb.filter_rows is None:
-            token_ids = self._draw_all(logits, _Rows.of(sb, None))
+            token_ids = self._draw_all(logits, sb.rows)
         else:
             token_ids = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
-            if sb.plain_rows is not None:
-                plain = sb.plain_rows
-                token_ids[plain] = self._draw_all(logits[plain], _Rows.of(sb, plain))
+            if (plain := sb.plain_rows) is not None:
+                token_ids[plain] = self._draw_all(logits[plain], sb.rows.take(plain))
             rows = sb.filter_rows
-            filtered = self._draw_filtered(logits[rows], _Rows.of(sb, rows), sb.num_candidates)
-            token_ids[rows] = filtered
-        if sb.max_logprobs is None:
+            token_ids[rows] = self._draw_filtered(
+                logits[rows], sb.rows.take(rows), sb.num_candidates
+            )
+        max_logprobs = sb.max_logprobs
+        if max_logprobs is None:
             return SampleResult(token_ids, None)
         # Logprobs of the model's own distribution (before penalties and temperature), as vLLM.
-        return SampleResult(token_ids, TokenScores.of(raw_logits, token_ids, sb.max_logprobs))
+        return SampleResult(token_ids, TokenScores.of(raw_logits, token_ids, max_logprobs))
 
-    def _argmax(self, logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
+    def _argmax(self, logits: torch.Tensor, rows: RowInputs) -> torch.Tensor:
         """logits.argmax(-1); on CPU the sampling kernel's greedy path (temperature 0 on every
         row): one vector pass per row over the threads, ~3x torch's at 256 rows of a 151k
         vocabulary."""
         if self.cpu_kernels is None:
             return logits.argmax(dim=-1)
         greedy = torch.zeros(logits.shape[0], dtype=torch.float32)
-        return self.cpu_kernels.sample(logits, greedy, sb.seeds, sb.positions)
+        return self.cpu_kernels.sample(logits, greedy, rows.seeds, rows.positions)
 
-    def _draw_all(self, logits: torch.Tensor, sb_rows: _Rows) -> torch.Tensor:
+    def _draw_all(self, logits: torch.Tensor, rows: RowInputs) -> torch.Tensor:
         """Exponential race over the whole vocabulary (greedy where the temperature is 0):
         argmax p_i / E_i with E_i ~ Exp(1) draws i with probability p_i."""
-        rows = (sb_rows.temperatures, sb_rows.seeds, sb_rows.positions)
+        per_row = (rows.temperatures, rows.seeds, rows.positions)
         # One pass per row, no [rows, vocab] temporaries: the same draw as the formula below (on
         # CUDA a Triton kernel, on CPU a C kernel; the formula costs ~20 GB of traffic at 256
         # rows).
         if self.triton_kernels is not None and logits.stride(-1) == 1:
-            return self.triton_kernels.sample(logits, *rows)
+            return self.triton_kernels.sample(logits, *per_row)
         if self.cpu_kernels is not None:
-            return self.cpu_kernels.sample(logits, *rows)
+            return self.cpu_kernels.sample(logits, *per_row)
         greedy_ids = logits.argmax(dim=-1)
-        probs = torch.softmax(logits / sb_rows.temperatures.clamp(min=1e-5)[:, None], dim=-1)
-        u = seeded_uniform(sb_rows.seeds, sb_rows.positions, logits.shape[-1])
+        probs = torch.softmax(logits / rows.temperatures.clamp(min=1e-5)[:, None], dim=-1)
+        u = seeded_uniform(rows.seeds, rows.positions, logits.shape[-1])
         sampled = (probs / -torch.log(u)).argmax(dim=-1)
-        return torch.where(sb_rows.temperatures == 0, greedy_ids, sampled)
+        return torch.where(rows.temperatures == 0, greedy_ids, sampled)
 
     def _draw_filtered(
-        self, logits: torch.Tensor, rows: _Rows, num_candidates: int
+        self, logits: torch.Tensor, rows: RowInputs, num_candidates: int
     ) -> torch.Tensor:
         """The race among each row's surviving candidates (rows with a temperature > 0): the
         same draw as racing over the vocabulary with every dropped token's probability set
@@ -291,7 +261,7 @@ class Sampler:
         if logits.device.type != "cpu" or num_candidates <= CPU_FIRST_CANDIDATES:
             return self._race(probs.topk(num_candidates, dim=-1), rows, logits.shape[-1])
         short = probs.topk(CPU_FIRST_CANDIDATES, dim=-1)
-        decided = _cut_inside(short[0], rows.top_k, rows.top_p, rows.min_p)
+        decided = _cut_inside(short[0], rows)
         if bool(decided.all()):
             return self._race(short, rows, logits.shape[-1])
         # The rows whose cut lies further down take the longer list; only they pay for it.
@@ -304,12 +274,12 @@ class Sampler:
         return token_ids
 
     def _race(
-        self, candidates: tuple[torch.Tensor, torch.Tensor], rows: _Rows, vocab_size: int
+        self, candidates: tuple[torch.Tensor, torch.Tensor], rows: RowInputs, vocab_size: int
     ) -> torch.Tensor:
         """Token ids [rows]: the exponential race among the candidates (probabilities and ids
         [rows, k], most likely first) that top-k, top-p and min-p keep."""
         cand_probs, cand_ids = candidates
-        kept = cand_probs.masked_fill(~_keep(cand_probs, rows.top_k, rows.top_p, rows.min_p), 0.0)
+        kept = cand_probs.masked_fill(~_keep(cand_probs, rows), 0.0)
         if cand_ids.shape[-1] == vocab_size:  # every token: the whole row's uniforms (a kernel)
             u = seeded_uniform(rows.seeds, rows.positions, vocab_size, self.cpu_kernels)
             u = u.gather(1, cand_ids)

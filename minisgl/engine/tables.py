@@ -24,6 +24,8 @@ import torch
 
 from minisgl.engine.device import ComputeStream
 
+_PAGE_TABLE, _TOKEN_TABLE = 0, 1  # their index in DeviceTables._tables
+
 
 class DeviceTables:
     def __init__(self, num_rows: int, width: int, stream: ComputeStream) -> None:
@@ -31,14 +33,14 @@ class DeviceTables:
         self.width = width
         self.num_rows = num_rows  # rows requests may use; row `num_rows` is the dummy row
         self.dummy_row = num_rows
-        shape = (num_rows + 1, width)
-        self.page_table = torch.zeros(shape, dtype=torch.int32, device=stream.device)
-        self.token_table = torch.zeros(shape, dtype=torch.int32, device=stream.device)
-        # Pending writes per table: flat indices into it and the values to put there (int64).
-        self._pending: dict[str, tuple[list[torch.Tensor], list[torch.Tensor]]] = {
-            "page_table": ([], []),
-            "token_table": ([], []),
-        }
+        # Both tables in one tensor, so that one copy applies every pending write: [2, rows, width]
+        self._tables = torch.zeros(
+            (2, num_rows + 1, width), dtype=torch.int32, device=stream.device
+        )
+        self.page_table, self.token_table = self._tables[_PAGE_TABLE], self._tables[_TOKEN_TABLE]
+        # Pending writes: flat indices into both tables and the values to put there (int64).
+        self._index: list[torch.Tensor] = []
+        self._values: list[torch.Tensor] = []
         self._lock = threading.Lock()  # the queue: scheduler thread vs CPU overlap's forward
 
     def point_dummy_row(self, dummy_slot: int) -> None:
@@ -47,34 +49,31 @@ class DeviceTables:
         self.token_table[self.dummy_row].zero_()
 
     def write_tokens(self, row: int, start: int, token_ids: list[int]) -> None:
-        self._write("token_table", row, start, torch.tensor(token_ids))
+        self._write(_TOKEN_TABLE, row, start, torch.tensor(token_ids))
 
     def write_slots(self, row: int, start: int, slots: torch.Tensor) -> None:
-        self._write("page_table", row, start, slots)
+        self._write(_PAGE_TABLE, row, start, slots)
 
-    def _write(self, table: str, row: int, start: int, data: torch.Tensor) -> None:
+    def _write(self, table: int, row: int, start: int, data: torch.Tensor) -> None:
         if data.numel() == 0:
             return
         assert 0 <= row < self.num_rows and start + data.numel() <= self.width
-        index, values = self._pending[table]
+        first = (table * (self.num_rows + 1) + row) * self.width + start
         with self._lock:
-            index.append(torch.arange(data.numel(), dtype=torch.int64) + row * self.width + start)
-            values.append(data.to(torch.int64))
+            self._index.append(torch.arange(data.numel(), dtype=torch.int64) + first)
+            self._values.append(data.to(torch.int64))
         if not self.stream.is_cuda:
             self.flush()
 
     def flush(self) -> None:
         """Apply pending writes (on the engine's stream: call inside `ComputeStream.active`)."""
         with self._lock:
-            for table, (index, values) in self._pending.items():
-                if not index:
-                    continue
-                flat_index, flat_values = self.stream.stage(*_last_writes(index, values))
-                getattr(self, table).view(-1).index_copy_(
-                    0, flat_index, flat_values.to(torch.int32)
-                )
-                index.clear()
-                values.clear()
+            if not self._index:
+                return
+            index, values = self.stream.stage(torch.int64, *_last_writes(self._index, self._values))
+            self._tables.view(-1).index_copy_(0, index, values.to(torch.int32))
+            self._index.clear()
+            self._values.clear()
 
 
 def _last_writes(

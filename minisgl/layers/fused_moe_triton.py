@@ -129,32 +129,6 @@ def _grouped_gemm_kernel(
     tl.store(out_ptrs, result.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
-def _launch(
-    a: torch.Tensor,
-    w: torch.Tensor,
-    out: torch.Tensor,
-    pair_weights: torch.Tensor,
-    sorted_pair_ids: torch.Tensor,
-    block_experts: torch.Tensor,
-    top_k: int,
-    gate_up: bool,
-    block_m: int,
-) -> None:
-    num_pairs, n = out.shape
-    k = a.shape[1]
-    assert a.stride(1) == 1 and w.stride(2) == 1, "the kernel assumes a unit stride along K"
-    block_k = BLOCK_K_FP32 if a.dtype == torch.float32 else BLOCK_K
-    grid = (block_experts.numel(), triton.cdiv(n, BLOCK_N))
-    _grouped_gemm_kernel[grid](
-        a, w, out, pair_weights, sorted_pair_ids, block_experts,
-        num_pairs, w.shape[0], top_k, n, k,
-        a.stride(0), w.stride(0), w.stride(1), out.stride(0),
-        GATE_UP=gate_up, INPUT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
-        BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=block_k,
-        num_warps=NUM_WARPS, num_stages=NUM_STAGES,
-    )  # fmt: skip
-
-
 def fused_moe(
     x: torch.Tensor,
     gate_up: torch.Tensor,
@@ -175,8 +149,23 @@ def fused_moe(
     block_m = LARGE_BLOCK_M if rows_per_expert >= ROWS_PER_EXPERT_FOR_LARGE_BLOCK else SMALL_BLOCK_M
     sorted_pair_ids, block_experts = align_pairs_by_expert(topk_ids, num_experts, block_m)
     pair_weights = topk_weights.flatten().to(torch.float32).contiguous()
-    h = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
-    _launch(x, gate_up, h, pair_weights, sorted_pair_ids, block_experts, top_k, True, block_m)
-    y = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
-    _launch(h, down, y, pair_weights, sorted_pair_ids, block_experts, top_k, False, block_m)
+
+    def grouped_gemm(a: torch.Tensor, w: torch.Tensor, n: int, is_gate_up: bool) -> torch.Tensor:
+        """One pass of the kernel over the sorted pairs: [pairs, n]."""
+        out = torch.empty(num_pairs, n, dtype=x.dtype, device=x.device)
+        assert a.stride(1) == 1 and w.stride(2) == 1, "the kernel assumes a unit stride along K"
+        block_k = BLOCK_K_FP32 if a.dtype == torch.float32 else BLOCK_K
+        grid = (block_experts.numel(), triton.cdiv(n, BLOCK_N))
+        _grouped_gemm_kernel[grid](
+            a, w, out, pair_weights, sorted_pair_ids, block_experts,
+            num_pairs, num_experts, top_k, n, a.shape[1],
+            a.stride(0), w.stride(0), w.stride(1), out.stride(0),
+            GATE_UP=is_gate_up, INPUT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+            BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=block_k,
+            num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+        )  # fmt: skip
+        return out
+
+    h = grouped_gemm(x, gate_up, inter, is_gate_up=True)  # silu(x W_gate^T) * (x W_up^T)
+    y = grouped_gemm(h, down, hidden, is_gate_up=False)  # w[p] * (h W_down^T)
     return y.view(num_tokens, top_k, hidden).sum(dim=1)

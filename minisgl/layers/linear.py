@@ -47,12 +47,13 @@ class PackedWeight(nn.Module):
 
 
 class ColumnParallelLinear(PackedWeight):
-    """y = x W^T with W's rows (outputs) split across ranks; several logical weights may merge.
+    """y = x W^T with W's rows (outputs) split across ranks; several logical weights merge.
 
     `output_sizes` are the full (unsharded) sizes of the merged parts, e.g. [q, k, v] or
-    [gate, up]; each part is split evenly, and this rank holds its slice of every part.
-    `replicate_parts` marks parts every rank holds whole (KV heads when there are fewer KV heads
-    than ranks).
+    [gate, up], named by `part_names` as their checkpoint tensors are (`q_proj`, ...); each part
+    is split evenly, and this rank holds its slice of every part. `shard_sizes` overrides the
+    even split where a part has fewer slices than there are ranks (KV heads scarcer than ranks:
+    neighbouring ranks then hold the same slice).
     """
 
     def __init__(
@@ -60,17 +61,16 @@ class ColumnParallelLinear(PackedWeight):
         input_size: int,
         output_sizes: list[int],
         bias: bool,
-        part_names: list[str] | None = None,
+        part_names: list[str],
         shard_sizes: list[int] | None = None,
     ) -> None:
         super().__init__()
         tp = get_tp_info()
-        self.input_size = input_size
         self.full_sizes = output_sizes
         self.shard_sizes = shard_sizes or [
             divide(size, tp.size, "output size") for size in output_sizes
         ]
-        self.part_names = part_names or [str(i) for i in range(len(output_sizes))]
+        self.part_names = part_names
         out = sum(self.shard_sizes)
         self.weight = nn.Parameter(torch.empty(out, input_size), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out), requires_grad=False) if bias else None
@@ -78,15 +78,14 @@ class ColumnParallelLinear(PackedWeight):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x, self.bias)
 
-    def load_part(
-        self, param: nn.Parameter, full: torch.Tensor, part: str, shard_rank: int
-    ) -> None:
+    def load_part(self, param: nn.Parameter, full: torch.Tensor, part: str) -> None:
         """Copy this rank's slice of checkpoint tensor `full` (the whole of one part)."""
         index = self.part_names.index(part)
         shard = self.shard_sizes[index]
-        start = sum(self.shard_sizes[:index])
-        piece = full.narrow(0, shard_rank * shard, shard)
-        param.data.narrow(0, start, shard).copy_(piece)
+        tp = get_tp_info()
+        slice_index = tp.rank * (self.full_sizes[index] // shard) // tp.size
+        piece = full.narrow(0, slice_index * shard, shard)
+        param.data.narrow(0, sum(self.shard_sizes[:index]), shard).copy_(piece)
 
 
 class RowParallelLinear(PackedWeight):
@@ -102,9 +101,7 @@ class RowParallelLinear(PackedWeight):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = all_reduce(self.matmul(x, None))
-        if self.bias is not None:
-            y = y + self.bias
-        return y
+        return y if self.bias is None else y + self.bias
 
     def load_weight(self, param: nn.Parameter, full: torch.Tensor) -> None:
         if param is self.bias:

@@ -12,9 +12,6 @@ transformers 5.x keeps in memory. Hub checkpoints store one tensor per expert an
 
 from __future__ import annotations
 
-import functools
-import importlib.util
-import logging
 from dataclasses import dataclass
 
 import torch
@@ -22,8 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from minisgl.distributed import all_reduce, divide, get_tp_info
-
-logger = logging.getLogger(__name__)
+from minisgl.kernels.gpu import fused_kernels
 
 # The per-expert projections of the hub layout, in the order they sit in `gate_up_proj` / alone.
 GATE_UP_PIECES = ("gate_proj", "up_proj")
@@ -88,41 +84,42 @@ class Experts(nn.Module):
         shape_down = (cfg.num_experts, hidden_size, self.inter_shard)
         self.gate_up_proj = nn.Parameter(torch.empty(shape_gate_up), requires_grad=False)
         self.down_proj = nn.Parameter(torch.empty(shape_down), requires_grad=False)
-        self.use_triton = self.down_proj.is_cuda and triton_available()  # else moe_torch
+        # The Triton kernel where the fused layer kernels apply (CUDA, Triton importable, not
+        # MINISGL_FUSED_KERNELS=0: kernels/gpu.py); else moe_torch.
+        self.use_triton = (
+            self.down_proj.is_cuda and fused_kernels(self.down_proj.device) is not None
+        )
 
-    def _inter_slice(self) -> slice:
-        start = get_tp_info().rank * self.inter_shard
-        return slice(start, start + self.inter_shard)
-
-    def load_expert(self, name: str, full: torch.Tensor, expert: int, piece: str) -> None:
-        """Copy this rank's slice of one hub-layout tensor (`experts.{expert}.{piece}.weight`)."""
-        if not 0 <= expert < self.num_experts:
+    def load_piece(self, name: str, full: torch.Tensor, piece: str, expert: int | None) -> None:
+        """Copy this rank's slice of one projection (`piece`): of one expert (the hub layout,
+        `experts.{expert}.{piece}.weight`), or of every expert at once (expert None; stacked
+        along a first dim)."""
+        if expert is not None and not 0 <= expert < self.num_experts:
             raise ValueError(
                 f"weight '{name}': expert {expert} out of range (config.json says "
                 f"num_experts={self.num_experts})"
             )
-        hidden = self.down_proj.shape[1]
-        inter = self._inter_slice()
+        experts = slice(None) if expert is None else expert
+        stacked = (self.num_experts,) if expert is None else ()
+        start = get_tp_info().rank * self.inter_shard
+        hidden, inter = self.down_proj.shape[1], slice(start, start + self.inter_shard)
         if piece == DOWN_PIECE:
-            _check_shape(name, full, (hidden, self.full_inter))
-            self.down_proj.data[expert].copy_(full[:, inter])
+            _check_shape(name, full, (*stacked, hidden, self.full_inter))
+            self.down_proj.data[experts].copy_(full[..., inter])
             return
-        _check_shape(name, full, (self.full_inter, hidden))
+        _check_shape(name, full, (*stacked, self.full_inter, hidden))
         offset = GATE_UP_PIECES.index(piece) * self.inter_shard
-        self.gate_up_proj.data[expert, offset : offset + self.inter_shard].copy_(full[inter])
+        gate_up = self.gate_up_proj.data[experts]
+        gate_up[..., offset : offset + self.inter_shard, :].copy_(full[..., inter, :])
 
     def load_fused(self, name: str, full: torch.Tensor, param: nn.Parameter) -> None:
         """Copy this rank's slice of a fused tensor (transformers 5.x in-memory layout)."""
-        hidden = self.down_proj.shape[1]
-        inter = self._inter_slice()
         if param is self.down_proj:
-            _check_shape(name, full, (self.num_experts, hidden, self.full_inter))
-            self.down_proj.data.copy_(full[:, :, inter])
+            self.load_piece(name, full, DOWN_PIECE, None)
             return
-        _check_shape(name, full, (self.num_experts, 2 * self.full_inter, hidden))
-        gate, up = full.split(self.full_inter, dim=1)
-        self.gate_up_proj.data[:, : self.inter_shard].copy_(gate[:, inter])
-        self.gate_up_proj.data[:, self.inter_shard :].copy_(up[:, inter])
+        _check_shape(name, full, (self.num_experts, 2 * self.full_inter, self.down_proj.shape[1]))
+        for piece, part in zip(GATE_UP_PIECES, full.split(self.full_inter, dim=1), strict=True):
+            self.load_piece(name, part, piece, None)
 
     def forward(
         self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
@@ -140,14 +137,6 @@ def _check_shape(name: str, tensor: torch.Tensor, expected: tuple[int, ...]) -> 
             f"weight '{name}': checkpoint shape {tuple(tensor.shape)}, expected {expected} "
             "from config.json (num_experts, hidden_size, moe_intermediate_size)"
         )
-
-
-@functools.cache
-def triton_available() -> bool:
-    if importlib.util.find_spec("triton") is None:
-        logger.warning("triton is not installed: MoE layers use the slower torch path on CUDA")
-        return False
-    return True
 
 
 def moe_torch(

@@ -47,7 +47,6 @@ class RMSNorm(nn.Module):
 
     def _reference(self, x: torch.Tensor) -> torch.Tensor:
         # Compute in fp32 like the HF reference, then return in the input dtype.
-        dtype = x.dtype
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        return self.weight * x32.to(x.dtype)

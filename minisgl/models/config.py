@@ -30,7 +30,6 @@ _DEFAULT_MOE_INTERMEDIATE = 768
 @dataclass(frozen=True)
 class ModelConfig:
     architecture: str
-    family: str
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -45,18 +44,8 @@ class ModelConfig:
     attention_bias: bool  # bias on q/k/v projections (Qwen2 always)
     mlp_bias: bool
     qk_norm: bool  # per-head RMSNorm on q and k before rope (Qwen3)
-    hidden_act: str
     eos_token_ids: tuple[int, ...]
-    torch_dtype: str | None
     moe: MoeConfig | None = None  # sparse experts (Qwen3-MoE); None: every layer is dense
-
-    @property
-    def q_size(self) -> int:
-        return self.num_heads * self.head_dim
-
-    @property
-    def kv_size(self) -> int:
-        return self.num_kv_heads * self.head_dim
 
 
 def _rope_config(raw: dict[str, Any]) -> RopeConfig:
@@ -133,11 +122,12 @@ def load_model_config(model_dir: Path) -> ModelConfig:
             f"supported are {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
     family = SUPPORTED_ARCHITECTURES[arch]
+    if raw.get("hidden_act", "silu") != "silu":  # dense MLPs and experts alike
+        raise ValueError(f"hidden_act '{raw['hidden_act']}' is not supported (silu)")
     num_heads = int(raw["num_attention_heads"])
     hidden = int(raw["hidden_size"])
     return ModelConfig(
         architecture=arch,
-        family=family,
         vocab_size=int(raw["vocab_size"]),
         hidden_size=hidden,
         intermediate_size=int(raw["intermediate_size"]),
@@ -152,8 +142,6 @@ def load_model_config(model_dir: Path) -> ModelConfig:
         attention_bias=family == "qwen2" or bool(raw.get("attention_bias", False)),
         mlp_bias=bool(raw.get("mlp_bias", False)),
         qk_norm=family in _QK_NORM_FAMILIES,
-        hidden_act=str(raw.get("hidden_act", "silu")),
         eos_token_ids=_eos_ids(model_dir, raw),
-        torch_dtype=raw.get("dtype") or raw.get("torch_dtype"),
         moe=_moe_config(family, raw),
     )

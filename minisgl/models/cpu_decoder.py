@@ -31,7 +31,15 @@ def _ptr(t: torch.Tensor | PackedLinear | None) -> int | None:
 
 
 class CpuDecodeStack:
-    def __init__(self, kernels: CpuKernels, shape: StackShape, keep: list[object]) -> None:
+    def __init__(
+        self, model: CausalLM, kernels: CpuKernels, shape: StackShape, keep: list[object]
+    ) -> None:
+        # the model's own modules around the stack (profile_decode.py times them)
+        self.embed, self.norm, self.lm_head = (
+            model.model.embed_tokens,
+            model.model.norm,
+            model.lm_head,
+        )
         self.kernels = kernels
         self.shape = shape
         self._keep = keep  # the ctypes array and tensors the struct points into
@@ -54,26 +62,17 @@ class CpuDecodeStack:
         weights = []
         for layer in layers:
             attn, mlp = layer.self_attn, layer.mlp
-            packed = [attn.qkv_proj.packed, attn.o_proj.packed]
             if isinstance(mlp, SparseMoeBlock) or mlp.down_proj.bias is not None:
                 return None
-            packed += [mlp.gate_up_proj.packed, mlp.down_proj.packed]
-            if any(p is None for p in packed) or attn.o_proj.bias is not None:
+            linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            if any(lin.packed is None for lin in linears) or attn.o_proj.bias is not None:
                 return None
-            qkv, o, gate_up, down = packed
-            weights.append(
-                LayerWeights(
-                    _ptr(layer.input_layernorm.weight),
-                    _ptr(layer.post_attention_layernorm.weight),
-                    _ptr(qkv),
-                    _ptr(attn.qkv_proj.bias),
-                    _ptr(attn.q_norm.weight if attn.q_norm is not None else None),
-                    _ptr(attn.k_norm.weight if attn.k_norm is not None else None),
-                    _ptr(o),
-                    _ptr(gate_up),
-                    _ptr(down),
-                )
-            )
+            qkv, o, gate_up, down = (lin.packed for lin in linears)
+            in_norm, post_norm = layer.input_layernorm.weight, layer.post_attention_layernorm.weight
+            q_norm, k_norm = (None if n is None else n.weight for n in (attn.q_norm, attn.k_norm))
+            # in mg_layer's order (LayerWeights)
+            ptrs = (in_norm, post_norm, qkv, attn.qkv_proj.bias, q_norm, k_norm, o, gate_up, down)
+            weights.append(LayerWeights(*map(_ptr, ptrs)))
         array = (LayerWeights * len(weights))(*weights)
         rope = attn0.rope
         shape = StackShape(
@@ -90,23 +89,24 @@ class CpuDecodeStack:
             rope.sin_cache.data_ptr(),
             ctypes.cast(array, ctypes.POINTER(LayerWeights)),
         )
-        return CpuDecodeStack(kernels, shape, [array, rope.cos_cache, rope.sin_cache])
+        return CpuDecodeStack(model, kernels, shape, [array, rope.cos_cache, rope.sin_cache])
 
     def forward(
         self,
-        hidden: torch.Tensor,
+        token_table: torch.Tensor,
         page_table: torch.Tensor,
         table_rows: torch.Tensor,
         positions: torch.Tensor,
         pool: KVPool,
     ) -> torch.Tensor:
-        """hidden: embeddings [seqs, hidden], sequence i's token at positions[i] of table row
-        table_rows[i] (int64 [seqs]); its K/V go to that position's slot. Returns the input of
-        the final norm (in place)."""
-        hidden = hidden.contiguous()
+        """The model's forward for a decode-only batch: sequence i computes the token at
+        positions[i] of table row table_rows[i] (int64 [seqs]) and samples. Writes each token's
+        K/V to that position's slot of the pool; returns logits [seqs, vocab] in fp32."""
+        hidden = self.embed(token_table[table_rows, positions].long()).contiguous()
         out_slots = page_table[table_rows, positions].long()
         self.kernels.decode_layers(
             self.shape, hidden, positions, out_slots, page_table, table_rows, positions + 1,
             pool.buffer, self.op_seconds,
         )  # fmt: skip
-        return hidden
+        # decode_layers leaves the input of the final norm in `hidden`
+        return self.lm_head.compute_logits(self.norm(hidden)).float()

@@ -15,7 +15,6 @@ from minisgl.attention.context import get_forward_context
 from minisgl.distributed import divide, get_tp_info
 from minisgl.kernels.cpu_ops import CpuKernels
 from minisgl.kernels.gpu import layer_kernels
-from minisgl.kvcache.pool import KVPool
 from minisgl.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from minisgl.layers.linear import ColumnParallelLinear, RowParallelLinear
 from minisgl.layers.moe import SparseMoeBlock
@@ -39,29 +38,21 @@ def local_head_counts(cfg: ModelConfig) -> tuple[int, int]:
     return num_heads, 1
 
 
-def kv_head_shard_rank(cfg: ModelConfig) -> int:
-    """Which slice of the checkpoint's KV heads this rank holds (several ranks may share one)."""
-    tp = get_tp_info()
-    if cfg.num_kv_heads >= tp.size:
-        return tp.rank
-    return tp.rank // (tp.size // cfg.num_kv_heads)
-
-
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int, rope: RotaryEmbedding) -> None:
         super().__init__()
         self.layer_id = layer_id
         self.head_dim = cfg.head_dim
         self.num_heads, self.num_kv_heads = local_head_counts(cfg)
-        q_size, kv_size = self.num_heads * cfg.head_dim, self.num_kv_heads * cfg.head_dim
+        head_dim = cfg.head_dim
         self.qkv_proj = ColumnParallelLinear(
             cfg.hidden_size,
-            [cfg.q_size, cfg.kv_size, cfg.kv_size],
+            [cfg.num_heads * head_dim, cfg.num_kv_heads * head_dim, cfg.num_kv_heads * head_dim],
             bias=cfg.attention_bias,
-            part_names=["q", "k", "v"],
-            shard_sizes=[q_size, kv_size, kv_size],
+            part_names=["q_proj", "k_proj", "v_proj"],
+            shard_sizes=[self.num_heads * head_dim, *[self.num_kv_heads * head_dim] * 2],
         )
-        self.o_proj = RowParallelLinear(cfg.q_size, cfg.hidden_size, bias=False)
+        self.o_proj = RowParallelLinear(cfg.num_heads * head_dim, cfg.hidden_size, bias=False)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.rope = rope
@@ -70,9 +61,7 @@ class Attention(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         num_tokens = hidden.shape[0]
-        qkv = self.qkv_proj(hidden)
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        q, k, v = self.qkv_proj(hidden).split(self.qkv_proj.shard_sizes, dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -91,7 +80,7 @@ class Attention(nn.Module):
             q, k = self.rope(positions, q, k)
         ctx = get_forward_context()
         out = ctx.backend.forward(q, k, v, self.layer_id, self.scale, ctx.kv_pool, ctx.metadata)
-        return self.o_proj(out.reshape(num_tokens, q_size))
+        return self.o_proj(out.reshape(num_tokens, -1))  # [tokens, heads * head_dim]
 
 
 class MLP(nn.Module):
@@ -101,7 +90,7 @@ class MLP(nn.Module):
             cfg.hidden_size,
             [cfg.intermediate_size, cfg.intermediate_size],
             bias=cfg.mlp_bias,
-            part_names=["gate", "up"],
+            part_names=["gate_proj", "up_proj"],
         )
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias)
         kernels = layer_kernels()
@@ -118,16 +107,12 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int, rope: RotaryEmbedding) -> None:
         super().__init__()
-        if cfg.hidden_act != "silu":  # dense MLPs and experts alike
-            raise ValueError(f"hidden_act '{cfg.hidden_act}' is not supported (silu)")
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, layer_id, rope)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        moe = cfg.moe if cfg.moe is not None and cfg.moe.is_sparse(layer_id) else None
         self.mlp: MLP | SparseMoeBlock
-        if cfg.moe is not None and cfg.moe.is_sparse(layer_id):
-            self.mlp = SparseMoeBlock(cfg.hidden_size, cfg.moe)
-        else:
-            self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg) if moe is None else SparseMoeBlock(cfg.hidden_size, moe)
 
     def forward(
         self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None
@@ -194,19 +179,3 @@ class CausalLM(nn.Module):
         self.lm_head.use_cpu_kernels(kernels, keep_weight=self.cfg.tie_word_embeddings)
         if fused_decode:
             self.cpu_decode_stack = CpuDecodeStack.build(self, kernels)
-
-    def forward_decode_cpu(
-        self,
-        token_table: torch.Tensor,
-        page_table: torch.Tensor,
-        table_rows: torch.Tensor,
-        positions: torch.Tensor,
-        pool: KVPool,
-    ) -> torch.Tensor:
-        """`forward` for a decode-only batch through `cpu_decode_stack` (which must be set):
-        sequence i computes the token at positions[i] of table row table_rows[i] (int64 [seqs])
-        and samples. Writes each token's K/V to the pool; returns logits [seqs, vocab] in fp32."""
-        assert self.cpu_decode_stack is not None
-        hidden = self.model.embed_tokens(token_table[table_rows, positions].long())
-        hidden = self.cpu_decode_stack.forward(hidden, page_table, table_rows, positions, pool)
-        return self.lm_head.compute_logits(self.model.norm(hidden)).float()

@@ -10,10 +10,15 @@
 Several processes on one node (tp ranks, replicas) may resolve the same hub id at once: a file
 lock in the cache folder lets one download while the others wait, then read the cache.
 Every failure is a one-line `ModelNotFoundError` / `ModelDownloadError` naming the cause.
+
+Which safetensors files make up a checkpoint folder (`checkpoint_files`) is decided here too,
+for the download and the loader alike. Nothing here imports torch: the launcher uses it.
 """
 
 from __future__ import annotations
 
+import functools
+import json
 import logging
 import sys
 from dataclasses import dataclass
@@ -21,12 +26,13 @@ from pathlib import Path
 from typing import Any
 
 from minisgl.config import ServerArgs
-from minisgl.models.checkpoint import INDEX_FILE, WEIGHTS_PATTERN, checkpoint_files, index_shards
 from minisgl.models.default_model import default_model_path
 
 logger = logging.getLogger(__name__)
 
 CONFIG_FILE = "config.json"
+INDEX_FILE = "model.safetensors.index.json"
+WEIGHTS_PATTERN = "*.safetensors"
 # Everything but the weights. Patterns match top-level files only (see _TOP_LEVEL_ONLY).
 METADATA_PATTERNS = (
     CONFIG_FILE,
@@ -91,11 +97,36 @@ def resolve_model_path_for(args: ServerArgs) -> Path:
     )
 
 
-def download_lock_path(repo_id: str, download_dir: str | None) -> Path:
-    from huggingface_hub import constants
+def index_shards(model_dir: Path) -> dict[str, list[str]] | None:
+    """shard file -> the tensor names the index puts in it; None when there is no index."""
+    index_path = model_dir / INDEX_FILE
+    if not index_path.exists():
+        return None
+    weight_map: dict[str, str] = json.loads(index_path.read_text()).get("weight_map", {})
+    by_shard: dict[str, list[str]] = {}
+    for tensor_name, shard in weight_map.items():
+        by_shard.setdefault(shard, []).append(tensor_name)
+    return by_shard
 
-    cache = Path(download_dir or constants.HF_HUB_CACHE).expanduser()
-    return cache / LOCK_DIR / f"minisgl--{repo_id.replace('/', '--')}.lock"
+
+def checkpoint_files(model_dir: Path) -> list[Path]:
+    """The safetensors files to read: the index's shards when there is an index, else all.
+
+    Raises FileNotFoundError naming a tensor of the first missing shard, or when there are none.
+    """
+    by_shard = index_shards(model_dir)
+    if by_shard is None:
+        files = sorted(model_dir.glob(WEIGHTS_PATTERN))
+        if not files:
+            raise FileNotFoundError(f"no {WEIGHTS_PATTERN} files in {model_dir}")
+        return files
+    for shard, tensor_names in sorted(by_shard.items()):
+        if not (model_dir / shard).exists():
+            raise FileNotFoundError(
+                f"checkpoint {model_dir}: shard {shard} is missing; {INDEX_FILE} puts "
+                f"'{min(tensor_names)}' (and {len(tensor_names) - 1} more tensors) in it"
+            )
+    return [model_dir / shard for shard in sorted(by_shard)]
 
 
 def fetch_from_hub(repo_id: str, hub: HubOptions) -> Path:
@@ -104,7 +135,8 @@ def fetch_from_hub(repo_id: str, hub: HubOptions) -> Path:
 
     if hub.offline or constants.is_offline_mode():
         return _snapshot(repo_id, hub, local_only=True)
-    lock_path = download_lock_path(repo_id, hub.download_dir)
+    cache = Path(hub.download_dir or constants.HF_HUB_CACHE).expanduser()
+    lock_path = cache / LOCK_DIR / f"minisgl--{repo_id.replace('/', '--')}.lock"
     lock = FileLock(str(lock_path))
     try:
         lock_path.parent.mkdir(parents=True, exist_ok=True)
@@ -131,7 +163,8 @@ def fetch_from_hub(repo_id: str, hub: HubOptions) -> Path:
 def _snapshot(repo_id: str, hub: HubOptions, local_only: bool) -> Path:
     from huggingface_hub import snapshot_download
 
-    common: dict[str, Any] = dict(
+    download = functools.partial(
+        snapshot_download,
         repo_id=repo_id,
         cache_dir=hub.download_dir,
         local_files_only=local_only,
@@ -139,16 +172,12 @@ def _snapshot(repo_id: str, hub: HubOptions, local_only: bool) -> Path:
         tqdm_class=_progress_bar_class(),
     )
     try:
-        folder = Path(
-            snapshot_download(
-                revision=hub.revision, allow_patterns=list(METADATA_PATTERNS), **common
-            )
-        )
+        folder = Path(download(revision=hub.revision, allow_patterns=list(METADATA_PATTERNS)))
         # An index names the shards; without one, any *.safetensors. The snapshot folder is named
         # by its commit: pin it, so a branch that moves meanwhile cannot mix two commits.
         shards = index_shards(folder)
         weights = sorted(shards) if shards is not None else [WEIGHTS_PATTERN]
-        snapshot_download(revision=folder.name, allow_patterns=weights, **common)
+        download(revision=folder.name, allow_patterns=weights)
     except Exception as exc:
         raise ModelDownloadError(_explain(exc, repo_id, hub, local_only)) from exc
     at = f"'{repo_id}' (revision {folder.name[:12]})"
@@ -166,29 +195,22 @@ def _snapshot(repo_id: str, hub: HubOptions, local_only: bool) -> Path:
 
 
 def _explain(exc: Exception, repo_id: str, hub: HubOptions, local_only: bool) -> str:
-    from huggingface_hub import constants
-    from huggingface_hub.errors import (
-        GatedRepoError,
-        HfHubHTTPError,
-        LocalEntryNotFoundError,
-        RepositoryNotFoundError,
-        RevisionNotFoundError,
-    )
+    from huggingface_hub import constants, errors
 
     endpoint = constants.ENDPOINT
     cache = hub.download_dir or constants.HF_HUB_CACHE
     revision = hub.revision or constants.DEFAULT_REVISION
-    if isinstance(exc, GatedRepoError):
+    if isinstance(exc, errors.GatedRepoError):
         return (
             f"model '{repo_id}' is gated on the hub: accept its terms on the model page, then set "
             "HF_TOKEN to a token of an account with access"
         )
-    if isinstance(exc, RepositoryNotFoundError):
+    if isinstance(exc, errors.RepositoryNotFoundError):
         return (
             f"model '{repo_id}' not found on the hub ({endpoint}): no such repository, or it is "
             "private and HF_TOKEN grants no access to it"
         )
-    if isinstance(exc, RevisionNotFoundError):
+    if isinstance(exc, errors.RevisionNotFoundError):
         return f"model '{repo_id}' has no revision '{revision}' on the hub ({endpoint})"
     if local_only:
         why = "--offline" if hub.offline else "HF_HUB_OFFLINE=1"
@@ -196,13 +218,15 @@ def _explain(exc: Exception, repo_id: str, hub: HubOptions, local_only: bool) ->
             f"model '{repo_id}' (revision {revision}) is not in the local Hugging Face cache "
             f"({cache}) and downloads are off ({why})"
         )
-    if isinstance(exc, LocalEntryNotFoundError):  # the hub could not be reached, nothing cached
+    if isinstance(
+        exc, errors.LocalEntryNotFoundError
+    ):  # the hub could not be reached, nothing cached
         cause = exc.__cause__ or exc
         return (
             f"cannot reach the Hugging Face hub at {endpoint} ({type(cause).__name__}), and model "
             f"'{repo_id}' (revision {revision}) is not fully in the local cache ({cache})"
         )
-    if isinstance(exc, HfHubHTTPError) and exc.response is not None:
+    if isinstance(exc, errors.HfHubHTTPError) and exc.response is not None:
         return f"downloading '{repo_id}' from {endpoint} failed: HTTP {exc.response.status_code}"
     first_line = (str(exc).strip().splitlines() or [""])[0]
     return f"downloading '{repo_id}' from {endpoint} failed: {type(exc).__name__}: {first_line}"
