@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from minisgl.distributed import all_reduce, divide, get_tp_info
-from minisgl.kernels.gpu import fused_kernels
+from minisgl.kernels.gpu import triton_kernels
 
 # The per-expert projections of the hub layout, in the order they sit in `gate_up_proj` / alone.
 GATE_UP_PIECES = ("gate_proj", "up_proj")
@@ -87,7 +87,8 @@ class Experts(nn.Module):
         # The Triton kernel where the fused layer kernels apply (CUDA, Triton importable, not
         # MINISGL_FUSED_KERNELS=0: kernels/gpu.py); else moe_torch.
         self.use_triton = (
-            self.down_proj.is_cuda and fused_kernels(self.down_proj.device) is not None
+            self.down_proj.is_cuda
+            and triton_kernels("triton_fused", self.down_proj.device) is not None
         )
 
     def load_piece(self, name: str, full: torch.Tensor, piece: str, expert: int | None) -> None:
