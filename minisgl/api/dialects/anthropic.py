@@ -241,16 +241,13 @@ class BlockEvents:
         self.events = EventBuffer()
         self._index = -1
 
-    def emit(self, kind: str, **fields: Any) -> None:
-        self.events.emit(kind, **fields)
-
     def open(self, kind: str, call: ToolCallDelta | None) -> None:
         self._index += 1
         block: dict[str, Any] = _EMPTY_BLOCKS.get(kind, {})  # copied by the emit
         if call is not None:
             block = {"type": "tool_use", "id": new_id("toolu", "_"), "name": call.name or ""}
             block["input"] = {}
-        self.emit("content_block_start", index=self._index, content_block=block)
+        self.events.emit("content_block_start", index=self._index, content_block=block)
 
     def write(self, kind: str, text: str, logprobs: list[Any]) -> None:
         delta = {"type": "input_json_delta", "partial_json": text}
@@ -258,10 +255,10 @@ class BlockEvents:
             delta_type, key = _DELTAS[kind]
             delta = {"type": delta_type, key: text}
         if text or kind != CALL:
-            self.emit("content_block_delta", index=self._index, delta=delta)
+            self.events.emit("content_block_delta", index=self._index, delta=delta)
 
     def close(self, status: str) -> None:
-        self.emit("content_block_stop", index=self._index)
+        self.events.emit("content_block_stop", index=self._index)
 
 
 def stop_reason(
@@ -283,11 +280,11 @@ async def message_events(run: Run, body: MessagesRequest) -> AsyncIterator[WireE
     model = body.model or run.ctx.served_model_name
     usage = {"input_tokens": len(run.prompts[0]), "output_tokens": 0}
     start = {"id": run.id, "type": "message", "role": "assistant", "model": model, "content": []}
-    sink.emit(
+    sink.events.emit(
         "message_start",
         message={**start, "stop_reason": None, "stop_sequence": None, "usage": usage},
     )
-    sink.emit("ping")
+    sink.events.emit("ping")
     finish = matched = None
     async for event in run.events():
         blocks.feed(event.delta)
@@ -305,10 +302,10 @@ async def message_events(run: Run, body: MessagesRequest) -> AsyncIterator[WireE
         "cache_read_input_tokens": cached,
         "output_tokens": completion,
     }
-    sink.emit(
+    sink.events.emit(
         "message_delta", delta={"stop_reason": reason, "stop_sequence": sequence}, usage=usage
     )
-    sink.emit("message_stop")
+    sink.events.emit("message_stop")
     for wire_event in sink.events.take():
         yield wire_event
 

@@ -150,17 +150,13 @@ def chat_logprobs(ctx: ServingContext, logprobs: Sequence[TokenLogprob]) -> dict
     return {"content": content}
 
 
-class CallIds:
-    """OpenAI tool call ids, one per (choice, call)."""
-
-    def __init__(self) -> None:
-        self._ids: dict[tuple[int, int], str] = {}
-
-    def get(self, choice: int, call: int) -> str:
-        return self._ids.setdefault((choice, call), f"call_{uuid.uuid4().hex[:24]}")
+def new_call_id() -> str:
+    """An OpenAI tool call id; a call gets it with its first delta, which names the function
+    and comes once per call."""
+    return f"call_{uuid.uuid4().hex[:24]}"
 
 
-def _delta_dict(delta: ChatDelta, choice: int, call_ids: CallIds) -> dict[str, Any]:
+def _delta_dict(delta: ChatDelta) -> dict[str, Any]:
     out: dict[str, Any] = {}
     if delta.reasoning:
         out["reasoning_content"] = out["reasoning"] = delta.reasoning
@@ -174,7 +170,7 @@ def _delta_dict(delta: ChatDelta, choice: int, call_ids: CallIds) -> dict[str, A
             if call.name is not None:  # a call's first delta: who is called
                 calls[call.index] = {
                     "index": call.index,
-                    "id": call_ids.get(choice, call.index),
+                    "id": new_call_id(),
                     "type": "function",
                     "function": {"name": call.name, "arguments": call.arguments},
                 }
@@ -208,7 +204,6 @@ async def chat_events(run: Run, body: ChatCompletionRequest) -> AsyncIterator[Wi
     # Each choice's role chunk goes out with its first output, not at once: benchmark clients
     # (vllm bench serve) time the first token at the first chunk, as OpenAI and vLLM send it.
     announced: set[int] = set()
-    call_ids = CallIds()
     async for event in run.events():
         choice, output = event.choice, event.output
         if choice.index not in announced:
@@ -217,7 +212,7 @@ async def chat_events(run: Run, body: ChatCompletionRequest) -> AsyncIterator[Wi
             yield chunk(base, choice.index, None, None, delta=role, logprobs=None)
         num_calls = choice.parser.num_calls if choice.parser is not None else 0
         finish = finish_text(output.finish_reason, num_calls)
-        delta = _delta_dict(event.delta, choice.index, call_ids)
+        delta = _delta_dict(event.delta)
         logprobs = chat_logprobs(run.ctx, output.logprobs) if body.logprobs else None
         if delta or finish is not None or (logprobs and logprobs["content"]):
             stop = stop_reason(run.params[0][0], output.matched_stop)

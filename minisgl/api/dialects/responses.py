@@ -276,10 +276,8 @@ def stored(store: ResponseStore, response_id: str, param: str = "response_id") -
     """The stored response; a 404 when there is none."""
     entry = store.get(response_id)
     if entry is None:
-        message = f"no stored response {response_id!r}"
-        if param != "response_id":
-            kept = "responses are kept in this server's memory while it runs, when store is true"
-            message = f"{param}: {message} ({kept})"
+        kept = "responses are kept in this server's memory while it runs, when store is true"
+        message = f"{param}: no stored response {response_id!r} ({kept})"
         raise RequestError(HTTP_NOT_FOUND, message, param=param)
     return entry
 

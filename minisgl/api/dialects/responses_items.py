@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from minisgl.api.dialects.openai import CallIds
+from minisgl.api.dialects.openai import new_call_id
 from minisgl.api.request import new_id
 from minisgl.chat import CALL, REASONING
 from minisgl.chat.tool_parsers import ToolCallDelta
@@ -210,7 +210,6 @@ class OutputItems:
     def __init__(self, emit: Any) -> None:
         self.items: list[dict[str, Any]] = []
         self._emit = emit
-        self._call_ids = CallIds()
 
     def _at(self, part: bool = True) -> dict[str, Any]:
         """Where an event about the open item (and its one content part) points."""
@@ -224,8 +223,7 @@ class OutputItems:
         status = {"status": "in_progress"}
         item: dict[str, Any]
         if call is not None:
-            call_id = self._call_ids.get(0, call.index)
-            item = {"id": new_id("fc", "_"), "type": "function_call", "call_id": call_id}
+            item = {"id": new_id("fc", "_"), "type": "function_call", "call_id": new_call_id()}
             item |= {"name": call.name or "", "arguments": "", **status}
         elif kind == REASONING:
             item = {"id": new_id("rs", "_"), "type": "reasoning", "summary": [], "content": []}

@@ -8,6 +8,7 @@ into text.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, cast
 
 from fastapi import APIRouter, Request
@@ -52,12 +53,9 @@ async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
     ctx: ServingContext = request.app.state.ctx
     ctx.check_model(body.model)
     if body.prompt is not None:
-        prompt, special = body.prompt, body.add_special_tokens
-
-        def encode() -> list[int]:
-            return [int(t) for t in ctx.tokenizer(prompt, add_special_tokens=special)["input_ids"]]
-
-        ids = await ctx.on_tokenizer_thread(encode)
+        special = body.add_special_tokens
+        encode = functools.partial(ctx.tokenizer.encode, body.prompt, add_special_tokens=special)
+        ids = [int(t) for t in await ctx.on_tokenizer_thread(encode)]
     else:
         # Any tool choice but "none" renders the tools; "required" needs no --tool-call-parser.
         choice = None if body.tools is None else "required"
