@@ -44,11 +44,7 @@ from minisgl.chat.requests import constraint_from_fields
 from minisgl.core import Constraint, FinishReason, InvalidRequestError, SamplingParams, TokenLogprob
 from minisgl.grammar import GrammarCompiler
 from minisgl.limits import ModelLimits
-from minisgl.runtime.engine_client import (
-    DISCONNECTED,
-    EngineClient,
-    RoutedOutput,
-)
+from minisgl.runtime.engine_client import DISCONNECTED, EngineClient, RoutedOutput
 from minisgl.runtime.messages import DetokenizedOutput
 
 logger = logging.getLogger(__name__)

@@ -22,12 +22,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from minisgl.attention.base import (
-    AttentionBackend,
-    AttentionBatch,
-    AttentionConfig,
-    copy_to_device,
-)
+from minisgl.attention.base import AttentionBackend, AttentionBatch, AttentionConfig, copy_to_device
 from minisgl.kvcache.pool import KVPool
 
 # FlashInfer's recommended float workspace (split-KV partial results), allocated once.

@@ -16,12 +16,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from minisgl.attention.base import (
-    AttentionBackend,
-    AttentionBatch,
-    AttentionConfig,
-    copy_to_device,
-)
+from minisgl.attention.base import AttentionBackend, AttentionBatch, AttentionConfig, copy_to_device
 from minisgl.kernels.cpu import kernels_for
 from minisgl.kernels.cpu_ops import CpuKernels
 from minisgl.kvcache.pool import KVPool

@@ -30,12 +30,7 @@ from starlette.responses import Response
 
 from minisgl.api.errors import ERROR_SHAPES
 from minisgl.api.pipeline import Run, prepare
-from minisgl.api.request import (
-    ApiRequest,
-    SamplingWire,
-    new_id,
-    sampling_of,
-)
+from minisgl.api.request import ApiRequest, SamplingWire, new_id, sampling_of
 from minisgl.api.sse import EventBuffer, WireEvent, respond, sse_event
 from minisgl.chat import CALL, REASONING, ChatPrompt, ReplyBlocks
 from minisgl.chat.tool_parsers import ToolCallDelta

@@ -14,14 +14,7 @@ from fastapi import APIRouter, Request
 from pydantic import model_validator
 from starlette.responses import Response
 
-from minisgl.api.dialects.openai import (
-    OpenAISampling,
-    chunk,
-    finish_text,
-    fold,
-    header,
-    usage_dict,
-)
+from minisgl.api.dialects.openai import OpenAISampling, chunk, finish_text, fold, header, usage_dict
 from minisgl.api.pipeline import Run, ServingContext
 from minisgl.api.request import ApiRequest, new_id, sampling_of
 from minisgl.api.sse import WireEvent, respond

@@ -20,13 +20,7 @@ from pydantic import Field, model_validator
 from starlette.responses import Response
 
 from minisgl.api.pipeline import Run, ServingContext
-from minisgl.api.request import (
-    ApiRequest,
-    SamplingWire,
-    WireModel,
-    new_id,
-    sampling_of,
-)
+from minisgl.api.request import ApiRequest, SamplingWire, WireModel, new_id, sampling_of
 from minisgl.api.sse import WireEvent, respond
 from minisgl.chat import ChatDelta, ChatPrompt, with_reasoning_effort
 from minisgl.chat.requests import CONSTRAINT_FIELDS

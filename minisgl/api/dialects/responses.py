@@ -38,12 +38,7 @@ from minisgl.api.dialects.responses_items import (
 )
 from minisgl.api.errors import HTTP_BAD_REQUEST, HTTP_NOT_FOUND, HTTP_SERVER_ERROR, RequestError
 from minisgl.api.pipeline import Run
-from minisgl.api.request import (
-    ApiRequest,
-    SamplingWire,
-    new_id,
-    sampling_of,
-)
+from minisgl.api.request import ApiRequest, SamplingWire, new_id, sampling_of
 from minisgl.api.sse import EventBuffer, WireEvent, respond, sse_event
 from minisgl.chat import ChatPrompt, ReplyBlocks, with_reasoning_effort
 from minisgl.core import FinishReason, InvalidRequestError

@@ -47,13 +47,7 @@ from starlette.responses import JSONResponse, Response
 from minisgl.api.dialects.openai import OpenAISampling
 from minisgl.api.errors import HTTP_BAD_REQUEST, HTTP_SERVICE_UNAVAILABLE, RequestError, error_dict
 from minisgl.api.pipeline import Choice, Run, ServingContext
-from minisgl.api.request import (
-    SAMPLING_NAMES,
-    ApiRequest,
-    WireModel,
-    new_id,
-    sampling_of,
-)
+from minisgl.api.request import SAMPLING_NAMES, ApiRequest, WireModel, new_id, sampling_of
 from minisgl.api.sse import WireEvent, respond
 from minisgl.chat.requests import CONSTRAINT_FIELDS
 from minisgl.config import ServerArgs
