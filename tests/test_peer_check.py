@@ -119,7 +119,7 @@ def test_defaults_are_mini_sglang_s_workload_and_our_best_config():
         "max_extend_tokens": 16384,
         "max_seq_len_override": 4096,
     }
-    assert args.engines.split(",") == ["mini-sglang", "minisgl"]
+    assert args.engines.split(",") == ["minisgl", "mini-sglang"]
 
 
 @pytest.mark.parametrize(
@@ -183,17 +183,24 @@ def test_driver_flags_another_workload(monkeypatch, capsys):
     prompts, output_lens = [[1, 2, 3], [4, 5]], [2, 3]
     monkeypatch.setattr(peer, "build_workload", lambda args: (prompts, output_lens))
 
-    def fake_child(args, engine, tmp, workload):
+    def fake_child(args, engine, tmp, workload, timeout_s):
         assert peer.read_workload(str(workload)) == (prompts, output_lens)
         lens = output_lens if engine == "minisgl" else [3, 3]
         return peer.result(engine, engine, 0.5, prompts, lens)
 
     monkeypatch.setattr(peer, "run_child", fake_child)
     results = peer.compare(peer.parse_args(args_for()))
-    assert [r["engine"] for r in results] == ["mini-sglang", "minisgl"]
+    assert [r["engine"] for r in results] == ["minisgl", "mini-sglang"]
     last = capsys.readouterr().out.strip().splitlines()
-    assert last[-2].split()[:2] == ["mini-sglang", "mini-sglang"] and "OTHER WORKLOAD" in last[-2]
-    assert "OTHER WORKLOAD" not in last[-1] and last[-1].split()[-1] == "0.83"  # 10/0.5 vs 12/0.5
+    assert last[-1].split()[:2] == ["mini-sglang", "mini-sglang"] and "OTHER WORKLOAD" in last[-1]
+    assert "OTHER WORKLOAD" not in last[-2] and last[-2].split()[-1] == "0.83"  # 10/0.5 vs 12/0.5
+
+
+def test_driver_starts_no_child_past_its_budget(monkeypatch, capsys):
+    monkeypatch.setattr(peer, "build_workload", lambda args: ([[1, 2]], [2]))
+    results = peer.compare(peer.parse_args(args_for("--budget-s=10")))
+    assert [r["settings"] for r in results] == ["SKIPPED (no time left)"] * 2
+    assert capsys.readouterr().out.strip().splitlines()[-1].split()[-3:] == ["-", "-", "-"]
 
 
 def test_peer_runner_needs_the_driver_s_workload(tmp_path):
@@ -216,7 +223,7 @@ def test_compare_end_to_end_with_a_stand_in_peer(tiny_qwen3, tmp_path):
         command, capture_output=True, text=True, timeout=RUN_TIMEOUT_S, cwd=ROOT, env=env
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    theirs, ours = json.loads(out.read_text())
+    ours, theirs = json.loads(out.read_text())
     for r in (theirs, ours):
         assert r["seconds"] is not None, r["settings"] + done.stdout[-3000:] + done.stderr[-3000:]
     # Both ran the driver's workload, counted in full.
@@ -237,7 +244,7 @@ def test_compare_end_to_end_with_a_stand_in_peer(tiny_qwen3, tmp_path):
     assert theirs["settings"].startswith("fi graphs ? (bs<=None) overlap=on, radix, page 256")
     # Ours ran our package; the table comes last, with the ratio of the two rates.
     assert Path(ours["package"]) == ROOT / "minisgl"
-    header, rule, their_row, our_row = done.stdout.strip().splitlines()[-4:]
+    header, rule, our_row, their_row = done.stdout.strip().splitlines()[-4:]
     assert header.split()[0] == "engine" and set(rule) == {"-"}
     ratio = ours["output_tok_s"] / theirs["output_tok_s"]
     assert their_row.split()[0] == "mini-sglang" and our_row.split()[0] == "minisgl"

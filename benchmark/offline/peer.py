@@ -35,12 +35,13 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]  # this repository: our `minisgl` package lives here
-ENGINES = ("mini-sglang", "minisgl")  # the peer first: the ratio's denominator
+ENGINES = ("minisgl", "mini-sglang")  # ours first: it starts fast, the peer gets what is left
 PEER = "mini-sglang"
 WARMUP_PROMPT_LEN = 16
 WARMUP_OUTPUT_LEN = 4
 WARMUP_NUM_REQUESTS = 2
 CHILD_TIMEOUT_S = 600
+MIN_CHILD_S = 30  # a child given less is not started
 
 
 # ---- the workload (bench.py's) -------------------------------------------------------------------
@@ -275,7 +276,11 @@ def child_env(engine: str, peer_path: str | Path, env: dict[str, str]) -> dict[s
     return {**env, "PYTHONPATH": os.pathsep.join(entries)}
 
 
-def run_child(args: argparse.Namespace, engine: str, tmp: Path, workload: Path) -> dict[str, Any]:
+def run_child(
+    args: argparse.Namespace, engine: str, tmp: Path, workload: Path, timeout_s: float
+) -> dict[str, Any]:
+    if timeout_s < MIN_CHILD_S:
+        return {"engine": engine, "settings": "SKIPPED (no time left)", "seconds": None}
     json_path = tmp / f"{engine}.json"
     command = [sys.executable, *child_argv(args, engine, json_path, workload)]
     # Theirs runs outside this repository, so not even the working folder leads to our package.
@@ -284,11 +289,11 @@ def run_child(args: argparse.Namespace, engine: str, tmp: Path, workload: Path) 
     try:
         proc = subprocess.run(
             command, cwd=cwd, env=child_env(engine, args.peer_path, dict(os.environ)),
-            timeout=args.child_timeout_s, check=False,
+            timeout=timeout_s, check=False,
         )  # fmt: skip
         failure = f"exit {proc.returncode}" if proc.returncode != 0 else None
     except subprocess.TimeoutExpired:
-        failure = f"timed out after {args.child_timeout_s} s"
+        failure = f"timed out after {timeout_s:.0f} s"
     if failure is None and json_path.exists():
         return json.loads(json_path.read_text())
     return {"engine": engine, "settings": f"FAILED ({failure or 'no result'})", "seconds": None}
@@ -319,11 +324,15 @@ def table(results: list[dict[str, Any]]) -> list[str]:
 def compare(args: argparse.Namespace) -> list[dict[str, Any]]:
     prompts, output_lens = build_workload(args)
     digest = workload_digest(prompts, output_lens)
+    deadline = time.monotonic() + (args.budget_s if args.budget_s is not None else float("inf"))
+    results = []
     with tempfile.TemporaryDirectory(prefix="minisgl_peer_") as tmp_name:
         tmp = Path(tmp_name)
         workload = tmp / "workload.json"
         write_workload(workload, prompts, output_lens)
-        results = [run_child(args, engine, tmp, workload) for engine in args.engines.split(",")]
+        for engine in args.engines.split(","):
+            timeout_s = min(args.child_timeout_s, deadline - time.monotonic())
+            results.append(run_child(args, engine, tmp, workload, timeout_s))
     for r in results:
         if r.get("seconds") is not None and r["workload_digest"] != digest:
             r["settings"] += " (OTHER WORKLOAD)"
@@ -350,7 +359,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", required=True, help="an HF checkpoint folder both engines load")
     p.add_argument("--json", default=None, help="write the result(s) here")
     p.add_argument("--workload-file", default=None, help="token ids to run (the driver's)")
-    p.add_argument("--child-timeout-s", type=float, default=CHILD_TIMEOUT_S)
+    p.add_argument("--child-timeout-s", type=float, default=CHILD_TIMEOUT_S, help="per engine")
+    p.add_argument("--budget-s", type=float, default=None, help="for all engines together")
     # bench.py's workload flags; defaults: Mini-SGLang's offline benchmark
     p.add_argument("--num-requests", type=int, default=256)
     p.add_argument("--min-input-len", type=int, default=100)
