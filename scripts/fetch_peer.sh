@@ -29,6 +29,7 @@ else
   echo "not a git directory or a Mini-SGLang source folder: $SOURCE" >&2
   exit 1
 fi
+rm -rf "$PEER/assets"  # its logo: carried bytes for nothing
 [ -d "$PEER/python/minisgl/llm" ] || { echo "no python/minisgl/llm in $SOURCE" >&2; exit 1; }
 python3 -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 \
   --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_26_x86_64 \
