@@ -29,6 +29,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from minisgl import LLM, SamplingParams
 from minisgl.core import Req, next_request_id
 from minisgl.kernels.cpu_ops import CpuKernels
@@ -47,10 +49,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--overlap", choices=["on", "off"], default="off")
     p.add_argument("--profile", action="store_true", help="cProfile the largest batch's window")
+    # One kernel thread keeps the kernels' time steady on a shared machine (it is subtracted).
+    p.add_argument("--threads", type=int, default=1, help="torch (and kernel) threads")
     return p.parse_args(argv)
 
 
-KERNELS = ("decode_layers", "sample")  # CpuKernels' compute calls on the decode path
+KERNELS = ("decode_layers", "linear", "sample")  # CpuKernels' compute on the decode path
 kernel_s = [0.0]  # seconds inside them since the last reset
 
 
@@ -120,6 +124,7 @@ def torch_calls(stats: pstats.Stats) -> int:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    torch.set_num_threads(args.threads)
     for name in KERNELS:
         setattr(CpuKernels, name, timed(getattr(CpuKernels, name)))
     sizes = sorted(args.batch_sizes)
@@ -142,7 +147,10 @@ def main(argv: list[str] | None = None) -> None:
             rows.append((size, mean_s, max(times), mean_s - in_kernels_s / len(times)))
     finally:
         llm.shutdown()
-    print(f"\nprompt {args.prompt_len} tokens, page {args.page_size}, overlap {args.overlap}")
+    print(
+        f"\nprompt {args.prompt_len} tokens, page {args.page_size}, overlap {args.overlap}, "
+        f"{args.threads} thread(s)"
+    )
     print(f"{'running':>8} {'ms/step':>9} {'max':>9} {'kernels':>9} {'host':>9}")
     for size, mean_s, max_s, host_s in rows:
         ms = [x * 1e3 for x in (mean_s, max_s, mean_s - host_s, host_s)]
