@@ -55,12 +55,14 @@ def main() -> None:
     parser.add_argument("--preset", choices=sorted(PRESETS), default="qwen3-0.6b")
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     parser.add_argument("--max-position-embeddings", type=int, default=40960)
+    # A small vocabulary makes the LM head and sampling nearly free (host_cost.py).
+    parser.add_argument("--vocab-size", type=int, default=QWEN3_VOCAB)
     args = parser.parse_args()
 
     config = Qwen3Config(
-        vocab_size=QWEN3_VOCAB,
+        vocab_size=args.vocab_size,
         max_position_embeddings=args.max_position_embeddings,
-        eos_token_id=QWEN3_EOS,
+        eos_token_id=min(QWEN3_EOS, args.vocab_size - 1),
         **PRESETS[args.preset],
     )
     torch.manual_seed(0)

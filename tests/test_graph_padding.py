@@ -82,7 +82,9 @@ def test_flashinfer_page_lists_follow_the_page_table():
         kv_lens_cpu=kv_lens,
         page_size=page_size,
     )
-    indptr, page_ids, last = paged_kv_lists(batch)
+    indptr, page_ids, last, seq_lens = paged_kv_lists(batch)
     assert indptr.tolist() == [0, 3, 4, 8]
     assert page_ids.tolist() == [7, 2, 9, 1, 5, 11, 0, 3]
     assert last.tolist() == [1, 4, 1]
+    # what plan() would recompute from indptr and last: (pages - 1) * page_size + last
+    assert seq_lens.tolist() == kv_lens and seq_lens.dtype == torch.int32

@@ -317,9 +317,55 @@ def test_shared_prefix_burst_reuses_the_prefix(tiny_qwen3):
         naive.shutdown()
 
 
+def test_a_step_that_crosses_pages_for_everyone_writes_the_page_table_once(tiny_qwen3):
+    """Equal prompts cross page boundaries in the same decode step: every request gets its page
+    in one allocation and one table write (no per-request torch work), and the table holds, for
+    each request, the slots of its pages in order (computed here by hand from page_ids)."""
+    page_size, num_reqs = 4, 6
+    s = Scheduler(
+        ServerArgs(
+            model=str(tiny_qwen3), dtype="float32", num_pages=200, page_size=page_size,
+            max_running_requests=num_reqs, overlap="off", cache_type="naive",
+        )
+    )  # fmt: skip
+    writes: list[int] = []
+    write_slots = s.engine.tables.write_slots
+
+    def counting(rows: list[int], starts: list[int], slots: torch.Tensor) -> None:
+        writes.append(len(rows))
+        write_slots(rows, starts, slots)
+
+    s.engine.tables.write_slots = counting  # type: ignore[method-assign]
+    try:
+        reqs = [_req(f"p{i}", page_size * 2, max_tokens=3 * page_size) for i in range(num_reqs)]
+        for req in reqs:
+            s.add_request(req)
+        crossing_steps = 0
+        for _ in range(MAX_STEPS):
+            if not s.has_work():
+                break
+            writes.clear()
+            decoding = bool(s.running) and all(r.output_ids for r in s.running)
+            pages_before = sum(len(r.page_ids) for r in s.running)
+            s.step()
+            if decoding and sum(len(r.page_ids) for r in s.running) == pages_before + num_reqs:
+                crossing_steps += 1
+                assert writes == [num_reqs]  # one write, a page for each of them
+            s.engine.tables.flush()
+            for req in s.running:
+                expected = [p * page_size + o for p in req.page_ids for o in range(page_size)]
+                row = s.engine.tables.page_table[req.table_row, : len(expected)]
+                assert row.tolist() == expected
+            s.check_page_accounting()
+        assert not s.has_work() and crossing_steps >= 2
+        assert all(len(r.output_ids) == 3 * page_size for r in reqs)
+    finally:
+        s.shutdown()
+
+
 def test_table_writes_and_the_forward_threads_flush_safely():
-    """CPU overlap: the scheduler thread writes the tables (applied at once on CPU) while the
-    forward thread flushes at the start of every forward. Neither may see the other's queue
+    """CPU overlap: the scheduler thread queues table writes while the forward thread flushes
+    at the start of every forward. Neither may see the other's queue
     half-applied (this raised `torch.cat(): expected a non-empty list` now and then)."""
     import threading
 
@@ -346,6 +392,7 @@ def test_table_writes_and_the_forward_threads_flush_safely():
         stop.set()
         flusher.join()
     assert not errors, errors[0]
+    tables.flush()  # what the next forward does: the last writes land too
     assert tables.token_table[19999 % 8, 19999 % 60].item() == 19999 % 1000
 
 

@@ -33,9 +33,12 @@ TENSOR_CORE_MIN_GQA = 4
 PREFILL_KERNEL_BACKEND = "fa2"
 
 
-def paged_kv_lists(batch: AttentionBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def paged_kv_lists(
+    batch: AttentionBatch,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """FlashInfer's paged-KV description of a batch: (indptr int32 on the host, page ids int32 on
-    the device, last page lengths int32 on the host). Host tensors are pinned on CUDA."""
+    the device, last page lengths int32 on the host) and the KV lengths (int32, on the host) that
+    plan() would otherwise recompute from the first and last. Host tensors are pinned on CUDA."""
     page_size, device = batch.page_size, batch.table_rows.device
     kv_lens = torch.tensor(batch.kv_lens_cpu, dtype=torch.int32)
     num_pages = (kv_lens + page_size - 1) // page_size
@@ -50,7 +53,7 @@ def paged_kv_lists(batch: AttentionBatch) -> tuple[torch.Tensor, torch.Tensor, t
     page_ids = (batch.page_table[batch.table_rows[seq_d], pos_d] // page_size).to(torch.int32)
     if device.type == "cuda":
         indptr, last_page_len = indptr.pin_memory(), last_page_len.pin_memory()
-    return indptr, page_ids, last_page_len
+    return indptr, page_ids, last_page_len, kv_lens
 
 
 @dataclass
@@ -100,13 +103,14 @@ class FlashInferBackend(AttentionBackend):
         """`wrapper.plan(...)` for `batch` (a prefill wrapper's `qo_indptr` first), after the
         previous plan's host-to-device copy has run."""
         cfg = self.cfg
-        kv_lists = paged_kv_lists(batch)  # (indptr, page ids, last page lengths)
+        *kv_lists, kv_lens = paged_kv_lists(batch)  # (indptr, page ids, last page lengths)
         heads = (cfg.num_qo_heads, cfg.num_kv_heads, cfg.head_dim, cfg.page_size)
         self._planned.synchronize()
         wrapper.plan(
             *qo_indptr,
             *kv_lists,
             *heads,
+            seq_lens=kv_lens,
             q_data_type=cfg.dtype,
             kv_data_type=cfg.dtype,
             sm_scale=cfg.scale,

@@ -233,8 +233,13 @@ class Engine:
             logits = logits[:num_sampled]
         if not num_sampled:
             return PendingOutput([], ready=self.stream.record_event(), prompt_scores=scores)
-        sb = SamplingBatch.for_batch(batch, self.model_config, self.tables, vocab_mask)
-        token_ids, token_scores = self.sampler.sample(logits, sb)
+        params = [p for p in batch.sampling if p is not None]
+        if vocab_mask is None and all(p.is_plain_greedy for p in params):
+            # The usual benchmark batch: no sampling state to build, the raw logits' argmax.
+            token_ids, token_scores = self.sampler.argmax(logits), None
+        else:
+            sb = SamplingBatch.for_batch(batch, self.model_config, self.tables, vocab_mask)
+            token_ids, token_scores = self.sampler.sample(logits, sb)
         if get_tp_info().size > 1:
             # Ranks compute the same logits only up to float rounding (reduction order), so a
             # near-tie could pick different tokens and the ranks' KV caches would then diverge:
@@ -243,11 +248,15 @@ class Engine:
             if token_scores is not None:
                 token_scores = token_scores.map(broadcast_from_primary)
         # The sampled token becomes the next input: write it where the next step will read it.
-        (rows_d,) = self.stream.stage(torch.int64, [batch.table_rows[i] for i in batch.sampled])
-        self.tables.token_table[rows_d, sb.rows.positions] = token_ids.to(torch.int32)
+        rows_d, positions_d = self.stream.stage(
+            torch.int64,
+            [batch.table_rows[i] for i in batch.sampled],
+            [batch.prefix_lens[i] + batch.extend_lens[i] for i in batch.sampled],
+        )
+        self.tables.token_table[rows_d, positions_d] = token_ids.to(torch.int32)
         host = self.stream.to_host_async
         return PendingOutput(
-            sb.params,
+            params,
             host(token_ids),
             None if token_scores is None else token_scores.map(host),
             self.stream.record_event(),

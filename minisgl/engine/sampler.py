@@ -208,7 +208,7 @@ class Sampler:
         raw_logits = logits
         logits = process_logits(logits, sb)
         if sb.all_greedy:
-            token_ids = self._argmax(logits, sb.rows)
+            token_ids = self.argmax(logits)
         elif sb.filter_rows is None:
             token_ids = self._draw_all(logits, sb.rows)
         else:
@@ -225,14 +225,15 @@ class Sampler:
         # Logprobs of the model's own distribution (before penalties and temperature), as vLLM.
         return SampleResult(token_ids, TokenScores.of(raw_logits, token_ids, max_logprobs))
 
-    def _argmax(self, logits: torch.Tensor, rows: RowInputs) -> torch.Tensor:
+    def argmax(self, logits: torch.Tensor) -> torch.Tensor:
         """logits.argmax(-1); on CPU the sampling kernel's greedy path (temperature 0 on every
-        row): one vector pass per row over the threads, ~3x torch's at 256 rows of a 151k
-        vocabulary."""
+        row, so no seed or position is read): one vector pass per row over the threads, ~3x
+        torch's at 256 rows of a 151k vocabulary."""
         if self.cpu_kernels is None:
             return logits.argmax(dim=-1)
         greedy = torch.zeros(logits.shape[0], dtype=torch.float32)
-        return self.cpu_kernels.sample(logits, greedy, rows.seeds, rows.positions)
+        unused = torch.zeros(logits.shape[0], dtype=torch.int64)
+        return self.cpu_kernels.sample(logits, greedy, unused, unused)
 
     def _draw_all(self, logits: torch.Tensor, rows: RowInputs) -> torch.Tensor:
         """Exponential race over the whole vocabulary (greedy where the temperature is 0):

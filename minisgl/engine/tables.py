@@ -8,9 +8,9 @@
 
 The scheduler's writes (a new request's prompt, new pages' slots) are queued on the host and
 applied by the engine at the start of the next forward, in stream order, with one non-blocking
-copy: the scheduler never waits for the device. On CPU they are applied at once. Under CPU
-overlap the forward runs on its own thread and flushes too, so a lock guards the queue: a flush
-takes every queued write or none.
+copy: the scheduler never waits for the device, and a step's writes cost a few torch calls
+whatever the batch size. Under CPU overlap the forward runs on its own thread, so a lock guards
+the queue: a flush takes every queued write or none.
 
 The last row is the dummy row that padded (CUDA-graph) batch entries point at: position 0 maps
 to the pool's dummy page, which no request ever owns.
@@ -49,21 +49,24 @@ class DeviceTables:
         self.token_table[self.dummy_row].zero_()
 
     def write_tokens(self, row: int, start: int, token_ids: list[int]) -> None:
-        self._write(_TOKEN_TABLE, row, start, torch.tensor(token_ids))
+        self._write(_TOKEN_TABLE, [row], [start], torch.tensor(token_ids)[None, :])
 
-    def write_slots(self, row: int, start: int, slots: torch.Tensor) -> None:
-        self._write(_PAGE_TABLE, row, start, slots)
+    def write_slots(self, rows: list[int], starts: list[int], slots: torch.Tensor) -> None:
+        """Positions starts[i] .. starts[i] + k - 1 of row rows[i] get slots[i] ([len(rows), k]):
+        one write for a whole step's new pages."""
+        self._write(_PAGE_TABLE, rows, starts, slots)
 
-    def _write(self, table: int, row: int, start: int, data: torch.Tensor) -> None:
+    def _write(self, table: int, rows: list[int], starts: list[int], data: torch.Tensor) -> None:
         if data.numel() == 0:
             return
-        assert 0 <= row < self.num_rows and start + data.numel() <= self.width
-        first = (table * (self.num_rows + 1) + row) * self.width + start
+        assert min(rows) >= 0 and max(rows) < self.num_rows
+        assert min(starts) >= 0 and max(starts) + data.shape[1] <= self.width
+        first = torch.tensor(rows) * self.width + torch.tensor(starts)
+        first += table * (self.num_rows + 1) * self.width
+        index = (first[:, None] + torch.arange(data.shape[1])).flatten()
         with self._lock:
-            self._index.append(torch.arange(data.numel(), dtype=torch.int64) + first)
-            self._values.append(data.to(torch.int64))
-        if not self.stream.is_cuda:
-            self.flush()
+            self._index.append(index)
+            self._values.append(data.flatten().to(torch.int64))
 
     def flush(self) -> None:
         """Apply pending writes (on the engine's stream: call inside `ComputeStream.active`)."""

@@ -102,19 +102,32 @@ class CacheManager:
         req.device_len = len(all_ids)
         req.page_ids = self._slots_to_pages(match.slot_indices)
         self.tables.write_tokens(row, 0, all_ids)
-        self.tables.write_slots(row, 0, match.slot_indices)
+        self.tables.write_slots([row], [0], match.slot_indices[None, :])
 
-    def reserve(self, req: Req, end_len: int) -> bool:
-        """Make positions [0, end_len) of `req` have KV slots, evicting cached entries if needed."""
-        have = len(req.page_ids)
-        need = -(-end_len // self.page_size) - have
-        if need <= 0:
+    def reserve(self, reqs: list[Req], end_lens: list[int]) -> bool:
+        """Make positions [0, end_lens[i]) of each reqs[i] have KV slots, evicting cached entries
+        if needed: all of them (one allocation and one table write for the lot), or none."""
+        ps = self.page_size
+        short = [
+            (req, num)
+            for req, end in zip(reqs, end_lens, strict=True)
+            if (num := -(-end // ps) - len(req.page_ids)) > 0
+        ]
+        if not short:
             return True
-        pages = self._alloc_pages(need)
+        pages = self._alloc_pages(sum(num for _, num in short))
         if pages is None:
             return False
-        req.page_ids.extend(pages)
-        self.tables.write_slots(req.table_row, have * self.page_size, self._pages_to_slots(pages))
+        rows: list[int] = []
+        starts: list[int] = []
+        taken = 0
+        for req, num in short:
+            have = len(req.page_ids)
+            rows += [req.table_row] * num
+            starts += range(have * ps, (have + num) * ps, ps)
+            req.page_ids += pages[taken : taken + num]
+            taken += num
+        self.tables.write_slots(rows, starts, self._pages_to_slots(pages).view(-1, ps))
         return True
 
     def _alloc_pages(self, num: int) -> list[int] | None:

@@ -28,11 +28,13 @@ class DecodeManager:
         self.num_retractions = 0
 
     def decodable(self) -> list[Req]:
+        # Req.finished and Req.remaining_prefill_len spelled out: this runs for every running
+        # request every step.
         return [
             r
             for r in self.running
-            if not r.finished
-            and r.remaining_prefill_len == 1
+            if r.finish_reason is None
+            and r.device_len - r.cached_len == 1
             and r.num_sampled < r.sampling_params.max_tokens
         ]
 
@@ -42,11 +44,14 @@ class DecodeManager:
         Raises NeedDrain when a retraction is needed while a batch is in flight: that batch may
         still use the victim's pages.
         """
-        items: list[tuple[Req, int]] = []
-        for req in self.decodable():
+        reqs = self.decodable()
+        if self.cache.reserve(reqs, [req.device_len for req in reqs]):  # the usual case
+            return [(req, 1) for req in reqs]
+        items: list[tuple[Req, int]] = []  # short of pages: one by one, oldest first
+        for req in reqs:
             if req.table_row < 0:  # retracted while making room for an older request
                 continue
-            while not self.cache.reserve(req, req.device_len):
+            while not self.cache.reserve([req], [req.device_len]):
                 if inflight:
                     raise NeedDrain
                 self._retract_newest()

@@ -116,12 +116,11 @@ class Scheduler:
             if req.num_retractions == 0 and req.num_sampled == 0:
                 req.num_cached_prompt_tokens = req.cached_len
                 self.counters.first_admission(req)
-        items += plan.items
-        if not items:
+        if not items and not plan.items:
             return None
-        self.counters.step(items)
-        batch = build_batch(items)
-        for req, num_tokens in items:
+        self.counters.step(len(items), plan.items)
+        batch = build_batch(items + plan.items)
+        for req, num_tokens in plan.items:
             if num_tokens > 1:  # a prefill chunk: share its prefix right away
                 self.cache.cache_prefix(req)
         return batch
@@ -136,21 +135,23 @@ class Scheduler:
                 if not req.finished:
                     self.outputs.end(req, FinishReason.LENGTH)
                     self._release(req)
+            num_tokens = 0
             for req, token_id, logprob in zip(
                 launched.sampled, result.token_ids, result.logprobs, strict=True
             ):
-                if req.finished:
+                if req.finish_reason is not None:
                     continue  # the one extra token after a finish under overlap: dropped
                 req.output_ids.append(token_id)
                 if req.grammar is not None:
                     req.grammar.accept(req.output_ids)
                 if logprob is not None:
                     req.output_logprobs.append(logprob)
-                self.counters.generation_tokens_total += 1
+                num_tokens += 1
                 reason = self._finish_reason(req, token_id)
                 self.outputs.token(req, token_id, logprob, reason)
                 if reason is not None:
                     self._release(req)
+            self.counters.generation_tokens_total += num_tokens
             for req in launched.release_after:
                 self.cache.release(req)
 

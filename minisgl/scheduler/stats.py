@@ -88,13 +88,16 @@ class SchedulerCounters:
         if req.arrival_time > 0:  # set by the server; offline requests have none
             self.queue_time_s.observe(time.monotonic() - req.arrival_time)
 
-    def step(self, items: list[tuple[Req, int]]) -> None:
-        """A step's (request, tokens to compute) items, before they advance the requests."""
-        self.batch_size.observe(len(items))
-        self.batch_tokens.observe(sum(num_tokens for _, num_tokens in items))
-        # the prompt tokens among them (cache hits never get here)
+    def step(self, num_decodes: int, chunks: list[tuple[Req, int]]) -> None:
+        """A step's batch: decodes (a token each) and prefill (request, tokens to compute)
+        chunks, before they advance the requests."""
+        chunk_tokens = sum(num_tokens for _, num_tokens in chunks)
+        self.batch_size.observe(num_decodes + len(chunks))
+        self.batch_tokens.observe(num_decodes + chunk_tokens)
+        # the prompt tokens among them (cache hits never get here; a retracted request's chunk
+        # may recompute output tokens too)
         self.prefill_tokens_total += sum(
-            max(0, min(r.prompt_len - r.cached_len, n)) for r, n in items
+            max(0, min(r.prompt_len - r.cached_len, n)) for r, n in chunks
         )
 
     def snapshot(self) -> dict[str, Any]:
