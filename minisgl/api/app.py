@@ -50,7 +50,6 @@ SCHEDULER_PING_INTERVAL_S = 1.0
 GRACEFUL_SHUTDOWN_S = 2
 DRAIN_POLL_S = 0.05
 KEEP_ALIVE_S = 30
-STARTUP_POLL_S = 0.05
 
 
 async def _wait_for_scheduler(engine: EngineClient) -> StatsReply:
@@ -133,7 +132,7 @@ def create_app(
 
     for kind in ANSWERED_ERRORS:
         app.add_exception_handler(kind, on_error)
-    # Any other exception: RequestGuard (minisgl.api.middleware) logs it once and answers 500.
+    # Any other exception: the Gate (minisgl.api.middleware) logs it once and answers 500.
 
     # The dialects' routes join the app's own (include_router would nest them behind one
     # route, which the middleware's per-route counter could not see through).
@@ -162,14 +161,22 @@ class _Server(uvicorn.Server):
     BACKEND_FAILED_SIGNAL (the launcher saw the scheduler or detokenizer die) ends open
     requests at once with a 503 error (non-streaming) or an error event (streaming)."""
 
-    def __init__(self, config: uvicorn.Config, app: FastAPI, drain_s: float) -> None:
+    def __init__(
+        self, config: uvicorn.Config, app: FastAPI, drain_s: float, report_ready: Callable[[], None]
+    ) -> None:
         super().__init__(config)
         self._app = app
         self._drain_s = drain_s
+        self._report_ready = report_ready
         self.loop: asyncio.AbstractEventLoop | None = None  # set once serving
         self._hurry = False
         self._error: str | None = None  # set: the backend stopped, open requests fail with it
         self._task: asyncio.Task | None = None
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)  # the process exits if the app's startup failed
+        self.loop = asyncio.get_running_loop()
+        self._report_ready()
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
@@ -249,18 +256,5 @@ def run_api_server(
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
         timeout_keep_alive=KEEP_ALIVE_S,
     )
-    server = _Server(config, app, args.shutdown_timeout_s)
-    listen_socket = bind(args.host, args.port)
-
-    async def main() -> None:
-        serve_task = asyncio.create_task(server.serve(sockets=[listen_socket]))
-        while not server.started and not serve_task.done():
-            await asyncio.sleep(STARTUP_POLL_S)
-        if server.started:
-            server.loop = asyncio.get_running_loop()
-            report_ready()
-        await serve_task
-        if not server.started:
-            raise RuntimeError(f"API server failed to start on {args.host}:{args.port}")
-
-    asyncio.run(main())
+    server = _Server(config, app, args.shutdown_timeout_s, report_ready)
+    asyncio.run(server.serve(sockets=[bind(args.host, args.port)]))

@@ -1,11 +1,10 @@
 """Pure ASGI middleware (not BaseHTTPMiddleware, so streaming and disconnects pass through
-untouched). Outermost first, as `install_middleware` stacks them:
+untouched), one `Gate` in front of the app:
 
-    RequestGuard   any exception escaping a handler -> one log line, an OpenAI-shaped 500;
-                   every answer's status, by route, to the server's counter
-    Gate           shutting down -> 503 for new requests; --api-key on every path but the
-                   probes -> 401; bodies over --max-request-body-bytes -> 413, before anything
-                   parses them; counts the open requests
+    shutting down -> 503 for new requests; --api-key on every path but the probes -> 401;
+    bodies over --max-request-body-bytes -> 413, before anything parses them; counts the open
+    requests; any exception escaping a handler -> one log line, an OpenAI-shaped 500; every
+    answer's status, by route, to the server's counter
 """
 
 from __future__ import annotations
@@ -82,16 +81,39 @@ def route_template(scope: Scope) -> str:
     return str(getattr(route, "path", None) or UNMATCHED_ROUTE)
 
 
-class RequestGuard:
-    """The last line of defence: whatever a handler raises, the client gets a 500 in OpenAI's
-    shape carrying a request id, the log gets the traceback once under that id, and the
-    exception goes no further (Starlette's own error middleware would log it a second time
-    and uvicorn would drop the connection). Being outermost, it also reports every answer's
-    status to `observe` (the server's per-route counter)."""
+class Gate:
+    """Every HTTP request passes here before the app sees it, in order: a server shutting down
+    answers 503 (but /metrics); every path but the probes needs `Authorization: Bearer KEY` or
+    `x-api-key: KEY` (Anthropic's SDK header) when --api-key is set (the docs pages and the
+    OpenAPI schema too, as in SGLang); a body over the limit is 413 (a declared Content-Length
+    over it without reading it). The body is read here and replayed; later receives (the
+    disconnect) pass through. Requests in progress, probes excluded, are counted.
 
-    def __init__(self, app: ASGIApp, observe: ResponseObserver | None = None) -> None:
+    It is also the last line of defence: whatever a handler raises, the client gets a 500 in
+    OpenAI's shape carrying a request id, the log gets the traceback once under that id, and
+    the exception goes no further (Starlette's own error middleware would log it a second time
+    and uvicorn would drop the connection). Every answer's status, refusals included, goes to
+    `observe` (the server's per-route counter)."""
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        lifecycle: Lifecycle,
+        api_key: str | None,
+        max_body_bytes: int,
+        observe: ResponseObserver | None = None,
+    ) -> None:
         self.app = app
+        self.lifecycle = lifecycle
+        self._keys = None if not api_key else (f"Bearer {api_key}".encode(), api_key.encode())
+        self.max_body_bytes = max_body_bytes
         self._observe = observe
+
+    def _allowed(self, headers: dict[bytes, bytes]) -> bool:
+        if self._keys is None:
+            return True
+        bearer = hmac.compare_digest(headers.get(b"authorization", b""), self._keys[0])
+        return hmac.compare_digest(headers.get(b"x-api-key", b""), self._keys[1]) or bearer
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -106,7 +128,7 @@ class RequestGuard:
             await send(message)
 
         try:
-            await self.app(scope, receive, tracking_send)
+            await self._admit(scope, receive, tracking_send)
         except Exception:
             request_id = new_id("req")
             logger.exception(
@@ -123,36 +145,13 @@ class RequestGuard:
             if self._observe is not None and status:
                 self._observe(route_template(scope), str(scope.get("method", "")), status)
 
-
-class Gate:
-    """What every request passes before the app sees it, in order: a server shutting down
-    answers 503 (but /metrics); every path but the probes needs `Authorization: Bearer KEY` or
-    `x-api-key: KEY` (Anthropic's SDK header) when --api-key is set (the docs pages and the
-    OpenAPI schema too, as in SGLang); a body over the limit is 413 (a declared Content-Length
-    over it without reading it). The body is read here and replayed; later receives (the
-    disconnect) pass through. Requests in progress, probes excluded, are counted."""
-
-    def __init__(
-        self, app: ASGIApp, lifecycle: Lifecycle, api_key: str | None, max_body_bytes: int
-    ) -> None:
-        self.app = app
-        self.lifecycle = lifecycle
-        self._keys = None if not api_key else (f"Bearer {api_key}".encode(), api_key.encode())
-        self.max_body_bytes = max_body_bytes
-
-    def _allowed(self, headers: dict[bytes, bytes]) -> bool:
-        if self._keys is None:
-            return True
-        bearer = hmac.compare_digest(headers.get(b"authorization", b""), self._keys[0])
-        return hmac.compare_digest(headers.get(b"x-api-key", b""), self._keys[1]) or bearer
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+    async def _admit(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope.get("path", "")
-        if scope["type"] == "http" and self.lifecycle.draining and path != METRICS_PATH:
+        if self.lifecycle.draining and path != METRICS_PATH:
             message = "The server is shutting down."
             await _refuse(scope, send, message, "server_error", HTTP_SERVICE_UNAVAILABLE)
             return
-        if scope["type"] != "http" or path in PROBE_PATHS:
+        if path in PROBE_PATHS:
             await self.app(scope, receive, send)
             return
         self.lifecycle.num_open_requests += 1
@@ -201,6 +200,6 @@ def install_middleware(
     max_body_bytes: int,
     observe: ResponseObserver | None = None,
 ) -> None:
-    # add_middleware puts each new one outside the previous: add them innermost first.
-    app.add_middleware(Gate, lifecycle=lifecycle, api_key=api_key, max_body_bytes=max_body_bytes)
-    app.add_middleware(RequestGuard, observe=observe)
+    app.add_middleware(
+        Gate, lifecycle=lifecycle, api_key=api_key, max_body_bytes=max_body_bytes, observe=observe
+    )
