@@ -33,6 +33,11 @@ def new_id(prefix: str, sep: str = "-") -> str:
     return f"{prefix}{sep}{uuid.uuid4().hex}"
 
 
+def function_call(call_id: str, name: str, arguments: str) -> dict[str, Any]:
+    """A tool call as chat messages carry it (`tool_calls` entries)."""
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
 def find_invalid_text(data: Any) -> str | None:
     """The top-level field of a JSON value holding a string that is not valid Unicode (a lone
     surrogate such as "\\ud800", which JSON escapes allow): such text cannot be encoded for

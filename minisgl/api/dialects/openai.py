@@ -161,17 +161,11 @@ def _delta_dict(delta: ChatDelta) -> dict[str, Any]:
         # of its arguments can arrive in one step; clients reading tool_calls[0] see both.
         calls: dict[int, dict[str, Any]] = {}
         for call in delta.tool_calls:
+            function = {"arguments": call.arguments}
             if call.name is not None:  # a call's first delta: who is called
-                calls[call.index] = {
-                    "index": call.index,
-                    "id": new_call_id(),
-                    "type": "function",
-                    "function": {"name": call.name, "arguments": call.arguments},
-                }
-            elif call.index in calls:
-                calls[call.index]["function"]["arguments"] += call.arguments
-            else:
-                calls[call.index] = {"index": call.index, "function": {"arguments": call.arguments}}
+                function = {"name": call.name, **function}
+                calls[call.index] = {"index": call.index, "id": new_call_id(), "type": "function"}
+            accumulate(calls.setdefault(call.index, {"index": call.index}), {"function": function})
         out["tool_calls"] = [calls[i] for i in sorted(calls)]
     return out
 

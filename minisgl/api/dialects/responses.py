@@ -284,33 +284,29 @@ def _last_response(events: list[dict[str, Any]]) -> dict[str, Any]:
 router = APIRouter()
 
 
-def _store(request: Request) -> ResponseStore:
-    return request.app.state.responses
-
-
 @router.post("/v1/responses")
 async def create_response(body: ResponsesRequest, request: Request) -> Response:
-    history: list[dict[str, Any]] = []
+    store: ResponseStore = request.app.state.responses
+    history = []
     if body.previous_response_id is not None:
-        history = stored(
-            _store(request), body.previous_response_id, "previous_response_id"
-        ).conversation
+        history = stored(store, body.previous_response_id, "previous_response_id").conversation
     api, conversation = body.to_api(history)
     run = await Run(request.app.state.ctx, api, new_id("resp", "_")).start(request)
     turn = Turn(body, run, conversation)
-    events = turn.wire_events(_store(request))
+    events = turn.wire_events(store)
     return await respond(run, events, body.stream, _last_response, turn.error_frames, done=False)
 
 
 @router.get("/v1/responses/{response_id}")
 async def retrieve_response(response_id: str, request: Request) -> dict[str, Any]:
-    return stored(_store(request), response_id).response
+    return stored(request.app.state.responses, response_id).response
 
 
 @router.delete("/v1/responses/{response_id}")
 async def delete_response(response_id: str, request: Request) -> dict[str, Any]:
-    stored(_store(request), response_id)  # a 404 if there is none
-    _store(request).delete(response_id)
+    store: ResponseStore = request.app.state.responses
+    stored(store, response_id)  # a 404 if there is none
+    store.delete(response_id)
     return {"id": response_id, "object": "response", "deleted": True}
 
 
@@ -348,4 +344,4 @@ async def get_input_items(
     order: str = "desc",
     after: str | None = None,
 ) -> dict[str, Any]:
-    return list_input_items(_store(request), response_id, limit, order, after)
+    return list_input_items(request.app.state.responses, response_id, limit, order, after)

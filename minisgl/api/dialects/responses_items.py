@@ -18,18 +18,28 @@ from collections.abc import Mapping
 from typing import Any
 
 from minisgl.api.dialects.openai import new_call_id
-from minisgl.api.request import new_id
+from minisgl.api.request import function_call, new_id
 from minisgl.chat import CALL, REASONING
 from minisgl.chat.tool_parsers import ToolCallDelta
 from minisgl.core import InvalidRequestError
 
 TEXT_PART_TYPES = frozenset({"input_text", "output_text", "text", "summary_text", "reasoning_text"})
+# A function_call item's fields, in function_call's order.
+FUNCTION_CALL_KEYS = ("call_id", "name", "arguments")
+# A message item's roles -> chat roles.
+MESSAGE_ROLES = {
+    "user": "user",
+    "system": "system",
+    "developer": "system",
+    "assistant": "assistant",
+}
 ITEM_ID_PREFIXES = {
     "message": "msg",
     "function_call": "fc",
     "function_call_output": "fco",
     "reasoning": "rs",
 }
+ITEM_KINDS = tuple(ITEM_ID_PREFIXES)
 
 
 def _fail(where: str, message: str, param: str = "input") -> InvalidRequestError:
@@ -75,50 +85,32 @@ def input_messages(value: str | list[Any]) -> list[dict[str, Any]]:
         if not isinstance(item, Mapping):
             raise _fail(where, "must be an object")
         kind = item.get("type", "message")
+        message: dict[str, Any] | None = None
         if kind == "message":
             role = item.get("role")
-            if role not in ("user", "system", "developer", "assistant"):
+            if role not in MESSAGE_ROLES:
                 raise _fail(where, "role must be user, system, developer or assistant")
-            message = {
-                "role": "system" if role == "developer" else role,
-                "content": content_text(item.get("content"), where),
-            }
-            if role == "assistant" and reasoning is not None:
-                message["reasoning_content"], reasoning = reasoning, None
-            messages.append(message)
+            content = content_text(item.get("content"), where)
+            message = {"role": MESSAGE_ROLES[role], "content": content}
         elif kind == "function_call":
-            arguments = _text_field(item, "arguments", where)
-            call = {
-                "id": _text_field(item, "call_id", where),
-                "type": "function",
-                "function": {"name": _text_field(item, "name", where), "arguments": arguments},
-            }
+            call = function_call(*(_text_field(item, key, where) for key in FUNCTION_CALL_KEYS))
             # Calls that follow an assistant turn (or each other) belong to that turn.
             if previous_kind in ("assistant", "function_call"):
                 messages[-1].setdefault("tool_calls", []).append(call)
             else:
                 message = {"role": "assistant", "content": "", "tool_calls": [call]}
-                if reasoning is not None:
-                    message["reasoning_content"], reasoning = reasoning, None
-                messages.append(message)
         elif kind == "function_call_output":
-            output = item.get("output")
-            messages.append(
-                {
-                    "role": "tool",
-                    "tool_call_id": _text_field(item, "call_id", where),
-                    "content": content_text(output, where),
-                }
-            )
+            call_id = _text_field(item, "call_id", where)
+            content = content_text(item.get("output"), where)
+            message = {"role": "tool", "tool_call_id": call_id, "content": content}
         elif kind == "reasoning":
-            parts = item.get("content") or item.get("summary") or []
-            reasoning = content_text(parts, where)
+            reasoning = content_text(item.get("content") or item.get("summary") or [], where)
         else:
-            raise _fail(
-                where,
-                f"item type {kind!r} is not supported "
-                "(message, function_call, function_call_output, reasoning)",
-            )
+            raise _fail(where, f"item type {kind!r} is not supported ({', '.join(ITEM_KINDS)})")
+        if message is not None:
+            if message["role"] == "assistant" and reasoning is not None:
+                message["reasoning_content"], reasoning = reasoning, None
+            messages.append(message)
         previous_kind = item.get("role") if kind == "message" else kind
     if not messages:
         raise InvalidRequestError("input", "must hold at least one message")
@@ -281,8 +273,7 @@ class OutputItems:
             elif item["type"] == "reasoning":
                 message["reasoning_content"] = item["content"][0]["text"]
             else:
-                function = {"name": item["name"], "arguments": item["arguments"]}
-                calls.append({"id": item["call_id"], "type": "function", "function": function})
+                calls.append(function_call(*(item[key] for key in FUNCTION_CALL_KEYS)))
         if calls:
             message["tool_calls"] = calls
         return message
