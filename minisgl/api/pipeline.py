@@ -226,7 +226,6 @@ class Run:
         self.params: list[list[SamplingParams]] = []
         self.choices: list[Choice] = []
         self._queue: asyncio.Queue = asyncio.Queue()
-        self._num_unfinished = 0
         self._arrival_time_s = time.perf_counter()
         self._watcher: asyncio.Task | None = None
         self._timer: asyncio.TimerHandle | None = None
@@ -263,17 +262,11 @@ class Run:
         check_capacity(self.ctx, len(self.choices))  # it may have filled while we tokenized
         assert self.prepared is not None
         try:
+            grammar_json = self.prepared.grammar_json
             for choice in self.choices:
-                params = self.params[choice.prompt_index][choice.index % self.req.n]
-                self.ctx.engine.submit(
-                    choice.rid,
-                    choice.index,
-                    self.prompts[choice.prompt_index],
-                    params,
-                    self._queue,
-                    self.prepared.grammar_json,
-                )
-                self._num_unfinished += 1
+                p, j = divmod(choice.index, self.req.n)  # prompt p's choice j
+                sequence = (self.prompts[p], self.params[p][j], self._queue, grammar_json)
+                self.ctx.engine.submit(choice.rid, choice.index, *sequence)
         except BaseException:
             self.close()
             raise
@@ -286,8 +279,8 @@ class Run:
                 "and was aborted.",
                 err_type="timeout_error",
             )
-            loop = asyncio.get_running_loop()
-            self._timer = loop.call_later(timeout_s, self._queue.put_nowait, timed_out)
+            put = self._queue.put_nowait
+            self._timer = asyncio.get_running_loop().call_later(timeout_s, put, timed_out)
 
     async def _watch_disconnect(self, http_request: Request) -> None:
         # The body is already read, so the next ASGI message is the disconnect (or the end).
@@ -300,7 +293,7 @@ class Run:
     async def events(self) -> AsyncIterator[Event]:
         """Every output as it arrives, its choice updated; raises ChoiceFailed at the first
         choice that fails, ClientDisconnected, or the RequestError that ended the run."""
-        while self._num_unfinished > 0:
+        while not all(choice.finished for choice in self.choices):
             item = await self._queue.get()
             if item is DISCONNECTED:
                 raise ClientDisconnected()
@@ -336,7 +329,6 @@ class Run:
             choice.finish_reason = output.finish_reason
             choice.matched_stop = output.matched_stop
             choice.error = output.error
-            self._num_unfinished -= 1
             metrics.e2e_request_latency_s.observe(now_s - self._arrival_time_s)
             metrics.request_finished(output.finish_reason)
 
@@ -363,7 +355,6 @@ class Run:
                 self.ctx.engine.abort(choice.rid)
                 choice.finish_reason = FinishReason.ABORT
                 self.ctx.metrics.request_finished(FinishReason.ABORT)
-        self._num_unfinished = 0
 
     def usage(self) -> tuple[int, int, int]:
         """(prompt tokens, completion tokens, cached prompt tokens); each prompt counts once."""

@@ -68,10 +68,8 @@ class DetokenizerWorker:
         for message in self._inbox.get_all(timeout_s):
             if isinstance(message, msg.DetokenizeInit):
                 self._init_request(message)
-            elif isinstance(message, msg.BatchTokenOutput):
+            else:  # a BatchTokenOutput: nothing else is sent to detokenizer_in
                 results += [r for r in map(self._process, message.outputs) if r is not None]
-            else:
-                logger.warning("detokenizer: unexpected message %s", type(message).__name__)
         if results:
             self._to_api.put(msg.BatchDetokenizedOutput(tuple(results)))
 

@@ -73,7 +73,7 @@ class EngineClient:
             except Exception:  # a dead reader would leave every request waiting forever
                 logger.exception("api server: could not handle a message from the backend")
 
-    def _dispatch(self, message: object) -> None:
+    def _dispatch(self, message: Any) -> None:
         if isinstance(message, msg.BatchDetokenizedOutput):
             self.last_output_s = asyncio.get_running_loop().time()
             for output in message.outputs:
@@ -81,14 +81,12 @@ class EngineClient:
                 route = self._routes.pop(output.rid, None) if done else self._routes.get(output.rid)
                 if route is not None:  # None: aborted by us, the client is gone
                     route[0].put_nowait(RoutedOutput(route[1], output))
-        elif isinstance(message, (msg.StatsReply, msg.FlushCacheReply)):
+        else:  # a StatsReply or FlushCacheReply: nothing else is sent to api_in
             if isinstance(message, msg.StatsReply):
                 self.last_stats = message
             waiter = self._waiters.pop(message.request_id, None)
             if waiter is not None and not waiter.done():
                 waiter.set_result(message)
-        else:
-            logger.warning("api server: unexpected message %s", type(message).__name__)
 
     def submit(
         self,

@@ -112,9 +112,7 @@ class SchedulerLoop:
             logger.info("prefix cache flushed")
             self._to_api.put(msg.FlushCacheReply(message.request_id, True))
             return None
-        if not isinstance(message, msg.TokenizedRequest):
-            logger.warning("scheduler: unexpected message %s", type(message).__name__)
-            return None
+        # Otherwise a TokenizedRequest: nothing else is sent to scheduler_in.
         rid, input_ids, params = message.rid, message.input_ids, message.sampling_params
         eos_ids = tuple(self.scheduler.eos_token_ids)
         # Ahead of any output, on the same socket: the detokenizer learns of the request first.

@@ -41,7 +41,7 @@ from typing import Any, cast
 
 from fastapi import APIRouter, Request
 from fastapi.exceptions import RequestValidationError
-from pydantic import ValidationError, model_validator
+from pydantic import Field, ValidationError, model_validator
 from starlette.responses import JSONResponse, Response
 
 from minisgl.api.dialects.openai import OpenAISampling
@@ -109,8 +109,8 @@ class GenerateRequest(WireModel):
     sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
     stream: bool = False
     return_logprob: bool = False
-    top_logprobs_num: int = 0
-    logprob_start_len: int = -1
+    top_logprobs_num: int = Field(default=0, ge=0, le=MAX_LOGPROBS)
+    logprob_start_len: int = Field(default=-1, ge=-1)  # -1: output only
     rid: str | list[str] | None = None  # one id, or one per prompt of a batch
 
     @model_validator(mode="after")
@@ -119,10 +119,6 @@ class GenerateRequest(WireModel):
             raise InvalidRequestError("text", "give exactly one of text and input_ids")
         if isinstance(self.rid, list) and len(self.rid) != len(self.prompts()):
             raise InvalidRequestError("rid", "a list of ids needs one id per prompt")
-        if not 0 <= self.top_logprobs_num <= MAX_LOGPROBS:
-            raise InvalidRequestError("top_logprobs_num", f"must be in [0, {MAX_LOGPROBS}]")
-        if self.logprob_start_len < -1:
-            raise InvalidRequestError("logprob_start_len", "must be -1 (output only) or >= 0")
         return self
 
     @property
@@ -172,8 +168,7 @@ class GenerateRequest(WireModel):
                 self.top_logprobs_num if scored else (0 if prefill_only else None)
             )
             sampling.append(fields)
-        prompt_field = "text" if self.text is not None else "input_ids"
-        wire_names = {**WIRE_NAMES, "prompt": prompt_field}
+        wire_names = {**WIRE_NAMES, "prompt": "text" if self.text is not None else "input_ids"}
         return ApiRequest(prompts, sampling, wire_names, rows[0].n, None, constraints[0])
 
 
@@ -275,12 +270,10 @@ def model_info(args: ServerArgs, model_path: str, tokenizer_path: str) -> dict[s
     config: dict[str, Any] = {}
     with contextlib.suppress(OSError, ValueError):  # the scheduler reports a broken config
         config = json.loads((Path(model_path) / CONFIG_FILE).read_text())
-    model = _reported_path(args.model, model_path)
     return {
-        "model_path": model,
-        "tokenizer_path": _reported_path(args.tokenizer, tokenizer_path)
-        if args.tokenizer
-        else model,
+        "model_path": _reported_path(args.model, model_path),
+        # Without --tokenizer, tokenizer_path is model_path: reported as the model is.
+        "tokenizer_path": _reported_path(args.tokenizer or args.model, tokenizer_path),
         "is_generation": True,
         "model_type": config.get("model_type"),
         "architectures": config.get("architectures") or [],
