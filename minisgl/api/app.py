@@ -53,11 +53,8 @@ KEEP_ALIVE_S = 30
 
 
 async def _wait_for_scheduler(engine: EngineClient) -> StatsReply:
-    loop = asyncio.get_running_loop()
-    deadline_s = loop.time() + SCHEDULER_HANDSHAKE_TIMEOUT_S
-    while loop.time() < deadline_s:
-        reply = await engine.stats(SCHEDULER_PING_INTERVAL_S)
-        if reply is not None:
+    for _ in range(int(SCHEDULER_HANDSHAKE_TIMEOUT_S / SCHEDULER_PING_INTERVAL_S)):
+        if (reply := await engine.stats(SCHEDULER_PING_INTERVAL_S)) is not None:  # else: waited
             return reply
     raise TimeoutError(f"scheduler did not answer within {SCHEDULER_HANDSHAKE_TIMEOUT_S} s")
 

@@ -21,6 +21,10 @@ from minisgl.tokenizer.detokenizer import RequestDetokenizer
 logger = logging.getLogger(__name__)
 
 IDLE_POLL_TIMEOUT_S = 0.1
+# DetokenizedOutput's fields: the scheduler's ReqOutput's as they are, the TextDelta's, and
+# num_new_tokens (every token generated, a hidden final eos included).
+PASSED_ON = ("prompt_len", "num_cached_prompt_tokens", "error", "internal_error", "prompt_logprobs")
+TEXT_FIELDS = ("text", "token_ids", "logprobs", "finish_reason", "matched_stop")
 
 
 class DetokenizerWorker:
@@ -48,19 +52,10 @@ class DetokenizerWorker:
             return None
         if delta.abort:
             self._to_scheduler.put(msg.AbortRequest(output.rid))
+        fields = {name: getattr(output, name) for name in PASSED_ON}
+        fields |= {name: getattr(delta, name) for name in TEXT_FIELDS}
         return msg.DetokenizedOutput(
-            rid=output.rid,
-            text=delta.text,
-            token_ids=delta.token_ids,
-            num_new_tokens=len(output.new_token_ids),
-            logprobs=delta.logprobs,
-            finish_reason=delta.finish_reason,
-            prompt_len=output.prompt_len,
-            num_cached_prompt_tokens=output.num_cached_prompt_tokens,
-            error=output.error,
-            internal_error=output.internal_error,
-            prompt_logprobs=output.prompt_logprobs,
-            matched_stop=delta.matched_stop,
+            rid=output.rid, num_new_tokens=len(output.new_token_ids), **fields
         )
 
     def run_once(self, timeout_s: float = IDLE_POLL_TIMEOUT_S) -> None:

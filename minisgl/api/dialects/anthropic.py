@@ -143,8 +143,7 @@ def chat_messages(messages: list[Any]) -> list[dict[str, Any]]:
             raise _fail(where, "must be an object with role user or assistant and content")
         role, content = message["role"], message.get("content")
         if isinstance(content, str):
-            out.append({"role": role, "content": content})
-            continue
+            content = [{"type": "text", "text": content}]
         if not isinstance(content, list):
             raise _fail(where, "content must be text or a list of content blocks")
         texts: list[str] = []

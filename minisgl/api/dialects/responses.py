@@ -50,6 +50,11 @@ ALIASES = {
     "input": "messages",
     "text.format": "response_format",
 }
+# The response's fields that are the request's, as it sent them.
+ECHOED_FIELDS = (
+    *("instructions", "max_output_tokens", "parallel_tool_calls", "previous_response_id"),
+    *("store", "user"),
+)
 MAX_STORED_RESPONSES = 1024
 MAX_STORED_CHARS = 64 * 1024 * 1024
 MAX_LISTED_ITEMS = 100
@@ -185,14 +190,9 @@ class Turn:
             "object": "response",
             "created_at": int(time.time()),
             "background": False,
-            "instructions": body.instructions,
-            "max_output_tokens": body.max_output_tokens,
             "metadata": body.metadata or {},
             "model": body.model or run.ctx.served_model_name,
-            "parallel_tool_calls": body.parallel_tool_calls,
-            "previous_response_id": body.previous_response_id,
             "reasoning": {"effort": body.effort, "summary": None},
-            "store": body.store,
             "temperature": params.temperature,
             "text": {"format": dict(fmt) if isinstance(fmt, Mapping) else {"type": "text"}},
             "tool_choice": body.tool_choice or "auto",
@@ -200,7 +200,7 @@ class Turn:
             "top_logprobs": body.top_logprobs or 0,
             "top_p": params.top_p,
             "truncation": "disabled",
-            "user": body.user,
+            **{name: getattr(body, name) for name in ECHOED_FIELDS},
         }
 
     @property

@@ -90,6 +90,8 @@ FLUSH_CACHE_TIMEOUT_S = 30.0
 # Each minisgl server is a single data-parallel rank; replicas are separate workers.
 DP_RANK = 0
 DP_SIZE = 1
+# /server_info's fields that are the server's flags, by the same names.
+SERVER_INFO_ARGS = ("page_size", "tp_size", "nnodes", "max_running_requests", "max_queued_requests")
 CONFIG_FILE = "config.json"
 PACKAGE_NAME = "minisgl"
 
@@ -208,14 +210,12 @@ def _item(run: Run, body: GenerateRequest, choice: Choice, start_s: float) -> di
     if body.return_logprob:
         meta["output_token_logprobs"], meta["output_top_logprobs"] = _triples(choice.logprobs)
         start = body.logprob_start_len
-        in_chosen: list[list[Any]] = []
-        in_top: list[Any] = []
+        meta["input_token_logprobs"], meta["input_top_logprobs"] = [], []
         if start >= 0:
             scored, scored_top = _triples(choice.prompt_logprobs)
-            in_chosen = [[None, prompt[0], None], *scored]  # nothing comes before it
-            in_top = [None, *scored_top]
-        meta["input_token_logprobs"] = in_chosen[max(start, 0) :]
-        meta["input_top_logprobs"] = in_top[max(start, 0) :]
+            # The first prompt token has no logprob: nothing comes before it.
+            meta["input_token_logprobs"] = [[None, prompt[0], None], *scored][start:]
+            meta["input_top_logprobs"] = [None, *scored_top][start:]
     item: dict[str, Any] = {"text": choice.text, "output_ids": list(choice.token_ids)}
     item["meta_info"] = meta
     if body.is_batch or run.req.n > 1:
@@ -328,13 +328,9 @@ def _server_info(request: Request) -> dict[str, Any]:
         # The KV pool, in tokens; a request's prompt can be at most max_req_input_len.
         "max_total_num_tokens": ctx.limits.kv_capacity_tokens,
         "max_req_input_len": ctx.limits.max_seq_len - 1,
-        "page_size": args.page_size,
         "disable_radix_cache": args.cache_type != "radix",
-        "tp_size": args.tp_size,
         "dp_size": DP_SIZE,
-        "nnodes": args.nnodes,
-        "max_running_requests": args.max_running_requests,
-        "max_queued_requests": args.max_queued_requests,
+        **{name: getattr(args, name) for name in SERVER_INFO_ARGS},
         "version": _version(),
     }
 
