@@ -81,15 +81,13 @@ def create_app(
         engine.start()
         info = await _wait_for_scheduler(engine)
         app.state.ctx = ServingContext(
+            args=args,
             tokenizer=tokenizer,
             engine=engine,
             metrics=ServerMetrics(lambda: engine.last_stats),
             served_model_name=served_model_name(args),
             accepted_model_names=accepted_model_names(args),
             limits=ModelLimits(info.max_model_len, info.vocab_size, info.kv_capacity_tokens),
-            max_sequences_per_request=args.max_sequences_per_request,
-            max_in_flight_sequences=args.max_running_requests + args.max_queued_requests,
-            request_timeout_s=args.request_timeout_s,
             chat=ChatSettings.resolve(
                 tokenizer,
                 args.chat_template,
@@ -108,7 +106,6 @@ def create_app(
 
     app = FastAPI(title="minisgl", lifespan=lifespan)
     app.state.lifecycle = Lifecycle()
-    app.state.args = args
     app.state.model_info = sglang.model_info(args, str(model_path), str(tokenizer_path))
     app.state.responses = responses.ResponseStore()
 

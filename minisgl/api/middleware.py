@@ -13,7 +13,6 @@ import hmac
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 from starlette.applications import Starlette
 from starlette.responses import JSONResponse
@@ -44,18 +43,17 @@ class Lifecycle:
     num_open_requests: int = 0  # requests in progress, probes excluded
 
 
-async def _send_json(
-    scope: Scope, send: Send, status: int, body: dict[str, Any], headers: dict[str, str]
+async def _send_error(
+    scope: Scope, send: Send, status: int, message: str, kind: str, headers: dict[str, str]
 ) -> None:
-    body = shape_error(scope.get("path", ""), body, status)
-    response = JSONResponse(body, status_code=status, headers=headers)
-    await response(scope, _no_receive, send)
+    body = shape_error(scope.get("path", ""), error_dict(message, kind, code=status), status)
+    await JSONResponse(body, status_code=status, headers=headers)(scope, _no_receive, send)
 
 
 async def _refuse(scope: Scope, send: Send, message: str, kind: str, status: int) -> None:
     # A refused body may still be arriving: the connection closes (but after a 401).
     headers = {} if status == HTTP_UNAUTHORIZED else {"Connection": "close"}
-    await _send_json(scope, send, status, error_dict(message, kind, code=status), headers)
+    await _send_error(scope, send, status, message, kind, headers)
 
 
 async def _no_receive() -> Message:
@@ -136,10 +134,8 @@ class Gate:
             )
             if not status:
                 message = f"internal error (request id {request_id})"
-                body = error_dict(message, "server_error", code=HTTP_SERVER_ERROR)
-                await _send_json(
-                    scope, send, HTTP_SERVER_ERROR, body, {REQUEST_ID_HEADER: request_id}
-                )
+                headers = {REQUEST_ID_HEADER: request_id}
+                await _send_error(scope, send, HTTP_SERVER_ERROR, message, "server_error", headers)
                 status = HTTP_SERVER_ERROR
         finally:
             if self._observe is not None and status:

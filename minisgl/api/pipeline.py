@@ -41,6 +41,7 @@ from minisgl.chat import (
     prepare_chat,
 )
 from minisgl.chat.requests import constraint_from_fields
+from minisgl.config import ServerArgs
 from minisgl.core import Constraint, FinishReason, InvalidRequestError, SamplingParams, TokenLogprob
 from minisgl.grammar import GrammarCompiler
 from minisgl.limits import ModelLimits
@@ -61,15 +62,13 @@ _T = TypeVar("_T")
 class ServingContext:
     """Everything a handler needs, built once when the API server starts."""
 
+    args: ServerArgs  # the bounds on requests: sequences, queue, timeout
     tokenizer: PreTrainedTokenizerBase
     engine: EngineClient
     metrics: ServerMetrics
     served_model_name: str
     accepted_model_names: frozenset[str]
     limits: ModelLimits
-    max_sequences_per_request: int
-    max_in_flight_sequences: int  # running plus queued; more: 503
-    request_timeout_s: float | None
     # Tokenizing a long prompt takes milliseconds: done on this one thread, not on the event loop,
     # so streams of other requests keep flowing. One thread: encodes never run concurrently.
     tokenizer_thread: ThreadPoolExecutor = field(
@@ -158,20 +157,21 @@ async def prepare(ctx: ServingContext, req: ApiRequest) -> Prepared:
 def admit(ctx: ServingContext, req: ApiRequest) -> None:
     """Before any work: the model, and the sequences one request starts (prompts x n)."""
     ctx.check_model(req.model)
-    num_sequences = req.num_prompts * req.n
-    if num_sequences > ctx.max_sequences_per_request:
+    num_sequences, most = req.num_prompts * req.n, ctx.args.max_sequences_per_request
+    if num_sequences > most:
         raise RequestError(
             HTTP_BAD_REQUEST,
             f"this request asks for {num_sequences} sequences ({req.num_prompts} prompts x "
-            f"n={req.n}); the server allows at most {ctx.max_sequences_per_request}",
-            param="n" if req.n > ctx.max_sequences_per_request else req.prompt_param,
+            f"n={req.n}); the server allows at most {most}",
+            param="n" if req.n > most else req.prompt_param,
         )
     check_capacity(ctx, num_sequences)
 
 
 def check_capacity(ctx: ServingContext, num_sequences: int) -> None:
     """503 when the queue of waiting sequences would overflow (--max-queued-requests)."""
-    if ctx.engine.num_active_requests + num_sequences > ctx.max_in_flight_sequences:
+    in_flight_bound = ctx.args.max_running_requests + ctx.args.max_queued_requests
+    if ctx.engine.num_active_requests + num_sequences > in_flight_bound:
         raise RequestError(
             HTTP_SERVICE_UNAVAILABLE,
             "The server is overloaded: its request queue is full. Please retry later.",
@@ -271,7 +271,7 @@ class Run:
             self.close()
             raise
         self._watcher = asyncio.create_task(self._watch_disconnect(http_request))
-        timeout_s = self.ctx.request_timeout_s
+        timeout_s = self.ctx.args.request_timeout_s
         if timeout_s is not None:
             timed_out = RequestError(
                 HTTP_GATEWAY_TIMEOUT,

@@ -318,7 +318,8 @@ async def _engine_answers(ctx: ServingContext, timeout_s: float) -> bool:
 
 
 def _server_info(request: Request) -> dict[str, Any]:
-    ctx, args, info = request.app.state.ctx, request.app.state.args, request.app.state.model_info
+    ctx, info = request.app.state.ctx, request.app.state.model_info
+    args = ctx.args
     return {
         "model_path": info["model_path"],
         "tokenizer_path": info["tokenizer_path"],
@@ -357,7 +358,7 @@ async def get_load(request: Request) -> Response:
         # KV tokens held by running requests (cached prefixes nobody uses are free to evict and
         # do not count); prompts still waiting are not counted.
         "num_tokens": (stats.stats.num_total_pages - stats.stats.num_free_pages)
-        * request.app.state.args.page_size,
+        * request.app.state.ctx.args.page_size,
     }
     return JSONResponse([load])
 
