@@ -31,14 +31,6 @@ ITL_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2
 E2E_BUCKETS_S = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
 # The SchedulerStats fields /metrics exports (those with a Metric), in declaration order.
 EXPORTED_FIELDS = tuple(f for f in dataclasses.fields(SchedulerStats) if METRIC in f.metadata)
-# Exported only when the scheduler runs on CUDA (dashboards show "no data" on CPU): the gauges
-# that are None until the scheduler process fills them in.
-GPU_METRIC_NAMES = frozenset(
-    PREFIX + name
-    for f in EXPORTED_FIELDS
-    if f.default is None
-    for name, _ in f.metadata[METRIC].names
-)
 
 
 def _family(metric: Metric, name: str, doc: str, value: Any) -> MetricFamily:

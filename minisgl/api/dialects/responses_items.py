@@ -117,39 +117,34 @@ def input_messages(value: str | list[Any]) -> list[dict[str, Any]]:
     return messages
 
 
-def _text_parts(content: Any, role: str) -> list[dict[str, Any]]:
-    """A message's content as OpenAI's typed parts: input_text, or output_text for the
-    assistant (which carries annotations); refusals as they are."""
-    parts = [{"type": "text", "text": content}] if isinstance(content, str) else content
-    typed = []
-    for part in parts:
-        if part.get("type") == "refusal":
-            typed.append(dict(part))
-        elif role == "assistant":
-            typed.append({"type": "output_text", "text": part["text"], "annotations": []})
-        else:
-            typed.append({"type": "input_text", "text": part["text"]})
-    return typed
+def _text_part(part: Mapping[str, Any], role: str) -> dict[str, Any]:
+    """A text part as OpenAI types it: input_text, or output_text for the assistant (which
+    carries annotations); a refusal as it is."""
+    if part.get("type") == "refusal":
+        return dict(part)
+    if role == "assistant":
+        return {"type": "output_text", "text": part["text"], "annotations": []}
+    return {"type": "input_text", "text": part["text"]}
 
 
 def input_items(value: str | list[Any]) -> list[dict[str, Any]]:
     """`input` (already checked by `input_messages`) as the items GET
     /v1/responses/{id}/input_items lists: OpenAI's shapes, each with an id."""
-    given = [{"role": "user", "content": value}] if isinstance(value, str) else value
+    given: list[Any] = [{"role": "user", "content": value}] if isinstance(value, str) else value
     items = []
     for item in given:
         kind = item.get("type", "message")
         entry = {"id": item.get("id") or new_id(ITEM_ID_PREFIXES[kind], "_")}
         if kind == "message":
-            role = item["role"]
-            content = _text_parts(item.get("content"), role)
+            role, parts = item["role"], item["content"]
+            if isinstance(parts, str):
+                parts = [{"type": "text", "text": parts}]
+            content = [_text_part(part, role) for part in parts]
             entry |= {"type": "message", "role": role, "content": content, "status": "completed"}
-        else:
+        else:  # as sent, with what OpenAI fills in
             entry |= {k: v for k, v in item.items() if k != "id"}
-            if kind != "reasoning":
-                entry.setdefault("status", "completed")
-            else:
-                entry.setdefault("summary", [])
+            key, default = ("summary", []) if kind == "reasoning" else ("status", "completed")
+            entry.setdefault(key, default)
         items.append(entry)
     return items
 
@@ -205,10 +200,7 @@ class OutputItems:
 
     def _at(self, part: bool = True) -> dict[str, Any]:
         """Where an event about the open item (and its one content part) points."""
-        where: dict[str, Any] = {
-            "item_id": self.items[-1]["id"],
-            "output_index": len(self.items) - 1,
-        }
+        where = {"item_id": self.items[-1]["id"], "output_index": len(self.items) - 1}
         return {**where, "content_index": 0} if part else where
 
     def open(self, kind: str, call: ToolCallDelta | None) -> None:
