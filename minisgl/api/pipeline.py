@@ -79,8 +79,6 @@ class ServingContext:
     # For the sampling fields a request leaves unset (--sampling-defaults model): the checkpoint's
     # generation_config.json values; empty means the OpenAI API's defaults.
     sampling_defaults: dict[str, float | int] = field(default_factory=dict)
-    # Made at the first constrained request (reading the vocabulary takes ~0.5-1.5 s).
-    _grammar: GrammarCompiler | None = field(default=None, init=False)
 
     async def on_tokenizer_thread(self, fn: Callable[..., _T], *args: Any) -> _T:
         return await asyncio.get_running_loop().run_in_executor(self.tokenizer_thread, fn, *args)
@@ -89,14 +87,15 @@ class ServingContext:
         """Compile (cached) and serialize a constraint for the scheduler, on the tokenizer
         thread, so the scheduler never compiles on its loop. Raises InvalidRequestError naming
         `param` for a bad or unsupported one."""
-        if self._grammar is None:
-            self._grammar = GrammarCompiler(
-                self.tokenizer, self.limits.vocab_size, self.eos_token_ids
-            )
         try:
             return self._grammar.serialize(constraint)
         except InvalidRequestError as exc:
             raise InvalidRequestError(param, exc.message) from None
+
+    @functools.cached_property
+    def _grammar(self) -> GrammarCompiler:
+        """Made at the first constrained request (reading the vocabulary takes ~0.5-1.5 s)."""
+        return GrammarCompiler(self.tokenizer, self.limits.vocab_size, self.eos_token_ids)
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model not in self.accepted_model_names:

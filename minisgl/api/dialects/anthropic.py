@@ -177,20 +177,19 @@ def chat_messages(messages: list[Any]) -> list[dict[str, Any]]:
     return out
 
 
+def _chat_tool(i: int, tool: Any) -> dict[str, Any]:
+    kind = tool.get("type", "custom") if isinstance(tool, Mapping) else None
+    if kind != "custom":
+        raise InvalidRequestError("tools", f"tools[{i}]: {kind!r} tools are not supported")
+    function: dict[str, Any] = {"name": tool.get("name")}
+    if "description" in tool:
+        function["description"] = tool["description"]
+    function["parameters"] = tool.get("input_schema", {"type": "object", "properties": {}})
+    return {"type": "function", "function": function}
+
+
 def chat_tools(tools: list[Any] | None) -> list[dict[str, Any]] | None:
-    if tools is None:
-        return None
-    converted = []
-    for i, tool in enumerate(tools):
-        kind = tool.get("type", "custom") if isinstance(tool, Mapping) else None
-        if kind != "custom":
-            raise InvalidRequestError("tools", f"tools[{i}]: {kind!r} tools are not supported")
-        function: dict[str, Any] = {"name": tool.get("name")}
-        if "description" in tool:
-            function["description"] = tool["description"]
-        function["parameters"] = tool.get("input_schema", {"type": "object", "properties": {}})
-        converted.append({"type": "function", "function": function})
-    return converted
+    return None if tools is None else [_chat_tool(i, tool) for i, tool in enumerate(tools)]
 
 
 # Anthropic's tool_choice types -> chat's (a named tool: below).

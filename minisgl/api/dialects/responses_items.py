@@ -149,22 +149,20 @@ def input_items(value: str | list[Any]) -> list[dict[str, Any]]:
     return items
 
 
+def _chat_tool(i: int, tool: Any) -> dict[str, Any]:
+    kind = tool.get("type") if isinstance(tool, Mapping) else None
+    if kind != "function":
+        message = f"tools[{i}]: only function tools are supported, not {kind!r}"
+        raise InvalidRequestError("tools", message)
+    function = {k: tool[k] for k in ("name", "description", "parameters") if k in tool}
+    if function.get("parameters") is None:
+        function.pop("parameters", None)  # OpenAI allows null: no parameters
+    return {"type": "function", "function": function}
+
+
 def chat_tools(tools: list[Any] | None) -> list[dict[str, Any]] | None:
     """Flat function tools -> chat's {"type": "function", "function": {...}}."""
-    if tools is None:
-        return None
-    converted = []
-    for i, tool in enumerate(tools):
-        kind = tool.get("type") if isinstance(tool, Mapping) else None
-        if kind != "function":
-            raise InvalidRequestError(
-                "tools", f"tools[{i}]: only function tools are supported, not {kind!r}"
-            )
-        function = {k: tool[k] for k in ("name", "description", "parameters") if k in tool}
-        if function.get("parameters") is None:
-            function.pop("parameters", None)  # OpenAI allows null: no parameters
-        converted.append({"type": "function", "function": function})
-    return converted
+    return None if tools is None else [_chat_tool(i, tool) for i, tool in enumerate(tools)]
 
 
 def chat_tool_choice(choice: str | dict[str, Any] | None) -> str | dict[str, Any] | None:

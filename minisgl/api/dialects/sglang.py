@@ -302,9 +302,6 @@ async def _engine_answers(ctx: ServingContext, timeout_s: float) -> bool:
     queue: asyncio.Queue = asyncio.Queue()
     try:
         ctx.engine.submit(rid, 0, list(HEALTH_PROMPT), HEALTH_PARAMS, queue)
-    except BackendUnavailable:  # shutting down, or the backend stopped
-        return False
-    try:
         while loop.time() - sent_s < timeout_s:
             with contextlib.suppress(asyncio.TimeoutError):
                 item = await asyncio.wait_for(queue.get(), HEALTH_GENERATE_POLL_S)
@@ -313,8 +310,10 @@ async def _engine_answers(ctx: ServingContext, timeout_s: float) -> bool:
             if ctx.engine.last_output_s > sent_s:
                 return True
         return False
+    except BackendUnavailable:  # shutting down, or the backend stopped
+        return False
     finally:
-        ctx.engine.abort(rid)  # a no-op once it finished
+        ctx.engine.abort(rid)  # a no-op once it finished, or if it was never sent
 
 
 def _server_info(request: Request) -> dict[str, Any]:
