@@ -239,14 +239,13 @@ def run_api_server(
 ) -> None:
     """The API server process: serve until SIGTERM (then drain) or BACKEND_FAILED_SIGNAL."""
     app = create_app(args, endpoints, tokenizer_path, model_path)
-    # uvicorn's own startup lines would repeat what the launcher logs once.
-    uvicorn_log_level = "debug" if args.log_level == "debug" else "warning"
+    debug = args.log_level == "debug"
+    # uvicorn's own startup lines would repeat what the launcher logs once. It serves the socket
+    # bound below, so it needs no host and port.
     config = uvicorn.Config(
         app,
-        host=args.host,
-        port=args.port,
-        log_level=uvicorn_log_level,
-        access_log=args.log_level == "debug",
+        log_level="debug" if debug else "warning",
+        access_log=debug,
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
         timeout_keep_alive=KEEP_ALIVE_S,
     )

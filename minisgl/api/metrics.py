@@ -11,6 +11,7 @@ equivalents), with the `minisgl:` prefix.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -72,42 +73,37 @@ class ServerMetrics:
     def __init__(self, latest_stats: Callable[[], StatsReply | None]) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_SchedulerStatsCollector(latest_stats))
-        self.aborted_requests = Counter(
-            PREFIX + "aborted_requests",
-            "Requests aborted (client disconnected or shutdown)",
-            registry=self.registry,
+        counter = functools.partial(Counter, registry=self.registry)
+        histogram = functools.partial(Histogram, registry=self.registry)
+        self.aborted_requests = counter(
+            PREFIX + "aborted_requests", "Requests aborted (client disconnected or shutdown)"
         )
-        self.request_success = Counter(
+        self.request_success = counter(
             PREFIX + "request_success",
             "Sequences finished, by finish reason (vLLM's name; abort and error included)",
             labelnames=("finished_reason",),
-            registry=self.registry,
         )
         for reason in FinishReason:  # every series exists from the start, at zero
             self.request_success.labels(reason.value)
-        self.time_to_first_token_s = Histogram(
+        self.time_to_first_token_s = histogram(
             PREFIX + "time_to_first_token_seconds",
             "Time from request arrival to its first output token",
             buckets=TTFT_BUCKETS_S,
-            registry=self.registry,
         )
-        self.inter_token_latency_s = Histogram(
+        self.inter_token_latency_s = histogram(
             PREFIX + "inter_token_latency_seconds",
             "Time between consecutive output tokens of a request",
             buckets=ITL_BUCKETS_S,
-            registry=self.registry,
         )
-        self.http_requests = Counter(
+        self.http_requests = counter(
             PREFIX + "http_requests",
             "HTTP requests answered, by route template, method and status code",
             labelnames=("handler", "method", "status"),
-            registry=self.registry,
         )
-        self.e2e_request_latency_s = Histogram(
+        self.e2e_request_latency_s = histogram(
             PREFIX + "e2e_request_latency_seconds",
             "Time from request arrival to its last token",
             buckets=E2E_BUCKETS_S,
-            registry=self.registry,
         )
 
     def request_finished(self, reason: FinishReason) -> None:

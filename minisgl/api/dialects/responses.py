@@ -20,7 +20,7 @@ import json
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -128,18 +128,16 @@ class StoredResponse:
     size_chars: int
 
 
+@dataclass
 class ResponseStore:
     """Stored responses, oldest out first. Each entry keeps its whole conversation, so a long
     chain costs its length once per turn; the size bound keeps that in check. Private to one
     server: behind a gateway a follow-up must reach the same replica."""
 
-    def __init__(
-        self, max_entries: int = MAX_STORED_RESPONSES, max_chars: int = MAX_STORED_CHARS
-    ) -> None:
-        self._entries: OrderedDict[str, StoredResponse] = OrderedDict()
-        self._max_entries = max_entries
-        self._max_chars = max_chars
-        self._chars = 0
+    max_entries: int = MAX_STORED_RESPONSES
+    max_chars: int = MAX_STORED_CHARS
+    _entries: OrderedDict[str, StoredResponse] = field(default_factory=OrderedDict, init=False)
+    _chars: int = field(default=0, init=False)
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -149,12 +147,12 @@ class ResponseStore:
     ) -> None:
         items = items or []
         size = sum(len(json.dumps(part)) for part in (response, conversation, items))
-        if size > self._max_chars:
+        if size > self.max_chars:
             return  # larger than the whole store: keeping it would evict everything else
         self.delete(response["id"])
         self._entries[response["id"]] = StoredResponse(response, conversation, items, size)
         self._chars += size
-        while len(self._entries) > self._max_entries or self._chars > self._max_chars:
+        while len(self._entries) > self.max_entries or self._chars > self.max_chars:
             _, oldest = self._entries.popitem(last=False)
             self._chars -= oldest.size_chars
 
