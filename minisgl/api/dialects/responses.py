@@ -209,13 +209,10 @@ class Turn:
         usage = None
         if status not in ("in_progress", "failed"):
             prompt, completion, cached = self._run.usage()
+            written = prompt - cached  # the radix cache keeps every prompt token it lacked
             usage = {
                 "input_tokens": prompt,
-                # The radix cache keeps every prompt token it did not already hold.
-                "input_tokens_details": {
-                    "cached_tokens": cached,
-                    "cache_write_tokens": prompt - cached,
-                },
+                "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": written},
                 "output_tokens": completion,
                 "output_tokens_details": {"reasoning_tokens": self._run.reasoning_tokens},
                 "total_tokens": prompt + completion,
