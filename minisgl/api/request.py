@@ -13,6 +13,7 @@ Responses API, `sampling_params.max_new_tokens` on SGLang's /generate.
 from __future__ import annotations
 
 import dataclasses
+import re
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -26,6 +27,9 @@ from minisgl.core import Constraint, InvalidRequestError, SamplingParams
 from minisgl.limits import ModelLimits, check_request, resolve_max_tokens
 
 SAMPLING_NAMES = frozenset(f.name for f in dataclasses.fields(SamplingParams))
+# JSON decodes a pair of surrogate escapes into one character: a surrogate left in a string
+# is a lone one, which UTF-8 cannot encode.
+LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def new_id(prefix: str, sep: str = "-") -> str:
@@ -50,11 +54,8 @@ def find_invalid_text(data: Any) -> str | None:
     while stack:
         where, value = stack.pop()
         if isinstance(value, str):
-            if not value.isascii():
-                try:
-                    value.encode("utf-8")
-                except UnicodeEncodeError:
-                    return where
+            if not value.isascii() and LONE_SURROGATE.search(value):
+                return where
         elif isinstance(value, dict):
             stack.extend((where, key) for key in value)
             stack.extend((where, item) for item in value.values())

@@ -23,7 +23,7 @@ logger = logging.getLogger(__name__)
 IDLE_POLL_TIMEOUT_S = 0.1
 # DetokenizedOutput's fields: the scheduler's ReqOutput's as they are, the TextDelta's, and
 # num_new_tokens (every token generated, a hidden final eos included).
-PASSED_ON = ("prompt_len", "num_cached_prompt_tokens", "error", "internal_error", "prompt_logprobs")
+PASSED_ON = ("num_cached_prompt_tokens", "error", "internal_error", "prompt_logprobs")
 TEXT_FIELDS = ("text", "token_ids", "logprobs", "finish_reason", "matched_stop")
 
 

@@ -85,7 +85,6 @@ class DetokenizedOutput:
     num_new_tokens: int  # new tokens generated, a hidden final eos included (for usage)
     logprobs: tuple[TokenLogprob, ...] = ()
     finish_reason: FinishReason | None = None
-    prompt_len: int = 0
     num_cached_prompt_tokens: int = 0
     error: str | None = None
     internal_error: bool = False  # ReqOutput.internal_error: a 500, not a 400
