@@ -45,7 +45,7 @@ from minisgl.config import ServerArgs
 from minisgl.core import Constraint, FinishReason, InvalidRequestError, SamplingParams, TokenLogprob
 from minisgl.grammar import GrammarCompiler
 from minisgl.limits import ModelLimits
-from minisgl.runtime.engine_client import DISCONNECTED, EngineClient, RoutedOutput
+from minisgl.runtime.engine_client import EngineClient
 from minisgl.runtime.messages import DetokenizedOutput
 
 logger = logging.getLogger(__name__)
@@ -286,7 +286,7 @@ class Run:
         while True:
             message = await http_request.receive()
             if message["type"] == "http.disconnect":
-                self._queue.put_nowait(DISCONNECTED)
+                self._queue.put_nowait(ClientDisconnected())  # the handler wakes up, aborts
                 return
 
     async def events(self) -> AsyncIterator[Event]:
@@ -294,11 +294,9 @@ class Run:
         choice that fails, ClientDisconnected, or the RequestError that ended the run."""
         while not all(choice.finished for choice in self.choices):
             item = await self._queue.get()
-            if item is DISCONNECTED:
-                raise ClientDisconnected()
-            if isinstance(item, Exception):  # timed out, or the backend stopped
+            if isinstance(item, Exception):  # the client left, timed out, the backend stopped
                 raise item
-            assert isinstance(item, RoutedOutput)
+            # Otherwise a RoutedOutput: nothing else goes on the queue.
             choice, output = self.choices[item.index], item.output
             self._update(choice, output)
             if output.finish_reason == FinishReason.ERROR:

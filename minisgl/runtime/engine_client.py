@@ -20,8 +20,6 @@ from minisgl.runtime import messages as msg
 
 logger = logging.getLogger(__name__)
 
-# Put on a group's queue when its client disconnects, so the handler wakes up and aborts.
-DISCONNECTED = object()
 SHUTTING_DOWN = "The server is shutting down."
 BACKEND_STOPPED = "The inference backend stopped unexpectedly; the request was not completed."
 
