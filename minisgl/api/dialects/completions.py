@@ -47,15 +47,14 @@ class CompletionRequest(OpenAISampling):
         prompt = self.prompt
         if not prompt:
             raise InvalidRequestError("prompt", "must not be empty")
-        if isinstance(prompt, str) or isinstance(prompt[0], int):
-            prompt = [prompt]  # type: ignore[assignment]
+        single = isinstance(prompt, str) or isinstance(prompt[0], int)
+        prompts = cast("list[str] | list[list[int]]", [prompt] if single else prompt)
         sampling, wire_names = sampling_of(self, {})
         sampling.setdefault("max_tokens", DEFAULT_COMPLETION_MAX_TOKENS)
         # echo with logprobs scores the prompt too (OpenAI: the first token's is null); echo
         # with max_tokens 0 only echoes, through the same prompt-only path.
         scored = self.echo and (self.logprobs is not None or sampling["max_tokens"] == 0)
         sampling["prompt_logprobs"] = (self.logprobs or 0) if scored else None
-        prompts = cast("list[str] | list[list[int]]", prompt)
         return ApiRequest(prompts, sampling, wire_names, self.n, self.model, self.constraint_fields)
 
 

@@ -153,8 +153,8 @@ class GenerateRequest(WireModel):
         rows = self._sampling(len(prompts))
         if any(row.n != rows[0].n for row in rows):
             raise InvalidRequestError("sampling_params.n", "must be the same for every prompt")
-        constraints = [row.constraint_fields for row in rows]
-        if any(fields != constraints[0] for fields in constraints):  # one grammar for all
+        constraint_fields = rows[0].constraint_fields
+        if any(row.constraint_fields != constraint_fields for row in rows):  # one grammar for all
             raise InvalidRequestError("sampling_params", "every prompt needs the same constraint")
         logprobs = self.top_logprobs_num if self.return_logprob else None
         scored = self.return_logprob and self.logprob_start_len >= 0
@@ -165,13 +165,11 @@ class GenerateRequest(WireModel):
             fields["logprobs"] = logprobs
             # max_new_tokens 0 without logprobs: SGLang's prefill-only request runs as one that
             # scores its prompt (the only kind that may generate nothing).
-            prefill_only = row.max_new_tokens == 0
-            fields["prompt_logprobs"] = (
-                self.top_logprobs_num if scored else (0 if prefill_only else None)
-            )
+            prefill_only = 0 if row.max_new_tokens == 0 else None
+            fields["prompt_logprobs"] = self.top_logprobs_num if scored else prefill_only
             sampling.append(fields)
         wire_names = {**WIRE_NAMES, "prompt": "text" if self.text is not None else "input_ids"}
-        return ApiRequest(prompts, sampling, wire_names, rows[0].n, None, constraints[0])
+        return ApiRequest(prompts, sampling, wire_names, rows[0].n, None, constraint_fields)
 
 
 def _finish_reason(choice: Choice, max_new_tokens: int) -> dict[str, Any] | None:
