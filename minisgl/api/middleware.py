@@ -69,13 +69,9 @@ def route_template(scope: Scope) -> str:
     """The route a request went to, as its template (`/v1/responses/{response_id}`), so that
     a metric's labels stay few; a request refused before routing (401, 413, 503) is matched
     here. UNMATCHED_ROUTE for paths no route serves."""
-    route = scope.get("route")
-    if route is None:
-        router = getattr(scope.get("app"), "router", None)
-        for candidate in getattr(router, "routes", ()):
-            if candidate.matches(scope)[0] == Match.FULL:
-                route = candidate
-                break
+    router = getattr(scope.get("app"), "router", None)
+    matching = (r for r in getattr(router, "routes", ()) if r.matches(scope)[0] == Match.FULL)
+    route = scope.get("route") or next(matching, None)
     return str(getattr(route, "path", None) or UNMATCHED_ROUTE)
 
 
@@ -175,18 +171,16 @@ class Gate:
         declared = dict(scope["headers"]).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
             return None
-        chunks: list[bytes] = []
-        size = 0
+        body = bytearray()
         while True:
             message = await receive()
             if message["type"] != "http.request":
                 return message  # the client left before sending it all: the app sees it
-            chunks.append(message.get("body", b""))
-            size += len(chunks[-1])
-            if size > self.max_body_bytes:
+            body += message.get("body", b"")
+            if len(body) > self.max_body_bytes:
                 return None
             if not message.get("more_body", False):
-                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+                return {"type": "http.request", "body": bytes(body), "more_body": False}
 
 
 def install_middleware(
