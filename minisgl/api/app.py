@@ -78,7 +78,6 @@ def create_app(
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         tokenizer = await asyncio.to_thread(load_tokenizer, tokenizer_path)
         engine = EngineClient(endpoints)
-        engine.start()
         info = await _wait_for_scheduler(engine)
         app.state.ctx = ServingContext(
             args=args,

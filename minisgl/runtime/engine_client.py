@@ -46,21 +46,18 @@ class EngineClient:
         # Control replies (stats, cache flush) by request id: one counter for both kinds.
         self._waiters: dict[int, asyncio.Future[Any]] = {}
         self._request_ids = itertools.count()
-        self._reader: asyncio.Task | None = None
         self.last_stats: msg.StatsReply | None = None
         # Event-loop time of the latest output from the backend: proof that it generates
         # (/health_generate).
         self.last_output_s = float("-inf")
         # Set when the scheduler is going away (shutdown, or it died): why new submits fail.
         self._closed_message: str | None = None
-
-    def start(self) -> None:
+        # Made on the event loop that serves the requests; reads until `close`.
         self._reader = asyncio.create_task(self._read_loop(), name="minisgl-engine-reader")
 
     async def close(self) -> None:
-        if self._reader is not None:
-            self._reader.cancel()
-            await asyncio.gather(self._reader, return_exceptions=True)
+        self._reader.cancel()
+        await asyncio.gather(self._reader, return_exceptions=True)
         for queue in (self._to_scheduler, self._to_scheduler_ctl, self._inbox):
             queue.close()
 
