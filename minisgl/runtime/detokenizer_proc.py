@@ -35,11 +35,6 @@ class DetokenizerWorker:
         self._to_scheduler = msg.MessageQueue("push", endpoints.scheduler_in)
         self._requests: dict[str, RequestDetokenizer] = {}
 
-    def _init_request(self, message: msg.DetokenizeInit) -> None:
-        self._requests[message.rid] = RequestDetokenizer(
-            self._tokenizer, message.prompt_tail_ids, message.sampling_params, message.eos_token_ids
-        )
-
     def _process(self, output: ReqOutput) -> msg.DetokenizedOutput | None:
         request = self._requests.get(output.rid)
         if request is None:
@@ -62,7 +57,8 @@ class DetokenizerWorker:
         results: list[msg.DetokenizedOutput] = []
         for message in self._inbox.get_all(timeout_s):
             if isinstance(message, msg.DetokenizeInit):
-                self._init_request(message)
+                init = (message.prompt_tail_ids, message.sampling_params, message.eos_token_ids)
+                self._requests[message.rid] = RequestDetokenizer(self._tokenizer, *init)
             else:  # a BatchTokenOutput: nothing else is sent to detokenizer_in
                 results += [r for r in map(self._process, message.outputs) if r is not None]
         if results:
