@@ -202,17 +202,16 @@ class OutputItems:
         return {**where, "content_index": 0} if part else where
 
     def open(self, kind: str, call: ToolCallDelta | None) -> None:
-        status = {"status": "in_progress"}
         item: dict[str, Any]
         if call is not None:
             item = {"id": new_id("fc", "_"), "type": "function_call", "call_id": new_call_id()}
-            item |= {"name": call.name or "", "arguments": "", **status}
+            item |= {"name": call.name or "", "arguments": "", "status": "in_progress"}
         elif kind == REASONING:
             item = {"id": new_id("rs", "_"), "type": "reasoning", "summary": [], "content": []}
-            item |= status
+            item["status"] = "in_progress"
         else:
-            item = {"id": new_id("msg", "_"), "type": "message", "role": "assistant", **status}
-            item["content"] = []
+            item = {"id": new_id("msg", "_"), "type": "message", "role": "assistant"}
+            item |= {"status": "in_progress", "content": []}
         self.items.append(item)
         self._emit("response.output_item.added", output_index=len(self.items) - 1, item=item)
         if call is None:
