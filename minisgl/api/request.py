@@ -142,9 +142,6 @@ class ApiRequest:
     def wire(self, name: str) -> str:
         return self.wire_names.get(name, name)
 
-    def sampling_for(self, prompt_index: int) -> Mapping[str, Any]:
-        return self.sampling[prompt_index] if isinstance(self.sampling, list) else self.sampling
-
     @property
     def num_prompts(self) -> int:
         return 1 if isinstance(self.prompt, ChatPrompt) else len(self.prompt)
@@ -169,7 +166,7 @@ def choice_params(
 ) -> list[SamplingParams]:
     """One SamplingParams per choice of this prompt, every rule checked (a 400 if one breaks).
     `defaults`: the model's recommended values for the sampling fields the request leaves."""
-    sampling = req.sampling_for(prompt_index)
+    sampling = req.sampling[prompt_index] if isinstance(req.sampling, list) else req.sampling
     # The model's defaults (minisgl.models.config.GENERATION_SAMPLING_KEYS), then the request's.
     fields = {**defaults, **{name: value for name, value in sampling.items() if value is not None}}
     requested = fields.get("max_tokens")
