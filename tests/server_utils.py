@@ -19,11 +19,22 @@ from typing import Any
 import httpx
 import psutil
 
+from minisgl.api.metrics import EXPORTED_FIELDS, PREFIX
+from minisgl.scheduler.stats import METRIC
+
 STARTUP_TIMEOUT_S = 180.0
 SHUTDOWN_TIMEOUT_S = 30.0
 POLL_INTERVAL_S = 0.25
 # A small KV pool and context keep startup fast and memory low on 2 cores.
 TEST_SERVER_FLAGS = ("--num-pages", "4096", "--max-model-len", "1024")
+# Exported only when the scheduler runs on CUDA (dashboards show "no data" on CPU): the gauges
+# that are None until the scheduler process fills them in.
+GPU_METRIC_NAMES = frozenset(
+    PREFIX + name
+    for f in EXPORTED_FIELDS
+    if f.default is None
+    for name, _ in f.metadata[METRIC].names
+)
 _METRIC_LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})? (\S+)$")
 
 

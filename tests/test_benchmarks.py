@@ -20,8 +20,7 @@ import httpx
 import pytest
 import yaml
 
-from minisgl.api.metrics import GPU_METRIC_NAMES
-from tests.server_utils import ServerProcess, start_server
+from tests.server_utils import GPU_METRIC_NAMES, ServerProcess, start_server
 
 ROOT = Path(__file__).resolve().parents[1]
 ONLINE = ROOT / "benchmark" / "online"

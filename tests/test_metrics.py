@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from minisgl import LLM, SamplingParams
-from minisgl.api.metrics import GPU_METRIC_NAMES, ServerMetrics
+from minisgl.api.metrics import ServerMetrics
 from minisgl.core import FinishReason
 from minisgl.engine.gpu_probe import GPU_SAMPLE_INTERVAL_S, GpuProbe, GpuSample, make_gpu_probe
 from minisgl.runtime.messages import StatsReply, decode, encode
@@ -24,7 +24,7 @@ from minisgl.scheduler.stats import (
     SchedulerStats,
     ThroughputWindow,
 )
-from tests.server_utils import parse_metrics
+from tests.server_utils import GPU_METRIC_NAMES, parse_metrics
 from tests.test_scheduler import GREEDY, NEW_TOKENS, workload
 
 GIB = 1 << 30

@@ -50,15 +50,11 @@ SCHEDULER_PING_INTERVAL_S = 1.0
 GRACEFUL_SHUTDOWN_S = 2
 DRAIN_POLL_S = 0.05
 KEEP_ALIVE_S = 30
-STARTUP_POLL_S = 0.05
 
 
 async def _wait_for_scheduler(engine: EngineClient) -> StatsReply:
-    loop = asyncio.get_running_loop()
-    deadline_s = loop.time() + SCHEDULER_HANDSHAKE_TIMEOUT_S
-    while loop.time() < deadline_s:
-        reply = await engine.stats(SCHEDULER_PING_INTERVAL_S)
-        if reply is not None:
+    for _ in range(int(SCHEDULER_HANDSHAKE_TIMEOUT_S / SCHEDULER_PING_INTERVAL_S)):
+        if (reply := await engine.stats(SCHEDULER_PING_INTERVAL_S)) is not None:  # else: waited
             return reply
     raise TimeoutError(f"scheduler did not answer within {SCHEDULER_HANDSHAKE_TIMEOUT_S} s")
 
@@ -82,18 +78,15 @@ def create_app(
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         tokenizer = await asyncio.to_thread(load_tokenizer, tokenizer_path)
         engine = EngineClient(endpoints)
-        engine.start()
         info = await _wait_for_scheduler(engine)
         app.state.ctx = ServingContext(
+            args=args,
             tokenizer=tokenizer,
             engine=engine,
             metrics=ServerMetrics(lambda: engine.last_stats),
             served_model_name=served_model_name(args),
             accepted_model_names=accepted_model_names(args),
             limits=ModelLimits(info.max_model_len, info.vocab_size, info.kv_capacity_tokens),
-            max_sequences_per_request=args.max_sequences_per_request,
-            max_in_flight_sequences=args.max_running_requests + args.max_queued_requests,
-            request_timeout_s=args.request_timeout_s,
             chat=ChatSettings.resolve(
                 tokenizer,
                 args.chat_template,
@@ -112,7 +105,6 @@ def create_app(
 
     app = FastAPI(title="minisgl", lifespan=lifespan)
     app.state.lifecycle = Lifecycle()
-    app.state.args = args
     app.state.model_info = sglang.model_info(args, str(model_path), str(tokenizer_path))
     app.state.responses = responses.ResponseStore()
 
@@ -133,7 +125,7 @@ def create_app(
 
     for kind in ANSWERED_ERRORS:
         app.add_exception_handler(kind, on_error)
-    # Any other exception: RequestGuard (minisgl.api.middleware) logs it once and answers 500.
+    # Any other exception: the Gate (minisgl.api.middleware) logs it once and answers 500.
 
     # The dialects' routes join the app's own (include_router would nest them behind one
     # route, which the middleware's per-route counter could not see through).
@@ -162,14 +154,22 @@ class _Server(uvicorn.Server):
     BACKEND_FAILED_SIGNAL (the launcher saw the scheduler or detokenizer die) ends open
     requests at once with a 503 error (non-streaming) or an error event (streaming)."""
 
-    def __init__(self, config: uvicorn.Config, app: FastAPI, drain_s: float) -> None:
+    def __init__(
+        self, config: uvicorn.Config, app: FastAPI, drain_s: float, report_ready: Callable[[], None]
+    ) -> None:
         super().__init__(config)
         self._app = app
         self._drain_s = drain_s
+        self._report_ready = report_ready
         self.loop: asyncio.AbstractEventLoop | None = None  # set once serving
         self._hurry = False
         self._error: str | None = None  # set: the backend stopped, open requests fail with it
         self._task: asyncio.Task | None = None
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)  # the process exits if the app's startup failed
+        self.loop = asyncio.get_running_loop()
+        self._report_ready()
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
@@ -238,29 +238,15 @@ def run_api_server(
 ) -> None:
     """The API server process: serve until SIGTERM (then drain) or BACKEND_FAILED_SIGNAL."""
     app = create_app(args, endpoints, tokenizer_path, model_path)
-    # uvicorn's own startup lines would repeat what the launcher logs once.
-    uvicorn_log_level = "debug" if args.log_level == "debug" else "warning"
+    debug = args.log_level == "debug"
+    # uvicorn's own startup lines would repeat what the launcher logs once. It serves the socket
+    # bound below, so it needs no host and port.
     config = uvicorn.Config(
         app,
-        host=args.host,
-        port=args.port,
-        log_level=uvicorn_log_level,
-        access_log=args.log_level == "debug",
+        log_level="debug" if debug else "warning",
+        access_log=debug,
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
         timeout_keep_alive=KEEP_ALIVE_S,
     )
-    server = _Server(config, app, args.shutdown_timeout_s)
-    listen_socket = bind(args.host, args.port)
-
-    async def main() -> None:
-        serve_task = asyncio.create_task(server.serve(sockets=[listen_socket]))
-        while not server.started and not serve_task.done():
-            await asyncio.sleep(STARTUP_POLL_S)
-        if server.started:
-            server.loop = asyncio.get_running_loop()
-            report_ready()
-        await serve_task
-        if not server.started:
-            raise RuntimeError(f"API server failed to start on {args.host}:{args.port}")
-
-    asyncio.run(main())
+    server = _Server(config, app, args.shutdown_timeout_s, report_ready)
+    asyncio.run(server.serve(sockets=[bind(args.host, args.port)]))

@@ -91,27 +91,21 @@ def _validation_error(exc: RequestValidationError) -> RequestError:
     return RequestError(HTTP_BAD_REQUEST, message, param=loc[0] if loc else None)
 
 
-ANSWERED_ERRORS = (
-    RequestError,
-    InvalidRequestError,
-    BackendUnavailable,
-    RequestValidationError,
-    HTTPException,
-)
+# Each kind of exception that has an error response, and how it becomes one. InvalidRequestError:
+# a rule a dialect's translation broke (the param is its own).
+_ANSWERS: dict[type[Exception], Callable[[Any], RequestError]] = {
+    RequestError: lambda exc: exc,
+    InvalidRequestError: lambda exc: RequestError(HTTP_BAD_REQUEST, str(exc), param=exc.param),
+    BackendUnavailable: lambda exc: RequestError(HTTP_SERVICE_UNAVAILABLE, str(exc)),
+    RequestValidationError: _validation_error,
+    HTTPException: lambda exc: RequestError(
+        exc.status_code, str(exc.detail), None, "invalid_request_error", exc.headers
+    ),
+}
+ANSWERED_ERRORS = tuple(_ANSWERS)
 
 
 def as_request_error(exc: BaseException) -> RequestError | None:
-    """The error response an exception stands for; None for a bug (a 500 whoever catches it).
-    InvalidRequestError: a rule a dialect's translation broke (the param is its own)."""
-    if isinstance(exc, RequestError):
-        return exc
-    if isinstance(exc, InvalidRequestError):
-        return RequestError(HTTP_BAD_REQUEST, str(exc), param=exc.param)
-    if isinstance(exc, BackendUnavailable):
-        return RequestError(HTTP_SERVICE_UNAVAILABLE, str(exc))
-    if isinstance(exc, RequestValidationError):
-        return _validation_error(exc)
-    if isinstance(exc, HTTPException):
-        kind = "invalid_request_error"
-        return RequestError(exc.status_code, str(exc.detail), None, kind, exc.headers)
-    return None
+    """The error response an exception stands for; None for a bug (a 500 whoever catches it)."""
+    answer = next((answer for kind, answer in _ANSWERS.items() if isinstance(exc, kind)), None)
+    return None if answer is None else answer(exc)

@@ -11,6 +11,7 @@ equivalents), with the `minisgl:` prefix.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -31,14 +32,6 @@ ITL_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2
 E2E_BUCKETS_S = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
 # The SchedulerStats fields /metrics exports (those with a Metric), in declaration order.
 EXPORTED_FIELDS = tuple(f for f in dataclasses.fields(SchedulerStats) if METRIC in f.metadata)
-# Exported only when the scheduler runs on CUDA (dashboards show "no data" on CPU): the gauges
-# that are None until the scheduler process fills them in.
-GPU_METRIC_NAMES = frozenset(
-    PREFIX + name
-    for f in EXPORTED_FIELDS
-    if f.default is None
-    for name, _ in f.metadata[METRIC].names
-)
 
 
 def _family(metric: Metric, name: str, doc: str, value: Any) -> MetricFamily:
@@ -80,42 +73,37 @@ class ServerMetrics:
     def __init__(self, latest_stats: Callable[[], StatsReply | None]) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_SchedulerStatsCollector(latest_stats))
-        self.aborted_requests = Counter(
-            PREFIX + "aborted_requests",
-            "Requests aborted (client disconnected or shutdown)",
-            registry=self.registry,
+        counter = functools.partial(Counter, registry=self.registry)
+        histogram = functools.partial(Histogram, registry=self.registry)
+        self.aborted_requests = counter(
+            PREFIX + "aborted_requests", "Requests aborted (client disconnected or shutdown)"
         )
-        self.request_success = Counter(
+        self.request_success = counter(
             PREFIX + "request_success",
             "Sequences finished, by finish reason (vLLM's name; abort and error included)",
             labelnames=("finished_reason",),
-            registry=self.registry,
         )
         for reason in FinishReason:  # every series exists from the start, at zero
             self.request_success.labels(reason.value)
-        self.time_to_first_token_s = Histogram(
+        self.time_to_first_token_s = histogram(
             PREFIX + "time_to_first_token_seconds",
             "Time from request arrival to its first output token",
             buckets=TTFT_BUCKETS_S,
-            registry=self.registry,
         )
-        self.inter_token_latency_s = Histogram(
+        self.inter_token_latency_s = histogram(
             PREFIX + "inter_token_latency_seconds",
             "Time between consecutive output tokens of a request",
             buckets=ITL_BUCKETS_S,
-            registry=self.registry,
         )
-        self.http_requests = Counter(
+        self.http_requests = counter(
             PREFIX + "http_requests",
             "HTTP requests answered, by route template, method and status code",
             labelnames=("handler", "method", "status"),
-            registry=self.registry,
         )
-        self.e2e_request_latency_s = Histogram(
+        self.e2e_request_latency_s = histogram(
             PREFIX + "e2e_request_latency_seconds",
             "Time from request arrival to its last token",
             buckets=E2E_BUCKETS_S,
-            registry=self.registry,
         )
 
     def request_finished(self, reason: FinishReason) -> None:

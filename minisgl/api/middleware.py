@@ -1,11 +1,10 @@
 """Pure ASGI middleware (not BaseHTTPMiddleware, so streaming and disconnects pass through
-untouched). Outermost first, as `install_middleware` stacks them:
+untouched), one `Gate` in front of the app:
 
-    RequestGuard   any exception escaping a handler -> one log line, an OpenAI-shaped 500;
-                   every answer's status, by route, to the server's counter
-    Gate           shutting down -> 503 for new requests; --api-key on every path but the
-                   probes -> 401; bodies over --max-request-body-bytes -> 413, before anything
-                   parses them; counts the open requests
+    shutting down -> 503 for new requests; --api-key on every path but the probes -> 401;
+    bodies over --max-request-body-bytes -> 413, before anything parses them; counts the open
+    requests; any exception escaping a handler -> one log line, an OpenAI-shaped 500; every
+    answer's status, by route, to the server's counter
 """
 
 from __future__ import annotations
@@ -14,7 +13,6 @@ import hmac
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 from starlette.applications import Starlette
 from starlette.responses import JSONResponse
@@ -45,18 +43,17 @@ class Lifecycle:
     num_open_requests: int = 0  # requests in progress, probes excluded
 
 
-async def _send_json(
-    scope: Scope, send: Send, status: int, body: dict[str, Any], headers: dict[str, str]
+async def _send_error(
+    scope: Scope, send: Send, status: int, message: str, kind: str, headers: dict[str, str]
 ) -> None:
-    body = shape_error(scope.get("path", ""), body, status)
-    response = JSONResponse(body, status_code=status, headers=headers)
-    await response(scope, _no_receive, send)
+    body = shape_error(scope.get("path", ""), error_dict(message, kind, code=status), status)
+    await JSONResponse(body, status_code=status, headers=headers)(scope, _no_receive, send)
 
 
 async def _refuse(scope: Scope, send: Send, message: str, kind: str, status: int) -> None:
     # A refused body may still be arriving: the connection closes (but after a 401).
     headers = {} if status == HTTP_UNAUTHORIZED else {"Connection": "close"}
-    await _send_json(scope, send, status, error_dict(message, kind, code=status), headers)
+    await _send_error(scope, send, status, message, kind, headers)
 
 
 async def _no_receive() -> Message:
@@ -72,26 +69,45 @@ def route_template(scope: Scope) -> str:
     """The route a request went to, as its template (`/v1/responses/{response_id}`), so that
     a metric's labels stay few; a request refused before routing (401, 413, 503) is matched
     here. UNMATCHED_ROUTE for paths no route serves."""
-    route = scope.get("route")
-    if route is None:
-        router = getattr(scope.get("app"), "router", None)
-        for candidate in getattr(router, "routes", ()):
-            if candidate.matches(scope)[0] == Match.FULL:
-                route = candidate
-                break
+    router = getattr(scope.get("app"), "router", None)
+    matching = (r for r in getattr(router, "routes", ()) if r.matches(scope)[0] == Match.FULL)
+    route = scope.get("route") or next(matching, None)
     return str(getattr(route, "path", None) or UNMATCHED_ROUTE)
 
 
-class RequestGuard:
-    """The last line of defence: whatever a handler raises, the client gets a 500 in OpenAI's
-    shape carrying a request id, the log gets the traceback once under that id, and the
-    exception goes no further (Starlette's own error middleware would log it a second time
-    and uvicorn would drop the connection). Being outermost, it also reports every answer's
-    status to `observe` (the server's per-route counter)."""
+class Gate:
+    """Every HTTP request passes here before the app sees it, in order: a server shutting down
+    answers 503 (but /metrics); every path but the probes needs `Authorization: Bearer KEY` or
+    `x-api-key: KEY` (Anthropic's SDK header) when --api-key is set (the docs pages and the
+    OpenAPI schema too, as in SGLang); a body over the limit is 413 (a declared Content-Length
+    over it without reading it). The body is read here and replayed; later receives (the
+    disconnect) pass through. Requests in progress, probes excluded, are counted.
 
-    def __init__(self, app: ASGIApp, observe: ResponseObserver | None = None) -> None:
+    It is also the last line of defence: whatever a handler raises, the client gets a 500 in
+    OpenAI's shape carrying a request id, the log gets the traceback once under that id, and
+    the exception goes no further (Starlette's own error middleware would log it a second time
+    and uvicorn would drop the connection). Every answer's status, refusals included, goes to
+    `observe` (the server's per-route counter)."""
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        lifecycle: Lifecycle,
+        api_key: str | None,
+        max_body_bytes: int,
+        observe: ResponseObserver | None = None,
+    ) -> None:
         self.app = app
+        self.lifecycle = lifecycle
+        self._keys = None if not api_key else (f"Bearer {api_key}".encode(), api_key.encode())
+        self.max_body_bytes = max_body_bytes
         self._observe = observe
+
+    def _allowed(self, headers: dict[bytes, bytes]) -> bool:
+        if self._keys is None:
+            return True
+        bearer = hmac.compare_digest(headers.get(b"authorization", b""), self._keys[0])
+        return hmac.compare_digest(headers.get(b"x-api-key", b""), self._keys[1]) or bearer
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -106,7 +122,7 @@ class RequestGuard:
             await send(message)
 
         try:
-            await self.app(scope, receive, tracking_send)
+            await self._admit(scope, receive, tracking_send)
         except Exception:
             request_id = new_id("req")
             logger.exception(
@@ -114,45 +130,20 @@ class RequestGuard:
             )
             if not status:
                 message = f"internal error (request id {request_id})"
-                body = error_dict(message, "server_error", code=HTTP_SERVER_ERROR)
-                await _send_json(
-                    scope, send, HTTP_SERVER_ERROR, body, {REQUEST_ID_HEADER: request_id}
-                )
+                headers = {REQUEST_ID_HEADER: request_id}
+                await _send_error(scope, send, HTTP_SERVER_ERROR, message, "server_error", headers)
                 status = HTTP_SERVER_ERROR
         finally:
             if self._observe is not None and status:
                 self._observe(route_template(scope), str(scope.get("method", "")), status)
 
-
-class Gate:
-    """What every request passes before the app sees it, in order: a server shutting down
-    answers 503 (but /metrics); every path but the probes needs `Authorization: Bearer KEY` or
-    `x-api-key: KEY` (Anthropic's SDK header) when --api-key is set (the docs pages and the
-    OpenAPI schema too, as in SGLang); a body over the limit is 413 (a declared Content-Length
-    over it without reading it). The body is read here and replayed; later receives (the
-    disconnect) pass through. Requests in progress, probes excluded, are counted."""
-
-    def __init__(
-        self, app: ASGIApp, lifecycle: Lifecycle, api_key: str | None, max_body_bytes: int
-    ) -> None:
-        self.app = app
-        self.lifecycle = lifecycle
-        self._keys = None if not api_key else (f"Bearer {api_key}".encode(), api_key.encode())
-        self.max_body_bytes = max_body_bytes
-
-    def _allowed(self, headers: dict[bytes, bytes]) -> bool:
-        if self._keys is None:
-            return True
-        bearer = hmac.compare_digest(headers.get(b"authorization", b""), self._keys[0])
-        return hmac.compare_digest(headers.get(b"x-api-key", b""), self._keys[1]) or bearer
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+    async def _admit(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope.get("path", "")
-        if scope["type"] == "http" and self.lifecycle.draining and path != METRICS_PATH:
+        if self.lifecycle.draining and path != METRICS_PATH:
             message = "The server is shutting down."
             await _refuse(scope, send, message, "server_error", HTTP_SERVICE_UNAVAILABLE)
             return
-        if scope["type"] != "http" or path in PROBE_PATHS:
+        if path in PROBE_PATHS:
             await self.app(scope, receive, send)
             return
         self.lifecycle.num_open_requests += 1
@@ -180,18 +171,16 @@ class Gate:
         declared = dict(scope["headers"]).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
             return None
-        chunks: list[bytes] = []
-        size = 0
+        body = bytearray()
         while True:
             message = await receive()
             if message["type"] != "http.request":
                 return message  # the client left before sending it all: the app sees it
-            chunks.append(message.get("body", b""))
-            size += len(chunks[-1])
-            if size > self.max_body_bytes:
+            body += message.get("body", b"")
+            if len(body) > self.max_body_bytes:
                 return None
             if not message.get("more_body", False):
-                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+                return {"type": "http.request", "body": bytes(body), "more_body": False}
 
 
 def install_middleware(
@@ -201,6 +190,6 @@ def install_middleware(
     max_body_bytes: int,
     observe: ResponseObserver | None = None,
 ) -> None:
-    # add_middleware puts each new one outside the previous: add them innermost first.
-    app.add_middleware(Gate, lifecycle=lifecycle, api_key=api_key, max_body_bytes=max_body_bytes)
-    app.add_middleware(RequestGuard, observe=observe)
+    app.add_middleware(
+        Gate, lifecycle=lifecycle, api_key=api_key, max_body_bytes=max_body_bytes, observe=observe
+    )

@@ -41,10 +41,11 @@ from minisgl.chat import (
     prepare_chat,
 )
 from minisgl.chat.requests import constraint_from_fields
+from minisgl.config import ServerArgs
 from minisgl.core import Constraint, FinishReason, InvalidRequestError, SamplingParams, TokenLogprob
 from minisgl.grammar import GrammarCompiler
 from minisgl.limits import ModelLimits
-from minisgl.runtime.engine_client import DISCONNECTED, EngineClient, RoutedOutput
+from minisgl.runtime.engine_client import EngineClient
 from minisgl.runtime.messages import DetokenizedOutput
 
 logger = logging.getLogger(__name__)
@@ -61,15 +62,13 @@ _T = TypeVar("_T")
 class ServingContext:
     """Everything a handler needs, built once when the API server starts."""
 
+    args: ServerArgs  # the bounds on requests: sequences, queue, timeout
     tokenizer: PreTrainedTokenizerBase
     engine: EngineClient
     metrics: ServerMetrics
     served_model_name: str
     accepted_model_names: frozenset[str]
     limits: ModelLimits
-    max_sequences_per_request: int
-    max_in_flight_sequences: int  # running plus queued; more: 503
-    request_timeout_s: float | None
     # Tokenizing a long prompt takes milliseconds: done on this one thread, not on the event loop,
     # so streams of other requests keep flowing. One thread: encodes never run concurrently.
     tokenizer_thread: ThreadPoolExecutor = field(
@@ -80,8 +79,6 @@ class ServingContext:
     # For the sampling fields a request leaves unset (--sampling-defaults model): the checkpoint's
     # generation_config.json values; empty means the OpenAI API's defaults.
     sampling_defaults: dict[str, float | int] = field(default_factory=dict)
-    # Made at the first constrained request (reading the vocabulary takes ~0.5-1.5 s).
-    _grammar: GrammarCompiler | None = field(default=None, init=False)
 
     async def on_tokenizer_thread(self, fn: Callable[..., _T], *args: Any) -> _T:
         return await asyncio.get_running_loop().run_in_executor(self.tokenizer_thread, fn, *args)
@@ -90,14 +87,15 @@ class ServingContext:
         """Compile (cached) and serialize a constraint for the scheduler, on the tokenizer
         thread, so the scheduler never compiles on its loop. Raises InvalidRequestError naming
         `param` for a bad or unsupported one."""
-        if self._grammar is None:
-            self._grammar = GrammarCompiler(
-                self.tokenizer, self.limits.vocab_size, self.eos_token_ids
-            )
         try:
             return self._grammar.serialize(constraint)
         except InvalidRequestError as exc:
             raise InvalidRequestError(param, exc.message) from None
+
+    @functools.cached_property
+    def _grammar(self) -> GrammarCompiler:
+        """Made at the first constrained request (reading the vocabulary takes ~0.5-1.5 s)."""
+        return GrammarCompiler(self.tokenizer, self.limits.vocab_size, self.eos_token_ids)
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model not in self.accepted_model_names:
@@ -158,20 +156,21 @@ async def prepare(ctx: ServingContext, req: ApiRequest) -> Prepared:
 def admit(ctx: ServingContext, req: ApiRequest) -> None:
     """Before any work: the model, and the sequences one request starts (prompts x n)."""
     ctx.check_model(req.model)
-    num_sequences = req.num_prompts * req.n
-    if num_sequences > ctx.max_sequences_per_request:
+    num_sequences, most = req.num_prompts * req.n, ctx.args.max_sequences_per_request
+    if num_sequences > most:
         raise RequestError(
             HTTP_BAD_REQUEST,
             f"this request asks for {num_sequences} sequences ({req.num_prompts} prompts x "
-            f"n={req.n}); the server allows at most {ctx.max_sequences_per_request}",
-            param="n" if req.n > ctx.max_sequences_per_request else req.prompt_param,
+            f"n={req.n}); the server allows at most {most}",
+            param="n" if req.n > most else req.prompt_param,
         )
     check_capacity(ctx, num_sequences)
 
 
 def check_capacity(ctx: ServingContext, num_sequences: int) -> None:
     """503 when the queue of waiting sequences would overflow (--max-queued-requests)."""
-    if ctx.engine.num_active_requests + num_sequences > ctx.max_in_flight_sequences:
+    in_flight_bound = ctx.args.max_running_requests + ctx.args.max_queued_requests
+    if ctx.engine.num_active_requests + num_sequences > in_flight_bound:
         raise RequestError(
             HTTP_SERVICE_UNAVAILABLE,
             "The server is overloaded: its request queue is full. Please retry later.",
@@ -226,7 +225,6 @@ class Run:
         self.params: list[list[SamplingParams]] = []
         self.choices: list[Choice] = []
         self._queue: asyncio.Queue = asyncio.Queue()
-        self._num_unfinished = 0
         self._arrival_time_s = time.perf_counter()
         self._watcher: asyncio.Task | None = None
         self._timer: asyncio.TimerHandle | None = None
@@ -263,22 +261,16 @@ class Run:
         check_capacity(self.ctx, len(self.choices))  # it may have filled while we tokenized
         assert self.prepared is not None
         try:
+            grammar_json = self.prepared.grammar_json
             for choice in self.choices:
-                params = self.params[choice.prompt_index][choice.index % self.req.n]
-                self.ctx.engine.submit(
-                    choice.rid,
-                    choice.index,
-                    self.prompts[choice.prompt_index],
-                    params,
-                    self._queue,
-                    self.prepared.grammar_json,
-                )
-                self._num_unfinished += 1
+                p, j = divmod(choice.index, self.req.n)  # prompt p's choice j
+                sequence = (self.prompts[p], self.params[p][j], self._queue, grammar_json)
+                self.ctx.engine.submit(choice.rid, choice.index, *sequence)
         except BaseException:
             self.close()
             raise
         self._watcher = asyncio.create_task(self._watch_disconnect(http_request))
-        timeout_s = self.ctx.request_timeout_s
+        timeout_s = self.ctx.args.request_timeout_s
         if timeout_s is not None:
             timed_out = RequestError(
                 HTTP_GATEWAY_TIMEOUT,
@@ -286,27 +278,25 @@ class Run:
                 "and was aborted.",
                 err_type="timeout_error",
             )
-            loop = asyncio.get_running_loop()
-            self._timer = loop.call_later(timeout_s, self._queue.put_nowait, timed_out)
+            put = self._queue.put_nowait
+            self._timer = asyncio.get_running_loop().call_later(timeout_s, put, timed_out)
 
     async def _watch_disconnect(self, http_request: Request) -> None:
         # The body is already read, so the next ASGI message is the disconnect (or the end).
         while True:
             message = await http_request.receive()
             if message["type"] == "http.disconnect":
-                self._queue.put_nowait(DISCONNECTED)
+                self._queue.put_nowait(ClientDisconnected())  # the handler wakes up, aborts
                 return
 
     async def events(self) -> AsyncIterator[Event]:
         """Every output as it arrives, its choice updated; raises ChoiceFailed at the first
         choice that fails, ClientDisconnected, or the RequestError that ended the run."""
-        while self._num_unfinished > 0:
+        while not all(choice.finished for choice in self.choices):
             item = await self._queue.get()
-            if item is DISCONNECTED:
-                raise ClientDisconnected()
-            if isinstance(item, Exception):  # timed out, or the backend stopped
+            if isinstance(item, Exception):  # the client left, timed out, the backend stopped
                 raise item
-            assert isinstance(item, RoutedOutput)
+            # Otherwise a RoutedOutput: nothing else goes on the queue.
             choice, output = self.choices[item.index], item.output
             self._update(choice, output)
             if output.finish_reason == FinishReason.ERROR:
@@ -336,7 +326,6 @@ class Run:
             choice.finish_reason = output.finish_reason
             choice.matched_stop = output.matched_stop
             choice.error = output.error
-            self._num_unfinished -= 1
             metrics.e2e_request_latency_s.observe(now_s - self._arrival_time_s)
             metrics.request_finished(output.finish_reason)
 
@@ -363,7 +352,6 @@ class Run:
                 self.ctx.engine.abort(choice.rid)
                 choice.finish_reason = FinishReason.ABORT
                 self.ctx.metrics.request_finished(FinishReason.ABORT)
-        self._num_unfinished = 0
 
     def usage(self) -> tuple[int, int, int]:
         """(prompt tokens, completion tokens, cached prompt tokens); each prompt counts once."""

@@ -13,6 +13,7 @@ Responses API, `sampling_params.max_new_tokens` on SGLang's /generate.
 from __future__ import annotations
 
 import dataclasses
+import re
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -26,11 +27,19 @@ from minisgl.core import Constraint, InvalidRequestError, SamplingParams
 from minisgl.limits import ModelLimits, check_request, resolve_max_tokens
 
 SAMPLING_NAMES = frozenset(f.name for f in dataclasses.fields(SamplingParams))
+# JSON decodes a pair of surrogate escapes into one character: a surrogate left in a string
+# is a lone one, which UTF-8 cannot encode.
+LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def new_id(prefix: str, sep: str = "-") -> str:
     """`chatcmpl-...`; with sep "_", the Responses and Anthropic shape (`resp_...`, `msg_...`)."""
     return f"{prefix}{sep}{uuid.uuid4().hex}"
+
+
+def function_call(call_id: str, name: str, arguments: str) -> dict[str, Any]:
+    """A tool call as chat messages carry it (`tool_calls` entries)."""
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
 def find_invalid_text(data: Any) -> str | None:
@@ -45,11 +54,8 @@ def find_invalid_text(data: Any) -> str | None:
     while stack:
         where, value = stack.pop()
         if isinstance(value, str):
-            if not value.isascii():
-                try:
-                    value.encode("utf-8")
-                except UnicodeEncodeError:
-                    return where
+            if not value.isascii() and LONE_SURROGATE.search(value):
+                return where
         elif isinstance(value, dict):
             stack.extend((where, key) for key in value)
             stack.extend((where, item) for item in value.values())
@@ -136,9 +142,6 @@ class ApiRequest:
     def wire(self, name: str) -> str:
         return self.wire_names.get(name, name)
 
-    def sampling_for(self, prompt_index: int) -> Mapping[str, Any]:
-        return self.sampling[prompt_index] if isinstance(self.sampling, list) else self.sampling
-
     @property
     def num_prompts(self) -> int:
         return 1 if isinstance(self.prompt, ChatPrompt) else len(self.prompt)
@@ -163,7 +166,7 @@ def choice_params(
 ) -> list[SamplingParams]:
     """One SamplingParams per choice of this prompt, every rule checked (a 400 if one breaks).
     `defaults`: the model's recommended values for the sampling fields the request leaves."""
-    sampling = req.sampling_for(prompt_index)
+    sampling = req.sampling[prompt_index] if isinstance(req.sampling, list) else req.sampling
     # The model's defaults (minisgl.models.config.GENERATION_SAMPLING_KEYS), then the request's.
     fields = {**defaults, **{name: value for name, value in sampling.items() if value is not None}}
     requested = fields.get("max_tokens")

@@ -43,11 +43,9 @@ class EventBuffer:
         self._count = 0
 
     def emit(self, kind: str, **fields: Any) -> None:
-        event: dict[str, Any] = {"type": kind}
-        if self._numbered:
-            event["sequence_number"] = self._count
+        number = {"sequence_number": self._count} if self._numbered else {}
         self._count += 1
-        self._events.append((kind, {**event, **copy.deepcopy(fields)}))
+        self._events.append((kind, {"type": kind, **number, **copy.deepcopy(fields)}))
 
     def take(self) -> list[WireEvent]:
         events, self._events = self._events, []

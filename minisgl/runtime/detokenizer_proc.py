@@ -21,6 +21,10 @@ from minisgl.tokenizer.detokenizer import RequestDetokenizer
 logger = logging.getLogger(__name__)
 
 IDLE_POLL_TIMEOUT_S = 0.1
+# DetokenizedOutput's fields: the scheduler's ReqOutput's as they are, the TextDelta's, and
+# num_new_tokens (every token generated, a hidden final eos included).
+PASSED_ON = ("num_cached_prompt_tokens", "error", "internal_error", "prompt_logprobs")
+TEXT_FIELDS = ("text", "token_ids", "logprobs", "finish_reason", "matched_stop")
 
 
 class DetokenizerWorker:
@@ -30,11 +34,6 @@ class DetokenizerWorker:
         self._to_api = msg.MessageQueue("push", endpoints.api_in)
         self._to_scheduler = msg.MessageQueue("push", endpoints.scheduler_in)
         self._requests: dict[str, RequestDetokenizer] = {}
-
-    def _init_request(self, message: msg.DetokenizeInit) -> None:
-        self._requests[message.rid] = RequestDetokenizer(
-            self._tokenizer, message.prompt_tail_ids, message.sampling_params, message.eos_token_ids
-        )
 
     def _process(self, output: ReqOutput) -> msg.DetokenizedOutput | None:
         request = self._requests.get(output.rid)
@@ -48,30 +47,20 @@ class DetokenizerWorker:
             return None
         if delta.abort:
             self._to_scheduler.put(msg.AbortRequest(output.rid))
+        fields = {name: getattr(output, name) for name in PASSED_ON}
+        fields |= {name: getattr(delta, name) for name in TEXT_FIELDS}
         return msg.DetokenizedOutput(
-            rid=output.rid,
-            text=delta.text,
-            token_ids=delta.token_ids,
-            num_new_tokens=len(output.new_token_ids),
-            logprobs=delta.logprobs,
-            finish_reason=delta.finish_reason,
-            prompt_len=output.prompt_len,
-            num_cached_prompt_tokens=output.num_cached_prompt_tokens,
-            error=output.error,
-            internal_error=output.internal_error,
-            prompt_logprobs=output.prompt_logprobs,
-            matched_stop=delta.matched_stop,
+            rid=output.rid, num_new_tokens=len(output.new_token_ids), **fields
         )
 
     def run_once(self, timeout_s: float = IDLE_POLL_TIMEOUT_S) -> None:
         results: list[msg.DetokenizedOutput] = []
         for message in self._inbox.get_all(timeout_s):
             if isinstance(message, msg.DetokenizeInit):
-                self._init_request(message)
-            elif isinstance(message, msg.BatchTokenOutput):
+                init = (message.prompt_tail_ids, message.sampling_params, message.eos_token_ids)
+                self._requests[message.rid] = RequestDetokenizer(self._tokenizer, *init)
+            else:  # a BatchTokenOutput: nothing else is sent to detokenizer_in
                 results += [r for r in map(self._process, message.outputs) if r is not None]
-            else:
-                logger.warning("detokenizer: unexpected message %s", type(message).__name__)
         if results:
             self._to_api.put(msg.BatchDetokenizedOutput(tuple(results)))
 

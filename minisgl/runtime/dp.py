@@ -31,13 +31,8 @@ from multiprocessing.connection import wait
 from minisgl.config import DataParallelArgs, ServerArgs
 from minisgl.models.names import served_model_name
 from minisgl.runtime.gateway import INSTALL_HINT, Gateway, gateway_installed
-from minisgl.runtime.launch import (
-    CHILD_FAILED_EXIT_CODE,
-    ServerStack,
-    StopRequests,
-    run_until_stopped,
-)
-from minisgl.supervisor import WATCH_INTERVAL_S, StartupError, setup_logging
+from minisgl.runtime.launch import CHILD_FAILED_EXIT_CODE, ServerStack, StopRequests
+from minisgl.supervisor import WATCH_INTERVAL_S, StartupError
 
 logger = logging.getLogger("minisgl")
 
@@ -217,9 +212,3 @@ class DataParallelStack(StopRequests):
             with ThreadPoolExecutor(len(self._replicas)) as pool:
                 list(pool.map(lambda r: r.shutdown(backend_failed), self._replicas))
         self._replicas.clear()
-
-
-def serve_data_parallel(args: ServerArgs, dp: DataParallelArgs) -> int:
-    """Run the replicas (and the gateway) until SIGTERM / Ctrl-C; returns the exit code."""
-    setup_logging(args.log_level)
-    return run_until_stopped(DataParallelStack(args, dp))

@@ -20,8 +20,6 @@ from minisgl.runtime import messages as msg
 
 logger = logging.getLogger(__name__)
 
-# Put on a group's queue when its client disconnects, so the handler wakes up and aborts.
-DISCONNECTED = object()
 SHUTTING_DOWN = "The server is shutting down."
 BACKEND_STOPPED = "The inference backend stopped unexpectedly; the request was not completed."
 
@@ -48,21 +46,18 @@ class EngineClient:
         # Control replies (stats, cache flush) by request id: one counter for both kinds.
         self._waiters: dict[int, asyncio.Future[Any]] = {}
         self._request_ids = itertools.count()
-        self._reader: asyncio.Task | None = None
         self.last_stats: msg.StatsReply | None = None
         # Event-loop time of the latest output from the backend: proof that it generates
         # (/health_generate).
         self.last_output_s = float("-inf")
         # Set when the scheduler is going away (shutdown, or it died): why new submits fail.
         self._closed_message: str | None = None
-
-    def start(self) -> None:
+        # Made on the event loop that serves the requests; reads until `close`.
         self._reader = asyncio.create_task(self._read_loop(), name="minisgl-engine-reader")
 
     async def close(self) -> None:
-        if self._reader is not None:
-            self._reader.cancel()
-            await asyncio.gather(self._reader, return_exceptions=True)
+        self._reader.cancel()
+        await asyncio.gather(self._reader, return_exceptions=True)
         for queue in (self._to_scheduler, self._to_scheduler_ctl, self._inbox):
             queue.close()
 
@@ -73,7 +68,7 @@ class EngineClient:
             except Exception:  # a dead reader would leave every request waiting forever
                 logger.exception("api server: could not handle a message from the backend")
 
-    def _dispatch(self, message: object) -> None:
+    def _dispatch(self, message: Any) -> None:
         if isinstance(message, msg.BatchDetokenizedOutput):
             self.last_output_s = asyncio.get_running_loop().time()
             for output in message.outputs:
@@ -81,14 +76,12 @@ class EngineClient:
                 route = self._routes.pop(output.rid, None) if done else self._routes.get(output.rid)
                 if route is not None:  # None: aborted by us, the client is gone
                     route[0].put_nowait(RoutedOutput(route[1], output))
-        elif isinstance(message, (msg.StatsReply, msg.FlushCacheReply)):
+        else:  # a StatsReply or FlushCacheReply: nothing else is sent to api_in
             if isinstance(message, msg.StatsReply):
                 self.last_stats = message
             waiter = self._waiters.pop(message.request_id, None)
             if waiter is not None and not waiter.done():
                 waiter.set_result(message)
-        else:
-            logger.warning("api server: unexpected message %s", type(message).__name__)
 
     def submit(
         self,

@@ -150,15 +150,10 @@ class ServerStack(StopRequests):
             self.endpoints.remove()
 
 
-def serve(args: ServerArgs) -> int:
-    """Run the server until SIGTERM / Ctrl-C; the return value is the process exit code."""
-    setup_logging(args.log_level)
-    return run_until_stopped(ServerStack(args))
-
-
 def run_until_stopped(stack: ServerStack | DataParallelStack) -> int:
     """Start `stack` (a server, or the replicas of --dp), serve until SIGTERM / Ctrl-C or a
     failure, always shut it down; the return value is the process exit code."""
+    setup_logging(stack.args.log_level)
     previous = {
         sig: signal.signal(sig, lambda *_: stack.request_stop())
         for sig in (signal.SIGINT, signal.SIGTERM)

@@ -85,7 +85,6 @@ class DetokenizedOutput:
     num_new_tokens: int  # new tokens generated, a hidden final eos included (for usage)
     logprobs: tuple[TokenLogprob, ...] = ()
     finish_reason: FinishReason | None = None
-    prompt_len: int = 0
     num_cached_prompt_tokens: int = 0
     error: str | None = None
     internal_error: bool = False  # ReqOutput.internal_error: a 500, not a 400
@@ -180,8 +179,7 @@ def _default(obj: Any) -> Any:
 
 
 def _ext_hook(code: int, data: bytes) -> Any:
-    if code != EXT_REGISTERED:
-        raise ValueError(f"unknown msgpack ext code {code}")
+    # `code` is EXT_REGISTERED: _default makes every ext value there is.
     tag, *values = decode(data)
     return _BY_TAG[tag](*values)  # an enum's one value, or a dataclass's fields in order
 
@@ -265,8 +263,7 @@ class MessageQueue:
         return messages
 
     async def aget(self) -> Any:
-        data = await self._socket.recv()  # type: ignore[misc]
-        return decode(data)
+        return decode(await self._socket.recv())  # type: ignore[misc]
 
     def close(self) -> None:
         self._socket.close()

@@ -103,18 +103,15 @@ class SchedulerLoop:
             self.scheduler.abort_request(message.rid)
             return None
         if isinstance(message, msg.FlushCacheRequest):
-            if self.scheduler.has_work():  # cached pages may be in use: SGLang refuses too
-                busy = "requests are running or waiting; the cache was not flushed"
-                self._to_api.put(msg.FlushCacheReply(message.request_id, False, busy))
-                return None
-            self.scheduler.flush_cache()
-            self._refresh_stats(force=True)
-            logger.info("prefix cache flushed")
-            self._to_api.put(msg.FlushCacheReply(message.request_id, True))
+            busy = self.scheduler.has_work()  # cached pages may be in use: SGLang refuses too
+            if not busy:
+                self.scheduler.flush_cache()
+                self._refresh_stats(force=True)
+                logger.info("prefix cache flushed")
+            refusal = "requests are running or waiting; the cache was not flushed" if busy else ""
+            self._to_api.put(msg.FlushCacheReply(message.request_id, not busy, refusal))
             return None
-        if not isinstance(message, msg.TokenizedRequest):
-            logger.warning("scheduler: unexpected message %s", type(message).__name__)
-            return None
+        # Otherwise a TokenizedRequest: nothing else is sent to scheduler_in.
         rid, input_ids, params = message.rid, message.input_ids, message.sampling_params
         eos_ids = tuple(self.scheduler.eos_token_ids)
         # Ahead of any output, on the same socket: the detokenizer learns of the request first.

@@ -9,19 +9,20 @@ from minisgl.config import data_parallel_args, parse_server_args
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Serve until SIGTERM / Ctrl-C (or chat, with --shell); returns the process exit code."""
     args, namespace = parse_server_args(argv)
     if namespace.shell:
         from minisgl.shell import run_shell
 
         return run_shell(args)
+    from minisgl.runtime.launch import ServerStack, run_until_stopped
+
     dp = data_parallel_args(namespace)
     if dp.dp_size > 1:
-        from minisgl.runtime.dp import serve_data_parallel
+        from minisgl.runtime.dp import DataParallelStack
 
-        return serve_data_parallel(args, dp)
-    from minisgl.runtime.launch import serve
-
-    return serve(args)
+        return run_until_stopped(DataParallelStack(args, dp))
+    return run_until_stopped(ServerStack(args))
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ from starlette.responses import Response
 
 from minisgl.api.errors import ERROR_SHAPES
 from minisgl.api.pipeline import Run, prepare
-from minisgl.api.request import ApiRequest, SamplingWire, new_id, sampling_of
+from minisgl.api.request import ApiRequest, SamplingWire, function_call, new_id, sampling_of
 from minisgl.api.sse import EventBuffer, WireEvent, respond, sse_event
 from minisgl.chat import CALL, REASONING, ChatPrompt, ReplyBlocks
 from minisgl.chat.tool_parsers import ToolCallDelta
@@ -73,10 +73,8 @@ class MessagesRequest(SamplingWire):
     chat_template_kwargs: dict[str, Any] | None = None
 
     def to_api(self) -> ApiRequest:
-        system = []
-        if self.system is not None:
-            text = blocks_text(self.system, "system", param="system")
-            system = [{"role": "system", "content": text}] if text else []
+        text = blocks_text(self.system or "", "system", param="system")
+        system = [{"role": "system", "content": text}] if text else []
         kwargs = dict(self.chat_template_kwargs or {})
         thinking = (self.thinking or {}).get("type")
         if thinking in ("enabled", "disabled") and "enable_thinking" not in kwargs:
@@ -123,8 +121,7 @@ def _tool_call(block: Mapping[str, Any], where: str) -> dict[str, Any]:
         raise _fail(where, "a tool_use block needs an id and a name")
     if not isinstance(arguments, Mapping):
         raise _fail(where, "a tool_use block's input must be an object")
-    function = {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}
-    return {"id": call_id, "type": "function", "function": function}
+    return function_call(call_id, name, json.dumps(arguments, ensure_ascii=False))
 
 
 def _tool_result(block: Mapping[str, Any], where: str) -> dict[str, Any]:
@@ -146,8 +143,7 @@ def chat_messages(messages: list[Any]) -> list[dict[str, Any]]:
             raise _fail(where, "must be an object with role user or assistant and content")
         role, content = message["role"], message.get("content")
         if isinstance(content, str):
-            out.append({"role": role, "content": content})
-            continue
+            content = [{"type": "text", "text": content}]
         if not isinstance(content, list):
             raise _fail(where, "content must be text or a list of content blocks")
         texts: list[str] = []
@@ -181,30 +177,31 @@ def chat_messages(messages: list[Any]) -> list[dict[str, Any]]:
     return out
 
 
+def _chat_tool(i: int, tool: Any) -> dict[str, Any]:
+    kind = tool.get("type", "custom") if isinstance(tool, Mapping) else None
+    if kind != "custom":
+        raise InvalidRequestError("tools", f"tools[{i}]: {kind!r} tools are not supported")
+    function: dict[str, Any] = {"name": tool.get("name")}
+    if "description" in tool:
+        function["description"] = tool["description"]
+    function["parameters"] = tool.get("input_schema", {"type": "object", "properties": {}})
+    return {"type": "function", "function": function}
+
+
 def chat_tools(tools: list[Any] | None) -> list[dict[str, Any]] | None:
-    if tools is None:
-        return None
-    converted = []
-    for i, tool in enumerate(tools):
-        if not isinstance(tool, Mapping) or tool.get("type", "custom") != "custom":
-            kind = tool.get("type") if isinstance(tool, Mapping) else None
-            raise InvalidRequestError("tools", f"tools[{i}]: {kind!r} tools are not supported")
-        function: dict[str, Any] = {"name": tool.get("name")}
-        if "description" in tool:
-            function["description"] = tool["description"]
-        function["parameters"] = tool.get("input_schema", {"type": "object", "properties": {}})
-        converted.append({"type": "function", "function": function})
-    return converted
+    return None if tools is None else [_chat_tool(i, tool) for i, tool in enumerate(tools)]
+
+
+# Anthropic's tool_choice types -> chat's (a named tool: below).
+TOOL_CHOICES = {"auto": "auto", "none": "none", "any": "required"}
 
 
 def chat_tool_choice(choice: dict[str, Any] | None) -> str | dict[str, Any] | None:
     if choice is None:
         return None
     kind = choice.get("type")
-    if kind in ("auto", "none"):
-        return kind
-    if kind == "any":
-        return "required"
+    if kind in TOOL_CHOICES:
+        return TOOL_CHOICES[kind]
     if kind == "tool" and isinstance(choice.get("name"), str):
         return {"type": "function", "function": {"name": choice["name"]}}
     raise InvalidRequestError(
@@ -222,7 +219,13 @@ def tool_input(arguments: str) -> dict[str, Any]:
     return value if isinstance(value, dict) else {"_raw_arguments": arguments}
 
 
-_DELTAS = {REASONING: ("thinking_delta", "thinking"), "text": ("text_delta", "text")}
+# A block's kind -> its delta's type and the key its text goes under.
+_DELTAS = {
+    REASONING: ("thinking_delta", "thinking"),
+    "text": ("text_delta", "text"),
+    CALL: ("input_json_delta", "partial_json"),
+}
+_DELTA_KEYS = dict(_DELTAS.values())
 _EMPTY_BLOCKS = {
     REASONING: {"type": "thinking", "thinking": "", "signature": ""},  # nothing signs ours
     "text": {"type": "text", "text": ""},
@@ -245,11 +248,9 @@ class BlockEvents:
         self.events.emit("content_block_start", index=self._index, content_block=block)
 
     def write(self, kind: str, text: str, logprobs: list[Any]) -> None:
-        delta = {"type": "input_json_delta", "partial_json": text}
-        if kind != CALL:
-            delta_type, key = _DELTAS[kind]
-            delta = {"type": delta_type, key: text}
+        delta_type, key = _DELTAS[kind]
         if text or kind != CALL:
+            delta = {"type": delta_type, key: text}
             self.events.emit("content_block_delta", index=self._index, delta=delta)
 
     def close(self, status: str) -> None:
@@ -309,21 +310,17 @@ def fold_message(events: list[dict[str, Any]]) -> dict[str, Any]:
     """A message stream's events as the one message of a non-streaming reply."""
     message = dict(events[0]["message"])
     blocks: list[dict[str, Any]] = []
-    arguments: list[str] = []
     for event in events:
         kind = event["type"]
         if kind == "content_block_start":
             blocks.append(dict(event["content_block"]))
-            arguments = []
-        elif kind == "content_block_delta":
-            delta = event["delta"]
-            if delta["type"] == "input_json_delta":
-                arguments.append(delta["partial_json"])
-            else:
-                key = "text" if delta["type"] == "text_delta" else "thinking"
-                blocks[event["index"]][key] += delta[key]
+        elif kind == "content_block_delta":  # a call's arguments gather under partial_json
+            key = _DELTA_KEYS[event["delta"]["type"]]
+            block = blocks[event["index"]]
+            block[key] = block.get(key, "") + event["delta"][key]
         elif kind == "content_block_stop" and blocks[event["index"]]["type"] == "tool_use":
-            blocks[event["index"]]["input"] = tool_input("".join(arguments))
+            block = blocks[event["index"]]
+            block["input"] = tool_input(block.pop("partial_json", ""))
         elif kind == "message_delta":
             message |= {**event["delta"], "usage": event["usage"]}
     return {**message, "content": blocks}
@@ -340,8 +337,7 @@ router = APIRouter()
 
 @router.post(PATH_PREFIX)
 async def create_message(body: MessagesRequest, request: Request) -> Response:
-    api = body.to_api()
-    run = await Run(request.app.state.ctx, api, new_id("msg", "_")).start(request)
+    run = await Run(request.app.state.ctx, body.to_api(), new_id("msg", "_")).start(request)
     events = message_events(run, body)
     return await respond(run, events, body.stream, fold_message, _error_frames, done=False)
 
@@ -350,6 +346,5 @@ async def create_message(body: MessagesRequest, request: Request) -> Response:
 async def count_tokens(body: CountTokensRequest, request: Request) -> dict[str, Any]:
     ctx = request.app.state.ctx
     ctx.check_model(body.model)
-    api = body.to_api()
-    prepared = await prepare(ctx, api)
+    prepared = await prepare(ctx, body.to_api())
     return {"input_tokens": len(prepared.prompt_ids[0])}

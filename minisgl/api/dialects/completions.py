@@ -47,35 +47,31 @@ class CompletionRequest(OpenAISampling):
         prompt = self.prompt
         if not prompt:
             raise InvalidRequestError("prompt", "must not be empty")
-        if isinstance(prompt, str) or isinstance(prompt[0], int):
-            prompt = [prompt]  # type: ignore[assignment]
+        single = isinstance(prompt, str) or isinstance(prompt[0], int)
+        prompts = cast("list[str] | list[list[int]]", [prompt] if single else prompt)
         sampling, wire_names = sampling_of(self, {})
         sampling.setdefault("max_tokens", DEFAULT_COMPLETION_MAX_TOKENS)
         # echo with logprobs scores the prompt too (OpenAI: the first token's is null); echo
         # with max_tokens 0 only echoes, through the same prompt-only path.
         scored = self.echo and (self.logprobs is not None or sampling["max_tokens"] == 0)
         sampling["prompt_logprobs"] = (self.logprobs or 0) if scored else None
-        prompts = cast("list[str] | list[list[int]]", prompt)
         return ApiRequest(prompts, sampling, wire_names, self.n, self.model, self.constraint_fields)
+
+
+def _top(ctx: ServingContext, lp: TokenLogprob) -> dict[str, float]:
+    return {ctx.token_text(tid): tlp for tid, tlp in lp.top}
 
 
 def _completion_logprobs(
     ctx: ServingContext, logprobs: Sequence[TokenLogprob], offset: int
 ) -> dict[str, Any]:
     """The legacy completions format, text offsets counted from `offset`."""
-    tokens, token_logprobs, top_logprobs, text_offset = [], [], [], []
-    for lp in logprobs:
-        text = ctx.token_text(lp.token_id)
-        tokens.append(text)
-        token_logprobs.append(lp.logprob)
-        top_logprobs.append({ctx.token_text(tid): tlp for tid, tlp in lp.top})
-        text_offset.append(offset)
-        offset += len(text)
+    tokens = [ctx.token_text(lp.token_id) for lp in logprobs]
     return {
         "tokens": tokens,
-        "token_logprobs": token_logprobs,
-        "top_logprobs": top_logprobs,
-        "text_offset": text_offset,
+        "token_logprobs": [lp.logprob for lp in logprobs],
+        "top_logprobs": [_top(ctx, lp) for lp in logprobs],
+        "text_offset": list(itertools.accumulate(map(len, tokens), initial=offset))[:-1],
     }
 
 
@@ -89,11 +85,7 @@ def _echo_logprobs(
     return {
         "tokens": tokens,
         "token_logprobs": [None, *(lp.logprob for lp in scored), *missing],
-        "top_logprobs": [
-            None,
-            *({ctx.token_text(tid): tlp for tid, tlp in lp.top} for lp in scored),
-            *missing,
-        ],
+        "top_logprobs": [None, *(_top(ctx, lp) for lp in scored), *missing],
         "text_offset": list(itertools.accumulate(map(len, tokens[:-1]), initial=0)),
     }
 
@@ -115,15 +107,7 @@ async def completion_events(run: Run, body: CompletionRequest) -> AsyncIterator[
     # come first, their offsets summed over their texts as vLLM does, so the output continues
     # from that sum (which differs from the echoed text's length where one character spans
     # several tokens, each shown alone as U+FFFD): offsets never go back.
-    offsets = {}
-    for choice in run.choices:
-        prompt = run.prompts[choice.prompt_index]
-        if not body.echo:
-            offsets[choice.index] = 0
-        elif body.logprobs is None:
-            offsets[choice.index] = len(echoed[choice.prompt_index])
-        else:
-            offsets[choice.index] = sum(len(ctx.token_text(tid)) for tid in prompt)
+    offsets = dict.fromkeys((c.index for c in run.choices), 0)
     # echo: the prompt goes first; with logprobs it waits for the choice's first output, which
     # brings the prompt's logprobs.
     waiting = {c.index for c in run.choices} if body.echo and body.logprobs is not None else set()
@@ -137,6 +121,7 @@ async def completion_events(run: Run, body: CompletionRequest) -> AsyncIterator[
         if choice.index in waiting:
             waiting.discard(choice.index)
             scored = _echo_logprobs(ctx, run.prompts[choice.prompt_index], output.prompt_logprobs)
+            offsets[choice.index] = sum(map(len, scored["tokens"]))
             text = echoed[choice.prompt_index]
             yield chunk(base, choice.index, None, None, text=text, logprobs=scored)
         logprobs = None

@@ -9,6 +9,7 @@ stream sends (`accumulate`).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 import uuid
@@ -29,6 +30,8 @@ from minisgl.tokenizer.detokenizer import stop_reason
 
 # OpenAI's bound on choices per request.
 MAX_CHOICES_PER_REQUEST = 128
+# ChatPrompt's fields but template_kwargs: a chat completion request has them by the same names.
+PROMPT_FIELDS = tuple(f.name for f in dataclasses.fields(ChatPrompt) if f.name != "template_kwargs")
 CHAT_ALIASES = {"max_completion_tokens": "max_tokens", "top_logprobs": "logprobs"}
 
 
@@ -100,14 +103,8 @@ class ChatCompletionRequest(OpenAISampling):
         sampling, wire_names = sampling_of(self, CHAT_ALIASES)
         sampling["logprobs"] = (self.top_logprobs or 0) if self.logprobs else None
         kwargs = with_reasoning_effort(self.chat_template_kwargs, self.reasoning_effort)
-        prompt = ChatPrompt(
-            self.messages,
-            self.tools,
-            self.tool_choice,
-            self.parallel_tool_calls,
-            kwargs,
-            self.separate_reasoning,
-        )
+        same_names = {name: getattr(self, name) for name in PROMPT_FIELDS}
+        prompt = ChatPrompt(**same_names, template_kwargs=kwargs)
         return ApiRequest(prompt, sampling, wire_names, self.n, self.model, self.constraint_fields)
 
 
@@ -161,17 +158,11 @@ def _delta_dict(delta: ChatDelta) -> dict[str, Any]:
         # of its arguments can arrive in one step; clients reading tool_calls[0] see both.
         calls: dict[int, dict[str, Any]] = {}
         for call in delta.tool_calls:
+            function = {"arguments": call.arguments}
             if call.name is not None:  # a call's first delta: who is called
-                calls[call.index] = {
-                    "index": call.index,
-                    "id": new_call_id(),
-                    "type": "function",
-                    "function": {"name": call.name, "arguments": call.arguments},
-                }
-            elif call.index in calls:
-                calls[call.index]["function"]["arguments"] += call.arguments
-            else:
-                calls[call.index] = {"index": call.index, "function": {"arguments": call.arguments}}
+                function = {"name": call.name, **function}
+                calls[call.index] = {"index": call.index, "id": new_call_id(), "type": "function"}
+            accumulate(calls.setdefault(call.index, {"index": call.index}), {"function": function})
         out["tool_calls"] = [calls[i] for i in sorted(calls)]
     return out
 

@@ -20,7 +20,7 @@ import json
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -50,6 +50,11 @@ ALIASES = {
     "input": "messages",
     "text.format": "response_format",
 }
+# The response's fields that are the request's, as it sent them.
+ECHOED_FIELDS = (
+    *("instructions", "max_output_tokens", "parallel_tool_calls", "previous_response_id"),
+    *("store", "user"),
+)
 MAX_STORED_RESPONSES = 1024
 MAX_STORED_CHARS = 64 * 1024 * 1024
 MAX_LISTED_ITEMS = 100
@@ -123,18 +128,16 @@ class StoredResponse:
     size_chars: int
 
 
+@dataclass
 class ResponseStore:
     """Stored responses, oldest out first. Each entry keeps its whole conversation, so a long
     chain costs its length once per turn; the size bound keeps that in check. Private to one
     server: behind a gateway a follow-up must reach the same replica."""
 
-    def __init__(
-        self, max_entries: int = MAX_STORED_RESPONSES, max_chars: int = MAX_STORED_CHARS
-    ) -> None:
-        self._entries: OrderedDict[str, StoredResponse] = OrderedDict()
-        self._max_entries = max_entries
-        self._max_chars = max_chars
-        self._chars = 0
+    max_entries: int = MAX_STORED_RESPONSES
+    max_chars: int = MAX_STORED_CHARS
+    _entries: OrderedDict[str, StoredResponse] = field(default_factory=OrderedDict, init=False)
+    _chars: int = field(default=0, init=False)
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -144,12 +147,12 @@ class ResponseStore:
     ) -> None:
         items = items or []
         size = sum(len(json.dumps(part)) for part in (response, conversation, items))
-        if size > self._max_chars:
+        if size > self.max_chars:
             return  # larger than the whole store: keeping it would evict everything else
         self.delete(response["id"])
         self._entries[response["id"]] = StoredResponse(response, conversation, items, size)
         self._chars += size
-        while len(self._entries) > self._max_entries or self._chars > self._max_chars:
+        while len(self._entries) > self.max_entries or self._chars > self.max_chars:
             _, oldest = self._entries.popitem(last=False)
             self._chars -= oldest.size_chars
 
@@ -185,14 +188,9 @@ class Turn:
             "object": "response",
             "created_at": int(time.time()),
             "background": False,
-            "instructions": body.instructions,
-            "max_output_tokens": body.max_output_tokens,
             "metadata": body.metadata or {},
             "model": body.model or run.ctx.served_model_name,
-            "parallel_tool_calls": body.parallel_tool_calls,
-            "previous_response_id": body.previous_response_id,
             "reasoning": {"effort": body.effort, "summary": None},
-            "store": body.store,
             "temperature": params.temperature,
             "text": {"format": dict(fmt) if isinstance(fmt, Mapping) else {"type": "text"}},
             "tool_choice": body.tool_choice or "auto",
@@ -200,7 +198,7 @@ class Turn:
             "top_logprobs": body.top_logprobs or 0,
             "top_p": params.top_p,
             "truncation": "disabled",
-            "user": body.user,
+            **{name: getattr(body, name) for name in ECHOED_FIELDS},
         }
 
     @property
@@ -211,13 +209,10 @@ class Turn:
         usage = None
         if status not in ("in_progress", "failed"):
             prompt, completion, cached = self._run.usage()
+            written = prompt - cached  # the radix cache keeps every prompt token it lacked
             usage = {
                 "input_tokens": prompt,
-                # The radix cache keeps every prompt token it did not already hold.
-                "input_tokens_details": {
-                    "cached_tokens": cached,
-                    "cache_write_tokens": prompt - cached,
-                },
+                "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": written},
                 "output_tokens": completion,
                 "output_tokens_details": {"reasoning_tokens": self._run.reasoning_tokens},
                 "total_tokens": prompt + completion,
@@ -284,33 +279,29 @@ def _last_response(events: list[dict[str, Any]]) -> dict[str, Any]:
 router = APIRouter()
 
 
-def _store(request: Request) -> ResponseStore:
-    return request.app.state.responses
-
-
 @router.post("/v1/responses")
 async def create_response(body: ResponsesRequest, request: Request) -> Response:
-    history: list[dict[str, Any]] = []
+    store: ResponseStore = request.app.state.responses
+    history = []
     if body.previous_response_id is not None:
-        history = stored(
-            _store(request), body.previous_response_id, "previous_response_id"
-        ).conversation
+        history = stored(store, body.previous_response_id, "previous_response_id").conversation
     api, conversation = body.to_api(history)
     run = await Run(request.app.state.ctx, api, new_id("resp", "_")).start(request)
     turn = Turn(body, run, conversation)
-    events = turn.wire_events(_store(request))
+    events = turn.wire_events(store)
     return await respond(run, events, body.stream, _last_response, turn.error_frames, done=False)
 
 
 @router.get("/v1/responses/{response_id}")
 async def retrieve_response(response_id: str, request: Request) -> dict[str, Any]:
-    return stored(_store(request), response_id).response
+    return stored(request.app.state.responses, response_id).response
 
 
 @router.delete("/v1/responses/{response_id}")
 async def delete_response(response_id: str, request: Request) -> dict[str, Any]:
-    stored(_store(request), response_id)  # a 404 if there is none
-    _store(request).delete(response_id)
+    store: ResponseStore = request.app.state.responses
+    stored(store, response_id)  # a 404 if there is none
+    store.delete(response_id)
     return {"id": response_id, "object": "response", "deleted": True}
 
 
@@ -348,4 +339,4 @@ async def get_input_items(
     order: str = "desc",
     after: str | None = None,
 ) -> dict[str, Any]:
-    return list_input_items(_store(request), response_id, limit, order, after)
+    return list_input_items(request.app.state.responses, response_id, limit, order, after)

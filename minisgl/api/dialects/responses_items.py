@@ -18,18 +18,28 @@ from collections.abc import Mapping
 from typing import Any
 
 from minisgl.api.dialects.openai import new_call_id
-from minisgl.api.request import new_id
+from minisgl.api.request import function_call, new_id
 from minisgl.chat import CALL, REASONING
 from minisgl.chat.tool_parsers import ToolCallDelta
 from minisgl.core import InvalidRequestError
 
 TEXT_PART_TYPES = frozenset({"input_text", "output_text", "text", "summary_text", "reasoning_text"})
+# A function_call item's fields, in function_call's order.
+FUNCTION_CALL_KEYS = ("call_id", "name", "arguments")
+# A message item's roles -> chat roles.
+MESSAGE_ROLES = {
+    "user": "user",
+    "system": "system",
+    "developer": "system",
+    "assistant": "assistant",
+}
 ITEM_ID_PREFIXES = {
     "message": "msg",
     "function_call": "fc",
     "function_call_output": "fco",
     "reasoning": "rs",
 }
+ITEM_KINDS = tuple(ITEM_ID_PREFIXES)
 
 
 def _fail(where: str, message: str, param: str = "input") -> InvalidRequestError:
@@ -75,109 +85,84 @@ def input_messages(value: str | list[Any]) -> list[dict[str, Any]]:
         if not isinstance(item, Mapping):
             raise _fail(where, "must be an object")
         kind = item.get("type", "message")
+        message: dict[str, Any] | None = None
         if kind == "message":
             role = item.get("role")
-            if role not in ("user", "system", "developer", "assistant"):
+            if role not in MESSAGE_ROLES:
                 raise _fail(where, "role must be user, system, developer or assistant")
-            message = {
-                "role": "system" if role == "developer" else role,
-                "content": content_text(item.get("content"), where),
-            }
-            if role == "assistant" and reasoning is not None:
-                message["reasoning_content"], reasoning = reasoning, None
-            messages.append(message)
+            content = content_text(item.get("content"), where)
+            message = {"role": MESSAGE_ROLES[role], "content": content}
         elif kind == "function_call":
-            arguments = _text_field(item, "arguments", where)
-            call = {
-                "id": _text_field(item, "call_id", where),
-                "type": "function",
-                "function": {"name": _text_field(item, "name", where), "arguments": arguments},
-            }
+            call = function_call(*(_text_field(item, key, where) for key in FUNCTION_CALL_KEYS))
             # Calls that follow an assistant turn (or each other) belong to that turn.
             if previous_kind in ("assistant", "function_call"):
                 messages[-1].setdefault("tool_calls", []).append(call)
             else:
                 message = {"role": "assistant", "content": "", "tool_calls": [call]}
-                if reasoning is not None:
-                    message["reasoning_content"], reasoning = reasoning, None
-                messages.append(message)
         elif kind == "function_call_output":
-            output = item.get("output")
-            messages.append(
-                {
-                    "role": "tool",
-                    "tool_call_id": _text_field(item, "call_id", where),
-                    "content": content_text(output, where),
-                }
-            )
+            call_id = _text_field(item, "call_id", where)
+            content = content_text(item.get("output"), where)
+            message = {"role": "tool", "tool_call_id": call_id, "content": content}
         elif kind == "reasoning":
-            parts = item.get("content") or item.get("summary") or []
-            reasoning = content_text(parts, where)
+            reasoning = content_text(item.get("content") or item.get("summary") or [], where)
         else:
-            raise _fail(
-                where,
-                f"item type {kind!r} is not supported "
-                "(message, function_call, function_call_output, reasoning)",
-            )
+            raise _fail(where, f"item type {kind!r} is not supported ({', '.join(ITEM_KINDS)})")
+        if message is not None:
+            if message["role"] == "assistant" and reasoning is not None:
+                message["reasoning_content"], reasoning = reasoning, None
+            messages.append(message)
         previous_kind = item.get("role") if kind == "message" else kind
     if not messages:
         raise InvalidRequestError("input", "must hold at least one message")
     return messages
 
 
-def _text_parts(content: Any, role: str) -> list[dict[str, Any]]:
-    """A message's content as OpenAI's typed parts: input_text, or output_text for the
-    assistant (which carries annotations); refusals as they are."""
-    parts = [{"type": "text", "text": content}] if isinstance(content, str) else content
-    typed = []
-    for part in parts:
-        if part.get("type") == "refusal":
-            typed.append(dict(part))
-        elif role == "assistant":
-            typed.append({"type": "output_text", "text": part["text"], "annotations": []})
-        else:
-            typed.append({"type": "input_text", "text": part["text"]})
-    return typed
+def _text_part(part: Mapping[str, Any], role: str) -> dict[str, Any]:
+    """A text part as OpenAI types it: input_text, or output_text for the assistant (which
+    carries annotations); a refusal as it is."""
+    if part.get("type") == "refusal":
+        return dict(part)
+    if role == "assistant":
+        return {"type": "output_text", "text": part["text"], "annotations": []}
+    return {"type": "input_text", "text": part["text"]}
 
 
 def input_items(value: str | list[Any]) -> list[dict[str, Any]]:
     """`input` (already checked by `input_messages`) as the items GET
     /v1/responses/{id}/input_items lists: OpenAI's shapes, each with an id."""
-    given = [{"role": "user", "content": value}] if isinstance(value, str) else value
+    given: list[Any] = [{"role": "user", "content": value}] if isinstance(value, str) else value
     items = []
     for item in given:
         kind = item.get("type", "message")
         entry = {"id": item.get("id") or new_id(ITEM_ID_PREFIXES[kind], "_")}
         if kind == "message":
-            role = item["role"]
-            content = _text_parts(item.get("content"), role)
+            role, parts = item["role"], item["content"]
+            if isinstance(parts, str):
+                parts = [{"type": "text", "text": parts}]
+            content = [_text_part(part, role) for part in parts]
             entry |= {"type": "message", "role": role, "content": content, "status": "completed"}
-        else:
+        else:  # as sent, with what OpenAI fills in
             entry |= {k: v for k, v in item.items() if k != "id"}
-            if kind != "reasoning":
-                entry.setdefault("status", "completed")
-            else:
-                entry.setdefault("summary", [])
+            key, default = ("summary", []) if kind == "reasoning" else ("status", "completed")
+            entry.setdefault(key, default)
         items.append(entry)
     return items
 
 
+def _chat_tool(i: int, tool: Any) -> dict[str, Any]:
+    kind = tool.get("type") if isinstance(tool, Mapping) else None
+    if kind != "function":
+        message = f"tools[{i}]: only function tools are supported, not {kind!r}"
+        raise InvalidRequestError("tools", message)
+    function = {k: tool[k] for k in ("name", "description", "parameters") if k in tool}
+    if function.get("parameters") is None:
+        function.pop("parameters", None)  # OpenAI allows null: no parameters
+    return {"type": "function", "function": function}
+
+
 def chat_tools(tools: list[Any] | None) -> list[dict[str, Any]] | None:
     """Flat function tools -> chat's {"type": "function", "function": {...}}."""
-    if tools is None:
-        return None
-    converted = []
-    for i, tool in enumerate(tools):
-        kind = tool.get("type") if isinstance(tool, Mapping) else None
-        if kind != "function":
-            raise InvalidRequestError(
-                "tools", f"tools[{i}]: only function tools are supported, not {kind!r}"
-            )
-        function = {k: tool[k] for k in ("name", "description", "parameters") if k in tool}
-        if function.get("parameters") is None:
-            function.pop("parameters", None)  # OpenAI allows null: no parameters
-        converted.append({"type": "function", "function": function})
-    return converted
+    return None if tools is None else [_chat_tool(i, tool) for i, tool in enumerate(tools)]
 
 
 def chat_tool_choice(choice: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
@@ -213,24 +198,20 @@ class OutputItems:
 
     def _at(self, part: bool = True) -> dict[str, Any]:
         """Where an event about the open item (and its one content part) points."""
-        where: dict[str, Any] = {
-            "item_id": self.items[-1]["id"],
-            "output_index": len(self.items) - 1,
-        }
+        where = {"item_id": self.items[-1]["id"], "output_index": len(self.items) - 1}
         return {**where, "content_index": 0} if part else where
 
     def open(self, kind: str, call: ToolCallDelta | None) -> None:
-        status = {"status": "in_progress"}
         item: dict[str, Any]
         if call is not None:
             item = {"id": new_id("fc", "_"), "type": "function_call", "call_id": new_call_id()}
-            item |= {"name": call.name or "", "arguments": "", **status}
+            item |= {"name": call.name or "", "arguments": "", "status": "in_progress"}
         elif kind == REASONING:
             item = {"id": new_id("rs", "_"), "type": "reasoning", "summary": [], "content": []}
-            item |= status
+            item["status"] = "in_progress"
         else:
-            item = {"id": new_id("msg", "_"), "type": "message", "role": "assistant", **status}
-            item["content"] = []
+            item = {"id": new_id("msg", "_"), "type": "message", "role": "assistant"}
+            item |= {"status": "in_progress", "content": []}
         self.items.append(item)
         self._emit("response.output_item.added", output_index=len(self.items) - 1, item=item)
         if call is None:
@@ -281,8 +262,7 @@ class OutputItems:
             elif item["type"] == "reasoning":
                 message["reasoning_content"] = item["content"][0]["text"]
             else:
-                function = {"name": item["name"], "arguments": item["arguments"]}
-                calls.append({"id": item["call_id"], "type": "function", "function": function})
+                calls.append(function_call(*(item[key] for key in FUNCTION_CALL_KEYS)))
         if calls:
             message["tool_calls"] = calls
         return message

@@ -41,7 +41,7 @@ from typing import Any, cast
 
 from fastapi import APIRouter, Request
 from fastapi.exceptions import RequestValidationError
-from pydantic import ValidationError, model_validator
+from pydantic import Field, ValidationError, model_validator
 from starlette.responses import JSONResponse, Response
 
 from minisgl.api.dialects.openai import OpenAISampling
@@ -90,6 +90,8 @@ FLUSH_CACHE_TIMEOUT_S = 30.0
 # Each minisgl server is a single data-parallel rank; replicas are separate workers.
 DP_RANK = 0
 DP_SIZE = 1
+# /server_info's fields that are the server's flags, by the same names.
+SERVER_INFO_ARGS = ("page_size", "tp_size", "nnodes", "max_running_requests", "max_queued_requests")
 CONFIG_FILE = "config.json"
 PACKAGE_NAME = "minisgl"
 
@@ -109,8 +111,8 @@ class GenerateRequest(WireModel):
     sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
     stream: bool = False
     return_logprob: bool = False
-    top_logprobs_num: int = 0
-    logprob_start_len: int = -1
+    top_logprobs_num: int = Field(default=0, ge=0, le=MAX_LOGPROBS)
+    logprob_start_len: int = Field(default=-1, ge=-1)  # -1: output only
     rid: str | list[str] | None = None  # one id, or one per prompt of a batch
 
     @model_validator(mode="after")
@@ -119,10 +121,6 @@ class GenerateRequest(WireModel):
             raise InvalidRequestError("text", "give exactly one of text and input_ids")
         if isinstance(self.rid, list) and len(self.rid) != len(self.prompts()):
             raise InvalidRequestError("rid", "a list of ids needs one id per prompt")
-        if not 0 <= self.top_logprobs_num <= MAX_LOGPROBS:
-            raise InvalidRequestError("top_logprobs_num", f"must be in [0, {MAX_LOGPROBS}]")
-        if self.logprob_start_len < -1:
-            raise InvalidRequestError("logprob_start_len", "must be -1 (output only) or >= 0")
         return self
 
     @property
@@ -155,8 +153,8 @@ class GenerateRequest(WireModel):
         rows = self._sampling(len(prompts))
         if any(row.n != rows[0].n for row in rows):
             raise InvalidRequestError("sampling_params.n", "must be the same for every prompt")
-        constraints = [row.constraint_fields for row in rows]
-        if any(fields != constraints[0] for fields in constraints):  # one grammar for all
+        constraint_fields = rows[0].constraint_fields
+        if any(row.constraint_fields != constraint_fields for row in rows):  # one grammar for all
             raise InvalidRequestError("sampling_params", "every prompt needs the same constraint")
         logprobs = self.top_logprobs_num if self.return_logprob else None
         scored = self.return_logprob and self.logprob_start_len >= 0
@@ -167,14 +165,11 @@ class GenerateRequest(WireModel):
             fields["logprobs"] = logprobs
             # max_new_tokens 0 without logprobs: SGLang's prefill-only request runs as one that
             # scores its prompt (the only kind that may generate nothing).
-            prefill_only = row.max_new_tokens == 0
-            fields["prompt_logprobs"] = (
-                self.top_logprobs_num if scored else (0 if prefill_only else None)
-            )
+            prefill_only = 0 if row.max_new_tokens == 0 else None
+            fields["prompt_logprobs"] = self.top_logprobs_num if scored else prefill_only
             sampling.append(fields)
-        prompt_field = "text" if self.text is not None else "input_ids"
-        wire_names = {**WIRE_NAMES, "prompt": prompt_field}
-        return ApiRequest(prompts, sampling, wire_names, rows[0].n, None, constraints[0])
+        wire_names = {**WIRE_NAMES, "prompt": "text" if self.text is not None else "input_ids"}
+        return ApiRequest(prompts, sampling, wire_names, rows[0].n, None, constraint_fields)
 
 
 def _finish_reason(choice: Choice, max_new_tokens: int) -> dict[str, Any] | None:
@@ -213,14 +208,12 @@ def _item(run: Run, body: GenerateRequest, choice: Choice, start_s: float) -> di
     if body.return_logprob:
         meta["output_token_logprobs"], meta["output_top_logprobs"] = _triples(choice.logprobs)
         start = body.logprob_start_len
-        in_chosen: list[list[Any]] = []
-        in_top: list[Any] = []
+        meta["input_token_logprobs"], meta["input_top_logprobs"] = [], []
         if start >= 0:
             scored, scored_top = _triples(choice.prompt_logprobs)
-            in_chosen = [[None, prompt[0], None], *scored]  # nothing comes before it
-            in_top = [None, *scored_top]
-        meta["input_token_logprobs"] = in_chosen[max(start, 0) :]
-        meta["input_top_logprobs"] = in_top[max(start, 0) :]
+            # The first prompt token has no logprob: nothing comes before it.
+            meta["input_token_logprobs"] = [[None, prompt[0], None], *scored][start:]
+            meta["input_top_logprobs"] = [None, *scored_top][start:]
     item: dict[str, Any] = {"text": choice.text, "output_ids": list(choice.token_ids)}
     item["meta_info"] = meta
     if body.is_batch or run.req.n > 1:
@@ -275,12 +268,10 @@ def model_info(args: ServerArgs, model_path: str, tokenizer_path: str) -> dict[s
     config: dict[str, Any] = {}
     with contextlib.suppress(OSError, ValueError):  # the scheduler reports a broken config
         config = json.loads((Path(model_path) / CONFIG_FILE).read_text())
-    model = _reported_path(args.model, model_path)
     return {
-        "model_path": model,
-        "tokenizer_path": _reported_path(args.tokenizer, tokenizer_path)
-        if args.tokenizer
-        else model,
+        "model_path": _reported_path(args.model, model_path),
+        # Without --tokenizer, tokenizer_path is model_path: reported as the model is.
+        "tokenizer_path": _reported_path(args.tokenizer or args.model, tokenizer_path),
         "is_generation": True,
         "model_type": config.get("model_type"),
         "architectures": config.get("architectures") or [],
@@ -309,9 +300,6 @@ async def _engine_answers(ctx: ServingContext, timeout_s: float) -> bool:
     queue: asyncio.Queue = asyncio.Queue()
     try:
         ctx.engine.submit(rid, 0, list(HEALTH_PROMPT), HEALTH_PARAMS, queue)
-    except BackendUnavailable:  # shutting down, or the backend stopped
-        return False
-    try:
         while loop.time() - sent_s < timeout_s:
             with contextlib.suppress(asyncio.TimeoutError):
                 item = await asyncio.wait_for(queue.get(), HEALTH_GENERATE_POLL_S)
@@ -320,12 +308,15 @@ async def _engine_answers(ctx: ServingContext, timeout_s: float) -> bool:
             if ctx.engine.last_output_s > sent_s:
                 return True
         return False
+    except BackendUnavailable:  # shutting down, or the backend stopped
+        return False
     finally:
-        ctx.engine.abort(rid)  # a no-op once it finished
+        ctx.engine.abort(rid)  # a no-op once it finished, or if it was never sent
 
 
 def _server_info(request: Request) -> dict[str, Any]:
-    ctx, args, info = request.app.state.ctx, request.app.state.args, request.app.state.model_info
+    ctx, info = request.app.state.ctx, request.app.state.model_info
+    args = ctx.args
     return {
         "model_path": info["model_path"],
         "tokenizer_path": info["tokenizer_path"],
@@ -335,13 +326,9 @@ def _server_info(request: Request) -> dict[str, Any]:
         # The KV pool, in tokens; a request's prompt can be at most max_req_input_len.
         "max_total_num_tokens": ctx.limits.kv_capacity_tokens,
         "max_req_input_len": ctx.limits.max_seq_len - 1,
-        "page_size": args.page_size,
         "disable_radix_cache": args.cache_type != "radix",
-        "tp_size": args.tp_size,
         "dp_size": DP_SIZE,
-        "nnodes": args.nnodes,
-        "max_running_requests": args.max_running_requests,
-        "max_queued_requests": args.max_queued_requests,
+        **{name: getattr(args, name) for name in SERVER_INFO_ARGS},
         "version": _version(),
     }
 
@@ -368,7 +355,7 @@ async def get_load(request: Request) -> Response:
         # KV tokens held by running requests (cached prefixes nobody uses are free to evict and
         # do not count); prompts still waiting are not counted.
         "num_tokens": (stats.stats.num_total_pages - stats.stats.num_free_pages)
-        * request.app.state.args.page_size,
+        * request.app.state.ctx.args.page_size,
     }
     return JSONResponse([load])
 
