@@ -305,7 +305,7 @@ class TokenLogprob:
     top: tuple[tuple[int, float], ...]  # (token id, logprob), most likely first
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Req:
     """One sequence inside the scheduler.
 

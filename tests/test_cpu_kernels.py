@@ -254,8 +254,8 @@ def test_greedy_kernel_is_torch_argmax(vocab, monkeypatch):
     params = [SamplingParams(temperature=0)] * rows
     batch = _sampling_batch(params, [0] * rows, [0] * rows, vocab)
     calls = []
-    real = Sampler._argmax
-    monkeypatch.setattr(Sampler, "_argmax", lambda *a: calls.append(1) or real(*a))
+    real = Sampler.argmax
+    monkeypatch.setattr(Sampler, "argmax", lambda *a: calls.append(1) or real(*a))
     got = _sampler().sample(logits, batch).token_ids
     assert calls and torch.equal(got, logits.argmax(dim=-1))
 

@@ -88,3 +88,28 @@ def test_flashinfer_page_lists_follow_the_page_table():
     assert last.tolist() == [1, 4, 1]
     # what plan() would recompute from indptr and last: (pages - 1) * page_size + last
     assert seq_lens.tolist() == kv_lens and seq_lens.dtype == torch.int32
+
+
+def test_host_tensor_is_torch_tensor_faster():
+    """The host's index and parameter tensors (array.array + frombuffer) hold what
+    torch.tensor would: same values and dtype, empty lists, and the types torch converts."""
+    import numpy as np
+
+    from minisgl.attention.base import host_tensor
+
+    cases = [
+        ([3, -1, 2**40], torch.int64),
+        ([7, 0], torch.int32),
+        ([0.5, 1e-3, 2.0], torch.float32),
+        ([1, 2.5], torch.float32),  # ints among floats
+        ([], torch.int64),
+        (range(5), torch.int64),
+        ([np.int64(4), np.int64(9)], torch.int64),  # numpy scalars: through torch
+        ([1.0, 2.0], torch.int64),  # floats as int64: torch truncates, as before
+    ]
+    for values, dtype in cases:
+        got = host_tensor(values, dtype)
+        want = torch.tensor(list(values), dtype=dtype)
+        assert got.dtype == dtype and torch.equal(got, want), (values, dtype)
+    staged = torch.arange(3)
+    assert host_tensor(staged, torch.int32).dtype == torch.int32  # a tensor: converted as is

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import array
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -59,6 +61,23 @@ class AttentionBatch:
     def is_decode(self) -> bool:
         """Every sequence computes exactly one query (the batches CUDA graphs replay)."""
         return all(e == 1 for e in self.extend_lens_cpu)
+
+
+# array.array type codes of the dtypes the host builds index and parameter tensors in.
+_ARRAY_CODES = {torch.int64: "q", torch.int32: "i", torch.float32: "f"}
+
+
+def host_tensor(values: Sequence[Any] | torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A 1-D host tensor of `values` as `dtype`. From a list of Python numbers it goes through
+    `array.array` and `torch.frombuffer` (no copy): ~4x faster than `torch.tensor`, which
+    costs ~0.2-0.3 us an element here, several a step for every running request."""
+    code = _ARRAY_CODES.get(dtype)
+    if isinstance(values, torch.Tensor) or code is None or not len(values):
+        return torch.as_tensor(values, dtype=dtype)
+    try:
+        return torch.frombuffer(array.array(code, values), dtype=dtype)
+    except TypeError:  # not plain ints / floats (numpy scalars, ...): torch converts them
+        return torch.as_tensor(values, dtype=dtype)
 
 
 def copy_to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:

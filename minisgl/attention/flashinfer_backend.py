@@ -22,7 +22,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from minisgl.attention.base import AttentionBackend, AttentionBatch, AttentionConfig, copy_to_device
+from minisgl.attention.base import (
+    AttentionBackend,
+    AttentionBatch,
+    AttentionConfig,
+    copy_to_device,
+    host_tensor,
+)
 from minisgl.kvcache.pool import KVPool
 
 # FlashInfer's recommended float workspace (split-KV partial results), allocated once.
@@ -40,7 +46,7 @@ def paged_kv_lists(
     the device, last page lengths int32 on the host) and the KV lengths (int32, on the host) that
     plan() would otherwise recompute from the first and last. Host tensors are pinned on CUDA."""
     page_size, device = batch.page_size, batch.table_rows.device
-    kv_lens = torch.tensor(batch.kv_lens_cpu, dtype=torch.int32)
+    kv_lens = host_tensor(batch.kv_lens_cpu, torch.int32)
     num_pages = (kv_lens + page_size - 1) // page_size
     indptr = F.pad(torch.cumsum(num_pages, 0, dtype=torch.int32), (1, 0))
     last_page_len = (kv_lens - 1) % page_size + 1
@@ -123,7 +129,7 @@ class FlashInferBackend(AttentionBackend):
         if batch.is_decode:
             return self._plan(self.decode_wrapper, batch)
         # Every sequence through the prefill wrapper, decodes as one-query prefills.
-        extend_lens = torch.tensor(batch.extend_lens_cpu, dtype=torch.int32)
+        extend_lens = host_tensor(batch.extend_lens_cpu, torch.int32)
         qo_indptr = F.pad(torch.cumsum(extend_lens, 0, dtype=torch.int32), (1, 0))
         return self._plan(self.prefill_wrapper, batch, qo_indptr.pin_memory(), causal=True)
 

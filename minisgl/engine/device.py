@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from minisgl.attention.base import host_tensor
+
 
 class ComputeStream:
     """The engine's compute stream on its device, and the host<->device copies around it."""
@@ -48,7 +50,7 @@ class ComputeStream:
     ) -> list[torch.Tensor]:
         """Copy 1-D host values (lists or tensors) to the device as `dtype`, in a single
         non-blocking copy."""
-        host = [torch.as_tensor(v, dtype=dtype) for v in values]
+        host = [host_tensor(v, dtype) for v in values]
         if not self.is_cuda:
             return [t.to(self.device) for t in host]
         on_device = torch.cat(host).pin_memory().to(self.device, non_blocking=True)

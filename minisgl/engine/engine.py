@@ -17,7 +17,7 @@ import logging
 import torch
 
 from minisgl.attention import create_backend, resolve_backend_name
-from minisgl.attention.base import AttentionBatch, AttentionConfig
+from minisgl.attention.base import AttentionBatch, AttentionConfig, host_tensor
 from minisgl.attention.context import ForwardContext, forward_context
 from minisgl.config import ServerArgs
 from minisgl.distributed import broadcast_from_primary, get_tp_info, ranks_per_node
@@ -171,7 +171,8 @@ class Engine:
             if batch.is_decode and (stack := self.model.cpu_decode_stack) is not None:
                 # One fused kernel call for the whole decoder stack (models/cpu_decoder.py),
                 # with none of the per-step attention metadata.
-                rows, positions = torch.tensor(batch.table_rows), torch.tensor(batch.prefix_lens)
+                rows = host_tensor(batch.table_rows, torch.int64)
+                positions = host_tensor(batch.prefix_lens, torch.int64)
                 return stack.forward(
                     self.tables.token_table, self.tables.page_table, rows, positions, self.kv_pool
                 )
@@ -193,11 +194,11 @@ class Engine:
             return self._sample(batch, self._forward_eager(batch, pool), None).result()
 
     def _forward_eager(self, batch: ForwardBatch, pool: KVPool) -> torch.Tensor:
-        extend = torch.tensor(batch.extend_lens, dtype=torch.int64)
-        prefix = torch.tensor(batch.prefix_lens, dtype=torch.int64)
+        extend = host_tensor(batch.extend_lens, torch.int64)
+        prefix = host_tensor(batch.prefix_lens, torch.int64)
         kv_lens = prefix + extend
         # Flatten (row, position) pairs for every token: [tokens]
-        token_rows = torch.tensor(batch.table_rows).repeat_interleave(extend)
+        token_rows = host_tensor(batch.table_rows, torch.int64).repeat_interleave(extend)
         starts = torch.cumsum(extend, 0) - extend
         positions = torch.arange(int(extend.sum())) - (starts - prefix).repeat_interleave(extend)
         # Logits at each sampled sequence's last token, then at the positions that score prompt

@@ -22,6 +22,7 @@ import threading
 
 import torch
 
+from minisgl.attention.base import host_tensor
 from minisgl.engine.device import ComputeStream
 
 _PAGE_TABLE, _TOKEN_TABLE = 0, 1  # their index in DeviceTables._tables
@@ -49,7 +50,7 @@ class DeviceTables:
         self.token_table[self.dummy_row].zero_()
 
     def write_tokens(self, row: int, start: int, token_ids: list[int]) -> None:
-        self._write(_TOKEN_TABLE, [row], [start], torch.tensor(token_ids)[None, :])
+        self._write(_TOKEN_TABLE, [row], [start], host_tensor(token_ids, torch.int64)[None, :])
 
     def write_slots(self, rows: list[int], starts: list[int], slots: torch.Tensor) -> None:
         """Positions starts[i] .. starts[i] + k - 1 of row rows[i] get slots[i] ([len(rows), k]):
@@ -61,7 +62,7 @@ class DeviceTables:
             return
         assert min(rows) >= 0 and max(rows) < self.num_rows
         assert min(starts) >= 0 and max(starts) + data.shape[1] <= self.width
-        first = torch.tensor(rows) * self.width + torch.tensor(starts)
+        first = host_tensor(rows, torch.int64) * self.width + host_tensor(starts, torch.int64)
         first += table * (self.num_rows + 1) * self.width
         index = (first[:, None] + torch.arange(data.shape[1])).flatten()
         with self._lock:

@@ -16,6 +16,7 @@ from collections.abc import Iterable
 
 import torch
 
+from minisgl.attention.base import host_tensor
 from minisgl.core import Req
 from minisgl.engine.tables import DeviceTables
 from minisgl.kvcache import create_prefix_cache
@@ -202,7 +203,7 @@ class CacheManager:
     def _pages_to_slots(self, pages: list[int]) -> torch.Tensor:
         """The slots of `pages`, in order (int64): the same values the page table holds, computed
         on the host so the scheduler never reads the device table."""
-        page_ids = torch.tensor(pages, dtype=torch.int64)
+        page_ids = host_tensor(pages, torch.int64)
         return (page_ids[:, None] * self.page_size + self._page_offsets).flatten()
 
     def _slots_to_pages(self, slots: torch.Tensor) -> list[int]:

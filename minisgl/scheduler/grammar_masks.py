@@ -50,7 +50,7 @@ class GrammarMasks:
 
     def mask(self, sampled: list[Req]) -> VocabMask | None:
         """The mask of a batch's sampled requests (in sampling order); None: none constrained."""
-        states = [None if r.finished else r.grammar for r in sampled]
+        states = [r.grammar for r in sampled]  # None once finished (Outputs clears it)
         return build_vocab_mask(states, self._vocab_size)
 
     @staticmethod
