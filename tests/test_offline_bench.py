@@ -90,6 +90,26 @@ def test_profile_steps_reports_its_window(tiny_qwen3):
     assert ops, out  # the forward's ops were recorded
 
 
+def test_host_cost_has_no_per_request_torch_call(tiny_qwen3):
+    """host_cost.py's figures add up (host = step - kernels), and between 2 and 12 running
+    requests the torch calls per decode step stay flat: nothing on the decode path (page
+    reservation, table writes, batch metadata, sampling) makes a torch call per request. Page
+    size 4 makes requests cross pages inside the window."""
+    args = ("--batch-sizes", "2", "12", "--prompt-len=9", "--steps=12", "--warmup-steps=2")
+    out = run_script("host_cost.py", tiny_qwen3, "--page-size=4", "--profile", *args, workload=())
+    rows = re.findall(r"^\s+(\d+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)$", out, re.MULTILINE)
+    assert [int(r[0]) for r in rows] == [2, 12], out
+    for _, step_ms, max_ms, kernels_ms, host_ms in rows:
+        assert float(max_ms) >= float(step_ms) > 0
+        assert abs(float(kernels_ms) + float(host_ms) - float(step_ms)) <= 0.02, out
+    calls = re.search(r"torch calls per step: (\d+) at 2, (\d+) at 12", out)
+    slope = re.search(r"torch calls per running request per step: ([\d.-]+)", out)
+    assert calls and slope and "marginal cost per running request per step" in out, out
+    # Before the batched reservation this was ~1.25 (a tensor or two per request, more at a
+    # page crossing); a call per request per step would make it >= 1.
+    assert float(slope[1]) < 0.5, out
+
+
 def test_sampling_benchmark_runs():
     script = ROOT / "benchmark" / "kernels" / "bench_sampling.py"
     command = [sys.executable, str(script), "--rows", "1", "3", "--iters", "1"]

@@ -74,12 +74,13 @@ def decode_window(
     llm: LLM, batch_size: int, args: argparse.Namespace, profiler: cProfile.Profile | None
 ) -> tuple[list[float], float]:
     """Seconds of each of `args.steps` steps while `batch_size` requests decode, and the
-    seconds of those steps spent in the compute kernels."""
+    seconds of those steps spent in the compute kernels. With a profiler, `args.steps` more
+    steps run under it afterwards (not timed)."""
     scheduler = llm.scheduler
     rng = random.Random(batch_size)
     vocab = scheduler.vocab_size
     params = SamplingParams(
-        max_tokens=args.warmup_steps + args.steps + 64, temperature=0.0, ignore_eos=True
+        max_tokens=args.warmup_steps + 2 * args.steps + 64, temperature=0.0, ignore_eos=True
     )
     reqs = [
         Req(next_request_id(), [rng.randrange(1, vocab) for _ in range(args.prompt_len)], params)
@@ -87,7 +88,7 @@ def decode_window(
     ]
     for req in reqs:
         scheduler.add_request(req)
-    bound = 10 * (batch_size + args.warmup_steps + args.steps)  # steps; prefill is chunked
+    bound = 10 * (batch_size + args.warmup_steps + 2 * args.steps)  # steps; prefill is chunked
     for _ in range(bound):  # until every request is decoding, then the warm-up steps
         scheduler.step()
         if all(len(r.output_ids) >= args.warmup_steps for r in reqs):
@@ -97,14 +98,15 @@ def decode_window(
     kernel_s[0] = 0.0
     for _ in range(args.steps):
         start = time.perf_counter()
-        if profiler is not None:
-            profiler.enable()
         scheduler.step()
-        if profiler is not None:
-            profiler.disable()
         times.append(time.perf_counter() - start)
-    assert len(scheduler.running) == batch_size, "a request finished inside the window"
     in_kernels_s = kernel_s[0]
+    if profiler is not None:
+        profiler.enable()
+        for _ in range(args.steps):
+            scheduler.step()
+        profiler.disable()
+    assert len(scheduler.running) == batch_size, "a request finished inside the window"
     for _ in range(bound):
         if not scheduler.has_work():
             break
@@ -139,12 +141,15 @@ def main(argv: list[str] | None = None) -> None:
         llm.generate([[1, 2, 3]] * 2, SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
         llm.scheduler.flush_cache()
         rows = []
+        torch_calls_per_step: list[float] = []
         profiler = None
         for size in sizes:
-            profiler = cProfile.Profile() if args.profile and size == sizes[-1] else None
+            profiler = cProfile.Profile() if args.profile else None
             times, in_kernels_s = decode_window(llm, size, args, profiler)
             mean_s = statistics.mean(times)
             rows.append((size, mean_s, max(times), mean_s - in_kernels_s / len(times)))
+            if profiler is not None:
+                torch_calls_per_step.append(torch_calls(pstats.Stats(profiler)) / args.steps)
     finally:
         llm.shutdown()
     print(
@@ -163,11 +168,17 @@ def main(argv: list[str] | None = None) -> None:
             f"in all, {(large_host_s - small_host_s) * per_req:.1f} us on the host"
         )
     if profiler is not None:
-        stats = pstats.Stats(profiler)
-        per_req_step = torch_calls(stats) / (args.steps * sizes[-1])
-        print(f"\ncProfile of {sizes[-1]} running, {args.steps} steps:")
-        print(f"torch calls per running request per step: {per_req_step:.2f}")
-        stats.sort_stats("tottime").print_stats(TOP_FUNCTIONS)
+        # Per running request: the slope of torch calls per step between the batch sizes
+        # (0 when nothing on the decode path is done per request).
+        calls = ", ".join(
+            f"{n:.0f} at {size}" for n, size in zip(torch_calls_per_step, sizes, strict=True)
+        )
+        print(f"\ntorch calls per step: {calls}")
+        if large > small:
+            slope = (torch_calls_per_step[-1] - torch_calls_per_step[0]) / (large - small)
+            print(f"torch calls per running request per step: {slope:.3f}")
+        print(f"cProfile of {large} running, {args.steps} steps:")
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(TOP_FUNCTIONS)
 
 
 if __name__ == "__main__":
