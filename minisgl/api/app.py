@@ -24,7 +24,7 @@ from minisgl.api.errors import (
     shape_error,
 )
 from minisgl.api.metrics import ServerMetrics
-from minisgl.api.middleware import Lifecycle, install_middleware
+from minisgl.api.middleware import Gate, Lifecycle
 from minisgl.api.pipeline import ServingContext
 from minisgl.chat import ChatSettings
 from minisgl.config import ServerArgs
@@ -113,9 +113,8 @@ def create_app(
         if ctx is not None:
             ctx.metrics.http_requests.labels(handler, method, str(status)).inc()
 
-    install_middleware(
-        app, app.state.lifecycle, args.api_key, args.max_request_body_bytes, count_response
-    )
+    limit = args.max_request_body_bytes
+    app.add_middleware(Gate, app.state.lifecycle, args.api_key, limit, count_response)
 
     async def on_error(request: Request, exc: Exception) -> JSONResponse:
         error = as_request_error(exc)
