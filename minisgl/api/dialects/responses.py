@@ -289,7 +289,7 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
     run = await Run(request.app.state.ctx, api, new_id("resp", "_")).start(request)
     turn = Turn(body, run, conversation)
     events = turn.wire_events(store)
-    return await respond(run, events, body.stream, _last_response, turn.error_frames, done=False)
+    return await respond(run, events, body.stream, _last_response, turn.error_frames)
 
 
 @router.get("/v1/responses/{response_id}")
