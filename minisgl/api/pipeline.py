@@ -221,7 +221,7 @@ class Run:
         self.ctx = ctx
         self.req = req
         self.id = request_id
-        self.prepared: Prepared | None = None
+        self.prepared: Prepared  # by `prepare`
         self.params: list[list[SamplingParams]] = []
         self.choices: list[Choice] = []
         self._queue: asyncio.Queue = asyncio.Queue()
@@ -231,7 +231,6 @@ class Run:
 
     @property
     def prompts(self) -> list[list[int]]:
-        assert self.prepared is not None
         return self.prepared.prompt_ids
 
     async def start(self, http_request: Request) -> Run:
@@ -259,7 +258,6 @@ class Run:
 
     def submit(self, http_request: Request) -> None:
         check_capacity(self.ctx, len(self.choices))  # it may have filled while we tokenized
-        assert self.prepared is not None
         try:
             grammar_json = self.prepared.grammar_json
             for choice in self.choices:
