@@ -56,12 +56,13 @@ class ClientDisconnected(Exception):
     pass
 
 
-class ChoiceFailed(Exception):
-    """A choice ended with an error: a stream ends with that error event, a reply is that error."""
+class ChoiceFailed(RequestError):
+    """A choice ended with an error: a stream ends with that error event, a reply is that error
+    (a 500 when the server failed the request, a step that raised; else a 400)."""
 
     def __init__(self, message: str, internal: bool = False) -> None:
-        super().__init__(message)
-        self.internal = internal  # the server's failure (a step that raised), not the request's
+        super().__init__(HTTP_SERVER_ERROR if internal else HTTP_BAD_REQUEST, message)
+        self.internal = internal
 
 
 # A dialect that answers errors in its own shape registers it for its path prefix; everything

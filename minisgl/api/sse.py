@@ -14,11 +14,9 @@ from typing import TYPE_CHECKING, Any
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from minisgl.api.errors import (
-    HTTP_BAD_REQUEST,
     HTTP_SERVER_ERROR,
     ChoiceFailed,
     ClientDisconnected,
-    RequestError,
     as_request_error,
     error_dict,
 )
@@ -72,9 +70,7 @@ def sse_event(data: Any, name: str | None = None) -> str:
 
 
 def _error_body(exc: BaseException, request_id: str) -> dict[str, Any]:
-    if isinstance(exc, ChoiceFailed):
-        if exc.internal:  # the server failed the request: a 500, as a non-streamed one gets
-            return error_dict(str(exc), "server_error", code=HTTP_SERVER_ERROR)
+    if isinstance(exc, ChoiceFailed) and not exc.internal:  # the request's failure: no code
         return error_dict(str(exc))
     error = as_request_error(exc)
     if error is not None:
@@ -122,9 +118,6 @@ async def respond(
         payloads = [payload async for _, payload in events]
     except ClientDisconnected:
         return Response(status_code=CLIENT_CLOSED_REQUEST)  # nobody reads it
-    except ChoiceFailed as exc:
-        status = HTTP_SERVER_ERROR if exc.internal else HTTP_BAD_REQUEST
-        raise RequestError(status, str(exc)) from None
     finally:
         run.close()
     return JSONResponse(fold(payloads))
