@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -47,8 +46,6 @@ from minisgl.grammar import GrammarCompiler
 from minisgl.limits import ModelLimits
 from minisgl.runtime.engine_client import EngineClient
 from minisgl.runtime.messages import DetokenizedOutput
-
-logger = logging.getLogger(__name__)
 
 # Token id -> text is asked for every token when logprobs are on: cache the common ones.
 TOKEN_TEXT_CACHE_SIZE = 1 << 16

@@ -130,10 +130,8 @@ class GenerateRequest(WireModel):
         return bool(self.input_ids) and isinstance(self.input_ids[0], list)  # type: ignore[index]
 
     def prompts(self) -> list[str] | list[list[int]]:
-        if self.text is not None:
-            return self.text if isinstance(self.text, list) else [self.text]
-        ids = self.input_ids or []
-        return cast("list[list[int]]", ids) if self.is_batch else [cast("list[int]", ids)]
+        given = self.text if self.text is not None else self.input_ids
+        return cast("list[str] | list[list[int]]", given if self.is_batch else [given])
 
     def _sampling(self, num_prompts: int) -> list[SGLangSampling]:
         given = self.sampling_params
