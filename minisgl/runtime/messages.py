@@ -234,6 +234,7 @@ class MessageQueue:
     """
 
     def __init__(self, kind: Literal["push", "pull"], endpoint: str, *, asyncio: bool = False):
+        self.kind = kind
         context: zmq.Context = zmq.asyncio.Context.instance() if asyncio else zmq.Context.instance()
         self._socket = context.socket(zmq.PUSH if kind == "push" else zmq.PULL)
         self._socket.setsockopt(zmq.LINGER, LINGER_MS)
@@ -245,6 +246,7 @@ class MessageQueue:
             self._socket.connect(endpoint)
 
     def put(self, message: Any) -> None:
+        assert self.kind == "push", "cannot send on a pull socket"
         self._socket.send(encode(message), copy=False)
 
     def get(self, timeout_s: float | None = None) -> Any | None:

@@ -334,8 +334,7 @@ router = APIRouter()
 @router.post(PATH_PREFIX)
 async def create_message(body: MessagesRequest, request: Request) -> Response:
     run = await Run(request.app.state.ctx, body.to_api(), new_id("msg", "_")).start(request)
-    events = message_events(run, body)
-    return await respond(run, events, body.stream, fold_message, _error_frames)
+    return await respond(run, message_events(run, body), body.stream, fold_message, _error_frames)
 
 
 @router.post(PATH_PREFIX + "/count_tokens")

@@ -45,7 +45,7 @@ from pydantic import Field, ValidationError, model_validator
 from starlette.responses import JSONResponse, Response
 
 from minisgl.api.dialects.openai import OpenAISampling
-from minisgl.api.errors import HTTP_BAD_REQUEST, HTTP_SERVICE_UNAVAILABLE, RequestError, error_dict
+from minisgl.api.errors import HTTP_BAD_REQUEST, HTTP_SERVICE_UNAVAILABLE, RequestError
 from minisgl.api.pipeline import Choice, Run, ServingContext
 from minisgl.api.request import SAMPLING_NAMES, ApiRequest, WireModel, new_id, sampling_of
 from minisgl.api.sse import WireEvent, respond
@@ -87,6 +87,7 @@ HEALTH_PROMPT = (0,)
 HEALTH_PARAMS = SamplingParams(max_tokens=1, temperature=0)
 # /flush_cache: the scheduler answers between steps (a long prefill step can take seconds).
 FLUSH_CACHE_TIMEOUT_S = 30.0
+SCHEDULER_SILENT = "The scheduler did not answer."
 # Each minisgl server is a single data-parallel rank; replicas are separate workers.
 DP_RANK = 0
 DP_SIZE = 1
@@ -283,11 +284,6 @@ def _version() -> str:
         return "unknown"
 
 
-def _unavailable(message: str) -> JSONResponse:
-    body = error_dict(message, "server_error", code=HTTP_SERVICE_UNAVAILABLE)
-    return JSONResponse(body, status_code=HTTP_SERVICE_UNAVAILABLE)
-
-
 async def _engine_answers(ctx: ServingContext, timeout_s: float) -> bool:
     """Submit a one-token greedy request; True once the engine produces any output after it was
     sent, its own or another request's (a busy server may queue the probe behind real work:
@@ -344,7 +340,7 @@ for path, handler in (("server_info", _server_info), ("model_info", _model_info)
 async def get_load(request: Request) -> Response:
     stats = await request.app.state.ctx.engine.stats(LOAD_STATS_TIMEOUT_S)
     if stats is None:
-        return _unavailable("The scheduler did not answer.")
+        raise RequestError(HTTP_SERVICE_UNAVAILABLE, SCHEDULER_SILENT)
     queued = stats.stats.num_queue_reqs
     load = {
         "dp_rank": DP_RANK,
@@ -362,10 +358,9 @@ async def get_load(request: Request) -> Response:
 async def flush_cache(request: Request) -> Response:
     reply = await request.app.state.ctx.engine.flush_cache(FLUSH_CACHE_TIMEOUT_S)
     if reply is None:
-        return _unavailable("The scheduler did not answer.")
+        raise RequestError(HTTP_SERVICE_UNAVAILABLE, SCHEDULER_SILENT)
     if not reply.flushed:
-        body = error_dict(reply.message, code=HTTP_BAD_REQUEST)
-        return JSONResponse(body, status_code=HTTP_BAD_REQUEST)
+        raise RequestError(HTTP_BAD_REQUEST, reply.message)
     return Response("Cache flushed.\n", media_type="text/plain")
 
 
