@@ -284,9 +284,10 @@ def test_failed_submit_leaves_no_route():
             params = SamplingParams(max_tokens=2)
             object.__setattr__(params, "top_k", 2**64)  # slip past validation on purpose
             with pytest.raises((OverflowError, TypeError)):  # msgpack: too big for int64
-                engine.submit("r1", 0, [1, 2], params, asyncio.Queue())
+                engine.submit(TokenizedRequest("r1", (1, 2), params), 0, asyncio.Queue())
             assert engine.num_active_requests == 0
-            engine.submit("r2", 0, [1, 2], SamplingParams(max_tokens=2), asyncio.Queue())
+            request = TokenizedRequest("r2", (1, 2), SamplingParams(max_tokens=2))
+            engine.submit(request, 0, asyncio.Queue())
             assert engine.num_active_requests == 1
         finally:
             await engine.close()

@@ -45,7 +45,7 @@ from minisgl.core import Constraint, FinishReason, InvalidRequestError, Sampling
 from minisgl.grammar import GrammarCompiler
 from minisgl.limits import ModelLimits
 from minisgl.runtime.engine_client import EngineClient
-from minisgl.runtime.messages import DetokenizedOutput
+from minisgl.runtime.messages import DetokenizedOutput, TokenizedRequest
 
 # Token id -> text is asked for every token when logprobs are on: cache the common ones.
 TOKEN_TEXT_CACHE_SIZE = 1 << 16
@@ -256,11 +256,11 @@ class Run:
     def submit(self, http_request: Request) -> None:
         check_capacity(self.ctx, len(self.choices))  # it may have filled while we tokenized
         try:
-            grammar_json = self.prepared.grammar_json
             for choice in self.choices:
                 p, j = divmod(choice.index, self.req.n)  # prompt p's choice j
-                sequence = (self.prompts[p], self.params[p][j], self._queue, grammar_json)
-                self.ctx.engine.submit(choice.rid, choice.index, *sequence)
+                ids, params = tuple(self.prompts[p]), self.params[p][j]
+                request = TokenizedRequest(choice.rid, ids, params, self.prepared.grammar_json)
+                self.ctx.engine.submit(request, choice.index, self._queue)
         except BaseException:
             self.close()
             raise

@@ -59,6 +59,7 @@ from minisgl.core import (
     TokenLogprob,
 )
 from minisgl.runtime.engine_client import BackendUnavailable, RoutedOutput
+from minisgl.runtime.messages import TokenizedRequest
 
 # SGLang's default when sampling_params has no max_new_tokens.
 DEFAULT_MAX_NEW_TOKENS = 128
@@ -293,7 +294,7 @@ async def _engine_answers(ctx: ServingContext, timeout_s: float) -> bool:
     rid = new_id("health")
     queue: asyncio.Queue = asyncio.Queue()
     try:
-        ctx.engine.submit(rid, 0, list(HEALTH_PROMPT), HEALTH_PARAMS, queue)
+        ctx.engine.submit(TokenizedRequest(rid, HEALTH_PROMPT, HEALTH_PARAMS), 0, queue)
         while loop.time() - sent_s < timeout_s:
             with contextlib.suppress(asyncio.TimeoutError):
                 item = await asyncio.wait_for(queue.get(), HEALTH_GENERATE_POLL_S)
