@@ -313,10 +313,8 @@ def _server_info(request: Request) -> dict[str, Any]:
     ctx, info = request.app.state.ctx, request.app.state.model_info
     args = ctx.args
     return {
-        "model_path": info["model_path"],
-        "tokenizer_path": info["tokenizer_path"],
+        **{key: info[key] for key in ("model_path", "tokenizer_path", "is_generation")},
         "served_model_name": ctx.served_model_name,
-        "is_generation": True,
         "context_length": ctx.limits.max_model_len,
         # The KV pool, in tokens; a request's prompt can be at most max_req_input_len.
         "max_total_num_tokens": ctx.limits.kv_capacity_tokens,
