@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse
 
 from minisgl.core import InvalidRequestError
 from minisgl.runtime.engine_client import BackendUnavailable
+
+logger = logging.getLogger(__name__)
 
 HTTP_BAD_REQUEST = 400
 HTTP_NOT_FOUND = 404
@@ -110,3 +115,24 @@ def as_request_error(exc: BaseException) -> RequestError | None:
     """The error response an exception stands for; None for a bug (a 500 whoever catches it)."""
     answer = next((answer for kind, answer in _ANSWERS.items() if isinstance(exc, kind)), None)
     return None if answer is None else answer(exc)
+
+
+async def error_response(request: Request, exc: Exception) -> JSONResponse:
+    """The app's handler of ANSWERED_ERRORS: the error in the shape of the path's dialect."""
+    error = as_request_error(exc)
+    assert error is not None  # registered for the kinds that have an answer
+    shaped = shape_error(request.url.path, error.body(), error.status_code)
+    return JSONResponse(shaped, status_code=error.status_code, headers=error.headers)
+
+
+def stream_error_body(exc: BaseException, request_id: str) -> dict[str, Any]:
+    """The error event that ends a stream early; a bug is logged (with the request id it
+    names) and reported as a 500."""
+    if isinstance(exc, ChoiceFailed) and not exc.internal:  # the request's failure: no code
+        return error_dict(str(exc))
+    error = as_request_error(exc)
+    if error is not None:
+        return error.body()
+    logger.exception("request %s failed while streaming", request_id, exc_info=exc)
+    message = f"internal error while streaming (request id {request_id})"
+    return error_dict(message, "server_error", code=HTTP_SERVER_ERROR)

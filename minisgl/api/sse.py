@@ -7,24 +7,15 @@ from __future__ import annotations
 
 import copy
 import json
-import logging
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from minisgl.api.errors import (
-    HTTP_SERVER_ERROR,
-    ChoiceFailed,
-    ClientDisconnected,
-    as_request_error,
-    error_dict,
-)
+from minisgl.api.errors import ClientDisconnected, stream_error_body
 
 if TYPE_CHECKING:
     from minisgl.api.pipeline import Run
-
-logger = logging.getLogger(__name__)
 
 # A dialect's wire events: (SSE event name or None, payload).
 WireEvent = tuple[str | None, dict[str, Any]]
@@ -69,17 +60,6 @@ def sse_event(data: Any, name: str | None = None) -> str:
     return f"{head}data: {dumps(data)}\n\n"
 
 
-def _error_body(exc: BaseException, request_id: str) -> dict[str, Any]:
-    if isinstance(exc, ChoiceFailed) and not exc.internal:  # the request's failure: no code
-        return error_dict(str(exc))
-    error = as_request_error(exc)
-    if error is not None:
-        return error.body()
-    logger.exception("request %s failed while streaming", request_id, exc_info=exc)
-    message = f"internal error while streaming (request id {request_id})"
-    return error_dict(message, "server_error", code=HTTP_SERVER_ERROR)
-
-
 async def stream_frames(
     run: Run,
     events: AsyncIterator[WireEvent],
@@ -96,7 +76,7 @@ async def stream_frames(
     except ClientDisconnected:
         return
     except Exception as exc:
-        body = _error_body(exc, run.id)
+        body = stream_error_body(exc, run.id)
         for frame in [sse_event(body), SSE_DONE] if error_frames is None else error_frames(body):
             yield frame
     finally:
