@@ -34,11 +34,13 @@ E2E_BUCKETS_S = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 3
 EXPORTED_FIELDS = tuple(f for f in dataclasses.fields(SchedulerStats) if METRIC in f.metadata)
 
 
+# A metric kind whose value is one number -> its family (a counter's name gets `_total`).
+NUMBER_FAMILIES = {"counter": CounterMetricFamily, "gauge": GaugeMetricFamily}
+
+
 def _family(metric: Metric, name: str, doc: str, value: Any) -> MetricFamily:
-    if metric.kind == "counter":  # prometheus_client appends `_total` to counter names
-        return CounterMetricFamily(name, doc, value=value)
-    if metric.kind == "gauge":
-        return GaugeMetricFamily(name, doc, value=value)
+    if metric.kind in NUMBER_FAMILIES:
+        return NUMBER_FAMILIES[metric.kind](name, doc, value=value)
     # A HistogramSnapshot's per-bucket counts (the last one +Inf) -> cumulative buckets.
     cumulative = list(itertools.accumulate(value.bucket_counts))
     bounds = [repr(float(b)) for b in metric.bucket_bounds]
