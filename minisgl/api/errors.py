@@ -104,9 +104,8 @@ _ANSWERS: dict[type[Exception], Callable[[Any], RequestError]] = {
     InvalidRequestError: lambda exc: RequestError(HTTP_BAD_REQUEST, str(exc), param=exc.param),
     BackendUnavailable: lambda exc: RequestError(HTTP_SERVICE_UNAVAILABLE, str(exc)),
     RequestValidationError: _validation_error,
-    HTTPException: lambda exc: RequestError(
-        exc.status_code, str(exc.detail), None, "invalid_request_error", exc.headers
-    ),
+    # Routing's 404 and 405 (a client error: nothing raises one with a 5xx status).
+    HTTPException: lambda exc: RequestError(exc.status_code, str(exc.detail), headers=exc.headers),
 }
 ANSWERED_ERRORS = tuple(_ANSWERS)
 
