@@ -665,7 +665,7 @@ def test_a_stream_that_fails_ends_with_error_and_response_failed():
     turn = Turn(body, run, [])  # type: ignore[arg-type]
 
     async def read() -> list[str]:
-        frames = stream_frames(run, turn.wire_events(store), turn.error_frames, done=False)  # type: ignore[arg-type]
+        frames = stream_frames(run, turn.wire_events(store), turn.error_frames)  # type: ignore[arg-type]
         return [frame async for frame in frames]
 
     blocks = asyncio.run(read())

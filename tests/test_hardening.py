@@ -24,8 +24,8 @@ from starlette.responses import PlainTextResponse
 from starlette.routing import Route
 
 from minisgl.api.errors import ChoiceFailed, RequestError
-from minisgl.api.middleware import Lifecycle, install_middleware
-from minisgl.api.sse import openai_error_frames, stream_frames
+from minisgl.api.middleware import Gate, Lifecycle
+from minisgl.api.sse import stream_frames
 from minisgl.config import ServerArgs
 from minisgl.core import MAX_STOP_STRINGS, FinishReason, ReqOutput, SamplingParams
 from minisgl.limits import ModelLimits, check_request, resolve_max_tokens
@@ -124,7 +124,7 @@ def _guarded_app(lifecycle: Lifecycle, max_body_bytes: int = 1000) -> Starlette:
 
     routes = [Route("/boom", boom), Route("/echo", echo, methods=["POST"]), Route("/metrics", echo)]
     app = Starlette(routes=routes)
-    install_middleware(app, lifecycle, api_key=None, max_body_bytes=max_body_bytes)
+    app.add_middleware(Gate, lifecycle, None, max_body_bytes)
     return app
 
 
@@ -249,7 +249,7 @@ def test_a_stream_that_fails_ends_with_an_error_event(caplog):
 
     async def collect(error: Exception) -> list[str]:
         run = SimpleNamespace(id="req-1", close=lambda: None)
-        frames = stream_frames(run, events(error), openai_error_frames, done=True)  # type: ignore[arg-type]
+        frames = stream_frames(run, events(error))  # type: ignore[arg-type]
         return [frame async for frame in frames]
 
     with caplog.at_level(logging.ERROR):
@@ -284,9 +284,10 @@ def test_failed_submit_leaves_no_route():
             params = SamplingParams(max_tokens=2)
             object.__setattr__(params, "top_k", 2**64)  # slip past validation on purpose
             with pytest.raises((OverflowError, TypeError)):  # msgpack: too big for int64
-                engine.submit("r1", 0, [1, 2], params, asyncio.Queue())
+                engine.submit(TokenizedRequest("r1", (1, 2), params), 0, asyncio.Queue())
             assert engine.num_active_requests == 0
-            engine.submit("r2", 0, [1, 2], SamplingParams(max_tokens=2), asyncio.Queue())
+            request = TokenizedRequest("r2", (1, 2), SamplingParams(max_tokens=2))
+            engine.submit(request, 0, asyncio.Queue())
             assert engine.num_active_requests == 1
         finally:
             await engine.close()

@@ -14,17 +14,12 @@ from typing import Any
 
 import uvicorn
 from fastapi import FastAPI, Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
 from minisgl.api.dialects import anthropic, completions, openai, responses, sglang, vllm
-from minisgl.api.errors import (
-    ANSWERED_ERRORS,
-    HTTP_SERVICE_UNAVAILABLE,
-    as_request_error,
-    shape_error,
-)
+from minisgl.api.errors import ANSWERED_ERRORS, HTTP_SERVICE_UNAVAILABLE, error_response
 from minisgl.api.metrics import ServerMetrics
-from minisgl.api.middleware import Lifecycle, install_middleware
+from minisgl.api.middleware import Gate, Lifecycle
 from minisgl.api.pipeline import ServingContext
 from minisgl.chat import ChatSettings
 from minisgl.config import ServerArgs
@@ -113,18 +108,11 @@ def create_app(
         if ctx is not None:
             ctx.metrics.http_requests.labels(handler, method, str(status)).inc()
 
-    install_middleware(
-        app, app.state.lifecycle, args.api_key, args.max_request_body_bytes, count_response
-    )
-
-    async def on_error(request: Request, exc: Exception) -> JSONResponse:
-        error = as_request_error(exc)
-        assert error is not None  # registered for the kinds that have an answer
-        shaped = shape_error(request.url.path, error.body(), error.status_code)
-        return JSONResponse(shaped, status_code=error.status_code, headers=error.headers)
+    limit = args.max_request_body_bytes
+    app.add_middleware(Gate, app.state.lifecycle, args.api_key, limit, count_response)
 
     for kind in ANSWERED_ERRORS:
-        app.add_exception_handler(kind, on_error)
+        app.add_exception_handler(kind, error_response)
     # Any other exception: the Gate (minisgl.api.middleware) logs it once and answers 500.
 
     # The dialects' routes join the app's own (include_router would nest them behind one

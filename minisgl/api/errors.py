@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse
 
 from minisgl.core import InvalidRequestError
 from minisgl.runtime.engine_client import BackendUnavailable
+
+logger = logging.getLogger(__name__)
 
 HTTP_BAD_REQUEST = 400
 HTTP_NOT_FOUND = 404
@@ -56,12 +61,13 @@ class ClientDisconnected(Exception):
     pass
 
 
-class ChoiceFailed(Exception):
-    """A choice ended with an error: a stream ends with that error event, a reply is that error."""
+class ChoiceFailed(RequestError):
+    """A choice ended with an error: a stream ends with that error event, a reply is that error
+    (a 500 when the server failed the request, a step that raised; else a 400)."""
 
     def __init__(self, message: str, internal: bool = False) -> None:
-        super().__init__(message)
-        self.internal = internal  # the server's failure (a step that raised), not the request's
+        super().__init__(HTTP_SERVER_ERROR if internal else HTTP_BAD_REQUEST, message)
+        self.internal = internal
 
 
 # A dialect that answers errors in its own shape registers it for its path prefix; everything
@@ -98,9 +104,8 @@ _ANSWERS: dict[type[Exception], Callable[[Any], RequestError]] = {
     InvalidRequestError: lambda exc: RequestError(HTTP_BAD_REQUEST, str(exc), param=exc.param),
     BackendUnavailable: lambda exc: RequestError(HTTP_SERVICE_UNAVAILABLE, str(exc)),
     RequestValidationError: _validation_error,
-    HTTPException: lambda exc: RequestError(
-        exc.status_code, str(exc.detail), None, "invalid_request_error", exc.headers
-    ),
+    # Routing's 404 and 405 (a client error: nothing raises one with a 5xx status).
+    HTTPException: lambda exc: RequestError(exc.status_code, str(exc.detail), headers=exc.headers),
 }
 ANSWERED_ERRORS = tuple(_ANSWERS)
 
@@ -109,3 +114,24 @@ def as_request_error(exc: BaseException) -> RequestError | None:
     """The error response an exception stands for; None for a bug (a 500 whoever catches it)."""
     answer = next((answer for kind, answer in _ANSWERS.items() if isinstance(exc, kind)), None)
     return None if answer is None else answer(exc)
+
+
+async def error_response(request: Request, exc: Exception) -> JSONResponse:
+    """The app's handler of ANSWERED_ERRORS: the error in the shape of the path's dialect."""
+    error = as_request_error(exc)
+    assert error is not None  # registered for the kinds that have an answer
+    shaped = shape_error(request.url.path, error.body(), error.status_code)
+    return JSONResponse(shaped, status_code=error.status_code, headers=error.headers)
+
+
+def stream_error_body(exc: BaseException, request_id: str) -> dict[str, Any]:
+    """The error event that ends a stream early; a bug is logged (with the request id it
+    names) and reported as a 500."""
+    if isinstance(exc, ChoiceFailed) and not exc.internal:  # the request's failure: no code
+        return error_dict(str(exc))
+    error = as_request_error(exc)
+    if error is not None:
+        return error.body()
+    logger.exception("request %s failed while streaming", request_id, exc_info=exc)
+    message = f"internal error while streaming (request id {request_id})"
+    return error_dict(message, "server_error", code=HTTP_SERVER_ERROR)

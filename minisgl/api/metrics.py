@@ -23,7 +23,7 @@ from prometheus_client.registry import Collector
 
 from minisgl.core import FinishReason
 from minisgl.runtime.messages import StatsReply
-from minisgl.scheduler.stats import METRIC, HistogramSnapshot, Metric, SchedulerStats
+from minisgl.scheduler.stats import METRIC, Metric, SchedulerStats
 
 PREFIX = "minisgl:"
 # Buckets in seconds, spanning a fast GPU decode step to a slow CPU prefill.
@@ -34,22 +34,18 @@ E2E_BUCKETS_S = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 3
 EXPORTED_FIELDS = tuple(f for f in dataclasses.fields(SchedulerStats) if METRIC in f.metadata)
 
 
+# A metric kind whose value is one number -> its family (a counter's name gets `_total`).
+NUMBER_FAMILIES = {"counter": CounterMetricFamily, "gauge": GaugeMetricFamily}
+
+
 def _family(metric: Metric, name: str, doc: str, value: Any) -> MetricFamily:
-    if metric.kind == "counter":  # prometheus_client appends `_total` to counter names
-        return CounterMetricFamily(name, doc, value=value)
-    if metric.kind == "gauge":
-        return GaugeMetricFamily(name, doc, value=value)
-    return _histogram(name, doc, metric.bucket_bounds, value)
-
-
-def _histogram(
-    name: str, doc: str, bounds: tuple[float, ...], snapshot: HistogramSnapshot
-) -> HistogramMetricFamily:
-    """Per-bucket counts (the last one +Inf) -> a Prometheus histogram (cumulative buckets)."""
-    cumulative = list(itertools.accumulate(snapshot.bucket_counts))
-    buckets = [(repr(float(b)), c) for b, c in zip(bounds, cumulative, strict=False)]
-    buckets.append(("+Inf", cumulative[-1]))
-    return HistogramMetricFamily(name, doc, buckets=buckets, sum_value=snapshot.sum)
+    if metric.kind in NUMBER_FAMILIES:
+        return NUMBER_FAMILIES[metric.kind](name, doc, value=value)
+    # A HistogramSnapshot's per-bucket counts (the last one +Inf) -> cumulative buckets.
+    cumulative = list(itertools.accumulate(value.bucket_counts))
+    bounds = [repr(float(b)) for b in metric.bucket_bounds]
+    buckets = [*zip(bounds, cumulative, strict=False), ("+Inf", cumulative[-1])]
+    return HistogramMetricFamily(name, doc, buckets=buckets, sum_value=value.sum)
 
 
 class _SchedulerStatsCollector(Collector):

@@ -14,7 +14,6 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from starlette.applications import Starlette
 from starlette.responses import JSONResponse
 from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -181,15 +180,3 @@ class Gate:
                 return None
             if not message.get("more_body", False):
                 return {"type": "http.request", "body": bytes(body), "more_body": False}
-
-
-def install_middleware(
-    app: Starlette,
-    lifecycle: Lifecycle,
-    api_key: str | None,
-    max_body_bytes: int,
-    observe: ResponseObserver | None = None,
-) -> None:
-    app.add_middleware(
-        Gate, lifecycle=lifecycle, api_key=api_key, max_body_bytes=max_body_bytes, observe=observe
-    )

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -46,9 +45,7 @@ from minisgl.core import Constraint, FinishReason, InvalidRequestError, Sampling
 from minisgl.grammar import GrammarCompiler
 from minisgl.limits import ModelLimits
 from minisgl.runtime.engine_client import EngineClient
-from minisgl.runtime.messages import DetokenizedOutput
-
-logger = logging.getLogger(__name__)
+from minisgl.runtime.messages import DetokenizedOutput, TokenizedRequest
 
 # Token id -> text is asked for every token when logprobs are on: cache the common ones.
 TOKEN_TEXT_CACHE_SIZE = 1 << 16
@@ -221,7 +218,7 @@ class Run:
         self.ctx = ctx
         self.req = req
         self.id = request_id
-        self.prepared: Prepared | None = None
+        self.prepared: Prepared  # by `prepare`
         self.params: list[list[SamplingParams]] = []
         self.choices: list[Choice] = []
         self._queue: asyncio.Queue = asyncio.Queue()
@@ -231,7 +228,6 @@ class Run:
 
     @property
     def prompts(self) -> list[list[int]]:
-        assert self.prepared is not None
         return self.prepared.prompt_ids
 
     async def start(self, http_request: Request) -> Run:
@@ -259,13 +255,12 @@ class Run:
 
     def submit(self, http_request: Request) -> None:
         check_capacity(self.ctx, len(self.choices))  # it may have filled while we tokenized
-        assert self.prepared is not None
         try:
-            grammar_json = self.prepared.grammar_json
             for choice in self.choices:
                 p, j = divmod(choice.index, self.req.n)  # prompt p's choice j
-                sequence = (self.prompts[p], self.params[p][j], self._queue, grammar_json)
-                self.ctx.engine.submit(choice.rid, choice.index, *sequence)
+                ids, params = tuple(self.prompts[p]), self.params[p][j]
+                request = TokenizedRequest(choice.rid, ids, params, self.prepared.grammar_json)
+                self.ctx.engine.submit(request, choice.index, self._queue)
         except BaseException:
             self.close()
             raise

@@ -71,16 +71,12 @@ class WireModel(BaseModel):
 
     @model_validator(mode="before")
     @classmethod
-    def _text_is_valid_unicode(cls, data: Any) -> Any:
+    def _check_text_and_nulls(cls, data: Any) -> Any:
+        """Text must be valid Unicode; an explicit null for a field is left out, so the field
+        takes its default."""
         where = find_invalid_text(data)
         if where is not None:
             raise InvalidRequestError(where, "must be valid Unicode text (no lone surrogates)")
-        return data
-
-    @model_validator(mode="before")
-    @classmethod
-    def _null_is_the_default(cls, data: Any) -> Any:
-        """An explicit null for a field is left out, so the field takes its default."""
         if isinstance(data, dict):
             data = {k: v for k, v in data.items() if v is not None or k not in cls.model_fields}
         return data

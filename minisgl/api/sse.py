@@ -7,26 +7,15 @@ from __future__ import annotations
 
 import copy
 import json
-import logging
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from minisgl.api.errors import (
-    HTTP_BAD_REQUEST,
-    HTTP_SERVER_ERROR,
-    ChoiceFailed,
-    ClientDisconnected,
-    RequestError,
-    as_request_error,
-    error_dict,
-)
+from minisgl.api.errors import ClientDisconnected, stream_error_body
 
 if TYPE_CHECKING:
     from minisgl.api.pipeline import Run
-
-logger = logging.getLogger(__name__)
 
 # A dialect's wire events: (SSE event name or None, payload).
 WireEvent = tuple[str | None, dict[str, Any]]
@@ -71,41 +60,24 @@ def sse_event(data: Any, name: str | None = None) -> str:
     return f"{head}data: {dumps(data)}\n\n"
 
 
-def openai_error_frames(body: dict[str, Any]) -> list[str]:
-    """How OpenAI-style streams end on an error: the error, then [DONE]."""
-    return [sse_event(body), SSE_DONE]
-
-
-def _error_body(exc: BaseException, request_id: str) -> dict[str, Any]:
-    if isinstance(exc, ChoiceFailed):
-        if exc.internal:  # the server failed the request: a 500, as a non-streamed one gets
-            return error_dict(str(exc), "server_error", code=HTTP_SERVER_ERROR)
-        return error_dict(str(exc))
-    error = as_request_error(exc)
-    if error is not None:
-        return error.body()
-    logger.exception("request %s failed while streaming", request_id, exc_info=exc)
-    message = f"internal error while streaming (request id {request_id})"
-    return error_dict(message, "server_error", code=HTTP_SERVER_ERROR)
-
-
 async def stream_frames(
     run: Run,
     events: AsyncIterator[WireEvent],
-    error_frames: Callable[[dict[str, Any]], list[str]],
-    done: bool,
+    error_frames: Callable[[dict[str, Any]], list[str]] | None = None,
 ) -> AsyncIterator[str]:
-    """The events as server-sent events (then [DONE] when `done`). Whatever ends the stream
-    early reaches the client as the dialect's error frames; a client that left gets nothing."""
+    """The events as server-sent events. Whatever ends the stream early reaches the client as
+    the dialect's `error_frames`; a client that left gets nothing. None: OpenAI's streams, which
+    end with [DONE], after their error event too."""
     try:
         async for name, payload in events:
             yield sse_event(payload, name)
-        if done:
+        if error_frames is None:
             yield SSE_DONE
     except ClientDisconnected:
         return
     except Exception as exc:
-        for frame in error_frames(_error_body(exc, run.id)):
+        body = stream_error_body(exc, run.id)
+        for frame in [sse_event(body), SSE_DONE] if error_frames is None else error_frames(body):
             yield frame
     finally:
         run.close()
@@ -116,20 +88,16 @@ async def respond(
     events: AsyncIterator[WireEvent],
     stream: bool,
     fold: Callable[[list[dict[str, Any]]], dict[str, Any] | list[Any]],
-    error_frames: Callable[[dict[str, Any]], list[str]] = openai_error_frames,
-    done: bool = True,
+    error_frames: Callable[[dict[str, Any]], list[str]] | None = None,
 ) -> Response:
     """A stream of the events, or their fold: the reply of a non-streaming request."""
     if stream:
-        frames = stream_frames(run, events, error_frames, done)
+        frames = stream_frames(run, events, error_frames)
         return StreamingResponse(frames, media_type=SSE_MEDIA_TYPE, headers=SSE_HEADERS)
     try:
         payloads = [payload async for _, payload in events]
     except ClientDisconnected:
         return Response(status_code=CLIENT_CLOSED_REQUEST)  # nobody reads it
-    except ChoiceFailed as exc:
-        status = HTTP_SERVER_ERROR if exc.internal else HTTP_BAD_REQUEST
-        raise RequestError(status, str(exc)) from None
     finally:
         run.close()
     return JSONResponse(fold(payloads))

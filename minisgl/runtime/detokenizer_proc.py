@@ -23,7 +23,7 @@ logger = logging.getLogger(__name__)
 IDLE_POLL_TIMEOUT_S = 0.1
 # DetokenizedOutput's fields: the scheduler's ReqOutput's as they are, the TextDelta's, and
 # num_new_tokens (every token generated, a hidden final eos included).
-PASSED_ON = ("num_cached_prompt_tokens", "error", "internal_error", "prompt_logprobs")
+PASSED_ON = ("rid", "num_cached_prompt_tokens", "error", "internal_error", "prompt_logprobs")
 TEXT_FIELDS = ("text", "token_ids", "logprobs", "finish_reason", "matched_stop")
 
 
@@ -49,9 +49,7 @@ class DetokenizerWorker:
             self._to_scheduler.put(msg.AbortRequest(output.rid))
         fields = {name: getattr(output, name) for name in PASSED_ON}
         fields |= {name: getattr(delta, name) for name in TEXT_FIELDS}
-        return msg.DetokenizedOutput(
-            rid=output.rid, num_new_tokens=len(output.new_token_ids), **fields
-        )
+        return msg.DetokenizedOutput(num_new_tokens=len(output.new_token_ids), **fields)
 
     def run_once(self, timeout_s: float = IDLE_POLL_TIMEOUT_S) -> None:
         results: list[msg.DetokenizedOutput] = []

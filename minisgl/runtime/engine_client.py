@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from minisgl.core import FinishReason, SamplingParams
+from minisgl.core import FinishReason
 from minisgl.runtime import messages as msg
 
 logger = logging.getLogger(__name__)
@@ -83,21 +83,13 @@ class EngineClient:
             if waiter is not None and not waiter.done():
                 waiter.set_result(message)
 
-    def submit(
-        self,
-        rid: str,
-        index: int,
-        input_ids: list[int],
-        params: SamplingParams,
-        queue: asyncio.Queue,
-        grammar_json: str | None = None,
-    ) -> None:
+    def submit(self, request: msg.TokenizedRequest, index: int, queue: asyncio.Queue) -> None:
         """Start one sequence; its outputs arrive on `queue` tagged with `index`.
         The route exists only once the send succeeded, so a failed send leaves nothing behind."""
         if self._closed_message is not None:
             raise BackendUnavailable(self._closed_message)
-        self._to_scheduler.put(msg.TokenizedRequest(rid, tuple(input_ids), params, grammar_json))
-        self._routes[rid] = (queue, index)
+        self._to_scheduler.put(request)
+        self._routes[request.rid] = (queue, index)
 
     def abort_all(self, error: str | None = None) -> None:
         """Shutdown: end every open request now so no handler waits on a scheduler that is about

@@ -114,8 +114,7 @@ class ServerStack(StopRequests):
     def watch(self) -> int:
         """Block until a stop is requested (0) or any child exits (non-zero)."""
         while not self.stop_requested:
-            wait(self.children.sentinels, timeout=WATCH_INTERVAL_S)
-            failure = self.children.failure()
+            failure = self.children.failure(wait_s=WATCH_INTERVAL_S)  # a child exits, or reports
             if failure is not None:
                 logger.error("%s; shutting down", failure)
                 return CHILD_FAILED_EXIT_CODE

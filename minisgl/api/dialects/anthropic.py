@@ -29,7 +29,7 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from minisgl.api.errors import ERROR_SHAPES
-from minisgl.api.pipeline import Run, prepare
+from minisgl.api.pipeline import Choice, Run, prepare
 from minisgl.api.request import ApiRequest, SamplingWire, function_call, new_id, sampling_of
 from minisgl.api.sse import EventBuffer, WireEvent, respond, sse_event
 from minisgl.chat import CALL, REASONING, ChatPrompt, ReplyBlocks
@@ -257,16 +257,14 @@ class BlockEvents:
         self.events.emit("content_block_stop", index=self._index)
 
 
-def stop_reason(
-    reason: FinishReason | None, matched: int | str | None, num_calls: int, stops: list[str]
-) -> tuple[str, str | None]:
+def stop_reason(choice: Choice, num_calls: int, stops: list[str]) -> tuple[str, str | None]:
     """Anthropic's stop_reason and stop_sequence."""
-    if reason == FinishReason.LENGTH:
+    if choice.finish_reason == FinishReason.LENGTH:
         return "max_tokens", None
     if num_calls:
         return "tool_use", None
-    if isinstance(matched, str) and matched in stops:
-        return "stop_sequence", matched
+    if isinstance(choice.matched_stop, str) and choice.matched_stop in stops:
+        return "stop_sequence", choice.matched_stop
     return "end_turn", None
 
 
@@ -281,15 +279,13 @@ async def message_events(run: Run, body: MessagesRequest) -> AsyncIterator[WireE
         message={**start, "stop_reason": None, "stop_sequence": None, "usage": usage},
     )
     sink.events.emit("ping")
-    finish = matched = None
     async for event in run.events():
         blocks.feed(event.delta)
-        if event.output.finish_reason is not None:
+        if event.choice.finished:
             blocks.finish()
-            finish, matched = event.output.finish_reason, event.output.matched_stop
         for wire_event in sink.events.take():
             yield wire_event
-    reason, sequence = stop_reason(finish, matched, blocks.num_calls, body.stop_sequences or [])
+    reason, sequence = stop_reason(run.choices[0], blocks.num_calls, body.stop_sequences or [])
     prompt, completion, cached = run.usage()
     usage = {
         # Anthropic counts prompt tokens read from the cache apart from `input_tokens`.
@@ -338,8 +334,7 @@ router = APIRouter()
 @router.post(PATH_PREFIX)
 async def create_message(body: MessagesRequest, request: Request) -> Response:
     run = await Run(request.app.state.ctx, body.to_api(), new_id("msg", "_")).start(request)
-    events = message_events(run, body)
-    return await respond(run, events, body.stream, fold_message, _error_frames, done=False)
+    return await respond(run, message_events(run, body), body.stream, fold_message, _error_frames)
 
 
 @router.post(PATH_PREFIX + "/count_tokens")

@@ -267,7 +267,7 @@ router = APIRouter()
 @router.post("/v1/chat/completions")
 async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
     run = await Run(request.app.state.ctx, body.to_api(), new_id("chatcmpl")).start(request)
-    assert run.prepared is not None and run.prepared.chat is not None
+    assert run.prepared.chat is not None
     with_reasoning = run.prepared.chat.reasoning_parser is not None
     fold = functools.partial(fold_chat, with_reasoning=with_reasoning)
     return await respond(run, chat_events(run, body), bool(body.stream), fold)

@@ -180,7 +180,6 @@ class Turn:
         self.events = EventBuffer(numbered=True)
         self.output = OutputItems(self.events.emit)
         self.blocks = ReplyBlocks(self.output)
-        self.finish_reason: FinishReason | None = None
         params = run.params[0][0]  # with the model's sampling defaults applied
         fmt = (body.text or {}).get("format")
         self._fields: dict[str, Any] = {
@@ -203,7 +202,8 @@ class Turn:
 
     @property
     def status(self) -> str:
-        return "incomplete" if self.finish_reason == FinishReason.LENGTH else "completed"
+        finish = self._run.choices[0].finish_reason
+        return "incomplete" if finish == FinishReason.LENGTH else "completed"
 
     def response(self, status: str, error: dict[str, Any] | None = None) -> dict[str, Any]:
         usage = None
@@ -237,8 +237,7 @@ class Turn:
             if self._body.wants_logprobs:
                 logprobs = chat_logprobs(self._run.ctx, event.output.logprobs)["content"]
             self.blocks.feed(event.delta, logprobs)
-            if event.output.finish_reason is not None:
-                self.finish_reason = event.output.finish_reason
+            if event.choice.finished:
                 self.blocks.finish(self.status)
             for wire_event in self.events.take():
                 yield wire_event
@@ -289,7 +288,7 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
     run = await Run(request.app.state.ctx, api, new_id("resp", "_")).start(request)
     turn = Turn(body, run, conversation)
     events = turn.wire_events(store)
-    return await respond(run, events, body.stream, _last_response, turn.error_frames, done=False)
+    return await respond(run, events, body.stream, _last_response, turn.error_frames)
 
 
 @router.get("/v1/responses/{response_id}")

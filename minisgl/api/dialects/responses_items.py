@@ -26,13 +26,8 @@ from minisgl.core import InvalidRequestError
 TEXT_PART_TYPES = frozenset({"input_text", "output_text", "text", "summary_text", "reasoning_text"})
 # A function_call item's fields, in function_call's order.
 FUNCTION_CALL_KEYS = ("call_id", "name", "arguments")
-# A message item's roles -> chat roles.
-MESSAGE_ROLES = {
-    "user": "user",
-    "system": "system",
-    "developer": "system",
-    "assistant": "assistant",
-}
+# A message item's roles: chat's, and developer (a system message).
+MESSAGE_ROLES = ("user", "system", "developer", "assistant")
 ITEM_ID_PREFIXES = {
     "message": "msg",
     "function_call": "fc",
@@ -91,7 +86,7 @@ def input_messages(value: str | list[Any]) -> list[dict[str, Any]]:
             if role not in MESSAGE_ROLES:
                 raise _fail(where, "role must be user, system, developer or assistant")
             content = content_text(item.get("content"), where)
-            message = {"role": MESSAGE_ROLES[role], "content": content}
+            message = {"role": "system" if role == "developer" else role, "content": content}
         elif kind == "function_call":
             call = function_call(*(_text_field(item, key, where) for key in FUNCTION_CALL_KEYS))
             # Calls that follow an assistant turn (or each other) belong to that turn.

@@ -45,7 +45,7 @@ from pydantic import Field, ValidationError, model_validator
 from starlette.responses import JSONResponse, Response
 
 from minisgl.api.dialects.openai import OpenAISampling
-from minisgl.api.errors import HTTP_BAD_REQUEST, HTTP_SERVICE_UNAVAILABLE, RequestError, error_dict
+from minisgl.api.errors import HTTP_BAD_REQUEST, HTTP_SERVICE_UNAVAILABLE, RequestError
 from minisgl.api.pipeline import Choice, Run, ServingContext
 from minisgl.api.request import SAMPLING_NAMES, ApiRequest, WireModel, new_id, sampling_of
 from minisgl.api.sse import WireEvent, respond
@@ -59,6 +59,7 @@ from minisgl.core import (
     TokenLogprob,
 )
 from minisgl.runtime.engine_client import BackendUnavailable, RoutedOutput
+from minisgl.runtime.messages import TokenizedRequest
 
 # SGLang's default when sampling_params has no max_new_tokens.
 DEFAULT_MAX_NEW_TOKENS = 128
@@ -87,6 +88,7 @@ HEALTH_PROMPT = (0,)
 HEALTH_PARAMS = SamplingParams(max_tokens=1, temperature=0)
 # /flush_cache: the scheduler answers between steps (a long prefill step can take seconds).
 FLUSH_CACHE_TIMEOUT_S = 30.0
+SCHEDULER_SILENT = "The scheduler did not answer."
 # Each minisgl server is a single data-parallel rank; replicas are separate workers.
 DP_RANK = 0
 DP_SIZE = 1
@@ -130,10 +132,8 @@ class GenerateRequest(WireModel):
         return bool(self.input_ids) and isinstance(self.input_ids[0], list)  # type: ignore[index]
 
     def prompts(self) -> list[str] | list[list[int]]:
-        if self.text is not None:
-            return self.text if isinstance(self.text, list) else [self.text]
-        ids = self.input_ids or []
-        return cast("list[list[int]]", ids) if self.is_batch else [cast("list[int]", ids)]
+        given = self.text if self.text is not None else self.input_ids
+        return cast("list[str] | list[list[int]]", given if self.is_batch else [given])
 
     def _sampling(self, num_prompts: int) -> list[SGLangSampling]:
         given = self.sampling_params
@@ -285,11 +285,6 @@ def _version() -> str:
         return "unknown"
 
 
-def _unavailable(message: str) -> JSONResponse:
-    body = error_dict(message, "server_error", code=HTTP_SERVICE_UNAVAILABLE)
-    return JSONResponse(body, status_code=HTTP_SERVICE_UNAVAILABLE)
-
-
 async def _engine_answers(ctx: ServingContext, timeout_s: float) -> bool:
     """Submit a one-token greedy request; True once the engine produces any output after it was
     sent, its own or another request's (a busy server may queue the probe behind real work:
@@ -299,7 +294,7 @@ async def _engine_answers(ctx: ServingContext, timeout_s: float) -> bool:
     rid = new_id("health")
     queue: asyncio.Queue = asyncio.Queue()
     try:
-        ctx.engine.submit(rid, 0, list(HEALTH_PROMPT), HEALTH_PARAMS, queue)
+        ctx.engine.submit(TokenizedRequest(rid, HEALTH_PROMPT, HEALTH_PARAMS), 0, queue)
         while loop.time() - sent_s < timeout_s:
             with contextlib.suppress(asyncio.TimeoutError):
                 item = await asyncio.wait_for(queue.get(), HEALTH_GENERATE_POLL_S)
@@ -318,10 +313,8 @@ def _server_info(request: Request) -> dict[str, Any]:
     ctx, info = request.app.state.ctx, request.app.state.model_info
     args = ctx.args
     return {
-        "model_path": info["model_path"],
-        "tokenizer_path": info["tokenizer_path"],
+        **{key: info[key] for key in ("model_path", "tokenizer_path", "is_generation")},
         "served_model_name": ctx.served_model_name,
-        "is_generation": True,
         "context_length": ctx.limits.max_model_len,
         # The KV pool, in tokens; a request's prompt can be at most max_req_input_len.
         "max_total_num_tokens": ctx.limits.kv_capacity_tokens,
@@ -346,7 +339,7 @@ for path, handler in (("server_info", _server_info), ("model_info", _model_info)
 async def get_load(request: Request) -> Response:
     stats = await request.app.state.ctx.engine.stats(LOAD_STATS_TIMEOUT_S)
     if stats is None:
-        return _unavailable("The scheduler did not answer.")
+        raise RequestError(HTTP_SERVICE_UNAVAILABLE, SCHEDULER_SILENT)
     queued = stats.stats.num_queue_reqs
     load = {
         "dp_rank": DP_RANK,
@@ -364,10 +357,9 @@ async def get_load(request: Request) -> Response:
 async def flush_cache(request: Request) -> Response:
     reply = await request.app.state.ctx.engine.flush_cache(FLUSH_CACHE_TIMEOUT_S)
     if reply is None:
-        return _unavailable("The scheduler did not answer.")
+        raise RequestError(HTTP_SERVICE_UNAVAILABLE, SCHEDULER_SILENT)
     if not reply.flushed:
-        body = error_dict(reply.message, code=HTTP_BAD_REQUEST)
-        return JSONResponse(body, status_code=HTTP_BAD_REQUEST)
+        raise RequestError(HTTP_BAD_REQUEST, reply.message)
     return Response("Cache flushed.\n", media_type="text/plain")
 
 

@@ -14,7 +14,6 @@ from typing import Any, cast
 from fastapi import APIRouter, Request
 from pydantic import Field, model_validator
 
-from minisgl.api.errors import HTTP_BAD_REQUEST, RequestError
 from minisgl.api.pipeline import ServingContext, prepare
 from minisgl.api.request import ApiRequest, WireModel
 from minisgl.chat import ChatPrompt
@@ -78,10 +77,7 @@ async def detokenize(body: DetokenizeRequest, request: Request) -> dict[str, Any
     vocab_size = ctx.limits.vocab_size
     bad = next((i for i in body.tokens if not 0 <= i < vocab_size), None)
     if bad is not None:
-        raise RequestError(
-            HTTP_BAD_REQUEST,
-            f"tokens: {bad} is not a token id of this model (0 <= id < {vocab_size})",
-            param="tokens",
-        )
+        message = f"{bad} is not a token id of this model (0 <= id < {vocab_size})"
+        raise InvalidRequestError("tokens", message)
     text = await ctx.on_tokenizer_thread(ctx.tokenizer.decode, body.tokens)
     return {"prompt": cast(str, text)}
