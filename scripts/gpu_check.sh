@@ -37,14 +37,8 @@ if [ -d .whl ]; then
     --target "$SITE" .whl/*.whl || exit 1
   export PYTHONPATH="$PWD:$SITE"
 fi
-if [ -d .fi_aot ] && [ -d "$SITE/flashinfer" ]; then
-  # The tarball keeps FlashInfer's cache layout (.cache/flashinfer/<version>/<arch>/cached_ops/
-  # <name>/<name>.so); its AOT directory wants <name>/<name>.so.
-  find .fi_aot -name '*.so' | while read -r so; do
-    name=$(basename "$(dirname "$so")")
-    mkdir -p "$SITE/flashinfer/data/aot/$name" && cp "$so" "$SITE/flashinfer/data/aot/$name/"
-  done
-fi
+source scripts/fi_aot.sh
+load_fi_aot "$SITE"
 export FLASHINFER_WORKSPACE_BASE=/tmp/fi_ws
 MODEL=/tmp/qwen3-0.6b
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
@@ -128,13 +122,7 @@ run tests_tiny_parity 60 python3 -m pytest -q -x -p no:cacheprovider tests/test_
 run tests_moe 60 python3 -m pytest -q -x -p no:cacheprovider tests/test_fused_moe.py \
   tests/test_moe.py --deselect "tests/test_moe.py::test_qwen3_moe_matches_hf[2]"
 
-# Pack FlashInfer's compiled modules for the next run (see the header).
-# Only when something was compiled: modules loaded from .fi_aot leave nothing to pack, and an
-# empty tarball must not replace the carried modules.
-compiled=$(cd "$FLASHINFER_WORKSPACE_BASE" 2>/dev/null && find . -name '*.so' -path '*cached_ops*')
-if [ -n "$compiled" ]; then
-  (cd "$FLASHINFER_WORKSPACE_BASE" && echo "$compiled" | tar -cf "$RETURN_DIR/fi_aot.tar" -T -)
-fi
+pack_fi_aot "$RETURN_DIR/fi_aot.tar"  # FlashInfer's compiled modules, for the next run
 tar -czf "$RETURN_DIR/logs.tar.gz" -C "$OUT_DIR" . 2>/dev/null || true
 nvidia-smi --query-gpu=memory.used,memory.total --format=csv,noheader || true
 

@@ -25,15 +25,12 @@ RETURN_DIR=${OUT:-/tmp/peer_check_out}
 SITE=${SITE:-/tmp/site}
 MODEL=${MODEL:-/tmp/qwen3-0.6b}
 export FLASHINFER_WORKSPACE_BASE=${FLASHINFER_WORKSPACE_BASE:-/tmp/fi_ws}
+source scripts/fi_aot.sh
 mkdir -p "$LOG_DIR" "$RETURN_DIR" && rm -f "$LOG_DIR/compare.log"  # no stale table
 results=()
 note() { results+=("$(printf '%-28s %-8s %5ss' "$1" "$2" "$3")"); }
 finish() {
-  # FlashInfer modules compiled here, packed as gpu_check.sh packs them (unpack into .fi_aot).
-  compiled=$(cd "$FLASHINFER_WORKSPACE_BASE" 2>/dev/null && find . -name '*.so' -path '*cached_ops*')
-  if [ -n "$compiled" ]; then
-    (cd "$FLASHINFER_WORKSPACE_BASE" && echo "$compiled" | tar -cf "$RETURN_DIR/fi_aot.tar" -T -)
-  fi
+  pack_fi_aot "$RETURN_DIR/fi_aot.tar"  # FlashInfer modules compiled here (unpack into .fi_aot)
   tar -czf "$RETURN_DIR/peer_logs.tar.gz" -C "$LOG_DIR" . 2>/dev/null || true
   echo
   echo "== peer_check summary (${SECONDS}s) =="
@@ -62,13 +59,7 @@ if [ "${#wheels[@]}" -gt 0 ]; then
     || { tail -n 5 "$LOG_DIR/install.log"; note install FAIL "$SECONDS"; finish 1; }
 fi
 export PYTHONPATH="$PWD:$SITE"
-# FlashInfer modules compiled by an earlier run (gpu_check.sh's .fi_aot, same layout).
-if [ -d .fi_aot ] && [ -d "$SITE/flashinfer" ]; then
-  find .fi_aot -name '*.so' | while read -r so; do
-    name=$(basename "$(dirname "$so")")
-    mkdir -p "$SITE/flashinfer/data/aot/$name" && cp "$so" "$SITE/flashinfer/data/aot/$name/"
-  done
-fi
+load_fi_aot "$SITE"  # FlashInfer modules compiled by an earlier run (.fi_aot)
 export TVM_FFI_CACHE_DIR=${TVM_FFI_CACHE_DIR:-/tmp/tvm_ffi_cache}
 command -v ninja > /dev/null || export PATH="$SITE/bin:$PATH"  # the ninja wheel's launcher
 if ! command -v nvcc > /dev/null && [ -z "${CUDA_HOME:-}" ] && [ -x /usr/local/cuda/bin/nvcc ]; then
