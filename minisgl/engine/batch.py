@@ -67,6 +67,11 @@ class ForwardBatch:
         """The sequences that sample, in order (their logits come first)."""
         return [i for i, p in enumerate(self.sampling) if p is not None]
 
+    @functools.cached_property
+    def sampled_positions(self) -> list[int]:
+        """Per sampled sequence: the position of the token it samples (its chunk's end)."""
+        return [self.prefix_lens[i] + self.extend_lens[i] for i in self.sampled]
+
 
 @dataclass(frozen=True)
 class VocabMask:

@@ -250,9 +250,7 @@ class Engine:
                 token_scores = token_scores.map(broadcast_from_primary)
         # The sampled token becomes the next input: write it where the next step will read it.
         rows_d, positions_d = self.stream.stage(
-            torch.int64,
-            [batch.table_rows[i] for i in batch.sampled],
-            [batch.prefix_lens[i] + batch.extend_lens[i] for i in batch.sampled],
+            torch.int64, [batch.table_rows[i] for i in batch.sampled], batch.sampled_positions
         )
         self.tables.token_table[rows_d, positions_d] = token_ids.to(torch.int32)
         host = self.stream.to_host_async

@@ -138,7 +138,7 @@ class SamplingBatch:
         penalties read each row's tokens so far from the token table."""
         seqs, stream = batch.sampled, tables.stream
         params = [p for p in batch.sampling if p is not None]
-        next_pos = [batch.prefix_lens[i] + batch.extend_lens[i] for i in seqs]
+        next_pos = batch.sampled_positions
         prompt_lens = [batch.prompt_lens[i] for i in seqs]
         output_lens = [pos - prompt for pos, prompt in zip(next_pos, prompt_lens, strict=True)]
         seeds = [batch.seeds[i] for i in seqs]
