@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import os
-import random
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -22,38 +20,17 @@ from tests.server_utils import (
     TEST_SERVER_FLAGS,
     LocalEndpoint,
     alive,
+    free_port_block,
 )
 
 STARTUP_TIMEOUT_S = 240.0
 LEFTOVER_GRACE_S = 5.0
-PORT_RANGE = (20000, 60000)
-PORT_BLOCK_TRIES = 50
 READY_LINE = "minisgl serving"
 # The gateway probes every second and gives up on a replica at the first failure: a dead one
 # leaves rotation within ~2 s.
 FAST_HEALTH_CHECKS = (
     "--health-check-interval-secs 1 --health-failure-threshold 1 --health-check-timeout-secs 2"
 )
-
-
-def free_port_block(num_ports: int) -> int:
-    """A base port P with P .. P+num_ports-1 all free on 127.0.0.1 (--dp needs consecutive ones)."""
-    rng = random.Random()
-    for _ in range(PORT_BLOCK_TRIES):
-        base = rng.randrange(*PORT_RANGE)
-        sockets = []
-        try:
-            for port in range(base, base + num_ports):
-                sock = socket.socket()
-                sockets.append(sock)
-                sock.bind(("127.0.0.1", port))
-            return base
-        except OSError:
-            continue
-        finally:
-            for sock in sockets:
-                sock.close()
-    raise RuntimeError(f"no block of {num_ports} free ports found")
 
 
 @dataclass

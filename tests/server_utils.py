@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import re
 import signal
 import socket
@@ -35,13 +36,40 @@ GPU_METRIC_NAMES = frozenset(
     if f.default is None
     for name, _ in f.metadata[METRIC].names
 )
+PORT_RANGE_START = 10000
+PORT_BLOCK_TRIES = 50
 _METRIC_LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})? (\S+)$")
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+def _ephemeral_ports_start() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
+def free_port_block(num_ports: int = 1) -> int:
+    """A base port P with P .. P+num_ports-1 all free on 127.0.0.1 (--dp needs consecutive ones).
+
+    Below the kernel's ephemeral range: a client that probes a port in that range before its
+    server listens can be given the same port as its own source and connect to itself (TCP
+    self-connect), which then keeps the server from binding it."""
+    rng = random.Random()
+    for _ in range(PORT_BLOCK_TRIES):
+        base = rng.randrange(PORT_RANGE_START, _ephemeral_ports_start() - num_ports)
+        sockets = []
+        try:
+            for port in range(base, base + num_ports):
+                sock = socket.socket()
+                sockets.append(sock)
+                sock.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for sock in sockets:
+                sock.close()
+    raise RuntimeError(f"no block of {num_ports} free ports found")
 
 
 def parse_metrics(text: str) -> dict[str, float]:
@@ -122,7 +150,7 @@ def alive(process: psutil.Process) -> bool:
 
 
 def start_server(*extra_args: str, api_key: str | None = None) -> ServerProcess:
-    port = free_port()
+    port = free_port_block()
     fd, log_name = tempfile.mkstemp(prefix="minisgl-server-", suffix=".log")
     args = [sys.executable, "-m", "minisgl.server", "--port", str(port), *TEST_SERVER_FLAGS]
     if api_key:

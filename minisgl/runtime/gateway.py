@@ -10,6 +10,7 @@ minisgl.supervisor.prepare_exec_child).
 
 from __future__ import annotations
 
+import http.client
 import importlib.util
 import json
 import logging
@@ -18,7 +19,7 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
+import urllib.parse
 from collections.abc import Callable
 from typing import Any
 
@@ -94,14 +95,22 @@ class Gateway:
 
     def _control(self, path: str, method: str = "GET") -> dict[str, Any]:
         """A call to its control plane; {} when it does not answer (not listening yet, ...)."""
-        request = urllib.request.Request(self.url + path, method=method)
-        if self._args.api_key:
-            request.add_header("Authorization", f"Bearer {self._args.api_key}")
+        where = urllib.parse.urlsplit(self.url)
+        conn = http.client.HTTPConnection(where.hostname or "", where.port, timeout=HTTP_TIMEOUT_S)
+        headers = {"Authorization": f"Bearer {self._args.api_key}"} if self._args.api_key else {}
         try:
-            with urllib.request.urlopen(request, timeout=HTTP_TIMEOUT_S) as response:
-                body = json.load(response)
-        except (OSError, ValueError):
+            conn.connect()
+            # A probe of a port nobody listens on yet, in the kernel's ephemeral range, can get
+            # that same port as its source and connect to itself (TCP self-connect): it would
+            # read back its own request, and hold the port the gateway is about to bind.
+            if conn.sock.getsockname() == conn.sock.getpeername():
+                return {}
+            conn.request(method, path, headers=headers)
+            body = json.load(conn.getresponse())
+        except (OSError, ValueError, http.client.HTTPException):
             return {}
+        finally:
+            conn.close()
         return body if isinstance(body, dict) else {}
 
     def _workers(self) -> list[dict[str, Any]]:
