@@ -44,8 +44,9 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "sampling_defaults": SAMPLING_DEFAULTS_CHOICES,
     "reasoning_parser": REASONING_PARSER_CHOICES,
     "tool_call_parser": TOOL_CALL_PARSER_CHOICES,
+    "speculative_algorithm": ("ngram",),
 }
-_OPTIONAL_CHOICES = ("reasoning_parser", "tool_call_parser")  # None: off
+_OPTIONAL_CHOICES = ("reasoning_parser", "tool_call_parser", "speculative_algorithm")  # None: off
 _LOWER_BOUNDS = {
     "page_size": 1,
     "num_pages": 1,
@@ -57,6 +58,8 @@ _LOWER_BOUNDS = {
     "max_queued_requests": 0,
     "max_request_body_bytes": 1,
     "shutdown_timeout_s": 0,
+    "speculative_num_draft_tokens": 1,
+    "speculative_ngram_min_match": 1,
 }
 
 
@@ -96,6 +99,12 @@ class ServerArgs:
     # the same padded path eagerly (used to test the padding).
     cuda_graph_max_bs: int | None = None
     seed: int = 0
+    # Speculative decoding (docs/speculative.md): ngram drafts the next tokens from the request's
+    # own prompt and output, verified in one forward; None: off.
+    speculative_algorithm: str | None = None
+    speculative_num_draft_tokens: int = 4  # drafts verified per step, at most
+    speculative_ngram_min_match: int = 1  # the lengths of suffix looked up, the longest first
+    speculative_ngram_max_match: int = 4
     # server
     host: str = DEFAULT_HOST
     port: int = DEFAULT_PORT
@@ -145,6 +154,18 @@ class ServerArgs:
         check(0 < self.mem_fraction_static < 1, "mem_fraction_static", "must be in (0, 1)")
         check(self.nnodes >= 1 and 0 <= self.node_rank < self.nnodes, "node_rank", "out of range")
         check(
+            self.speculative_ngram_max_match >= self.speculative_ngram_min_match,
+            "speculative_ngram_max_match",
+            "must be >= speculative_ngram_min_match",
+        )
+        # A verify step's next positions depend on how many drafts it accepted: nothing can be
+        # scheduled before its results are in.
+        check(
+            self.speculative_algorithm is None or self.overlap != "on",
+            "overlap",
+            "speculative decoding runs without overlap scheduling",
+        )
+        check(
             self.request_timeout_s is None or self.request_timeout_s > 0,
             "request_timeout_s",
             "must be > 0",
@@ -164,7 +185,8 @@ class ServerArgs:
         return json.loads(self.chat_template_kwargs) if self.chat_template_kwargs else {}
 
     def overlap_enabled(self, device_type: str) -> bool:
-        if self.disable_overlap or _env_flag(DISABLE_OVERLAP_ENV) or self.overlap == "off":
+        off = self.disable_overlap or _env_flag(DISABLE_OVERLAP_ENV) or self.overlap == "off"
+        if off or self.speculative_algorithm is not None:
             return False
         return self.overlap == "on" or device_type == "cuda"
 
@@ -213,6 +235,9 @@ _ALIASES: dict[str, list[str]] = {
     "max_running_requests": ["--max-num-seqs"],
     "request_timeout_s": ["--request-timeout"],
     "shutdown_timeout_s": ["--shutdown-timeout"],
+    # SGLang's longer names
+    "speculative_ngram_min_match": ["--speculative-ngram-min-match-window-size"],
+    "speculative_ngram_max_match": ["--speculative-ngram-max-match-window-size"],
 }
 
 

@@ -341,6 +341,10 @@ class Req:
     # scheduler compiles sampling_params.constraint itself), then the live matcher state
     grammar_json: str | None = None
     grammar: Any = None
+    # speculative decoding: the draft tokens this step verifies (after device_len) and the
+    # request's drafter (minisgl.scheduler.speculative)
+    drafts: list[int] = field(default_factory=list)
+    drafter: Any = None
     num_retractions: int = 0
     finish_reason: FinishReason | None = None
     arrival_time: float = 0.0

@@ -226,7 +226,7 @@ def test_a_failed_step_fails_its_requests_and_the_rest_run_on(sched, monkeypatch
     # forward: the batch's compute; process: reading its results; admit: while scheduling, a
     # request already taken off the queue and not yet in the batch
     target = {"forward": sched.engine, "process": sched, "admit": sched.cache}[where]
-    name = {"forward": "forward", "process": "_finish_reason", "admit": "admit"}[where]
+    name = {"forward": "forward", "process": "_take", "admit": "admit"}[where]
     original = getattr(target, name)
 
     def fail_once(*args, **kwargs):

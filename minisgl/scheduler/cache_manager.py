@@ -131,6 +131,12 @@ class CacheManager:
         self.tables.write_slots(rows, starts, self._pages_to_slots(pages).view(-1, ps))
         return True
 
+    def trim(self, req: Req) -> None:
+        """Free the pages past `req.device_len` (a verify step's rejected drafts had them)."""
+        keep = -(-req.device_len // self.page_size)
+        self.allocator.free(req.page_ids[keep:])
+        del req.page_ids[keep:]
+
     def _alloc_pages(self, num: int) -> list[int] | None:
         short = num - self.allocator.num_free
         if short > 0:

@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 from minisgl.core import Req
 from minisgl.scheduler.cache_manager import CacheManager
+from minisgl.scheduler.speculative import NgramSpeculator
 
 logger = logging.getLogger(__name__)
 
@@ -21,9 +22,15 @@ class NeedDrain(Exception):
 
 
 class DecodeManager:
-    def __init__(self, cache: CacheManager, requeue: Callable[[Req], None]) -> None:
+    def __init__(
+        self,
+        cache: CacheManager,
+        requeue: Callable[[Req], None],
+        speculator: NgramSpeculator | None = None,
+    ) -> None:
         self.cache = cache
         self._requeue = requeue  # where retracted requests go (the waiting queue's front)
+        self._speculator = speculator
         self.running: list[Req] = []  # admitted, in admission order
         self.num_retractions = 0
 
@@ -45,6 +52,10 @@ class DecodeManager:
         still use the victim's pages.
         """
         reqs = self.decodable()
+        if self._speculator is not None and self._speculator.propose(reqs):
+            if self.cache.reserve(reqs, [r.device_len + len(r.drafts) for r in reqs]):
+                return [(req, 1) for req in reqs]
+            self._speculator.drop(reqs)  # short of pages: plain decodes
         if self.cache.reserve(reqs, [req.device_len for req in reqs]):  # the usual case
             return [(req, 1) for req in reqs]
         items: list[tuple[Req, int]] = []  # short of pages: one by one, oldest first

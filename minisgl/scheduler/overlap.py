@@ -51,16 +51,16 @@ class OverlapLoop:
         previous, self.inflight = self.inflight, None
         if batch is not None:
             fb, launched = batch
-            sampled = launched.sampled
+            rows = launched.rows  # a request per sampled row
             if self.enabled:
                 self.inflight = launched  # before processing `previous`: its releases wait
-            if previous is not None and self.masks.must_wait(previous.sampled, sampled):
+            if previous is not None and self.masks.must_wait(previous.sampled, rows):
                 logits = self._submit(self.engine.forward_logits, fb)
                 self._process(previous)  # advances the grammars by batch N's tokens
                 previous = None
-                launched.pending = self._submit(self._sample, fb, logits, self.masks.mask(sampled))
+                launched.pending = self._submit(self._sample, fb, logits, self.masks.mask(rows))
             else:
-                launched.pending = self._submit(self.engine.forward, fb, self.masks.mask(sampled))
+                launched.pending = self._submit(self.engine.forward, fb, self.masks.mask(rows))
             if not self.enabled:
                 self._process(launched)
         if previous is not None:

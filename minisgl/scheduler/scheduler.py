@@ -13,7 +13,7 @@ from __future__ import annotations
 import random
 
 from minisgl.config import ServerArgs
-from minisgl.core import SEED_MASK, FinishReason, Req, ReqOutput
+from minisgl.core import SEED_MASK, FinishReason, Req, ReqOutput, TokenLogprob
 from minisgl.engine.batch import ForwardBatch
 from minisgl.engine.device import nvtx_range
 from minisgl.engine.engine import Engine
@@ -26,6 +26,7 @@ from minisgl.scheduler.outputs import Outputs
 from minisgl.scheduler.overlap import OverlapLoop
 from minisgl.scheduler.prefill import PrefillManager
 from minisgl.scheduler.recovery import fail_admitted
+from minisgl.scheduler.speculative import NgramSpeculator
 from minisgl.scheduler.stats import SchedulerCounters, SchedulerStats
 
 
@@ -41,11 +42,14 @@ class Scheduler:
             self.engine.num_pages, self.page_size, args.cache_type, self.engine.tables
         )
         self.prefill = PrefillManager(self.cache, args, self.engine.max_prefill_tokens)
-        self.decode = DecodeManager(self.cache, self.prefill.requeue_front)
+        self.counters = SchedulerCounters()
+        self.speculator = None
+        if args.speculative_algorithm is not None:
+            self.speculator = NgramSpeculator(args, self.cache, self.counters, self.max_model_len)
+        self.decode = DecodeManager(self.cache, self.prefill.requeue_front, self.speculator)
         tokenizer_path = args.tokenizer or self.model_path
         self.masks = GrammarMasks(tokenizer_path, self.vocab_size, self.eos_token_ids)
         self.outputs = Outputs()
-        self.counters = SchedulerCounters()
         overlap = args.overlap_enabled(self.engine.device.type)
         self.loop = OverlapLoop(self.engine, overlap, self.cache, self.masks, self._process)
         self._rng = random.Random(args.seed)
@@ -118,8 +122,10 @@ class Scheduler:
                 self.counters.first_admission(req)
         if not items and not plan.items:
             return None
-        self.counters.step(len(items), plan.items)
-        batch = build_batch(items + plan.items)
+        speculative = self.speculator is not None
+        num_drafts = sum(len(req.drafts) for req, _ in items) if speculative else 0
+        self.counters.step(len(items), plan.items, num_drafts)
+        batch = build_batch(items + plan.items, with_drafts=speculative)
         for req, num_tokens in plan.items:
             if num_tokens > 1:  # a prefill chunk: share its prefix right away
                 self.cache.cache_prefix(req)
@@ -135,36 +141,38 @@ class Scheduler:
                 if not req.finished:
                     self.outputs.end(req, FinishReason.LENGTH)
                     self._release(req)
-            num_tokens = 0
-            for req, token_id, logprob in zip(
-                launched.sampled, result.token_ids, result.logprobs, strict=True
-            ):
-                if req.finish_reason is not None:
-                    continue  # the one extra token after a finish under overlap: dropped
-                req.output_ids.append(token_id)
-                if req.grammar is not None:
-                    req.grammar.accept(req.output_ids)
-                if logprob is not None:
-                    req.output_logprobs.append(logprob)
-                num_tokens += 1
-                reason = self._finish_reason(req, token_id)
-                self.outputs.token(req, token_id, logprob, reason)
-                if reason is not None:
-                    self._release(req)
-            self.counters.generation_tokens_total += num_tokens
+            rows = zip(result.token_ids, result.logprobs, strict=True)
+            if self.speculator is not None:
+                for req in launched.sampled:
+                    self.speculator.verify(req, rows, self._take)
+            else:
+                for req, (token_id, logprob) in zip(launched.sampled, rows, strict=True):
+                    if req.finish_reason is None:  # else: the one extra token after a finish
+                        self._take(req, token_id, logprob)  # under overlap, dropped
             for req in launched.release_after:
                 self.cache.release(req)
 
-    def _finish_reason(self, req: Req, token_id: int) -> FinishReason | None:
-        params = req.sampling_params
+    def _take(self, req: Req, token_id: int, logprob: TokenLogprob | None) -> bool:
+        """A sampled token into `req` (its output, grammar and events); True when it ends `req`,
+        which is then released."""
+        req.output_ids.append(token_id)
+        if req.grammar is not None:
+            req.grammar.accept(req.output_ids)
+        if logprob is not None:
+            req.output_logprobs.append(logprob)
+        self.counters.generation_tokens_total += 1
+        params, num_outputs = req.sampling_params, len(req.output_ids)
+        reason = None
         if token_id in params.stop_token_ids or (
             not params.ignore_eos and token_id in req.eos_token_ids
         ):
-            return FinishReason.STOP
-        num_outputs = len(req.output_ids)
-        if num_outputs >= params.max_tokens or req.prompt_len + num_outputs >= self.max_model_len:
-            return FinishReason.LENGTH
-        return None
+            reason = FinishReason.STOP
+        elif num_outputs >= params.max_tokens or req.prompt_len + num_outputs >= self.max_model_len:
+            reason = FinishReason.LENGTH
+        self.outputs.token(req, token_id, logprob, reason)
+        if reason is not None:
+            self._release(req)
+        return reason is not None
 
     def _release(self, req: Req) -> None:
         """Drop a finished request; its KV waits for the in-flight batch if that batch uses it."""
@@ -183,7 +191,12 @@ class Scheduler:
 
     def stats(self) -> SchedulerStats:
         total = self.cache.num_total_pages
+        verifies, accepted = (
+            self.counters.spec_verify_steps_total,
+            self.counters.spec_accepted_tokens_total,
+        )
         return SchedulerStats(
+            spec_accept_length=(accepted + verifies) / verifies if verifies else 0.0,
             num_running_reqs=len(self.running),
             num_queue_reqs=len(self.prefill.waiting),
             kv_cache_usage_ratio=self.cache.num_used_pages / total,

@@ -77,6 +77,10 @@ class SchedulerCounters:
     cached_prompt_tokens_total: int = 0  # of those, tokens found in the cache
     prefill_tokens_total: int = 0  # prompt tokens actually computed (cache hits excluded)
     generation_tokens_total: int = 0
+    # speculative decoding: verify steps (a request's drafts checked once), drafts, accepted ones
+    spec_verify_steps_total: int = 0
+    spec_draft_tokens_total: int = 0
+    spec_accepted_tokens_total: int = 0
     queue_time_s: HistogramCounts = _histogram_counts(QUEUE_TIME_BUCKETS_S)
     batch_size: HistogramCounts = _histogram_counts(BATCH_SIZE_BUCKETS)
     batch_tokens: HistogramCounts = _histogram_counts(BATCH_TOKENS_BUCKETS)
@@ -88,12 +92,12 @@ class SchedulerCounters:
         if req.arrival_time > 0:  # set by the server; offline requests have none
             self.queue_time_s.observe(time.monotonic() - req.arrival_time)
 
-    def step(self, num_decodes: int, chunks: list[tuple[Req, int]]) -> None:
-        """A step's batch: decodes (a token each) and prefill (request, tokens to compute)
-        chunks, before they advance the requests."""
+    def step(self, num_decodes: int, chunks: list[tuple[Req, int]], num_drafts: int = 0) -> None:
+        """A step's batch: decodes (a token each, and `num_drafts` draft tokens between them)
+        and prefill (request, tokens to compute) chunks, before they advance the requests."""
         chunk_tokens = sum(num_tokens for _, num_tokens in chunks)
         self.batch_size.observe(num_decodes + len(chunks))
-        self.batch_tokens.observe(num_decodes + chunk_tokens)
+        self.batch_tokens.observe(num_decodes + num_drafts + chunk_tokens)
         # the prompt tokens among them (cache hits never get here; a retracted request's chunk
         # may recompute output tokens too)
         self.prefill_tokens_total += sum(
@@ -170,6 +174,19 @@ class SchedulerStats:
     )
     num_retractions_total: int = _counter(
         ("num_retractions", "Running requests retracted (KV freed, requeued) to make room")
+    )
+    spec_verify_steps_total: int = _counter(
+        ("spec_decode_num_drafts", "Speculative decoding: times a request's drafts were verified")
+    )
+    spec_draft_tokens_total: int = _counter(
+        ("spec_decode_num_draft_tokens", "Speculative decoding: draft tokens proposed")
+    )
+    spec_accepted_tokens_total: int = _counter(
+        ("spec_decode_num_accepted_tokens", "Speculative decoding: draft tokens accepted")
+    )
+    # SGLang's: accepted drafts + 1 per verify step, the tokens one verify yields on average.
+    spec_accept_length: float = _gauge(
+        "spec_accept_length", "Speculative decoding: mean tokens per verify step (0: none yet)"
     )
     queue_time_s: HistogramSnapshot = _histogram(
         "queue_time_seconds",

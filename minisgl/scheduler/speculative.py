@@ -1,0 +1,144 @@
+"""Speculative decoding with n-gram drafts (prompt lookup): guess a request's next tokens by
+finding its last few tokens earlier in its own prompt and output, and check the guesses in the
+forward that computes its next token anyway.
+
+A verify step is a small extend in the same batch as plain decodes and prefill chunks: the
+request's last token and its k drafts (written into the token table after it), 1 + k positions,
+each sampled as plain decoding would sample it there. The sampler's draws depend only on the
+request's seed and the token's position (engine/sampler.py), so a draft is accepted exactly when
+it equals the token sampled before it, and the output is token for token that of decoding
+without drafts, greedy or not. For a draft x this is the rejection rule of speculative sampling
+with a point-mass proposal: x is kept with probability p(x); if not, the sampled token is a draw
+from p without x, renormalised.
+
+The KV of accepted drafts is kept and the pages past the request's new end are freed in the same
+step; the prefix cache only takes tokens below `cached_len`, which counts verified ones only.
+Requests with a structured-output grammar decode without drafts.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterator
+
+from minisgl.config import ServerArgs
+from minisgl.core import Req, TokenLogprob
+from minisgl.scheduler.cache_manager import CacheManager
+from minisgl.scheduler.stats import SchedulerCounters
+
+# A request whose drafts all fail waits this many decode steps before it drafts again, twice as
+# long after each further miss: text without repetition pays for a failed verify now and then,
+# not every step.
+MAX_BACKOFF_STEPS = 64
+
+# (its token, its logprob) per sampled row
+SampledRow = tuple[int, TokenLogprob | None]
+# The scheduler's: one sampled token into its request; True when that ended it.
+TakeToken = Callable[[Req, int, TokenLogprob | None], bool]
+
+
+class NgramDrafter:
+    """One request's n-grams, each (of min_match .. max_match tokens) -> the position after its
+    latest occurrence in the request's tokens; indexed as tokens arrive, never rebuilt."""
+
+    def __init__(self, min_match: int, max_match: int) -> None:
+        self.tokens: list[int] = []  # the request's tokens so far: prompt, then output
+        self._lengths = range(max_match, min_match - 1, -1)  # the longest match first
+        self._after: dict[tuple[int, ...], int] = {}
+        self._indexed = 1  # n-grams ending before this position are in `_after`
+        self._backoff_steps = 0
+        self._wait_steps = 0
+
+    def drafts(self, req: Req, max_drafts: int) -> list[int]:
+        """Up to `max_drafts` tokens that followed the latest earlier occurrence of the
+        request's longest matching suffix; none when nothing matches (or backing off)."""
+        if self._wait_steps > 0:
+            self._wait_steps -= 1
+            return []
+        tokens = self.tokens
+        if not tokens:
+            tokens += req.input_ids
+        tokens += req.output_ids[len(tokens) - req.prompt_len :]
+        # The last token ends no indexed n-gram: the suffix must be found before itself.
+        for end in range(self._indexed, len(tokens)):
+            for n in self._lengths:
+                if n <= end:
+                    self._after[tuple(tokens[end - n : end])] = end
+        self._indexed = len(tokens)
+        for n in self._lengths:
+            at = self._after.get(tuple(tokens[-n:])) if n <= len(tokens) else None
+            if at is not None:
+                return tokens[at : at + max_drafts]
+        return []
+
+    def verified(self, num_accepted: int) -> None:
+        if num_accepted:
+            self._backoff_steps = 0
+        else:
+            self._backoff_steps = min(2 * self._backoff_steps or 1, MAX_BACKOFF_STEPS)
+            self._wait_steps = self._backoff_steps
+
+
+class NgramSpeculator:
+    def __init__(
+        self, args: ServerArgs, cache: CacheManager, counters: SchedulerCounters, max_len: int
+    ) -> None:
+        self.max_drafts = args.speculative_num_draft_tokens
+        self._matches = (args.speculative_ngram_min_match, args.speculative_ngram_max_match)
+        self._cache = cache
+        self._counters = counters
+        self._max_len = max_len  # the model's: a request ends there
+
+    def propose(self, reqs: list[Req]) -> bool:
+        """Give each decoding request its drafts for this step (written into the token table
+        after its last token); whether any got some."""
+        proposed = False
+        for req in reqs:
+            params = req.sampling_params
+            # Room for k drafts: k + 1 tokens may come out of the step.
+            room = min(
+                self.max_drafts,
+                params.max_tokens - req.num_sampled - 1,
+                self._max_len - req.device_len - 1,
+            )
+            if req.grammar is not None or room <= 0:
+                continue
+            if req.drafter is None:
+                req.drafter = NgramDrafter(*self._matches)
+            req.drafts = req.drafter.drafts(req, room)
+            if req.drafts:
+                self._cache.tables.write_tokens(req.table_row, req.device_len, req.drafts)
+                proposed = True
+        return proposed
+
+    @staticmethod
+    def drop(reqs: list[Req]) -> None:
+        """No drafts this step after all (short of KV pages); what was written past each
+        request's end is overwritten before anything reads it."""
+        for req in reqs:
+            req.drafts = []
+
+    def verify(self, req: Req, rows: Iterator[SampledRow], take: TakeToken) -> None:
+        """`req`'s 1 + k sampled rows into its output: the token sampled at each position, as
+        long as the draft there was the token sampled before it."""
+        drafts, req.drafts = req.drafts, []
+        verified = list(itertools.islice(rows, 1 + len(drafts)))  # consumed even if skipped
+        if req.finished:
+            return
+        accepted = 0
+        for j, (token_id, logprob) in enumerate(verified):
+            if j > 0:  # drafts[j - 1] was right: its KV is the request's, and the token after it
+                req.cached_len += 1
+                req.device_len += 1
+                req.num_sampled += 1
+                accepted += 1
+            if take(req, token_id, logprob) or j == len(drafts) or token_id != drafts[j]:
+                break
+        if not drafts:
+            return
+        self._counters.spec_verify_steps_total += 1
+        self._counters.spec_draft_tokens_total += len(drafts)
+        self._counters.spec_accepted_tokens_total += accepted
+        req.drafter.verified(accepted)
+        if not req.finished:  # (a finished one gave everything back already)
+            self._cache.trim(req)
