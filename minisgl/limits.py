@@ -69,6 +69,13 @@ def resolve_max_tokens(
     return requested
 
 
+def check_token_ids(ids: Sequence[int], limits: ModelLimits, param: str) -> None:
+    bad = next((t for t in ids if not 0 <= t < limits.vocab_size), None)
+    if bad is not None:
+        message = f"token id {bad} is outside the vocabulary [0, {limits.vocab_size})"
+        raise InvalidRequestError(param, message)
+
+
 def check_request(
     input_ids: Sequence[int],
     params: SamplingParams,
@@ -78,12 +85,8 @@ def check_request(
     """Raise InvalidRequestError for a request that could never run on this model."""
     if not input_ids:
         raise InvalidRequestError(prompt_param, "must not be empty")
-    bias_ids = [t for t, _ in params.logit_bias]
-    for param, ids in ((prompt_param, input_ids), ("logit_bias", bias_ids)):
-        bad = next((t for t in ids if not 0 <= t < limits.vocab_size), None)
-        if bad is not None:
-            message = f"token id {bad} is outside the vocabulary [0, {limits.vocab_size})"
-            raise InvalidRequestError(param, message)
+    check_token_ids(input_ids, limits, prompt_param)
+    check_token_ids([t for t, _ in params.logit_bias], limits, "logit_bias")
     if params.top_k > limits.vocab_size:
         raise InvalidRequestError(
             "top_k", f"must be at most the vocabulary size ({limits.vocab_size}), or -1/0 for off"

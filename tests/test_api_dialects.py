@@ -210,6 +210,13 @@ def test_previous_response_id_get_and_delete(server: ServerProcess):
     assert item["role"] == "user" and item["content"] == [
         {"type": "input_text", "text": "Name another one."}
     ]
+    # a bad query parameter is a 400 naming it
+    for query, param in (("limit=0", "limit"), ("limit=101", "limit"), ("order=up", "order")):
+        url = f"{server.url}/v1/responses/{second['id']}/input_items?{query}"
+        refused = httpx.get(url, timeout=10)
+        assert refused.status_code == 400, refused.text
+        error = refused.json()["error"]
+        assert error["param"] == param and error["message"].startswith(f"{param}: "), error
     wait_idle(server)
     # store false: nothing kept
     unstored = create(server, model=MODEL, input="Hi", max_output_tokens=2, store=False)
@@ -625,22 +632,20 @@ def test_input_items_list_in_openais_shapes():
     newest = list_input_items(store, "r1", 20, "desc", None)
     assert newest["data"] == items[::-1]
     assert items[-1]["content"] == [{"type": "input_text", "text": "Go on."}]
-    for args, param in (((0, "asc", None), "limit"), ((5, "up", None), "order"),
-                        ((5, "asc", "nope"), "after")):  # fmt: skip
-        with pytest.raises(RequestError) as caught:
-            list_input_items(store, "r1", *args)
-        assert caught.value.param == param
+    with pytest.raises(RequestError) as caught:
+        list_input_items(store, "r1", 5, "asc", "nope")
+    assert caught.value.param == "after"
 
 
 def test_store_is_bounded_by_count_and_size():
     store = ResponseStore(max_entries=2, max_chars=10_000)
     for i in range(3):
-        store.put({"id": f"r{i}"}, [])
+        store.put({"id": f"r{i}"}, [], [])
     assert store.get("r0") is None and store.get("r2") is not None and len(store) == 2
-    store.put({"id": "big", "text": "x" * 6000}, [])
-    store.put({"id": "big2", "text": "x" * 6000}, [])  # the two do not fit together
+    store.put({"id": "big", "text": "x" * 6000}, [], [])
+    store.put({"id": "big2", "text": "x" * 6000}, [], [])  # the two do not fit together
     assert store.get("big") is None and store.get("big2") is not None
-    store.put({"id": "huge", "text": "x" * 20_000}, [])  # larger than the store: not kept
+    store.put({"id": "huge", "text": "x" * 20_000}, [], [])  # larger than the store: not kept
     assert store.get("huge") is None and store.get("big2") is not None
 
 

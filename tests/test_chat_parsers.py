@@ -30,8 +30,11 @@ MakeParser = Callable[[], ChatOutputParser]
 
 
 def _joined(parser: ChatOutputParser, chunks: list[str]) -> tuple[dict, list[ChatDelta]]:
-    deltas = [parser.feed(chunk, num_tokens=1) for chunk in chunks]
-    deltas.append(parser.finish())
+    # The last chunk ends the reply, as a request's last output does (the splits include an
+    # empty last chunk: the end arriving on its own).
+    *body, last = chunks or [""]
+    deltas = [parser.feed(chunk, num_tokens=1) for chunk in body]
+    deltas.append(parser.feed(last, num_tokens=1, final=True))
     calls: dict[int, list[str]] = {}
     for delta in deltas:
         for call in delta.tool_calls:
@@ -213,7 +216,7 @@ def test_reasoning_tokens_count_the_thinking_part() -> None:
     parser = ChatOutputParser(ReasoningParser(Mode.MAYBE), None)
     for piece in ["<think>", "a", " b", "</think>", "\n\n", "c", " d", " e"]:
         parser.feed(piece, num_tokens=1)
-    parser.finish()
+    parser.feed("", final=True)
     assert parser.reasoning_tokens == 4
 
 

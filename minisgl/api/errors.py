@@ -86,7 +86,7 @@ def shape_error(path: str, body: dict[str, Any], status_code: int) -> dict[str, 
 
 def _validation_error(exc: RequestValidationError) -> RequestError:
     first = exc.errors()[0] if exc.errors() else {}
-    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+    loc = [str(part) for part in first.get("loc", ()) if part not in ("body", "query")]
     rule = (first.get("ctx") or {}).get("error")
     if first.get("type") == "json_invalid":
         return RequestError(HTTP_BAD_REQUEST, "Request body is not valid JSON.")

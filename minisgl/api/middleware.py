@@ -25,13 +25,10 @@ logger = logging.getLogger(__name__)
 
 # Probes and scrapers: open without an API key (as in SGLang, /health_generate too: a gateway or
 # load balancer probes without credentials), and /metrics still answers while draining.
-HEALTH_PATH = "/health"
-HEALTH_GENERATE_PATH = "/health_generate"
 METRICS_PATH = "/metrics"
-PROBE_PATHS = frozenset({HEALTH_PATH, HEALTH_GENERATE_PATH, METRICS_PATH})
+PROBE_PATHS = frozenset({"/health", "/health_generate", METRICS_PATH})
 HTTP_UNAUTHORIZED = 401
 HTTP_PAYLOAD_TOO_LARGE = 413
-REQUEST_ID_HEADER = "X-Request-Id"
 
 
 @dataclass
@@ -129,7 +126,7 @@ class Gate:
             )
             if not status:
                 message = f"internal error (request id {request_id})"
-                headers = {REQUEST_ID_HEADER: request_id}
+                headers = {"X-Request-Id": request_id}
                 await _send_error(scope, send, HTTP_SERVER_ERROR, message, "server_error", headers)
                 status = HTTP_SERVER_ERROR
         finally:

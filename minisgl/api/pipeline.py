@@ -328,13 +328,8 @@ class Run:
     def _parse(choice: Choice, output: DetokenizedOutput) -> ChatDelta:
         if choice.parser is None:
             return ChatDelta(content=output.text)
-        delta = choice.parser.feed(output.text, output.num_new_tokens)
-        if output.finish_reason is not None:
-            rest = choice.parser.finish()
-            delta.reasoning += rest.reasoning
-            delta.content += rest.content
-            delta.tool_calls += rest.tool_calls
-        return delta
+        final = output.finish_reason is not None
+        return choice.parser.feed(output.text, output.num_new_tokens, final)
 
     def close(self) -> None:
         """Abort every unfinished choice (an early exit) and stop watching the client."""

@@ -45,19 +45,15 @@ class EventBuffer:
 CLIENT_CLOSED_REQUEST = 499
 
 SSE_DONE = "data: [DONE]\n\n"
-SSE_MEDIA_TYPE = "text/event-stream"
 # Proxies (nginx) buffer responses unless told not to; streams must reach the client per token.
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-
-
-def dumps(data: Any) -> str:
-    return json.dumps(data, ensure_ascii=False, separators=(",", ":"))
 
 
 def sse_event(data: Any, name: str | None = None) -> str:
     """One event; with `name`, an `event:` line first (the Responses and Anthropic streams)."""
     head = f"event: {name}\n" if name is not None else ""
-    return f"{head}data: {dumps(data)}\n\n"
+    payload = json.dumps(data, ensure_ascii=False, separators=(",", ":"))  # compact, UTF-8 as is
+    return f"{head}data: {payload}\n\n"
 
 
 async def stream_frames(
@@ -93,7 +89,7 @@ async def respond(
     """A stream of the events, or their fold: the reply of a non-streaming request."""
     if stream:
         frames = stream_frames(run, events, error_frames)
-        return StreamingResponse(frames, media_type=SSE_MEDIA_TYPE, headers=SSE_HEADERS)
+        return StreamingResponse(frames, media_type="text/event-stream", headers=SSE_HEADERS)
     try:
         payloads = [payload async for _, payload in events]
     except ClientDisconnected:

@@ -23,29 +23,19 @@ class ChatOutputParser:
     def num_calls(self) -> int:
         return 0 if self._tools is None else self._tools.num_calls
 
-    def feed(self, text: str, num_tokens: int = 0) -> ChatDelta:
+    def feed(self, text: str, num_tokens: int = 0, final: bool = False) -> ChatDelta:
+        """`final`: `text` ends the reply, so what the parsers held back comes out with it."""
         parser = self._reasoning
-        if parser is None:
-            return self._parse_tools(ChatDelta(content=text), final=False)
-        mode_before = parser.mode
-        out = parser.feed(text)
-        # this delta's tokens were reasoning, or opened it (<think> after MAYBE)
-        if mode_before == Mode.REASONING or (mode_before == Mode.MAYBE and parser.reasoned):
-            self.reasoning_tokens += num_tokens
-        return self._parse_tools(out, final=False)
-
-    def finish(self) -> ChatDelta:
-        out = ChatDelta() if self._reasoning is None else self._reasoning.finish()
-        return self._parse_tools(out, final=True)
-
-    def _parse_tools(self, out: ChatDelta, final: bool) -> ChatDelta:
-        if self._tools is None:
+        out = ChatDelta(content=text)
+        if parser is not None:
+            mode_before = parser.mode
+            out = parser.feed(text, final)
+            # this delta's tokens were reasoning, or opened it (<think> after MAYBE)
+            if mode_before == Mode.REASONING or (mode_before == Mode.MAYBE and parser.reasoned):
+                self.reasoning_tokens += num_tokens
+        if self._tools is None or not (out.content or final):
             return out
-        parsed = self._tools.feed(out.content) if out.content else ChatDelta()
-        if final:
-            rest = self._tools.finish()
-            parsed.content += rest.content
-            parsed.tool_calls += rest.tool_calls
+        parsed = self._tools.feed(out.content, final)
         parsed.reasoning = out.reasoning
         return parsed
 

@@ -34,12 +34,10 @@ class TextParser(ABC):
     def __init__(self) -> None:
         self._buf = ""
 
-    def feed(self, text: str) -> ChatDelta:
+    def feed(self, text: str, final: bool = False) -> ChatDelta:
+        """`final`: the last text of the reply; whatever is still held comes out."""
         self._buf += text
-        return self._run(final=False)
-
-    def finish(self) -> ChatDelta:
-        return self._run(final=True)
+        return self._run(final)
 
     @abstractmethod
     def _run(self, final: bool) -> ChatDelta: ...

@@ -169,12 +169,12 @@ class RequiredCallsParser(ToolParser):
         super().__init__(max_calls)
         self._started = False  # past the "["
 
-    def finish(self) -> ChatDelta:
-        out = self._run(final=True)
+    def feed(self, text: str, final: bool = False) -> ChatDelta:
+        out = super().feed(text, final)
         rest = self._buf.strip()
-        if rest not in ("", "]"):  # cut short (max_tokens): shown as it is
+        if final and rest not in ("", "]"):  # cut short (max_tokens): shown as it is
             out.content += rest
-        self._buf = ""
+            self._buf = ""
         return out
 
     def _run(self, final: bool) -> ChatDelta:

@@ -281,10 +281,9 @@ async def message_events(run: Run, body: MessagesRequest) -> AsyncIterator[WireE
     sink.events.emit("ping")
     async for event in run.events():
         blocks.feed(event.delta)
-        if event.choice.finished:
-            blocks.finish()
         for wire_event in sink.events.take():
             yield wire_event
+    blocks.finish()
     reason, sequence = stop_reason(run.choices[0], blocks.num_calls, body.stop_sequences or [])
     prompt, completion, cached = run.usage()
     usage = {

@@ -113,9 +113,8 @@ async def completion_events(run: Run, body: CompletionRequest) -> AsyncIterator[
     waiting = {c.index for c in run.choices} if body.echo and body.logprobs is not None else set()
     if body.echo and not waiting:
         for choice in run.choices:
-            yield chunk(
-                base, choice.index, None, None, text=echoed[choice.prompt_index], logprobs=None
-            )
+            text = echoed[choice.prompt_index]
+            yield chunk(base, choice.index, None, None, text=text, logprobs=None)
     async for event in run.events():
         choice, output = event.choice, event.output
         if choice.index in waiting:

@@ -133,12 +133,10 @@ def chat_logprobs(ctx: ServingContext, logprobs: Sequence[TokenLogprob]) -> dict
         text = ctx.token_text(token_id)
         return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
 
-    content = []
-    for lp in logprobs:
-        item = entry(lp.token_id, lp.logprob)
-        item["top_logprobs"] = [entry(tid, tlp) for tid, tlp in lp.top]
-        content.append(item)
-    return {"content": content}
+    def with_top(lp: TokenLogprob) -> dict[str, Any]:  # lp.top: (token id, logprob) pairs
+        return {**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(*top) for top in lp.top]}
+
+    return {"content": [with_top(lp) for lp in logprobs]}
 
 
 def new_call_id() -> str:

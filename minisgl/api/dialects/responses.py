@@ -21,9 +21,9 @@ import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Query, Request
 from pydantic import model_validator
 from starlette.responses import Response
 
@@ -43,7 +43,6 @@ from minisgl.api.sse import EventBuffer, WireEvent, respond, sse_event
 from minisgl.chat import ChatPrompt, ReplyBlocks, with_reasoning_effort
 from minisgl.core import FinishReason, InvalidRequestError
 
-INCLUDE_LOGPROBS = "message.output_text.logprobs"
 ALIASES = {
     "max_output_tokens": "max_tokens",
     "top_logprobs": "logprobs",
@@ -96,7 +95,7 @@ class ResponsesRequest(SamplingWire):
 
     @property
     def wants_logprobs(self) -> bool:
-        return INCLUDE_LOGPROBS in (self.include or ()) or bool(self.top_logprobs)
+        return "message.output_text.logprobs" in (self.include or ()) or bool(self.top_logprobs)
 
     @property
     def effort(self) -> str | None:
@@ -142,10 +141,7 @@ class ResponseStore:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def put(
-        self, response: dict[str, Any], conversation: list[Any], items: list[Any] | None = None
-    ) -> None:
-        items = items or []
+    def put(self, response: dict[str, Any], conversation: list[Any], items: list[Any]) -> None:
         size = sum(len(json.dumps(part)) for part in (response, conversation, items))
         if size > self.max_chars:
             return  # larger than the whole store: keeping it would evict everything else
@@ -162,11 +158,10 @@ class ResponseStore:
             self._entries.move_to_end(response_id)  # a chain in use stays
         return entry
 
-    def delete(self, response_id: str) -> bool:
+    def delete(self, response_id: str) -> None:
         entry = self._entries.pop(response_id, None)
         if entry is not None:
             self._chars -= entry.size_chars
-        return entry is not None
 
 
 class Turn:
@@ -237,10 +232,9 @@ class Turn:
             if self._body.wants_logprobs:
                 logprobs = chat_logprobs(self._run.ctx, event.output.logprobs)["content"]
             self.blocks.feed(event.delta, logprobs)
-            if event.choice.finished:
-                self.blocks.finish(self.status)
             for wire_event in self.events.take():
                 yield wire_event
+        self.blocks.finish(self.status)
         response = self.response(self.status)
         if self._body.store:
             conversation = [*self._conversation, self.output.assistant_message()]
@@ -310,10 +304,6 @@ def list_input_items(
     """The request's input items, newest first unless order is "asc", `limit` at a time, from
     after the item `after`."""
     items = stored(store, response_id).input_items
-    if not 1 <= limit <= MAX_LISTED_ITEMS:
-        raise RequestError(HTTP_BAD_REQUEST, f"limit: must be in [1, {MAX_LISTED_ITEMS}]", "limit")
-    if order not in ("asc", "desc"):
-        raise RequestError(HTTP_BAD_REQUEST, "order: must be 'asc' or 'desc'", "order")
     items = items if order == "asc" else items[::-1]
     if after is not None:
         ids = [item["id"] for item in items]
@@ -334,8 +324,8 @@ def list_input_items(
 async def get_input_items(
     response_id: str,
     request: Request,
-    limit: int = 20,
-    order: str = "desc",
+    limit: int = Query(20, ge=1, le=MAX_LISTED_ITEMS),
+    order: Literal["asc", "desc"] = "desc",
     after: str | None = None,
 ) -> dict[str, Any]:
     return list_input_items(request.app.state.responses, response_id, limit, order, after)

@@ -197,16 +197,14 @@ class OutputItems:
         return {**where, "content_index": 0} if part else where
 
     def open(self, kind: str, call: ToolCallDelta | None) -> None:
-        item: dict[str, Any]
+        item: dict[str, Any] = {"type": "message", "role": "assistant", "content": []}
         if call is not None:
-            item = {"id": new_id("fc", "_"), "type": "function_call", "call_id": new_call_id()}
-            item |= {"name": call.name or "", "arguments": "", "status": "in_progress"}
+            call_id, name = new_call_id(), call.name or ""
+            item = {"type": "function_call", "call_id": call_id, "name": name, "arguments": ""}
         elif kind == REASONING:
-            item = {"id": new_id("rs", "_"), "type": "reasoning", "summary": [], "content": []}
-            item["status"] = "in_progress"
-        else:
-            item = {"id": new_id("msg", "_"), "type": "message", "role": "assistant"}
-            item |= {"status": "in_progress", "content": []}
+            item = {"type": "reasoning", "summary": [], "content": []}
+        # Every kind: an id with its type's prefix (as input items get), in progress until closed.
+        item = {"id": new_id(ITEM_ID_PREFIXES[item["type"]], "_"), **item, "status": "in_progress"}
         self.items.append(item)
         self._emit("response.output_item.added", output_index=len(self.items) - 1, item=item)
         if call is None:

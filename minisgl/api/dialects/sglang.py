@@ -89,13 +89,9 @@ HEALTH_PARAMS = SamplingParams(max_tokens=1, temperature=0)
 # /flush_cache: the scheduler answers between steps (a long prefill step can take seconds).
 FLUSH_CACHE_TIMEOUT_S = 30.0
 SCHEDULER_SILENT = "The scheduler did not answer."
-# Each minisgl server is a single data-parallel rank; replicas are separate workers.
-DP_RANK = 0
-DP_SIZE = 1
 # /server_info's fields that are the server's flags, by the same names.
 SERVER_INFO_ARGS = ("page_size", "tp_size", "nnodes", "max_running_requests", "max_queued_requests")
 CONFIG_FILE = "config.json"
-PACKAGE_NAME = "minisgl"
 
 
 class SGLangSampling(OpenAISampling):
@@ -214,11 +210,9 @@ def _item(run: Run, body: GenerateRequest, choice: Choice, start_s: float) -> di
             # The first prompt token has no logprob: nothing comes before it.
             meta["input_token_logprobs"] = [[None, prompt[0], None], *scored][start:]
             meta["input_top_logprobs"] = [None, *scored_top][start:]
-    item: dict[str, Any] = {"text": choice.text, "output_ids": list(choice.token_ids)}
-    item["meta_info"] = meta
-    if body.is_batch or run.req.n > 1:
-        item["index"] = choice.index
-    return item
+    # In a list reply (a batch, or n > 1) each item says which sequence it is.
+    index = {"index": choice.index} if body.is_batch or run.req.n > 1 else {}
+    return {"text": choice.text, "output_ids": list(choice.token_ids), "meta_info": meta, **index}
 
 
 async def generate_events(run: Run, body: GenerateRequest) -> AsyncIterator[WireEvent]:
@@ -280,7 +274,7 @@ def model_info(args: ServerArgs, model_path: str, tokenizer_path: str) -> dict[s
 
 def _version() -> str:
     try:
-        return importlib.metadata.version(PACKAGE_NAME)
+        return importlib.metadata.version("minisgl")
     except importlib.metadata.PackageNotFoundError:  # run from a source tree, not installed
         return "unknown"
 
@@ -320,7 +314,7 @@ def _server_info(request: Request) -> dict[str, Any]:
         "max_total_num_tokens": ctx.limits.kv_capacity_tokens,
         "max_req_input_len": ctx.limits.max_seq_len - 1,
         "disable_radix_cache": args.cache_type != "radix",
-        "dp_size": DP_SIZE,
+        "dp_size": 1,  # a minisgl server is one data-parallel rank; replicas are separate workers
         **{name: getattr(args, name) for name in SERVER_INFO_ARGS},
         "version": _version(),
     }
@@ -342,7 +336,7 @@ async def get_load(request: Request) -> Response:
         raise RequestError(HTTP_SERVICE_UNAVAILABLE, SCHEDULER_SILENT)
     queued = stats.stats.num_queue_reqs
     load = {
-        "dp_rank": DP_RANK,
+        "dp_rank": 0,  # the server's one rank (replicas are separate workers)
         "num_reqs": stats.stats.num_running_reqs + queued,
         "num_waiting_reqs": queued,
         # KV tokens held by running requests (cached prefixes nobody uses are free to evict and

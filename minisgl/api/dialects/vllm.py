@@ -18,6 +18,7 @@ from minisgl.api.pipeline import ServingContext, prepare
 from minisgl.api.request import ApiRequest, WireModel
 from minisgl.chat import ChatPrompt
 from minisgl.core import InvalidRequestError
+from minisgl.limits import check_token_ids
 
 # The most ids one /detokenize takes (a whole context of the largest models, with room).
 MAX_DETOKENIZE_IDS = 1 << 20
@@ -74,10 +75,6 @@ async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
 async def detokenize(body: DetokenizeRequest, request: Request) -> dict[str, Any]:
     ctx: ServingContext = request.app.state.ctx
     ctx.check_model(body.model)
-    vocab_size = ctx.limits.vocab_size
-    bad = next((i for i in body.tokens if not 0 <= i < vocab_size), None)
-    if bad is not None:
-        message = f"{bad} is not a token id of this model (0 <= id < {vocab_size})"
-        raise InvalidRequestError("tokens", message)
+    check_token_ids(body.tokens, ctx.limits, "tokens")
     text = await ctx.on_tokenizer_thread(ctx.tokenizer.decode, body.tokens)
     return {"prompt": cast(str, text)}
