@@ -103,7 +103,7 @@ class ServerArgs:
     # own prompt and output, verified in one forward; None: off.
     speculative_algorithm: str | None = None
     speculative_num_draft_tokens: int = 4  # drafts verified per step, at most
-    speculative_ngram_min_match: int = 1  # the lengths of suffix looked up, the longest first
+    speculative_ngram_min_match: int = 2  # the lengths of suffix looked up, the longest first
     speculative_ngram_max_match: int = 4
     # server
     host: str = DEFAULT_HOST

@@ -19,7 +19,8 @@ from tests.server_utils import openai_client, require_default_model, running_ser
 
 NEW_TOKENS = 24
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
-SPEC = {"speculative_algorithm": "ngram"}
+# One-token matches: a random tiny model's outputs repeat short runs only.
+SPEC = {"speculative_algorithm": "ngram", "speculative_ngram_min_match": 1}
 MAX_STEPS = 500
 
 
@@ -30,7 +31,7 @@ def _req(prompt: list[int], outputs: list[int] = ()) -> Req:
 
 
 def test_drafter_continues_the_latest_longest_match():
-    drafter = NgramDrafter(1, 3)
+    drafter = NgramDrafter(1, 3, 4)
     #        0  1  2  3  4  5  6  7  8  9
     prompt = [5, 6, 7, 8, 9, 5, 6, 7, 1, 2]
     # suffix [1, 2] first seen at 8..9 only (the suffix itself): no draft
@@ -44,17 +45,20 @@ def test_drafter_continues_the_latest_longest_match():
 
 
 def test_drafter_backs_off_after_misses():
-    drafter = NgramDrafter(1, 2)
+    drafter = NgramDrafter(1, 2, 3)
     req = _req([1, 2, 3, 1, 2, 3, 1])
-    assert drafter.drafts(req, 2) == [2, 3]
-    drafter.verified(0)  # a miss: skip one step
-    assert drafter.drafts(req, 2) == []
-    assert drafter.drafts(req, 2) == [2, 3]
-    drafter.verified(0)  # a second miss in a row: skip two
-    assert [drafter.drafts(req, 2) for _ in range(3)] == [[], [], [2, 3]]
-    drafter.verified(1)  # any accepted draft resets it
-    drafter.verified(0)
-    assert [drafter.drafts(req, 2) for _ in range(2)] == [[], [2, 3]]
+    assert drafter.drafts(req, 4) == [2, 3, 1]
+    drafter.verified(3, 0)  # a miss: skip one step, then one draft at most
+    assert drafter.drafts(req, 4) == []
+    assert drafter.drafts(req, 4) == [2]
+    drafter.verified(1, 0)  # a second miss in a row: skip two
+    assert [drafter.drafts(req, 4) for _ in range(3)] == [[], [], [2]]
+    drafter.verified(1, 1)  # a full hit: all drafts again, and no back-off
+    assert drafter.drafts(req, 4) == [2, 3, 1]
+    drafter.verified(3, 1)  # one accepted of three: two next time
+    assert drafter.drafts(req, 4) == [2, 3]
+    drafter.verified(2, 0)  # back-off starts over at one step
+    assert [drafter.drafts(req, 4) for _ in range(2)] == [[], [2]]
 
 
 def workload() -> list[list[int]]:
@@ -174,7 +178,7 @@ def test_sampled_tokens_follow_the_model_distribution(tiny_qwen3):
         SamplingParams(temperature=temperature, max_tokens=3, seed=s, logit_bias=bias)
         for s in range(num_seeds)
     ]
-    outs, llm = run(tiny_qwen3, [prompt] * num_seeds, params, **SPEC, max_running_requests=256)
+    outs, llm = run(tiny_qwen3, [prompt] * num_seeds, params, **SPEC)
     stats = llm.scheduler.stats()
     llm.shutdown()
     assert 0 < stats.spec_accepted_tokens_total < stats.spec_draft_tokens_total

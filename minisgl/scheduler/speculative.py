@@ -26,9 +26,10 @@ from minisgl.core import Req, TokenLogprob
 from minisgl.scheduler.cache_manager import CacheManager
 from minisgl.scheduler.stats import SchedulerCounters
 
-# A request whose drafts all fail waits this many decode steps before it drafts again, twice as
-# long after each further miss: text without repetition pays for a failed verify now and then,
-# not every step.
+# Adaptive drafting, so that text without repetition runs about as fast as without drafts: a
+# request proposes at most one draft more than its last verify accepted (all of them again
+# after a full hit), and one whose drafts all fail waits a decode step before it drafts again,
+# twice as long after each further miss, up to this many.
 MAX_BACKOFF_STEPS = 64
 
 # (its token, its logprob) per sampled row
@@ -41,20 +42,22 @@ class NgramDrafter:
     """One request's n-grams, each (of min_match .. max_match tokens) -> the position after its
     latest occurrence in the request's tokens; indexed as tokens arrive, never rebuilt."""
 
-    def __init__(self, min_match: int, max_match: int) -> None:
+    def __init__(self, min_match: int, max_match: int, max_drafts: int) -> None:
         self.tokens: list[int] = []  # the request's tokens so far: prompt, then output
         self._lengths = range(max_match, min_match - 1, -1)  # the longest match first
         self._after: dict[tuple[int, ...], int] = {}
         self._indexed = 1  # n-grams ending before this position are in `_after`
+        self._max_drafts = self._allowed = max_drafts
         self._backoff_steps = 0
         self._wait_steps = 0
 
-    def drafts(self, req: Req, max_drafts: int) -> list[int]:
-        """Up to `max_drafts` tokens that followed the latest earlier occurrence of the
-        request's longest matching suffix; none when nothing matches (or backing off)."""
+    def drafts(self, req: Req, room: int) -> list[int]:
+        """Up to `room` tokens (fewer after misses) that followed the latest earlier occurrence
+        of the request's longest matching suffix; none when nothing matches (or backing off)."""
         if self._wait_steps > 0:
             self._wait_steps -= 1
             return []
+        max_drafts = min(room, self._allowed)
         tokens = self.tokens
         if not tokens:
             tokens += req.input_ids
@@ -71,7 +74,9 @@ class NgramDrafter:
                 return tokens[at : at + max_drafts]
         return []
 
-    def verified(self, num_accepted: int) -> None:
+    def verified(self, num_drafts: int, num_accepted: int) -> None:
+        hit = num_accepted == num_drafts
+        self._allowed = self._max_drafts if hit else num_accepted + 1
         if num_accepted:
             self._backoff_steps = 0
         else:
@@ -104,7 +109,7 @@ class NgramSpeculator:
             if req.grammar is not None or room <= 0:
                 continue
             if req.drafter is None:
-                req.drafter = NgramDrafter(*self._matches)
+                req.drafter = NgramDrafter(*self._matches, self.max_drafts)
             req.drafts = req.drafter.drafts(req, room)
             if req.drafts:
                 self._cache.tables.write_tokens(req.table_row, req.device_len, req.drafts)
@@ -139,6 +144,6 @@ class NgramSpeculator:
         self._counters.spec_verify_steps_total += 1
         self._counters.spec_draft_tokens_total += len(drafts)
         self._counters.spec_accepted_tokens_total += accepted
-        req.drafter.verified(accepted)
+        req.drafter.verified(len(drafts), accepted)
         if not req.finished:  # (a finished one gave everything back already)
             self._cache.trim(req)

@@ -1,0 +1,186 @@
+"""Speculative decoding (n-gram drafts) on and off, on copy-heavy and non-repetitive chats.
+
+Workloads (chat prompts built from this repository's own text, greedy):
+  code-edit      rename a variable in a function: the reply repeats the code
+  quote          quote a passage of the docs exactly
+  multi-turn     repeat an earlier answer of the conversation, then add to it
+  story          a short story (nothing to copy: drafts rarely match; ignore_eos)
+
+Each workload runs at batch 1 (one request at a time) and at concurrency C (C requests at once),
+with drafts and without, in this process, one engine after the other. Decode tok/s leaves the
+prefill out: each set of requests runs once with max_tokens 1 (the prefill and first token) and
+once in full, from an empty prefix cache both times; decode tok/s = (output tokens - first
+tokens) / (full time - prefill time). Greedy outputs must be identical with and without drafts
+(checked; a mismatch exits 1).
+
+    python benchmark/offline/bench_speculative.py
+    python benchmark/offline/bench_speculative.py --workloads quote story --concurrency 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import re
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads libgomp
+
+from minisgl import LLM, SamplingParams  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+WORKLOADS = ("code-edit", "quote", "multi-turn", "story")
+STORY_SUBJECTS = ("a lighthouse keeper", "a fox", "a clockmaker", "a river", "a child", "a robot")
+
+
+def _functions(limit: int) -> list[str]:
+    """Functions of this repository's scheduler, as source text (a few lines each)."""
+    found: list[str] = []
+    for name in ("cache_manager.py", "decode.py", "speculative.py", "outputs.py"):
+        text = (REPO / "minisgl" / "scheduler" / name).read_text()
+        found += re.findall(r"\n(    def \w+\(.*?\n)(?=\n    (?:def |@)|\n\n\S|\Z)", text, re.S)
+    short = [f for f in found if 6 <= f.count("\n") <= 18]
+    return short[:limit]
+
+
+def _passages(limit: int) -> list[str]:
+    """Paragraphs of the docs of a few hundred characters."""
+    paragraphs: list[str] = []
+    for path in sorted((REPO / "docs").glob("*.md")):
+        paragraphs += [p.strip() for p in path.read_text().split("\n\n")]
+    plain = [p for p in paragraphs if 300 <= len(p) <= 700 and not p.startswith(("#", "```", "|"))]
+    return plain[:limit]
+
+
+def conversations(name: str, count: int) -> list[list[dict[str, str]]]:
+    if name == "code-edit":
+        return [
+            [{"role": "user", "content": "Rename `req` to `request` in this code and reply with "
+              f"the whole code only:\n\n```python\n{code}```"}]
+            for code in _functions(count)
+        ]  # fmt: skip
+    if name == "quote":
+        return [
+            [{"role": "user", "content": f"Quote this passage exactly:\n\n{text}"}]
+            for text in _passages(count)
+        ]
+    if name == "multi-turn":
+        return [
+            [
+                {"role": "user", "content": "Explain this part of the server."},
+                {"role": "assistant", "content": text},
+                {"role": "user", "content": "Repeat your answer word for word."},
+            ]
+            for text in _passages(2 * count)[count:]
+        ]
+    subjects = (STORY_SUBJECTS * count)[:count]
+    return [[{"role": "user", "content": f"Write a story about {s}."}] for s in subjects]
+
+
+@dataclass
+class Timing:
+    output_tokens: int
+    decode_tokens: int  # after each request's first
+    total_s: float
+    decode_s: float
+
+    @property
+    def decode_tok_s(self) -> float:
+        return self.decode_tokens / self.decode_s
+
+
+def _timed(
+    llm: LLM, chats: list[list[dict[str, str]]], params: SamplingParams
+) -> tuple[float, list]:
+    llm.scheduler.flush_cache()
+    start = time.perf_counter()
+    outs = llm.chat(chats, params)
+    return time.perf_counter() - start, outs
+
+
+def run_batches(
+    llm: LLM, chats: list[list[dict[str, str]]], params: SamplingParams, batch: int
+) -> tuple[Timing, list[list[int]]]:
+    first = dataclasses.replace(params, max_tokens=1)
+    timing = Timing(0, 0, 0.0, 0.0)
+    tokens: list[list[int]] = []
+    for i in range(0, len(chats), batch):
+        group = chats[i : i + batch]
+        prefill_s, _ = _timed(llm, group, first)
+        total_s, outs = _timed(llm, group, params)
+        tokens += [o.token_ids for o in outs]
+        num = sum(len(o.token_ids) for o in outs)
+        timing.output_tokens += num
+        timing.decode_tokens += num - len(group)
+        timing.total_s += total_s
+        timing.decode_s += total_s - prefill_s
+    return timing, tokens
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--model", default=None, help="HF folder or hub id; default: bundled model")
+    p.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS))
+    p.add_argument("--num-requests", type=int, default=4, help="per workload at batch 1")
+    p.add_argument("--concurrency", type=int, default=16, help="0 skips the concurrent runs")
+    p.add_argument("--max-tokens", type=int, default=192)
+    p.add_argument("--num-draft-tokens", type=int, default=4)
+    p.add_argument("--ngram-max-match", type=int, default=4)
+    p.add_argument("--ngram-min-match", type=int, default=2)
+    args = p.parse_args(argv)
+    spec = {
+        "speculative_algorithm": "ngram",
+        "speculative_num_draft_tokens": args.num_draft_tokens,
+        "speculative_ngram_min_match": args.ngram_min_match,
+        "speculative_ngram_max_match": args.ngram_max_match,
+    }
+    runs = [(name, batch) for name in args.workloads for batch in (1, args.concurrency) if batch]
+    results: dict[tuple[str, int, bool], Timing] = {}
+    outputs: dict[tuple[str, int, bool], list[list[int]]] = {}
+    accept: dict[tuple[str, int], float] = {}
+    for drafts in (False, True):
+        with LLM(args.model, **(spec if drafts else {})) as llm:
+            llm.generate(["warm up"], SamplingParams(max_tokens=4))
+            for name, batch in runs:
+                count = args.num_requests if batch == 1 else batch
+                chats = conversations(name, count)
+                params = SamplingParams(
+                    temperature=0, max_tokens=args.max_tokens, ignore_eos=name == "story"
+                )
+                before = llm.scheduler.stats()
+                results[name, batch, drafts], outputs[name, batch, drafts] = run_batches(
+                    llm, chats, params, batch
+                )
+                after = llm.scheduler.stats()
+                if drafts:
+                    verifies = after.spec_verify_steps_total - before.spec_verify_steps_total
+                    got = after.spec_accepted_tokens_total - before.spec_accepted_tokens_total
+                    accept[name, batch] = (got + verifies) / verifies if verifies else 0.0
+                r = results[name, batch, drafts]
+                state = "on " if drafts else "off"
+                print(
+                    f"{name:<10} batch {batch:<3} drafts {state} {r.output_tokens:>5} tokens  "
+                    f"decode {r.decode_tok_s:7.1f} tok/s",
+                    flush=True,
+                )
+    print(f"\n{'workload':<11}{'batch':>6}{'off tok/s':>11}{'on tok/s':>10}{'speedup':>9}"
+          f"{'accept len':>12}{'same':>6}")  # fmt: skip
+    same_everywhere = True
+    for name, batch in runs:
+        off, on = results[name, batch, False], results[name, batch, True]
+        same = outputs[name, batch, False] == outputs[name, batch, True]
+        same_everywhere &= same
+        print(f"{name:<11}{batch:>6}{off.decode_tok_s:>11.1f}{on.decode_tok_s:>10.1f}"
+              f"{on.decode_tok_s / off.decode_tok_s:>8.2f}x{accept[name, batch]:>12.2f}"
+              f"{'yes' if same else 'NO':>6}")  # fmt: skip
+    return 0 if same_everywhere else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
