@@ -157,3 +157,18 @@ def test_decode_floor_prints_its_shares(tiny_qwen3):
         "--floor-output-len", "4",
     )  # fmt: skip
     assert "% of the floor" in run_script("bench.py", tiny_qwen3, *args, workload=())
+
+
+def test_speculative_benchmarks_report_drafts(tiny_qwen3):
+    """bench.py counts the drafts it verified; bench_speculative.py prints its table, each
+    workload with and without drafts, outputs identical (it exits 1 otherwise)."""
+    spec = ("--speculative-algorithm=ngram", "--speculative-ngram-min-match=1")
+    out = run_script("bench.py", tiny_qwen3, *spec)
+    found = re.search(r"speculative: (\d+) verify steps, (\d+) draft tokens, (\d+) accepted", out)
+    assert found and int(found[3]) <= int(found[2]), out
+    out = run_script(
+        "bench_speculative.py", tiny_qwen3, "--workloads", "quote", "story",
+        workload=("--num-requests=1", "--concurrency=2", "--max-tokens=8", "--ngram-min-match=1"),
+    )  # fmt: skip
+    rows = re.findall(r"^(quote|story) +(\d+) +[\d.]+ +[\d.]+ +[\d.]+x +[\d.]+ +yes$", out, re.M)
+    assert sorted(rows) == [("quote", "1"), ("quote", "2"), ("story", "1"), ("story", "2")], out

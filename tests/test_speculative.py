@@ -113,6 +113,17 @@ def test_greedy_outputs_equal_decoding_without_drafts(tiny_qwen3, baseline, name
         llm.shutdown()
 
 
+def test_tensor_parallel_ranks_draft_alike(tiny_qwen3, baseline):
+    """Every rank runs its own scheduler: the drafts come from the same (broadcast) tokens, so
+    the ranks' batches stay identical."""
+    outs, llm = run(tiny_qwen3, workload(), **SPEC, tp_size=2)
+    try:
+        assert [o.token_ids for o in outs] == baseline
+        assert llm.scheduler.stats().spec_accepted_tokens_total > 0
+    finally:
+        llm.shutdown()
+
+
 def test_retraction_keeps_outputs_and_pages(tiny_qwen3, baseline):
     pool_pages = 200  # the longest request (120 + 24 tokens, plus drafts) fits; the batch does not
     outs, llm = run(tiny_qwen3, workload(), **SPEC, num_pages=pool_pages)

@@ -47,6 +47,7 @@ import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from minisgl import LLM, SamplingParams
+from minisgl.config import ServerArgs
 from minisgl.core import Req, next_request_id
 from minisgl.engine.engine import resolve_device, resolve_dtype
 from minisgl.models.config import load_model_config
@@ -190,6 +191,11 @@ def engine_options(args: argparse.Namespace, config: EngineConfig) -> dict:
         options["cuda_graph_max_bs"] = None if config.graphs else 0
     if args.num_pages is not None:
         options["num_pages"] = args.num_pages
+    if args.speculative_algorithm is not None:
+        options["speculative_algorithm"] = args.speculative_algorithm
+        options["speculative_num_draft_tokens"] = args.speculative_num_draft_tokens
+        options["speculative_ngram_min_match"] = args.speculative_ngram_min_match
+        options["speculative_ngram_max_match"] = args.speculative_ngram_max_match
     return options
 
 
@@ -258,6 +264,15 @@ def time_minisgl_once(llm: LLM, workload: Workload, label: str, via_generate: bo
         f"prefill computed {after.prefill_tokens_total - before.prefill_tokens_total} tokens, "
         f"retractions {after.num_retractions_total - before.num_retractions_total}"
     )
+    if llm.scheduler.speculator is not None:
+        verifies = after.spec_verify_steps_total - before.spec_verify_steps_total
+        drafted = after.spec_draft_tokens_total - before.spec_draft_tokens_total
+        accepted = after.spec_accepted_tokens_total - before.spec_accepted_tokens_total
+        length = (accepted + verifies) / verifies if verifies else 0.0
+        print(
+            f"speculative: {verifies} verify steps, {drafted} draft tokens, {accepted} accepted, "
+            f"accept length {length:.2f} tokens per verify step"
+        )
     return RunResult(
         label,
         len(workload.prompts),
@@ -488,6 +503,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--disable-overlap", action="store_true", help="the same as --overlap off")
     p.add_argument("--overlap", choices=["auto", "on", "off"], default="auto")
     p.add_argument("--attention-backend", default="auto")
+    p.add_argument("--speculative-algorithm", choices=["ngram"], default=None)
+    for name in ("num_draft_tokens", "ngram_min_match", "ngram_max_match"):  # the server's defaults
+        default = getattr(ServerArgs, f"speculative_{name}")
+        p.add_argument(f"--speculative-{name.replace('_', '-')}", type=int, default=default)
     p.add_argument("--dtype", default="auto")
     p.add_argument(
         "--cuda-graphs",

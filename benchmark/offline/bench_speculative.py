@@ -31,6 +31,7 @@ from pathlib import Path
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads libgomp
 
 from minisgl import LLM, SamplingParams  # noqa: E402
+from minisgl.config import ServerArgs  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 WORKLOADS = ("code-edit", "quote", "multi-turn", "story")
@@ -130,9 +131,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-requests", type=int, default=4, help="per workload at batch 1")
     p.add_argument("--concurrency", type=int, default=16, help="0 skips the concurrent runs")
     p.add_argument("--max-tokens", type=int, default=192)
-    p.add_argument("--num-draft-tokens", type=int, default=4)
-    p.add_argument("--ngram-max-match", type=int, default=4)
-    p.add_argument("--ngram-min-match", type=int, default=2)
+    p.add_argument("--num-draft-tokens", type=int, default=ServerArgs.speculative_num_draft_tokens)
+    p.add_argument("--ngram-max-match", type=int, default=ServerArgs.speculative_ngram_max_match)
+    p.add_argument("--ngram-min-match", type=int, default=ServerArgs.speculative_ngram_min_match)
     args = p.parse_args(argv)
     spec = {
         "speculative_algorithm": "ngram",
