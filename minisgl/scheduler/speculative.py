@@ -32,6 +32,13 @@ from minisgl.scheduler.stats import SchedulerCounters
 # twice as long after each further miss, up to this many.
 MAX_BACKOFF_STEPS = 64
 
+# Rows (decodes plus drafts) a step's drafts may bring its batch to. Past the point where a
+# decode step stops being bound by reading the weights, a draft row costs about what a decoded
+# token does, and a rejected one is pure loss: on this repository's CPU (SmolLM2-135M) drafts
+# stopped paying at about 16 requests (benchmark/RESULTS.md, section 16). A batch of more
+# requests than this drafts nothing. Not measured on a GPU yet, where the point lies far higher.
+MAX_VERIFY_ROWS = 32
+
 # (its token, its logprob) per sampled row
 SampledRow = tuple[int, TokenLogprob | None]
 # The scheduler's: one sampled token into its request; True when that ended it.
@@ -98,11 +105,13 @@ class NgramSpeculator:
         """Give each decoding request its drafts for this step (written into the token table
         after its last token); whether any got some."""
         proposed = False
+        budget = MAX_VERIFY_ROWS - len(reqs)  # draft rows left for this step
         for req in reqs:
             params = req.sampling_params
             # Room for k drafts: k + 1 tokens may come out of the step.
             room = min(
                 self.max_drafts,
+                budget,
                 params.max_tokens - req.num_sampled - 1,
                 self._max_len - req.device_len - 1,
             )
@@ -113,6 +122,7 @@ class NgramSpeculator:
             req.drafts = req.drafter.drafts(req, room)
             if req.drafts:
                 self._cache.tables.write_tokens(req.table_row, req.device_len, req.drafts)
+                budget -= len(req.drafts)
                 proposed = True
         return proposed
 
