@@ -51,6 +51,22 @@ SCHEDULER_METRICS = {
         "Running requests retracted (KV freed, requeued) to make room",
         "num_retractions_total",
     ),
+    "spec_decode_num_drafts": (
+        "counter",
+        "Speculative decoding: times a request's drafts were verified",
+        "spec_verify_steps_total",
+    ),
+    "spec_decode_num_draft_tokens": (
+        "counter", "Speculative decoding: draft tokens proposed", "spec_draft_tokens_total"
+    ),
+    "spec_decode_num_accepted_tokens": (
+        "counter", "Speculative decoding: draft tokens accepted", "spec_accepted_tokens_total"
+    ),
+    "spec_accept_length": (
+        "gauge",
+        "Speculative decoding: mean tokens per verify step (0: none yet)",
+        "spec_accept_length",
+    ),
     "num_running_reqs": ("gauge", "Requests in the running batch", "num_running_reqs"),
     "num_queue_reqs": ("gauge", "Requests waiting to be scheduled", "num_queue_reqs"),
     "kv_cache_usage_ratio": ("gauge", "Fraction of KV pages in use", "kv_cache_usage_ratio"),

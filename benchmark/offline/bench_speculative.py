@@ -13,28 +13,38 @@ prefill and first token) and once in full, from an empty prefix cache both times
 (output tokens - first tokens) / (full time - prefill time). Greedy outputs must be identical
 with and without drafts (checked; a mismatch exits 1).
 
+`--server` runs the same through two `python -m minisgl.server` processes (ports --server-port
+and the one after), each group of requests sent at once over HTTP; outputs compared as text.
+
     python benchmark/offline/bench_speculative.py
     python benchmark/offline/bench_speculative.py --workloads quote story --concurrency 16
+    python benchmark/offline/bench_speculative.py --server
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import re
+import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads libgomp
+
+import httpx  # noqa: E402
 
 from minisgl import LLM, SamplingParams  # noqa: E402
 from minisgl.config import ServerArgs  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 WORKLOADS = ("code-edit", "quote", "multi-turn", "story")
+DEFAULT_SERVER_PORT = 19190
+WARM_UP_CHAT = [{"role": "user", "content": "Say hi."}]
+SERVER_START_TIMEOUT_S = 300.0
 STORY_SUBJECTS = ("a lighthouse keeper", "a fox", "a clockmaker", "a river", "a child", "a robot")
 
 
@@ -94,32 +104,108 @@ class Timing:
         return self.decode_tokens / self.decode_s
 
 
-def _timed(
-    llm: LLM, chats: list[list[dict[str, str]]], params: SamplingParams
-) -> tuple[float, list]:
-    llm.scheduler.flush_cache()
+Chat = list[dict[str, str]]
+# Per request: what it wrote (token ids offline, text from the server) and its token count.
+Reply = tuple[object, int]
+
+
+class OfflineEngine:
+    def __init__(self, model: str | None, options: dict[str, object]) -> None:
+        self.llm = LLM(model, **options)
+        self.chat([WARM_UP_CHAT], 4)  # the chat template's first rendering is slow
+
+    def flush(self) -> None:
+        self.llm.scheduler.flush_cache()
+
+    def chat(self, chats: list[Chat], max_tokens: int) -> list[Reply]:
+        outs = self.llm.chat(chats, SamplingParams(temperature=0, max_tokens=max_tokens))
+        return [(o.token_ids, len(o.token_ids)) for o in outs]
+
+    def spec_counts(self) -> tuple[int, int]:
+        stats = self.llm.scheduler.stats()
+        return stats.spec_verify_steps_total, stats.spec_accepted_tokens_total
+
+    def close(self) -> None:
+        self.llm.shutdown()
+
+
+class ServerEngine:
+    """`python -m minisgl.server` with the same options, asked over HTTP (one connection per
+    request of a group, all at once)."""
+
+    def __init__(self, model: str | None, options: dict[str, object], port: int) -> None:
+        flags = [f"--{k.replace('_', '-')}={v}" for k, v in options.items()]
+        model_flag = [f"--model={model}"] if model else []
+        command = [sys.executable, "-m", "minisgl.server", f"--port={port}", *model_flag, *flags]
+        self.proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+        self.url = f"http://127.0.0.1:{port}"
+        deadline_s = time.monotonic() + SERVER_START_TIMEOUT_S
+        while not self._healthy():
+            if self.proc.poll() is not None or time.monotonic() > deadline_s:
+                raise RuntimeError(f"the server on port {port} did not start")
+            time.sleep(0.5)
+        self.chat([WARM_UP_CHAT], 4)
+
+    def _healthy(self) -> bool:
+        try:
+            return httpx.get(self.url + "/health", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def flush(self) -> None:
+        httpx.post(self.url + "/flush_cache", timeout=60).raise_for_status()
+
+    def _one(self, chat: Chat, max_tokens: int) -> Reply:
+        body = {"messages": chat, "max_tokens": max_tokens, "temperature": 0}
+        reply = httpx.post(self.url + "/v1/chat/completions", json=body, timeout=600)
+        reply.raise_for_status()
+        data = reply.json()
+        return data["choices"][0]["message"]["content"], data["usage"]["completion_tokens"]
+
+    def chat(self, chats: list[Chat], max_tokens: int) -> list[Reply]:
+        with ThreadPoolExecutor(len(chats)) as pool:
+            return list(pool.map(lambda c: self._one(c, max_tokens), chats))
+
+    def spec_counts(self) -> tuple[int, int]:
+        text = httpx.get(self.url + "/metrics", timeout=10).text
+
+        def value(name: str) -> int:
+            found = re.search(rf"^minisgl:{name}_total (\S+)$", text, re.M)
+            return int(float(found[1])) if found else 0
+
+        return value("spec_decode_num_drafts"), value("spec_decode_num_accepted_tokens")
+
+    def close(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=60)
+
+
+Engine = OfflineEngine | ServerEngine
+
+
+def _timed(engine: Engine, chats: list[Chat], max_tokens: int) -> tuple[float, list[Reply]]:
+    engine.flush()
     start = time.perf_counter()
-    outs = llm.chat(chats, params)
-    return time.perf_counter() - start, outs
+    replies = engine.chat(chats, max_tokens)
+    return time.perf_counter() - start, replies
 
 
 def run_batches(
-    llm: LLM, chats: list[list[dict[str, str]]], params: SamplingParams, batch: int
-) -> tuple[Timing, list[list[int]]]:
-    first = dataclasses.replace(params, max_tokens=1)
+    engine: Engine, chats: list[Chat], max_tokens: int, batch: int
+) -> tuple[Timing, list[object]]:
     timing = Timing(0, 0, 0.0, 0.0)
-    tokens: list[list[int]] = []
+    written: list[object] = []
     for i in range(0, len(chats), batch):
         group = chats[i : i + batch]
-        prefill_s, _ = _timed(llm, group, first)
-        total_s, outs = _timed(llm, group, params)
-        tokens += [o.token_ids for o in outs]
-        num = sum(len(o.token_ids) for o in outs)
+        prefill_s, _ = _timed(engine, group, 1)
+        total_s, replies = _timed(engine, group, max_tokens)
+        written += [what for what, _ in replies]
+        num = sum(count for _, count in replies)
         timing.output_tokens += num
         timing.decode_tokens += num - len(group)
         timing.total_s += total_s
         timing.decode_s += total_s - prefill_s
-    return timing, tokens
+    return timing, written
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -131,6 +217,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-requests", type=int, default=4, help="per workload at batch 1")
     p.add_argument("--concurrency", type=int, default=16, help="0 skips the concurrent runs")
     p.add_argument("--max-tokens", type=int, default=192)
+    p.add_argument("--server", action="store_true", help="through two servers, over HTTP")
+    p.add_argument("--server-port", type=int, default=DEFAULT_SERVER_PORT, help="and port + 1")
     p.add_argument("--num-draft-tokens", type=int, default=ServerArgs.speculative_num_draft_tokens)
     p.add_argument("--ngram-max-match", type=int, default=ServerArgs.speculative_ngram_max_match)
     p.add_argument("--ngram-min-match", type=int, default=ServerArgs.speculative_ngram_min_match)
@@ -143,26 +231,28 @@ def main(argv: list[str] | None = None) -> int:
     }
     runs = [(name, batch) for name in args.workloads for batch in (1, args.concurrency) if batch]
     results: dict[tuple[str, int, bool], Timing] = {}
-    outputs: dict[tuple[str, int, bool], list[list[int]]] = {}
+    outputs: dict[tuple[str, int, bool], list[object]] = {}
     accept: dict[tuple[str, int], float] = {}
     # Both engines loaded at once and each run timed off then on, back to back: this machine's
     # memory bandwidth drifts over minutes, which would otherwise favour one side.
-    engines = {drafts: LLM(args.model, **(spec if drafts else {})) for drafts in (False, True)}
+    engines: dict[bool, Engine] = {}
     try:
-        for llm in engines.values():
-            llm.generate(["warm up"], SamplingParams(max_tokens=4))
+        for drafts in (False, True):
+            options = spec if drafts else {}
+            engines[drafts] = (
+                ServerEngine(args.model, options, args.server_port + drafts)
+                if args.server
+                else OfflineEngine(args.model, options)
+            )
         for name, batch in runs:
             chats = conversations(name, args.num_requests if batch == 1 else batch)
-            params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
-            for drafts, llm in engines.items():
-                before = llm.scheduler.stats()
+            for drafts, engine in engines.items():
+                before = engine.spec_counts()
                 results[name, batch, drafts], outputs[name, batch, drafts] = run_batches(
-                    llm, chats, params, batch
+                    engine, chats, args.max_tokens, batch
                 )
-                after = llm.scheduler.stats()
+                verifies, got = (b - a for a, b in zip(before, engine.spec_counts(), strict=True))
                 if drafts:
-                    verifies = after.spec_verify_steps_total - before.spec_verify_steps_total
-                    got = after.spec_accepted_tokens_total - before.spec_accepted_tokens_total
                     accept[name, batch] = (got + verifies) / verifies if verifies else 0.0
                 r = results[name, batch, drafts]
                 state = "on " if drafts else "off"
@@ -172,8 +262,8 @@ def main(argv: list[str] | None = None) -> int:
                     flush=True,
                 )
     finally:
-        for llm in engines.values():
-            llm.shutdown()
+        for engine in engines.values():
+            engine.close()
     print(f"\n{'workload':<11}{'batch':>6}{'off tok/s':>11}{'on tok/s':>10}{'speedup':>9}"
           f"{'accept len':>12}{'same':>6}")  # fmt: skip
     same_everywhere = True
