@@ -14,7 +14,8 @@ prefill and first token) and once in full, from an empty prefix cache both times
 with and without drafts (checked; a mismatch exits 1).
 
 `--server` runs the same through two `python -m minisgl.server` processes (ports --server-port
-and the one after), each group of requests sent at once over HTTP; outputs compared as text.
+and the one after), each group of requests streamed at once over HTTP; outputs compared as text;
+decode time there is each request's time from its first token to its end, averaged over a group.
 
     python benchmark/offline/bench_speculative.py
     python benchmark/offline/bench_speculative.py --workloads quote story --concurrency 16
@@ -24,6 +25,7 @@ and the one after), each group of requests sent at once over HTTP; outputs compa
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import subprocess
@@ -105,8 +107,9 @@ class Timing:
 
 
 Chat = list[dict[str, str]]
-# Per request: what it wrote (token ids offline, text from the server) and its token count.
-Reply = tuple[object, int]
+# Per request: what it wrote (token ids offline, text from the server), its token count, and
+# (streamed from the server) the seconds from its first token to its end; None offline.
+Reply = tuple[object, int, float | None]
 
 
 class OfflineEngine:
@@ -119,7 +122,7 @@ class OfflineEngine:
 
     def chat(self, chats: list[Chat], max_tokens: int) -> list[Reply]:
         outs = self.llm.chat(chats, SamplingParams(temperature=0, max_tokens=max_tokens))
-        return [(o.token_ids, len(o.token_ids)) for o in outs]
+        return [(o.token_ids, len(o.token_ids), None) for o in outs]
 
     def spec_counts(self) -> tuple[int, int]:
         stats = self.llm.scheduler.stats()
@@ -156,11 +159,29 @@ class ServerEngine:
         httpx.post(self.url + "/flush_cache", timeout=60).raise_for_status()
 
     def _one(self, chat: Chat, max_tokens: int) -> Reply:
-        body = {"messages": chat, "max_tokens": max_tokens, "temperature": 0}
-        reply = httpx.post(self.url + "/v1/chat/completions", json=body, timeout=600)
-        reply.raise_for_status()
-        data = reply.json()
-        return data["choices"][0]["message"]["content"], data["usage"]["completion_tokens"]
+        """Streamed: its text, its token count and the seconds from its first token to its end."""
+        body = {
+            **{"messages": chat, "max_tokens": max_tokens, "temperature": 0, "stream": True},
+            "stream_options": {"include_usage": True},
+        }
+        parts: list[str] = []
+        first_s = num_tokens = None
+        url = self.url + "/v1/chat/completions"
+        with httpx.stream("POST", url, json=body, timeout=600) as reply:
+            reply.raise_for_status()
+            for line in reply.iter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                chunk = json.loads(line[len("data: ") :])
+                for choice in chunk["choices"]:
+                    if choice["delta"].get("content") and first_s is None:
+                        first_s = time.perf_counter()
+                    parts.append(choice["delta"].get("content") or "")
+                if chunk.get("usage"):
+                    num_tokens = chunk["usage"]["completion_tokens"]
+        assert num_tokens is not None, "no usage in the stream"
+        decode_s = time.perf_counter() - first_s if first_s is not None else 0.0
+        return "".join(parts), num_tokens, decode_s
 
     def chat(self, chats: list[Chat], max_tokens: int) -> list[Reply]:
         with ThreadPoolExecutor(len(chats)) as pool:
@@ -197,14 +218,17 @@ def run_batches(
     written: list[object] = []
     for i in range(0, len(chats), batch):
         group = chats[i : i + batch]
-        prefill_s, _ = _timed(engine, group, 1)
         total_s, replies = _timed(engine, group, max_tokens)
-        written += [what for what, _ in replies]
-        num = sum(count for _, count in replies)
+        written += [what for what, _, _ in replies]
+        num = sum(count for _, count, _ in replies)
         timing.output_tokens += num
         timing.decode_tokens += num - len(group)
         timing.total_s += total_s
-        timing.decode_s += total_s - prefill_s
+        streamed = [s for _, _, s in replies if s is not None]
+        if len(streamed) == len(replies):  # the mean request's decoding time
+            timing.decode_s += sum(streamed) / len(streamed)
+        else:  # offline: the time past the prefill and first tokens, run apart
+            timing.decode_s += total_s - _timed(engine, group, 1)[0]
     return timing, written
 
 
