@@ -24,7 +24,7 @@ class Launched:
     sampled: list[Req]  # the requests that sample a token in this batch, in output order
     # max_tokens 0 (prompt logprobs only): requests whose prompt this batch completes
     scored_only: list[Req]
-    with_drafts: bool = False  # speculative decoding: a request samples 1 + its drafts rows
+    with_drafts: bool = False  # speculative decoding: a request samples 1 + len(drafts) rows
     pending: PendingOutput | Future[PendingOutput] | None = None  # set once sampling launched
     release_after: list[Req] = field(default_factory=list)
 
@@ -44,7 +44,7 @@ def build_batch(
     items: list[tuple[Req, int]], with_drafts: bool = False
 ) -> tuple[ForwardBatch, Launched]:
     """Advance each request by its tokens (`cached_len`; `device_len` by the token it will
-    sample) and describe the work for the engine. `with_drafts`: requests may have drafts
+    sample) and describe the work for the engine. `with_drafts`: some requests have drafts
     (speculative decoding); they advance by those verified, when the results are in."""
     reqs = [req for req, _ in items]
     prefix_lens = [req.cached_len for req in reqs]
@@ -83,8 +83,6 @@ def _with_drafts(fb: ForwardBatch, reqs: list[Req]) -> tuple[ForwardBatch, list[
     attends to the ones before it as one sequence would; and a batch of decodes keeps the shape
     CUDA graphs and the CPU's fused decode step run. Also returns the request of each sequence."""
     seqs = [(i, j) for i, req in enumerate(reqs) for j in range(1 + len(req.drafts))]
-    if len(seqs) == len(reqs):
-        return fb, reqs
 
     def each(values: list[_T]) -> list[_T]:
         return [values[i] for i, _ in seqs]

@@ -122,10 +122,9 @@ class Scheduler:
                 self.counters.first_admission(req)
         if not items and not plan.items:
             return None
-        speculative = self.speculator is not None
-        num_drafts = sum(len(req.drafts) for req, _ in items) if speculative else 0
+        num_drafts = sum(len(req.drafts) for req, _ in items) if self.speculator is not None else 0
         self.counters.step(len(items), plan.items, num_drafts)
-        batch = build_batch(items + plan.items, with_drafts=speculative)
+        batch = build_batch(items + plan.items, with_drafts=num_drafts > 0)
         for req, num_tokens in plan.items:
             if num_tokens > 1:  # a prefill chunk: share its prefix right away
                 self.cache.cache_prefix(req)
@@ -142,13 +141,14 @@ class Scheduler:
                     self.outputs.end(req, FinishReason.LENGTH)
                     self._release(req)
             rows = zip(result.token_ids, result.logprobs, strict=True)
-            if self.speculator is not None:
+            if self.speculator is not None and launched.with_drafts:
                 for req in launched.sampled:
                     self.speculator.verify(req, rows, self._take)
             else:
                 for req, (token_id, logprob) in zip(launched.sampled, rows, strict=True):
-                    if req.finish_reason is None:  # else: the one extra token after a finish
-                        self._take(req, token_id, logprob)  # under overlap, dropped
+                    # a finished one: the extra token it got in the batch after (overlap)
+                    if req.finish_reason is None:
+                        self._take(req, token_id, logprob)
             for req in launched.release_after:
                 self.cache.release(req)
 
@@ -191,10 +191,8 @@ class Scheduler:
 
     def stats(self) -> SchedulerStats:
         total = self.cache.num_total_pages
-        verifies, accepted = (
-            self.counters.spec_verify_steps_total,
-            self.counters.spec_accepted_tokens_total,
-        )
+        verifies = self.counters.spec_verify_steps_total
+        accepted = self.counters.spec_accepted_tokens_total
         return SchedulerStats(
             spec_accept_length=(accepted + verifies) / verifies if verifies else 0.0,
             num_running_reqs=len(self.running),
