@@ -11,8 +11,9 @@ import dataclasses
 import json
 import os
 import shlex
-from dataclasses import dataclass, fields
-from typing import Any, Literal
+import socket
+from dataclasses import dataclass, field, fields
+from typing import Any, Literal, NoReturn
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 1919
@@ -45,6 +46,8 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "reasoning_parser": REASONING_PARSER_CHOICES,
     "tool_call_parser": TOOL_CALL_PARSER_CHOICES,
     "speculative_algorithm": ("ngram",),
+    "dtype": ("auto", "float32", "float16", "bfloat16"),
+    "log_level": ("debug", "info", "warning", "error"),
 }
 _OPTIONAL_CHOICES = ("reasoning_parser", "tool_call_parser", "speculative_algorithm")  # None: off
 _LOWER_BOUNDS = {
@@ -60,6 +63,7 @@ _LOWER_BOUNDS = {
     "shutdown_timeout_s": 0,
     "speculative_num_draft_tokens": 1,
     "speculative_ngram_min_match": 1,
+    "port": 1,
 }
 
 
@@ -67,76 +71,105 @@ def _env_flag(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() in {"1", "true", "yes", "on"}
 
 
+# The --help groups, in the order they are listed.
+MODEL, MEMORY, SCHED, SPEC, API, CHAT, PARALLEL, GPU = (
+    "model",
+    "memory (KV cache)",
+    "scheduling",
+    "speculative decoding (docs/speculative.md)",
+    "API server (docs/server.md)",
+    "chat: templates, parsers, sampling defaults",
+    "parallelism (docs/tensor_parallel.md)",
+    "GPU",
+)
+
+
+def _opt(default: Any, group: str, help: str) -> Any:
+    """A ServerArgs field with its --help group and line: one home for each flag."""
+    return field(default=default, metadata={"group": group, "help": help})
+
+
 @dataclass(frozen=True)
 class ServerArgs:
-    model: str | None = None  # local HF folder or hub id; None serves the bundled default model
-    served_model_name: str | None = None  # the name clients send; defaults to --model
-    tokenizer: str | None = None
-    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
-    device: str = "auto"  # auto: cuda if available, else cpu
-    tp_size: int = 1
-    # KV cache
-    page_size: int = 1
-    num_pages: int | None = None  # explicit pool size; overrides the memory budget
-    kv_cache_gb: float | None = None  # explicit pool budget in GiB
-    mem_fraction_static: float = 0.85  # CUDA: fraction of device memory for weights + KV
-    cache_type: CacheType = "radix"
-    # scheduling
-    max_running_requests: int = 256
-    # Token budget of one batch's prefill work (chunked prefill). None: 8192 on CUDA, 1024 on CPU,
-    # where a chunk of 8192 tokens takes seconds and stalls every running decode meanwhile.
-    max_prefill_tokens: int | None = None
-    max_model_len: int | None = None  # defaults to the model's max_position_embeddings
-    # Overlap scheduling: schedule batch N+1 while batch N computes. auto: on for CUDA (the host
-    # work hides behind the GPU), off for CPU (the forward already uses every core, so the
-    # scheduling thread only competes with it: 3-15% slower in benchmark/RESULTS.md).
-    overlap: OverlapMode = "auto"
-    disable_overlap: bool = False  # the same as --overlap off (as does MINISGL_DISABLE_...=1)
-    # auto: flashinfer on CUDA when installed, else triton on CUDA when installed, else torch
-    attention_backend: str = "auto"
-    # Decode batches up to this size replay CUDA graphs (padded to captured sizes); 0 disables.
-    # None: 256 on CUDA (capped by max_running_requests), 0 on CPU. On CPU a positive value runs
-    # the same padded path eagerly (used to test the padding).
-    cuda_graph_max_bs: int | None = None
-    seed: int = 0
-    # Speculative decoding (docs/speculative.md): ngram drafts the next tokens from the request's
-    # own prompt and output, verified in one forward; None: off.
-    speculative_algorithm: str | None = None
-    speculative_num_draft_tokens: int = 4  # drafts verified per step, at most
-    speculative_ngram_min_match: int = 2  # the lengths of suffix looked up, the longest first
-    speculative_ngram_max_match: int = 4
-    # server
-    host: str = DEFAULT_HOST
-    port: int = DEFAULT_PORT
-    api_key: str | None = None
-    log_level: str = "info"
-    # hub downloads (when --model is a hub id; see minisgl/models/resolve.py)
-    revision: str | None = None  # branch, tag or commit; default: the repo's default branch
-    download_dir: str | None = None  # cache folder to download into; default: HF_HUB_CACHE
-    offline: bool = False  # the local cache only, never the hub (like HF_HUB_OFFLINE=1)
-    # Limits on what one client can ask of the server (docs/server.md, "Limits").
-    max_sequences_per_request: int = 256  # prompts x n of one request; over it: 400
-    # Sequences that may wait beyond --max-running-requests; over it: 503 with Retry-After.
-    max_queued_requests: int = 1024
-    request_timeout_s: float | None = None  # abort a request running longer (504); None: never
-    max_request_body_bytes: int = 32 * MIB  # over it: 413
-    # SIGTERM: stop taking requests (503) and let open ones finish for this long, then abort.
-    shutdown_timeout_s: float = 20.0
-    # chat (docs/server.md, "Reasoning, tools and structured outputs")
-    chat_template: str | None = None  # a Jinja file replacing the checkpoint's chat template
-    # Template variables for every chat request (a JSON object, e.g. '{"enable_thinking":
-    # false}'); a request's chat_template_kwargs override them. LLM(...) also takes a dict.
-    chat_template_kwargs: str | None = None
-    reasoning_parser: str | None = None  # qwen3, deepseek-r1 or auto: split off <think> text
-    tool_call_parser: str | None = None  # hermes, qwen25, llama3_json or auto: parse tool calls
-    # model: a request's unset temperature / top_p / top_k / min_p / repetition_penalty come from
-    # the checkpoint's generation_config.json (SGLang's and vLLM's default); openai: the OpenAI
-    # API's defaults (temperature 1, no top-k / top-p / min-p, no penalty).
-    sampling_defaults: str = "model"
-    # multi-node tensor parallelism
-    nnodes: int = 1
-    node_rank: int = 0
-    dist_init_addr: str | None = None
+    model: str | None = _opt(
+        None, MODEL, "local HF checkpoint folder or hub id (default: the bundled SmolLM2-135M)"
+    )
+    served_model_name: str | None = _opt(None, MODEL, "the name clients send (default: --model)")
+    tokenizer: str | None = _opt(None, MODEL, "tokenizer folder or hub id (default: the model's)")
+    dtype: str = _opt("auto", MODEL, "auto: float32 on CPU, bfloat16 on CUDA")
+    device: str = _opt("auto", MODEL, "cpu, cuda or cuda:N; auto: cuda when there is one")
+    max_model_len: int | None = _opt(
+        None, MODEL, "longest prompt + output in tokens (default: the model's context length)"
+    )
+    revision: str | None = _opt(None, MODEL, "hub download: branch, tag or commit")
+    download_dir: str | None = _opt(None, MODEL, "hub download: cache folder (default: HF's)")
+    offline: bool = _opt(False, MODEL, "never download: the local cache only (HF_HUB_OFFLINE=1)")
+    page_size: int = _opt(1, MEMORY, "tokens per KV cache page")
+    num_pages: int | None = _opt(None, MEMORY, "KV pool size in pages (overrides the budgets)")
+    kv_cache_gb: float | None = _opt(
+        None, MEMORY, f"KV pool budget in GiB (default: {DEFAULT_CPU_KV_CACHE_GB} on CPU)"
+    )
+    cache_type: CacheType = _opt("radix", MEMORY, "radix reuses cached prefixes; naive does not")
+    max_running_requests: int = _opt(256, SCHED, "sequences decoded together, at most")
+    # Chunked prefill. CPU's default is lower: a chunk of 8192 tokens takes seconds there and
+    # stalls every running decode meanwhile.
+    max_prefill_tokens: int | None = _opt(
+        None, SCHED, "prompt tokens prefilled per step (default: 8192 on CUDA, 1024 on CPU)"
+    )
+    # Overlap scheduling: auto is on for CUDA (the host work hides behind the GPU), off for CPU
+    # (the forward already uses every core, so the scheduling thread only competes with it:
+    # 3-15% slower in benchmark/RESULTS.md).
+    overlap: OverlapMode = _opt(
+        "auto", SCHED, "plan step N+1 while N computes; auto: on for CUDA, off for CPU"
+    )
+    disable_overlap: bool = _opt(False, SCHED, f"--overlap off (so is {DISABLE_OVERLAP_ENV}=1)")
+    seed: int = _opt(0, SCHED, "random seed of the requests that give no seed")
+    speculative_algorithm: str | None = _opt(
+        None, SPEC, "ngram: draft from the request's own text, verify in one forward (off)"
+    )
+    speculative_num_draft_tokens: int = _opt(4, SPEC, "drafts verified per step, at most")
+    speculative_ngram_min_match: int = _opt(2, SPEC, "shortest suffix looked up, in tokens")
+    speculative_ngram_max_match: int = _opt(4, SPEC, "longest suffix looked up (tried first)")
+    host: str = _opt(DEFAULT_HOST, API, "address to listen on (0.0.0.0: every interface)")
+    port: int = _opt(DEFAULT_PORT, API, "port to listen on")
+    api_key: str | None = _opt(None, API, "clients must send it as a Bearer token (off)")
+    log_level: str = _opt("info", API, "debug, info, warning or error")
+    max_sequences_per_request: int = _opt(256, API, "prompts x n in one request; over it: 400")
+    max_queued_requests: int = _opt(
+        1024, API, "sequences waiting beyond --max-running-requests; over it: 503"
+    )
+    request_timeout_s: float | None = _opt(None, API, "abort requests running longer: 504 (off)")
+    max_request_body_bytes: int = _opt(32 * MIB, API, "larger request bodies: 413")
+    shutdown_timeout_s: float = _opt(
+        20.0, API, "SIGTERM: seconds open requests may finish (503 to new ones)"
+    )
+    chat_template: str | None = _opt(None, CHAT, "a Jinja file replacing the model's template")
+    chat_template_kwargs: str | None = _opt(
+        None,
+        CHAT,
+        "template variables for every request (JSON, e.g. '{\"enable_thinking\": false}')",
+    )
+    reasoning_parser: str | None = _opt(
+        None, CHAT, "split <think> text off as reasoning_content; auto: from the template (off)"
+    )
+    tool_call_parser: str | None = _opt(
+        "auto", CHAT, "how replies write tool calls; auto: from the template, else <tool_call>"
+    )
+    # model: SGLang's and vLLM's default; openai: temperature 1, no top-k/top-p/min-p/penalty.
+    sampling_defaults: str = _opt(
+        "model", CHAT, "unset sampling fields: from generation_config.json, or OpenAI's"
+    )
+    tp_size: int = _opt(1, PARALLEL, "tensor-parallel ranks (GPUs; processes on CPU)")
+    nnodes: int = _opt(1, PARALLEL, "nodes of one tensor-parallel group")
+    node_rank: int = _opt(0, PARALLEL, "this node's rank (0 serves the API)")
+    dist_init_addr: str | None = _opt(None, PARALLEL, "host:port of node 0, for --nnodes > 1")
+    mem_fraction_static: float = _opt(0.85, GPU, "device memory for weights + KV pool")
+    attention_backend: str = _opt(
+        "auto", GPU, "auto: flashinfer, else triton, on CUDA; torch on CPU"
+    )
+    cuda_graph_max_bs: int | None = _opt(
+        None, GPU, "decode batches up to this size replay CUDA graphs; 0: off (default: 256)"
+    )
 
     def __post_init__(self) -> None:
         def check(ok: bool, name: str, msg: str) -> None:
@@ -150,7 +183,7 @@ class ServerArgs:
             value = getattr(self, name)
             allowed = value in choices or (value is None and name in _OPTIONAL_CHOICES)
             check(allowed, name, f"must be one of {', '.join(choices)}")
-        check(self.dtype in ("auto", "float32", "float16", "bfloat16"), "dtype", "unknown dtype")
+        check(self.port < 1 << 16, "port", "must be < 65536")
         check(0 < self.mem_fraction_static < 1, "mem_fraction_static", "must be in (0, 1)")
         check(self.nnodes >= 1 and 0 <= self.node_rank < self.nnodes, "node_rank", "out of range")
         check(
@@ -241,25 +274,53 @@ _ALIASES: dict[str, list[str]] = {
 }
 
 
+DESCRIPTION = f"""Serve a model over OpenAI's, Anthropic's and SGLang's HTTP APIs: chat and text
+completions, Responses, Messages, /generate (docs/server.md). With no flags it serves the bundled
+SmolLM2-135M-Instruct on http://{DEFAULT_HOST}:{DEFAULT_PORT}. `--shell` chats in this terminal."""
+SHELL_MAX_TOKENS = 2048  # Mini-SGLang's shell bound: a reply never runs to the context limit
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        """One line naming the flag and the rule, not the whole usage."""
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def _help(f: dataclasses.Field) -> str:
+    shown = f.default is not None and not isinstance(f.default, bool)
+    return f.metadata["help"] + (" (default: %(default)s)" if shown else "")
+
+
 def build_arg_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m minisgl.server", description=__doc__)
+    usage = "%(prog)s [options]"
+    parser = _Parser(prog="python -m minisgl.server", usage=usage, description=DESCRIPTION)
+    groups = {name: parser.add_argument_group(name) for name in (MODEL, MEMORY, SCHED, SPEC)}
     for f in fields(ServerArgs):
+        group = groups.get(f.metadata["group"]) or parser.add_argument_group(f.metadata["group"])
+        groups[f.metadata["group"]] = group
         flags = ["--" + f.name.replace("_", "-"), *_ALIASES.get(f.name, [])]
-        default = f.default
-        if f.type in ("bool",) or isinstance(default, bool):
-            parser.add_argument(*flags, dest=f.name, action="store_true", default=default)
+        kwargs: dict[str, Any] = {"dest": f.name, "default": f.default, "help": _help(f)}
+        if isinstance(f.default, bool):
+            group.add_argument(*flags, action="store_true", **kwargs)
             continue
-        kind: Any = str
         type_name = str(f.type)
-        if "int" in type_name:
-            kind = int
-        elif "float" in type_name:
-            kind = float
-        kwargs: dict[str, Any] = {"dest": f.name, "type": kind, "default": default}
+        kind = int if "int" in type_name else float if "float" in type_name else str
+        kwargs["type"] = kind
+        if kind is not str:
+            kwargs["metavar"] = "N" if kind is int else "X"
         if f.name in CHOICES:
             kwargs["choices"] = list(CHOICES[f.name])
-        parser.add_argument(*flags, **kwargs)
-    parser.add_argument("--shell", action="store_true", help="chat in this terminal")
+        group.add_argument(*flags, **kwargs)
+    shell = parser.add_argument_group("shell")
+    shell.add_argument("--shell", action="store_true", help="chat in this terminal (/exit quits)")
+    shell.add_argument(
+        "--shell-max-tokens",
+        type=int,
+        default=SHELL_MAX_TOKENS,
+        help="longest reply in tokens (default: %(default)s)",
+    )
+    shell.add_argument("--temperature", type=float, help="(default: the model's)")
+    shell.add_argument("--top-p", type=float, help="(default: the model's)")
     dp = parser.add_argument_group("data parallelism (docs/scaling.md)")
     dp.add_argument(
         "--dp",
@@ -269,7 +330,12 @@ def build_arg_parser() -> argparse.ArgumentParser:
         default=1,
         help="replicas on ports --port+1 .. --port+N, the SGLang Model Gateway on --port",
     )
-    dp.add_argument("--router-policy", choices=ROUTER_POLICIES, default=DEFAULT_ROUTER_POLICY)
+    dp.add_argument(
+        "--router-policy",
+        choices=ROUTER_POLICIES,
+        default=DEFAULT_ROUTER_POLICY,
+        help="(default: %(default)s)",
+    )
     dp.add_argument(
         "--router-args",
         default="",
@@ -292,7 +358,24 @@ def parse_server_args(argv: list[str] | None = None) -> tuple[ServerArgs, argpar
         parser.error("--router-policy, --router-args and --no-router need --dp N with N > 1")
     if ns.dp_size > 1 and ns.shell:
         parser.error("--shell chats with one server: it does not take --dp")
-    return ServerArgs(**values), ns
+    if ns.shell_max_tokens < 1:
+        parser.error("--shell-max-tokens: must be >= 1")
+    try:
+        return ServerArgs(**values), ns
+    except ValueError as exc:  # "page_size: must be >= 1" -> "--page-size: must be >= 1"
+        name, _, rule = str(exc).partition(": ")
+        parser.error(f"--{name.replace('_', '-')}: {rule}")
+
+
+def check_address(host: str, port: int, num_ports: int = 1) -> None:
+    """Before anything loads: a busy port is an error in the first second, not after the model
+    has loaded. Raises OSError naming the address."""
+    for p in range(port, port + num_ports):
+        try:
+            with socket.create_server((host, p)):
+                pass
+        except OSError as exc:
+            raise OSError(f"cannot listen on {host}:{p}: {exc.strerror or exc}") from None
 
 
 def data_parallel_args(ns: argparse.Namespace) -> DataParallelArgs:

@@ -33,7 +33,7 @@ MAX_LOGIT_BIAS = 100.0
 MAX_LOGIT_BIAS_ENTRIES = 1024
 # A grammar's source text (JSON schema, regex, EBNF): bounded like any other request field.
 MAX_CONSTRAINT_CHARS = 1 << 20
-CONSTRAINT_KINDS = ("json_schema", "json_object", "regex", "ebnf")
+CONSTRAINT_KINDS = ("json_schema", "json_object", "regex", "ebnf", "structural_tag")
 
 
 class FinishReason(str, enum.Enum):
@@ -84,7 +84,8 @@ class Constraint:
     the grammar accepts (minisgl.grammar compiles it; the sampler masks the logits).
 
     kind: "json_schema" (value: the schema as JSON text), "json_object" (any JSON object; value
-    unused), "regex", or "ebnf" (GBNF, rule `root`). `start_after` holds token ids that must
+    unused), "regex", "ebnf" (GBNF, rule `root`) or "structural_tag" (xgrammar's, as JSON
+    text: tool calls in free text). `start_after` holds token ids that must
     end the output before the grammar applies (a reasoning model's `</think>`); empty: from the
     first token.
     """

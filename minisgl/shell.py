@@ -4,11 +4,13 @@ It starts the full server stack on a free local port and talks to it over the sa
 any client, streaming the reply as it is generated. It speaks HTTP with the standard library
 only, so it runs on exactly what `pip install -e .` installs. Commands: /reset clears the
 history, /exit quits (so do Ctrl-D and Ctrl-C at the prompt; Ctrl-C during a reply stops that
-reply).
+reply). Replies stop at --shell-max-tokens (2048) and sample with --temperature / --top-p, or
+the model's recommended values.
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import http.client
 import json
@@ -34,10 +36,10 @@ def _free_port(host: str) -> int:
         return int(sock.getsockname()[1])
 
 
-def stream_reply(server: ServerArgs, model: str, messages: list[dict[str, str]]) -> Iterator[str]:
+def stream_reply(server: ServerArgs, fields: dict, messages: list[dict[str, str]]) -> Iterator[str]:
     """Yield the assistant's reply in pieces, as the server streams them. Leaving early (Ctrl-C)
-    closes the connection, which aborts the request on the server."""
-    body = json.dumps({"model": model, "messages": messages, "stream": True}).encode()
+    closes the connection, which aborts the request on the server. `fields`: model, sampling."""
+    body = json.dumps({**fields, "messages": messages, "stream": True}).encode()
     auth = {"Authorization": f"Bearer {server.api_key}"} if server.api_key else {}
     connection = http.client.HTTPConnection(server.host, server.port, timeout=REPLY_TIMEOUT_S)
     with contextlib.closing(connection) as conn:
@@ -64,9 +66,10 @@ def stream_reply(server: ServerArgs, model: str, messages: list[dict[str, str]])
                     yield content
 
 
-def chat_loop(server: ServerArgs, model: str) -> None:
+def chat_loop(server: ServerArgs, fields: dict) -> None:
     with contextlib.suppress(ImportError):
         import readline  # noqa: F401  (line editing and history for input())
+    model = fields["model"]
     print(f"minisgl shell: chatting with {model}. {RESET_COMMAND} clears history, /exit quits.")
     history: list[dict[str, str]] = []
     while True:
@@ -86,7 +89,7 @@ def chat_loop(server: ServerArgs, model: str) -> None:
         question = {"role": "user", "content": line}
         parts: list[str] = []
         try:
-            for piece in stream_reply(server, model, [*history, question]):
+            for piece in stream_reply(server, fields, [*history, question]):
                 parts.append(piece)
                 print(piece, end="", flush=True)
         except KeyboardInterrupt:
@@ -98,14 +101,16 @@ def chat_loop(server: ServerArgs, model: str) -> None:
             history += [question, {"role": "assistant", "content": "".join(parts)}]
 
 
-def run_shell(args: ServerArgs) -> int:
+def run_shell(args: ServerArgs, ns: argparse.Namespace) -> int:
     args = args.replace(port=_free_port(args.host), log_level=SHELL_LOG_LEVEL)
+    given = {"max_tokens": ns.shell_max_tokens, "temperature": ns.temperature, "top_p": ns.top_p}
+    fields = {"model": served_model_name(args), **{k: v for k, v in given.items() if v is not None}}
     stack = ServerStack(args)
     print(f"loading {served_model_name(args)} ...", flush=True)
     try:
         stack.start()
         stack.wait_ready()
-        chat_loop(args, served_model_name(args))
+        chat_loop(args, fields)
         return 0
     except StartupError as exc:
         print(f"server failed to start: {exc}", file=sys.stderr)
@@ -115,7 +120,7 @@ def run_shell(args: ServerArgs) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_shell(parse_server_args(argv)[0])
+    return run_shell(*parse_server_args(argv))
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ from minisgl.chat import ChatPrompt, ChatSettings, prepare_chat
 from minisgl.chat.reasoning import Mode
 from minisgl.chat.requests import constraint_from_fields, plan_tools
 from minisgl.core import InvalidRequestError
+from minisgl.grammar.compiler import GrammarCompiler
 from minisgl.tokenizer import load_tokenizer
 from minisgl.tokenizer.chat import apply_chat_template, render_chat
 from tests.conftest import qwen3_tokenizer_dir
@@ -141,13 +142,14 @@ def test_reasoning_gates_the_grammar_unless_thinking_is_off(tokenizer) -> None:
 
 
 def test_tool_plans() -> None:
-    auto = plan_tools(TOOLS, None, True, "hermes")
+    auto = plan_tools(TOOLS, None, True)  # a parser fits the template: the model writes freely
     assert auto.mode == "auto" and auto.template_tools == TOOLS and auto.constraint is None
-    assert plan_tools(TOOLS, "none", True, "hermes").template_tools is None
-    named = plan_tools(TOOLS, {"type": "function", "function": {"name": "get_weather"}}, True, None)
+    assert plan_tools(TOOLS, "none", True).template_tools is None
+    assert plan_tools([], None, True) == plan_tools(None, None, True)  # [] is no tools
+    named = plan_tools(TOOLS, {"type": "function", "function": {"name": "get_weather"}}, True)
     assert named.mode == "named" and named.constraint is not None
     assert json.loads(named.constraint.value) == WEATHER
-    required = plan_tools(TOOLS, "required", False, None)
+    required = plan_tools(TOOLS, "required", False)
     assert required.constraint is not None and required.max_calls == 1
     schema = json.loads(required.constraint.value)
     assert schema["minItems"] == 1 and schema["maxItems"] == 1
@@ -157,23 +159,72 @@ def test_tool_plans() -> None:
     ]
 
 
+def test_auto_in_the_default_format_checks_every_call_block(tokenizer) -> None:
+    """No parser fits: text stays free, a `<tool_call>` block must be a call of a tool with
+    arguments its schema accepts (checked on xgrammar's matcher, token by token)."""
+    import xgrammar as xgr
+
+    plan = plan_tools(TOOLS, None, False, default_format=True)
+    assert plan.constraint is not None and plan.constraint.kind == "structural_tag"
+    compiler = GrammarCompiler(tokenizer, len(tokenizer), [tokenizer.eos_token_id])
+    grammar = compiler.compile(plan.constraint)
+
+    def accepts(text: str) -> bool:
+        matcher = xgr.GrammarMatcher(grammar)
+        ids = [*tokenizer.encode(text, add_special_tokens=False), tokenizer.eos_token_id]
+        return all(matcher.accept_token(i) for i in ids)
+
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    assert accepts("It is sunny.") and accepts(call) and accepts("Let me look. " + call)
+    assert not accepts('<tool_call>\n{"name": "send_mail", "arguments": {}}\n</tool_call>')
+    assert not accepts('<tool_call>\n{"name": "get_weather", "arguments": {"town": 1}}')
+    assert not accepts(call + call)  # parallel_tool_calls false: one call, then the end
+
+
+def test_a_template_without_tools_gets_them_described(tokenizer, tmp_path) -> None:
+    """A template that never mentions tools (SmolLM2's kind): the default format. The tools go
+    in the system message, the earlier call and its result are written as hermes blocks, and
+    the reply is parsed as hermes under the call grammar."""
+    path = tmp_path / "plain.jinja"
+    path.write_text("{% for m in messages %}[{{ m.role }}|{{ m.content }}]{% endfor %}")
+    settings = ChatSettings.resolve(tokenizer, str(path), tool_call_parser="auto")
+    assert settings.tool_call_parser is None and settings.describe_tools
+    prepared = prepare_chat(tokenizer, settings, ChatPrompt(OPENAI_CONVERSATION, TOOLS))
+    text = tokenizer.decode(prepared.prompt_ids)
+    system = text[: text.index("[user|")]
+    assert system.startswith("[system|You are helpful.\n\n") and json.dumps(TOOLS[0]) in system
+    assert '[assistant|<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}' in text
+    assert "[user|<tool_response>\n" in text and "[tool|" not in text
+    assert prepared.constraint is not None and prepared.constraint.kind == "structural_tag"
+    reply = prepared.new_parser().feed(
+        '<tool_call>\n{"name": "get_time"}\n</tool_call>', final=True
+    )
+    assert [(call.name, call.arguments) for call in reply.tool_calls] == [
+        ("get_time", ""),
+        (None, "{}"),
+    ]
+    # The request's own constraint wins over auto's call grammar.
+    fields = {"response_format": {"type": "json_object"}}
+    own = prepare_chat(tokenizer, settings, ChatPrompt(OPENAI_CONVERSATION, TOOLS), fields)
+    assert own.constraint is not None and own.constraint.kind == "json_object"
+
+
 @pytest.mark.parametrize(
-    ("tools", "choice", "parser", "param", "fragment"),
+    ("tools", "choice", "param", "fragment"),
     [
-        (TOOLS, {"type": "function", "function": {"name": "nope"}}, None, "tool_choice", "nope"),
-        (TOOLS, "sometimes", None, "tool_choice", "must be"),
-        (TOOLS, "auto", None, "tool_choice", "--tool-call-parser"),
-        (None, "required", "hermes", "tool_choice", "needs tools"),
-        ([{"type": "function", "function": {}}], None, "hermes", "tools", "no function name"),
-        ([{"type": "function"}], None, "hermes", "tools", "no 'function'"),
-        ([{"type": "retrieval"}], None, "hermes", "tools", "type 'function'"),
-        ([TOOLS[0], TOOLS[0]], None, "hermes", "tools", "twice"),
-        ([], None, "hermes", "tools", "non-empty"),
+        (TOOLS, {"type": "function", "function": {"name": "nope"}}, "tool_choice", "nope"),
+        (TOOLS, "sometimes", "tool_choice", "must be"),
+        (None, "required", "tool_choice", "needs tools"),
+        ([], "required", "tool_choice", "needs tools"),
+        ([{"type": "function", "function": {}}], None, "tools", "no function name"),
+        ([{"type": "function"}], None, "tools", "no 'function'"),
+        ([{"type": "retrieval"}], None, "tools", "type 'function'"),
+        ([TOOLS[0], TOOLS[0]], None, "tools", "twice"),
     ],
 )
-def test_bad_tools(tools, choice, parser, param, fragment) -> None:
+def test_bad_tools(tools, choice, param, fragment) -> None:
     with pytest.raises(InvalidRequestError, match=fragment) as info:
-        plan_tools(tools, choice, True, parser)
+        plan_tools(tools, choice, True)
     assert info.value.param == param
 
 

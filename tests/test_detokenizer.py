@@ -180,7 +180,9 @@ def test_final_eos_is_counted_but_not_shown(tokenizer, incremental):
     assert all(d is not None for d in deltas) and detok.done
     assert "".join(d.text for d in deltas) == "Hi there"  # type: ignore[union-attr]
     last = deltas[-1]
-    assert last is not None and last.token_ids == () and last.logprobs == ()
+    # ...but it was generated: its logprob is reported (lm-eval's scoring reads it)
+    assert last is not None and last.token_ids == () and len(last.logprobs) == 1
+    assert last.logprobs[0].token_id == eos
     assert last.finish_reason == FinishReason.STOP and last.matched_stop == eos
     assert stop_reason(params, last.matched_stop) is None  # vLLM: EOS is no stop_reason
     # ignore_eos: an EOS that ends nothing is an ordinary token

@@ -96,9 +96,8 @@ class ServingContext:
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model not in self.accepted_model_names:
-            raise RequestError(
-                404, f"The model `{model}` does not exist.", param="model", err_type="NotFoundError"
-            )
+            served = f"this server serves `{self.served_model_name}`"
+            raise RequestError(404, f"The model `{model}` does not exist: {served}.", "model")
 
     @functools.cached_property
     def token_text(self) -> Callable[[int], str]:

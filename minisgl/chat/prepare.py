@@ -30,6 +30,7 @@ from minisgl.chat.tool_parsers import (
     ToolParser,
     detect_tool_call_parser,
 )
+from minisgl.chat.tool_prompt import with_tools_described
 from minisgl.core import Constraint, InvalidRequestError
 from minisgl.tokenizer.chat import encode_prompt, load_chat_template, render_chat
 
@@ -63,12 +64,14 @@ def parse_template_kwargs(value: Any, param: str = "chat_template_kwargs") -> di
 @dataclass(frozen=True)
 class ChatSettings:
     """The server's chat options (--chat-template, --chat-template-kwargs, --reasoning-parser,
-    --tool-call-parser), resolved once at start-up: `auto` parsers are picked here."""
+    --tool-call-parser), resolved once at start-up: `auto` parsers are picked here. No tool-call
+    parser: minisgl's default format (`<tool_call>` blocks under a grammar, read as hermes)."""
 
     chat_template: str | None = None  # replaces the tokenizer's template when set
     template_kwargs: Mapping[str, Any] = field(default_factory=dict)
     reasoning_parser: str | None = None
     tool_call_parser: str | None = None
+    describe_tools: bool = False  # the template has no place for tools (chat/tool_prompt.py)
 
     @classmethod
     def resolve(
@@ -89,11 +92,14 @@ class ChatSettings:
             raise ValueError(f"reasoning_parser: must be one of {REASONING_PARSERS} or auto")
         if tool_call_parser == "auto":
             tool_call_parser = detect_tool_call_parser(source)
-            logger.info("--tool-call-parser auto: %s", tool_call_parser or "none found")
+            found = tool_call_parser or "none fits the chat template, tools use the default format"
+            logger.info("--tool-call-parser auto: %s", found)
         elif tool_call_parser is not None and tool_call_parser not in TOOL_PARSERS:
             raise ValueError(f"tool_call_parser: must be one of {tuple(TOOL_PARSERS)} or auto")
         kwargs = parse_template_kwargs(template_kwargs)
-        return cls(template, kwargs, reasoning_parser, tool_call_parser)
+        hermes = tool_call_parser in (None, "hermes", "qwen25")
+        describe = hermes and "tools" not in (source or "")
+        return cls(template, kwargs, reasoning_parser, tool_call_parser, describe)
 
 
 @dataclass(frozen=True)
@@ -111,8 +117,7 @@ class PreparedChat:
         tools: ToolParser | None = None
         mode = self.tools.mode
         if mode == "auto":
-            assert self.tool_call_parser is not None
-            tools = TOOL_PARSERS[self.tool_call_parser](self.tools.max_calls)
+            tools = TOOL_PARSERS[self.tool_call_parser or "hermes"](self.tools.max_calls)
         elif mode == "named":
             assert self.tools.function is not None
             tools = NamedCallParser(self.tools.function)
@@ -160,20 +165,24 @@ def prepare_chat(
 ) -> PreparedChat:
     """Raises InvalidRequestError (a field to blame) or ValueError (about `messages`)."""
     p = prompt
-    plan = plan_tools(p.tools, p.tool_choice, p.parallel_tool_calls, settings.tool_call_parser)
+    default_format = settings.tool_call_parser is None
+    plan = plan_tools(p.tools, p.tool_choice, p.parallel_tool_calls, default_format)
     kwargs = {**settings.template_kwargs, **parse_template_kwargs(p.template_kwargs)}
-    text = render_chat(tokenizer, p.messages, plan.template_tools, settings.chat_template, kwargs)
+    messages, tools = p.messages, plan.template_tools
+    if tools and settings.describe_tools:
+        messages, tools = with_tools_described(messages, tools), None
+    text = render_chat(tokenizer, messages, tools, settings.chat_template, kwargs)
     # The model reasons whether or not this request wants the reasoning split off.
     parser = settings.reasoning_parser
     mode = initial_mode(parser, text) if parser is not None else Mode.CONTENT
     reasoning = parser if p.separate_reasoning else None
     param, constraint = constraint_from_fields(constraint_fields or {}) or (None, None)
-    if plan.constraint is not None:
-        if constraint is not None:
-            raise InvalidRequestError(
-                "tool_choice", f"a required or named tool call cannot be combined with {param}"
-            )
+    if plan.constraint is not None and constraint is None:
         constraint, param = plan.constraint, "tools"
+    elif plan.constraint is not None and plan.mode != "auto":  # auto's gives way to the request's
+        raise InvalidRequestError(
+            "tool_choice", f"a required or named tool call cannot be combined with {param}"
+        )
     if constraint is not None and parser is not None and mode != Mode.CONTENT:
         # The answer is constrained, the reasoning before it is not: the grammar starts after
         # the end tag's tokens.

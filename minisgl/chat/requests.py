@@ -8,6 +8,8 @@ rule is an `InvalidRequestError` naming the field, which the server answers with
 `tool_choice` naming a function or "required" is enforced by a grammar, as vLLM does it, so the
 reply cannot be anything but a valid call: for a named function the reply is its arguments
 object; for "required" a JSON array of {"name", "parameters"} objects, one schema per tool.
+"auto" in minisgl's default format (no tool-call parser fits the chat template) lets the model
+write text or `<tool_call>` blocks, and a grammar makes every block it opens a valid call.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from minisgl.chat.tool_parsers import HERMES_END, HERMES_START
 from minisgl.core import Constraint, InvalidRequestError
 
 ToolMode = Literal["none", "auto", "named", "required"]
@@ -29,7 +32,7 @@ class ToolPlan:
     template_tools: list[dict[str, Any]] | None  # what the chat template gets as `tools`
     mode: ToolMode
     function: str | None = None  # mode "named": the function
-    constraint: Constraint | None = None  # modes "named" and "required"
+    constraint: Constraint | None = None  # "named", "required", and "auto" in the default format
     max_calls: int | None = None  # parallel_tool_calls=false: 1
 
 
@@ -39,8 +42,8 @@ def _fail(param: str, message: str) -> InvalidRequestError:
 
 def _check_tools(tools: Any) -> dict[str, dict[str, Any]]:
     """name -> parameters schema of each tool; raises for any malformed tool."""
-    if not isinstance(tools, list) or not tools:
-        raise _fail("tools", "must be a non-empty list of {'type': 'function', 'function': ...}")
+    if not isinstance(tools, list):
+        raise _fail("tools", "must be a list of {'type': 'function', 'function': ...}")
     if len(tools) > MAX_TOOLS:
         raise _fail("tools", f"at most {MAX_TOOLS} tools")
     schemas: dict[str, dict[str, Any]] = {}
@@ -83,10 +86,28 @@ def _choice(tool_choice: Any, names: list[str]) -> tuple[ToolMode, str | None]:
     )
 
 
+def _call_blocks(schemas: dict[str, dict[str, Any]], max_calls: int | None) -> Constraint:
+    """Text, and `<tool_call>` blocks that each hold a valid call (xgrammar's structural tag:
+    the grammar applies from the trigger on)."""
+    tags = [
+        {
+            "type": "tag",
+            "begin": f'{HERMES_START}\n{{"name": {json.dumps(name)}, "arguments": ',
+            "content": {"type": "json_schema", "json_schema": params},
+            "end": "}\n" + HERMES_END,
+        }
+        for name, params in schemas.items()
+    ]
+    tagged = {"type": "triggered_tags", "triggers": [HERMES_START], "tags": tags}
+    tagged["stop_after_first"] = max_calls == 1
+    return Constraint("structural_tag", json.dumps({"type": "structural_tag", "format": tagged}))
+
+
 def plan_tools(
-    tools: Any, tool_choice: Any, parallel_tool_calls: bool, tool_call_parser: str | None
+    tools: Any, tool_choice: Any, parallel_tool_calls: bool, default_format: bool = False
 ) -> ToolPlan:
-    if tools is None:
+    """`default_format`: no tool-call parser fits the chat template (minisgl.chat.tool_prompt)."""
+    if not tools:  # None or [] (the Agents SDK sends [] for an agent without tools): no tools
         if tool_choice not in (None, "none", "auto"):
             raise _fail("tool_choice", "needs tools")
         return ToolPlan(None, "none")
@@ -97,13 +118,8 @@ def plan_tools(
         return ToolPlan(None, "none")  # the model is not told about tools it may not call
     template_tools = [dict(tool) for tool in tools]
     if mode == "auto":
-        if tool_call_parser is None:
-            raise _fail(
-                "tool_choice",
-                "'auto' needs the server started with --tool-call-parser (hermes, qwen25, "
-                "llama3_json or auto); 'required' and a named function work without one",
-            )
-        return ToolPlan(template_tools, "auto", max_calls=max_calls)
+        blocks = _call_blocks(schemas, max_calls) if default_format else None
+        return ToolPlan(template_tools, "auto", constraint=blocks, max_calls=max_calls)
     if mode == "named":
         assert function is not None
         schema = json.dumps(schemas[function])

@@ -34,6 +34,7 @@ from minisgl.models.config import load_model_config
 from minisgl.models.llama import CausalLM, local_head_counts
 from minisgl.models.loader import load_weights
 from minisgl.models.resolve import resolve_model_path_for
+from minisgl.stages import stage
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +91,8 @@ class Engine:
         needs = MemoryNeeds(
             self.kv_shape, self.dtype, cfg.vocab_size, weights_bytes, graph_bs, prefill_tokens
         )
-        self.num_pages = plan_kv_pages(args, needs, self.tables, self._forward_through)
+        with stage("planning the KV cache"):
+            self.num_pages = plan_kv_pages(args, needs, self.tables, self._forward_through)
         # One extra page, never handed out: padded graph entries write their K/V there.
         self.kv_pool = KVPool(
             self.kv_shape, self.num_pages + 1, self.page_size, self.dtype, self.device
@@ -104,7 +106,8 @@ class Engine:
         self.stream.follow_default_stream()
         if self.graphs is not None:
             if self.stream.is_cuda:
-                self.graphs.capture()
+                with stage("capturing CUDA graphs"):
+                    self.graphs.capture()
             elif self.model.cpu_decode_stack is not None:
                 logger.info("CPU decode steps run padded and op by op (--cuda-graph-max-bs)")
         logger.info(
@@ -127,7 +130,8 @@ class Engine:
                 model = CausalLM(self.model_config, self.max_model_len + 1)
         finally:
             torch.set_default_dtype(previous)
-        load_weights(model, self.model_path)
+        with stage(f"loading the weights of {self.model_path.name}"):
+            load_weights(model, self.model_path)
         # None: not fp32 on the CPU, not buildable here, or MINISGL_CPU_KERNELS=0
         kernels = cpu.kernels_for(self.device, self.dtype)
         if kernels is not None:

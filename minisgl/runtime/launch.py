@@ -26,6 +26,7 @@ from minisgl.config import ServerArgs
 from minisgl.models.names import served_model_name
 from minisgl.models.resolve import resolve_model_path_for
 from minisgl.runtime.messages import Endpoints
+from minisgl.stages import stage
 from minisgl.supervisor import (
     BACKEND_FAILED_SIGNAL,
     WATCH_INTERVAL_S,
@@ -93,7 +94,8 @@ class ServerStack(StopRequests):
 
     def start(self) -> None:
         try:
-            model_path = str(resolve_model_path_for(self.args))  # converts the default once
+            with stage("finding the model files"):  # converts the default once
+                model_path = str(resolve_model_path_for(self.args))
         except (FileNotFoundError, OSError, ValueError) as exc:
             raise StartupError(str(exc)) from None
         tokenizer_path = self.args.tokenizer or model_path
@@ -101,6 +103,7 @@ class ServerStack(StopRequests):
         self.children = Children(log_level=self.args.log_level, cleanup_dir=endpoints.root)
         # Targets by name: the launcher itself never imports torch, transformers or FastAPI.
         spawn, suffix, args = self.children.spawn, self._name_suffix, self.args
+        logger.info("starting the scheduler, detokenizer and API processes")
         spawn("sched" + suffix, SCHEDULER_TARGET, args, endpoints)
         spawn("detok" + suffix, DETOKENIZER_TARGET, tokenizer_path, endpoints)
         spawn(API_CHILD + suffix, API_TARGET, args, endpoints, tokenizer_path, model_path)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import sys
 
-from minisgl.config import data_parallel_args, parse_server_args
+from minisgl.config import check_address, data_parallel_args, parse_server_args
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -14,10 +14,14 @@ def main(argv: list[str] | None = None) -> int:
     if namespace.shell:
         from minisgl.shell import run_shell
 
-        return run_shell(args)
+        return run_shell(args, namespace)
+    dp = data_parallel_args(namespace)
+    try:  # in the first second, not after the model has loaded
+        check_address(args.host, args.port, dp.dp_size + (dp.dp_size > 1))
+    except OSError as exc:
+        sys.exit(f"python -m minisgl.server: error: {exc}")
     from minisgl.runtime.launch import ServerStack, run_until_stopped
 
-    dp = data_parallel_args(namespace)
     if dp.dp_size > 1:
         from minisgl.runtime.dp import DataParallelStack
 

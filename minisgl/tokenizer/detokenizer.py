@@ -135,7 +135,7 @@ class TextDelta:
 
     text: str  # safe to show: no partial character, no stop string
     token_ids: tuple[int, ...]  # the new tokens whose text shows (a hidden final one is not)
-    logprobs: tuple[TokenLogprob, ...]  # theirs
+    logprobs: tuple[TokenLogprob, ...]  # theirs, and the hidden final token's
     finish_reason: FinishReason | None
     # What ended a STOP finish: the stop string, or the final token's id (EOS or a stop token).
     matched_stop: int | str | None = None
@@ -188,9 +188,12 @@ class RequestDetokenizer:
             matched = token_ids.pop()
         text = self._decode(token_ids, final=self.done)
         abort = self._text.stopped and finish is None
+        # The hidden token keeps its logprob: scoring (lm-eval's echo + max_tokens 1) reads the
+        # generated token's entry whatever it is.
+        num_scored = len(token_ids) + (matched is not None and not self._text.stopped)
         if self._text.stopped:
             finish, matched = FinishReason.STOP, self._text.stop_str
-        logprobs = output.new_logprobs[: len(token_ids)]
+        logprobs = output.new_logprobs[:num_scored]
         return TextDelta(text, tuple(token_ids), logprobs, finish, matched, abort)
 
     def _decode(self, token_ids: list[int], final: bool) -> str:

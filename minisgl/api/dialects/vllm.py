@@ -1,9 +1,10 @@
-"""vLLM's (and SGLang's) POST /tokenize and /detokenize.
+"""vLLM's (and SGLang's) POST /tokenize and /detokenize, and vLLM's GET /tokenizer_info.
 
 /tokenize takes a `prompt` (tokenized as /v1/completions does it) or chat `messages` (with
 `tools` and `chat_template_kwargs`: rendered as /v1/chat/completions does it, ready for the
 reply), so a client counts exactly the tokens a request would cost. /detokenize turns ids back
-into text.
+into text. /tokenizer_info gives the special tokens and the chat template: with /tokenize,
+what lm-evaluation-harness's remote tokenizer needs.
 """
 
 from __future__ import annotations
@@ -78,3 +79,12 @@ async def detokenize(body: DetokenizeRequest, request: Request) -> dict[str, Any
     check_token_ids(body.tokens, ctx.limits, "tokens")
     text = await ctx.on_tokenizer_thread(ctx.tokenizer.decode, body.tokens)
     return {"prompt": cast(str, text)}
+
+
+@router.get("/tokenizer_info")
+async def tokenizer_info(request: Request) -> dict[str, Any]:
+    ctx: ServingContext = request.app.state.ctx
+    tok = ctx.tokenizer
+    special = {name: getattr(tok, name) for name in ("bos_token", "eos_token", "pad_token")}
+    template = ctx.chat.chat_template or getattr(tok, "chat_template", None)
+    return {"tokenizer_class": type(tok).__name__, "chat_template": template, **special}
