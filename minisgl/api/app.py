@@ -17,7 +17,7 @@ from fastapi import FastAPI, Request
 from starlette.responses import Response
 
 from minisgl.api.dialects import anthropic, completions, openai, responses, sglang, vllm
-from minisgl.api.errors import ANSWERED_ERRORS, HTTP_SERVICE_UNAVAILABLE, error_response
+from minisgl.api.errors import EXCEPTION_HANDLERS, HTTP_SERVICE_UNAVAILABLE
 from minisgl.api.metrics import ServerMetrics
 from minisgl.api.middleware import Gate, Lifecycle
 from minisgl.api.pipeline import ServingContext
@@ -98,7 +98,9 @@ def create_app(
             app.state.ctx.tokenizer_thread.shutdown(wait=False, cancel_futures=True)
             await engine.close()
 
-    app = FastAPI(title="minisgl", lifespan=lifespan)
+    # An exception with no handler there: the Gate (minisgl.api.middleware) logs it once and
+    # answers 500.
+    app = FastAPI(title="minisgl", lifespan=lifespan, exception_handlers=EXCEPTION_HANDLERS)
     app.state.lifecycle = Lifecycle()
     app.state.model_info = sglang.model_info(args, str(model_path), str(tokenizer_path))
     app.state.responses = responses.ResponseStore()
@@ -110,10 +112,6 @@ def create_app(
 
     limit = args.max_request_body_bytes
     app.add_middleware(Gate, app.state.lifecycle, args.api_key, limit, count_response)
-
-    for kind in ANSWERED_ERRORS:
-        app.add_exception_handler(kind, error_response)
-    # Any other exception: the Gate (minisgl.api.middleware) logs it once and answers 500.
 
     # The dialects' routes join the app's own (include_router would nest them behind one
     # route, which the middleware's per-route counter could not see through).

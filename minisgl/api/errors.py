@@ -107,7 +107,6 @@ _ANSWERS: dict[type[Exception], Callable[[Any], RequestError]] = {
     # Routing's 404 and 405 (a client error: nothing raises one with a 5xx status).
     HTTPException: lambda exc: RequestError(exc.status_code, str(exc.detail), headers=exc.headers),
 }
-ANSWERED_ERRORS = tuple(_ANSWERS)
 
 
 def as_request_error(exc: BaseException) -> RequestError | None:
@@ -117,11 +116,16 @@ def as_request_error(exc: BaseException) -> RequestError | None:
 
 
 async def error_response(request: Request, exc: Exception) -> JSONResponse:
-    """The app's handler of ANSWERED_ERRORS: the error in the shape of the path's dialect."""
+    """The app's handler of each kind that has an answer: the error in the shape of the path's
+    dialect."""
     error = as_request_error(exc)
     assert error is not None  # registered for the kinds that have an answer
     shaped = shape_error(request.url.path, error.body(), error.status_code)
     return JSONResponse(shaped, status_code=error.status_code, headers=error.headers)
+
+
+# The app's exception handlers (FastAPI's `exception_handlers`).
+EXCEPTION_HANDLERS: dict[int | type[Exception], Any] = dict.fromkeys(_ANSWERS, error_response)
 
 
 def stream_error_body(exc: BaseException, request_id: str) -> dict[str, Any]:

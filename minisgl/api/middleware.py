@@ -12,7 +12,7 @@ from __future__ import annotations
 import hmac
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from starlette.responses import JSONResponse
 from starlette.routing import Match
@@ -71,6 +71,7 @@ def route_template(scope: Scope) -> str:
     return str(getattr(route, "path", None) or UNMATCHED_ROUTE)
 
 
+@dataclass
 class Gate:
     """Every HTTP request passes here before the app sees it, in order: a server shutting down
     answers 503 (but /metrics); every path but the probes needs `Authorization: Bearer KEY` or
@@ -85,25 +86,18 @@ class Gate:
     and uvicorn would drop the connection). Every answer's status, refusals included, goes to
     `observe` (the server's per-route counter)."""
 
-    def __init__(
-        self,
-        app: ASGIApp,
-        lifecycle: Lifecycle,
-        api_key: str | None,
-        max_body_bytes: int,
-        observe: ResponseObserver | None = None,
-    ) -> None:
-        self.app = app
-        self.lifecycle = lifecycle
-        self._keys = None if not api_key else (f"Bearer {api_key}".encode(), api_key.encode())
-        self.max_body_bytes = max_body_bytes
-        self._observe = observe
+    app: ASGIApp
+    lifecycle: Lifecycle
+    api_key: str | None = field(repr=False)  # a secret: kept out of any repr
+    max_body_bytes: int
+    observe: ResponseObserver | None = None
 
     def _allowed(self, headers: dict[bytes, bytes]) -> bool:
-        if self._keys is None:
+        if not self.api_key:
             return True
-        bearer = hmac.compare_digest(headers.get(b"authorization", b""), self._keys[0])
-        return hmac.compare_digest(headers.get(b"x-api-key", b""), self._keys[1]) or bearer
+        key = self.api_key.encode()
+        bearer = hmac.compare_digest(headers.get(b"authorization", b""), b"Bearer " + key)
+        return hmac.compare_digest(headers.get(b"x-api-key", b""), key) or bearer
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -130,8 +124,8 @@ class Gate:
                 await _send_error(scope, send, HTTP_SERVER_ERROR, message, "server_error", headers)
                 status = HTTP_SERVER_ERROR
         finally:
-            if self._observe is not None and status:
-                self._observe(route_template(scope), str(scope.get("method", "")), status)
+            if self.observe is not None and status:
+                self.observe(route_template(scope), str(scope.get("method", "")), status)
 
     async def _admit(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope.get("path", "")

@@ -53,12 +53,10 @@ def find_invalid_text(data: Any) -> str | None:
         stack += [("body", key) for key in data]
     while stack:
         where, value = stack.pop()
-        if isinstance(value, str):
-            if not value.isascii() and LONE_SURROGATE.search(value):
-                return where
-        elif isinstance(value, dict):
-            stack.extend((where, key) for key in value)
-            stack.extend((where, item) for item in value.values())
+        if isinstance(value, str) and not value.isascii() and LONE_SURROGATE.search(value):
+            return where
+        if isinstance(value, dict):  # its keys are text too
+            stack.extend((where, item) for item in [*value, *value.values()])
         elif isinstance(value, list):
             stack.extend((where, item) for item in value)
     return None

@@ -237,9 +237,8 @@ class MessageQueue:
         self.kind = kind
         context: zmq.Context = zmq.asyncio.Context.instance() if asyncio else zmq.Context.instance()
         self._socket = context.socket(zmq.PUSH if kind == "push" else zmq.PULL)
-        self._socket.setsockopt(zmq.LINGER, LINGER_MS)
-        self._socket.setsockopt(zmq.SNDHWM, 0)
-        self._socket.setsockopt(zmq.RCVHWM, 0)
+        for option, value in ((zmq.LINGER, LINGER_MS), (zmq.SNDHWM, 0), (zmq.RCVHWM, 0)):
+            self._socket.setsockopt(option, value)
         if kind == "pull":  # every receiver binds its socket; senders connect
             self._socket.bind(endpoint)
         else:

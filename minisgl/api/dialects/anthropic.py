@@ -181,9 +181,7 @@ def _chat_tool(i: int, tool: Any) -> dict[str, Any]:
     kind = tool.get("type", "custom") if isinstance(tool, Mapping) else None
     if kind != "custom":
         raise InvalidRequestError("tools", f"tools[{i}]: {kind!r} tools are not supported")
-    function: dict[str, Any] = {"name": tool.get("name")}
-    if "description" in tool:
-        function["description"] = tool["description"]
+    function = {k: tool[k] for k in ("name", "description") if k in tool}  # no name: a 400 later
     function["parameters"] = tool.get("input_schema", {"type": "object", "properties": {}})
     return {"type": "function", "function": function}
 

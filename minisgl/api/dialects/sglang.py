@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import importlib.metadata
 import json
 import time
@@ -191,10 +190,9 @@ def _item(run: Run, body: GenerateRequest, choice: Choice, start_s: float) -> di
     """One sequence as SGLang reports it, so far (its text and ids are cumulative)."""
     prompt = run.prompts[choice.prompt_index]
     rid = body.rid[choice.prompt_index] if isinstance(body.rid, list) else body.rid
-    max_new_tokens = run.params[choice.prompt_index][0].max_tokens
     meta: dict[str, Any] = {
         "id": rid or choice.rid,
-        "finish_reason": _finish_reason(choice, max_new_tokens),
+        "finish_reason": _finish_reason(choice, run.params[choice.prompt_index][0].max_tokens),
         "prompt_tokens": len(prompt),
         "completion_tokens": choice.num_tokens,
         "cached_tokens": choice.num_cached_prompt_tokens,
@@ -223,10 +221,10 @@ async def generate_events(run: Run, body: GenerateRequest) -> AsyncIterator[Wire
             yield None, _item(run, body, event.choice, start_s)
 
 
-def fold_generate(items: list[dict[str, Any]], many: bool) -> dict[str, Any] | list[Any]:
+def fold_generate(items: list[dict[str, Any]]) -> dict[str, Any] | list[Any]:
     last = {item.get("index", 0): item for item in items}
     ordered = [last[i] for i in sorted(last)]
-    return ordered if many else ordered[0]
+    return ordered if "index" in ordered[0] else ordered[0]  # the items of a list reply say so
 
 
 router = APIRouter()
@@ -234,16 +232,14 @@ router = APIRouter()
 
 @router.api_route("/generate", methods=["POST", "PUT"])
 async def generate(body: GenerateRequest, request: Request) -> Response:
-    api = body.to_api()
-    run = Run(request.app.state.ctx, api, new_id("generate"))
+    run = Run(request.app.state.ctx, body.to_api(), new_id("generate"))
     await run.prepare()
     shortest = min(len(ids) for ids in run.prompts)
     if body.return_logprob and body.logprob_start_len >= max(shortest, 1):
         message = f"logprob_start_len: must be below the prompt's length ({shortest} tokens)"
         raise RequestError(HTTP_BAD_REQUEST, message, param="logprob_start_len")
     run.submit(request)
-    fold = functools.partial(fold_generate, many=body.is_batch or api.n > 1)
-    return await respond(run, generate_events(run, body), body.stream, fold)
+    return await respond(run, generate_events(run, body), body.stream, fold_generate)
 
 
 def _reported_path(given: str | None, resolved: str) -> str:
