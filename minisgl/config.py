@@ -71,7 +71,7 @@ def _env_flag(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() in {"1", "true", "yes", "on"}
 
 
-# The --help groups, in the order they are listed.
+# The --help groups (listed in the order the fields first name them).
 MODEL, MEMORY, SCHED, SPEC, API, CHAT, PARALLEL, GPU = (
     "model",
     "memory (KV cache)",
@@ -168,7 +168,9 @@ class ServerArgs:
         "auto", GPU, "auto: flashinfer, else triton, on CUDA; torch on CPU"
     )
     cuda_graph_max_bs: int | None = _opt(
-        None, GPU, "decode batches up to this size replay CUDA graphs; 0: off (default: 256)"
+        None,
+        GPU,
+        "decode batches up to this size replay CUDA graphs; 0: off (default: 256 on CUDA)",
     )
 
     def __post_init__(self) -> None:
@@ -294,10 +296,12 @@ def _help(f: dataclasses.Field) -> str:
 def build_arg_parser() -> argparse.ArgumentParser:
     usage = "%(prog)s [options]"
     parser = _Parser(prog="python -m minisgl.server", usage=usage, description=DESCRIPTION)
-    groups = {name: parser.add_argument_group(name) for name in (MODEL, MEMORY, SCHED, SPEC)}
+    groups: dict[str, Any] = {}  # in the order ServerArgs' fields first name them
     for f in fields(ServerArgs):
-        group = groups.get(f.metadata["group"]) or parser.add_argument_group(f.metadata["group"])
-        groups[f.metadata["group"]] = group
+        name = f.metadata["group"]
+        if name not in groups:
+            groups[name] = parser.add_argument_group(name)
+        group = groups[name]
         flags = ["--" + f.name.replace("_", "-"), *_ALIASES.get(f.name, [])]
         kwargs: dict[str, Any] = {"dest": f.name, "default": f.default, "help": _help(f)}
         if isinstance(f.default, bool):

@@ -98,8 +98,12 @@ def _call_blocks(schemas: dict[str, dict[str, Any]], max_calls: int | None) -> C
         }
         for name, params in schemas.items()
     ]
-    tagged: dict[str, Any] = {"type": "triggered_tags", "triggers": [HERMES_START], "tags": tags}
-    tagged["stop_after_first"] = max_calls == 1
+    tagged = {
+        "type": "triggered_tags",
+        "triggers": [HERMES_START],
+        "tags": tags,
+        "stop_after_first": max_calls == 1,
+    }
     return Constraint("structural_tag", json.dumps({"type": "structural_tag", "format": tagged}))
 
 
