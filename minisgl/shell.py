@@ -36,23 +36,40 @@ def _free_port(host: str) -> int:
         return int(sock.getsockname()[1])
 
 
-def stream_reply(server: ServerArgs, fields: dict, messages: list[dict[str, str]]) -> Iterator[str]:
-    """Yield the assistant's reply in pieces, as the server streams them. Leaving early (Ctrl-C)
-    closes the connection, which aborts the request on the server. `fields`: model, sampling."""
-    body = json.dumps({**fields, "messages": messages, "stream": True}).encode()
+@contextlib.contextmanager
+def _post(server: ServerArgs, path: str, body: dict) -> Iterator[http.client.HTTPResponse]:
+    """POST `body` as JSON and yield the response; a non-200 answer raises RuntimeError with the
+    server's message. Leaving closes the connection (which aborts a streamed request)."""
     auth = {"Authorization": f"Bearer {server.api_key}"} if server.api_key else {}
-    connection = http.client.HTTPConnection(server.host, server.port, timeout=REPLY_TIMEOUT_S)
-    with contextlib.closing(connection) as conn:
+    conn = http.client.HTTPConnection(server.host, server.port, timeout=REPLY_TIMEOUT_S)
+    with contextlib.closing(conn):
         headers = {"Content-Type": "application/json", **auth}
-        conn.request("POST", "/v1/chat/completions", body=body, headers=headers)
+        conn.request("POST", path, body=json.dumps(body).encode(), headers=headers)
         response = conn.getresponse()
         if response.status != 200:
             text = response.read().decode("utf-8", errors="replace")
-            try:
-                message = json.loads(text)["error"]["message"]
-            except (ValueError, KeyError, TypeError):
-                message = f"HTTP {response.status}: {text}"
-            raise RuntimeError(message)
+            with contextlib.suppress(ValueError, KeyError, TypeError):
+                text = json.loads(text)["error"]["message"]
+            raise RuntimeError(text if response.status < 500 else f"HTTP {response.status}: {text}")
+        yield response
+
+
+def reply_budget(server: ServerArgs, fields: dict, messages: list[dict[str, str]]) -> int:
+    """--shell-max-tokens, cut to what the context window leaves after this conversation (a
+    bound past the window is an error, as in vLLM, and a short --max-model-len is common)."""
+    with _post(server, "/tokenize", {"messages": messages}) as response:
+        room = (counted := json.loads(response.read()))["max_model_len"] - counted["count"]
+    if room < 1:
+        raise RuntimeError(f"the conversation fills the context window; {RESET_COMMAND} clears it")
+    return min(fields["max_tokens"], room)
+
+
+def stream_reply(server: ServerArgs, fields: dict, messages: list[dict[str, str]]) -> Iterator[str]:
+    """Yield the assistant's reply in pieces, as the server streams them. Leaving early (Ctrl-C)
+    closes the connection, which aborts the request on the server. `fields`: model, sampling."""
+    budget = reply_budget(server, fields, messages)
+    body = {**fields, "max_tokens": budget, "messages": messages, "stream": True}
+    with _post(server, "/v1/chat/completions", body) as response:
         for raw in response:  # server-sent events, one line at a time (chunked decoding included)
             line = raw.decode("utf-8").rstrip("\r\n")
             if not line.startswith("data: ") or line == "data: [DONE]":

@@ -1,6 +1,6 @@
 """Real client packages against a real server started with default flags: LangChain, the OpenAI
-Agents SDK (Chat Completions and Responses models), Anthropic's SDK, lm-evaluation-harness's
-scoring request, `tools: []` on every dialect, and the terminal shell.
+Agents SDK (Chat Completions and Responses models), instructor, litellm's wire calls, Anthropic's
+SDK, lm-evaluation-harness's scoring request, `tools: []` on every dialect, and the terminal shell.
 
 The oracles: each client's own parsing (LangChain's AIMessage.tool_calls and pydantic
 structured output, the Agents SDK running our tool, Anthropic's Message model), jsonschema for
@@ -16,6 +16,7 @@ tool (a one-shot example, as the prompt shows it) makes it call the tool for the
 from __future__ import annotations
 
 import asyncio
+import json
 import subprocess
 import sys
 from typing import Any
@@ -92,6 +93,65 @@ def test_langchain_structured_output(server: ServerProcess) -> None:
     llm = ChatOpenAI(base_url=server.url + "/v1", api_key="unused", model=MODEL, temperature=0)
     city = llm.with_structured_output(City).invoke("Name a city in France.")
     assert isinstance(city, City) and city.name  # pydantic parsed the JSON reply
+
+
+def test_instructor_response_model(server: ServerProcess) -> None:
+    """instructor's default mode (TOOLS): the model is one tool, named in tool_choice."""
+    import instructor
+    import openai
+
+    class City(BaseModel):
+        name: str
+        country: str
+
+    sdk = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    client = instructor.from_openai(sdk)
+    city = client.chat.completions.create(
+        model=MODEL,
+        response_model=City,
+        messages=[{"role": "user", "content": "Name a city in France."}],
+        max_tokens=64,
+        temperature=0,
+        max_retries=0,  # a reply pydantic rejects fails the test instead of being asked again
+    )
+    assert isinstance(city, City) and city.name and city.country
+
+
+def test_litellm_wire_calls(server: ServerProcess) -> None:
+    """litellm (44 MB, not in the test extra) through its `openai/` and `hosted_vllm/`
+    providers: the bodies below are what litellm 1.110 sent, captured from a run of it (model,
+    messages, max_tokens, tools; no tool_choice), read back with the OpenAI SDK's models."""
+    from openai.types import Completion
+    from openai.types.chat import ChatCompletion
+
+    history = [
+        {"role": "user", "content": "What is the weather in Paris?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "c1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": get_weather("Paris")},
+        {"role": "user", "content": "What is the weather in Rome?"},
+    ]
+    body = {"model": MODEL, "messages": history, "max_tokens": 48, "tools": CHAT_TOOLS}
+    reply = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=TIMEOUT_S)
+    assert reply.status_code == 200, reply.text
+    message = ChatCompletion.model_validate(reply.json()).choices[0].message
+    for call in message.tool_calls or []:
+        assert call.type == "function" and call.function.name == "get_weather"
+        jsonschema.validate(json.loads(call.function.arguments), WEATHER)
+    assert message.tool_calls or message.content, message
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 8}
+    reply = httpx.post(server.url + "/v1/completions", json=body, timeout=TIMEOUT_S)
+    assert reply.status_code == 200, reply.text
+    assert Completion.model_validate(reply.json()).choices[0].text is not None
 
 
 def test_openai_agents_sdk_with_and_without_tools(server: ServerProcess) -> None:
