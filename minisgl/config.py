@@ -362,6 +362,10 @@ def parse_server_args(argv: list[str] | None = None) -> tuple[ServerArgs, argpar
         parser.error("--router-policy, --router-args and --no-router need --dp N with N > 1")
     if ns.dp_size > 1 and ns.shell:
         parser.error("--shell chats with one server: it does not take --dp")
+    if ns.dp_size > 1 and (ns.nnodes > 1 or ns.dist_init_addr or ns.device.startswith("cuda:")):
+        parser.error("--dp places its replicas on this machine, each with its own tp group and "
+                     "GPUs: it takes no --nnodes, --dist-init-addr or --device cuda:N (pick GPUs "
+                     "by CUDA_VISIBLE_DEVICES; several machines: docs/scaling.md)")  # fmt: skip
     if ns.shell_max_tokens < 1:
         parser.error("--shell-max-tokens: must be >= 1")
     try:

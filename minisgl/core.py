@@ -132,11 +132,12 @@ def logit_bias_pairs(bias: Any) -> tuple[tuple[int, float], ...]:
             "must map token ids to biases",
         )
         key, value = entry
-        token_id = int(key) if isinstance(key, str) and key.isascii() and key.isdigit() else key
+        digits = isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 12
+        token_id = int(key) if digits else key  # int() of thousands of digits raises
         _check(
             _is_int(token_id) and 0 <= token_id <= MAX_TOKEN_ID,
             "logit_bias",
-            f"keys must be token ids (integers in [0, {MAX_TOKEN_ID}]), got {key!r}",
+            f"keys must be token ids (integers in [0, {MAX_TOKEN_ID}]), got {str(key)[:24]!r}",
         )
         _check(
             _in_range(value, -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS),

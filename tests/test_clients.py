@@ -1,6 +1,7 @@
 """Real client packages against a real server started with default flags: LangChain, the OpenAI
 Agents SDK (Chat Completions and Responses models), instructor, litellm's wire calls, Anthropic's
-SDK, lm-evaluation-harness's scoring request, `tools: []` on every dialect, and the terminal shell.
+SDK, lm-evaluation-harness's scoring request, and `tools: []` on every dialect
+(the terminal shell: tests/test_runtime_deps.py).
 
 The oracles: each client's own parsing (LangChain's AIMessage.tool_calls and pydantic
 structured output, the Agents SDK running our tool, Anthropic's Message model), jsonschema for
@@ -17,8 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import subprocess
-import sys
 from typing import Any
 
 import httpx
@@ -31,7 +30,6 @@ from tests.server_utils import ServerProcess, require_default_model, running_ser
 
 MODEL = "SmolLM2-135M-Instruct"
 TIMEOUT_S = 120.0
-SHELL_TIMEOUT_S = 240.0
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 DESCRIPTION = "Current weather of a city."
 CHAT_TOOLS = [
@@ -331,21 +329,3 @@ def test_lm_eval_loglikelihoods_match_transformers(server: ServerProcess) -> Non
         server.url + "/tokenize", json={"prompt": "test", "add_special_tokens": False}
     ).json()["tokens"]
     assert ids == tokenizer.encode("test", add_special_tokens=False)
-
-
-def test_the_shell_answers_within_its_bound_and_exits() -> None:
-    from transformers import AutoTokenizer
-
-    path = require_default_model()
-    command = [sys.executable, "-m", "minisgl.server", "--shell", "--shell-max-tokens", "12"]
-    done = subprocess.run(
-        [*command, "--temperature", "0", "--num-pages", "2048", "--max-model-len", "512"],
-        input="What is the capital of France?\n/exit\n",
-        capture_output=True,
-        text=True,
-        timeout=SHELL_TIMEOUT_S,
-    )
-    assert done.returncode == 0, done.stderr
-    reply = done.stdout.split(">>> ")[1].strip()
-    num_tokens = len(AutoTokenizer.from_pretrained(path).encode(reply))
-    assert reply and num_tokens <= 12 + 1, reply  # +1: a token may split when decoded alone

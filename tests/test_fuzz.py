@@ -228,14 +228,43 @@ PATHS = [
     "/tokenize",
     "/detokenize",
 ]
+VALID = [
+    ("/v1/completions", bodies(COMPLETION_REQUIRED, COMPLETION)),
+    ("/v1/chat/completions", bodies(CHAT_REQUIRED, CHAT)),
+    ("/v1/responses", bodies(RESPONSES_REQUIRED, RESPONSES)),
+    ("/v1/messages", bodies(MESSAGES_REQUIRED, MESSAGES)),
+    ("/tokenize", bodies(TOKENIZE_REQUIRED, TOKENIZE)),
+    ("/tokenize", bodies(CHAT_REQUIRED, TOKENIZE)),
+    ("/detokenize", bodies(DETOKENIZE_REQUIRED, {})),
+]
+# Nesting around the 128-level bound and far past it (Python's recursion limit is ~1,000),
+# as JSON or as JSON text inside a string (a tool call's arguments, a schema given as text).
+nested = st.builds(
+    lambda depth, obj: (
+        b'{"a":' * depth + b"1" + b"}" * depth if obj else b"[" * depth + b"]" * depth
+    ),
+    st.integers(min_value=100, max_value=1500),
+    st.booleans(),
+)
+nested = nested | nested.map(lambda raw: json.dumps(raw.decode()).encode())
+FIELDS_PARSED_DEEPLY = ["metadata", "chat_template_kwargs", "tools", "response_format", "input",
+                        "messages", "sampling_params", "logit_bias", "unknown"]  # fmt: skip
+
+
+def with_field(body: bytes, name: str, value: bytes) -> bytes:
+    """`body` (a JSON object) with `name` set to raw JSON `value`."""
+    return body[:-1] + b", " + json.dumps(name).encode() + b": " + value + b"}"
+
+
 requests = st.one_of(
-    st.tuples(st.just("/v1/completions"), bodies(COMPLETION_REQUIRED, COMPLETION).map(encode)),
-    st.tuples(st.just("/v1/chat/completions"), bodies(CHAT_REQUIRED, CHAT).map(encode)),
-    st.tuples(st.just("/v1/responses"), bodies(RESPONSES_REQUIRED, RESPONSES).map(encode)),
-    st.tuples(st.just("/v1/messages"), bodies(MESSAGES_REQUIRED, MESSAGES).map(encode)),
-    st.tuples(st.just("/tokenize"), bodies(TOKENIZE_REQUIRED, TOKENIZE).map(encode)),
-    st.tuples(st.just("/tokenize"), bodies(CHAT_REQUIRED, TOKENIZE).map(encode)),
-    st.tuples(st.just("/detokenize"), bodies(DETOKENIZE_REQUIRED, {}).map(encode)),
+    *(st.tuples(st.just(path), valid.map(encode)) for path, valid in VALID),
+    *(
+        st.tuples(
+            st.just(path),
+            st.builds(with_field, valid.map(encode), st.sampled_from(FIELDS_PARSED_DEEPLY), nested),
+        )
+        for path, valid in VALID
+    ),
     st.tuples(
         st.sampled_from(PATHS),
         st.one_of(raw_bodies, wild.map(encode)),

@@ -12,6 +12,7 @@ import contextlib
 import json
 import logging
 import re
+import socket
 import time
 from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -411,8 +412,6 @@ def test_lone_surrogates_are_a_400(http, server, path, raw, param):
         ("max_tokens", "3.0"),
         ("n", '"2"'),
         ("temperature", '"0.5"'),
-        ("temperature", "NaN"),
-        ("top_p", "Infinity"),
         ("stream", '"yes"'),
         ("stop_token_ids", "[1.5]"),
         ("stop", "[1]"),
@@ -586,3 +585,126 @@ def test_api_key_covers_docs_but_not_probes(server):
             break
         time.sleep(0.1)
     assert grown == expected
+
+
+# ---- issue 26: JSON that recursive code would choke on, labels, probes -------------------------
+
+DEEP_ARRAY = "[" * 900 + "]" * 900
+DEEP_OBJECT = '{"a":' * 900 + "1" + "}" * 900
+HELLO = [{"role": "user", "content": "hi"}]
+
+
+@pytest.mark.parametrize(
+    ("path", "raw", "param"),
+    [
+        # nested past the bound in the body: refused at the edge, whatever the field
+        ("/v1/chat/completions", f'{{"messages": [{{"role": "user", "content": "hi"}}], '
+         f'"chat_template_kwargs": {{"x": {DEEP_ARRAY}}}}}', "body"),
+        ("/v1/messages", '{"max_tokens": 2, "messages": [{"role": "user", "content": "hi"}, '
+         '{"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "f", '
+         f'"input": {DEEP_OBJECT}}}]}}]}}', "body"),
+        ("/v1/responses", f'{{"input": "hi", "metadata": {{"a": {DEEP_ARRAY}}}}}', "body"),
+        ("/tokenize", f'{{"messages": [{{"role": "user", "content": {DEEP_ARRAY}}}]}}', "body"),
+        ("/generate", f'{{"text": "hi", "x": {DEEP_ARRAY}}}', "body"),
+        # ... and inside a string that is parsed as JSON
+        ("/generate", json.dumps({"text": "hi", "sampling_params": {
+            "json_schema": '{"default": ' + DEEP_ARRAY + "}"}}),
+         "sampling_params.json_schema"),
+        ("/v1/chat/completions", json.dumps({"messages": HELLO, "chat_template_kwargs":
+            '{"x": ' + DEEP_ARRAY + "}"}), "chat_template_kwargs"),
+        # numbers Python cannot hold, and NaN / Infinity (not JSON)
+        ("/v1/completions", json.dumps(COMPLETION | {"logit_bias": {"1" * 5000: 1}}),
+         "logit_bias"),
+        ("/v1/chat/completions", json.dumps(CHAT | {"logit_bias": {"9" * 4400: 1}}),
+         "logit_bias"),
+        ("/v1/responses", '{"input": "hi", "tools": [{"type": "function", "name": "f", '
+         '"parameters": {"type": "object", "properties": {"a": {"maximum": NaN}}}}]}', "body"),
+        ("/v1/responses", '{"input": "hi", "text": {"format": {"type": "json_schema", '
+         '"name": "x", "schema": {"maximum": 1e999}}}}', "body"),
+        ("/v1/responses", '{"input": "hi", "stream": true, "tool_choice": Infinity}', "body"),
+        ("/v1/completions", '{"prompt": "hi", "temperature": NaN}', "body"),
+    ],
+)  # fmt: skip
+def test_json_past_what_python_walks_is_a_400(http, server, path, raw, param):
+    response = _raw(http, path, raw.encode())
+    assert response.status_code == 400, response.text
+    if path != "/v1/messages":
+        error = _error(response, 400)
+        assert error["param"] == param or error["message"].startswith(f"{param}:"), error
+    _assert_serving(http, server)
+
+
+def test_a_deep_tool_call_argument_string_stays_text(http, server):
+    """Earlier calls' `arguments` are rendered as objects when they parse: one too deep to walk
+    (900 levels made transformers' template code recurse to a 500) is kept as the text it is."""
+
+    def conversation(arguments: str) -> list[dict]:
+        call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": arguments}}
+        tool = {"role": "tool", "tool_call_id": "c", "content": "x"}
+        return [*HELLO, {"role": "assistant", "content": None, "tool_calls": [call]}, tool]
+
+    counted = http.post("/tokenize", json={"messages": conversation(DEEP_OBJECT)})
+    assert counted.status_code == 200, counted.text
+    assert counted.json()["count"] > 900  # the arguments, as text
+    shallow = conversation('{"a":' * 150 + "1" + "}" * 150)  # fits the context
+    response = http.post("/v1/chat/completions", json={"messages": shallow, "max_tokens": 2})
+    assert response.status_code == 200, response.text
+    _assert_serving(http, server)
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/v1/responses",
+                                  "/v1/messages", "/generate", "/tokenize"])  # fmt: skip
+def test_json_is_utf8_on_every_route(http, server, path):
+    body = {
+        "/v1/completions": COMPLETION, "/v1/chat/completions": CHAT,
+        "/v1/responses": {"input": "hi", "max_output_tokens": 2},
+        "/v1/messages": CHAT, "/generate": {"text": "hi", "sampling_params": {"max_new_tokens": 2}},
+        "/tokenize": {"prompt": "hi"},
+    }[path]  # fmt: skip
+    text = json.dumps(body)
+    assert _raw(http, path, text.encode()).status_code == 200
+    assert _raw(http, path, b"\xef\xbb\xbf" + text.encode()).status_code == 200  # BOM: ignored
+    for encoding in ("utf-16", "utf-16-le", "utf-32"):
+        refused = _raw(http, path, text.encode(encoding))
+        assert refused.status_code == 400 and "UTF-8" in refused.text, (encoding, refused.text)
+    _assert_serving(http, server)
+
+
+def test_content_length_with_chunked_is_a_400(server):
+    """RFC 9112 6.3: a proxy and the server could disagree on where such a body ends."""
+    head = (
+        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"Authorization: Bearer {API_KEY}\r\nContent-Length: 2\r\n"
+        "Transfer-Encoding: chunked\r\n\r\n2\r\n{}\r\n0\r\n\r\n"
+    )
+    with socket.create_connection(("127.0.0.1", server.port), timeout=HTTP_TIMEOUT_S) as sock:
+        sock.sendall(head.encode())
+        answer = sock.recv(65536).decode(errors="replace")
+    assert answer.startswith("HTTP/1.1 400"), answer[:200]
+
+
+def test_made_up_methods_pool_into_one_metric_label(server):
+    for i in range(300):
+        assert httpx.request(f"M{i:05d}", server.url + "/health").status_code == 405
+        httpx.request(f"M{i:05d}", server.url + f"/no/such/{i}")
+    methods = {method for _, method, _ in _answered(server)}
+    assert methods <= {"GET", "POST", "other"}, methods
+    assert sum(1 for key in _answered(server) if key[1] == "other") <= 2  # /health, unmatched
+
+
+def _num_finished(metrics: dict[str, float]) -> float:
+    return sum(v for k, v in metrics.items() if k.startswith("minisgl:request_success_total{"))
+
+
+def test_health_generate_needs_the_key_and_never_queues_behind_work(http, server):
+    assert httpx.get(server.url + "/health_generate").status_code == 401
+    assert httpx.get(server.url + "/health_generate", headers=server.headers).status_code == 200
+    finished = _num_finished(wait_idle(server))
+    body = {"prompt": [1, 2, 3], "max_tokens": 500, "stream": True, "ignore_eos": True}
+    with http.stream("POST", "/v1/completions", json=body) as events, ThreadPoolExecutor(8) as pool:
+        lines = events.iter_lines()
+        next(lines)  # the stream runs: the engine is busy
+        probes = list(pool.map(lambda _: http.get("/health_generate").status_code, range(16)))
+        assert probes == [200] * 16
+        assert sum(1 for line in lines if line.startswith("data: ")) > 1  # still ran after
+    assert _num_finished(wait_idle(server)) == finished + 1  # the stream alone: no probe ran

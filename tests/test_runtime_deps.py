@@ -131,7 +131,11 @@ def test_the_checker_sees_lazy_and_module_level_imports(tmp_path):
 
 def test_shell_runs_without_test_only_packages(tiny_qwen3, tmp_path):
     """README's `python -m minisgl.server --shell`, with httpx made unimportable in every
-    process of the stack: one exchange, then /exit."""
+    process of the stack: two exchanges, then /exit. Each reply stops at --shell-max-tokens or
+    at what the context window leaves, whichever comes first (a bound past the window would be
+    a 400)."""
+    from transformers import AutoTokenizer
+
     blocker = tmp_path / "blocked" / "httpx"
     blocker.mkdir(parents=True)
     (blocker / "__init__.py").write_text(
@@ -142,10 +146,12 @@ def test_shell_runs_without_test_only_packages(tiny_qwen3, tmp_path):
         "PYTHONPATH": os.pathsep.join([str(blocker.parent), str(ROOT)]),
         "PYTHONUNBUFFERED": "1",
     }
-    args = ["--shell", "--model", str(tiny_qwen3), *TEST_SERVER_FLAGS, "--max-model-len", "48"]
+    context_len, most = 64, 24
+    args = ["--shell", "--model", str(tiny_qwen3), *TEST_SERVER_FLAGS, "--temperature", "0"]
+    args += ["--max-model-len", str(context_len), "--shell-max-tokens", str(most)]
     result = subprocess.run(
         [sys.executable, "-m", "minisgl.server", *args],
-        input="Say hi.\n/exit\n",
+        input="Say hi.\nAnd again, please.\n/exit\n",
         capture_output=True,
         text=True,
         env=env,
@@ -153,5 +159,20 @@ def test_shell_runs_without_test_only_packages(tiny_qwen3, tmp_path):
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "chatting with" in result.stdout
-    assert result.stdout.count(">>> ") == 2, result.stdout  # the question, then /exit
-    assert "[error]" not in result.stdout and "Traceback" not in result.stderr, result.stderr
+    assert result.stdout.count(">>> ") == 3, result.stdout  # two questions, then /exit
+    assert "[error]" not in result.stdout and "Traceback" not in result.stderr, result.stdout
+    tokenizer = AutoTokenizer.from_pretrained(tiny_qwen3)
+    replies = [part.rstrip("\n") for part in result.stdout.split(">>> ")[1:3]]
+    num_tokens = [len(tokenizer.encode(reply)) for reply in replies]
+    conversation = [
+        {"role": "user", "content": "Say hi."},
+        {"role": "assistant", "content": replies[0]},
+        {"role": "user", "content": "And again, please."},
+    ]
+    room = context_len - len(
+        tokenizer.apply_chat_template(conversation, add_generation_prompt=True, return_dict=False)
+    )
+    assert room < most, room  # the second reply is cut by the window, not the flag
+    # +1: a token may split in two when decoded alone
+    assert 0 < num_tokens[0] <= most + 1, replies
+    assert num_tokens[1] <= room + 1, (replies, room)

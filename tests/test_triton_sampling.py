@@ -91,7 +91,7 @@ def test_kernel_on_strided_16_bit_rows_with_masked_tokens():
 
 def test_kernel_frequencies_follow_the_distribution():
     """Many positions of one row: each token's share of the draws matches its probability."""
-    draws, vocab = 4000, 6
+    draws, vocab = 1200, 6  # each row is one interpreted program: ~20 ms each on CPU
     logits = torch.log(torch.tensor([0.4, 0.3, 0.15, 0.1, 0.05, 0.0]))
     got = ts.sample(
         *_on_device(
@@ -102,7 +102,7 @@ def test_kernel_frequencies_follow_the_distribution():
         )
     ).cpu()
     share = torch.bincount(got, minlength=vocab).float() / draws
-    torch.testing.assert_close(share, logits.exp(), atol=0.03, rtol=0)
+    torch.testing.assert_close(share, logits.exp(), atol=0.045, rtol=0)  # 3 sigma at p=0.4
     assert share[-1] == 0  # probability 0 is never drawn
 
 

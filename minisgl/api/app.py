@@ -54,16 +54,6 @@ async def _wait_for_scheduler(engine: EngineClient) -> StatsReply:
     raise TimeoutError(f"scheduler did not answer within {SCHEDULER_HANDSHAKE_TIMEOUT_S} s")
 
 
-def sampling_defaults(args: ServerArgs, model_path: Path) -> dict[str, float | int]:
-    if args.sampling_defaults != "model":
-        return {}
-    defaults = load_sampling_defaults(model_path)
-    if defaults:
-        shown = ", ".join(f"{k}={v}" for k, v in defaults.items())
-        logger.info("sampling defaults from the model's generation_config.json: %s", shown)
-    return defaults
-
-
 def create_app(
     args: ServerArgs, endpoints: Endpoints, tokenizer_path: str | Path, model_path: str | Path
 ) -> FastAPI:
@@ -90,7 +80,9 @@ def create_app(
                 args.tool_call_parser,
             ),
             eos_token_ids=tuple(info.eos_token_ids),
-            sampling_defaults=sampling_defaults(args, Path(model_path)),
+            sampling_defaults=load_sampling_defaults(Path(model_path))
+            if args.sampling_defaults == "model"
+            else {},
         )
         try:
             yield

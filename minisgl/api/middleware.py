@@ -9,6 +9,7 @@ untouched), one `Gate` in front of the app:
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 from collections.abc import Callable
@@ -20,15 +21,22 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from minisgl.api.errors import HTTP_SERVER_ERROR, HTTP_SERVICE_UNAVAILABLE, error_dict, shape_error
 from minisgl.api.request import new_id
+from minisgl.core import InvalidRequestError
+from minisgl.jsontext import check_json
 
 logger = logging.getLogger(__name__)
 
-# Probes and scrapers: open without an API key (as in SGLang, /health_generate too: a gateway or
-# load balancer probes without credentials), and /metrics still answers while draining.
+# Probes and scrapers: open without an API key, and /metrics still answers while draining.
+# /health_generate runs a generation: it needs the key, as every route that does work.
 METRICS_PATH = "/metrics"
-PROBE_PATHS = frozenset({"/health", "/health_generate", METRICS_PATH})
+PROBE_PATHS = frozenset({"/health", METRICS_PATH})
+HTTP_BAD_REQUEST = 400
 HTTP_UNAUTHORIZED = 401
 HTTP_PAYLOAD_TOO_LARGE = 413
+# Metric labels: any other method (a client may invent thousands) counts as one.
+HTTP_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
+# Bodies up to this size are checked on the event loop; bigger ones on a thread.
+INLINE_CHECK_BYTES = 1 << 16
 
 
 @dataclass
@@ -56,6 +64,8 @@ async def _no_receive() -> Message:
     return {"type": "http.disconnect"}
 
 
+# A request refused before the app sees it: (message, error type, status code).
+Refusal = tuple[str, str, int]
 # Called once per answered request: (route template, method, status code).
 ResponseObserver = Callable[[str, str, int], None]
 UNMATCHED_ROUTE = "unmatched"
@@ -125,7 +135,9 @@ class Gate:
                 status = HTTP_SERVER_ERROR
         finally:
             if self.observe is not None and status:
-                self.observe(route_template(scope), str(scope.get("method", "")), status)
+                method = scope.get("method", "")
+                label = method if method in HTTP_METHODS else "other"
+                self.observe(route_template(scope), label, status)
 
     async def _admit(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope.get("path", "")
@@ -138,14 +150,12 @@ class Gate:
             return
         self.lifecycle.num_open_requests += 1
         try:
-            if not self._allowed(dict(scope["headers"])):
-                message = "Invalid or missing API key."
-                await _refuse(scope, send, message, "authentication_error", HTTP_UNAUTHORIZED)
-                return
-            body = await self._read_body(scope, receive)
-            if body is None:
-                message = f"Request body too large: the limit is {self.max_body_bytes} bytes."
-                await _refuse(scope, send, message, "invalid_request_error", HTTP_PAYLOAD_TOO_LARGE)
+            refusal = self._header_refusal(dict(scope["headers"]))
+            if refusal is None:
+                body = await self._read_body(scope, receive)
+                refusal = await self._body_refusal(body)
+            if refusal is not None:
+                await _refuse(scope, send, *refusal)
                 return
             pending = [body]
 
@@ -155,6 +165,31 @@ class Gate:
             await self.app(scope, replay, send)
         finally:
             self.lifecycle.num_open_requests -= 1
+
+    def _header_refusal(self, headers: dict[bytes, bytes]) -> Refusal | None:
+        if not self._allowed(headers):
+            return "Invalid or missing API key.", "authentication_error", HTTP_UNAUTHORIZED
+        if b"content-length" in headers and b"transfer-encoding" in headers:  # RFC 9112 6.3
+            message = "A request may not carry both Content-Length and Transfer-Encoding."
+            return message, "invalid_request_error", HTTP_BAD_REQUEST
+        return None
+
+    async def _body_refusal(self, body: Message | None) -> Refusal | None:
+        """Over the size limit, or JSON past what Python can walk (`check_json`; a big body is
+        checked on a thread, so other requests' streams keep flowing)."""
+        if body is None:
+            message = f"Request body too large: the limit is {self.max_body_bytes} bytes."
+            return message, "invalid_request_error", HTTP_PAYLOAD_TOO_LARGE
+        if body["type"] == "http.request":
+            data = body["body"]
+            try:
+                big = len(data) > INLINE_CHECK_BYTES
+                body["body"] = (
+                    await asyncio.to_thread(check_json, data) if big else check_json(data)
+                )
+            except InvalidRequestError as exc:
+                return str(exc), "invalid_request_error", HTTP_BAD_REQUEST
+        return None
 
     async def _read_body(self, scope: Scope, receive: Receive) -> Message | None:
         """The whole body as one message; None when it is over the limit."""

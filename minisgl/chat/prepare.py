@@ -11,6 +11,7 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
+from minisgl import jsontext
 from minisgl.chat.output import ChatOutputParser
 from minisgl.chat.reasoning import (
     REASONING_PARSERS,
@@ -49,6 +50,7 @@ def parse_template_kwargs(value: Any, param: str = "chat_template_kwargs") -> di
     if value is None:
         return {}
     if isinstance(value, str):
+        jsontext.check_json(value, param)  # too deep: say so, not "not a JSON object"
         try:
             value = json.loads(value)
         except ValueError:

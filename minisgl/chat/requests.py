@@ -19,6 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from minisgl import jsontext
 from minisgl.chat.tool_parsers import HERMES_END, HERMES_START
 from minisgl.core import Constraint, InvalidRequestError
 
@@ -146,6 +147,7 @@ def plan_tools(
 def _schema_text(value: Any, param: str) -> str:
     """A JSON schema given as an object, a boolean or JSON text -> JSON text."""
     if isinstance(value, str):
+        jsontext.check_json(value, param)  # too deep: say so, not "not valid JSON"
         try:
             value = json.loads(value)
         except ValueError:

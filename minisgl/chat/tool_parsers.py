@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from minisgl import jsontext
 from minisgl.chat.streaming import ChatDelta, TextParser, ToolCallDelta, hold_back
 
 HERMES_START, HERMES_END = "<tool_call>", "</tool_call>"
@@ -90,7 +91,7 @@ class HermesParser(ToolParser):
     def _block(self, out: ChatDelta, body: str, closing: str) -> None:
         """A whole block (or, at the end, an unclosed one): a call, or content as written."""
         try:
-            call = _as_call(json.loads(body), ("arguments", "parameters"))
+            call = _as_call(jsontext.loads(body, "tool_calls"), ("arguments", "parameters"))
         except ValueError:
             call = None
         if call is None:

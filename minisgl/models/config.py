@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from minisgl.layers.moe import MoeConfig
 from minisgl.layers.rope import RopeConfig
+
+logger = logging.getLogger(__name__)
 
 # architectures -> our model family; all are the same decoder with small switches.
 SUPPORTED_ARCHITECTURES = {
@@ -109,6 +112,9 @@ def load_sampling_defaults(model_dir: Path) -> dict[str, float | int]:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             continue  # absent, null or malformed: the API's own default applies
         defaults[key] = int(value) if key == "top_k" else float(value)
+    if defaults:
+        shown = ", ".join(f"{k}={v}" for k, v in defaults.items())
+        logger.info("sampling defaults from the model's generation_config.json: %s", shown)
     return defaults
 
 

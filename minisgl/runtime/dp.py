@@ -124,17 +124,7 @@ class DataParallelStack(StopRequests):
             replica.request_stop()
 
     def _check(self) -> None:
-        if self.args.nnodes > 1:
-            raise StartupError(
-                "--dp runs every replica on this machine; with --nnodes, start each replica's "
-                "nodes by hand and put the gateway in front (docs/scaling.md)"
-            )
-        if self.args.dist_init_addr is not None:
-            raise StartupError("--dist-init-addr: with --dp each replica's tp group picks its own")
-        if self.args.device.startswith("cuda:"):
-            raise StartupError(
-                "--dp gives each replica its GPUs: pick them by CUDA_VISIBLE_DEVICES"
-            )
+        """--nnodes, --dist-init-addr and --device cuda:N with --dp: refused when parsing."""
         if self.dp.use_router and not gateway_installed():
             raise StartupError(
                 f"--dp {self.dp.dp_size} puts the SGLang Model Gateway in front of the replicas, "

@@ -8,13 +8,14 @@ documents for chat templates (Llama 3's template applies `tojson` to them; Qwen'
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from jinja2 import TemplateError
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from minisgl import jsontext
 
 CHAT_ROLES = ("system", "user", "assistant", "developer", "tool")
 _TEXT_FIELDS = ("name", "tool_call_id", "reasoning_content")
@@ -69,7 +70,7 @@ def _tool_calls(value: Any, index: int) -> list[dict[str, Any]]:
         arguments = function.get("arguments", "{}")
         if isinstance(arguments, str):
             try:
-                parsed = json.loads(arguments)
+                parsed = jsontext.loads(arguments, "tool_calls")
             except ValueError:
                 parsed = None
             arguments = parsed if isinstance(parsed, dict) else arguments

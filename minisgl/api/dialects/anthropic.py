@@ -28,6 +28,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
+from minisgl import jsontext
 from minisgl.api.errors import ERROR_SHAPES
 from minisgl.api.pipeline import Choice, Run, prepare
 from minisgl.api.request import ApiRequest, SamplingWire, function_call, new_id, sampling_of
@@ -211,7 +212,7 @@ def tool_input(arguments: str) -> dict[str, Any]:
     """A call's arguments as the object Anthropic's `input` is; text that is not a JSON object
     (a model's broken call) is kept whole under `_raw_arguments` rather than lost."""
     try:
-        value = json.loads(arguments) if arguments.strip() else {}
+        value = jsontext.loads(arguments, "input") if arguments.strip() else {}
     except ValueError:
         value = None
     return value if isinstance(value, dict) else {"_raw_arguments": arguments}

@@ -276,15 +276,16 @@ def _version() -> str:
 
 
 async def _engine_answers(ctx: ServingContext, timeout_s: float) -> bool:
-    """Submit a one-token greedy request; True once the engine produces any output after it was
-    sent, its own or another request's (a busy server may queue the probe behind real work:
-    like SGLang, output of any request proves the engine runs)."""
+    """True once the engine produces any output after the call, its own or another request's
+    (like SGLang, output of any request proves the engine runs). A one-token greedy probe is
+    submitted only to an idle engine, so probes never fill the queue (--max-queued-requests)."""
     loop = asyncio.get_running_loop()
     sent_s = loop.time()
     rid = new_id("health")
     queue: asyncio.Queue = asyncio.Queue()
     try:
-        ctx.engine.submit(TokenizedRequest(rid, HEALTH_PROMPT, HEALTH_PARAMS), 0, queue)
+        if not ctx.engine.num_active_requests:
+            ctx.engine.submit(TokenizedRequest(rid, HEALTH_PROMPT, HEALTH_PARAMS), 0, queue)
         while loop.time() - sent_s < timeout_s:
             with contextlib.suppress(asyncio.TimeoutError):
                 item = await asyncio.wait_for(queue.get(), HEALTH_GENERATE_POLL_S)
