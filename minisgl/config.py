@@ -140,6 +140,9 @@ class ServerArgs:
     )
     request_timeout_s: float | None = _opt(None, API, "abort requests running longer: 504 (off)")
     max_request_body_bytes: int = _opt(32 * MIB, API, "larger request bodies: 413")
+    grammar_compile_timeout_s: float = _opt(
+        10.0, API, "a request's JSON schema / regex / grammar compiling longer: 400"
+    )
     shutdown_timeout_s: float = _opt(
         20.0, API, "SIGTERM: seconds open requests may finish (503 to new ones)"
     )
@@ -205,6 +208,7 @@ class ServerArgs:
             "request_timeout_s",
             "must be > 0",
         )
+        check(self.grammar_compile_timeout_s > 0, "grammar_compile_timeout_s", "must be > 0")
         kwargs: Any = self.chat_template_kwargs
         if isinstance(kwargs, dict):  # LLM(chat_template_kwargs={...}): kept as JSON text
             object.__setattr__(self, "chat_template_kwargs", json.dumps(kwargs))
@@ -269,6 +273,7 @@ _ALIASES: dict[str, list[str]] = {
     "max_model_len": ["--context-length"],
     "max_running_requests": ["--max-num-seqs"],
     "request_timeout_s": ["--request-timeout"],
+    "grammar_compile_timeout_s": ["--grammar-compile-timeout"],
     "shutdown_timeout_s": ["--shutdown-timeout"],
     # SGLang's longer names
     "speculative_ngram_min_match": ["--speculative-ngram-min-match-window-size"],

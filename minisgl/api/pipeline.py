@@ -42,7 +42,7 @@ from minisgl.chat import (
 from minisgl.chat.requests import constraint_from_fields
 from minisgl.config import ServerArgs
 from minisgl.core import Constraint, FinishReason, InvalidRequestError, SamplingParams, TokenLogprob
-from minisgl.grammar import GrammarCompiler
+from minisgl.grammar import GrammarWorker
 from minisgl.limits import ModelLimits
 from minisgl.runtime.engine_client import EngineClient
 from minisgl.runtime.messages import DetokenizedOutput, TokenizedRequest
@@ -80,19 +80,12 @@ class ServingContext:
     async def on_tokenizer_thread(self, fn: Callable[..., _T], *args: Any) -> _T:
         return await asyncio.get_running_loop().run_in_executor(self.tokenizer_thread, fn, *args)
 
-    def compile_constraint(self, constraint: Constraint, param: str) -> str:
-        """Compile (cached) and serialize a constraint for the scheduler, on the tokenizer
-        thread, so the scheduler never compiles on its loop. Raises InvalidRequestError naming
-        `param` for a bad or unsupported one."""
-        try:
-            return self._grammar.serialize(constraint)
-        except InvalidRequestError as exc:
-            raise InvalidRequestError(param, exc.message) from None
-
     @functools.cached_property
-    def _grammar(self) -> GrammarCompiler:
-        """Made at the first constrained request (reading the vocabulary takes ~0.5-1.5 s)."""
-        return GrammarCompiler(self.tokenizer, self.limits.vocab_size, self.eos_token_ids)
+    def grammar(self) -> GrammarWorker:
+        """Compiles constraints in a worker process, off the tokenizer thread, so the scheduler
+        never compiles on its loop and a hostile one costs a 400, not the server."""
+        timeout_s = self.args.grammar_compile_timeout_s
+        return GrammarWorker(self.tokenizer, self.limits.vocab_size, self.eos_token_ids, timeout_s)
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model not in self.accepted_model_names:
@@ -115,7 +108,8 @@ class Prepared:
     prompt_ids: list[list[int]]
     chat: PreparedChat | None
     constraint: Constraint | None
-    grammar_json: str | None  # the constraint compiled and serialized for the scheduler
+    constraint_param: str  # the request field the constraint came from
+    grammar_json: str | None = None  # the constraint compiled and serialized for the scheduler
 
 
 def _prepare(ctx: ServingContext, req: ApiRequest) -> Prepared:
@@ -132,15 +126,19 @@ def _prepare(ctx: ServingContext, req: ApiRequest) -> Prepared:
             list(ctx.tokenizer(item)["input_ids"]) if isinstance(item, str) else list(item)
             for item in req.prompt
         ]
-    grammar = ctx.compile_constraint(constraint, param or "") if constraint is not None else None
-    return Prepared(prompts, chat, constraint, grammar)
+    return Prepared(prompts, chat, constraint, param or "")
 
 
 async def prepare(ctx: ServingContext, req: ApiRequest) -> Prepared:
-    """The prompts, their constraint and parsers; a 400 for any broken rule, named as this
+    """The prompts, their constraint (compiled after the tokenizer thread's part, so that
+    thread keeps serving others meanwhile) and parsers; a 400 for any broken rule, named as this
     dialect's clients spell the field."""
     try:
-        return await ctx.on_tokenizer_thread(_prepare, ctx, req)
+        prepared = await ctx.on_tokenizer_thread(_prepare, ctx, req)
+        if prepared.constraint is not None:
+            grammar = ctx.grammar.serialize(prepared.constraint, prepared.constraint_param)
+            prepared.grammar_json = await grammar
+        return prepared
     except InvalidRequestError as exc:
         raise req.invalid(exc) from None
     except ValueError as exc:  # about the messages

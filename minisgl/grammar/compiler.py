@@ -36,7 +36,8 @@ def _clean(message: str) -> str:
 class GrammarCompiler:
     """Compiles constraints for one tokenizer and vocabulary (the model's logits width).
 
-    Thread-safe: the API server compiles on its tokenizer thread, the scheduler on its loop.
+    Thread-safe. The API server's compile worker (minisgl.grammar.worker) and the scheduler
+    (offline requests) use it.
     """
 
     def __init__(

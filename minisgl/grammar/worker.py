@@ -1,0 +1,200 @@
+"""The API server's grammar compiles, in a worker process: a constraint that would take the
+server's memory or time costs its own request a 400, never the server.
+
+xgrammar compiles in C++ that Python cannot interrupt, and some small inputs blow up (measured
+in-process: one regex character class of 20,000 CJK characters grew to 10 GB; an `enum` of
+50,000 strings took 37 s). So `GrammarWorker` sends (kind, value) to one child process and
+waits for the serialized grammar on a thread of its own (the event loop and the tokenizer
+thread keep serving every other request), and
+- refuses a constraint over MAX_CONSTRAINT_BYTES before it is sent;
+- kills the worker when it has not answered within --grammar-compile-timeout;
+- kills it when its RSS passes MAX_WORKER_RSS_BYTES (looked at every RSS_POLL_INTERVAL_S).
+Either kill, or the worker dying on its own, answers that request with a 400 naming its field;
+the next constraint starts a fresh worker. The worker compiles one constraint at a time: a
+request whose constraint queues behind another's compile waits for it, the others do not wait.
+What the worker answers (a grammar, or xgrammar's refusal) is cached by `grammar_key`, so a
+repeated constraint costs no trip; a kill is not (a timeout depends on the load).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import multiprocessing as mp
+import os
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
+from pathlib import Path
+
+import psutil
+from transformers import PreTrainedTokenizerBase
+
+from minisgl.core import Constraint, InvalidRequestError
+from minisgl.grammar.compiler import GRAMMAR_CACHE_SIZE, GrammarCompiler
+from minisgl.supervisor import describe_exit, prepare_exec_child
+
+KIB, GIB = 1 << 10, 1 << 30
+# The UTF-8 size of a schema / regex / grammar / tool-call tag we compile; real ones are a few KB.
+MAX_CONSTRAINT_BYTES = 256 * KIB
+# The worker idles at ~0.4 GB (torch and xgrammar loaded, the vocabulary read); a compile that
+# takes it past this is refused. Fixed rather than a share of the machine: it must not grow with
+# a big host, and the model's own processes come first.
+MAX_WORKER_RSS_BYTES = 2 * GIB
+RSS_POLL_INTERVAL_S = 0.05
+# The cache's bound in characters of grammar JSON, besides its count: an enum of 10,000 strings
+# serializes to 21 MB.
+MAX_CACHED_CHARS = 256 << 20
+# Spawning it: importing torch, xgrammar and the tokenizer, then reading the vocabulary (~2-6 s).
+STARTUP_TIMEOUT_S = 120.0
+WORKER_NAME = "minisgl:grammar"  # its name in ps
+# The model's processes come first where they share cores with a compile (CPU serving): a
+# concurrent stream's longest chunk gap during one fell from ~0.3 s to ~0.15 s here.
+WORKER_NICENESS = 10
+
+Outcome = tuple[bool, str]  # (compiled, the grammar's JSON text or why it was refused)
+
+
+class _Stopped(Exception):
+    """The worker was killed (too slow, too big) or died: the message says which."""
+
+
+def _serve(
+    conn: Connection, tokenizer: PreTrainedTokenizerBase, vocab_size: int, eos: Sequence[int]
+) -> None:
+    """The worker process: compile each (kind, value) that arrives until the pipe closes."""
+    prepare_exec_child()  # Ctrl-C is the server's to handle; SIGTERM when the server dies
+    os.nice(WORKER_NICENESS)
+    with contextlib.suppress(OSError):  # our name in ps/top
+        Path("/proc/self/comm").write_text(WORKER_NAME)
+    compiler = GrammarCompiler(tokenizer, vocab_size, eos)
+    conn.send((True, "ready"))
+    while True:
+        try:
+            kind, value = conn.recv()
+        except EOFError:  # the API server closed it (or is gone)
+            return
+        try:
+            reply = (True, str(compiler._compile(Constraint(kind, value)).serialize_json()))
+        except InvalidRequestError as exc:
+            reply = (False, exc.message)
+        conn.send(reply)
+
+
+class GrammarWorker:
+    """The API server's side: constraints compiled in the worker, cached; made with what the
+    worker needs to build its `GrammarCompiler` (started at the first uncached constraint)."""
+
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        vocab_size: int,
+        eos_token_ids: Sequence[int],
+        timeout_s: float,
+    ) -> None:
+        self._worker_args = (tokenizer, vocab_size, tuple(eos_token_ids))
+        self.timeout_s = timeout_s
+        # One thread: compiles run one at a time. It also starts the worker, whose SIGTERM on
+        # our death (PR_SET_PDEATHSIG) is tied to this thread: it lives as long as the process.
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="minisgl-grammar")
+        self._lock = threading.Lock()  # the cache: read on the event loop, filled on the thread
+        self._cache: OrderedDict[tuple[str, str], Outcome] = OrderedDict()
+        self._cached_chars = 0
+        self._process: BaseProcess | None = None
+        self._conn: Connection | None = None
+
+    async def serialize(self, constraint: Constraint, param: str) -> str:
+        """The constraint compiled and serialized for the scheduler. Raises InvalidRequestError
+        naming `param` when it is too big, bad, too slow or too large to compile."""
+        size = len(constraint.value.encode())
+        if size > MAX_CONSTRAINT_BYTES:
+            limit = f"{MAX_CONSTRAINT_BYTES} bytes ({MAX_CONSTRAINT_BYTES // KIB} KiB)"
+            raise InvalidRequestError(param, f"the grammar is {size} bytes; at most {limit}")
+        outcome = self._cached(constraint.grammar_key)
+        if outcome is None:
+            loop = asyncio.get_running_loop()
+            outcome = await loop.run_in_executor(self._thread, self._compile, constraint)
+        compiled, text = outcome
+        if not compiled:
+            raise InvalidRequestError(param, text)
+        return text
+
+    def _cached(self, key: tuple[str, str]) -> Outcome | None:
+        with self._lock:
+            outcome = self._cache.get(key)
+            if outcome is not None:
+                self._cache.move_to_end(key)
+            return outcome
+
+    def _compile(self, constraint: Constraint) -> Outcome:
+        """On the grammar thread."""
+        key = constraint.grammar_key
+        outcome = self._cached(key)  # it may have been compiled while this one queued
+        if outcome is not None:
+            return outcome
+        self._start()
+        timeout_s = self.timeout_s
+        late = f"compiling the grammar took longer than {timeout_s:g} s (--grammar-compile-timeout)"
+        try:
+            outcome = self._exchange((constraint.kind, constraint.value), timeout_s, late)
+        except _Stopped as exc:
+            return False, str(exc)
+        with self._lock:
+            self._cache[key] = outcome
+            self._cached_chars += len(outcome[1])
+            while len(self._cache) > GRAMMAR_CACHE_SIZE or self._cached_chars > MAX_CACHED_CHARS:
+                self._cached_chars -= len(self._cache.popitem(last=False)[1][1])
+        return outcome
+
+    def _start(self) -> None:
+        if self._process is not None and self._process.is_alive():
+            return
+        self._stop()
+        ctx = mp.get_context("spawn")
+        self._conn, child_conn = ctx.Pipe()
+        args = (child_conn, *self._worker_args)  # daemon: stopped if we exit normally
+        self._process = ctx.Process(target=_serve, args=args, name=WORKER_NAME, daemon=True)
+        self._process.start()
+        child_conn.close()  # the worker holds its own copy: EOF here means it is gone
+        try:
+            self._exchange(None, STARTUP_TIMEOUT_S, f"not ready after {STARTUP_TIMEOUT_S:g} s")
+        except _Stopped as exc:
+            raise RuntimeError(f"the grammar compiler process did not start: {exc}") from None
+
+    def _exchange(self, request: tuple[str, str] | None, timeout_s: float, late: str) -> Outcome:
+        """Send `request` (if any) and wait for the worker's answer; raises _Stopped, the
+        worker killed for its time (`late`: why) or its memory, or found dead."""
+        assert self._process is not None and self._conn is not None
+        conn, deadline_s = self._conn, time.monotonic() + timeout_s
+        try:
+            if request is not None:
+                conn.send(request)
+            watched = psutil.Process(self._process.pid)
+            while not conn.poll(RSS_POLL_INTERVAL_S):
+                if watched.memory_info().rss > MAX_WORKER_RSS_BYTES:
+                    self._stop()
+                    gib = MAX_WORKER_RSS_BYTES / GIB
+                    raise _Stopped(f"the grammar needs more than {gib:g} GiB to compile")
+                if time.monotonic() > deadline_s:
+                    self._stop()
+                    raise _Stopped(late)
+            outcome: Outcome = conn.recv()
+            return outcome
+        except (EOFError, OSError, psutil.Error):
+            exit_code = self._stop()
+            raise _Stopped(f"the grammar compiler stopped ({describe_exit(exit_code)})") from None
+
+    def _stop(self) -> int | None:
+        """Kill the worker (if any) and forget it; its exit code."""
+        process, conn, self._process, self._conn = self._process, self._conn, None, None
+        if conn is not None:
+            conn.close()
+        if process is None:
+            return None
+        process.kill()
+        process.join()
+        return process.exitcode

@@ -1,0 +1,199 @@
+"""Hostile constraints on a real server (issue 26): grammars compile in a worker process that is
+killed for its time or memory, so such a request is a 400 while the server, and every other
+request's stream, carry on.
+
+One server (the bundled SmolLM2) with --grammar-compile-timeout 2; the memory ceiling, which
+that timeout would beat, on a `GrammarWorker` of its own with a lower ceiling. Measured here (2
+busy cores): the regex below grows a compiler to 2 GiB in ~7 s (10 GB when it ran in the API
+process); an enum of 10,000 strings compiles in ~4 s to 21 MB of JSON.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import threading
+import time
+from collections.abc import Iterator
+
+import httpx
+import psutil
+import pytest
+
+from minisgl.core import Constraint, InvalidRequestError
+from minisgl.grammar import worker
+from minisgl.grammar.worker import MAX_CONSTRAINT_BYTES, MAX_WORKER_RSS_BYTES, WORKER_NAME
+from minisgl.tokenizer import load_tokenizer
+from tests.server_utils import ServerProcess, require_default_model, running_server
+
+COMPILE_TIMEOUT_S = 2
+REQUEST_TIMEOUT_S = 120.0
+MIB = 1 << 20
+# A 20,991-character class: 61 KB of regex that takes a compiler past 10 GB.
+KILLER_REGEX = "[" + "".join(chr(c) for c in range(0x4E00, 0x9FFF)) + "]{1,50}"
+SLOW_SCHEMA = {"enum": [f"value-{i}" for i in range(10_000)]}  # 135 KB
+SAMPLE_INTERVAL_S = 0.05
+MAX_STREAM_GAP_S = 1.0
+CANARY_MAX_TOKENS = 900  # far more than it streams before the test stops it
+# Over a killed worker's ceiling, the tree may hold a fresh worker starting (~0.4 GB) and the
+# few MB the last RSS look let the compile grow by.
+TREE_RSS_MARGIN_BYTES = 768 * MIB
+API_RSS_GROWTH_BYTES = 256 * MIB
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[ServerProcess]:
+    require_default_model()
+    with running_server("--grammar-compile-timeout", str(COMPILE_TIMEOUT_S)) as srv:
+        yield srv
+
+
+def _tree(server: ServerProcess) -> list[psutil.Process]:
+    root = psutil.Process(server.proc.pid)
+    return [root, *root.children(recursive=True)]
+
+
+def _rss(processes: list[psutil.Process]) -> int:
+    total = 0
+    for process in processes:
+        with contextlib.suppress(psutil.Error):  # exited meanwhile (a killed worker)
+            total += process.memory_info().rss
+    return total
+
+
+def _named(server: ServerProcess, name: str) -> list[psutil.Process]:
+    found = []
+    for process in _tree(server):
+        with contextlib.suppress(psutil.Error):
+            if process.name() == name:
+                found.append(process)
+    return found
+
+
+def _complete(server: ServerProcess, **body) -> httpx.Response:
+    body = {"prompt": "Hi", "max_tokens": 4, "temperature": 0, **body}
+    return httpx.post(server.url + "/v1/completions", json=body, timeout=REQUEST_TIMEOUT_S)
+
+
+def _assert_refused(response: httpx.Response, param: str, *words: str) -> None:
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param, error
+    for word in words:
+        assert word in error["message"], error
+
+
+def test_an_oversized_constraint_is_refused_before_compiling(server: ServerProcess) -> None:
+    regex = "a" * (MAX_CONSTRAINT_BYTES + 1)
+    _assert_refused(_complete(server, regex=regex), "regex", str(MAX_CONSTRAINT_BYTES + 1), "KiB")
+    assert not _named(server, WORKER_NAME), "no compiler was started for it"
+    assert _complete(server).status_code == 200
+
+
+class _Canary(threading.Thread):
+    """A long stream that records when each chunk arrives, until told to stop."""
+
+    def __init__(self, server: ServerProcess) -> None:
+        super().__init__(daemon=True)
+        self.server = server
+        self.chunk_times_s: list[float] = []
+        self.first_chunk = threading.Event()
+        self.stop = threading.Event()
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        body = {
+            "prompt": "Once upon a time",
+            "max_tokens": CANARY_MAX_TOKENS,
+            "ignore_eos": True,
+            "temperature": 0,
+            "stream": True,
+        }
+        try:
+            url = self.server.url + "/v1/completions"
+            with httpx.stream("POST", url, json=body, timeout=REQUEST_TIMEOUT_S) as stream:
+                for line in stream.iter_lines():  # ends with the stream: at most max_tokens
+                    if line.startswith("data: {"):
+                        self.chunk_times_s.append(time.monotonic())
+                        self.first_chunk.set()
+                    if self.stop.is_set():
+                        return
+        except BaseException as exc:  # reported by the test
+            self.error = exc
+        finally:
+            self.first_chunk.set()
+
+
+def test_a_slow_compile_does_not_stall_other_streams(server: ServerProcess) -> None:
+    assert _complete(server, regex="[ab]{1,4}").status_code == 200  # the compiler is up
+    canary = _Canary(server)
+    canary.start()
+    assert canary.first_chunk.wait(REQUEST_TIMEOUT_S) and canary.error is None, canary.error
+    start_s = time.monotonic()
+    response = _complete(server, json_schema=SLOW_SCHEMA)
+    end_s = time.monotonic()
+    canary.stop.set()
+    canary.join(REQUEST_TIMEOUT_S)
+    assert canary.error is None, canary.error
+    if response.status_code != 200:  # compiled, or stopped by the timeout
+        _assert_refused(response, "json_schema", f"{COMPILE_TIMEOUT_S} s", "compile-timeout")
+    times_s = canary.chunk_times_s
+    assert times_s[-1] > end_s, "the canary must stream through the whole compile"
+    overlapping = [b - a for a, b in itertools.pairwise(times_s) if b >= start_s and a <= end_s]
+    print(f"compile {end_s - start_s:.2f} s, max chunk gap {max(overlapping):.3f} s")
+    assert max(overlapping) < MAX_STREAM_GAP_S, overlapping
+
+
+class _RssSampler(threading.Thread):
+    """The peak RSS of the server's process tree and of its API process, until stopped."""
+
+    def __init__(self, server: ServerProcess) -> None:
+        super().__init__(daemon=True)
+        self.server = server
+        self.api = _named(server, "minisgl:api")
+        self.peak_tree_bytes = self.peak_api_bytes = 0
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        while not self.stop.wait(SAMPLE_INTERVAL_S):
+            self.peak_tree_bytes = max(self.peak_tree_bytes, _rss(_tree(self.server)))
+            self.peak_api_bytes = max(self.peak_api_bytes, _rss(self.api))
+
+
+def test_a_grammar_that_eats_memory_is_a_400_and_the_server_stays_up(
+    server: ServerProcess,
+) -> None:
+    sampler = _RssSampler(server)
+    assert len(sampler.api) == 1
+    tree_before, api_before = _rss(_tree(server)), _rss(sampler.api)
+    sampler.start()
+    try:
+        response = _complete(server, regex=KILLER_REGEX)
+    finally:
+        sampler.stop.set()
+        sampler.join(REQUEST_TIMEOUT_S)
+    _assert_refused(response, "regex")  # too slow here (2 s) before it is too big (2 GiB)
+    message = response.json()["error"]["message"]
+    assert "--grammar-compile-timeout" in message or "GiB to compile" in message, message
+    print(
+        f"tree {tree_before // MIB} -> peak {sampler.peak_tree_bytes // MIB} MiB, "
+        f"api {api_before // MIB} -> peak {sampler.peak_api_bytes // MIB} MiB"
+    )
+    assert sampler.peak_tree_bytes < tree_before + MAX_WORKER_RSS_BYTES + TREE_RSS_MARGIN_BYTES
+    assert sampler.peak_api_bytes < api_before + API_RSS_GROWTH_BYTES
+    # The server is up, and the next constraint gets a fresh compiler.
+    assert _complete(server).status_code == 200
+    fresh = _complete(server, json_schema=json.dumps({"enum": ["yes", "no"]}))
+    assert fresh.status_code == 200, fresh.text
+    assert fresh.json()["choices"][0]["text"] in ("yes", "no", '"yes"', '"no"')
+
+
+def test_a_worker_over_its_memory_ceiling_is_killed(monkeypatch) -> None:
+    monkeypatch.setattr(worker, "MAX_WORKER_RSS_BYTES", 1 << 30)
+    tokenizer = load_tokenizer(require_default_model())
+    compiler = worker.GrammarWorker(tokenizer, len(tokenizer), [tokenizer.eos_token_id], 60.0)
+    with pytest.raises(InvalidRequestError, match="regex: the grammar needs more than 1 GiB"):
+        asyncio.run(compiler.serialize(Constraint("regex", KILLER_REGEX), "regex"))
+    assert compiler._process is None  # killed (the server test sees the next one start)
