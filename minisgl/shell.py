@@ -1,4 +1,4 @@
-"""Chat with a model in the terminal: `python -m minisgl.shell` (or `minisgl.server --shell`).
+"""Chat with a model in the terminal: `python -m minisgl.server --shell`.
 
 It starts the full server stack on a free local port and talks to it over the same HTTP API as
 any client, streaming the reply as it is generated. It speaks HTTP with the standard library
@@ -18,7 +18,7 @@ import socket
 import sys
 from collections.abc import Iterator
 
-from minisgl.config import ServerArgs, parse_server_args
+from minisgl.config import ServerArgs
 from minisgl.models.names import served_model_name
 from minisgl.runtime.launch import ServerStack
 from minisgl.supervisor import StartupError
@@ -29,11 +29,6 @@ EXIT_COMMANDS = ("/exit", "/quit")
 # A reply can take long on CPU; this only bounds a server that stopped answering.
 REPLY_TIMEOUT_S = 600.0
 SHELL_LOG_LEVEL = "warning"
-
-
-def _free_port(host: str) -> int:
-    with socket.create_server((host, 0)) as sock:
-        return int(sock.getsockname()[1])
 
 
 @contextlib.contextmanager
@@ -119,7 +114,8 @@ def chat_loop(server: ServerArgs, fields: dict) -> None:
 
 
 def run_shell(args: ServerArgs, ns: argparse.Namespace) -> int:
-    args = args.replace(port=_free_port(args.host), log_level=SHELL_LOG_LEVEL)
+    with socket.create_server((args.host, 0)) as sock:  # a free port for the stack
+        args = args.replace(port=int(sock.getsockname()[1]), log_level=SHELL_LOG_LEVEL)
     given = {"max_tokens": ns.shell_max_tokens, "temperature": ns.temperature, "top_p": ns.top_p}
     fields = {"model": served_model_name(args), **{k: v for k, v in given.items() if v is not None}}
     stack = ServerStack(args)
@@ -134,11 +130,3 @@ def run_shell(args: ServerArgs, ns: argparse.Namespace) -> int:
         return 1
     finally:
         stack.shutdown()
-
-
-def main(argv: list[str] | None = None) -> int:
-    return run_shell(*parse_server_args(argv))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

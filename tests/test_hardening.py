@@ -683,10 +683,10 @@ def test_content_length_with_chunked_is_a_400(server):
     assert answer.startswith("HTTP/1.1 400"), answer[:200]
 
 
-def test_made_up_methods_pool_into_one_metric_label(server):
-    for i in range(300):
-        assert httpx.request(f"M{i:05d}", server.url + "/health").status_code == 405
-        httpx.request(f"M{i:05d}", server.url + f"/no/such/{i}")
+def test_made_up_methods_pool_into_one_metric_label(http, server):
+    for i in range(100):
+        assert http.request(f"M{i:05d}", "/health").status_code == 405
+        http.request(f"M{i:05d}", f"/no/such/{i}")
     methods = {method for _, method, _ in _answered(server)}
     assert methods <= {"GET", "POST", "other"}, methods
     assert sum(1 for key in _answered(server) if key[1] == "other") <= 2  # /health, unmatched

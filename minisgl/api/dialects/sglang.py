@@ -131,9 +131,11 @@ class GenerateRequest(WireModel):
         return cast("list[str] | list[list[int]]", given if self.is_batch else [given])
 
     def _sampling(self, num_prompts: int) -> list[SGLangSampling]:
+        """One object per prompt, or one that every prompt shares (validated once: a batch of
+        millions of prompts is refused by its size, not after millions of validations)."""
         given = self.sampling_params
-        rows = given if isinstance(given, list) else [given or {}] * num_prompts
-        if len(rows) != num_prompts:
+        rows = given if isinstance(given, list) else [given or {}]
+        if isinstance(given, list) and len(rows) != num_prompts:
             raise InvalidRequestError("sampling_params", "needs one object per prompt")
         try:
             return [SGLangSampling.model_validate(row) for row in rows]
@@ -164,7 +166,8 @@ class GenerateRequest(WireModel):
             fields["prompt_logprobs"] = self.top_logprobs_num if scored else prefill_only
             sampling.append(fields)
         wire_names = {**WIRE_NAMES, "prompt": "text" if self.text is not None else "input_ids"}
-        return ApiRequest(prompts, sampling, wire_names, rows[0].n, None, constraint_fields)
+        shared = sampling if isinstance(self.sampling_params, list) else sampling[0]
+        return ApiRequest(prompts, shared, wire_names, rows[0].n, None, constraint_fields)
 
 
 def _finish_reason(choice: Choice, max_new_tokens: int) -> dict[str, Any] | None:
