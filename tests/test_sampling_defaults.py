@@ -11,7 +11,6 @@ from pathlib import Path
 import httpx
 import pytest
 
-from minisgl.api.app import sampling_defaults
 from minisgl.api.dialects.completions import CompletionRequest
 from minisgl.api.request import choice_params
 from minisgl.config import ServerArgs
@@ -56,10 +55,8 @@ def test_unset_fields_take_the_defaults_and_set_ones_win(tmp_path):
     plain = _params(CompletionRequest(prompt="x"), {})
     assert (plain.temperature, plain.top_k, plain.top_p) == (1.0, -1, 1.0)  # the OpenAI API's
     (tmp_path / "generation_config.json").write_text(json.dumps(defaults))
-    args = ServerArgs(model=str(tmp_path))
-    assert sampling_defaults(args, tmp_path) == defaults
-    openai_args = ServerArgs(model=str(tmp_path), sampling_defaults="openai")
-    assert sampling_defaults(openai_args, tmp_path) == {}
+    assert load_sampling_defaults(tmp_path, ServerArgs().sampling_defaults) == defaults
+    assert load_sampling_defaults(tmp_path, "openai") == {}  # --sampling-defaults openai
     with pytest.raises(ValueError, match="sampling_defaults"):
         ServerArgs(model=str(tmp_path), sampling_defaults="hf")
 

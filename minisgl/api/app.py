@@ -80,9 +80,7 @@ def create_app(
                 args.tool_call_parser,
             ),
             eos_token_ids=tuple(info.eos_token_ids),
-            sampling_defaults=load_sampling_defaults(Path(model_path))
-            if args.sampling_defaults == "model"
-            else {},
+            sampling_defaults=load_sampling_defaults(Path(model_path), args.sampling_defaults),
         )
         try:
             yield

@@ -101,10 +101,12 @@ def _eos_ids(model_dir: Path, raw: dict[str, Any]) -> tuple[int, ...]:
 GENERATION_SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
-def load_sampling_defaults(model_dir: Path) -> dict[str, float | int]:
+def load_sampling_defaults(model_dir: Path, source: str = "model") -> dict[str, float | int]:
     """The sampling values the checkpoint's generation_config.json sets (none when it has no
-    such file). A server applies them to requests that leave those fields unset, as SGLang and
-    vLLM do by default."""
+    such file, or when `source`, --sampling-defaults, is "openai"). A server applies them to
+    requests that leave those fields unset, as SGLang and vLLM do by default."""
+    if source != "model":
+        return {}
     raw = _generation_config(model_dir)
     defaults: dict[str, float | int] = {}
     for key in GENERATION_SAMPLING_KEYS:
