@@ -198,6 +198,10 @@ def test_readme_walked_in_order(venv):
     server = ServerProcess(proc, port, log_path)
     try:
         server.wait_healthy()
+        # No long silence at start-up: each stage is logged as it begins, then with its time.
+        for stage in ("finding the model files", "loading the weights of", "planning the KV"):
+            done = re.escape(stage) + r"[^\n]*: done in \d+\.\d s"
+            assert re.search(done, server.log()), server.log()[-3000:]
         for block in blocks[1:]:
             first = block.code.lstrip().splitlines()[0]
             if any(first.startswith(key) for key in CHECKED_ELSEWHERE):

@@ -232,8 +232,8 @@ class OutputItems:
     def close(self, status: str) -> None:
         item = self.items[-1]
         if item["type"] == "function_call":
-            args = item["arguments"]
-            self._emit("response.function_call_arguments.done", **self._at(False), arguments=args)
+            done = {"name": item["name"], "arguments": item["arguments"]}  # name: OpenAI's SDK 3
+            self._emit("response.function_call_arguments.done", **self._at(False), **done)
         else:
             part = item["content"][0]
             if item["type"] == "message":
