@@ -20,12 +20,14 @@ from types import SimpleNamespace
 
 import httpx
 import pytest
+import uvicorn
 from starlette.applications import Starlette
 from starlette.responses import PlainTextResponse
 from starlette.routing import Route
 
+from minisgl.api.app import _NotAgainSoon, _Protocol
 from minisgl.api.errors import ChoiceFailed, RequestError
-from minisgl.api.middleware import Gate, Lifecycle
+from minisgl.api.middleware import CLIENT_TIMEOUT_S, Gate, Lifecycle
 from minisgl.api.sse import stream_frames
 from minisgl.config import ServerArgs
 from minisgl.core import MAX_STOP_STRINGS, FinishReason, ReqOutput, SamplingParams
@@ -708,3 +710,86 @@ def test_health_generate_needs_the_key_and_never_queues_behind_work(http, server
         assert probes == [200] * 16
         assert sum(1 for line in lines if line.startswith("data: ")) > 1  # still ran after
     assert _num_finished(wait_idle(server)) == finished + 1  # the stream alone: no probe ran
+
+
+def _read_until_closed(sock: socket.socket, deadline_s: float) -> bytes:
+    answer = b""
+    while chunk := sock.recv(65536):
+        answer += chunk
+        assert time.monotonic() < deadline_s, answer[:200]
+    return answer
+
+
+def test_half_sent_requests_are_closed_in_time(http, server):
+    """Slowloris: an idle socket, half a request line, headers never ended, a body that stops
+    arriving (declared or chunked) all hold a descriptor; each is closed within
+    CLIENT_TIMEOUT_S (the bodies with a 408), and the server answers others meanwhile."""
+    auth = f"Host: x\r\nAuthorization: Bearer {API_KEY}\r\nContent-Type: application/json\r\n"
+    post = f"POST /v1/completions HTTP/1.1\r\n{auth}"
+    sent = {
+        "idle": b"",
+        "half a line": b"GET /hea",
+        "unended headers": b"GET /health HTTP/1.1\r\nHost: x\r\n",
+        "short body": f'{post}Content-Length: 1000\r\n\r\n{{"prompt"'.encode(),
+        "unended chunks": f'{post}Transfer-Encoding: chunked\r\n\r\n3\r\n{{"p\r\n'.encode(),
+        "unended chunks, probe": b"POST /health HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n",
+    }
+    start_s = time.monotonic()
+    sockets = {name: socket.create_connection(("127.0.0.1", server.port)) for name in sent}
+    for name, data in sent.items():
+        sockets[name].sendall(data)
+    _assert_serving(http, server)
+    for name, sock in sockets.items():
+        with sock:
+            sock.settimeout(CLIENT_TIMEOUT_S + HTTP_TIMEOUT_S)
+            answer = _read_until_closed(sock, start_s + CLIENT_TIMEOUT_S + 10.0)
+        status = answer.split(b"\r\n", 1)[0]
+        expected = {"short body": b"HTTP/1.1 408", "unended chunks": b"HTTP/1.1 408"}
+        assert status.startswith(expected.get(name, b"")), (name, answer[:300])
+    assert time.monotonic() - start_s >= CLIENT_TIMEOUT_S - 1.0  # none was cut before its time
+    _assert_serving(http, server)
+
+
+def test_connections_past_the_bound_close_the_oldest_idle_one():
+    """Below the descriptor limit, a new connection closes the longest-open one that has no
+    request in progress: trickling clients cannot fill the limit and lock everyone out."""
+    max_connections = 4
+
+    async def main() -> None:
+        async def app(scope, receive, send):
+            await PlainTextResponse("ok")(scope, receive, send)
+
+        config = uvicorn.Config(app, http=_Protocol, log_level="warning", lifespan="off")
+        uvicorn_server = uvicorn.Server(config)
+        sock = socket.create_server(("127.0.0.1", 0))
+        task = asyncio.create_task(uvicorn_server.serve(sockets=[sock]))
+        while not uvicorn_server.started:
+            await asyncio.sleep(0.01)
+        streams = []
+        for _ in range(max_connections + 3):
+            reader, writer = await asyncio.open_connection(*sock.getsockname()[:2])
+            writer.write(b"GET / HTTP/1.1\r\n")  # half-sent
+            streams.append((reader, writer))
+        closed = [await asyncio.wait_for(r.read(), 5.0) == b"" for r, _ in streams[:3]]
+        assert closed == [True] * 3  # the three oldest made room
+        reader, writer = streams[-1]
+        writer.write(b"Host: x\r\n\r\n")  # the newest one is served
+        assert (await asyncio.wait_for(reader.readline(), 5.0)).startswith(b"HTTP/1.1 200")
+        assert len(uvicorn_server.server_state.connections) == max_connections
+        uvicorn_server.should_exit = True
+        await task
+
+    original = _Protocol.max_connections
+    _Protocol.max_connections = max_connections
+    try:
+        asyncio.run(main())
+    finally:
+        _Protocol.max_connections = original
+
+
+def test_a_repeated_log_line_is_written_once_per_interval():
+    once = _NotAgainSoon()
+    record = logging.LogRecord("asyncio", logging.ERROR, "", 0, "accept() failed", None, None)
+    other = logging.LogRecord("asyncio", logging.ERROR, "", 0, "something else", None, None)
+    assert [once.filter(record) for _ in range(1000)].count(True) == 1
+    assert once.filter(other)

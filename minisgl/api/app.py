@@ -6,8 +6,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import resource
 import signal
 import socket
+import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -15,11 +17,12 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI, Request
 from starlette.responses import Response
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from minisgl.api.dialects import anthropic, completions, openai, responses, sglang, vllm
 from minisgl.api.errors import EXCEPTION_HANDLERS, HTTP_SERVICE_UNAVAILABLE
 from minisgl.api.metrics import ServerMetrics
-from minisgl.api.middleware import Gate, Lifecycle
+from minisgl.api.middleware import CLIENT_TIMEOUT_S, Gate, Lifecycle
 from minisgl.api.pipeline import ServingContext
 from minisgl.chat import ChatSettings
 from minisgl.config import ServerArgs
@@ -45,6 +48,61 @@ SCHEDULER_PING_INTERVAL_S = 1.0
 GRACEFUL_SHUTDOWN_S = 2
 DRAIN_POLL_S = 0.05
 KEEP_ALIVE_S = 30
+# Connections accepted in one burst, before any is seen (asyncio's accept loop): the excess over
+# the bound below lives that long. Descriptors are left for the burst and all but client
+# connections (ZeroMQ sockets, files, the log).
+ACCEPT_BACKLOG = 128
+RESERVED_FDS = ACCEPT_BACKLOG + 64
+REPEATED_LOG_INTERVAL_S = 10.0
+MAX_REPEATED_LOGS = 256
+
+
+class _Protocol(H11Protocol):
+    """uvicorn's HTTP/1.1 protocol with two bounds it lacks. Its keep-alive timer also runs from
+    the moment a connection opens (for CLIENT_TIMEOUT_S; KEEP_ALIVE_S after a response) and on
+    while a request head trickles in (uvicorn stops it at the first byte): a head must arrive
+    whole in time. Connections stay below the descriptor limit (accept() failing is worse:
+    nobody gets in): past `max_connections` the oldest connection with no request in progress
+    is closed, so trickling clients cannot lock others out; with none such, the new one."""
+
+    max_connections = 1024 - RESERVED_FDS  # run_api_server sets it from the process's limit
+
+    def connection_made(self, transport: Any) -> None:
+        super().connection_made(transport)
+        self.opened_s = self.loop.time()
+        timeout = self.timeout_keep_alive_handler
+        self.timeout_keep_alive_task = self.loop.call_later(CLIENT_TIMEOUT_S, timeout)
+        if len(self.connections) > self.max_connections:
+            # idle: no request yet (cycle None), or its last one answered; not already closing
+            idle = [
+                c
+                for c in self.connections
+                if getattr(getattr(c, "cycle", None), "response_complete", True)
+                and not c.transport.is_closing()
+            ]
+            min(idle, key=lambda c: getattr(c, "opened_s", 0.0)).transport.close()
+
+    def data_received(self, data: bytes) -> None:  # uvicorn's, but the timer keeps running
+        self.conn.receive_data(data)
+        self.handle_events()
+
+
+class _NotAgainSoon(logging.Filter):
+    """The same log message at most once per REPEATED_LOG_INTERVAL_S (asyncio logs a failing
+    accept() each time it retries, thousands of times a second)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._last_s: dict[str, float] = {}
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        now_s, key = time.monotonic(), str(record.msg)
+        if now_s - self._last_s.get(key, -REPEATED_LOG_INTERVAL_S) < REPEATED_LOG_INTERVAL_S:
+            return False
+        if len(self._last_s) > MAX_REPEATED_LOGS:  # messages differ too: bound what is kept
+            self._last_s.clear()
+        self._last_s[key] = now_s
+        return True
 
 
 async def _wait_for_scheduler(engine: EngineClient) -> StatsReply:
@@ -215,6 +273,12 @@ def run_api_server(
     """The API server process: serve until SIGTERM (then drain) or BACKEND_FAILED_SIGNAL."""
     app = create_app(args, endpoints, tokenizer_path, model_path)
     debug = args.log_level == "debug"
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    with contextlib.suppress(ValueError, OSError):  # as many connections as allowed
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        soft = hard
+    _Protocol.max_connections = max(1, soft - RESERVED_FDS)
+    logging.getLogger("asyncio").addFilter(_NotAgainSoon())
     # uvicorn's own startup lines would repeat what the launcher logs once. It serves the socket
     # bound below, so it needs no host and port.
     config = uvicorn.Config(
@@ -223,6 +287,8 @@ def run_api_server(
         access_log=debug,
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
         timeout_keep_alive=KEEP_ALIVE_S,
+        http=_Protocol,
+        backlog=ACCEPT_BACKLOG,
     )
     server = _Server(config, app, args.shutdown_timeout_s, report_ready)
     asyncio.run(server.serve(sockets=[bind(args.host, args.port)]))

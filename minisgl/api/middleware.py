@@ -32,7 +32,12 @@ METRICS_PATH = "/metrics"
 PROBE_PATHS = frozenset({"/health", METRICS_PATH})
 HTTP_BAD_REQUEST = 400
 HTTP_UNAUTHORIZED = 401
+HTTP_REQUEST_TIMEOUT = 408
 HTTP_PAYLOAD_TOO_LARGE = 413
+# A client that stops sending holds a descriptor and a task: a request's line and headers must
+# arrive whole within this long (minisgl.api.app), its body may pause no longer (as nginx's
+# client_header_timeout and client_body_timeout; 408 for a body).
+CLIENT_TIMEOUT_S = 10.0
 # Metric labels: any other method (a client may invent thousands) counts as one.
 HTTP_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
 
@@ -180,7 +185,11 @@ class Gate:
             return too_large, "invalid_request_error", HTTP_PAYLOAD_TOO_LARGE
         body = bytearray()
         while True:
-            message = await receive()
+            try:
+                message = await asyncio.wait_for(receive(), CLIENT_TIMEOUT_S)
+            except TimeoutError:
+                stalled = f"The request body stopped arriving for {CLIENT_TIMEOUT_S:g} s."
+                return stalled, "invalid_request_error", HTTP_REQUEST_TIMEOUT
             if message["type"] != "http.request":
                 return message  # the client left before sending it all: the app sees it
             body += message.get("body", b"")
