@@ -19,6 +19,9 @@ class ModelLimits:
     max_model_len: int  # context length, in tokens
     vocab_size: int
     kv_capacity_tokens: int  # every KV page of the pool, in tokens: the most one sequence can hold
+    # The vocabulary's longest token, in characters: a prompt longer than max_model_len of them
+    # cannot fit whatever it says. 0: unknown (no such check).
+    max_token_chars: int = 0
 
     @property
     def max_seq_len(self) -> int:
@@ -67,6 +70,23 @@ def resolve_max_tokens(
         message = _too_long_message(limits, prompt_len, requested)
         raise InvalidRequestError(max_tokens_param, message)
     return requested
+
+
+def check_prompt_size(
+    texts: Sequence[str], num_messages: int, limits: ModelLimits, param: str
+) -> None:
+    """Before any tokenizing or templating: refuse a prompt certainly past the context, in
+    microseconds where encoding it would take seconds. Every token is at most max_token_chars
+    characters long, and a chat template renders each message as at least one token."""
+    num_chars = sum(map(len, texts))
+    if limits.max_token_chars and num_chars > limits.max_model_len * limits.max_token_chars:
+        counted = f"its {num_chars} characters are more tokens than that"
+    elif num_messages > limits.max_model_len:
+        counted = f"its {num_messages} messages are more tokens than that"
+    else:
+        return
+    message = f"This model's maximum context length is {limits.max_model_len} tokens: {counted}."
+    raise InvalidRequestError(param, message)
 
 
 def check_token_ids(ids: Sequence[int], limits: ModelLimits, param: str) -> None:

@@ -21,6 +21,8 @@ from types import SimpleNamespace
 import httpx
 import pytest
 import uvicorn
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from starlette.applications import Starlette
 from starlette.responses import PlainTextResponse
 from starlette.routing import Route
@@ -30,7 +32,14 @@ from minisgl.api.errors import ChoiceFailed, RequestError
 from minisgl.api.middleware import CLIENT_TIMEOUT_S, Gate, Lifecycle
 from minisgl.api.sse import stream_frames
 from minisgl.config import ServerArgs
-from minisgl.core import MAX_STOP_STRINGS, FinishReason, ReqOutput, SamplingParams
+from minisgl.core import (
+    MAX_STOP_STRINGS,
+    FinishReason,
+    InvalidRequestError,
+    ReqOutput,
+    SamplingParams,
+)
+from minisgl.jsontext import MAX_JSON_OBJECTS, _skeleton, check_json
 from minisgl.limits import ModelLimits, check_request, resolve_max_tokens
 from minisgl.runtime.engine_client import EngineClient
 from minisgl.runtime.messages import BatchTokenOutput, Endpoints, MessageQueue, TokenizedRequest
@@ -793,3 +802,42 @@ def test_a_repeated_log_line_is_written_once_per_interval():
     other = logging.LogRecord("asyncio", logging.ERROR, "", 0, "something else", None, None)
     assert [once.filter(record) for _ in range(1000)].count(True) == 1
     assert once.filter(other)
+
+
+_JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(),
+    lambda inner: st.lists(inner) | st.dictionaries(st.text(), inner),
+    max_leaves=30,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(_JSON_VALUES)
+def test_json_skeleton_cuts_exactly_the_strings(value):
+    """The vectorised skeleton equals cutting every string out with a JSON string regex, for
+    any value (escaped quotes and backslashes in keys and strings included)."""
+    raw = json.dumps(value, ensure_ascii=False).encode()
+    string = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
+    assert _skeleton(raw) == string.sub(b'""', raw)
+
+
+def test_prompts_past_the_context_are_refused_before_tokenizing(http, server):
+    """More characters than the context holds at the longest token's length, or more messages
+    than tokens: a 400 before the template or the tokenizer runs (a body of small objects past
+    the JSON bound too)."""
+    context_len = KV_POOL_TOKENS * 2  # the tiny checkpoint's context (1024)
+    letters = "abcdefgh " * (context_len * 128 // 9 + 1)  # Qwen3's longest token: 128 chars
+    body = {"prompt": letters, "max_tokens": 1}
+    error = _error(http.post("/v1/completions", json=body), 400, "prompt")
+    assert f"{len(letters)} characters" in error["message"], error
+    messages = [{"role": "user", "content": "hi"}] * (context_len + 1)
+    body = {"messages": messages, "max_tokens": 1}
+    error = _error(http.post("/v1/chat/completions", json=body), 400, "messages")
+    assert f"{context_len + 1} messages" in error["message"], error
+    _assert_serving(http, server)
+
+
+def test_a_body_of_too_many_objects_is_refused():
+    with pytest.raises(InvalidRequestError, match=f"more than {MAX_JSON_OBJECTS} objects"):
+        check_json(json.dumps({"messages": [{}] * MAX_JSON_OBJECTS}).encode())
+    check_json(json.dumps({"messages": [{}] * (MAX_JSON_OBJECTS - 1)}).encode())

@@ -129,7 +129,12 @@ def create_app(
             metrics=ServerMetrics(lambda: engine.last_stats),
             served_model_name=served_model_name(args),
             accepted_model_names=accepted_model_names(args),
-            limits=ModelLimits(info.max_model_len, info.vocab_size, info.kv_capacity_tokens),
+            limits=ModelLimits(
+                info.max_model_len,
+                info.vocab_size,
+                info.kv_capacity_tokens,
+                max(map(len, tokenizer.get_vocab())),
+            ),
             chat=ChatSettings.resolve(
                 tokenizer,
                 args.chat_template,

@@ -43,7 +43,7 @@ from minisgl.chat.requests import constraint_from_fields
 from minisgl.config import ServerArgs
 from minisgl.core import Constraint, FinishReason, InvalidRequestError, SamplingParams, TokenLogprob
 from minisgl.grammar import GrammarWorker
-from minisgl.limits import ModelLimits
+from minisgl.limits import ModelLimits, check_prompt_size
 from minisgl.runtime.engine_client import EngineClient
 from minisgl.runtime.messages import DetokenizedOutput, TokenizedRequest
 
@@ -51,6 +51,7 @@ from minisgl.runtime.messages import DetokenizedOutput, TokenizedRequest
 TOKEN_TEXT_CACHE_SIZE = 1 << 16
 # Queue full: how long a client should wait before trying again.
 QUEUE_FULL_RETRY_AFTER_S = 1
+TOKENIZER_THREADS = 2
 
 _T = TypeVar("_T")
 
@@ -66,10 +67,12 @@ class ServingContext:
     served_model_name: str
     accepted_model_names: frozenset[str]
     limits: ModelLimits
-    # Tokenizing a long prompt takes milliseconds: done on this one thread, not on the event loop,
-    # so streams of other requests keep flowing. One thread: encodes never run concurrently.
+    # Tokenizing a long prompt takes milliseconds to seconds: done on these threads, not on the
+    # event loop, so streams of other requests keep flowing, and on more than one, so a huge
+    # prompt does not hold up the others. Concurrent use is safe: no call changes the tokenizer's
+    # truncation or padding (the only state its encodes share), and Rust releases the GIL.
     tokenizer_thread: ThreadPoolExecutor = field(
-        default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="minisgl-tokenize")
+        default_factory=lambda: ThreadPoolExecutor(TOKENIZER_THREADS, "minisgl-tokenize")
     )
     chat: ChatSettings = field(default_factory=ChatSettings)
     eos_token_ids: tuple[int, ...] = ()
@@ -134,6 +137,11 @@ async def prepare(ctx: ServingContext, req: ApiRequest) -> Prepared:
     thread keeps serving others meanwhile) and parsers; a 400 for any broken rule, named as this
     dialect's clients spell the field."""
     try:
+        prompt = req.prompt
+        if isinstance(prompt, ChatPrompt):
+            check_prompt_size(*prompt.content_texts(), ctx.limits, req.prompt_param)
+        else:
+            check_prompt_size([p for p in prompt if isinstance(p, str)], 0, ctx.limits, "prompt")
         prepared = await ctx.on_tokenizer_thread(_prepare, ctx, req)
         if prepared.constraint is not None:
             grammar = ctx.grammar.serialize(prepared.constraint, prepared.constraint_param)

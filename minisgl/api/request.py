@@ -13,6 +13,7 @@ Responses API, `sampling_params.max_new_tokens` on SGLang's /generate.
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 import uuid
 from collections.abc import Mapping
@@ -46,7 +47,13 @@ def find_invalid_text(data: Any) -> str | None:
     """The top-level field of a JSON value holding a string that is not valid Unicode (a lone
     surrogate such as "\\ud800", which JSON escapes allow): such text cannot be encoded for
     the tokenizer or the other processes. "body" when it is not under a field; None if clean.
-    Iterative, so any nesting depth costs no recursion."""
+    Iterative, so any nesting depth costs no recursion; the walk runs only when encoding the
+    whole value at C speed finds such text (a 30 MB body of a million messages: 0.1 s, not 10)."""
+    try:
+        json.dumps(data, ensure_ascii=False).encode()
+        return None
+    except (UnicodeEncodeError, TypeError):  # or not plain JSON values: walk it
+        pass
     stack: list[tuple[str, Any]] = [("body", data)]
     if isinstance(data, dict):
         stack = [(str(key), value) for key, value in data.items()]

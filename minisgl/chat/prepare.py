@@ -144,6 +144,15 @@ class ChatPrompt:
     template_kwargs: Mapping[str, Any] | None = None
     separate_reasoning: bool = True  # SGLang: false keeps the reasoning inside the content
 
+    def content_texts(self) -> tuple[list[str], int]:
+        """(the text of the messages' contents, string or text parts; the number of messages):
+        what any template renders at least, known before rendering."""
+        messages = self.messages if isinstance(self.messages, list) else []
+        contents = [m.get("content") for m in messages if isinstance(m, Mapping)]
+        parts = [p for c in contents if isinstance(c, list) for p in c if isinstance(p, Mapping)]
+        texts = [t for t in [*contents, *(p.get("text") for p in parts)] if isinstance(t, str)]
+        return texts, len(messages)
+
 
 def with_reasoning_effort(
     kwargs: Mapping[str, Any] | None, effort: str | None
