@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import json
+import re
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import httpx
 import psutil
@@ -126,24 +128,54 @@ class _Canary(threading.Thread):
             self.first_chunk.set()
 
 
-def test_a_slow_compile_does_not_stall_other_streams(server: ServerProcess) -> None:
-    assert _complete(server, regex="[ab]{1,4}").status_code == 200  # the compiler is up
+def _while_streaming(server: ServerProcess, send: Callable[[], httpx.Response]) -> httpx.Response:
+    """`send()`'s response, sent while a canary streams; asserts that no gap between the canary's
+    chunks during it reached MAX_STREAM_GAP_S."""
     canary = _Canary(server)
     canary.start()
     assert canary.first_chunk.wait(REQUEST_TIMEOUT_S) and canary.error is None, canary.error
     start_s = time.monotonic()
-    response = _complete(server, json_schema=SLOW_SCHEMA)
+    response = send()
     end_s = time.monotonic()
     canary.stop.set()
     canary.join(REQUEST_TIMEOUT_S)
     assert canary.error is None, canary.error
+    times_s = canary.chunk_times_s
+    assert times_s[-1] > end_s, "the canary must stream through the whole request"
+    overlapping = [b - a for a, b in itertools.pairwise(times_s) if b >= start_s and a <= end_s]
+    print(f"answered in {end_s - start_s:.2f} s, max chunk gap {max(overlapping):.3f} s")
+    assert max(overlapping) < MAX_STREAM_GAP_S, overlapping
+    return response
+
+
+def test_a_slow_compile_does_not_stall_other_streams(server: ServerProcess) -> None:
+    assert _complete(server, regex="[ab]{1,4}").status_code == 200  # the compiler is up
+    response = _while_streaming(server, lambda: _complete(server, json_schema=SLOW_SCHEMA))
     if response.status_code != 200:  # compiled, or stopped by the timeout
         _assert_refused(response, "json_schema", f"{COMPILE_TIMEOUT_S} s", "compile-timeout")
-    times_s = canary.chunk_times_s
-    assert times_s[-1] > end_s, "the canary must stream through the whole compile"
-    overlapping = [b - a for a, b in itertools.pairwise(times_s) if b >= start_s and a <= end_s]
-    print(f"compile {end_s - start_s:.2f} s, max chunk gap {max(overlapping):.3f} s")
-    assert max(overlapping) < MAX_STREAM_GAP_S, overlapping
+
+
+HUGE_TEXT = "hello " * 5_000_000  # 30 MB, under the 32 MiB body limit
+CHAT = "/v1/chat/completions"
+HUGE_BODIES = {
+    "prompt": ("/v1/completions", {"prompt": HUGE_TEXT}),
+    "chat content": (CHAT, {"messages": [{"role": "user", "content": HUGE_TEXT}]}),
+    "900k messages": (CHAT, {"messages": [{"role": "user", "content": "a"}] * 900_000}),
+    "/tokenize": ("/tokenize", {"prompt": HUGE_TEXT, "return_token_strs": True}),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", HUGE_BODIES)
+def test_huge_prompts_are_refused_without_stalling_streams(server: ServerProcess, name) -> None:
+    """30 MB prompts and a chat of 900,000 messages: a 400 before templating or tokenizing
+    (more characters than the context holds, too many JSON objects), and streams flow on."""
+    path, body = HUGE_BODIES[name]
+    raw = json.dumps({**body, "max_tokens": 4}).encode()
+    headers = {"Content-Type": "application/json"}
+    post = functools.partial(httpx.post, server.url + path, content=raw, headers=headers)
+    response = _while_streaming(server, lambda: post(timeout=REQUEST_TIMEOUT_S))
+    assert response.status_code == 400, response.text
+    assert re.search("characters are more tokens|objects", response.json()["error"]["message"])
 
 
 class _RssSampler(threading.Thread):

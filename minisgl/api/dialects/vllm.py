@@ -19,7 +19,7 @@ from minisgl.api.pipeline import ServingContext, prepare
 from minisgl.api.request import ApiRequest, WireModel
 from minisgl.chat import ChatPrompt
 from minisgl.core import InvalidRequestError
-from minisgl.limits import check_token_ids
+from minisgl.limits import check_prompt_size, check_token_ids
 
 # The most ids one /detokenize takes (a whole context of the largest models, with room).
 MAX_DETOKENIZE_IDS = 1 << 20
@@ -54,6 +54,7 @@ async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
     ctx: ServingContext = request.app.state.ctx
     ctx.check_model(body.model)
     if body.prompt is not None:
+        check_prompt_size([body.prompt], 0, ctx.limits, "prompt")
         special = body.add_special_tokens
         encode = functools.partial(ctx.tokenizer.encode, body.prompt, add_special_tokens=special)
         ids = [int(t) for t in await ctx.on_tokenizer_thread(encode)]
@@ -64,11 +65,14 @@ async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
             body.messages, body.tools, choice, template_kwargs=body.chat_template_kwargs
         )
         ids = (await prepare(ctx, ApiRequest(chat, {}))).prompt_ids[0]
+    token_strs = None
+    if body.return_token_strs:  # a million of them take seconds: not on the event loop
+        token_strs = await ctx.on_tokenizer_thread(lambda: [ctx.token_text(i) for i in ids])
     return {
         "count": len(ids),
         "max_model_len": ctx.limits.max_seq_len,
         "tokens": ids,
-        "token_strs": [ctx.token_text(i) for i in ids] if body.return_token_strs else None,
+        "token_strs": token_strs,
     }
 
 
