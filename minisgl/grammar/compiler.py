@@ -20,6 +20,8 @@ from minisgl.core import Constraint, InvalidRequestError
 # Compiled grammars kept per process. One holds a token-mask cache of ~100-250 KB for a
 # 50k-150k vocabulary, so this bounds the cache to tens of MB.
 GRAMMAR_CACHE_SIZE = 128
+# ... and by bytes: a grammar can be far larger (an enum of 10,000 strings: tens of MB).
+GRAMMAR_CACHE_BYTES = 256 << 20
 # xgrammar compiles a grammar's token masks on this many threads (it defaults to 8).
 MAX_COMPILE_THREADS = 8
 # JSON is generated compact (", " and ": " separators, no free whitespace): small models given
@@ -31,6 +33,11 @@ _XGRAMMAR_PREFIX = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")
 
 def _clean(message: str) -> str:
     return _XGRAMMAR_PREFIX.sub("", message.strip()).strip()
+
+
+def _num_bytes(grammar: Any) -> int:
+    """A cached grammar's size: serialized (text) or compiled (xgrammar's own count)."""
+    return len(grammar) if isinstance(grammar, str) else int(grammar.memory_size_bytes)
 
 
 class GrammarCompiler:
@@ -73,7 +80,9 @@ class GrammarCompiler:
         with self._lock:
             cache[key] = value
             cache.move_to_end(key)
-            while len(cache) > GRAMMAR_CACHE_SIZE:
+            while len(cache) > GRAMMAR_CACHE_SIZE or (
+                len(cache) > 1 and sum(map(_num_bytes, cache.values())) > GRAMMAR_CACHE_BYTES
+            ):
                 cache.popitem(last=False)
 
     def compile(self, constraint: Constraint) -> Any:
