@@ -46,6 +46,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "reasoning_parser": REASONING_PARSER_CHOICES,
     "tool_call_parser": TOOL_CALL_PARSER_CHOICES,
     "speculative_algorithm": ("ngram",),
+    "schedule_policy": ("fcfs", "lpm"),
     "dtype": ("auto", "float32", "float16", "bfloat16"),
     "log_level": ("debug", "info", "warning", "error"),
 }
@@ -61,6 +62,7 @@ _LOWER_BOUNDS = {
     "max_queued_requests": 0,
     "max_request_body_bytes": 1,
     "shutdown_timeout_s": 0,
+    "priority_aging_s": 0,
     "speculative_num_draft_tokens": 1,
     "speculative_ngram_min_match": 1,
     "port": 1,
@@ -98,9 +100,7 @@ class ServerArgs:
     tokenizer: str | None = _opt(None, MODEL, "tokenizer folder or hub id (default: the model's)")
     dtype: str = _opt("auto", MODEL, "auto: float32 on CPU, bfloat16 on CUDA")
     device: str = _opt("auto", MODEL, "cpu, cuda or cuda:N; auto: cuda when there is one")
-    max_model_len: int | None = _opt(
-        None, MODEL, "longest prompt + output in tokens (default: the model's context length)"
-    )
+    max_model_len: int | None = _opt(None, MODEL, "longest prompt + output (default: the model's)")
     revision: str | None = _opt(None, MODEL, "hub download: branch, tag or commit")
     download_dir: str | None = _opt(None, MODEL, "hub download: cache folder (default: HF's)")
     offline: bool = _opt(False, MODEL, "never download: the local cache only (HF_HUB_OFFLINE=1)")
@@ -124,6 +124,12 @@ class ServerArgs:
     )
     disable_overlap: bool = _opt(False, SCHED, f"--overlap off (so is {DISABLE_OVERLAP_ENV}=1)")
     seed: int = _opt(0, SCHED, "random seed of the requests that give no seed")
+    # Who goes first (minisgl/scheduler/policy.py, docs/server.md "Scheduling policies").
+    schedule_policy: str = _opt("fcfs", SCHED, "fcfs: arrival order; lpm: longest cached prefix")
+    enable_priority_scheduling: bool = _opt(False, SCHED, "queue by request `priority`, preempting")
+    schedule_low_priority_values_first: bool = _opt(False, SCHED, "smaller `priority` values first")
+    priority_aging_s: float = _opt(60.0, SCHED, "+1 priority level per this many s waited; 0: off")
+    tenant_fairness: bool = _opt(False, SCHED, "fair shares per tenant (`user`, else API key)")
     speculative_algorithm: str | None = _opt(
         None, SPEC, "ngram: draft from the request's own text, verify in one forward (off)"
     )
@@ -143,9 +149,7 @@ class ServerArgs:
     grammar_compile_timeout_s: float = _opt(
         10.0, API, "a request's JSON schema / regex / grammar compiling longer: 400"
     )
-    shutdown_timeout_s: float = _opt(
-        20.0, API, "SIGTERM: seconds open requests may finish (503 to new ones)"
-    )
+    shutdown_timeout_s: float = _opt(20.0, API, "SIGTERM: seconds open requests may finish")
     chat_template: str | None = _opt(None, CHAT, "a Jinja file replacing the model's template")
     chat_template_kwargs: str | None = _opt(
         None,
@@ -167,14 +171,8 @@ class ServerArgs:
     node_rank: int = _opt(0, PARALLEL, "this node's rank (0 serves the API)")
     dist_init_addr: str | None = _opt(None, PARALLEL, "host:port of node 0, for --nnodes > 1")
     mem_fraction_static: float = _opt(0.85, GPU, "device memory for weights + KV pool")
-    attention_backend: str = _opt(
-        "auto", GPU, "auto: flashinfer, else triton, on CUDA; torch on CPU"
-    )
-    cuda_graph_max_bs: int | None = _opt(
-        None,
-        GPU,
-        "decode batches up to this size replay CUDA graphs; 0: off (default: 256 on CUDA)",
-    )
+    attention_backend: str = _opt("auto", GPU, "auto: flashinfer, else triton (CUDA); torch")
+    cuda_graph_max_bs: int | None = _opt(None, GPU, "largest CUDA-graph batch; 0: off (CUDA: 256)")
 
     def __post_init__(self) -> None:
         def check(ok: bool, name: str, msg: str) -> None:

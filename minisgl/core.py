@@ -33,6 +33,8 @@ MAX_LOGIT_BIAS = 100.0
 MAX_LOGIT_BIAS_ENTRIES = 1024
 # A grammar's source text (JSON schema, regex, EBNF): bounded like any other request field.
 MAX_CONSTRAINT_CHARS = 1 << 20
+# A request's tenant name (`user`): a metric label and a key of the scheduler's counters.
+MAX_USER_CHARS = 256
 CONSTRAINT_KINDS = ("json_schema", "json_object", "regex", "ebnf", "structural_tag")
 
 
@@ -71,6 +73,14 @@ def _index_or_none(value: Any) -> int | None:
         return operator.index(value)
     except TypeError:
         return None
+
+
+def _is_int64(value: Any) -> bool:
+    return _is_int(value) and INT64_MIN <= value <= INT64_MAX
+
+
+def _short_text(value: Any) -> bool:
+    return value is None or (isinstance(value, str) and len(value) <= MAX_USER_CHARS)
 
 
 def _in_range(value: Any, low: float, high: float) -> bool:
@@ -175,20 +185,14 @@ _FIELD_RULES: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ),
     ("presence_penalty", lambda v: _in_range(v, -2, 2), "must be in [-2, 2]"),
     ("frequency_penalty", lambda v: _in_range(v, -2, 2), "must be in [-2, 2]"),
-    (
-        "seed",
-        lambda v: v is None or (_is_int(v) and INT64_MIN <= v <= INT64_MAX),
-        "must be a 64-bit signed integer",
-    ),
+    ("seed", lambda v: v is None or _is_int64(v), "must be a 64-bit signed integer"),
+    ("priority", _is_int64, "must be a 64-bit signed integer"),
+    ("user", _short_text, f"must be text of at most {MAX_USER_CHARS} characters"),
     ("ignore_eos", lambda v: isinstance(v, bool), "must be a boolean"),
     ("skip_special_tokens", lambda v: isinstance(v, bool), "must be a boolean"),
     ("include_stop_str_in_output", lambda v: isinstance(v, bool), "must be a boolean"),
     ("logprobs", _logprobs_count, f"must be in [0, {MAX_LOGPROBS}]"),
-    (
-        "constraint",
-        lambda v: v is None or isinstance(v, Constraint),
-        "must be a Constraint",
-    ),
+    ("constraint", lambda v: v is None or isinstance(v, Constraint), "must be a Constraint"),
 )
 
 
@@ -224,6 +228,10 @@ class SamplingParams:
     # tokens before it plus the top k alternatives (None: off). The prompt is then computed in
     # full (no prefix-cache reuse); max_tokens may be 0 (score the prompt, generate nothing).
     prompt_logprobs: int | None = None
+    # Scheduling, not sampling, but they travel the same way: larger `priority` goes sooner
+    # (--enable-priority-scheduling); `user` names the tenant (--tenant-fairness).
+    priority: int = 0
+    user: str | None = None
 
     def __post_init__(self) -> None:
         """Every rule a request's sampling fields obey lives here; the server and `LLM` both

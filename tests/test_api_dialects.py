@@ -641,7 +641,7 @@ def test_store_is_bounded_by_count_and_size():
     store = ResponseStore(max_entries=2, max_chars=10_000)
     for i in range(3):
         store.put({"id": f"r{i}"}, [], [])
-    assert store.get("r0") is None and store.get("r2") is not None and len(store) == 2
+    assert store.get("r0") is None and store.get("r2") is not None and len(store._entries) == 2
     store.put({"id": "big", "text": "x" * 6000}, [], [])
     store.put({"id": "big2", "text": "x" * 6000}, [], [])  # the two do not fit together
     assert store.get("big") is None and store.get("big2") is not None

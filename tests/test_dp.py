@@ -267,9 +267,15 @@ def _load(url: str) -> dict:
     return load
 
 
+IDLE_LOAD = {
+    "dp_rank": 0, "num_reqs": 0, "num_waiting_reqs": 0, "num_waiting_reqs_by_priority": {},
+    "num_tokens": 0,
+}  # fmt: skip
+
+
 def test_get_load_counts_what_runs(replicas):
     url = replicas.replica_url(1)
-    assert _load(url) == {"dp_rank": 0, "num_reqs": 0, "num_waiting_reqs": 0, "num_tokens": 0}
+    assert _load(url) == IDLE_LOAD
     prompt = list(range(1000, 1100))
     # As long as the tiny model allows (1024 positions): it decodes fast, and the API process can
     # stream well behind the scheduler, so the load is polled from the moment the headers arrive
@@ -291,7 +297,7 @@ def test_get_load_counts_what_runs(replicas):
     deadline_s = time.monotonic() + WAIT_S  # the disconnect aborts it; its pages come back
     while _load(url)["num_reqs"] and time.monotonic() < deadline_s:
         time.sleep(POLL_S)
-    assert _load(url) == {"dp_rank": 0, "num_reqs": 0, "num_waiting_reqs": 0, "num_tokens": 0}
+    assert _load(url) == IDLE_LOAD
 
 
 @needs_gateway

@@ -91,7 +91,18 @@ SCHEDULER_METRICS = {
         "histogram", "Requests in one forward step (decodes and prefill chunks)", "batch_size"
     ),
     "iteration_tokens": ("histogram", "Tokens computed in one forward step", "batch_tokens"),
+    "queue_time_by_priority_seconds": (
+        "histogram", "Queue time by request priority", "queue_time_by_priority_s"
+    ),
+    "queue_time_by_tenant_seconds": (
+        "histogram", "Queue time by tenant (user, else API key)", "queue_time_by_tenant_s"
+    ),
 }  # fmt: skip
+# The labelled ones: one series per label value (bounded: minisgl.scheduler.stats).
+METRIC_LABELS = {
+    "queue_time_by_priority_seconds": "priority",
+    "queue_time_by_tenant_seconds": "tenant",
+}
 
 
 def stats(**values) -> SchedulerStats:
@@ -280,6 +291,9 @@ def test_every_scheduler_metric_keeps_its_name_type_and_help():
     histogram = HistogramSnapshot((1, 2) + (0,) * 12, 7.0)
     for name in ("queue_time_s", "batch_size", "batch_tokens"):
         values[name] = dataclasses.replace(histogram, sum=values[name])  # type: ignore[assignment]
+    for name in ("queue_time_by_priority_s", "queue_time_by_tenant_s"):
+        values[name] = {"x": dataclasses.replace(histogram, sum=values[name])}  # type: ignore[assignment]
+    values["num_queue_reqs_by_priority"] = {}  # type: ignore[assignment]
     text = ServerMetrics(lambda: reply_of(SchedulerStats(**values))).render().decode()
     families = {
         line.split()[2]: line.split()[3]
@@ -303,8 +317,10 @@ def test_every_scheduler_metric_keeps_its_name_type_and_help():
         elif kind == "gauge":
             assert parsed[f"minisgl:{name}"] == value
         else:
-            assert parsed[f"minisgl:{name}_sum"] == value.sum  # type: ignore[union-attr]
-            assert parsed[f"minisgl:{name}_count"] == 3
+            series = f'{{{METRIC_LABELS[name]}="x"}}' if name in METRIC_LABELS else ""
+            value = value["x"] if series else value  # type: ignore[index]
+            assert parsed[f"minisgl:{name}_sum{series}"] == value.sum  # type: ignore[union-attr]
+            assert parsed[f"minisgl:{name}_count{series}"] == 3
     server_side = {
         "minisgl:aborted_requests_total",
         "minisgl:request_success_total",

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import itertools
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -41,11 +40,10 @@ NUMBER_FAMILIES = {"counter": CounterMetricFamily, "gauge": GaugeMetricFamily}
 def _family(metric: Metric, name: str, doc: str, value: Any) -> MetricFamily:
     if metric.kind in NUMBER_FAMILIES:
         return NUMBER_FAMILIES[metric.kind](name, doc, value=value)
-    # A HistogramSnapshot's per-bucket counts (the last one +Inf) -> cumulative buckets.
-    cumulative = list(itertools.accumulate(value.bucket_counts))
-    bounds = [repr(float(b)) for b in metric.bucket_bounds]
-    buckets = [*zip(bounds, cumulative, strict=False), ("+Inf", cumulative[-1])]
-    return HistogramMetricFamily(name, doc, buckets=buckets, sum_value=value.sum)
+    family = HistogramMetricFamily(name, doc, labels=[metric.label] if metric.label else None)
+    for labels, snapshot in metric.series(value):  # HistogramSnapshots
+        family.add_metric(labels, snapshot.cumulative(metric.bucket_bounds), snapshot.sum)
+    return family
 
 
 class _SchedulerStatsCollector(Collector):
@@ -55,11 +53,9 @@ class _SchedulerStatsCollector(Collector):
         self._latest = latest
 
     def collect(self) -> Iterator[MetricFamily]:
-        reply = self._latest()
-        if reply is None:
-            return
+        stats = getattr(self._latest(), "stats", None)  # None before the scheduler's first reply
         for exported in EXPORTED_FIELDS:
-            metric, value = exported.metadata[METRIC], getattr(reply.stats, exported.name)
+            metric, value = exported.metadata[METRIC], getattr(stats, exported.name, None)
             if value is not None:  # GPU gauges: CUDA only
                 for name, doc in metric.names:
                     yield _family(metric, PREFIX + name, doc, value)

@@ -46,6 +46,7 @@ from minisgl.grammar import GrammarWorker
 from minisgl.limits import ModelLimits, check_prompt_size
 from minisgl.runtime.engine_client import EngineClient
 from minisgl.runtime.messages import DetokenizedOutput, TokenizedRequest
+from minisgl.scheduler.policy import api_key_tenant
 
 # Token id -> text is asked for every token when logprobs are on: cache the common ones.
 TOKEN_TEXT_CACHE_SIZE = 1 << 16
@@ -237,18 +238,19 @@ class Run:
 
     async def start(self, http_request: Request) -> Run:
         """Admit, prepare and submit every choice (or none)."""
-        await self.prepare()
+        await self.prepare(http_request)
         self.submit(http_request)
         return self
 
-    async def prepare(self) -> None:
+    async def prepare(self, http_request: Request) -> None:
         """Admission, prompts, constraint and every choice's SamplingParams (a 400 or 503 if a
         rule breaks); nothing is sent yet."""
         ctx, req = self.ctx, self.req
         admit(ctx, req)  # a 503 comes before any tokenizing
         self.prepared = prepared = await prepare(ctx, req)
+        defaults = {**ctx.sampling_defaults, "user": api_key_tenant(http_request.headers)}
         self.params = [
-            choice_params(req, p, ids, ctx.limits, ctx.sampling_defaults, prepared.constraint)
+            choice_params(req, p, ids, ctx.limits, defaults, prepared.constraint)
             for p, ids in enumerate(prepared.prompt_ids)
         ]
         chat = prepared.chat

@@ -103,18 +103,21 @@ class SamplingWire(WireModel):
     logit_bias: dict[str, Any] | None = None  # token id (as text) -> bias in [-100, 100]
     min_tokens: int | None = None  # no EOS, stop token or stop string before this many
     ignore_eos: bool = False
+    priority: int | None = None  # --enable-priority-scheduling: larger goes sooner
 
 
 def sampling_of(
-    body: BaseModel, aliases: Mapping[str, str]
+    body: BaseModel, aliases: Mapping[str, str], **elsewhere: Any
 ) -> tuple[dict[str, Any], dict[str, str]]:
     """(the SamplingParams fields `body` sets, by their names; what each is called on the wire).
 
     `aliases` maps a wire field to the internal name it stands for (a SamplingParams field, or
     another name the pipeline reports errors on, such as "messages"). A set alias wins over a
-    field of the internal name itself (max_completion_tokens over max_tokens)."""
+    field of the internal name itself (max_completion_tokens over max_tokens). `elsewhere`:
+    fields the request gives outside `body` (SGLang's top-level priority), which `body` overrides.
+    """
     sent = body.model_fields_set
-    sampling = {name: getattr(body, name) for name in SAMPLING_NAMES & sent}
+    sampling = {**elsewhere, **{name: getattr(body, name) for name in SAMPLING_NAMES & sent}}
     wire_names = {}
     for wire_name, name in aliases.items():
         if wire_name in sent or name not in sent:
@@ -162,11 +165,12 @@ def choice_params(
     prompt_index: int,
     prompt_ids: list[int],
     limits: ModelLimits,
-    defaults: Mapping[str, float | int],
+    defaults: Mapping[str, Any],
     constraint: Constraint | None,
 ) -> list[SamplingParams]:
     """One SamplingParams per choice of this prompt, every rule checked (a 400 if one breaks).
-    `defaults`: the model's recommended values for the sampling fields the request leaves."""
+    `defaults`: for the fields the request leaves, the model's recommended sampling values and
+    the tenant of the API key presented (`user`)."""
     sampling = req.sampling[prompt_index] if isinstance(req.sampling, list) else req.sampling
     # The model's defaults (minisgl.models.config.GENERATION_SAMPLING_KEYS), then the request's.
     fields = {**defaults, **{name: value for name, value in sampling.items() if value is not None}}

@@ -1,17 +1,19 @@
 """Decode: every running request past its prompt computes one token per step.
 
 When a decode cannot get a page, even after evicting unlocked cache entries, the newest running
-request is retracted: its computed prefix goes into the radix tree, its pages are freed, and it
-returns to the queue front; re-admission reuses that prefix.
+request (of the lowest priority class, with priority scheduling) is retracted: its computed
+prefix goes into the radix tree, its pages are freed, and it returns to the queue front;
+re-admission reuses that prefix. With priority scheduling, a waiting request of a higher class
+that cannot start retracts one the same way, before the step is scheduled.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 
 from minisgl.core import Req
 from minisgl.scheduler.cache_manager import CacheManager
+from minisgl.scheduler.prefill import PrefillManager
 from minisgl.scheduler.speculative import NgramSpeculator
 
 logger = logging.getLogger(__name__)
@@ -25,11 +27,11 @@ class DecodeManager:
     def __init__(
         self,
         cache: CacheManager,
-        requeue: Callable[[Req], None],
+        prefill: PrefillManager,
         speculator: NgramSpeculator | None = None,
     ) -> None:
         self.cache = cache
-        self._requeue = requeue  # where retracted requests go (the waiting queue's front)
+        self._prefill = prefill  # where retracted requests go (the waiting queue's front)
         self._speculator = speculator
         self.running: list[Req] = []  # admitted, in admission order
         self.num_retractions = 0
@@ -51,6 +53,8 @@ class DecodeManager:
         Raises NeedDrain when a retraction is needed while a batch is in flight: that batch may
         still use the victim's pages.
         """
+        while (victim := self._prefill.victim(self.running)) is not None:
+            self._retract(victim, inflight)  # priority: for a waiting request of a higher class
         reqs = self.decodable()
         if self._speculator is not None and self._speculator.propose(reqs):
             if self.cache.reserve(reqs, [r.device_len + len(r.drafts) for r in reqs]):
@@ -58,28 +62,29 @@ class DecodeManager:
             self._speculator.drop(reqs)  # short of pages: plain decodes
         if self.cache.reserve(reqs, [req.device_len for req in reqs]):  # the usual case
             return [(req, 1) for req in reqs]
-        items: list[tuple[Req, int]] = []  # short of pages: one by one, oldest first
-        for req in reqs:
+        # Short of pages: one by one, oldest (of the highest class) first; victims from the end.
+        rank = self._prefill.policy.priority_class
+        items: list[tuple[Req, int]] = []
+        for req in sorted(reqs, key=lambda r: -rank(r)):
             if req.table_row < 0:  # retracted while making room for an older request
                 continue
             while not self.cache.reserve([req], [req.device_len]):
-                if inflight:
-                    raise NeedDrain
-                self._retract_newest()
+                if not inflight and len(self.running) == 1:
+                    raise RuntimeError("KV pool too small for one request (admission let it in)")
+                self._retract(min(reversed(self.running), key=rank), inflight)
                 if req.table_row < 0:  # it was the newest and got retracted itself
                     break
             else:
                 items.append((req, 1))
         return items
 
-    def _retract_newest(self) -> None:
-        victim = self.running[-1]
-        if len(self.running) == 1:
-            raise RuntimeError("KV pool too small for a single request (admission let it in)")
-        self.running.pop()
+    def _retract(self, victim: Req, inflight: bool) -> None:
+        if inflight:
+            raise NeedDrain
+        self.running.remove(victim)
         self.cache.release(victim)
         victim.device_len = len(victim.all_ids)
         victim.num_retractions += 1
         self.num_retractions += 1
-        self._requeue(victim)
+        self._prefill.requeue_front(victim)
         logger.debug("retracted %s at %d tokens", victim.rid, victim.device_len)

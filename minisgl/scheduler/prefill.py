@@ -2,19 +2,20 @@
 computes.
 
 Each step's prefill work fits in `max_prefill_tokens`: chunks of prompts already under way
-first (oldest first), then new requests from the queue front. Admission is optimistic: a request
-needs its first chunk's pages plus one page of headroom per running request, not its whole
-`max_tokens` (retraction handles the rare overflow).
+first (oldest first), then new requests in the policy's order (minisgl/scheduler/policy.py;
+arrival order by default). Admission is optimistic: a request needs its first chunk's pages plus
+one page of headroom per running request, not its whole `max_tokens` (retraction handles the
+rare overflow).
 """
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass, field
 
 from minisgl.config import ServerArgs
 from minisgl.core import Req
 from minisgl.scheduler.cache_manager import CacheManager
+from minisgl.scheduler.policy import INPUT_TOKEN_WEIGHT, SchedulePolicy
 
 # Two prompts agreeing on this many leading tokens are taken to share a prefix worth caching.
 SHARED_PREFIX_PROBE_LEN = 32
@@ -50,14 +51,23 @@ class PrefillManager:
         self.max_prefill_tokens = max_prefill_tokens  # the engine's, resolved from args
         self.max_running_requests = args.max_running_requests
         self.share_prefixes = args.cache_type == "radix"  # defer same-step prefix siblings
-        self.waiting: deque[Req] = deque()
+        self.policy = SchedulePolicy(args, cache.prefix_cache)
+        self.waiting: list[Req] = []  # in queue order (the policy's last tie-break)
 
     def add(self, req: Req) -> None:
         self.waiting.append(req)
 
     def requeue_front(self, req: Req) -> None:
         """A retracted request goes first: it was admitted before anything still waiting."""
-        self.waiting.appendleft(req)
+        self.waiting.insert(0, req)
+
+    def victim(self, running: list[Req]) -> Req | None:
+        """Priority scheduling: a running request to retract so that the first waiting request,
+        which has no row or too few pages, starts now (one of a lower class), or None."""
+        if not self.policy.priority or not self.waiting:
+            return None
+        head = next(self.policy.order(self.waiting, running))
+        return None if self._can_admit(head, running) else self.policy.victim(head, running)
 
     def remove(self, rid: str) -> Req | None:
         for req in self.waiting:
@@ -84,16 +94,14 @@ class PrefillManager:
         # Requests whose prompt starts like one admitted in this same step wait one step: by then
         # the first one's prefix is in the radix tree and they compute only their own suffix.
         admitted_keys: set[tuple[int, ...]] = set()
-        deferred: list[Req] = []
-        while self.waiting and plan.budget > 0:
-            req = self.waiting[0]
-            if not self._can_admit(req, running) or (req.scores_prompt and plan.score_budget <= 0):
+        for req in self.policy.order(self.waiting, running):
+            if plan.budget <= 0 or not self._can_admit(req, running):
                 break
-            self.waiting.popleft()
+            if req.scores_prompt and plan.score_budget <= 0:
+                break
             key = self._prefix_key(req)
             if key is not None and key in admitted_keys:
-                deferred.append(req)
-                continue
+                continue  # deferred: it keeps its place
             self.cache.admit(req)
             if key is not None and req.cached_len < len(key):
                 admitted_keys.add(key)
@@ -103,11 +111,12 @@ class PrefillManager:
                 # The estimate was optimistic (its cached prefix got locked): undo, retry later.
                 running.pop()
                 self.cache.release(req)
-                self.waiting.appendleft(req)
                 break
+            self.waiting.remove(req)
+            if req.num_retractions == 0:
+                self.policy.charge(req, INPUT_TOKEN_WEIGHT * req.prompt_len)
             plan.admitted.append(req)
             plan.add(req, chunk)
-        self.waiting.extendleft(reversed(deferred))
         return plan
 
     def _prefix_key(self, req: Req) -> tuple[int, ...] | None:

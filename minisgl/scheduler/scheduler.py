@@ -11,6 +11,7 @@ scheduling a step's batch, and its results into the requests.
 from __future__ import annotations
 
 import random
+from collections import Counter
 
 from minisgl.config import ServerArgs
 from minisgl.core import SEED_MASK, FinishReason, Req, ReqOutput, TokenLogprob
@@ -24,6 +25,7 @@ from minisgl.scheduler.decode import DecodeManager, NeedDrain
 from minisgl.scheduler.grammar_masks import GrammarMasks
 from minisgl.scheduler.outputs import Outputs
 from minisgl.scheduler.overlap import OverlapLoop
+from minisgl.scheduler.policy import OUTPUT_TOKEN_WEIGHT
 from minisgl.scheduler.prefill import PrefillManager
 from minisgl.scheduler.recovery import fail_admitted
 from minisgl.scheduler.speculative import NgramSpeculator
@@ -46,7 +48,7 @@ class Scheduler:
         self.speculator = None
         if args.speculative_algorithm is not None:
             self.speculator = NgramSpeculator(args, self.cache, self.counters, self.max_model_len)
-        self.decode = DecodeManager(self.cache, self.prefill.requeue_front, self.speculator)
+        self.decode = DecodeManager(self.cache, self.prefill, self.speculator)
         tokenizer_path = args.tokenizer or self.model_path
         self.masks = GrammarMasks(tokenizer_path, self.vocab_size, self.eos_token_ids)
         self.outputs = Outputs()
@@ -161,6 +163,7 @@ class Scheduler:
         if logprob is not None:
             req.output_logprobs.append(logprob)
         self.counters.generation_tokens_total += 1
+        self.prefill.policy.charge(req, OUTPUT_TOKEN_WEIGHT)
         params, num_outputs = req.sampling_params, len(req.output_ids)
         reason = None
         if token_id in params.stop_token_ids or (
@@ -197,6 +200,9 @@ class Scheduler:
             spec_accept_length=(accepted + verifies) / verifies if verifies else 0.0,
             num_running_reqs=len(self.running),
             num_queue_reqs=len(self.prefill.waiting),
+            num_queue_reqs_by_priority=dict(
+                Counter(str(r.sampling_params.priority) for r in self.prefill.waiting)
+            ),
             kv_cache_usage_ratio=self.cache.num_used_pages / total,
             num_free_pages=self.cache.num_available_pages,
             num_total_pages=total,

@@ -13,10 +13,13 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import itertools
 import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
+
+from minisgl.scheduler.policy import tenant_of
 
 if TYPE_CHECKING:
     from minisgl.core import Req
@@ -30,6 +33,10 @@ BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 BATCH_TOKENS_BUCKETS = (1, 4, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 # Generation throughput is averaged over this much recent time, as SGLang's log interval does.
 GEN_THROUGHPUT_WINDOW_S = 10.0
+# A labelled metric keeps its label set bounded: values past the first this many (priorities,
+# tenants) share the series OTHER_LABEL.
+MAX_LABEL_VALUES = 16
+OTHER_LABEL = "other"
 
 
 @dataclass(frozen=True)
@@ -42,6 +49,11 @@ class HistogramSnapshot:
     @property
     def count(self) -> int:
         return sum(self.bucket_counts)
+
+    def cumulative(self, bounds: tuple[float, ...]) -> list[tuple[str, int]]:
+        """Prometheus' buckets: (upper bound, observations up to it), the last one +Inf."""
+        counts = list(itertools.accumulate(self.bucket_counts))
+        return [*zip([repr(float(b)) for b in bounds], counts, strict=False), ("+Inf", counts[-1])]
 
 
 @dataclass
@@ -68,6 +80,13 @@ def _histogram_counts(bounds: tuple[float, ...]) -> Any:
     return field(default_factory=lambda: HistogramCounts(bounds))
 
 
+def _observe(series: dict[str, HistogramCounts], label: str, value: float) -> None:
+    """Into the series of `label`, or OTHER_LABEL's once MAX_LABEL_VALUES labels exist."""
+    if label not in series and len(series) >= MAX_LABEL_VALUES:
+        label = OTHER_LABEL
+    series.setdefault(label, HistogramCounts(QUEUE_TIME_BUCKETS_S)).observe(value)
+
+
 @dataclass
 class SchedulerCounters:
     """The scheduler's counters (totals since start) and per-step histograms: what `stats()`
@@ -84,13 +103,18 @@ class SchedulerCounters:
     queue_time_s: HistogramCounts = _histogram_counts(QUEUE_TIME_BUCKETS_S)
     batch_size: HistogramCounts = _histogram_counts(BATCH_SIZE_BUCKETS)
     batch_tokens: HistogramCounts = _histogram_counts(BATCH_TOKENS_BUCKETS)
+    queue_time_by_priority_s: dict[str, HistogramCounts] = field(default_factory=dict)
+    queue_time_by_tenant_s: dict[str, HistogramCounts] = field(default_factory=dict)
 
     def first_admission(self, req: Req) -> None:
         """A request admitted for the first time (not after a retraction), its prefix matched."""
         self.prompt_tokens_total += req.prompt_len
         self.cached_prompt_tokens_total += req.cached_len
         if req.arrival_time > 0:  # set by the server; offline requests have none
-            self.queue_time_s.observe(time.monotonic() - req.arrival_time)
+            queue_time_s = time.monotonic() - req.arrival_time
+            self.queue_time_s.observe(queue_time_s)
+            _observe(self.queue_time_by_priority_s, str(req.sampling_params.priority), queue_time_s)
+            _observe(self.queue_time_by_tenant_s, tenant_of(req), queue_time_s)
 
     def step(self, num_decodes: int, chunks: list[tuple[Req, int]], num_drafts: int = 0) -> None:
         """A step's batch: decodes (a token each, and `num_drafts` draft tokens between them)
@@ -106,8 +130,13 @@ class SchedulerCounters:
 
     def snapshot(self) -> dict[str, Any]:
         """SchedulerStats fields: the totals, and a snapshot of each histogram."""
-        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        return {k: v.snapshot() if isinstance(v, HistogramCounts) else v for k, v in values.items()}
+
+        def snap(v: Any) -> Any:  # a labelled histogram is a dict of them
+            if isinstance(v, dict):
+                return {label: snap(series) for label, series in v.items()}
+            return v.snapshot() if isinstance(v, HistogramCounts) else v
+
+        return {f.name: snap(getattr(self, f.name)) for f in dataclasses.fields(self)}
 
 
 MetricKind = Literal["counter", "gauge", "histogram"]
@@ -124,6 +153,11 @@ class Metric:
     kind: MetricKind
     names: tuple[tuple[str, str], ...]  # (name, help)
     bucket_bounds: tuple[float, ...] = ()  # histograms: the buckets' upper bounds
+    label: str | None = None  # a labelled histogram: its value maps label values to snapshots
+
+    def series(self, value: Any) -> list[tuple[list[str], Any]]:
+        """(label values, value) of each series the field exports."""
+        return [([k], v) for k, v in value.items()] if self.label else [([], value)]
 
 
 def _exported(
@@ -145,6 +179,12 @@ def _histogram(name: str, help_text: str, bounds: tuple[float, ...]) -> Any:
     """Empty (zero counts) until observed."""
     empty = HistogramCounts(bounds).snapshot()
     return _exported("histogram", ((name, help_text),), bounds, default=empty)
+
+
+def _by_label(name: str, help_text: str, label: str) -> Any:
+    """A queue-time histogram per `label` value (no series until observed)."""
+    metric = Metric("histogram", ((name, help_text),), QUEUE_TIME_BUCKETS_S, label)
+    return field(metadata={METRIC: metric}, default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -193,6 +233,14 @@ class SchedulerStats:
         "Time from arrival at the scheduler to first admission",
         QUEUE_TIME_BUCKETS_S,
     )
+    queue_time_by_priority_s: dict[str, HistogramSnapshot] = _by_label(
+        "queue_time_by_priority_seconds", "Queue time by request priority", "priority"
+    )
+    queue_time_by_tenant_s: dict[str, HistogramSnapshot] = _by_label(
+        "queue_time_by_tenant_seconds", "Queue time by tenant (user, else API key)", "tenant"
+    )
+    # /get_load: waiting requests by priority (not a metric: as many series as priorities)
+    num_queue_reqs_by_priority: dict[str, int] = field(default_factory=dict)
     batch_size: HistogramSnapshot = _histogram(
         "iteration_num_reqs",
         "Requests in one forward step (decodes and prefill chunks)",

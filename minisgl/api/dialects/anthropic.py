@@ -38,7 +38,7 @@ from minisgl.chat.tool_parsers import ToolCallDelta
 from minisgl.core import FinishReason, InvalidRequestError
 
 PATH_PREFIX = "/v1/messages"
-ALIASES = {"stop_sequences": "stop"}
+ALIASES = {"stop_sequences": "stop", "metadata.user_id": "user"}
 # Anthropic's error types by HTTP status.
 ERROR_TYPES = {
     400: "invalid_request_error",
@@ -87,7 +87,8 @@ class MessagesRequest(SamplingWire):
             not (self.tool_choice or {}).get("disable_parallel_tool_use"),
             kwargs or None,
         )
-        return ApiRequest(prompt, *sampling_of(self, ALIASES), model=self.model)
+        user = (self.metadata or {}).get("user_id")  # the tenant (--tenant-fairness)
+        return ApiRequest(prompt, *sampling_of(self, ALIASES, user=user), model=self.model)
 
 
 class CountTokensRequest(MessagesRequest):

@@ -138,9 +138,6 @@ class ResponseStore:
     _entries: OrderedDict[str, StoredResponse] = field(default_factory=OrderedDict, init=False)
     _chars: int = field(default=0, init=False)
 
-    def __len__(self) -> int:
-        return len(self._entries)
-
     def put(self, response: dict[str, Any], conversation: list[Any], items: list[Any]) -> None:
         size = sum(len(json.dumps(part)) for part in (response, conversation, items))
         if size > self.max_chars:

@@ -111,6 +111,7 @@ class GenerateRequest(WireModel):
     top_logprobs_num: int = Field(default=0, ge=0, le=MAX_LOGPROBS)
     logprob_start_len: int = Field(default=-1, ge=-1)  # -1: output only
     rid: str | list[str] | None = None  # one id, or one per prompt of a batch
+    priority: int | None = None  # SGLang's place for it (sampling_params.priority works too)
 
     @model_validator(mode="after")
     def _one_prompt_field(self) -> GenerateRequest:
@@ -157,7 +158,7 @@ class GenerateRequest(WireModel):
         scored = self.return_logprob and self.logprob_start_len >= 0
         sampling: list[Mapping[str, Any]] = []
         for row in rows:
-            fields, _ = sampling_of(row, ALIASES)
+            fields, _ = sampling_of(row, ALIASES, priority=self.priority)
             fields["max_tokens"] = row.max_new_tokens  # SGLang's name decides
             fields["logprobs"] = logprobs
             # max_new_tokens 0 without logprobs: SGLang's prefill-only request runs as one that
@@ -236,7 +237,7 @@ router = APIRouter()
 @router.api_route("/generate", methods=["POST", "PUT"])
 async def generate(body: GenerateRequest, request: Request) -> Response:
     run = Run(request.app.state.ctx, body.to_api(), new_id("generate"))
-    await run.prepare()
+    await run.prepare(request)
     shortest = min(len(ids) for ids in run.prompts)
     if body.return_logprob and body.logprob_start_len >= max(shortest, 1):
         message = f"logprob_start_len: must be below the prompt's length ({shortest} tokens)"
@@ -331,18 +332,18 @@ for path, handler in (("server_info", _server_info), ("model_info", _model_info)
 
 @router.get("/get_load")
 async def get_load(request: Request) -> Response:
-    stats = await request.app.state.ctx.engine.stats(LOAD_STATS_TIMEOUT_S)
-    if stats is None:
+    reply = await request.app.state.ctx.engine.stats(LOAD_STATS_TIMEOUT_S)
+    if reply is None:
         raise RequestError(HTTP_SERVICE_UNAVAILABLE, SCHEDULER_SILENT)
-    queued = stats.stats.num_queue_reqs
+    stats, page_size = reply.stats, request.app.state.ctx.args.page_size
     load = {
         "dp_rank": 0,  # the server's one rank (replicas are separate workers)
-        "num_reqs": stats.stats.num_running_reqs + queued,
-        "num_waiting_reqs": queued,
+        "num_reqs": stats.num_running_reqs + stats.num_queue_reqs,
+        "num_waiting_reqs": stats.num_queue_reqs,
+        "num_waiting_reqs_by_priority": stats.num_queue_reqs_by_priority,
         # KV tokens held by running requests (cached prefixes nobody uses are free to evict and
         # do not count); prompts still waiting are not counted.
-        "num_tokens": (stats.stats.num_total_pages - stats.stats.num_free_pages)
-        * request.app.state.ctx.args.page_size,
+        "num_tokens": (stats.num_total_pages - stats.num_free_pages) * page_size,
     }
     return JSONResponse([load])
 

@@ -1,0 +1,146 @@
+"""Who goes first: the order of the waiting queue, and which running request gives way.
+
+One ordering, built from the policies that are on, in this precedence:
+
+1. tenant fairness (--tenant-fairness): the tenant whose Virtual Token Counter is smallest goes
+   next (Sheng et al., "Fairness in Serving Large Language Models", OSDI 2024). A tenant's
+   counter grows with the tokens served to it: each prompt token at first admission weighs
+   INPUT_TOKEN_WEIGHT, each generated token OUTPUT_TOKEN_WEIGHT. A tenant that returns from idle
+   (no request waiting or running) starts at the smallest counter of those still active, so
+   idle time banks no credit. The tenant is the request's `user` (OpenAI's field, Anthropic's
+   `metadata.user_id`), else the API key it presents, else SHARED_TENANT.
+2. priority (--enable-priority-scheduling): the higher class first, within a tenant under
+   fairness. The class is `priority` (negated by --schedule-low-priority-values-first) minus
+   one level per --priority-aging-s of arrival time: a request that has waited k aging periods
+   longer than a newcomer outranks newcomers up to k levels above it, so low priorities are
+   slowed, never stopped. Arrival times, not the clock, decide: the order of two requests never
+   changes while they wait, so preemption cannot ping-pong, and every tp rank (the requests
+   travel with their arrival times) orders alike.
+3. cache-aware order (--schedule-policy lpm): the longest cached prefix first, while at most
+   LPM_MAX_WAITING requests wait (past that, matching every prompt costs more than it saves).
+4. the queue position: arrival order, a retracted request back at the front.
+
+Admission follows this order and stops at the first request that does not fit, so nothing is
+skipped over for good. With priority on, a request that does not fit because the running batch
+is full or pages are short retracts a running request of a lower class (`victim`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections import deque
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING
+
+from minisgl.config import ServerArgs
+from minisgl.core import Req
+
+if TYPE_CHECKING:
+    from minisgl.kvcache.base import PrefixCache
+
+# VTC weights: a generated token costs a decode step of its own; a prompt token is one of
+# hundreds computed together (the paper's choice, 1 and 2).
+INPUT_TOKEN_WEIGHT = 1.0
+OUTPUT_TOKEN_WEIGHT = 2.0
+# SGLang's threshold: past this many waiting requests, lpm falls back to arrival order.
+LPM_MAX_WAITING = 128
+SHARED_TENANT = "shared"  # requests that name no user and present no API key
+# Counters of idle tenants are forgotten past this many tenants (they return at the floor).
+MAX_TRACKED_TENANTS = 4096
+KEY_TENANT_HASH_CHARS = 12  # an API key's tenant: a hash prefix, never the key itself
+
+
+def tenant_of(req: Req) -> str:
+    return req.sampling_params.user or SHARED_TENANT
+
+
+def api_key_tenant(headers: Mapping[str, str]) -> str | None:
+    """The tenant of a request that names no user: the API key it presents (`x-api-key` or a
+    Bearer token, as the server's Gate checks it), as `key-` and a short hash."""
+    key = headers.get("x-api-key") or headers.get("authorization", "").removeprefix("Bearer ")
+    if not key:
+        return None
+    return "key-" + hashlib.sha256(key.encode()).hexdigest()[:KEY_TENANT_HASH_CHARS]
+
+
+class SchedulePolicy:
+    """The order of the waiting queue (`order`), the tenants' counters (`charge`) and who gives
+    way to a more urgent request (`victim`): the rules of the module docstring."""
+
+    def __init__(self, args: ServerArgs, prefix_cache: PrefixCache) -> None:
+        self.priority = args.enable_priority_scheduling
+        self.fairness = args.tenant_fairness
+        self._sign = -1 if args.schedule_low_priority_values_first else 1
+        self._aging_s = args.priority_aging_s
+        self._lpm = args.schedule_policy == "lpm"
+        self._prefix_cache = prefix_cache
+        self.counters: dict[str, float] = {}  # tenant -> weighted tokens served (VTC)
+        self._active: set[str] = set()  # tenants with a request waiting or running, last look
+
+    def priority_class(self, req: Req) -> int:
+        """Higher goes first; 0 for all without priority scheduling."""
+        if not self.priority:
+            return 0
+        aged = math.floor(req.arrival_time / self._aging_s) if self._aging_s else 0
+        return self._sign * req.sampling_params.priority - aged
+
+    def order(self, waiting: list[Req], running: list[Req]) -> Iterator[Req]:
+        """The waiting requests, the one to admit first first. Under fairness the order is lazy:
+        admitting a request charges its tenant (`charge`), which may change who is next."""
+        lpm = self._lpm and len(waiting) <= LPM_MAX_WAITING
+        ranked = list(waiting)  # sorted is stable: queue order among equals
+        if self.priority or lpm:
+            ranked.sort(key=lambda r: (-self.priority_class(r), -self._cached_len(r) if lpm else 0))
+        if not self.fairness:
+            return iter(ranked)
+        self._lift_returning({tenant_of(r) for r in [*waiting, *running]})
+        return self._by_tenant(ranked)
+
+    def charge(self, req: Req, weighted_tokens: float) -> None:
+        if self.fairness:
+            tenant = tenant_of(req)
+            self.counters[tenant] = self.counters.get(tenant, 0.0) + weighted_tokens
+
+    def victim(self, req: Req, running: list[Req]) -> Req | None:
+        """The running request to retract so that `req` starts now: of a lower class (and of
+        `req`'s tenant under fairness), the lowest and newest; None if there is none."""
+        rank = self.priority_class(req)
+        lower = [
+            r
+            for r in running
+            if self.priority_class(r) < rank
+            and (not self.fairness or tenant_of(r) == tenant_of(req))
+        ]
+        return min(reversed(lower), key=self.priority_class, default=None)
+
+    def _cached_len(self, req: Req) -> int:
+        if req.scores_prompt:  # it computes its whole prompt (CacheManager.admit)
+            return 0
+        return self._prefix_cache.match_prefix(req.all_ids[:-1]).matched_len
+
+    def _lift_returning(self, active: set[str]) -> None:
+        """Tenants back from idle start at the smallest counter of those that stayed active (the
+        largest counter when none did: no one banks credit across an idle server)."""
+        stayed = active & self._active
+        counters = self.counters
+        if stayed:
+            floor = min(counters.get(t, 0.0) for t in stayed)
+        else:
+            floor = max(counters.values(), default=0.0)
+        for tenant in active - stayed:
+            counters[tenant] = max(counters.get(tenant, 0.0), floor)
+        if len(counters) > MAX_TRACKED_TENANTS:
+            for tenant in [t for t in counters if t not in active]:
+                del counters[tenant]
+        self._active = active
+
+    def _by_tenant(self, ranked: list[Req]) -> Iterator[Req]:
+        queues: dict[str, deque[Req]] = {}  # by tenant, in ranked order (ties: the first)
+        for req in ranked:
+            queues.setdefault(tenant_of(req), deque()).append(req)
+        while queues:
+            tenant = min(queues, key=lambda t: self.counters.get(t, 0.0))
+            yield queues[tenant].popleft()
+            if not queues[tenant]:
+                del queues[tenant]
