@@ -32,6 +32,17 @@ from minisgl.scheduler.stats import SchedulerCounters
 # twice as long after each further miss, up to this many.
 MAX_BACKOFF_STEPS = 64
 
+# Which requests draft in a batch: a step of R rows costs about (KNEE_ROWS + R) row-costs (the
+# weights' read, then each row's compute), so a draft row pays only if it is accepted more often
+# than a row's share of the step, R / (KNEE_ROWS + R). A request drafts while its recent
+# acceptance (an exponential average, weight ACCEPT_AVERAGE_WEIGHT per verify) is above that;
+# below it, the average creeps back up by 1/PROBE_STEPS of its distance to 1 per step without
+# drafts, so the request tries again once in a while. On this repository's CPU (SmolLM2-135M) a
+# decode step cost 35.7 ms and each further row 4.3 ms (benchmark/RESULTS.md, section 16).
+KNEE_ROWS = 8
+ACCEPT_AVERAGE_WEIGHT = 0.5
+PROBE_STEPS = 32
+
 # Rows (decodes plus drafts) a step's drafts may bring its batch to. Past the point where a
 # decode step stops being bound by reading the weights, a draft row costs about what a decoded
 # token does, and a rejected one is pure loss: on this repository's CPU (SmolLM2-135M) drafts
@@ -57,10 +68,15 @@ class NgramDrafter:
         self._max_drafts = self._allowed = max_drafts
         self._backoff_steps = 0
         self._wait_steps = 0
+        self.accept_rate = 1.0  # of its drafts, lately (optimistic at first)
 
-    def drafts(self, req: Req, room: int) -> list[int]:
+    def drafts(self, req: Req, room: int, min_accept_rate: float = 0.0) -> list[int]:
         """Up to `room` tokens (fewer after misses) that followed the latest earlier occurrence
-        of the request's longest matching suffix; none when nothing matches (or backing off)."""
+        of the request's longest matching suffix; none when nothing matches (or backing off, or
+        its drafts are accepted less often than `min_accept_rate`)."""
+        if self.accept_rate < min_accept_rate:
+            self.accept_rate += (1.0 - self.accept_rate) / PROBE_STEPS
+            return []
         if self._wait_steps > 0:
             self._wait_steps -= 1
             return []
@@ -82,6 +98,8 @@ class NgramDrafter:
         return []
 
     def verified(self, num_drafts: int, num_accepted: int) -> None:
+        rate = num_accepted / num_drafts
+        self.accept_rate += ACCEPT_AVERAGE_WEIGHT * (rate - self.accept_rate)
         hit = num_accepted == num_drafts
         self._allowed = self._max_drafts if hit else num_accepted + 1
         if num_accepted:
@@ -106,6 +124,7 @@ class NgramSpeculator:
         after its last token); whether any got some."""
         proposed = False
         budget = MAX_VERIFY_ROWS - len(reqs)  # draft rows left for this step
+        min_accept_rate = len(reqs) / (KNEE_ROWS + len(reqs))
         for req in reqs:
             params = req.sampling_params
             # Room for k drafts: k + 1 tokens may come out of the step.
@@ -119,7 +138,7 @@ class NgramSpeculator:
                 continue
             if req.drafter is None:
                 req.drafter = NgramDrafter(*self._matches, self.max_drafts)
-            req.drafts = req.drafter.drafts(req, room)
+            req.drafts = req.drafter.drafts(req, room, min_accept_rate)
             if req.drafts:
                 self._cache.tables.write_tokens(req.table_row, req.device_len, req.drafts)
                 budget -= len(req.drafts)
