@@ -11,6 +11,7 @@ import signal
 import socket
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
+from http import HTTPStatus
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +21,7 @@ from starlette.responses import Response
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from minisgl.api.dialects import anthropic, completions, openai, responses, sglang, vllm
-from minisgl.api.errors import EXCEPTION_HANDLERS, HTTP_SERVICE_UNAVAILABLE
+from minisgl.api.errors import EXCEPTION_HANDLERS
 from minisgl.api.metrics import ServerMetrics
 from minisgl.api.middleware import CLIENT_TIMEOUT_S, Gate, Lifecycle
 from minisgl.api.pipeline import ServingContext
@@ -169,7 +170,7 @@ def create_app(
     @app.get("/health")
     async def health(request: Request) -> Response:
         reply = await request.app.state.ctx.engine.stats(HEALTH_TIMEOUT_S)
-        return Response(status_code=200 if reply is not None else HTTP_SERVICE_UNAVAILABLE)
+        return Response(status_code=200 if reply is not None else HTTPStatus.SERVICE_UNAVAILABLE)
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping
+from http import HTTPStatus
 from typing import Any
 
 from fastapi.exceptions import RequestValidationError
@@ -15,12 +16,6 @@ from minisgl.core import InvalidRequestError
 from minisgl.runtime.engine_client import BackendUnavailable
 
 logger = logging.getLogger(__name__)
-
-HTTP_BAD_REQUEST = 400
-HTTP_NOT_FOUND = 404
-HTTP_SERVER_ERROR = 500
-HTTP_SERVICE_UNAVAILABLE = 503
-HTTP_GATEWAY_TIMEOUT = 504
 
 
 def error_dict(
@@ -49,12 +44,17 @@ class RequestError(Exception):
         self.status_code = status_code
         self.message = message
         self.param = param
-        client_error = status_code < HTTP_SERVER_ERROR
+        client_error = status_code < HTTPStatus.INTERNAL_SERVER_ERROR
         self.err_type = err_type or ("invalid_request_error" if client_error else "server_error")
         self.headers = dict(headers or {})
 
     def body(self) -> dict[str, Any]:
         return error_dict(self.message, self.err_type, self.param, self.status_code)
+
+    def response(self, path: str) -> JSONResponse:
+        """This error as the endpoint at `path` answers errors."""
+        body = shape_error(path, self.body(), self.status_code)
+        return JSONResponse(body, status_code=self.status_code, headers=self.headers)
 
 
 class ClientDisconnected(Exception):
@@ -66,7 +66,8 @@ class ChoiceFailed(RequestError):
     (a 500 when the server failed the request, a step that raised; else a 400)."""
 
     def __init__(self, message: str, internal: bool = False) -> None:
-        super().__init__(HTTP_SERVER_ERROR if internal else HTTP_BAD_REQUEST, message)
+        status = HTTPStatus.INTERNAL_SERVER_ERROR if internal else HTTPStatus.BAD_REQUEST
+        super().__init__(status, message)
         self.internal = internal
 
 
@@ -89,20 +90,20 @@ def _validation_error(exc: RequestValidationError) -> RequestError:
     loc = [str(part) for part in first.get("loc", ()) if part not in ("body", "query")]
     rule = (first.get("ctx") or {}).get("error")
     if first.get("type") == "json_invalid":
-        return RequestError(HTTP_BAD_REQUEST, "Request body is not valid JSON.")
+        return RequestError(HTTPStatus.BAD_REQUEST, "Request body is not valid JSON.")
     if isinstance(rule, InvalidRequestError):  # raised by one of our own validators
-        return RequestError(HTTP_BAD_REQUEST, str(rule), param=rule.param)
+        return RequestError(HTTPStatus.BAD_REQUEST, str(rule), param=rule.param)
     where = ".".join(loc) or "body"
     message = f"{where}: {first.get('msg', 'invalid value')}"
-    return RequestError(HTTP_BAD_REQUEST, message, param=loc[0] if loc else None)
+    return RequestError(HTTPStatus.BAD_REQUEST, message, param=loc[0] if loc else None)
 
 
 # Each kind of exception that has an error response, and how it becomes one. InvalidRequestError:
 # a rule a dialect's translation broke (the param is its own).
 _ANSWERS: dict[type[Exception], Callable[[Any], RequestError]] = {
     RequestError: lambda exc: exc,
-    InvalidRequestError: lambda exc: RequestError(HTTP_BAD_REQUEST, str(exc), param=exc.param),
-    BackendUnavailable: lambda exc: RequestError(HTTP_SERVICE_UNAVAILABLE, str(exc)),
+    InvalidRequestError: lambda exc: RequestError(HTTPStatus.BAD_REQUEST, str(exc), exc.param),
+    BackendUnavailable: lambda exc: RequestError(HTTPStatus.SERVICE_UNAVAILABLE, str(exc)),
     RequestValidationError: _validation_error,
     # Routing's 404 and 405 (a client error: nothing raises one with a 5xx status).
     HTTPException: lambda exc: RequestError(exc.status_code, str(exc.detail), headers=exc.headers),
@@ -120,8 +121,7 @@ async def error_response(request: Request, exc: Exception) -> JSONResponse:
     dialect."""
     error = as_request_error(exc)
     assert error is not None  # registered for the kinds that have an answer
-    shaped = shape_error(request.url.path, error.body(), error.status_code)
-    return JSONResponse(shaped, status_code=error.status_code, headers=error.headers)
+    return error.response(request.url.path)
 
 
 # The app's exception handlers (FastAPI's `exception_handlers`).
@@ -138,4 +138,4 @@ def stream_error_body(exc: BaseException, request_id: str) -> dict[str, Any]:
         return error.body()
     logger.exception("request %s failed while streaming", request_id, exc_info=exc)
     message = f"internal error while streaming (request id {request_id})"
-    return error_dict(message, "server_error", code=HTTP_SERVER_ERROR)
+    return error_dict(message, "server_error", code=HTTPStatus.INTERNAL_SERVER_ERROR)

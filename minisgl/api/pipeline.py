@@ -16,19 +16,13 @@ import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from http import HTTPStatus
 from typing import Any, TypeVar, cast
 
 from starlette.requests import Request
 from transformers import PreTrainedTokenizerBase
 
-from minisgl.api.errors import (
-    HTTP_BAD_REQUEST,
-    HTTP_GATEWAY_TIMEOUT,
-    HTTP_SERVICE_UNAVAILABLE,
-    ChoiceFailed,
-    ClientDisconnected,
-    RequestError,
-)
+from minisgl.api.errors import ChoiceFailed, ClientDisconnected, RequestError
 from minisgl.api.metrics import ServerMetrics
 from minisgl.api.request import ApiRequest, choice_params
 from minisgl.chat import (
@@ -90,7 +84,8 @@ class ServingContext:
     def check_model(self, model: str | None) -> None:
         if model is not None and model not in self.accepted_model_names:
             served = f"this server serves `{self.served_model_name}`"
-            raise RequestError(404, f"The model `{model}` does not exist: {served}.", "model")
+            message = f"The model `{model}` does not exist: {served}."
+            raise RequestError(HTTPStatus.NOT_FOUND, message, "model")
 
     @functools.cached_property
     def token_text(self) -> Callable[[int], str]:
@@ -144,7 +139,7 @@ async def prepare(ctx: ServingContext, req: ApiRequest) -> Prepared:
     except ValueError as exc:  # about the messages
         param = req.wire("messages")
         message = f"{param}: {exc}" if param != "messages" else str(exc)
-        raise RequestError(HTTP_BAD_REQUEST, message, param=param) from None
+        raise RequestError(HTTPStatus.BAD_REQUEST, message, param=param) from None
 
 
 def admit(ctx: ServingContext, req: ApiRequest) -> None:
@@ -153,7 +148,7 @@ def admit(ctx: ServingContext, req: ApiRequest) -> None:
     num_sequences, most = req.num_prompts * req.n, ctx.args.max_sequences_per_request
     if num_sequences > most:
         raise RequestError(
-            HTTP_BAD_REQUEST,
+            HTTPStatus.BAD_REQUEST,
             f"this request asks for {num_sequences} sequences ({req.num_prompts} prompts x "
             f"n={req.n}); the server allows at most {most}",
             param="n" if req.n > most else req.prompt_param,
@@ -166,7 +161,7 @@ def check_capacity(ctx: ServingContext, num_sequences: int) -> None:
     in_flight_bound = ctx.args.max_running_requests + ctx.args.max_queued_requests
     if ctx.engine.num_active_requests + num_sequences > in_flight_bound:
         raise RequestError(
-            HTTP_SERVICE_UNAVAILABLE,
+            HTTPStatus.SERVICE_UNAVAILABLE,
             "The server is overloaded: its request queue is full. Please retry later.",
             err_type="server_overloaded",
             headers={"Retry-After": str(QUEUE_FULL_RETRY_AFTER_S)},
@@ -265,7 +260,7 @@ class Run:
         timeout_s = self.ctx.args.request_timeout_s
         if timeout_s is not None:
             timed_out = RequestError(
-                HTTP_GATEWAY_TIMEOUT,
+                HTTPStatus.GATEWAY_TIMEOUT,
                 f"The request did not finish within the server's timeout ({timeout_s:g} s) "
                 "and was aborted.",
                 err_type="timeout_error",

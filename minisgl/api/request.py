@@ -21,7 +21,6 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, model_validator
 
-from minisgl.api.errors import HTTP_BAD_REQUEST, RequestError
 from minisgl.chat import ChatPrompt
 from minisgl.core import Constraint, InvalidRequestError, SamplingParams
 from minisgl.limits import ModelLimits, check_request, resolve_max_tokens
@@ -144,10 +143,9 @@ class ApiRequest:
     def prompt_param(self) -> str:
         return self.wire("messages" if isinstance(self.prompt, ChatPrompt) else "prompt")
 
-    def invalid(self, exc: InvalidRequestError) -> RequestError:
-        """A 400 for a broken rule, `param` named as this dialect's clients spell it."""
-        param = self.wire(exc.param)
-        return RequestError(HTTP_BAD_REQUEST, f"{param}: {exc.message}", param=param)
+    def invalid(self, exc: InvalidRequestError) -> InvalidRequestError:
+        """A broken rule (a 400), `param` named as this dialect's clients spell it."""
+        return InvalidRequestError(self.wire(exc.param), exc.message)
 
 
 def choice_params(

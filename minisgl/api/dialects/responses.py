@@ -21,6 +21,7 @@ import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
+from http import HTTPStatus
 from typing import Any, Literal
 
 from fastapi import APIRouter, Query, Request
@@ -36,7 +37,7 @@ from minisgl.api.dialects.responses_items import (
     input_messages,
     response_format,
 )
-from minisgl.api.errors import HTTP_BAD_REQUEST, HTTP_NOT_FOUND, HTTP_SERVER_ERROR, RequestError
+from minisgl.api.errors import RequestError
 from minisgl.api.pipeline import Run
 from minisgl.api.request import ApiRequest, SamplingWire, new_id, sampling_of
 from minisgl.api.sse import EventBuffer, WireEvent, respond, sse_event
@@ -248,7 +249,8 @@ class Turn:
         error = body["error"]
         param = error.get("param")
         self.events.emit("error", code=error["type"], message=error["message"], param=param)
-        client_error = isinstance(error.get("code"), int) and error["code"] < HTTP_SERVER_ERROR
+        status = error.get("code")
+        client_error = isinstance(status, int) and status < HTTPStatus.INTERNAL_SERVER_ERROR
         code = "invalid_prompt" if client_error else "server_error"
         failure = {"code": code, "message": error["message"]}
         self.events.emit("response.failed", response=self.response("failed", failure))
@@ -261,7 +263,7 @@ def stored(store: ResponseStore, response_id: str, param: str = "response_id") -
     if entry is None:
         kept = "responses are kept in this server's memory while it runs, when store is true"
         message = f"{param}: no stored response {response_id!r} ({kept})"
-        raise RequestError(HTTP_NOT_FOUND, message, param=param)
+        raise RequestError(HTTPStatus.NOT_FOUND, message, param=param)
     return entry
 
 
@@ -308,7 +310,8 @@ def list_input_items(
     if after is not None:
         ids = [item["id"] for item in items]
         if after not in ids:
-            raise RequestError(HTTP_BAD_REQUEST, f"after: no input item {after!r}", "after")
+            message = f"after: no input item {after!r}"
+            raise RequestError(HTTPStatus.BAD_REQUEST, message, "after")
         items = items[ids.index(after) + 1 :]
     page = items[:limit]
     return {

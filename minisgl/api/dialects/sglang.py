@@ -35,6 +35,7 @@ import importlib.metadata
 import json
 import time
 from collections.abc import AsyncIterator, Mapping
+from http import HTTPStatus
 from pathlib import Path
 from typing import Any, cast
 
@@ -44,7 +45,7 @@ from pydantic import Field, ValidationError, model_validator
 from starlette.responses import JSONResponse, Response
 
 from minisgl.api.dialects.openai import OpenAISampling
-from minisgl.api.errors import HTTP_BAD_REQUEST, HTTP_SERVICE_UNAVAILABLE, RequestError
+from minisgl.api.errors import RequestError
 from minisgl.api.pipeline import Choice, Run, ServingContext
 from minisgl.api.request import SAMPLING_NAMES, ApiRequest, WireModel, new_id, sampling_of
 from minisgl.api.sse import WireEvent, respond
@@ -239,8 +240,8 @@ async def generate(body: GenerateRequest, request: Request) -> Response:
     await run.prepare()
     shortest = min(len(ids) for ids in run.prompts)
     if body.return_logprob and body.logprob_start_len >= max(shortest, 1):
-        message = f"logprob_start_len: must be below the prompt's length ({shortest} tokens)"
-        raise RequestError(HTTP_BAD_REQUEST, message, param="logprob_start_len")
+        message = f"must be below the prompt's length ({shortest} tokens)"
+        raise InvalidRequestError("logprob_start_len", message)
     run.submit(request)
     return await respond(run, generate_events(run, body), body.stream, fold_generate)
 
@@ -333,7 +334,7 @@ for path, handler in (("server_info", _server_info), ("model_info", _model_info)
 async def get_load(request: Request) -> Response:
     stats = await request.app.state.ctx.engine.stats(LOAD_STATS_TIMEOUT_S)
     if stats is None:
-        raise RequestError(HTTP_SERVICE_UNAVAILABLE, SCHEDULER_SILENT)
+        raise RequestError(HTTPStatus.SERVICE_UNAVAILABLE, SCHEDULER_SILENT)
     queued = stats.stats.num_queue_reqs
     load = {
         "dp_rank": 0,  # the server's one rank (replicas are separate workers)
@@ -351,13 +352,13 @@ async def get_load(request: Request) -> Response:
 async def flush_cache(request: Request) -> Response:
     reply = await request.app.state.ctx.engine.flush_cache(FLUSH_CACHE_TIMEOUT_S)
     if reply is None:
-        raise RequestError(HTTP_SERVICE_UNAVAILABLE, SCHEDULER_SILENT)
+        raise RequestError(HTTPStatus.SERVICE_UNAVAILABLE, SCHEDULER_SILENT)
     if not reply.flushed:
-        raise RequestError(HTTP_BAD_REQUEST, reply.message)
+        raise RequestError(HTTPStatus.BAD_REQUEST, reply.message)
     return Response("Cache flushed.\n", media_type="text/plain")
 
 
 @router.get("/health_generate")
 async def health_generate(request: Request) -> Response:
     ok = await _engine_answers(request.app.state.ctx, HEALTH_GENERATE_TIMEOUT_S)
-    return Response(status_code=200 if ok else HTTP_SERVICE_UNAVAILABLE)
+    return Response(status_code=200 if ok else HTTPStatus.SERVICE_UNAVAILABLE)
