@@ -127,7 +127,7 @@ def create_app(
             args=args,
             tokenizer=tokenizer,
             engine=engine,
-            metrics=ServerMetrics(lambda: engine.last_stats),
+            metrics=metrics,
             served_model_name=served_model_name(args),
             accepted_model_names=accepted_model_names(args),
             limits=ModelLimits(info.max_model_len, info.vocab_size, info.kv_capacity_tokens),
@@ -153,14 +153,9 @@ def create_app(
     app.state.lifecycle = Lifecycle()
     app.state.model_info = sglang.model_info(args, str(model_path), str(tokenizer_path))
     app.state.responses = responses.ResponseStore()
-
-    def count_response(handler: str, method: str, status: int) -> None:
-        ctx = getattr(app.state, "ctx", None)  # made once the scheduler answers
-        if ctx is not None:
-            ctx.metrics.http_requests.labels(handler, method, str(status)).inc()
-
+    metrics = ServerMetrics(lambda: app.state.ctx.engine.last_stats)  # read once serving
     limit = args.max_request_body_bytes
-    app.add_middleware(Gate, app.state.lifecycle, args.api_key, limit, count_response)
+    app.add_middleware(Gate, app.state.lifecycle, args.api_key, limit, metrics.count_response)
 
     # The dialects' routes join the app's own (include_router would nest them behind one
     # route, which the middleware's per-route counter could not see through).
@@ -173,7 +168,7 @@ def create_app(
         return Response(status_code=200 if reply is not None else HTTPStatus.SERVICE_UNAVAILABLE)
 
     @app.get("/metrics")
-    async def metrics(request: Request) -> Response:
+    async def prometheus_metrics(request: Request) -> Response:
         ctx = request.app.state.ctx
         await ctx.engine.stats(METRICS_STATS_TIMEOUT_S)  # refreshes engine.last_stats
         return Response(ctx.metrics.render(), media_type="text/plain; version=0.0.4")

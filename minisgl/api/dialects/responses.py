@@ -39,7 +39,7 @@ from minisgl.api.dialects.responses_items import (
 )
 from minisgl.api.errors import RequestError
 from minisgl.api.pipeline import Run
-from minisgl.api.request import ApiRequest, SamplingWire, new_id, sampling_of
+from minisgl.api.request import ApiRequest, ChatWire, new_id, sampling_of
 from minisgl.api.sse import EventBuffer, WireEvent, respond, sse_event
 from minisgl.chat import ChatPrompt, ReplyBlocks, with_reasoning_effort
 from minisgl.core import FinishReason, InvalidRequestError
@@ -60,38 +60,32 @@ MAX_STORED_CHARS = 64 * 1024 * 1024
 MAX_LISTED_ITEMS = 100
 
 
-class ResponsesRequest(SamplingWire):
-    model: str | None = None
+class ResponsesRequest(ChatWire):
     input: str | list[Any]
     instructions: str | None = None
     previous_response_id: str | None = None
     max_output_tokens: int | None = None
     top_logprobs: int | None = None
     include: list[str] | None = None
-    tools: list[Any] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool = True
     text: dict[str, Any] | None = None
     reasoning: dict[str, Any] | None = None
-    stream: bool = False
     store: bool = True
     metadata: dict[str, str] | None = None
     user: str | None = None
     truncation: str | None = None
     background: bool = False
     stop: str | list[str] | None = None  # an extra, as vLLM's
-    chat_template_kwargs: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _refuse_unsupported(self) -> ResponsesRequest:
         if self.background:
-            raise InvalidRequestError(
-                "background", "is not supported: a response runs while its request is open"
-            )
+            message = "is not supported: a response runs while its request is open"
+            raise InvalidRequestError("background", message)
         if self.truncation not in (None, "disabled"):
-            raise InvalidRequestError(
-                "truncation", "only 'disabled' is supported (a prompt that is too long is a 400)"
-            )
+            message = "only 'disabled' is supported (a prompt that is too long is a 400)"
+            raise InvalidRequestError("truncation", message)
         return self
 
     @property

@@ -249,10 +249,9 @@ async def generate(body: GenerateRequest, request: Request) -> Response:
 def _reported_path(given: str | None, resolved: str) -> str:
     """As SGLang reports it: a hub id as typed (another machine's gateway can fetch it), a local
     folder as an absolute path (a relative one means nothing to another process's cwd)."""
-    if given is None:  # the bundled default model: only its converted folder exists
-        return str(Path(resolved).resolve())
-    if Path(given).expanduser().is_dir():
-        return str(Path(given).expanduser().resolve())
+    # None: the bundled default model, of which only the converted folder exists.
+    if given is None or Path(given).expanduser().is_dir():
+        return str(Path(given or resolved).expanduser().resolve())
     return given
 
 
@@ -332,18 +331,18 @@ for path, handler in (("server_info", _server_info), ("model_info", _model_info)
 
 @router.get("/get_load")
 async def get_load(request: Request) -> Response:
-    stats = await request.app.state.ctx.engine.stats(LOAD_STATS_TIMEOUT_S)
-    if stats is None:
+    ctx = request.app.state.ctx
+    reply = await ctx.engine.stats(LOAD_STATS_TIMEOUT_S)
+    if reply is None:
         raise RequestError(HTTPStatus.SERVICE_UNAVAILABLE, SCHEDULER_SILENT)
-    queued = stats.stats.num_queue_reqs
+    stats = reply.stats
     load = {
         "dp_rank": 0,  # the server's one rank (replicas are separate workers)
-        "num_reqs": stats.stats.num_running_reqs + queued,
-        "num_waiting_reqs": queued,
+        "num_reqs": stats.num_running_reqs + stats.num_queue_reqs,
+        "num_waiting_reqs": stats.num_queue_reqs,
         # KV tokens held by running requests (cached prefixes nobody uses are free to evict and
         # do not count); prompts still waiting are not counted.
-        "num_tokens": (stats.stats.num_total_pages - stats.stats.num_free_pages)
-        * request.app.state.ctx.args.page_size,
+        "num_tokens": (stats.num_total_pages - stats.num_free_pages) * ctx.args.page_size,
     }
     return JSONResponse([load])
 
