@@ -267,8 +267,8 @@ async def message_events(run: Run, body: MessagesRequest) -> AsyncIterator[WireE
     blocks = ReplyBlocks(sink)
     model = body.model or run.ctx.served_model_name
     usage = {"input_tokens": len(run.prompts[0]), "output_tokens": 0}
-    start = {"id": run.id, "type": "message", "role": "assistant", "model": model, "content": []}
-    start |= {"stop_reason": None, "stop_sequence": None, "usage": usage}
+    start: dict[str, Any] = {"id": run.id, "type": "message", "role": "assistant", "model": model}
+    start |= {"content": [], "stop_reason": None, "stop_sequence": None, "usage": usage}
     sink.events.emit("message_start", message=start)
     sink.events.emit("ping")
     async for event in run.events():
