@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import Any
 
@@ -18,35 +19,27 @@ from minisgl.runtime.engine_client import BackendUnavailable
 logger = logging.getLogger(__name__)
 
 
-def error_dict(
-    message: str,
-    err_type: str = "invalid_request_error",
-    param: str | None = None,
-    code: Any = None,
-) -> dict[str, Any]:
+def error_dict(message: str, err_type: str, param: str | None, code: Any) -> dict[str, Any]:
     """OpenAI's error body; `code` carries the HTTP status (as vLLM and SGLang send it)."""
     return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
 
 
+@dataclass(eq=False)  # compared and hashed as the exception it is
 class RequestError(Exception):
     """Becomes `{"error": {...}}` with this status: the response of a non-streaming request, or
     one error event of a stream (whose HTTP status is already 200)."""
 
-    def __init__(
-        self,
-        status_code: int,
-        message: str,
-        param: str | None = None,
-        err_type: str | None = None,
-        headers: Mapping[str, str] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status_code = status_code
-        self.message = message
-        self.param = param
-        client_error = status_code < HTTPStatus.INTERNAL_SERVER_ERROR
-        self.err_type = err_type or ("invalid_request_error" if client_error else "server_error")
-        self.headers = dict(headers or {})
+    status_code: int
+    message: str
+    param: str | None = None
+    err_type: str = ""  # "": invalid_request_error for a 4xx, server_error for a 5xx
+    headers: Mapping[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        super().__init__(self.message)
+        if not self.err_type:
+            client_error = self.status_code < HTTPStatus.INTERNAL_SERVER_ERROR
+            self.err_type = "invalid_request_error" if client_error else "server_error"
 
     def body(self) -> dict[str, Any]:
         return error_dict(self.message, self.err_type, self.param, self.status_code)
@@ -106,7 +99,7 @@ _ANSWERS: dict[type[Exception], Callable[[Any], RequestError]] = {
     BackendUnavailable: lambda exc: RequestError(HTTPStatus.SERVICE_UNAVAILABLE, str(exc)),
     RequestValidationError: _validation_error,
     # Routing's 404 and 405 (a client error: nothing raises one with a 5xx status).
-    HTTPException: lambda exc: RequestError(exc.status_code, str(exc.detail), headers=exc.headers),
+    HTTPException: lambda exc: RequestError(exc.status_code, exc.detail, headers=exc.headers or {}),
 }
 
 
@@ -132,10 +125,10 @@ def stream_error_body(exc: BaseException, request_id: str) -> dict[str, Any]:
     """The error event that ends a stream early; a bug is logged (with the request id it
     names) and reported as a 500."""
     if isinstance(exc, ChoiceFailed) and not exc.internal:  # the request's failure: no code
-        return error_dict(str(exc))
+        return error_dict(str(exc), exc.err_type, None, None)
     error = as_request_error(exc)
     if error is not None:
         return error.body()
     logger.exception("request %s failed while streaming", request_id, exc_info=exc)
     message = f"internal error while streaming (request id {request_id})"
-    return error_dict(message, "server_error", code=HTTPStatus.INTERNAL_SERVER_ERROR)
+    return RequestError(HTTPStatus.INTERNAL_SERVER_ERROR, message).body()

@@ -54,7 +54,7 @@ async def _send_error(scope: Scope, send: Send, error: RequestError) -> None:
 async def _refuse(scope: Scope, send: Send, refusal: RequestError) -> None:
     """Answer a request refused before the app sees it."""
     if refusal.status_code != HTTPStatus.UNAUTHORIZED:  # its body may still be arriving
-        refusal.headers["Connection"] = "close"
+        refusal.headers = {**refusal.headers, "Connection": "close"}
     await _send_error(scope, send, refusal)
 
 

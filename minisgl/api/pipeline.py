@@ -109,19 +109,15 @@ class Prepared:
 
 def _prepare(ctx: ServingContext, req: ApiRequest) -> Prepared:
     """On the tokenizer thread. Raises InvalidRequestError, or ValueError about the messages."""
-    chat: PreparedChat | None = None
     if isinstance(req.prompt, ChatPrompt):
         chat = prepare_chat(ctx.tokenizer, ctx.chat, req.prompt, req.constraint_fields)
-        prompts = [chat.prompt_ids]
-        constraint, param = chat.constraint, chat.constraint_param
-    else:
-        found = constraint_from_fields(req.constraint_fields)
-        param, constraint = found if found else (None, None)
-        prompts = [
-            list(ctx.tokenizer(item)["input_ids"]) if isinstance(item, str) else list(item)
-            for item in req.prompt
-        ]
-    return Prepared(prompts, chat, constraint, param or "")
+        return Prepared([chat.prompt_ids], chat, chat.constraint, chat.constraint_param or "")
+    param, constraint = constraint_from_fields(req.constraint_fields) or ("", None)
+    prompts = [
+        list(ctx.tokenizer(item)["input_ids"]) if isinstance(item, str) else list(item)
+        for item in req.prompt
+    ]
+    return Prepared(prompts, None, constraint, param)
 
 
 async def prepare(ctx: ServingContext, req: ApiRequest) -> Prepared:
@@ -215,8 +211,8 @@ class Run:
         self.choices: list[Choice] = []
         self._queue: asyncio.Queue = asyncio.Queue()
         self._arrival_time_s = time.perf_counter()
-        self._watcher: asyncio.Task | None = None
-        self._timer: asyncio.TimerHandle | None = None
+        # What `close` cancels: the client watcher, the timeout.
+        self._pending: list[asyncio.Task | asyncio.TimerHandle] = []
 
     @property
     def prompts(self) -> list[list[int]]:
@@ -256,7 +252,7 @@ class Run:
         except BaseException:
             self.close()
             raise
-        self._watcher = asyncio.create_task(self._watch_disconnect(http_request))
+        self._pending.append(asyncio.create_task(self._watch_disconnect(http_request)))
         timeout_s = self.ctx.args.request_timeout_s
         if timeout_s is not None:
             timed_out = RequestError(
@@ -266,7 +262,7 @@ class Run:
                 err_type="timeout_error",
             )
             put = self._queue.put_nowait
-            self._timer = asyncio.get_running_loop().call_later(timeout_s, put, timed_out)
+            self._pending.append(asyncio.get_running_loop().call_later(timeout_s, put, timed_out))
 
     async def _watch_disconnect(self, http_request: Request) -> None:
         # The body is already read, so the next ASGI message is the disconnect (or the end).
@@ -325,10 +321,8 @@ class Run:
 
     def close(self) -> None:
         """Abort every unfinished choice (an early exit) and stop watching the client."""
-        if self._watcher is not None:
-            self._watcher.cancel()
-        if self._timer is not None:
-            self._timer.cancel()
+        for pending in self._pending:
+            pending.cancel()
         for choice in self.choices:
             if not choice.finished:
                 self.ctx.engine.abort(choice.rid)

@@ -102,14 +102,12 @@ def blocks_text(content: Any, where: str, param: str = "messages") -> str:
         return content
     if not isinstance(content, list):
         raise _fail(where, "content must be text or a list of content blocks", param)
-    texts = []
     for j, block in enumerate(content):
         if not isinstance(block, Mapping) or block.get("type") != "text":
             raise _fail(f"{where}.content[{j}]", "must be a text block here", param)
         if not isinstance(block.get("text"), str):
             raise _fail(f"{where}.content[{j}]", "text must be a string", param)
-        texts.append(block["text"])
-    return "".join(texts)
+    return "".join(block["text"] for block in content)
 
 
 def _tool_call(block: Mapping[str, Any], where: str) -> dict[str, Any]:

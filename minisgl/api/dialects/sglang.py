@@ -305,7 +305,6 @@ async def _engine_answers(ctx: ServingContext, timeout_s: float) -> bool:
 
 def _server_info(request: Request) -> dict[str, Any]:
     ctx, info = request.app.state.ctx, request.app.state.model_info
-    args = ctx.args
     return {
         **{key: info[key] for key in ("model_path", "tokenizer_path", "is_generation")},
         "served_model_name": ctx.served_model_name,
@@ -313,9 +312,9 @@ def _server_info(request: Request) -> dict[str, Any]:
         # The KV pool, in tokens; a request's prompt can be at most max_req_input_len.
         "max_total_num_tokens": ctx.limits.kv_capacity_tokens,
         "max_req_input_len": ctx.limits.max_seq_len - 1,
-        "disable_radix_cache": args.cache_type != "radix",
+        "disable_radix_cache": ctx.args.cache_type != "radix",
         "dp_size": 1,  # a minisgl server is one data-parallel rank; replicas are separate workers
-        **{name: getattr(args, name) for name in SERVER_INFO_ARGS},
+        **{name: getattr(ctx.args, name) for name in SERVER_INFO_ARGS},
         "version": _version(),
     }
 
