@@ -61,7 +61,6 @@ class ChoiceFailed(RequestError):
     def __init__(self, message: str, internal: bool = False) -> None:
         status = HTTPStatus.INTERNAL_SERVER_ERROR if internal else HTTPStatus.BAD_REQUEST
         super().__init__(status, message)
-        self.internal = internal
 
 
 # A dialect that answers errors in its own shape registers it for its path prefix; everything
@@ -124,7 +123,8 @@ EXCEPTION_HANDLERS: dict[int | type[Exception], Any] = dict.fromkeys(_ANSWERS, e
 def stream_error_body(exc: BaseException, request_id: str) -> dict[str, Any]:
     """The error event that ends a stream early; a bug is logged (with the request id it
     names) and reported as a 500."""
-    if isinstance(exc, ChoiceFailed) and not exc.internal:  # the request's failure: no code
+    # The request's own failure (not the server's) carries no code.
+    if isinstance(exc, ChoiceFailed) and exc.status_code < HTTPStatus.INTERNAL_SERVER_ERROR:
         return error_dict(str(exc), exc.err_type, None, None)
     error = as_request_error(exc)
     if error is not None:

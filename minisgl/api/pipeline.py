@@ -187,6 +187,13 @@ class Choice:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    def parse(self, output: DetokenizedOutput) -> ChatDelta:
+        """The output as the reply's delta (chat: reasoning and tool calls split off)."""
+        if self.parser is None:
+            return ChatDelta(content=output.text)
+        final = output.finish_reason is not None
+        return self.parser.feed(output.text, output.num_new_tokens, final)
+
 
 @dataclass
 class Event:
@@ -284,7 +291,7 @@ class Run:
             self._update(choice, output)
             if output.finish_reason == FinishReason.ERROR:
                 raise ChoiceFailed(output.error or "request failed", output.internal_error)
-            yield Event(choice, output, self._parse(choice, output))
+            yield Event(choice, output, choice.parse(output))
 
     def _update(self, choice: Choice, output: DetokenizedOutput) -> None:
         now_s = time.perf_counter()
@@ -311,13 +318,6 @@ class Run:
             choice.error = output.error
             metrics.e2e_request_latency_s.observe(now_s - self._arrival_time_s)
             metrics.request_finished(output.finish_reason)
-
-    @staticmethod
-    def _parse(choice: Choice, output: DetokenizedOutput) -> ChatDelta:
-        if choice.parser is None:
-            return ChatDelta(content=output.text)
-        final = output.finish_reason is not None
-        return choice.parser.feed(output.text, output.num_new_tokens, final)
 
     def close(self) -> None:
         """Abort every unfinished choice (an early exit) and stop watching the client."""

@@ -196,8 +196,7 @@ async def chat_events(run: Run, body: ChatCompletionRequest) -> AsyncIterator[Wi
             stop = stop_reason(run.params[0][0], output.matched_stop)
             yield chunk(base, choice.index, finish, stop, delta=delta, logprobs=logprobs)
     if body.stream_usage or not body.stream:
-        usage = usage_dict(run, run.reasoning_tokens)
-        yield None, {**base, "choices": [], "usage": usage}
+        yield None, {**base, "choices": [], "usage": usage_dict(run, run.reasoning_tokens)}
 
 
 def accumulate(total: dict[str, Any], delta: dict[str, Any]) -> dict[str, Any]:

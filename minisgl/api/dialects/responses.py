@@ -25,7 +25,7 @@ from http import HTTPStatus
 from typing import Any, Literal
 
 from fastapi import APIRouter, Query, Request
-from pydantic import model_validator
+from pydantic import Field, model_validator
 from starlette.responses import Response
 
 from minisgl.api.dialects.openai import chat_logprobs
@@ -53,7 +53,7 @@ ALIASES = {
 # The response's fields that are the request's, as it sent them.
 ECHOED_FIELDS = (
     *("instructions", "max_output_tokens", "parallel_tool_calls", "previous_response_id"),
-    *("store", "user"),
+    *("metadata", "store", "top_logprobs", "user"),
 )
 MAX_STORED_RESPONSES = 1024
 MAX_STORED_CHARS = 64 * 1024 * 1024
@@ -65,14 +65,14 @@ class ResponsesRequest(ChatWire):
     instructions: str | None = None
     previous_response_id: str | None = None
     max_output_tokens: int | None = None
-    top_logprobs: int | None = None
+    top_logprobs: int = 0
     include: list[str] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool = True
     text: dict[str, Any] | None = None
     reasoning: dict[str, Any] | None = None
     store: bool = True
-    metadata: dict[str, str] | None = None
+    metadata: dict[str, str] = Field(default_factory=dict)
     user: str | None = None
     truncation: str | None = None
     background: bool = False
@@ -102,7 +102,7 @@ class ResponsesRequest(ChatWire):
         turns = [*history, *input_messages(self.input)]
         system = [{"role": "system", "content": self.instructions}] if self.instructions else []
         sampling, wire_names = sampling_of(self, ALIASES)
-        sampling["logprobs"] = (self.top_logprobs or 0) if self.wants_logprobs else None
+        sampling["logprobs"] = self.top_logprobs if self.wants_logprobs else None
         prompt = ChatPrompt(
             system + turns,
             chat_tools(self.tools),
@@ -131,10 +131,13 @@ class ResponseStore:
     max_entries: int = MAX_STORED_RESPONSES
     max_chars: int = MAX_STORED_CHARS
     _entries: OrderedDict[str, StoredResponse] = field(default_factory=OrderedDict, init=False)
-    _chars: int = field(default=0, init=False)
 
     def __len__(self) -> int:
         return len(self._entries)
+
+    @property
+    def size_chars(self) -> int:
+        return sum(entry.size_chars for entry in self._entries.values())
 
     def put(self, response: dict[str, Any], conversation: list[Any], items: list[Any]) -> None:
         size = sum(len(json.dumps(part)) for part in (response, conversation, items))
@@ -142,10 +145,8 @@ class ResponseStore:
             return  # larger than the whole store: keeping it would evict everything else
         self.delete(response["id"])
         self._entries[response["id"]] = StoredResponse(response, conversation, items, size)
-        self._chars += size
-        while len(self._entries) > self.max_entries or self._chars > self.max_chars:
-            _, oldest = self._entries.popitem(last=False)
-            self._chars -= oldest.size_chars
+        while len(self._entries) > self.max_entries or self.size_chars > self.max_chars:
+            self._entries.popitem(last=False)
 
     def get(self, response_id: str) -> StoredResponse | None:
         entry = self._entries.get(response_id)
@@ -154,9 +155,7 @@ class ResponseStore:
         return entry
 
     def delete(self, response_id: str) -> None:
-        entry = self._entries.pop(response_id, None)
-        if entry is not None:
-            self._chars -= entry.size_chars
+        self._entries.pop(response_id, None)
 
 
 class Turn:
@@ -177,14 +176,12 @@ class Turn:
             "object": "response",
             "created_at": int(time.time()),
             "background": False,
-            "metadata": body.metadata or {},
             "model": body.model or run.ctx.served_model_name,
             "reasoning": {"effort": body.effort, "summary": None},
             "temperature": params.temperature,
             "text": {"format": dict(fmt) if isinstance(fmt, Mapping) else {"type": "text"}},
             "tool_choice": body.tool_choice or "auto",
             "tools": body.tools or [],
-            "top_logprobs": body.top_logprobs or 0,
             "top_p": params.top_p,
             "truncation": "disabled",
             **{name: getattr(body, name) for name in ECHOED_FIELDS},
