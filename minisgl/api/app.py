@@ -29,7 +29,7 @@ from minisgl.chat import ChatSettings
 from minisgl.config import ServerArgs
 from minisgl.limits import ModelLimits
 from minisgl.models.config import load_sampling_defaults
-from minisgl.models.names import accepted_model_names, served_model_name
+from minisgl.models.names import served_model_name
 from minisgl.runtime.engine_client import BACKEND_STOPPED, EngineClient
 from minisgl.runtime.messages import Endpoints, StatsReply
 from minisgl.supervisor import BACKEND_FAILED_SIGNAL, ChildStartupError
@@ -129,7 +129,6 @@ def create_app(
             engine=engine,
             metrics=metrics,
             served_model_name=served_model_name(args),
-            accepted_model_names=accepted_model_names(args),
             limits=ModelLimits(info.max_model_len, info.vocab_size, info.kv_capacity_tokens),
             chat=ChatSettings.resolve(
                 tokenizer,

@@ -127,8 +127,9 @@ class Gate:
             if not status:
                 message = f"internal error (request id {request_id})"
                 headers = {"X-Request-Id": request_id}
-                status = HTTPStatus.INTERNAL_SERVER_ERROR
-                await _send_error(scope, send, RequestError(status, message, headers=headers))
+                error = RequestError(HTTPStatus.INTERNAL_SERVER_ERROR, message, headers=headers)
+                await _send_error(scope, send, error)
+                status = error.status_code
         finally:
             if self.observe is not None and status:
                 method = scope.get("method", "")

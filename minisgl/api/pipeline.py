@@ -38,6 +38,7 @@ from minisgl.config import ServerArgs
 from minisgl.core import Constraint, FinishReason, InvalidRequestError, SamplingParams, TokenLogprob
 from minisgl.grammar import GrammarWorker
 from minisgl.limits import ModelLimits
+from minisgl.models.names import accepted_model_names
 from minisgl.runtime.engine_client import EngineClient
 from minisgl.runtime.messages import DetokenizedOutput, TokenizedRequest
 
@@ -58,7 +59,6 @@ class ServingContext:
     engine: EngineClient
     metrics: ServerMetrics
     served_model_name: str
-    accepted_model_names: frozenset[str]
     limits: ModelLimits
     # Tokenizing a long prompt takes milliseconds: done on this one thread, not on the event loop,
     # so streams of other requests keep flowing. One thread: encodes never run concurrently.
@@ -82,7 +82,7 @@ class ServingContext:
         return GrammarWorker(self.tokenizer, self.limits.vocab_size, self.eos_token_ids, timeout_s)
 
     def check_model(self, model: str | None) -> None:
-        if model is not None and model not in self.accepted_model_names:
+        if model is not None and model not in accepted_model_names(self.args):
             served = f"this server serves `{self.served_model_name}`"
             message = f"The model `{model}` does not exist: {served}."
             raise RequestError(HTTPStatus.NOT_FOUND, message, "model")

@@ -43,7 +43,8 @@ def find_invalid_text(data: Any) -> str | None:
     surrogate such as "\\ud800", which JSON escapes allow): such text cannot be encoded for
     the tokenizer or the other processes. "body" when it is not under a field (a key of the
     body); None if clean. Such a string is what UTF-8 cannot encode: JSON decodes a pair of
-    surrogate escapes into one character, so a surrogate left in a string is a lone one."""
+    surrogate escapes into one character, so a surrogate left in a string is a lone one. (A
+    body nests at most minisgl.jsontext.MAX_JSON_DEPTH deep here: json.dumps recurses.)"""
     # The keys first: a field's name that is not valid text is no place to point at.
     fields = [("body", [*data]), *data.items()] if isinstance(data, dict) else [("body", data)]
     for where, value in fields:
