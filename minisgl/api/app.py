@@ -11,6 +11,7 @@ import signal
 import socket
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
+from http import HTTPStatus
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +21,7 @@ from starlette.responses import Response
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from minisgl.api.dialects import anthropic, completions, openai, responses, sglang, vllm
-from minisgl.api.errors import EXCEPTION_HANDLERS, HTTP_SERVICE_UNAVAILABLE
+from minisgl.api.errors import EXCEPTION_HANDLERS
 from minisgl.api.metrics import ServerMetrics
 from minisgl.api.middleware import CLIENT_TIMEOUT_S, Gate, Lifecycle
 from minisgl.api.pipeline import ServingContext
@@ -28,7 +29,7 @@ from minisgl.chat import ChatSettings
 from minisgl.config import ServerArgs
 from minisgl.limits import ModelLimits
 from minisgl.models.config import load_sampling_defaults
-from minisgl.models.names import accepted_model_names, served_model_name
+from minisgl.models.names import served_model_name
 from minisgl.runtime.engine_client import BACKEND_STOPPED, EngineClient
 from minisgl.runtime.messages import Endpoints, StatsReply
 from minisgl.supervisor import BACKEND_FAILED_SIGNAL, ChildStartupError
@@ -126,9 +127,8 @@ def create_app(
             args=args,
             tokenizer=tokenizer,
             engine=engine,
-            metrics=ServerMetrics(lambda: engine.last_stats),
+            metrics=metrics,
             served_model_name=served_model_name(args),
-            accepted_model_names=accepted_model_names(args),
             limits=ModelLimits(
                 info.max_model_len,
                 info.vocab_size,
@@ -157,14 +157,9 @@ def create_app(
     app.state.lifecycle = Lifecycle()
     app.state.model_info = sglang.model_info(args, str(model_path), str(tokenizer_path))
     app.state.responses = responses.ResponseStore()
-
-    def count_response(handler: str, method: str, status: int) -> None:
-        ctx = getattr(app.state, "ctx", None)  # made once the scheduler answers
-        if ctx is not None:
-            ctx.metrics.http_requests.labels(handler, method, str(status)).inc()
-
+    metrics = ServerMetrics(lambda: app.state.ctx.engine.last_stats)  # read once serving
     limit = args.max_request_body_bytes
-    app.add_middleware(Gate, app.state.lifecycle, args.api_key, limit, count_response)
+    app.add_middleware(Gate, app.state.lifecycle, args.api_key, limit, metrics.count_response)
 
     # The dialects' routes join the app's own (include_router would nest them behind one
     # route, which the middleware's per-route counter could not see through).
@@ -174,10 +169,10 @@ def create_app(
     @app.get("/health")
     async def health(request: Request) -> Response:
         reply = await request.app.state.ctx.engine.stats(HEALTH_TIMEOUT_S)
-        return Response(status_code=200 if reply is not None else HTTP_SERVICE_UNAVAILABLE)
+        return Response(status_code=200 if reply is not None else HTTPStatus.SERVICE_UNAVAILABLE)
 
     @app.get("/metrics")
-    async def metrics(request: Request) -> Response:
+    async def prometheus_metrics(request: Request) -> Response:
         ctx = request.app.state.ctx
         await ctx.engine.stats(METRICS_STATS_TIMEOUT_S)  # refreshes engine.last_stats
         return Response(ctx.metrics.render(), media_type="text/plain; version=0.0.4")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from http import HTTPStatus
 from typing import Any
 
 from fastapi.exceptions import RequestValidationError
@@ -16,45 +18,36 @@ from minisgl.runtime.engine_client import BackendUnavailable
 
 logger = logging.getLogger(__name__)
 
-HTTP_BAD_REQUEST = 400
-HTTP_NOT_FOUND = 404
-HTTP_SERVER_ERROR = 500
-HTTP_SERVICE_UNAVAILABLE = 503
-HTTP_GATEWAY_TIMEOUT = 504
 
-
-def error_dict(
-    message: str,
-    err_type: str = "invalid_request_error",
-    param: str | None = None,
-    code: Any = None,
-) -> dict[str, Any]:
+def error_dict(message: str, err_type: str, param: str | None, code: Any) -> dict[str, Any]:
     """OpenAI's error body; `code` carries the HTTP status (as vLLM and SGLang send it)."""
     return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
 
 
+@dataclass(eq=False)  # compared and hashed as the exception it is
 class RequestError(Exception):
     """Becomes `{"error": {...}}` with this status: the response of a non-streaming request, or
     one error event of a stream (whose HTTP status is already 200)."""
 
-    def __init__(
-        self,
-        status_code: int,
-        message: str,
-        param: str | None = None,
-        err_type: str | None = None,
-        headers: Mapping[str, str] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status_code = status_code
-        self.message = message
-        self.param = param
-        client_error = status_code < HTTP_SERVER_ERROR
-        self.err_type = err_type or ("invalid_request_error" if client_error else "server_error")
-        self.headers = dict(headers or {})
+    status_code: int
+    message: str
+    param: str | None = None
+    err_type: str = ""  # "": invalid_request_error for a 4xx, server_error for a 5xx
+    headers: Mapping[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        super().__init__(self.message)
+        if not self.err_type:
+            client_error = self.status_code < HTTPStatus.INTERNAL_SERVER_ERROR
+            self.err_type = "invalid_request_error" if client_error else "server_error"
 
     def body(self) -> dict[str, Any]:
         return error_dict(self.message, self.err_type, self.param, self.status_code)
+
+    def response(self, path: str) -> JSONResponse:
+        """This error as the endpoint at `path` answers errors."""
+        body = shape_error(path, self.body(), self.status_code)
+        return JSONResponse(body, status_code=self.status_code, headers=self.headers)
 
 
 class ClientDisconnected(Exception):
@@ -66,8 +59,8 @@ class ChoiceFailed(RequestError):
     (a 500 when the server failed the request, a step that raised; else a 400)."""
 
     def __init__(self, message: str, internal: bool = False) -> None:
-        super().__init__(HTTP_SERVER_ERROR if internal else HTTP_BAD_REQUEST, message)
-        self.internal = internal
+        status = HTTPStatus.INTERNAL_SERVER_ERROR if internal else HTTPStatus.BAD_REQUEST
+        super().__init__(status, message)
 
 
 # A dialect that answers errors in its own shape registers it for its path prefix; everything
@@ -89,23 +82,23 @@ def _validation_error(exc: RequestValidationError) -> RequestError:
     loc = [str(part) for part in first.get("loc", ()) if part not in ("body", "query")]
     rule = (first.get("ctx") or {}).get("error")
     if first.get("type") == "json_invalid":
-        return RequestError(HTTP_BAD_REQUEST, "Request body is not valid JSON.")
+        return RequestError(HTTPStatus.BAD_REQUEST, "Request body is not valid JSON.")
     if isinstance(rule, InvalidRequestError):  # raised by one of our own validators
-        return RequestError(HTTP_BAD_REQUEST, str(rule), param=rule.param)
+        return RequestError(HTTPStatus.BAD_REQUEST, str(rule), param=rule.param)
     where = ".".join(loc) or "body"
     message = f"{where}: {first.get('msg', 'invalid value')}"
-    return RequestError(HTTP_BAD_REQUEST, message, param=loc[0] if loc else None)
+    return RequestError(HTTPStatus.BAD_REQUEST, message, param=loc[0] if loc else None)
 
 
 # Each kind of exception that has an error response, and how it becomes one. InvalidRequestError:
 # a rule a dialect's translation broke (the param is its own).
 _ANSWERS: dict[type[Exception], Callable[[Any], RequestError]] = {
     RequestError: lambda exc: exc,
-    InvalidRequestError: lambda exc: RequestError(HTTP_BAD_REQUEST, str(exc), param=exc.param),
-    BackendUnavailable: lambda exc: RequestError(HTTP_SERVICE_UNAVAILABLE, str(exc)),
+    InvalidRequestError: lambda exc: RequestError(HTTPStatus.BAD_REQUEST, str(exc), exc.param),
+    BackendUnavailable: lambda exc: RequestError(HTTPStatus.SERVICE_UNAVAILABLE, str(exc)),
     RequestValidationError: _validation_error,
     # Routing's 404 and 405 (a client error: nothing raises one with a 5xx status).
-    HTTPException: lambda exc: RequestError(exc.status_code, str(exc.detail), headers=exc.headers),
+    HTTPException: lambda exc: RequestError(exc.status_code, exc.detail, headers=exc.headers or {}),
 }
 
 
@@ -120,8 +113,7 @@ async def error_response(request: Request, exc: Exception) -> JSONResponse:
     dialect."""
     error = as_request_error(exc)
     assert error is not None  # registered for the kinds that have an answer
-    shaped = shape_error(request.url.path, error.body(), error.status_code)
-    return JSONResponse(shaped, status_code=error.status_code, headers=error.headers)
+    return error.response(request.url.path)
 
 
 # The app's exception handlers (FastAPI's `exception_handlers`).
@@ -131,11 +123,12 @@ EXCEPTION_HANDLERS: dict[int | type[Exception], Any] = dict.fromkeys(_ANSWERS, e
 def stream_error_body(exc: BaseException, request_id: str) -> dict[str, Any]:
     """The error event that ends a stream early; a bug is logged (with the request id it
     names) and reported as a 500."""
-    if isinstance(exc, ChoiceFailed) and not exc.internal:  # the request's failure: no code
-        return error_dict(str(exc))
+    # The request's own failure (not the server's) carries no code.
+    if isinstance(exc, ChoiceFailed) and exc.status_code < HTTPStatus.INTERNAL_SERVER_ERROR:
+        return error_dict(str(exc), exc.err_type, None, None)
     error = as_request_error(exc)
     if error is not None:
         return error.body()
     logger.exception("request %s failed while streaming", request_id, exc_info=exc)
     message = f"internal error while streaming (request id {request_id})"
-    return error_dict(message, "server_error", code=HTTP_SERVER_ERROR)
+    return RequestError(HTTPStatus.INTERNAL_SERVER_ERROR, message).body()

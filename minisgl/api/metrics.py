@@ -104,5 +104,9 @@ class ServerMetrics:
         if reason == FinishReason.ABORT:
             self.aborted_requests.inc()
 
+    def count_response(self, handler: str, method: str, status: int) -> None:
+        """One HTTP answer, by route template (minisgl.api.middleware.ResponseObserver)."""
+        self.http_requests.labels(handler, method, str(status)).inc()
+
     def render(self) -> bytes:
         return generate_latest(self.registry)

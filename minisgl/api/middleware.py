@@ -14,15 +14,16 @@ import hmac
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from http import HTTPStatus
 
-from starlette.responses import JSONResponse
 from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from minisgl.api.errors import HTTP_SERVER_ERROR, HTTP_SERVICE_UNAVAILABLE, error_dict, shape_error
+from minisgl.api.errors import RequestError
 from minisgl.api.request import new_id
 from minisgl.core import InvalidRequestError
 from minisgl.jsontext import check_json
+from minisgl.runtime.engine_client import SHUTTING_DOWN
 
 logger = logging.getLogger(__name__)
 
@@ -30,10 +31,6 @@ logger = logging.getLogger(__name__)
 # /health_generate runs a generation: it needs the key, as every route that does work.
 METRICS_PATH = "/metrics"
 PROBE_PATHS = frozenset({"/health", METRICS_PATH})
-HTTP_BAD_REQUEST = 400
-HTTP_UNAUTHORIZED = 401
-HTTP_REQUEST_TIMEOUT = 408
-HTTP_PAYLOAD_TOO_LARGE = 413
 # A client that stops sending holds a descriptor and a task: a request's line and headers must
 # arrive whole within this long (minisgl.api.app), its body may pause no longer (as nginx's
 # client_header_timeout and client_body_timeout; 408 for a body).
@@ -50,25 +47,21 @@ class Lifecycle:
     num_open_requests: int = 0  # requests in progress, probes excluded
 
 
-async def _send_error(
-    scope: Scope, send: Send, status: int, message: str, kind: str, headers: dict[str, str]
-) -> None:
-    body = shape_error(scope.get("path", ""), error_dict(message, kind, code=status), status)
-    await JSONResponse(body, status_code=status, headers=headers)(scope, _no_receive, send)
+async def _send_error(scope: Scope, send: Send, error: RequestError) -> None:
+    await error.response(scope.get("path", ""))(scope, _no_receive, send)
 
 
-async def _refuse(scope: Scope, send: Send, message: str, kind: str, status: int) -> None:
-    # A refused body may still be arriving: the connection closes (but after a 401).
-    headers = {} if status == HTTP_UNAUTHORIZED else {"Connection": "close"}
-    await _send_error(scope, send, status, message, kind, headers)
+async def _refuse(scope: Scope, send: Send, refusal: RequestError) -> None:
+    """Answer a request refused before the app sees it."""
+    if refusal.status_code != HTTPStatus.UNAUTHORIZED:  # its body may still be arriving
+        refusal.headers = {**refusal.headers, "Connection": "close"}
+    await _send_error(scope, send, refusal)
 
 
 async def _no_receive() -> Message:
     return {"type": "http.disconnect"}
 
 
-# A request refused before the app sees it: (message, error type, status code).
-Refusal = tuple[str, str, int]
 # Called once per answered request: (route template, method, status code).
 ResponseObserver = Callable[[str, str, int], None]
 UNMATCHED_ROUTE = "unmatched"
@@ -134,8 +127,9 @@ class Gate:
             if not status:
                 message = f"internal error (request id {request_id})"
                 headers = {"X-Request-Id": request_id}
-                await _send_error(scope, send, HTTP_SERVER_ERROR, message, "server_error", headers)
-                status = HTTP_SERVER_ERROR
+                error = RequestError(HTTPStatus.INTERNAL_SERVER_ERROR, message, headers=headers)
+                await _send_error(scope, send, error)
+                status = error.status_code
         finally:
             if self.observe is not None and status:
                 method = scope.get("method", "")
@@ -145,8 +139,7 @@ class Gate:
     async def _admit(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope.get("path", "")
         if self.lifecycle.draining and path != METRICS_PATH:
-            message = "The server is shutting down."
-            await _refuse(scope, send, message, "server_error", HTTP_SERVICE_UNAVAILABLE)
+            await _refuse(scope, send, RequestError(HTTPStatus.SERVICE_UNAVAILABLE, SHUTTING_DOWN))
             return
         if path in PROBE_PATHS:
             await self.app(scope, receive, send)
@@ -154,10 +147,10 @@ class Gate:
         self.lifecycle.num_open_requests += 1
         try:
             headers = dict(scope["headers"])
-            # The body, or why the request is refused (a Refusal tuple).
+            # The body, or why the request is refused.
             body = self._header_refusal(headers) or await self._read_body(headers, receive)
-            if isinstance(body, tuple):
-                await _refuse(scope, send, *body)
+            if isinstance(body, RequestError):
+                await _refuse(scope, send, body)
                 return
             pending = [body]
 
@@ -168,37 +161,40 @@ class Gate:
         finally:
             self.lifecycle.num_open_requests -= 1
 
-    def _header_refusal(self, headers: dict[bytes, bytes]) -> Refusal | None:
+    def _header_refusal(self, headers: dict[bytes, bytes]) -> RequestError | None:
         if not self._allowed(headers):
-            return "Invalid or missing API key.", "authentication_error", HTTP_UNAUTHORIZED
+            message = "Invalid or missing API key."
+            return RequestError(HTTPStatus.UNAUTHORIZED, message, err_type="authentication_error")
         if b"content-length" in headers and b"transfer-encoding" in headers:  # RFC 9112 6.3
             message = "A request may not carry both Content-Length and Transfer-Encoding."
-            return message, "invalid_request_error", HTTP_BAD_REQUEST
+            return RequestError(HTTPStatus.BAD_REQUEST, message)
         return None
 
-    async def _read_body(self, headers: dict[bytes, bytes], receive: Receive) -> Message | Refusal:
+    async def _read_body(
+        self, headers: dict[bytes, bytes], receive: Receive
+    ) -> Message | RequestError:
         """The whole body as one message, checked (`check_json`, on a thread: a 32 MiB body
         takes ~0.7 s, and other requests' streams keep flowing); or why it is refused."""
         too_large = f"Request body too large: the limit is {self.max_body_bytes} bytes."
         declared = headers.get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
-            return too_large, "invalid_request_error", HTTP_PAYLOAD_TOO_LARGE
+            return RequestError(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, too_large)
         body = bytearray()
         while True:
             try:
                 message = await asyncio.wait_for(receive(), CLIENT_TIMEOUT_S)
             except TimeoutError:
                 stalled = f"The request body stopped arriving for {CLIENT_TIMEOUT_S:g} s."
-                return stalled, "invalid_request_error", HTTP_REQUEST_TIMEOUT
+                return RequestError(HTTPStatus.REQUEST_TIMEOUT, stalled)
             if message["type"] != "http.request":
                 return message  # the client left before sending it all: the app sees it
             body += message.get("body", b"")
             if len(body) > self.max_body_bytes:
-                return too_large, "invalid_request_error", HTTP_PAYLOAD_TOO_LARGE
+                return RequestError(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, too_large)
             if not message.get("more_body", False):
                 break
         try:
             data = await asyncio.to_thread(check_json, bytes(body)) if body else b""
         except InvalidRequestError as exc:
-            return str(exc), "invalid_request_error", HTTP_BAD_REQUEST
+            return RequestError(HTTPStatus.BAD_REQUEST, str(exc))
         return {"type": "http.request", "body": data, "more_body": False}

@@ -16,19 +16,13 @@ import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from http import HTTPStatus
 from typing import Any, TypeVar, cast
 
 from starlette.requests import Request
 from transformers import PreTrainedTokenizerBase
 
-from minisgl.api.errors import (
-    HTTP_BAD_REQUEST,
-    HTTP_GATEWAY_TIMEOUT,
-    HTTP_SERVICE_UNAVAILABLE,
-    ChoiceFailed,
-    ClientDisconnected,
-    RequestError,
-)
+from minisgl.api.errors import ChoiceFailed, ClientDisconnected, RequestError
 from minisgl.api.metrics import ServerMetrics
 from minisgl.api.request import ApiRequest, choice_params
 from minisgl.chat import (
@@ -44,6 +38,7 @@ from minisgl.config import ServerArgs
 from minisgl.core import Constraint, FinishReason, InvalidRequestError, SamplingParams, TokenLogprob
 from minisgl.grammar import GrammarWorker
 from minisgl.limits import ModelLimits, check_prompt_size
+from minisgl.models.names import accepted_model_names
 from minisgl.runtime.engine_client import EngineClient
 from minisgl.runtime.messages import DetokenizedOutput, TokenizedRequest
 from minisgl.scheduler.policy import api_key_tenant
@@ -66,7 +61,6 @@ class ServingContext:
     engine: EngineClient
     metrics: ServerMetrics
     served_model_name: str
-    accepted_model_names: frozenset[str]
     limits: ModelLimits
     # Tokenizing a long prompt takes milliseconds to seconds: done on these threads, not on the
     # event loop, so streams of other requests keep flowing, and on more than one, so a huge
@@ -92,9 +86,10 @@ class ServingContext:
         return GrammarWorker(self.tokenizer, self.limits.vocab_size, self.eos_token_ids, timeout_s)
 
     def check_model(self, model: str | None) -> None:
-        if model is not None and model not in self.accepted_model_names:
+        if model is not None and model not in accepted_model_names(self.args):
             served = f"this server serves `{self.served_model_name}`"
-            raise RequestError(404, f"The model `{model}` does not exist: {served}.", "model")
+            message = f"The model `{model}` does not exist: {served}."
+            raise RequestError(HTTPStatus.NOT_FOUND, message, "model")
 
     @functools.cached_property
     def token_text(self) -> Callable[[int], str]:
@@ -118,19 +113,15 @@ class Prepared:
 
 def _prepare(ctx: ServingContext, req: ApiRequest) -> Prepared:
     """On the tokenizer thread. Raises InvalidRequestError, or ValueError about the messages."""
-    chat: PreparedChat | None = None
     if isinstance(req.prompt, ChatPrompt):
         chat = prepare_chat(ctx.tokenizer, ctx.chat, req.prompt, req.constraint_fields)
-        prompts = [chat.prompt_ids]
-        constraint, param = chat.constraint, chat.constraint_param
-    else:
-        found = constraint_from_fields(req.constraint_fields)
-        param, constraint = found if found else (None, None)
-        prompts = [
-            list(ctx.tokenizer(item)["input_ids"]) if isinstance(item, str) else list(item)
-            for item in req.prompt
-        ]
-    return Prepared(prompts, chat, constraint, param or "")
+        return Prepared([chat.prompt_ids], chat, chat.constraint, chat.constraint_param or "")
+    param, constraint = constraint_from_fields(req.constraint_fields) or ("", None)
+    prompts = [
+        list(ctx.tokenizer(item)["input_ids"]) if isinstance(item, str) else list(item)
+        for item in req.prompt
+    ]
+    return Prepared(prompts, None, constraint, param)
 
 
 async def prepare(ctx: ServingContext, req: ApiRequest) -> Prepared:
@@ -153,7 +144,7 @@ async def prepare(ctx: ServingContext, req: ApiRequest) -> Prepared:
     except ValueError as exc:  # about the messages
         param = req.wire("messages")
         message = f"{param}: {exc}" if param != "messages" else str(exc)
-        raise RequestError(HTTP_BAD_REQUEST, message, param=param) from None
+        raise RequestError(HTTPStatus.BAD_REQUEST, message, param=param) from None
 
 
 def admit(ctx: ServingContext, req: ApiRequest) -> None:
@@ -162,7 +153,7 @@ def admit(ctx: ServingContext, req: ApiRequest) -> None:
     num_sequences, most = req.num_prompts * req.n, ctx.args.max_sequences_per_request
     if num_sequences > most:
         raise RequestError(
-            HTTP_BAD_REQUEST,
+            HTTPStatus.BAD_REQUEST,
             f"this request asks for {num_sequences} sequences ({req.num_prompts} prompts x "
             f"n={req.n}); the server allows at most {most}",
             param="n" if req.n > most else req.prompt_param,
@@ -175,7 +166,7 @@ def check_capacity(ctx: ServingContext, num_sequences: int) -> None:
     in_flight_bound = ctx.args.max_running_requests + ctx.args.max_queued_requests
     if ctx.engine.num_active_requests + num_sequences > in_flight_bound:
         raise RequestError(
-            HTTP_SERVICE_UNAVAILABLE,
+            HTTPStatus.SERVICE_UNAVAILABLE,
             "The server is overloaded: its request queue is full. Please retry later.",
             err_type="server_overloaded",
             headers={"Retry-After": str(QUEUE_FULL_RETRY_AFTER_S)},
@@ -205,6 +196,13 @@ class Choice:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    def parse(self, output: DetokenizedOutput) -> ChatDelta:
+        """The output as the reply's delta (chat: reasoning and tool calls split off)."""
+        if self.parser is None:
+            return ChatDelta(content=output.text)
+        final = output.finish_reason is not None
+        return self.parser.feed(output.text, output.num_new_tokens, final)
+
 
 @dataclass
 class Event:
@@ -229,8 +227,8 @@ class Run:
         self.choices: list[Choice] = []
         self._queue: asyncio.Queue = asyncio.Queue()
         self._arrival_time_s = time.perf_counter()
-        self._watcher: asyncio.Task | None = None
-        self._timer: asyncio.TimerHandle | None = None
+        # What `close` cancels: the client watcher, the timeout.
+        self._pending: list[asyncio.Task | asyncio.TimerHandle] = []
 
     @property
     def prompts(self) -> list[list[int]]:
@@ -271,17 +269,17 @@ class Run:
         except BaseException:
             self.close()
             raise
-        self._watcher = asyncio.create_task(self._watch_disconnect(http_request))
+        self._pending.append(asyncio.create_task(self._watch_disconnect(http_request)))
         timeout_s = self.ctx.args.request_timeout_s
         if timeout_s is not None:
             timed_out = RequestError(
-                HTTP_GATEWAY_TIMEOUT,
+                HTTPStatus.GATEWAY_TIMEOUT,
                 f"The request did not finish within the server's timeout ({timeout_s:g} s) "
                 "and was aborted.",
                 err_type="timeout_error",
             )
             put = self._queue.put_nowait
-            self._timer = asyncio.get_running_loop().call_later(timeout_s, put, timed_out)
+            self._pending.append(asyncio.get_running_loop().call_later(timeout_s, put, timed_out))
 
     async def _watch_disconnect(self, http_request: Request) -> None:
         # The body is already read, so the next ASGI message is the disconnect (or the end).
@@ -303,7 +301,7 @@ class Run:
             self._update(choice, output)
             if output.finish_reason == FinishReason.ERROR:
                 raise ChoiceFailed(output.error or "request failed", output.internal_error)
-            yield Event(choice, output, self._parse(choice, output))
+            yield Event(choice, output, choice.parse(output))
 
     def _update(self, choice: Choice, output: DetokenizedOutput) -> None:
         now_s = time.perf_counter()
@@ -331,19 +329,10 @@ class Run:
             metrics.e2e_request_latency_s.observe(now_s - self._arrival_time_s)
             metrics.request_finished(output.finish_reason)
 
-    @staticmethod
-    def _parse(choice: Choice, output: DetokenizedOutput) -> ChatDelta:
-        if choice.parser is None:
-            return ChatDelta(content=output.text)
-        final = output.finish_reason is not None
-        return choice.parser.feed(output.text, output.num_new_tokens, final)
-
     def close(self) -> None:
         """Abort every unfinished choice (an early exit) and stop watching the client."""
-        if self._watcher is not None:
-            self._watcher.cancel()
-        if self._timer is not None:
-            self._timer.cancel()
+        for pending in self._pending:
+            pending.cancel()
         for choice in self.choices:
             if not choice.finished:
                 self.ctx.engine.abort(choice.rid)

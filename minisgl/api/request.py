@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -22,15 +21,11 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, model_validator
 
-from minisgl.api.errors import HTTP_BAD_REQUEST, RequestError
 from minisgl.chat import ChatPrompt
 from minisgl.core import Constraint, InvalidRequestError, SamplingParams
 from minisgl.limits import ModelLimits, check_request, resolve_max_tokens
 
 SAMPLING_NAMES = frozenset(f.name for f in dataclasses.fields(SamplingParams))
-# JSON decodes a pair of surrogate escapes into one character: a surrogate left in a string
-# is a lone one, which UTF-8 cannot encode.
-LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def new_id(prefix: str, sep: str = "-") -> str:
@@ -46,26 +41,17 @@ def function_call(call_id: str, name: str, arguments: str) -> dict[str, Any]:
 def find_invalid_text(data: Any) -> str | None:
     """The top-level field of a JSON value holding a string that is not valid Unicode (a lone
     surrogate such as "\\ud800", which JSON escapes allow): such text cannot be encoded for
-    the tokenizer or the other processes. "body" when it is not under a field; None if clean.
-    Iterative, so any nesting depth costs no recursion; the walk runs only when encoding the
-    whole value at C speed finds such text (a 30 MB body of a million messages: 0.1 s, not 10)."""
-    try:
-        json.dumps(data, ensure_ascii=False).encode()
-        return None
-    except (UnicodeEncodeError, TypeError):  # or not plain JSON values: walk it
-        pass
-    stack: list[tuple[str, Any]] = [("body", data)]
-    if isinstance(data, dict):
-        stack = [(str(key), value) for key, value in data.items()]
-        stack += [("body", key) for key in data]
-    while stack:
-        where, value = stack.pop()
-        if isinstance(value, str) and not value.isascii() and LONE_SURROGATE.search(value):
-            return where
-        if isinstance(value, dict):  # its keys are text too
-            stack.extend((where, item) for item in [*value, *value.values()])
-        elif isinstance(value, list):
-            stack.extend((where, item) for item in value)
+    the tokenizer or the other processes. "body" when it is not under a field (a key of the
+    body); None if clean. Such a string is what UTF-8 cannot encode: JSON decodes a pair of
+    surrogate escapes into one character, so a surrogate left in a string is a lone one. (A
+    body nests at most minisgl.jsontext.MAX_JSON_DEPTH deep here: json.dumps recurses.)"""
+    # The keys first: a field's name that is not valid text is no place to point at.
+    fields = [("body", [*data]), *data.items()] if isinstance(data, dict) else [("body", data)]
+    for where, value in fields:
+        try:
+            json.dumps(value, ensure_ascii=False, default=str).encode()
+        except UnicodeEncodeError:
+            return str(where)
     return None
 
 
@@ -88,9 +74,12 @@ class WireModel(BaseModel):
 
 
 class SamplingWire(WireModel):
-    """The sampling fields every generation dialect takes under SamplingParams' own names:
-    OpenAI's temperature and top_p, and the extras vLLM and SGLang accept everywhere."""
+    """What every generation dialect takes: the model, `stream`, and the sampling fields under
+    SamplingParams' own names (OpenAI's temperature and top_p, and the extras vLLM and SGLang
+    accept everywhere)."""
 
+    model: str | None = None
+    stream: bool = False
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
@@ -104,6 +93,14 @@ class SamplingWire(WireModel):
     min_tokens: int | None = None  # no EOS, stop token or stop string before this many
     ignore_eos: bool = False
     priority: int | None = None  # --enable-priority-scheduling: larger goes sooner
+
+
+class ChatWire(SamplingWire):
+    """What every chat dialect takes beside its messages (checked with clear messages in
+    minisgl.chat.requests)."""
+
+    tools: list[Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 def sampling_of(
@@ -154,10 +151,9 @@ class ApiRequest:
     def prompt_param(self) -> str:
         return self.wire("messages" if isinstance(self.prompt, ChatPrompt) else "prompt")
 
-    def invalid(self, exc: InvalidRequestError) -> RequestError:
-        """A 400 for a broken rule, `param` named as this dialect's clients spell it."""
-        param = self.wire(exc.param)
-        return RequestError(HTTP_BAD_REQUEST, f"{param}: {exc.message}", param=param)
+    def invalid(self, exc: InvalidRequestError) -> InvalidRequestError:
+        """A broken rule (a 400), `param` named as this dialect's clients spell it."""
+        return InvalidRequestError(self.wire(exc.param), exc.message)
 
 
 def choice_params(

@@ -19,6 +19,8 @@ if TYPE_CHECKING:
 
 # A dialect's wire events: (SSE event name or None, payload).
 WireEvent = tuple[str | None, dict[str, Any]]
+# A dialect's frames that end a stream which failed, from the error's body (OpenAI's shape).
+ErrorFrames = Callable[[dict[str, Any]], list[str]]
 
 
 class EventBuffer:
@@ -57,9 +59,7 @@ def sse_event(data: Any, name: str | None = None) -> str:
 
 
 async def stream_frames(
-    run: Run,
-    events: AsyncIterator[WireEvent],
-    error_frames: Callable[[dict[str, Any]], list[str]] | None = None,
+    run: Run, events: AsyncIterator[WireEvent], error_frames: ErrorFrames | None = None
 ) -> AsyncIterator[str]:
     """The events as server-sent events. Whatever ends the stream early reaches the client as
     the dialect's `error_frames`; a client that left gets nothing. None: OpenAI's streams, which
@@ -84,7 +84,7 @@ async def respond(
     events: AsyncIterator[WireEvent],
     stream: bool,
     fold: Callable[[list[dict[str, Any]]], dict[str, Any] | list[Any]],
-    error_frames: Callable[[dict[str, Any]], list[str]] | None = None,
+    error_frames: ErrorFrames | None = None,
 ) -> Response:
     """A stream of the events, or their fold: the reply of a non-streaming request."""
     if stream:

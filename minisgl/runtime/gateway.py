@@ -19,12 +19,11 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.parse
 from collections.abc import Callable
 from typing import Any
 
 from minisgl.config import DataParallelArgs, ServerArgs
-from minisgl.runtime.launch import STOP_GRACE_S, http_url
+from minisgl.runtime.launch import STOP_GRACE_S, WILDCARD_HOSTS, http_url
 from minisgl.supervisor import WATCH_INTERVAL_S, StartupError, prepare_exec_child
 
 logger = logging.getLogger("minisgl")
@@ -70,6 +69,7 @@ class Gateway:
 
     def __init__(self, args: ServerArgs, dp: DataParallelArgs, worker_urls: list[str]) -> None:
         self.url = http_url(args.host, args.port)
+        self._host = WILDCARD_HOSTS.get(args.host, args.host)  # where its control plane answers
         self._command = gateway_command(args, dp, worker_urls)
         self._worker_urls = set(worker_urls)
         self._args = args
@@ -95,8 +95,7 @@ class Gateway:
 
     def _control(self, path: str, method: str = "GET") -> dict[str, Any]:
         """A call to its control plane; {} when it does not answer (not listening yet, ...)."""
-        where = urllib.parse.urlsplit(self.url)
-        conn = http.client.HTTPConnection(where.hostname or "", where.port, timeout=HTTP_TIMEOUT_S)
+        conn = http.client.HTTPConnection(self._host, self._args.port, timeout=HTTP_TIMEOUT_S)
         headers = {"Authorization": f"Bearer {self._args.api_key}"} if self._args.api_key else {}
         try:
             conn.connect()

@@ -31,7 +31,7 @@ from starlette.responses import Response
 from minisgl import jsontext
 from minisgl.api.errors import ERROR_SHAPES
 from minisgl.api.pipeline import Choice, Run, prepare
-from minisgl.api.request import ApiRequest, SamplingWire, function_call, new_id, sampling_of
+from minisgl.api.request import ApiRequest, ChatWire, function_call, new_id, sampling_of
 from minisgl.api.sse import EventBuffer, WireEvent, respond, sse_event
 from minisgl.chat import CALL, REASONING, ChatPrompt, ReplyBlocks
 from minisgl.chat.tool_parsers import ToolCallDelta
@@ -60,18 +60,14 @@ def anthropic_error(status_code: Any, message: str) -> dict[str, Any]:
 ERROR_SHAPES[PATH_PREFIX] = anthropic_error
 
 
-class MessagesRequest(SamplingWire):
-    model: str | None = None
+class MessagesRequest(ChatWire):
     messages: list[Any]
     max_tokens: int  # required, as Anthropic has it
     system: str | list[Any] | None = None
     stop_sequences: list[str] | None = None
-    stream: bool = False
-    tools: list[Any] | None = None
     tool_choice: dict[str, Any] | None = None
     thinking: dict[str, Any] | None = None
     metadata: dict[str, Any] | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
 
     def to_api(self) -> ApiRequest:
         text = blocks_text(self.system or "", "system", param="system")
@@ -107,14 +103,12 @@ def blocks_text(content: Any, where: str, param: str = "messages") -> str:
         return content
     if not isinstance(content, list):
         raise _fail(where, "content must be text or a list of content blocks", param)
-    texts = []
     for j, block in enumerate(content):
         if not isinstance(block, Mapping) or block.get("type") != "text":
             raise _fail(f"{where}.content[{j}]", "must be a text block here", param)
         if not isinstance(block.get("text"), str):
             raise _fail(f"{where}.content[{j}]", "text must be a string", param)
-        texts.append(block["text"])
-    return "".join(texts)
+    return "".join(block["text"] for block in content)
 
 
 def _tool_call(block: Mapping[str, Any], where: str) -> dict[str, Any]:
@@ -204,9 +198,8 @@ def chat_tool_choice(choice: dict[str, Any] | None) -> str | dict[str, Any] | No
         return TOOL_CHOICES[kind]
     if kind == "tool" and isinstance(choice.get("name"), str):
         return {"type": "function", "function": {"name": choice["name"]}}
-    raise InvalidRequestError(
-        "tool_choice", "must be {'type': 'auto' | 'any' | 'none'} or {'type': 'tool', 'name'}"
-    )
+    message = "must be {'type': 'auto' | 'any' | 'none'} or {'type': 'tool', 'name'}"
+    raise InvalidRequestError("tool_choice", message)
 
 
 def tool_input(arguments: str) -> dict[str, Any]:
@@ -273,11 +266,9 @@ async def message_events(run: Run, body: MessagesRequest) -> AsyncIterator[WireE
     blocks = ReplyBlocks(sink)
     model = body.model or run.ctx.served_model_name
     usage = {"input_tokens": len(run.prompts[0]), "output_tokens": 0}
-    start = {"id": run.id, "type": "message", "role": "assistant", "model": model, "content": []}
-    sink.events.emit(
-        "message_start",
-        message={**start, "stop_reason": None, "stop_sequence": None, "usage": usage},
-    )
+    start: dict[str, Any] = {"id": run.id, "type": "message", "role": "assistant", "model": model}
+    start |= {"content": [], "stop_reason": None, "stop_sequence": None, "usage": usage}
+    sink.events.emit("message_start", message=start)
     sink.events.emit("ping")
     async for event in run.events():
         blocks.feed(event.delta)
@@ -293,9 +284,8 @@ async def message_events(run: Run, body: MessagesRequest) -> AsyncIterator[WireE
         "cache_read_input_tokens": cached,
         "output_tokens": completion,
     }
-    sink.events.emit(
-        "message_delta", delta={"stop_reason": reason, "stop_sequence": sequence}, usage=usage
-    )
+    stop = {"stop_reason": reason, "stop_sequence": sequence}
+    sink.events.emit("message_delta", delta=stop, usage=usage)
     sink.events.emit("message_stop")
     for wire_event in sink.events.take():
         yield wire_event

@@ -151,4 +151,4 @@ router = APIRouter()
 async def create_completion(body: CompletionRequest, request: Request) -> Response:
     run = await Run(request.app.state.ctx, body.to_api(), new_id("cmpl")).start(request)
     fold = functools.partial(fold_completion, with_logprobs=body.logprobs is not None)
-    return await respond(run, completion_events(run, body), bool(body.stream), fold)
+    return await respond(run, completion_events(run, body), body.stream, fold)

@@ -21,7 +21,7 @@ from pydantic import Field, model_validator
 from starlette.responses import Response
 
 from minisgl.api.pipeline import Run, ServingContext
-from minisgl.api.request import ApiRequest, SamplingWire, WireModel, new_id, sampling_of
+from minisgl.api.request import ApiRequest, ChatWire, SamplingWire, WireModel, new_id, sampling_of
 from minisgl.api.sse import WireEvent, respond
 from minisgl.chat import ChatDelta, ChatPrompt, with_reasoning_effort
 from minisgl.chat.requests import CONSTRAINT_FIELDS
@@ -42,13 +42,11 @@ class StreamOptions(WireModel):
 class OpenAISampling(SamplingWire):
     """The fields chat and text completions share. None means "the default"."""
 
-    model: str | None = None
     max_tokens: int | None = None
     stop: str | list[str] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False  # vLLM: the stop string stays in the text
     n: int = Field(default=1, ge=1, le=MAX_CHOICES_PER_REQUEST)
-    stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     # Structured outputs (minisgl.chat.requests): at most one of these per request.
@@ -77,17 +75,14 @@ class OpenAISampling(SamplingWire):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
-class ChatCompletionRequest(OpenAISampling):
+class ChatCompletionRequest(OpenAISampling, ChatWire):
     # Content checks (roles, text parts) happen in minisgl.tokenizer.chat with clear messages.
     messages: list[Any]
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    # Checked with clear messages in minisgl.chat.requests.
-    tools: list[Any] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool = True
-    chat_template_kwargs: dict[str, Any] | None = None
     separate_reasoning: bool = True  # SGLang: false keeps the reasoning inside the content
     # OpenAI's: reaches the template as `reasoning_effort` (as in vLLM); "none" also turns a
     # hybrid model's thinking off (Qwen3's enable_thinking=false) unless the request sets it.
@@ -201,8 +196,7 @@ async def chat_events(run: Run, body: ChatCompletionRequest) -> AsyncIterator[Wi
             stop = stop_reason(run.params[0][0], output.matched_stop)
             yield chunk(base, choice.index, finish, stop, delta=delta, logprobs=logprobs)
     if body.stream_usage or not body.stream:
-        usage = usage_dict(run, run.reasoning_tokens)
-        yield None, {**base, "choices": [], "usage": usage}
+        yield None, {**base, "choices": [], "usage": usage_dict(run, run.reasoning_tokens)}
 
 
 def accumulate(total: dict[str, Any], delta: dict[str, Any]) -> dict[str, Any]:
@@ -268,7 +262,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     assert run.prepared.chat is not None
     with_reasoning = run.prepared.chat.reasoning_parser is not None
     fold = functools.partial(fold_chat, with_reasoning=with_reasoning)
-    return await respond(run, chat_events(run, body), bool(body.stream), fold)
+    return await respond(run, chat_events(run, body), body.stream, fold)
 
 
 def _model_card(ctx: ServingContext) -> dict[str, Any]:

@@ -21,10 +21,11 @@ import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
+from http import HTTPStatus
 from typing import Any, Literal
 
 from fastapi import APIRouter, Query, Request
-from pydantic import model_validator
+from pydantic import Field, model_validator
 from starlette.responses import Response
 
 from minisgl.api.dialects.openai import chat_logprobs
@@ -36,9 +37,9 @@ from minisgl.api.dialects.responses_items import (
     input_messages,
     response_format,
 )
-from minisgl.api.errors import HTTP_BAD_REQUEST, HTTP_NOT_FOUND, HTTP_SERVER_ERROR, RequestError
+from minisgl.api.errors import RequestError
 from minisgl.api.pipeline import Run
-from minisgl.api.request import ApiRequest, SamplingWire, new_id, sampling_of
+from minisgl.api.request import ApiRequest, ChatWire, new_id, sampling_of
 from minisgl.api.sse import EventBuffer, WireEvent, respond, sse_event
 from minisgl.chat import ChatPrompt, ReplyBlocks, with_reasoning_effort
 from minisgl.core import FinishReason, InvalidRequestError
@@ -52,45 +53,39 @@ ALIASES = {
 # The response's fields that are the request's, as it sent them.
 ECHOED_FIELDS = (
     *("instructions", "max_output_tokens", "parallel_tool_calls", "previous_response_id"),
-    *("store", "user"),
+    *("metadata", "store", "top_logprobs", "user"),
 )
 MAX_STORED_RESPONSES = 1024
 MAX_STORED_CHARS = 64 * 1024 * 1024
 MAX_LISTED_ITEMS = 100
 
 
-class ResponsesRequest(SamplingWire):
-    model: str | None = None
+class ResponsesRequest(ChatWire):
     input: str | list[Any]
     instructions: str | None = None
     previous_response_id: str | None = None
     max_output_tokens: int | None = None
-    top_logprobs: int | None = None
+    top_logprobs: int = 0
     include: list[str] | None = None
-    tools: list[Any] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool = True
     text: dict[str, Any] | None = None
     reasoning: dict[str, Any] | None = None
-    stream: bool = False
     store: bool = True
-    metadata: dict[str, str] | None = None
+    metadata: dict[str, str] = Field(default_factory=dict)
     user: str | None = None
     truncation: str | None = None
     background: bool = False
     stop: str | list[str] | None = None  # an extra, as vLLM's
-    chat_template_kwargs: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _refuse_unsupported(self) -> ResponsesRequest:
         if self.background:
-            raise InvalidRequestError(
-                "background", "is not supported: a response runs while its request is open"
-            )
+            message = "is not supported: a response runs while its request is open"
+            raise InvalidRequestError("background", message)
         if self.truncation not in (None, "disabled"):
-            raise InvalidRequestError(
-                "truncation", "only 'disabled' is supported (a prompt that is too long is a 400)"
-            )
+            message = "only 'disabled' is supported (a prompt that is too long is a 400)"
+            raise InvalidRequestError("truncation", message)
         return self
 
     @property
@@ -107,7 +102,7 @@ class ResponsesRequest(SamplingWire):
         turns = [*history, *input_messages(self.input)]
         system = [{"role": "system", "content": self.instructions}] if self.instructions else []
         sampling, wire_names = sampling_of(self, ALIASES)
-        sampling["logprobs"] = (self.top_logprobs or 0) if self.wants_logprobs else None
+        sampling["logprobs"] = self.top_logprobs if self.wants_logprobs else None
         prompt = ChatPrompt(
             system + turns,
             chat_tools(self.tools),
@@ -136,7 +131,10 @@ class ResponseStore:
     max_entries: int = MAX_STORED_RESPONSES
     max_chars: int = MAX_STORED_CHARS
     _entries: OrderedDict[str, StoredResponse] = field(default_factory=OrderedDict, init=False)
-    _chars: int = field(default=0, init=False)
+
+    @property
+    def size_chars(self) -> int:
+        return sum(entry.size_chars for entry in self._entries.values())
 
     def put(self, response: dict[str, Any], conversation: list[Any], items: list[Any]) -> None:
         size = sum(len(json.dumps(part)) for part in (response, conversation, items))
@@ -144,10 +142,8 @@ class ResponseStore:
             return  # larger than the whole store: keeping it would evict everything else
         self.delete(response["id"])
         self._entries[response["id"]] = StoredResponse(response, conversation, items, size)
-        self._chars += size
-        while len(self._entries) > self.max_entries or self._chars > self.max_chars:
-            _, oldest = self._entries.popitem(last=False)
-            self._chars -= oldest.size_chars
+        while len(self._entries) > self.max_entries or self.size_chars > self.max_chars:
+            self._entries.popitem(last=False)
 
     def get(self, response_id: str) -> StoredResponse | None:
         entry = self._entries.get(response_id)
@@ -156,9 +152,7 @@ class ResponseStore:
         return entry
 
     def delete(self, response_id: str) -> None:
-        entry = self._entries.pop(response_id, None)
-        if entry is not None:
-            self._chars -= entry.size_chars
+        self._entries.pop(response_id, None)
 
 
 class Turn:
@@ -179,14 +173,12 @@ class Turn:
             "object": "response",
             "created_at": int(time.time()),
             "background": False,
-            "metadata": body.metadata or {},
             "model": body.model or run.ctx.served_model_name,
             "reasoning": {"effort": body.effort, "summary": None},
             "temperature": params.temperature,
             "text": {"format": dict(fmt) if isinstance(fmt, Mapping) else {"type": "text"}},
             "tool_choice": body.tool_choice or "auto",
             "tools": body.tools or [],
-            "top_logprobs": body.top_logprobs or 0,
             "top_p": params.top_p,
             "truncation": "disabled",
             **{name: getattr(body, name) for name in ECHOED_FIELDS},
@@ -245,7 +237,8 @@ class Turn:
         error = body["error"]
         param = error.get("param")
         self.events.emit("error", code=error["type"], message=error["message"], param=param)
-        client_error = isinstance(error.get("code"), int) and error["code"] < HTTP_SERVER_ERROR
+        status = error.get("code")
+        client_error = isinstance(status, int) and status < HTTPStatus.INTERNAL_SERVER_ERROR
         code = "invalid_prompt" if client_error else "server_error"
         failure = {"code": code, "message": error["message"]}
         self.events.emit("response.failed", response=self.response("failed", failure))
@@ -258,7 +251,7 @@ def stored(store: ResponseStore, response_id: str, param: str = "response_id") -
     if entry is None:
         kept = "responses are kept in this server's memory while it runs, when store is true"
         message = f"{param}: no stored response {response_id!r} ({kept})"
-        raise RequestError(HTTP_NOT_FOUND, message, param=param)
+        raise RequestError(HTTPStatus.NOT_FOUND, message, param=param)
     return entry
 
 
@@ -305,7 +298,8 @@ def list_input_items(
     if after is not None:
         ids = [item["id"] for item in items]
         if after not in ids:
-            raise RequestError(HTTP_BAD_REQUEST, f"after: no input item {after!r}", "after")
+            message = f"after: no input item {after!r}"
+            raise RequestError(HTTPStatus.BAD_REQUEST, message, "after")
         items = items[ids.index(after) + 1 :]
     page = items[:limit]
     return {

@@ -164,9 +164,8 @@ def chat_tool_choice(choice: str | dict[str, Any] | None) -> str | dict[str, Any
     if isinstance(choice, Mapping):
         if choice.get("type") == "function" and isinstance(choice.get("name"), str):
             return {"type": "function", "function": {"name": choice["name"]}}
-        raise InvalidRequestError(
-            "tool_choice", "must be 'none', 'auto', 'required' or {'type': 'function', 'name'}"
-        )
+        message = "must be 'none', 'auto', 'required' or {'type': 'function', 'name'}"
+        raise InvalidRequestError("tool_choice", message)
     return choice
 
 

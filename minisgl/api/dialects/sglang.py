@@ -35,6 +35,7 @@ import importlib.metadata
 import json
 import time
 from collections.abc import AsyncIterator, Mapping
+from http import HTTPStatus
 from pathlib import Path
 from typing import Any, cast
 
@@ -44,7 +45,7 @@ from pydantic import Field, ValidationError, model_validator
 from starlette.responses import JSONResponse, Response
 
 from minisgl.api.dialects.openai import OpenAISampling
-from minisgl.api.errors import HTTP_BAD_REQUEST, HTTP_SERVICE_UNAVAILABLE, RequestError
+from minisgl.api.errors import RequestError
 from minisgl.api.pipeline import Choice, Run, ServingContext
 from minisgl.api.request import SAMPLING_NAMES, ApiRequest, WireModel, new_id, sampling_of
 from minisgl.api.sse import WireEvent, respond
@@ -240,8 +241,8 @@ async def generate(body: GenerateRequest, request: Request) -> Response:
     await run.prepare(request)
     shortest = min(len(ids) for ids in run.prompts)
     if body.return_logprob and body.logprob_start_len >= max(shortest, 1):
-        message = f"logprob_start_len: must be below the prompt's length ({shortest} tokens)"
-        raise RequestError(HTTP_BAD_REQUEST, message, param="logprob_start_len")
+        message = f"must be below the prompt's length ({shortest} tokens)"
+        raise InvalidRequestError("logprob_start_len", message)
     run.submit(request)
     return await respond(run, generate_events(run, body), body.stream, fold_generate)
 
@@ -249,10 +250,9 @@ async def generate(body: GenerateRequest, request: Request) -> Response:
 def _reported_path(given: str | None, resolved: str) -> str:
     """As SGLang reports it: a hub id as typed (another machine's gateway can fetch it), a local
     folder as an absolute path (a relative one means nothing to another process's cwd)."""
-    if given is None:  # the bundled default model: only its converted folder exists
-        return str(Path(resolved).resolve())
-    if Path(given).expanduser().is_dir():
-        return str(Path(given).expanduser().resolve())
+    # None: the bundled default model, of which only the converted folder exists.
+    if given is None or Path(given).expanduser().is_dir():
+        return str(Path(given or resolved).expanduser().resolve())
     return given
 
 
@@ -306,7 +306,6 @@ async def _engine_answers(ctx: ServingContext, timeout_s: float) -> bool:
 
 def _server_info(request: Request) -> dict[str, Any]:
     ctx, info = request.app.state.ctx, request.app.state.model_info
-    args = ctx.args
     return {
         **{key: info[key] for key in ("model_path", "tokenizer_path", "is_generation")},
         "served_model_name": ctx.served_model_name,
@@ -314,9 +313,9 @@ def _server_info(request: Request) -> dict[str, Any]:
         # The KV pool, in tokens; a request's prompt can be at most max_req_input_len.
         "max_total_num_tokens": ctx.limits.kv_capacity_tokens,
         "max_req_input_len": ctx.limits.max_seq_len - 1,
-        "disable_radix_cache": args.cache_type != "radix",
+        "disable_radix_cache": ctx.args.cache_type != "radix",
         "dp_size": 1,  # a minisgl server is one data-parallel rank; replicas are separate workers
-        **{name: getattr(args, name) for name in SERVER_INFO_ARGS},
+        **{name: getattr(ctx.args, name) for name in SERVER_INFO_ARGS},
         "version": _version(),
     }
 
@@ -332,10 +331,11 @@ for path, handler in (("server_info", _server_info), ("model_info", _model_info)
 
 @router.get("/get_load")
 async def get_load(request: Request) -> Response:
-    reply = await request.app.state.ctx.engine.stats(LOAD_STATS_TIMEOUT_S)
+    ctx = request.app.state.ctx
+    reply = await ctx.engine.stats(LOAD_STATS_TIMEOUT_S)
     if reply is None:
-        raise RequestError(HTTP_SERVICE_UNAVAILABLE, SCHEDULER_SILENT)
-    stats, page_size = reply.stats, request.app.state.ctx.args.page_size
+        raise RequestError(HTTPStatus.SERVICE_UNAVAILABLE, SCHEDULER_SILENT)
+    stats = reply.stats
     load = {
         "dp_rank": 0,  # the server's one rank (replicas are separate workers)
         "num_reqs": stats.num_running_reqs + stats.num_queue_reqs,
@@ -343,7 +343,7 @@ async def get_load(request: Request) -> Response:
         "num_waiting_reqs_by_priority": stats.num_queue_reqs_by_priority,
         # KV tokens held by running requests (cached prefixes nobody uses are free to evict and
         # do not count); prompts still waiting are not counted.
-        "num_tokens": (stats.num_total_pages - stats.num_free_pages) * page_size,
+        "num_tokens": (stats.num_total_pages - stats.num_free_pages) * ctx.args.page_size,
     }
     return JSONResponse([load])
 
@@ -352,13 +352,13 @@ async def get_load(request: Request) -> Response:
 async def flush_cache(request: Request) -> Response:
     reply = await request.app.state.ctx.engine.flush_cache(FLUSH_CACHE_TIMEOUT_S)
     if reply is None:
-        raise RequestError(HTTP_SERVICE_UNAVAILABLE, SCHEDULER_SILENT)
+        raise RequestError(HTTPStatus.SERVICE_UNAVAILABLE, SCHEDULER_SILENT)
     if not reply.flushed:
-        raise RequestError(HTTP_BAD_REQUEST, reply.message)
+        raise RequestError(HTTPStatus.BAD_REQUEST, reply.message)
     return Response("Cache flushed.\n", media_type="text/plain")
 
 
 @router.get("/health_generate")
 async def health_generate(request: Request) -> Response:
     ok = await _engine_answers(request.app.state.ctx, HEALTH_GENERATE_TIMEOUT_S)
-    return Response(status_code=200 if ok else HTTP_SERVICE_UNAVAILABLE)
+    return Response(status_code=200 if ok else HTTPStatus.SERVICE_UNAVAILABLE)
