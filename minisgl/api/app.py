@@ -123,6 +123,7 @@ def create_app(
         tokenizer = await asyncio.to_thread(load_tokenizer, tokenizer_path)
         engine = EngineClient(endpoints)
         info = await _wait_for_scheduler(engine)
+        longest_token_chars = max(map(len, tokenizer.get_vocab()))
         app.state.ctx = ServingContext(
             args=args,
             tokenizer=tokenizer,
@@ -130,10 +131,7 @@ def create_app(
             metrics=metrics,
             served_model_name=served_model_name(args),
             limits=ModelLimits(
-                info.max_model_len,
-                info.vocab_size,
-                info.kv_capacity_tokens,
-                max(map(len, tokenizer.get_vocab())),
+                info.max_model_len, info.vocab_size, info.kv_capacity_tokens, longest_token_chars
             ),
             chat=ChatSettings.resolve(
                 tokenizer,

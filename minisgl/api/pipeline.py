@@ -32,6 +32,7 @@ from minisgl.chat import (
     ChatSettings,
     PreparedChat,
     prepare_chat,
+    prompt_texts,
 )
 from minisgl.chat.requests import constraint_from_fields
 from minisgl.config import ServerArgs
@@ -129,11 +130,7 @@ async def prepare(ctx: ServingContext, req: ApiRequest) -> Prepared:
     thread keeps serving others meanwhile) and parsers; a 400 for any broken rule, named as this
     dialect's clients spell the field."""
     try:
-        prompt = req.prompt
-        if isinstance(prompt, ChatPrompt):
-            check_prompt_size(*prompt.content_texts(), ctx.limits, req.prompt_param)
-        else:
-            check_prompt_size([p for p in prompt if isinstance(p, str)], 0, ctx.limits, "prompt")
+        check_prompt_size(*prompt_texts(req.prompt), ctx.limits, req.prompt_param)
         prepared = await ctx.on_tokenizer_thread(_prepare, ctx, req)
         if prepared.constraint is not None:
             grammar = ctx.grammar.serialize(prepared.constraint, prepared.constraint_param)

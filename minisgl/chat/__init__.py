@@ -17,6 +17,7 @@ from minisgl.chat.prepare import (
     PreparedChat,
     parse_template_kwargs,
     prepare_chat,
+    prompt_texts,
     with_reasoning_effort,
 )
 from minisgl.chat.requests import constraint_from_fields
@@ -35,5 +36,6 @@ __all__ = [
     "constraint_from_fields",
     "parse_template_kwargs",
     "prepare_chat",
+    "prompt_texts",
     "with_reasoning_effort",
 ]

@@ -144,14 +144,17 @@ class ChatPrompt:
     template_kwargs: Mapping[str, Any] | None = None
     separate_reasoning: bool = True  # SGLang: false keeps the reasoning inside the content
 
-    def content_texts(self) -> tuple[list[str], int]:
-        """(the text of the messages' contents, string or text parts; the number of messages):
-        what any template renders at least, known before rendering."""
-        messages = self.messages if isinstance(self.messages, list) else []
-        contents = [m.get("content") for m in messages if isinstance(m, Mapping)]
-        parts = [p for c in contents if isinstance(c, list) for p in c if isinstance(p, Mapping)]
-        texts = [t for t in [*contents, *(p.get("text") for p in parts)] if isinstance(t, str)]
-        return texts, len(messages)
+
+def prompt_texts(prompt: ChatPrompt | list[str] | list[list[int]]) -> tuple[list[str], int]:
+    """(the prompt's text: a chat's message contents, string or text parts; the number of chat
+    messages): what any template renders at least, known before rendering."""
+    if not isinstance(prompt, ChatPrompt):
+        return [p for p in prompt if isinstance(p, str)], 0
+    messages = prompt.messages if isinstance(prompt.messages, list) else []
+    contents = [m.get("content") for m in messages if isinstance(m, Mapping)]
+    parts = [p for c in contents if isinstance(c, list) for p in c if isinstance(p, Mapping)]
+    texts = [t for t in [*contents, *(p.get("text") for p in parts)] if isinstance(t, str)]
+    return texts, len(messages)
 
 
 def with_reasoning_effort(
