@@ -32,7 +32,7 @@ from minisgl.kernels import cpu
 from minisgl.kvcache.pool import KVPool, KVShape
 from minisgl.models.config import load_model_config
 from minisgl.models.llama import CausalLM, local_head_counts
-from minisgl.models.loader import load_weights
+from minisgl.models.loader import gguf_blocks, load_weights
 from minisgl.models.resolve import resolve_model_path_for
 from minisgl.stages import stage
 
@@ -130,10 +130,11 @@ class Engine:
                 model = CausalLM(self.model_config, self.max_model_len + 1)
         finally:
             torch.set_default_dtype(previous)
-        with stage(f"loading the weights of {self.model_path.name}"):
-            load_weights(model, self.model_path)
         # None: not fp32 on the CPU, not buildable here, or MINISGL_CPU_KERNELS=0
         kernels = cpu.kernels_for(self.device, self.dtype)
+        blocks = gguf_blocks(self.args, self.model_path, kernels, f"{self.dtype} on {self.device}")
+        with stage(f"loading the weights of {self.model_path.name}"):
+            load_weights(model, self.model_path, blocks)
         if kernels is not None:
             # The fused decode step does its own attention: only in place of torch-native's.
             model.use_cpu_kernels(kernels, fused_decode=self.backend_name == "torch")

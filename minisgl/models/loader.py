@@ -1,5 +1,11 @@
 """Load HF safetensors checkpoints straight into this rank's shards, one tensor at a time.
 
+A folder with a GGUF file (`GGUF_FILE`: a `--model file.gguf`, the bundled default) loads from it
+instead, under transformers' names for its tensors (and Llama's q/k rows in HF's order, as
+transformers' GGUF loader puts them). `quantized`: its linear and embedding weights stay GGUF
+blocks (`QuantTensor`) where the CPU kernels serve the type, else (one log line per type) fp32
+rows; otherwise every tensor is dequantized, as transformers does.
+
 Every weight the model needs is tracked by the checkpoint tensor name that provides it (hub
 layout: `q_proj`, `experts.3.up_proj`, ...), so a checkpoint that lacks any piece of a merged or
 expert weight fails at load with the missing tensor's name instead of serving garbage.
@@ -7,19 +13,27 @@ expert weight fails at load with the missing tensor's name instead of serving ga
 
 from __future__ import annotations
 
+import functools
+import logging
 import re
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from torch import nn
 
+from minisgl.config import ServerArgs
+from minisgl.kernels.cpu_ops import CpuKernels
+from minisgl.kernels.weights import QuantTensor
 from minisgl.layers.embedding import VocabParallelEmbedding
 from minisgl.layers.linear import ColumnParallelLinear, RowParallelLinear
 from minisgl.layers.moe import DOWN_PIECE, EXPERT_PIECES, GATE_UP_PIECES, Experts
+from minisgl.models.default_model import GGUF_FILE
 from minisgl.models.llama import CausalLM
 from minisgl.models.resolve import checkpoint_files
 
+logger = logging.getLogger(__name__)
 _EXPERT_RE = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 _IGNORED_RE = re.compile(r"rotary_emb\.inv_freq$")
 _MISSING_SHOWN = 8
@@ -54,20 +68,81 @@ def expected_checkpoint_names(model: nn.Module) -> set[str]:
     return names | ({n for n, _ in model.named_parameters()} - claimed)
 
 
-def load_weights(model: CausalLM, model_dir: Path) -> None:
+Weight = torch.Tensor | QuantTensor
+
+
+def _safetensors(model_dir: Path) -> Iterator[tuple[str, Weight]]:
+    for path in checkpoint_files(model_dir):
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                yield name, f.get_tensor(name)
+
+
+def _gguf(model: CausalLM, path: Path, blocks: CpuKernels | None) -> Iterator[tuple[str, Weight]]:
+    import gguf
+
+    reader = gguf.GGUFReader(path)
+    arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
+    arch_ids = {name: arch_id for arch_id, name in gguf.MODEL_ARCH_NAMES.items()}
+    names = gguf.get_tensor_name_map(arch_ids[arch], model.cfg.num_layers)
+    wanted = expected_checkpoint_names(model) | {"lm_head.weight"}  # a tied head's is skipped
+    ours = {names.get_name(n, (".weight", ".bias")): n for n in wanted}
+    for t in reader.tensors:
+        # uint8 [rows, row bytes], or [rows, cols] of F32 / F16 values
+        data, name, qtype = torch.tensor(t.data), ours.get(t.name), int(t.tensor_type)
+        if name is None:
+            raise ValueError(f"GGUF tensor '{t.name}' has no place in {model.cfg.architecture}")
+        if arch == "llama" and re.search(r"\.attn_[qk]\.", t.name):  # llama.cpp's rope order
+            heads = model.cfg.num_heads if ".attn_q." in t.name else model.cfg.num_kv_heads
+            data = data.view(heads, -1, 2, *data.shape[1:]).transpose(1, 2).reshape(data.shape)
+        weight = QuantTensor(qtype, data.view(torch.uint8), int(t.shape[0]))
+        if blocks is None or data.dim() == 1:
+            yield name, weight.dequantize()
+        elif blocks.serves_blocks(qtype):
+            yield name, weight
+        else:
+            _log_dequantized(t.tensor_type.name)
+            yield name, QuantTensor.of_float(weight.dequantize())
+
+
+def gguf_blocks(
+    args: ServerArgs, model_dir: Path, kernels: CpuKernels | None, where: str
+) -> CpuKernels | None:
+    """The kernels to serve a GGUF model's weights as blocks (--quantization), or None."""
+    is_gguf = (model_dir / GGUF_FILE).exists()
+    if args.quantization == "gguf" and (kernels is None or not is_gguf):
+        raise ValueError(
+            "--quantization gguf serves a GGUF model's blocks (--model file.gguf) with the fp32 "
+            f"CPU kernels: not {'possible for ' + where if is_gguf else 'a GGUF model'}"
+        )
+    if not is_gguf or args.quantization == "none":
+        return None
+    if kernels is None or (args.dtype != "auto" and args.quantization == "auto"):
+        logger.info("GGUF weights dequantized to %s (blocks: CPU, --dtype auto)", where)
+        return None
+    return kernels
+
+
+@functools.cache
+def _log_dequantized(type_name: str) -> None:
+    logger.info("GGUF %s weights are dequantized to fp32 at load (not served as blocks)", type_name)
+
+
+def load_weights(model: CausalLM, model_dir: Path, blocks: CpuKernels | None = None) -> None:
+    """`blocks`: GGUF weights stay blocks for these kernels (see the module docstring)."""
     cfg = model.cfg
     params = dict(model.named_parameters(remove_duplicate=False))
     modules = dict(model.named_modules())
     merged = _merged_parts(model)
     loaded: set[str] = set()
-    for path in checkpoint_files(model_dir):
-        with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                if _IGNORED_RE.search(name):
-                    continue
-                if name == "lm_head.weight" and cfg.tie_word_embeddings:
-                    continue  # tied: the embedding already provides it
-                loaded |= _load_one(name, f.get_tensor(name), params, modules, merged)
+    gguf_path = model_dir / GGUF_FILE
+    tensors = _gguf(model, gguf_path, blocks) if gguf_path.exists() else _safetensors(model_dir)
+    for name, tensor in tensors:
+        if _IGNORED_RE.search(name):
+            continue
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue  # tied: the embedding already provides it
+        loaded |= _load_one(name, tensor, params, modules, merged)
     missing = sorted(expected_checkpoint_names(model) - loaded)
     if missing:
         shown = ", ".join(missing[:_MISSING_SHOWN])
@@ -78,9 +153,13 @@ def load_weights(model: CausalLM, model_dir: Path) -> None:
         raise ValueError(f"checkpoint {model_dir} lacks weights: {shown}{more}{hint}")
 
 
+def _dense(t: Weight) -> torch.Tensor:
+    return t.dequantize() if isinstance(t, QuantTensor) else t
+
+
 def _load_one(
     name: str,
-    tensor: torch.Tensor,
+    tensor: Weight,
     params: dict[str, nn.Parameter],
     modules: dict[str, nn.Module],
     merged: dict[str, ColumnParallelLinear],
@@ -88,7 +167,7 @@ def _load_one(
     """Copy one checkpoint tensor into place; returns the checkpoint names it accounts for."""
     expert = _EXPERT_RE.match(name)
     if expert and isinstance(experts := modules.get(expert.group(1)), Experts):
-        experts.load_piece(name, tensor, expert.group(3), int(expert.group(2)))
+        experts.load_piece(name, _dense(tensor), expert.group(3), int(expert.group(2)))
         return {name}
     prefix, _, kind = name.rpartition(".")
     if prefix in merged:  # q_proj.weight, into qkv_proj.weight
@@ -99,7 +178,7 @@ def _load_one(
         raise ValueError(f"unexpected weight '{name}' in checkpoint")
     module, param = modules[prefix], params[name]
     if isinstance(module, Experts):  # fused layout: one tensor holds every expert's piece
-        module.load_fused(name, tensor, param)
+        module.load_fused(name, _dense(tensor), param)
         pieces = GATE_UP_PIECES if kind == "gate_up_proj" else (DOWN_PIECE,)
         return {f"{prefix}.{e}.{p}.weight" for e in range(module.num_experts) for p in pieces}
     if isinstance(module, (RowParallelLinear, VocabParallelEmbedding)):
@@ -109,5 +188,5 @@ def _load_one(
             f"weight '{name}': checkpoint {tuple(tensor.shape)}, model {tuple(param.shape)}"
         )
     else:
-        param.data.copy_(tensor)
+        param.data.copy_(_dense(tensor))
     return {name}
