@@ -36,7 +36,9 @@ HERE = Path(__file__).resolve().parent
 ONLINE = HERE.parent / "online"
 sys.path.insert(0, str(ONLINE))
 
-from bench_common import build_payload, RequestSpec, send_request  # noqa: E402
+from bench_common import RequestSpec, build_payload, send_request  # noqa: E402
+
+from minisgl.models.default_model import default_model_gguf  # noqa: E402
 
 PROMPT = "The history of the city of Paris began"
 READY_TIMEOUT_S = 600.0
@@ -45,12 +47,6 @@ WORKLOAD = [  # RESULTS.md section 10's concurrency-16 run
     "--random-input-len", "160", "--random-range-ratio", "0.5", "--random-output-len", "128",
     "--ignore-eos", "--temperature", "0.7", "--num-warmup", "2", "--disable-tqdm",
 ]  # fmt: skip
-
-
-def bundled_gguf() -> Path:
-    from minisgl.models.default_model import GGUF_FILE_NAME, _gguf_dir
-
-    return _gguf_dir() / GGUF_FILE_NAME
 
 
 def start(name: str, cmd: list[str], log_dir: Path) -> subprocess.Popen:
@@ -133,7 +129,7 @@ def main() -> None:
     p.add_argument("--no-workload", action="store_true", help="batch-1 decode and memory only")
     p.add_argument("--port", type=int, default=19700, help="first of three ports")
     args = p.parse_args()
-    gguf = args.gguf or bundled_gguf()
+    gguf = args.gguf or default_model_gguf()
     log_dir = Path(tempfile.mkdtemp(prefix="bench_gguf-"))
     minisgl = [sys.executable, "-m", "minisgl.server", "--model", str(gguf)]
     servers = {
@@ -148,8 +144,12 @@ def main() -> None:
     env_threads = {"OMP_NUM_THREADS": str(args.threads)}
     os.environ.update(env_threads)
     procs = {name: start(name, cmd, log_dir) for name, cmd in servers.items()}
-    urls = {name: f"http://127.0.0.1:{cmd[cmd.index('--port') + 1]}" for name, cmd in servers.items()}
-    results: dict[str, dict[str, list[float]]] = {n: {"decode": [], "workload": []} for n in servers}
+    urls = {
+        name: f"http://127.0.0.1:{cmd[cmd.index('--port') + 1]}" for name, cmd in servers.items()
+    }
+    results: dict[str, dict[str, list[float]]] = {
+        n: {"decode": [], "workload": []} for n in servers
+    }
     try:
         for name, url in urls.items():
             wait_ready(url, procs[name])

@@ -148,17 +148,10 @@ class CpuKernels:
         assert y.shape == (num_rows, weight.out_features) and y.is_contiguous()
         if num_rows:
             self._lib.mg_linear(
-                x2.data_ptr(),
-                ldx,
-                weight.desc,
-                None if bias is None else bias.data_ptr(),
-                y.data_ptr(),
-                weight.out_features,
-                num_rows,
-                weight.in_features,
-                weight.out_features,
-                torch.get_num_threads(),
-            )
+                x2.data_ptr(), ldx, weight.desc, None if bias is None else bias.data_ptr(),
+                y.data_ptr(), weight.out_features, num_rows, weight.in_features,
+                weight.out_features, torch.get_num_threads(),
+            )  # fmt: skip
         return y.view(*lead, weight.out_features)
 
     # ---- elementwise -----------------------------------------------------------------------
@@ -178,19 +171,10 @@ class CpuKernels:
         if residual is not None:
             assert residual.is_contiguous() and residual.shape == x.shape
         self._lib.mg_rmsnorm(
-            x.data_ptr(),
-            ldx,
-            1,
-            None if residual is None else residual.data_ptr(),
-            hidden,
-            weight.data_ptr(),
-            out.data_ptr(),
-            hidden,
-            num_tokens,
-            hidden,
-            eps,
+            x.data_ptr(), ldx, 1, None if residual is None else residual.data_ptr(), hidden,
+            weight.data_ptr(), out.data_ptr(), hidden, num_tokens, hidden, eps,
             torch.get_num_threads(),
-        )
+        )  # fmt: skip
         return out
 
     def rmsnorm_heads_(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> bool:

@@ -97,8 +97,9 @@ class PackedLinear:
     segments: tuple[tuple[int, int], ...] = ()
 
     @staticmethod
-    def of_blocks(parts: list[QuantTensor]) -> PackedLinear:
-        """The block rows of `parts` (a merged weight's, in order) in one huge-page buffer."""
+    def of_blocks(by_part: dict[int, QuantTensor]) -> PackedLinear:
+        """The block rows of a merged weight's parts, in order, in one huge-page buffer."""
+        parts = [by_part[i] for i in sorted(by_part)]
         assert len(parts) <= MAX_SEGMENTS and len({p.cols for p in parts}) == 1
         blocks = huge_page_zeros((sum(p.data.numel() for p in parts),), torch.uint8)
         torch.cat([p.data.reshape(-1) for p in parts], out=blocks)

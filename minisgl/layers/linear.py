@@ -35,12 +35,9 @@ class PackedWeight(nn.Module):
     def use_cpu_kernels(self, kernels: CpuKernels, keep_weight: bool = False) -> None:
         """Repack the loaded weight for `kernels` (call after loading) and free the original
         unless something else reads it (`keep_weight`)."""
-        quant = self.quant
-        if self.packed is None:  # else: given (a tied head shares the embedding's blocks)
+        if self.packed is None:  # else given: a tied head shares the embedding's blocks
             self.packed = (
-                PackedLinear.of_blocks([quant[i] for i in sorted(quant)])
-                if quant
-                else kernels.pack(self.weight.data)
+                PackedLinear.of_blocks(self.quant) if self.quant else kernels.pack(self.weight.data)
             )
         self._kernels = kernels
         if not keep_weight:
@@ -97,9 +94,8 @@ class ColumnParallelLinear(PackedWeight):
         if isinstance(full, QuantTensor):
             self.quant = {**(self.quant or {}), index: full.rows(start, shard)}
             return
-        param.data.narrow(0, sum(self.shard_sizes[:index]), shard).copy_(
-            full.narrow(0, start, shard)
-        )
+        piece = full.narrow(0, start, shard)
+        param.data.narrow(0, sum(self.shard_sizes[:index]), shard).copy_(piece)
 
 
 class RowParallelLinear(PackedWeight):

@@ -2,9 +2,9 @@
 
 A folder with a GGUF file (`GGUF_FILE`: a `--model file.gguf`, the bundled default) loads from it
 instead, under transformers' names for its tensors (and Llama's q/k rows in HF's order, as
-transformers' GGUF loader puts them). `quantized`: its linear and embedding weights stay GGUF
-blocks (`QuantTensor`) where the CPU kernels serve the type, else (one log line per type) fp32
-rows; otherwise every tensor is dequantized, as transformers does.
+transformers' GGUF loader puts them). With `blocks` (the CPU kernels) its linear and embedding
+weights stay GGUF blocks (`QuantTensor`) where the kernels serve the type, else fp32 rows (one
+log line); without, every tensor is dequantized, as transformers does.
 
 Every weight the model needs is tracked by the checkpoint tensor name that provides it (hub
 layout: `q_proj`, `experts.3.up_proj`, ...), so a checkpoint that lacks any piece of a merged or
@@ -13,7 +13,6 @@ expert weight fails at load with the missing tensor's name instead of serving ga
 
 from __future__ import annotations
 
-import functools
 import logging
 import re
 from collections.abc import Iterator
@@ -81,51 +80,46 @@ def _safetensors(model_dir: Path) -> Iterator[tuple[str, Weight]]:
 def _gguf(model: CausalLM, path: Path, blocks: CpuKernels | None) -> Iterator[tuple[str, Weight]]:
     import gguf
 
-    reader = gguf.GGUFReader(path)
+    reader, cfg, dequantized = gguf.GGUFReader(path), model.cfg, set()
     arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
-    arch_ids = {name: arch_id for arch_id, name in gguf.MODEL_ARCH_NAMES.items()}
-    names = gguf.get_tensor_name_map(arch_ids[arch], model.cfg.num_layers)
+    arch_id = {name: arch_id for arch_id, name in gguf.MODEL_ARCH_NAMES.items()}[arch]
+    names = gguf.get_tensor_name_map(arch_id, cfg.num_layers)
     wanted = expected_checkpoint_names(model) | {"lm_head.weight"}  # a tied head's is skipped
     ours = {names.get_name(n, (".weight", ".bias")): n for n in wanted}
     for t in reader.tensors:
         # uint8 [rows, row bytes], or [rows, cols] of F32 / F16 values
         data, name, qtype = torch.tensor(t.data), ours.get(t.name), int(t.tensor_type)
         if name is None:
-            raise ValueError(f"GGUF tensor '{t.name}' has no place in {model.cfg.architecture}")
+            raise ValueError(f"GGUF tensor '{t.name}' has no place in {cfg.architecture}")
         if arch == "llama" and re.search(r"\.attn_[qk]\.", t.name):  # llama.cpp's rope order
-            heads = model.cfg.num_heads if ".attn_q." in t.name else model.cfg.num_kv_heads
+            heads = cfg.num_heads if ".attn_q." in t.name else cfg.num_kv_heads
             data = data.view(heads, -1, 2, *data.shape[1:]).transpose(1, 2).reshape(data.shape)
         weight = QuantTensor(qtype, data.view(torch.uint8), int(t.shape[0]))
-        if blocks is None or data.dim() == 1:
-            yield name, weight.dequantize()
-        elif blocks.serves_blocks(qtype):
-            yield name, weight
-        else:
-            _log_dequantized(t.tensor_type.name)
-            yield name, QuantTensor.of_float(weight.dequantize())
+        if blocks is not None and data.dim() == 2 and not blocks.serves_blocks(qtype):
+            dequantized.add(t.tensor_type.name)
+            weight = QuantTensor.of_float(weight.dequantize())
+        yield name, weight.dequantize() if blocks is None or data.dim() == 1 else weight
+    if dequantized:
+        shown = ", ".join(sorted(dequantized))
+        logger.info("GGUF %s weights are dequantized to fp32 at load (not served as blocks)", shown)
 
 
 def gguf_blocks(
     args: ServerArgs, model_dir: Path, kernels: CpuKernels | None, where: str
 ) -> CpuKernels | None:
     """The kernels to serve a GGUF model's weights as blocks (--quantization), or None."""
-    is_gguf = (model_dir / GGUF_FILE).exists()
-    if args.quantization == "gguf" and (kernels is None or not is_gguf):
+    is_gguf, wanted = (model_dir / GGUF_FILE).exists(), args.quantization
+    if wanted == "gguf" and (kernels is None or not is_gguf):
+        why = f"possible for {where}" if is_gguf else "a GGUF model (--model file.gguf)"
         raise ValueError(
-            "--quantization gguf serves a GGUF model's blocks (--model file.gguf) with the fp32 "
-            f"CPU kernels: not {'possible for ' + where if is_gguf else 'a GGUF model'}"
+            f"--quantization gguf serves GGUF blocks on the fp32 CPU kernels: not {why}"
         )
-    if not is_gguf or args.quantization == "none":
-        return None
-    if kernels is None or (args.dtype != "auto" and args.quantization == "auto"):
+    blocks = (
+        is_gguf and kernels is not None and (wanted == "gguf" or args.dtype == wanted == "auto")
+    )
+    if is_gguf and wanted == "auto" and not blocks:
         logger.info("GGUF weights dequantized to %s (blocks: CPU, --dtype auto)", where)
-        return None
-    return kernels
-
-
-@functools.cache
-def _log_dequantized(type_name: str) -> None:
-    logger.info("GGUF %s weights are dequantized to fp32 at load (not served as blocks)", type_name)
+    return kernels if blocks else None
 
 
 def load_weights(model: CausalLM, model_dir: Path, blocks: CpuKernels | None = None) -> None:
