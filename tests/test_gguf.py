@@ -91,7 +91,7 @@ def test_block_kernels_match_gguf_dequantize(qtype: T) -> None:
             int(qtype), torch.from_numpy(random_blocks(qtype, rows, cols, rng)), cols
         )
         want_weight = weight.dequantize()
-        packed = PackedLinear.of_blocks([weight])
+        packed = PackedLinear.of_blocks({0: weight})
         assert torch.equal(k.embed(packed, torch.tensor([44, 0, 7])), want_weight[[44, 0, 7]])
         bias = torch.randn(rows)
         for batch in BATCHES:
@@ -111,7 +111,7 @@ def test_merged_segments_and_tensor_parallel_cuts() -> None:
     ]
     parts.append(QuantTensor.of_float(torch.randn(5, 512)))
     want_weight = torch.cat([p.dequantize() for p in parts])
-    packed = PackedLinear.of_blocks(parts)
+    packed = PackedLinear.of_blocks(dict(enumerate(parts)))
     assert packed.out_features == 61 and len(packed.segments) == 4
     for batch in (1, 16):
         x = torch.randn(batch, 512)
@@ -125,7 +125,7 @@ def test_merged_segments_and_tensor_parallel_cuts() -> None:
         assert torch.equal(cut.dequantize(), parts[0].dequantize()[:, start : start + 256])
     odd = QuantTensor.of_float(torch.randn(9, 37))
     x = torch.randn(20, 37)
-    torch.testing.assert_close(k.linear(x, PackedLinear.of_blocks([odd])), x @ odd.dequantize().T)
+    torch.testing.assert_close(k.linear(x, PackedLinear.of_blocks({0: odd})), x @ odd.dequantize().T)
 
 
 LAYER_TYPES = [  # every served type, a merged qkv of two types, one type served dequantized
