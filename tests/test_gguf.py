@@ -2,7 +2,7 @@
 
 The `gguf` package is the oracle: its dequantization, then an fp32 matmul. Every served block
 type against it with random blocks, at the row lengths the models here use and at batch sizes
-of both kernel paths (rows decoded in registers up to 8 rows, panels beyond); then whole models:
+of both kernel paths (rows decoded in registers up to 16 rows, panels beyond); then whole models:
 a tiny GGUF Llama mixing every type (and one the kernels do not serve) as blocks vs dequantized,
 tp 2 vs tp 1, and the bundled SmolLM2 Q4_1 as blocks vs the fp32 dequantized model.
 """
@@ -32,7 +32,7 @@ from tests.conftest import QWEN3_VOCAB, qwen3_tokenizer_dir
 T = GGMLQuantizationType
 SERVED = (T.F32, T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q8_0, T.Q4_K, T.Q6_K)
 ROW_LENGTHS = (256, 576, 1536)  # a K-quant block; SmolLM2's hidden and intermediate sizes
-BATCHES = (1, 3, 8, 16, 97)  # registers (<= 8), panels, more than one panel's chunk of rows
+BATCHES = (1, 3, 8, 16, 40, 97)  # registers (<= 16), panels, more than one chunk of x rows
 WEIGHT_STD = 0.15  # as the tiny HF checkpoints: logits far from uniform
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 PROMPTS = [list(range(200, 205)), list(range(300, 331)), [7, 8, 9, 10]]
@@ -125,7 +125,9 @@ def test_merged_segments_and_tensor_parallel_cuts() -> None:
         assert torch.equal(cut.dequantize(), parts[0].dequantize()[:, start : start + 256])
     odd = QuantTensor.of_float(torch.randn(9, 37))
     x = torch.randn(20, 37)
-    torch.testing.assert_close(k.linear(x, PackedLinear.of_blocks({0: odd})), x @ odd.dequantize().T)
+    torch.testing.assert_close(
+        k.linear(x, PackedLinear.of_blocks({0: odd})), x @ odd.dequantize().T
+    )
 
 
 LAYER_TYPES = [  # every served type, a merged qkv of two types, one type served dequantized

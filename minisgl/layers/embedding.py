@@ -33,7 +33,7 @@ class VocabParallelEmbedding(PackedWeight):
         param.data[:rows].copy_(full.narrow(0, self.vocab_start, rows))
 
     def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
-        if self.quant and self._kernels is not None and self.packed is not None:
+        if self.packed is not None and self.packed.segments and self._kernels is not None:
             return self._kernels.embed(self.packed, ids)
         return F.embedding(ids, self.weight)
 

@@ -39,7 +39,7 @@ class PackedWeight(nn.Module):
             self.packed = (
                 PackedLinear.of_blocks(self.quant) if self.quant else kernels.pack(self.weight.data)
             )
-        self._kernels = kernels
+        self.quant, self._kernels = None, kernels  # blocks live on in `packed` only
         if not keep_weight:
             # An empty placeholder keeps the parameter's name; nothing reads it after loading.
             self.weight = nn.Parameter(self.weight.data.new_empty(0), requires_grad=False)

@@ -80,7 +80,8 @@ def _safetensors(model_dir: Path) -> Iterator[tuple[str, Weight]]:
 def _gguf(model: CausalLM, path: Path, blocks: CpuKernels | None) -> Iterator[tuple[str, Weight]]:
     import gguf
 
-    reader, cfg, dequantized = gguf.GGUFReader(path), model.cfg, set()
+    # copy-on-write: the tensors view the file (no copies; a view written would copy a page)
+    reader, cfg, dequantized = gguf.GGUFReader(path, "c"), model.cfg, set()
     arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
     arch_id = {name: arch_id for arch_id, name in gguf.MODEL_ARCH_NAMES.items()}[arch]
     names = gguf.get_tensor_name_map(arch_id, cfg.num_layers)
@@ -88,7 +89,7 @@ def _gguf(model: CausalLM, path: Path, blocks: CpuKernels | None) -> Iterator[tu
     ours = {names.get_name(n, (".weight", ".bias")): n for n in wanted}
     for t in reader.tensors:
         # uint8 [rows, row bytes], or [rows, cols] of F32 / F16 values
-        data, name, qtype = torch.tensor(t.data), ours.get(t.name), int(t.tensor_type)
+        data, name, qtype = torch.from_numpy(t.data), ours.get(t.name), int(t.tensor_type)
         if name is None:
             raise ValueError(f"GGUF tensor '{t.name}' has no place in {cfg.architecture}")
         if arch == "llama" and re.search(r"\.attn_[qk]\.", t.name):  # llama.cpp's rope order

@@ -248,11 +248,13 @@ static const float* decode_row(int64_t type, const uint8_t* src, int64_t K, floa
 }
 
 /* out[m] = dot(row, x row m) for M <= QDIRECT rows of x, the row decoded in registers (K a
- * multiple of 32). */
-#define QDIRECT 8
+ * multiple of 32). Up to 4 rows, two accumulators each (the FMA latency would bound one); more,
+ * one each (16 accumulators and the decoded block fit AVX-512's 32 registers). */
+#define QDIRECT 16
 static inline __attribute__((always_inline)) void dot_rows(int64_t type, const uint8_t* src,
                                                            int64_t K, const float* x, int64_t ldx,
                                                            const int M, float* out) {
+    const int split = M <= 4;
     v16f acc[QDIRECT][2];
     for (int m = 0; m < M; m++) acc[m][0] = acc[m][1] = (v16f){0};
 #define DOT_ROWS(decode, elems, bytes)                                                           \
@@ -261,13 +263,13 @@ static inline __attribute__((always_inline)) void dot_rows(int64_t type, const u
         decode(BLOCK_AT(src, k, elems, bytes), SUB_AT(k, elems), &lo, &hi);                     \
         for (int m = 0; m < M; m++) {                                                           \
             acc[m][0] += lo * load_f16x(x + m * ldx + k);                                       \
-            acc[m][1] += hi * load_f16x(x + m * ldx + k + 16);                                  \
+            acc[m][split] += hi * load_f16x(x + m * ldx + k + 16);                              \
         }                                                                                       \
     }
     SWITCH_TYPE(type, DOT_ROWS)
 #undef DOT_ROWS
     for (int m = 0; m < M; m++) {
-        const v16f a = acc[m][0] + acc[m][1];
+        const v16f a = split ? acc[m][0] + acc[m][1] : acc[m][0];
         vf s = vload((const float*)&a);
         for (int i = VW; i < 16; i += VW) s += vload((const float*)&a + i);
         out[m] = vsum(s);
@@ -286,9 +288,19 @@ DEFINE_DOT_ROWS(5)
 DEFINE_DOT_ROWS(6)
 DEFINE_DOT_ROWS(7)
 DEFINE_DOT_ROWS(8)
+DEFINE_DOT_ROWS(9)
+DEFINE_DOT_ROWS(10)
+DEFINE_DOT_ROWS(11)
+DEFINE_DOT_ROWS(12)
+DEFINE_DOT_ROWS(13)
+DEFINE_DOT_ROWS(14)
+DEFINE_DOT_ROWS(15)
+DEFINE_DOT_ROWS(16)
 typedef void (*dot_rows_fn)(int64_t, const uint8_t*, int64_t, const float*, int64_t, float*);
 static const dot_rows_fn DOT_ROWS_FNS[QDIRECT + 1] = {
-    0, dot_rows_1, dot_rows_2, dot_rows_3, dot_rows_4, dot_rows_5, dot_rows_6, dot_rows_7, dot_rows_8,
+    0,           dot_rows_1,  dot_rows_2,  dot_rows_3,  dot_rows_4,  dot_rows_5,
+    dot_rows_6,  dot_rows_7,  dot_rows_8,  dot_rows_9,  dot_rows_10, dot_rows_11,
+    dot_rows_12, dot_rows_13, dot_rows_14, dot_rows_15, dot_rows_16,
 };
 
 /* Output row n of w: its bytes, and its type in *type. */
