@@ -251,6 +251,8 @@ static const float* decode_row(int64_t type, const uint8_t* src, int64_t K, floa
  * multiple of 32). Up to 4 rows, two accumulators each (the FMA latency would bound one); more,
  * one each (16 accumulators and the decoded block fit AVX-512's 32 registers). */
 #define QDIRECT 16
+#define X_L1_BYTES (40 << 10) /* x rows larger than this are walked in slices of X_SLICE */
+#define X_SLICE 512            /* elements (a multiple of every block): 32 KiB of 16 rows */
 static inline __attribute__((always_inline)) void dot_rows(int64_t type, const uint8_t* src,
                                                            int64_t K, const float* x, int64_t ldx,
                                                            const int M, float* out) {
@@ -303,17 +305,24 @@ static const dot_rows_fn DOT_ROWS_FNS[QDIRECT + 1] = {
     dot_rows_12, dot_rows_13, dot_rows_14, dot_rows_15, dot_rows_16,
 };
 
+/* Bytes of the first K elements of a row of `type` (K a multiple of its block). */
+static inline int64_t row_bytes(int64_t type, int64_t K) {
+    const int64_t elems = type == GGUF_Q4_K || type == GGUF_Q6_K ? QK_K
+                          : type == GGUF_F32 || type == GGUF_F16 || type == GGUF_BF16 ? 1
+                                                                                      : QK;
+    return K / elems * mg_quant_block_bytes(type);
+}
+
 /* Output row n of w: its bytes, and its type in *type. */
 static const uint8_t* weight_row(const mg_weight* w, int64_t K, int64_t n, int64_t* type) {
     const uint8_t* p = w->data;
     for (int64_t s = 0; s < w->num_segments; s++) {
-        const int64_t t = w->types[s], row_bytes = t == GGUF_Q4_K || t == GGUF_Q6_K ? K / QK_K * mg_quant_block_bytes(t) : t == GGUF_F32 || t == GGUF_F16 || t == GGUF_BF16 ? K * mg_quant_block_bytes(t) : K / QK * mg_quant_block_bytes(t);
         if (n < w->rows[s]) {
             *type = w->types[s];
-            return p + n * row_bytes;
+            return p + n * row_bytes(*type, K);
         }
         n -= w->rows[s];
-        p += w->rows[s] * row_bytes;
+        p += w->rows[s] * row_bytes(w->types[s], K);
     }
     *type = -1;
     return p;
@@ -420,13 +429,24 @@ void quant_range(const void* args, int64_t begin, int64_t end) {
     const linear_args* a = args;
     const int64_t K = a->K;
     if (direct(a)) {
-        for (int64_t n = begin * RG; n < min64(a->N, end * RG); n++) {
-            int64_t type;
-            const uint8_t* src = weight_row(a->w, K, n, &type);
-            float out[QDIRECT];
-            DOT_ROWS_FNS[a->M](type, src, K, a->x, a->ldx, out);
-            for (int64_t m = 0; m < a->M; m++)
-                a->y[m * a->ldy + n] = out[m] + (a->bias ? a->bias[n] : 0.0f);
+        /* K in slices whose x rows stay in L1 across the item's weight rows */
+        const int64_t slice = a->M * K * (int64_t)sizeof(float) <= X_L1_BYTES ? K : X_SLICE;
+        for (int64_t n0 = begin * RG; n0 < min64(a->N, end * RG); n0 += RG) {
+            const int64_t rows = min64(RG, a->N - n0);
+            float sums[RG][QDIRECT] = {{0}};
+            for (int64_t k0 = 0; k0 < K; k0 += slice) {
+                for (int64_t r = 0; r < rows; r++) {
+                    int64_t type;
+                    const uint8_t* src = weight_row(a->w, K, n0 + r, &type);
+                    float out[QDIRECT];
+                    DOT_ROWS_FNS[a->M](type, src + row_bytes(type, k0), min64(slice, K - k0),
+                                       a->x + k0, a->ldx, out);
+                    for (int64_t m = 0; m < a->M; m++) sums[r][m] += out[m];
+                }
+            }
+            for (int64_t r = 0; r < rows; r++)
+                for (int64_t m = 0; m < a->M; m++)
+                    a->y[m * a->ldy + n0 + r] = sums[r][m] + (a->bias ? a->bias[n0 + r] : 0.0f);
         }
         return;
     }
