@@ -368,9 +368,10 @@ static inline void transpose16(v16f r[16]) {
 #undef STAGE
 #undef SHUFFLE_MASKS
 
+/* panel: [K, NB] floats, then K more (a row's scratch) */
 static void decode_panel(const mg_weight* w, int64_t K, int64_t n0, int64_t ncols, float* panel) {
     if (NB % 16 != 0 || K % 32 != 0) { /* narrow vectors, or odd F32 / F16 rows: one by one */
-        float* row = thread_scratch(K + (int64_t)NB * K) + (int64_t)NB * K;
+        float* row = panel + (int64_t)NB * K;
         memset(panel, 0, (size_t)(K * NB) * sizeof(float));
         for (int64_t j = 0; j < ncols; j++) {
             int64_t type;
@@ -450,7 +451,7 @@ void quant_range(const void* args, int64_t begin, int64_t end) {
         }
         return;
     }
-    float* panel = thread_scratch(NB * K);
+    float* panel = thread_scratch((NB + 1) * K);
     const int64_t num_panels = (a->N + NB - 1) / NB;
     int64_t decoded = -1; /* the panel in the scratch: consecutive items often share it */
     for (int64_t item = begin; item < end; item++) {
