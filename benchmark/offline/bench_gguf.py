@@ -23,6 +23,7 @@ import argparse
 import asyncio
 import json
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -127,11 +128,15 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--decode-tokens", type=int, default=256)
     p.add_argument("--no-workload", action="store_true", help="batch-1 decode and memory only")
+    p.add_argument("--kv-cache-gb", type=float, default=None, help="minisgl's KV pool (both)")
+    p.add_argument("--llama-args", default="", help='more llama-server flags, e.g. "--poll 0"')
     p.add_argument("--port", type=int, default=19700, help="first of three ports")
     args = p.parse_args()
     gguf = args.gguf or default_model_gguf()
     log_dir = Path(tempfile.mkdtemp(prefix="bench_gguf-"))
     minisgl = [sys.executable, "-m", "minisgl.server", "--model", str(gguf)]
+    if args.kv_cache_gb is not None:
+        minisgl += ["--kv-cache-gb", str(args.kv_cache_gb)]
     servers = {
         "minisgl blocks": minisgl + ["--port", str(args.port)],
         "minisgl fp32": minisgl + ["--quantization", "none", "--port", str(args.port + 1)],
@@ -140,6 +145,7 @@ def main() -> None:
         servers["llama.cpp"] = [
             args.llama_server, "-m", str(gguf), "-t", str(args.threads), "-tb",
             str(args.threads), "-np", "16", "-c", "16384", "--port", str(args.port + 2),
+            *shlex.split(args.llama_args),
         ]  # fmt: skip
     env_threads = {"OMP_NUM_THREADS": str(args.threads)}
     os.environ.update(env_threads)
