@@ -24,7 +24,12 @@ from minisgl.core import SamplingParams
 from minisgl.kernels import cpu
 from minisgl.kernels.weights import PackedLinear, QuantTensor
 from minisgl.llm import LLM
-from minisgl.models.default_model import GGUF_FILE, GGUF_FILE_NAME, default_model_path
+from minisgl.models.default_model import (
+    GGUF_FILE,
+    GGUF_FILE_NAME,
+    default_model_path,
+    write_gguf_index,
+)
 from minisgl.models.loader import gguf_blocks
 from minisgl.models.resolve import resolve_model_path
 from tests.conftest import QWEN3_VOCAB, qwen3_tokenizer_dir
@@ -175,6 +180,7 @@ def tiny_gguf(tmp_path_factory) -> Path:
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+    write_gguf_index(root / GGUF_FILE, root)
     return root
 
 
@@ -220,7 +226,7 @@ def test_quantization_rules(tmp_path: Path, tiny_models, caplog) -> None:
     k, gguf_dir = kernels(), default_model_path()
     where = "torch.bfloat16 on cpu"
     args = ServerArgs(quantization="gguf")
-    with pytest.raises(ValueError, match="--quantization gguf .* not a GGUF model"):
+    with pytest.raises(ValueError, match="--quantization gguf: .*not a GGUF model"):
         gguf_blocks(args, tiny_models["llama"], k, where)
     with pytest.raises(ValueError, match=f"not possible for {where}"):
         gguf_blocks(args, gguf_dir, None, where)

@@ -112,15 +112,10 @@ class Engine:
                 logger.info("CPU decode steps run padded and op by op (--cuda-graph-max-bs)")
         logger.info(
             "engine ready: %s on %s (%s), attention %s, %d KV pages x %d tokens, "
-            "CUDA graphs up to batch %d",
-            cfg.architecture,
-            self.device,
-            self.dtype,
-            self.backend_name,
-            self.num_pages,
-            self.page_size,
+            "CUDA graphs up to batch %d", cfg.architecture, self.device, self.dtype,
+            self.backend_name, self.num_pages, self.page_size,
             graph_bs if self.stream.is_cuda else 0,
-        )
+        )  # fmt: skip
 
     def _build_model(self) -> CausalLM:
         previous = torch.get_default_dtype()
@@ -139,10 +134,10 @@ class Engine:
             # The fused decode step does its own attention: only in place of torch-native's.
             model.use_cpu_kernels(kernels, fused_decode=self.backend_name == "torch")
             logger.info(
-                "CPU kernels on (%d threads); decode steps %s",
-                torch.get_num_threads(),
+                "CPU kernels on (%d threads, %s weights); decode steps %s",
+                torch.get_num_threads(), "GGUF block" if blocks else "fp32 panel",
                 "in one fused call" if model.cpu_decode_stack is not None else "op by op",
-            )
+            )  # fmt: skip
         return model.eval()
 
     def _graph_max_batch_size(self) -> int:

