@@ -12,7 +12,8 @@
  * activation row, a read stream of the blocks (a fifth to a half of the fp32 weights' bytes).
  * More rows (prefill, large decode batches): the weight rows of one panel are decoded into the
  * fp32 panel layout (linear.c) in a per-thread scratch and multiplied by linear.c's register
- * tiles, each decoded panel serving up to MC activation rows. */
+ * tiles; work items run panel by panel (MC activation rows each), so a panel is decoded once
+ * per batch and thread. */
 #include <stdlib.h>
 #if defined(__F16C__) || defined(__AVX512F__)
 #include <immintrin.h>
@@ -418,7 +419,8 @@ static void decode_panel(const mg_weight* w, int64_t K, int64_t n0, int64_t ncol
 
 /* ---- the linear op ------------------------------------------------------------------------------
  * Up to QDIRECT rows of x: items of RG weight rows, each row decoded in registers and dotted
- * with every x row. More: items of one panel (NB weight rows) times up to MC rows of x. */
+ * with every x row. More: items of one panel (NB weight rows) times up to MC rows of x, in
+ * panel-major order. */
 static int direct(const linear_args* a) { return a->M <= QDIRECT && a->K % 32 == 0; }
 
 int64_t quant_items(const linear_args* a) {
@@ -452,10 +454,10 @@ void quant_range(const void* args, int64_t begin, int64_t end) {
         return;
     }
     float* panel = thread_scratch((NB + 1) * K);
-    const int64_t num_panels = (a->N + NB - 1) / NB;
     int64_t decoded = -1; /* the panel in the scratch: consecutive items often share it */
     for (int64_t item = begin; item < end; item++) {
-        const int64_t p = item % num_panels, m0 = (item / num_panels) * MC, n0 = p * NB;
+        const int64_t chunks = (a->M + MC - 1) / MC; /* panel-major: a panel decoded once */
+        const int64_t p = item / chunks, m0 = (item % chunks) * MC, n0 = p * NB;
         if (p != decoded) decode_panel(a->w, K, n0, min64(NB, a->N - n0), panel);
         decoded = p;
         rows_times_panel(a->x + m0 * a->ldx, a->ldx, min64(MC, a->M - m0), panel, K,
