@@ -8,7 +8,8 @@ minisgl as it serves a GGUF on CPU (`--quantization auto`: blocks), minisgl with
 - batch-1 decode: one streamed completion of --decode-tokens greedy tokens (EOS ignored); decode
   tok/s = (tokens - 1) / (time after the first token), as bench_common's TPOT;
 - the 32-prompt concurrency-16 workload of RESULTS.md section 10 (bench_serving.py: random
-  prompts of 160 words +-50%, 128 output tokens +-50%, temperature 0.7, EOS ignored): output tok/s;
+  prompts of 160 words +-50%, 128 output tokens +-50%, temperature 0.7, EOS ignored; the
+  round's own prompts, the same for every server): output tok/s;
 
 and last the resident memory (VmRSS) of each minisgl scheduler process and of llama-server.
 Every figure is printed per round and as the median over rounds (the machine's memory bandwidth
@@ -108,10 +109,11 @@ async def decode_rate(url: str, model: str, tokens: int) -> float:
     return 1.0 / result.tpot_s
 
 
-def workload_rate(url: str) -> float:
+def workload_rate(url: str, seed: int) -> float:
     with tempfile.NamedTemporaryFile(suffix=".jsonl", delete=False) as out:
         path = out.name
     cmd = [sys.executable, str(ONLINE / "bench_serving.py"), "--base-url", url, *WORKLOAD]
+    cmd += ["--seed", str(seed)]  # new prompts every round: nothing in any prefix cache
     subprocess.run([*cmd, "--output-file", path], check=True, stdout=subprocess.DEVNULL)
     record = json.loads(Path(path).read_text().splitlines()[-1])
     os.unlink(path)
@@ -168,7 +170,7 @@ def main() -> None:
                 results[name]["decode"].append(rate)
                 line = f"round {round_index}: {name}: batch-1 decode {rate:.1f} tok/s"
                 if not args.no_workload:
-                    results[name]["workload"].append(workload_rate(url))
+                    results[name]["workload"].append(workload_rate(url, round_index))
                     line += f", concurrency 16 {results[name]['workload'][-1]:.1f} out tok/s"
                 print(line, flush=True)
         rss = {name: largest_rss_mb(proc.pid) for name, proc in procs.items()}
