@@ -16,6 +16,11 @@ Every figure is printed per round and as the median over rounds (the machine's m
 swings between hours: only figures from the same run compare).
 
     python benchmark/offline/bench_gguf.py --llama-server /tmp/lcp/build/bin/llama-server
+
+`--kernels 1,16,96` instead times the linear op alone, one thread, process CPU time (steady
+under other load): SmolLM2-135M's 121 matmuls (30 layers' qkv, o, gate_up, down and the
+49152-row LM head) at each batch size, as random Q4_1 blocks (Q8_0 head, as the bundled file)
+and as fp32 panels, best of 7.
 """
 
 from __future__ import annotations
@@ -122,6 +127,41 @@ def workload_rate(url: str, seed: int) -> float:
     return float(record["output_throughput"])
 
 
+def kernel_times(batches: list[int]) -> None:
+    import numpy as np
+    import torch
+    from gguf import GGMLQuantizationType as T
+    from gguf.quants import quantize
+
+    from minisgl.kernels import cpu
+    from minisgl.kernels.weights import PackedLinear, QuantTensor
+
+    kernels, rng = cpu.get(), np.random.default_rng(0)
+    assert kernels is not None
+    torch.set_num_threads(1)
+    shapes = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30 + [(49152, 576)]
+    fp32, blocks = [], []
+    for i, (rows, cols) in enumerate(shapes):
+        weight = rng.standard_normal((rows, cols)).astype(np.float32)
+        qtype = T.Q8_0 if i == len(shapes) - 1 else T.Q4_1
+        quant = QuantTensor(int(qtype), torch.from_numpy(quantize(weight, qtype)), cols)
+        fp32.append(kernels.pack(torch.from_numpy(weight)))
+        blocks.append(PackedLinear.of_blocks({0: quant}))
+    print("| batch | fp32 panels ms | Q4_1 blocks ms |\n|---:|---:|---:|")
+    for batch in batches:
+        xs = {cols: torch.randn(batch, cols) for cols in (576, 1536)}
+        best = []
+        for weights in (fp32, blocks):
+            times = []
+            for _ in range(7):
+                start = time.process_time()
+                for w in weights:
+                    kernels.linear(xs[w.in_features], w)
+                times.append(time.process_time() - start)
+            best.append(min(times) * 1e3)
+        print(f"| {batch} | {best[0]:.1f} | {best[1]:.1f} |")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--gguf", type=Path, default=None, help="default: the bundled Q4_1 file")
@@ -133,7 +173,11 @@ def main() -> None:
     p.add_argument("--kv-cache-gb", type=float, default=None, help="minisgl's KV pool (both)")
     p.add_argument("--llama-args", default="", help='more llama-server flags, e.g. "--poll 0"')
     p.add_argument("--port", type=int, default=19700, help="first of three ports")
+    p.add_argument("--kernels", default=None, help="batch sizes: time the linear op only")
     args = p.parse_args()
+    if args.kernels:
+        kernel_times([int(b) for b in args.kernels.split(",")])
+        return
     gguf = args.gguf or default_model_gguf()
     log_dir = Path(tempfile.mkdtemp(prefix="bench_gguf-"))
     minisgl = [sys.executable, "-m", "minisgl.server", "--model", str(gguf)]
