@@ -226,9 +226,13 @@ def test_quantization_rules(tmp_path: Path, tiny_models, caplog) -> None:
     k, gguf_dir = kernels(), default_model_path()
     where = "torch.bfloat16 on cpu"
     args = ServerArgs(quantization="gguf")
-    with pytest.raises(ValueError, match="--quantization gguf: .*not a GGUF model"):
+    with pytest.raises(
+        ValueError, match=r"--quantization gguf needs a GGUF model \(--model x.gguf\)"
+    ):
         gguf_blocks(args, tiny_models["llama"], k, where)
-    with pytest.raises(ValueError, match=f"not possible for {where}"):
+    with pytest.raises(
+        ValueError, match=rf"--quantization gguf needs the fp32 CPU kernels \(not {where}\)"
+    ):
         gguf_blocks(args, gguf_dir, None, where)
     assert gguf_blocks(args, gguf_dir, k, where) is k
     assert gguf_blocks(ServerArgs(), gguf_dir, k, where) is k

@@ -119,8 +119,8 @@ def gguf_blocks(
     """The kernels to serve a GGUF model's weights as blocks (--quantization), or None."""
     is_gguf, q = (model_dir / GGUF_FILE).exists(), args.quantization
     if q == "gguf" and (kernels is None or not is_gguf):
-        why = f"not possible for {where}" if is_gguf else "not a GGUF model (--model file.gguf)"
-        raise ValueError(f"--quantization gguf: GGUF blocks on the fp32 CPU kernels, {why}")
+        why = f"the fp32 CPU kernels (not {where})" if is_gguf else "a GGUF model (--model x.gguf)"
+        raise ValueError(f"--quantization gguf needs {why}")
     blocks = is_gguf and kernels is not None and (q == "gguf" or args.dtype == q == "auto")
     if is_gguf and q == "auto" and not blocks:
         logger.info("GGUF weights dequantized to %s (blocks: CPU, --dtype auto)", where)
