@@ -49,8 +49,8 @@ class VocabParallelEmbedding(PackedWeight):
 
 class ParallelLMHead(VocabParallelEmbedding):
     """Logits = h E^T over this rank's vocab slice, gathered to the full vocabulary. With the
-    CPU kernels a tied weight is kept: the embedding looks rows of it up by token id (tied models
-    hold the head twice)."""
+    CPU kernels a tied fp32 weight is kept: the embedding looks rows of it up by token id (tied
+    models hold the head twice); tied GGUF blocks are held once, by both."""
 
     # CPU: the logits go into this buffer, grown to the most rows seen and reused every step.
     # [rows, vocab] fp32 is large (155 MB at 256 rows of a 151k vocabulary), and a fresh one
