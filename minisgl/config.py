@@ -48,25 +48,17 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "speculative_algorithm": ("ngram",),
     "schedule_policy": ("fcfs", "lpm"),
     "dtype": ("auto", "float32", "float16", "bfloat16"),
+    "quantization": ("auto", "gguf", "none"),
     "log_level": ("debug", "info", "warning", "error"),
 }
 _OPTIONAL_CHOICES = ("reasoning_parser", "tool_call_parser", "speculative_algorithm")  # None: off
 _LOWER_BOUNDS = {
-    "page_size": 1,
-    "num_pages": 1,
-    "tp_size": 1,
-    "max_running_requests": 1,
-    "max_prefill_tokens": 1,
-    "cuda_graph_max_bs": 0,
-    "max_sequences_per_request": 1,
-    "max_queued_requests": 0,
-    "max_request_body_bytes": 1,
-    "shutdown_timeout_s": 0,
-    "priority_aging_s": 0,
-    "speculative_num_draft_tokens": 1,
-    "speculative_ngram_min_match": 1,
+    "page_size": 1, "num_pages": 1, "tp_size": 1, "max_running_requests": 1,
+    "max_prefill_tokens": 1, "cuda_graph_max_bs": 0, "max_sequences_per_request": 1,
+    "max_queued_requests": 0, "max_request_body_bytes": 1, "shutdown_timeout_s": 0,
+    "priority_aging_s": 0, "speculative_num_draft_tokens": 1, "speculative_ngram_min_match": 1,
     "port": 1,
-}
+}  # fmt: skip
 
 
 def _env_flag(name: str) -> bool:
@@ -94,11 +86,12 @@ def _opt(default: Any, group: str, help: str) -> Any:
 @dataclass(frozen=True)
 class ServerArgs:
     model: str | None = _opt(
-        None, MODEL, "local HF checkpoint folder or hub id (default: the bundled SmolLM2-135M)"
+        None, MODEL, "HF checkpoint folder, GGUF file or hub id (default: the bundled SmolLM2)"
     )
     served_model_name: str | None = _opt(None, MODEL, "the name clients send (default: --model)")
     tokenizer: str | None = _opt(None, MODEL, "tokenizer folder or hub id (default: the model's)")
     dtype: str = _opt("auto", MODEL, "auto: float32 on CPU, bfloat16 on CUDA")
+    quantization: str = _opt("auto", MODEL, "GGUF: auto keeps blocks on CPU (docs/models.md)")
     device: str = _opt("auto", MODEL, "cpu, cuda or cuda:N; auto: cuda when there is one")
     max_model_len: int | None = _opt(None, MODEL, "longest prompt + output (default: the model's)")
     revision: str | None = _opt(None, MODEL, "hub download: branch, tag or commit")

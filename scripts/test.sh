@@ -14,8 +14,10 @@ python -m ruff check minisgl tests benchmark scripts
 python -m ruff format --check minisgl tests benchmark scripts
 python -m mypy minisgl
 
-# Convert the bundled default model once before the tests start servers in parallel.
+# Make the bundled default model's folder (and its fp32 conversion, the tests' reference model)
+# once before the tests start servers in parallel.
 python -c "from minisgl.models.resolve import resolve_model_path; resolve_model_path(None)"
+python -c "from tests.conftest import convert_default_model; convert_default_model()"
 
 # pytest exits 5 when no test ran: with `set -e` that fails the run, as it should.
 python -m pytest -q "$@"

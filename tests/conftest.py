@@ -105,6 +105,37 @@ def tiny_qwen3(tiny_models) -> Path:
 
 @pytest.fixture(scope="session")
 def default_model_dir() -> Path:
-    from minisgl.models.resolve import resolve_model_path
+    return convert_default_model()
 
-    return resolve_model_path(None)
+
+def convert_default_model() -> Path:
+    """The bundled model as transformers converts it, an HF folder of fp32 safetensors: the
+    reference model. Made once in minisgl's cache (a temporary folder renamed into place)."""
+    import tempfile
+
+    from transformers import AutoTokenizer, LlamaForCausalLM
+
+    from minisgl.kernels.build import cache_root
+    from minisgl.models.default_model import DEFAULT_MODEL_NAME, default_model_gguf
+
+    target = cache_root() / DEFAULT_MODEL_NAME
+    if (target / "model.safetensors").exists():
+        return target
+    gguf = default_model_gguf()
+    gguf_model = LlamaForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+    )
+    config = gguf_model.config
+    config.__dict__.pop("quantization_config", None)  # plain fp32 weights now
+    # save_pretrained refuses a model loaded from GGUF; a fresh one with its weights saves
+    model = LlamaForCausalLM(config)
+    model.load_state_dict(gguf_model.state_dict())
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
+    model.save_pretrained(tmp)
+    AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(tmp)
+    try:
+        os.rename(tmp, target)
+    except OSError:  # another process won the race: its copy is as good as ours
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target

@@ -32,7 +32,7 @@ from minisgl.kernels import cpu
 from minisgl.kvcache.pool import KVPool, KVShape
 from minisgl.models.config import load_model_config
 from minisgl.models.llama import CausalLM, local_head_counts
-from minisgl.models.loader import load_weights
+from minisgl.models.loader import gguf_blocks, load_weights
 from minisgl.models.resolve import resolve_model_path_for
 from minisgl.stages import stage
 
@@ -112,15 +112,10 @@ class Engine:
                 logger.info("CPU decode steps run padded and op by op (--cuda-graph-max-bs)")
         logger.info(
             "engine ready: %s on %s (%s), attention %s, %d KV pages x %d tokens, "
-            "CUDA graphs up to batch %d",
-            cfg.architecture,
-            self.device,
-            self.dtype,
-            self.backend_name,
-            self.num_pages,
-            self.page_size,
+            "CUDA graphs up to batch %d", cfg.architecture, self.device, self.dtype,
+            self.backend_name, self.num_pages, self.page_size,
             graph_bs if self.stream.is_cuda else 0,
-        )
+        )  # fmt: skip
 
     def _build_model(self) -> CausalLM:
         previous = torch.get_default_dtype()
@@ -130,18 +125,19 @@ class Engine:
                 model = CausalLM(self.model_config, self.max_model_len + 1)
         finally:
             torch.set_default_dtype(previous)
-        with stage(f"loading the weights of {self.model_path.name}"):
-            load_weights(model, self.model_path)
         # None: not fp32 on the CPU, not buildable here, or MINISGL_CPU_KERNELS=0
         kernels = cpu.kernels_for(self.device, self.dtype)
+        blocks = gguf_blocks(self.args, self.model_path, kernels, f"{self.dtype} on {self.device}")
+        with stage(f"loading the weights of {self.model_path.name}"):
+            load_weights(model, self.model_path, blocks)
         if kernels is not None:
             # The fused decode step does its own attention: only in place of torch-native's.
             model.use_cpu_kernels(kernels, fused_decode=self.backend_name == "torch")
             logger.info(
-                "CPU kernels on (%d threads); decode steps %s",
-                torch.get_num_threads(),
+                "CPU kernels on (%d threads, %s weights); decode steps %s",
+                torch.get_num_threads(), "GGUF block" if blocks else "fp32 panel",
                 "in one fused call" if model.cpu_decode_stack is not None else "op by op",
-            )
+            )  # fmt: skip
         return model.eval()
 
     def _graph_max_batch_size(self) -> int:

@@ -1,16 +1,16 @@
 """Typed wrappers over the fp32 CPU kernels' library (csrc/), called through ctypes with raw
-pointers: the C signatures, the structs the fused decode stack reads, and the packed weight
-layout. `minisgl.kernels.cpu` builds and loads the library (see there for why these kernels).
+pointers: the C signatures and the structs the fused decode stack reads (the weight layouts are
+in weights.py). `minisgl.kernels.cpu` builds and loads the library (see there for why these
+kernels).
 """
 
 from __future__ import annotations
 
 import ctypes
-import math
-import mmap
-from dataclasses import dataclass
 
 import torch
+
+from minisgl.kernels.weights import PackedLinear, huge_page_zeros
 
 # mg_decode_layers' op timers, in the C enum's order (MG_NUM_OPS in csrc/decode.c)
 DECODE_OPS = (
@@ -21,7 +21,6 @@ DECODE_OPS = (
 ATTN_MAX_HEADS = 128
 ATTN_MAX_HEAD_DIM = 256
 
-HUGE_PAGE_BYTES = 2 << 20  # x86-64 / arm64 transparent huge page size
 
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
@@ -29,6 +28,8 @@ _SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
     "mg_abi_version": (ctypes.c_int, []),
     "mg_block_n": (ctypes.c_int, []),
     "mg_linear": (None, [_P, _I, _P, _P, _P, _I, _I, _I, _I, ctypes.c_int]),
+    "mg_quant_block_bytes": (_I, [_I]),
+    "mg_embed": (None, [_P, _I, _P, _I, _P, ctypes.c_int]),
     "mg_rmsnorm": (None, [_P, _I, _I, _P, _I, _P, _P, _I, _I, _I, ctypes.c_float, ctypes.c_int]),
     "mg_silu_mul": (None, [_P, _I, _P, _I, _I, _I, ctypes.c_int]),
     "mg_rope": (None, [_P, _I, _I, _P, _I, _I, _I, _I, _P, _P, _P, ctypes.c_int]),
@@ -49,7 +50,7 @@ _SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
 
 
 class LayerWeights(ctypes.Structure):
-    """`mg_layer`: one dense decoder layer's weights (packed panels; NULL where absent)."""
+    """`mg_layer`: one dense decoder layer's weights (`mg_weight`s and norms; NULL where absent)."""
 
     _fields_ = [
         (name, ctypes.c_void_p)
@@ -72,36 +73,6 @@ class StackShape(ctypes.Structure):
         ("sin_cache", ctypes.c_void_p),
         ("layers", ctypes.POINTER(LayerWeights)),
     ]  # fmt: skip
-
-
-@dataclass(frozen=True)
-class PackedLinear:
-    """A linear weight [out, in] as column panels [ceil(out / block_n), in, block_n], the rows
-    past `out_features` zero. What `CpuKernels.linear` multiplies by."""
-
-    panels: torch.Tensor
-    out_features: int
-    in_features: int
-
-
-def huge_page_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A zeroed CPU tensor in memory advised for transparent huge pages (Linux), else plain.
-
-    Streaming the weights crosses a 4 KiB page every 1024 floats: with huge pages the TLB
-    misses and the prefetchers' restarts at page boundaries mostly go away (the panel kernel read
-    the SmolLM2 weights ~1.4x faster in a same-process A/B here). The memory is a private
-    anonymous mapping: zero-filled, committed page by page as it is first written, and freed
-    when the last tensor viewing it goes away (the tensor keeps the mapping alive)."""
-    num_bytes = math.prod(shape) * dtype.itemsize
-    if not hasattr(mmap, "MADV_HUGEPAGE") or num_bytes < HUGE_PAGE_BYTES:
-        return torch.zeros(shape, dtype=dtype)
-    mapping = mmap.mmap(
-        -1, num_bytes + HUGE_PAGE_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
-    )
-    mapping.madvise(mmap.MADV_HUGEPAGE)
-    raw = torch.frombuffer(mapping, dtype=torch.uint8)
-    start = (-raw.data_ptr()) % HUGE_PAGE_BYTES  # huge pages need 2 MiB-aligned addresses
-    return raw[start : start + num_bytes].view(dtype).view(shape)
 
 
 def _rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -148,6 +119,19 @@ class CpuKernels:
             panels[full, :, :rest].copy_(weight[full * self.block_n :].t())
         return PackedLinear(panels, out_features, in_features)
 
+    def serves_blocks(self, qtype: int) -> bool:
+        return self._lib.mg_quant_block_bytes(qtype) > 0
+
+    def embed(self, weight: PackedLinear, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` (int64) of a block weight, dequantized: [len(ids), in_features] fp32."""
+        ids = ids.contiguous()
+        out = torch.empty(*ids.shape, weight.in_features)
+        self._lib.mg_embed(
+            weight.desc, weight.in_features, ids.data_ptr(), ids.numel(), out.data_ptr(),
+            torch.get_num_threads(),
+        )  # fmt: skip
+        return out
+
     def linear(
         self,
         x: torch.Tensor,
@@ -164,17 +148,10 @@ class CpuKernels:
         assert y.shape == (num_rows, weight.out_features) and y.is_contiguous()
         if num_rows:
             self._lib.mg_linear(
-                x2.data_ptr(),
-                ldx,
-                weight.panels.data_ptr(),
-                None if bias is None else bias.data_ptr(),
-                y.data_ptr(),
-                weight.out_features,
-                num_rows,
-                weight.in_features,
-                weight.out_features,
-                torch.get_num_threads(),
-            )
+                x2.data_ptr(), ldx, weight.desc, None if bias is None else bias.data_ptr(),
+                y.data_ptr(), weight.out_features, num_rows, weight.in_features,
+                weight.out_features, torch.get_num_threads(),
+            )  # fmt: skip
         return y.view(*lead, weight.out_features)
 
     # ---- elementwise -----------------------------------------------------------------------
@@ -194,19 +171,10 @@ class CpuKernels:
         if residual is not None:
             assert residual.is_contiguous() and residual.shape == x.shape
         self._lib.mg_rmsnorm(
-            x.data_ptr(),
-            ldx,
-            1,
-            None if residual is None else residual.data_ptr(),
-            hidden,
-            weight.data_ptr(),
-            out.data_ptr(),
-            hidden,
-            num_tokens,
-            hidden,
-            eps,
+            x.data_ptr(), ldx, 1, None if residual is None else residual.data_ptr(), hidden,
+            weight.data_ptr(), out.data_ptr(), hidden, num_tokens, hidden, eps,
             torch.get_num_threads(),
-        )
+        )  # fmt: skip
         return out
 
     def rmsnorm_heads_(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> bool:

@@ -7,11 +7,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from minisgl.distributed import all_gather_last_dim, all_reduce, get_tp_info
-from minisgl.kernels.cpu_ops import huge_page_zeros
+from minisgl.kernels.weights import QuantTensor, huge_page_zeros
 from minisgl.layers.linear import PackedWeight
 
 
-class VocabParallelEmbedding(nn.Module):
+class VocabParallelEmbedding(PackedWeight):
+    """GGUF blocks (`quant`) stay blocks: rows are looked up and dequantized by token id."""
+
     def __init__(self, vocab_size: int, hidden_size: int) -> None:
         super().__init__()
         tp = get_tp_info()
@@ -21,24 +23,34 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_start = tp.rank * self.shard_vocab
         self.weight = nn.Parameter(torch.zeros(self.shard_vocab, hidden_size), requires_grad=False)
 
-    def load_weight(self, param: nn.Parameter, full: torch.Tensor) -> None:
+    def load_weight(self, param: nn.Parameter, full: torch.Tensor | QuantTensor) -> None:
         rows = max(0, min(self.shard_vocab, full.shape[0] - self.vocab_start))
+        if isinstance(full, QuantTensor) and rows == self.shard_vocab:
+            self.quant = {0: full.rows(self.vocab_start, rows)}
+            return
+        if isinstance(full, QuantTensor):  # padded rows: a shard the blocks do not fill
+            full = full.dequantize()
         param.data[:rows].copy_(full.narrow(0, self.vocab_start, rows))
+
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None and self.packed.segments and self._kernels is not None:
+            return self._kernels.embed(self.packed, ids)
+        return F.embedding(ids, self.weight)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if get_tp_info().size == 1:
-            return F.embedding(input_ids, self.weight)
+            return self._lookup(input_ids)
         local = input_ids - self.vocab_start
         outside = (local < 0) | (local >= self.shard_vocab)
-        out = F.embedding(local.clamp(0, self.shard_vocab - 1), self.weight)
+        out = self._lookup(local.clamp(0, self.shard_vocab - 1))
         out = out.masked_fill(outside.unsqueeze(-1), 0)
         return all_reduce(out)
 
 
-class ParallelLMHead(VocabParallelEmbedding, PackedWeight):
+class ParallelLMHead(VocabParallelEmbedding):
     """Logits = h E^T over this rank's vocab slice, gathered to the full vocabulary. With the
-    CPU kernels a tied weight is kept: the embedding looks rows of it up by token id (tied models
-    hold the head twice)."""
+    CPU kernels a tied fp32 weight is kept: the embedding looks rows of it up by token id (tied
+    models hold the head twice); tied GGUF blocks are held once, by both."""
 
     # CPU: the logits go into this buffer, grown to the most rows seen and reused every step.
     # [rows, vocab] fp32 is large (155 MB at 256 rows of a 151k vocabulary), and a fresh one

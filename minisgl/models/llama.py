@@ -176,6 +176,11 @@ class CausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
                 module.use_cpu_kernels(kernels)
-        self.lm_head.use_cpu_kernels(kernels, keep_weight=self.cfg.tie_word_embeddings)
+        embed, tied = self.model.embed_tokens, self.cfg.tie_word_embeddings
+        blocks = bool(embed.quant)
+        if blocks:  # GGUF blocks: the embedding looks rows up in them, a tied head shares them
+            embed.use_cpu_kernels(kernels)
+            self.lm_head.packed = embed.packed if tied else None
+        self.lm_head.use_cpu_kernels(kernels, keep_weight=tied and not blocks)
         if fused_decode:
             self.cpu_decode_stack = CpuDecodeStack.build(self, kernels)

@@ -1,5 +1,11 @@
 """Load HF safetensors checkpoints straight into this rank's shards, one tensor at a time.
 
+A folder with a GGUF file (`GGUF_FILE`: a `--model file.gguf`, the bundled default) loads from it
+instead, under transformers' names for its tensors (and Llama's q/k rows in HF's order, as
+transformers' GGUF loader puts them). With `blocks` (the CPU kernels) its linear and embedding
+weights stay GGUF blocks (`QuantTensor`) where the kernels serve the type, else fp32 rows (one
+log line); without, every tensor is dequantized, as transformers does.
+
 Every weight the model needs is tracked by the checkpoint tensor name that provides it (hub
 layout: `q_proj`, `experts.3.up_proj`, ...), so a checkpoint that lacks any piece of a merged or
 expert weight fails at load with the missing tensor's name instead of serving garbage.
@@ -7,19 +13,29 @@ expert weight fails at load with the missing tensor's name instead of serving ga
 
 from __future__ import annotations
 
+import json
+import logging
+import math
 import re
+from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors import safe_open
 from torch import nn
 
+from minisgl.config import ServerArgs
+from minisgl.kernels.cpu_ops import CpuKernels
+from minisgl.kernels.weights import QuantTensor
 from minisgl.layers.embedding import VocabParallelEmbedding
 from minisgl.layers.linear import ColumnParallelLinear, RowParallelLinear
 from minisgl.layers.moe import DOWN_PIECE, EXPERT_PIECES, GATE_UP_PIECES, Experts
+from minisgl.models.default_model import GGUF_FILE, GGUF_INDEX
 from minisgl.models.llama import CausalLM
 from minisgl.models.resolve import checkpoint_files
 
+logger = logging.getLogger(__name__)
 _EXPERT_RE = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 _IGNORED_RE = re.compile(r"rotary_emb\.inv_freq$")
 _MISSING_SHOWN = 8
@@ -54,20 +70,78 @@ def expected_checkpoint_names(model: nn.Module) -> set[str]:
     return names | ({n for n, _ in model.named_parameters()} - claimed)
 
 
-def load_weights(model: CausalLM, model_dir: Path) -> None:
+Weight = torch.Tensor | QuantTensor
+
+
+def _safetensors(model_dir: Path) -> Iterator[tuple[str, Weight]]:
+    for path in checkpoint_files(model_dir):
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                yield name, f.get_tensor(name)
+
+
+def _gguf(
+    model: CausalLM, model_dir: Path, blocks: CpuKernels | None
+) -> Iterator[tuple[str, Weight]]:
+    import gguf
+
+    cfg, index = model.cfg, json.loads((model_dir / GGUF_INDEX).read_text())
+    arch, dequantized = index["architecture"], set()
+    arch_id = {name: arch_id for arch_id, name in gguf.MODEL_ARCH_NAMES.items()}[arch]
+    names = gguf.get_tensor_name_map(arch_id, cfg.num_layers)
+    wanted = expected_checkpoint_names(model) | {"lm_head.weight"}  # a tied head's is skipped
+    ours = {names.get_name(n, (".weight", ".bias")): n for n in wanted}
+    # copy-on-write: the tensors view the file (no copies; a view written would copy a page)
+    file = torch.from_numpy(np.memmap(model_dir / GGUF_FILE, mode="c"))
+    for gguf_name, qtype, shape, offset in index["tensors"]:
+        name, (block, block_bytes) = ours.get(gguf_name), gguf.GGML_QUANT_SIZES[qtype]
+        if name is None:
+            raise ValueError(f"GGUF tensor '{gguf_name}' has no place in {cfg.architecture}")
+        rows = math.prod(shape[1:])  # uint8 [rows, row bytes]
+        data = file[offset : offset + rows * shape[0] // block * block_bytes].view(rows, -1)
+        if arch == "llama" and re.search(r"\.attn_[qk]\.", gguf_name):  # llama.cpp's rope order
+            heads = cfg.num_heads if ".attn_q." in gguf_name else cfg.num_kv_heads
+            data = data.view(heads, -1, 2, data.shape[1]).transpose(1, 2).reshape(data.shape)
+        weight = QuantTensor(qtype, data, shape[0])
+        if blocks is not None and len(shape) == 2 and not blocks.serves_blocks(qtype):
+            dequantized.add(gguf.GGMLQuantizationType(qtype).name)
+            weight = QuantTensor.of_float(weight.dequantize())
+        dense = blocks is None or len(shape) == 1
+        yield name, weight.dequantize().view(*reversed(shape)) if dense else weight
+    if dequantized:
+        shown = ", ".join(sorted(dequantized))
+        logger.info("GGUF %s weights are dequantized to fp32 at load (not served as blocks)", shown)
+
+
+def gguf_blocks(
+    args: ServerArgs, model_dir: Path, kernels: CpuKernels | None, where: str
+) -> CpuKernels | None:
+    """The kernels to serve a GGUF model's weights as blocks (--quantization), or None."""
+    is_gguf, q = (model_dir / GGUF_FILE).exists(), args.quantization
+    if q == "gguf" and (kernels is None or not is_gguf):
+        why = f"the fp32 CPU kernels (not {where})" if is_gguf else "a GGUF model (--model x.gguf)"
+        raise ValueError(f"--quantization gguf needs {why}")
+    blocks = is_gguf and kernels is not None and (q == "gguf" or args.dtype == q == "auto")
+    if is_gguf and q == "auto" and not blocks:
+        logger.info("GGUF weights dequantized to %s (blocks: CPU, --dtype auto)", where)
+    return kernels if blocks else None
+
+
+def load_weights(model: CausalLM, model_dir: Path, blocks: CpuKernels | None = None) -> None:
+    """`blocks`: GGUF weights stay blocks for these kernels (see the module docstring)."""
     cfg = model.cfg
     params = dict(model.named_parameters(remove_duplicate=False))
     modules = dict(model.named_modules())
     merged = _merged_parts(model)
     loaded: set[str] = set()
-    for path in checkpoint_files(model_dir):
-        with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                if _IGNORED_RE.search(name):
-                    continue
-                if name == "lm_head.weight" and cfg.tie_word_embeddings:
-                    continue  # tied: the embedding already provides it
-                loaded |= _load_one(name, f.get_tensor(name), params, modules, merged)
+    gguf_path = model_dir / GGUF_FILE
+    tensors = _gguf(model, model_dir, blocks) if gguf_path.exists() else _safetensors(model_dir)
+    for name, tensor in tensors:
+        if _IGNORED_RE.search(name):
+            continue
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue  # tied: the embedding already provides it
+        loaded |= _load_one(name, tensor, params, modules, merged)
     missing = sorted(expected_checkpoint_names(model) - loaded)
     if missing:
         shown = ", ".join(missing[:_MISSING_SHOWN])
@@ -78,9 +152,13 @@ def load_weights(model: CausalLM, model_dir: Path) -> None:
         raise ValueError(f"checkpoint {model_dir} lacks weights: {shown}{more}{hint}")
 
 
+def _dense(t: Weight) -> torch.Tensor:
+    return t.dequantize() if isinstance(t, QuantTensor) else t
+
+
 def _load_one(
     name: str,
-    tensor: torch.Tensor,
+    tensor: Weight,
     params: dict[str, nn.Parameter],
     modules: dict[str, nn.Module],
     merged: dict[str, ColumnParallelLinear],
@@ -88,7 +166,7 @@ def _load_one(
     """Copy one checkpoint tensor into place; returns the checkpoint names it accounts for."""
     expert = _EXPERT_RE.match(name)
     if expert and isinstance(experts := modules.get(expert.group(1)), Experts):
-        experts.load_piece(name, tensor, expert.group(3), int(expert.group(2)))
+        experts.load_piece(name, _dense(tensor), expert.group(3), int(expert.group(2)))
         return {name}
     prefix, _, kind = name.rpartition(".")
     if prefix in merged:  # q_proj.weight, into qkv_proj.weight
@@ -99,7 +177,7 @@ def _load_one(
         raise ValueError(f"unexpected weight '{name}' in checkpoint")
     module, param = modules[prefix], params[name]
     if isinstance(module, Experts):  # fused layout: one tensor holds every expert's piece
-        module.load_fused(name, tensor, param)
+        module.load_fused(name, _dense(tensor), param)
         pieces = GATE_UP_PIECES if kind == "gate_up_proj" else (DOWN_PIECE,)
         return {f"{prefix}.{e}.{p}.weight" for e in range(module.num_experts) for p in pieces}
     if isinstance(module, (RowParallelLinear, VocabParallelEmbedding)):
@@ -109,5 +187,5 @@ def _load_one(
             f"weight '{name}': checkpoint {tuple(tensor.shape)}, model {tuple(param.shape)}"
         )
     else:
-        param.data.copy_(tensor)
+        param.data.copy_(_dense(tensor))
     return {name}

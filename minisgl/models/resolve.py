@@ -1,7 +1,8 @@
 """Turn what the user typed after --model into a local checkpoint folder.
 
-- None: the bundled default model (converted once from GGUF, no download).
-- An existing folder: itself.
+- None: the bundled default model (a GGUF file, no download).
+- An existing folder: itself. A GGUF file: a folder made for it once (config and tokenizer from
+  its metadata, and `GGUF_FILE`, a link to it: the loader reads the weights from there).
 - Anything else is a hub id, fetched through huggingface_hub into its cache (HF_HUB_CACHE, or
   --download-dir): only what serving needs (config, safetensors, tokenizer, generation config,
   chat template), at --revision; HF_TOKEN authenticates. With --offline or HF_HUB_OFFLINE=1 the
@@ -26,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from minisgl.config import ServerArgs
-from minisgl.models.default_model import default_model_path
+from minisgl.models.default_model import default_model_path, gguf_model_path
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +76,8 @@ def resolve_model_path(model: str | None, hub: HubOptions | None = None) -> Path
     if model is None:
         return default_model_path()
     path = Path(model).expanduser()
+    if path.suffix == ".gguf" and path.is_file():
+        return gguf_model_path(path)
     if path.is_dir():
         if not (path / CONFIG_FILE).exists():
             raise ModelNotFoundError(f"model folder {path} has no {CONFIG_FILE}")

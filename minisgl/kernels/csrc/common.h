@@ -23,7 +23,7 @@
 #include <time.h>
 
 /* Bumped whenever an exported signature changes, so a stale cached build is never called. */
-#define MG_ABI_VERSION 6
+#define MG_ABI_VERSION 7
 
 /* Vector width in floats: GCC vector extensions compile to AVX-512, AVX2 or SSE/NEON. */
 #if defined(__AVX512F__)
@@ -137,10 +137,22 @@ void team_sync(mg_team* team);
 int team_run(mg_team* team, const void* args, range_fn fn, int64_t items, int64_t chunk);
 
 /* ---- the ops (range functions and their arguments) -------------------------------------------- */
+/* A linear weight [N, K] as the kernels read it (minisgl/kernels/cpu_ops.py builds it). With no
+ * segments: fp32 column panels (linear.c). Else GGUF block rows (quant.c): segment s is
+ * rows[s] output rows of GGUF type types[s], and the segments' rows lie back to back at data
+ * (a merged qkv may hold q and k as Q4_K and v as Q6_K). */
+#define MG_MAX_SEGMENTS 4
+typedef struct {
+    const void* data;
+    int64_t num_segments;
+    int64_t types[MG_MAX_SEGMENTS];
+    int64_t rows[MG_MAX_SEGMENTS];
+} mg_weight;
+
 typedef struct {
     const float* x;
     int64_t ldx;
-    const float* packed;
+    const mg_weight* w;
     const float* bias;
     float* y;
     int64_t ldy, M, K, N;
@@ -148,6 +160,13 @@ typedef struct {
 int64_t linear_items(const linear_args* a);
 int64_t linear_chunk(const linear_args* a, int nthreads);
 void linear_range(const void* args, int64_t begin, int64_t end);
+#define MC (8 * MR) /* rows of x per work item */
+/* y[rows, ncols] = x[rows, K] times one packed panel [K, NB] (+ bias): linear.c's tiles */
+void rows_times_panel(const float* x, int64_t ldx, int64_t rows, const float* panel, int64_t K,
+                      const float* bias, float* y, int64_t ldy, int64_t ncols);
+/* the GGUF block path of the three above (quant.c) */
+int64_t quant_items(const linear_args* a);
+void quant_range(const void* args, int64_t begin, int64_t end);
 
 typedef struct {
     const float* x;

@@ -26,13 +26,13 @@ int mg_abi_version(void) { return MG_ABI_VERSION; }
 typedef struct {
     const float* input_norm;
     const float* post_norm;
-    const float* qkv;
+    const mg_weight* qkv;
     const float* qkv_bias; /* NULL: none */
     const float* q_norm;   /* NULL: no per-head q/k norm */
     const float* k_norm;
-    const float* o;
-    const float* gate_up;
-    const float* down;
+    const mg_weight* o;
+    const mg_weight* gate_up;
+    const mg_weight* down;
 } mg_layer;
 
 typedef struct {

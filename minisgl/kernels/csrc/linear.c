@@ -1,4 +1,4 @@
-/* linear: y[M, N] = x[M, K] @ W^T (+ bias), W packed in column panels.
+/* linear: y[M, N] = x[M, K] @ W^T (+ bias), W packed in column panels (or GGUF blocks: quant.c).
  *
  * W is packed as panels [ceil(N / NB), K, NB]: panel p holds output columns p*NB .. p*NB+NB-1
  * for every k, zero-padded past N (minisgl/kernels/cpu.py packs it). A tile multiplies `rows`
@@ -8,7 +8,6 @@
  * times a chunk of up to MC rows. */
 #include "common.h"
 
-#define MC (8 * MR) /* rows of x per work item */
 
 static inline void store_tile_row(float* y, vf a0, vf a1, const float* bias, int64_t ncols) {
     if (bias) {
@@ -49,7 +48,7 @@ DEFINE_TILE(3)
 DEFINE_TILE(2)
 DEFINE_TILE(1)
 
-static void rows_times_panel(const float* x, int64_t ldx, int64_t rows, const float* panel,
+void rows_times_panel(const float* x, int64_t ldx, int64_t rows, const float* panel,
                              int64_t K, const float* bias, float* y, int64_t ldy, int64_t ncols) {
     while (rows >= MR) {
         tile_MR(x, ldx, panel, K, bias, y, ldy, ncols);
@@ -65,6 +64,7 @@ static void rows_times_panel(const float* x, int64_t ldx, int64_t rows, const fl
 }
 
 int64_t linear_items(const linear_args* a) {
+    if (a->w->num_segments) return quant_items(a);
     return ((a->N + NB - 1) / NB) * ((a->M + MC - 1) / MC);
 }
 
@@ -76,20 +76,25 @@ int64_t linear_chunk(const linear_args* a, int nthreads) {
 
 void linear_range(const void* args, int64_t begin, int64_t end) {
     const linear_args* a = args;
+    if (a->w->num_segments) {
+        quant_range(args, begin, end);
+        return;
+    }
+    const float* packed = a->w->data;
     const int64_t num_panels = (a->N + NB - 1) / NB;
     for (int64_t item = begin; item < end; item++) {
         const int64_t p = item % num_panels, m0 = (item / num_panels) * MC;
         const int64_t n0 = p * NB;
         rows_times_panel(a->x + m0 * a->ldx, a->ldx, min64(MC, a->M - m0),
-                         a->packed + p * a->K * NB, a->K, a->bias ? a->bias + n0 : 0,
+                         packed + p * a->K * NB, a->K, a->bias ? a->bias + n0 : 0,
                          a->y + m0 * a->ldy + n0, a->ldy, min64(NB, a->N - n0));
     }
 }
 
 int mg_block_n(void) { return NB; }
 
-void mg_linear(const float* x, int64_t ldx, const float* packed, const float* bias, float* y,
+void mg_linear(const float* x, int64_t ldx, const mg_weight* w, const float* bias, float* y,
                int64_t ldy, int64_t M, int64_t K, int64_t N, int nthreads) {
-    const linear_args a = {x, ldx, packed, bias, y, ldy, M, K, N};
+    const linear_args a = {x, ldx, w, bias, y, ldy, M, K, N};
     run_parallel(&a, linear_range, linear_items(&a), linear_chunk(&a, nthreads), nthreads);
 }

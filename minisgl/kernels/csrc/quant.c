@@ -1,0 +1,493 @@
+/* GGUF block-quantized linear weights (llama.cpp's formats) times fp32 activations.
+ *
+ * A weight holds its GGUF blocks as the file stores them (ggml-common.h): every output row is
+ * K / block elements blocks, and runs of rows may differ in type (mg_weight's segments,
+ * common.h). Served as blocks: F32, F16, BF16, Q4_0, Q4_1, Q8_0 (blocks of 32) and Q4_K, Q6_K
+ * (super-blocks of 256); the loader dequantizes every other type (minisgl/kernels/weights.py).
+ *
+ * Every block is decoded to fp32 (gguf's dequantize, up to a fused multiply-add's rounding) and
+ * multiplied with the fp32 activations in fp32: no quantized activations, so a result is the
+ * dequantized model's up to summation order. Up to QDIRECT activation rows (decode batches):
+ * each weight row is decoded in registers, 32 elements at a time, and dotted with every
+ * activation row, a read stream of the blocks (a fifth to a half of the fp32 weights' bytes).
+ * More rows (prefill, large decode batches): the weight rows of one panel are decoded into the
+ * fp32 panel layout (linear.c) in a per-thread scratch and multiplied by linear.c's register
+ * tiles; work items run panel by panel (MC activation rows each), so a panel is decoded once
+ * per batch and thread. */
+#include <stdlib.h>
+#if defined(__F16C__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#include "common.h"
+
+enum {
+    GGUF_F32 = 0, GGUF_F16 = 1, GGUF_Q4_0 = 2, GGUF_Q4_1 = 3, GGUF_Q8_0 = 8, GGUF_Q4_K = 12,
+    GGUF_Q6_K = 14, GGUF_BF16 = 30
+};
+
+#define QK 32    /* elements per Q4_0 / Q4_1 / Q8_0 block */
+#define QK_K 256 /* elements per K-quant super-block */
+#define RG 16    /* weight rows per work item of a small batch */
+/* Sixteen rows are read side by side when decoding a panel: too many streams for the hardware
+ * prefetchers, so each is fetched this far ahead. */
+#define PREFETCH_BYTES 512
+
+/* Bytes per block of a type served as blocks; 0 for any other type. */
+int64_t mg_quant_block_bytes(int64_t type) {
+    switch (type) {
+    case GGUF_F32: return 4;
+    case GGUF_F16: case GGUF_BF16: return 2;
+    case GGUF_Q4_0: return 2 + QK / 2;
+    case GGUF_Q4_1: return 4 + QK / 2;
+    case GGUF_Q8_0: return 2 + QK;
+    case GGUF_Q4_K: return 4 + 12 + QK_K / 2;
+    case GGUF_Q6_K: return QK_K / 2 + QK_K / 4 + QK_K / 16 + 2;
+    default: return 0;
+    }
+}
+
+/* ---- decoding blocks to fp32 ------------------------------------------------------------------
+ * decode_<type>(block, sub, &lo, &hi): elements [32 sub, 32 sub + 32) of one block, in two
+ * 16-float vectors (sub is 0 for the 32-element types, 0..7 in a K-quant super-block). */
+typedef float v16f __attribute__((vector_size(16 * sizeof(float))));
+typedef uint8_t v16u8 __attribute__((vector_size(16)));
+typedef int8_t v16i8 __attribute__((vector_size(16)));
+typedef int32_t v16i32 __attribute__((vector_size(16 * sizeof(int32_t))));
+
+static inline v16u8 load_u8(const uint8_t* p) {
+    v16u8 v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+static inline v16f load_f16x(const float* p) {
+    v16f v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+static inline void store_f16x(float* out, v16f v) { memcpy(out, &v, sizeof v); }
+
+/* Bytes to floats (gcc scalarizes a direct 8-bit to float conversion, and a signed 8-bit one to
+ * 32 bits: intrinsics where there are some, else through unsigned 32-bit integers). */
+static inline v16f u8_f32(v16u8 v) {
+#if defined(__AVX512F__)
+    return (v16f)_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32((__m128i)v));
+#else
+    return __builtin_convertvector(__builtin_convertvector(v, v16i32), v16f);
+#endif
+}
+static inline v16f i8_f32(v16i8 v) {
+#if defined(__AVX512F__)
+    return (v16f)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32((__m128i)v));
+#else
+    return u8_f32((v16u8)v ^ 0x80) - 128.0f;
+#endif
+}
+
+static inline float half_to_float(uint16_t h) {
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, mant = h & 0x3FF;
+    uint32_t bits;
+    float f;
+    if (exp == 0) { /* zero or subnormal: mant * 2^-24 */
+        f = ldexpf((float)mant, -24);
+        return sign ? -f : f;
+    }
+    bits = sign | (exp == 31 ? 0x7F800000 | (mant << 13) : ((exp + 112) << 23) | (mant << 13));
+    memcpy(&f, &bits, sizeof f);
+    return f;
+#endif
+}
+
+static inline float load_half(const uint8_t* p) {
+    uint16_t h;
+    memcpy(&h, p, sizeof h);
+    return half_to_float(h);
+}
+
+/* Q4_0: d (f16), 16 bytes of nibbles: element j < 16 is the low nibble of byte j, element
+ * 16 + j its high nibble; w = d * (q - 8). */
+static inline void decode_q4_0(const uint8_t* b, int sub, v16f* lo, v16f* hi) {
+    (void)sub;
+    const float d = load_half(b);
+    const v16u8 q = load_u8(b + 2);
+    *lo = (u8_f32(q & 15) - 8.0f) * d;
+    *hi = (u8_f32(q >> 4) - 8.0f) * d;
+}
+
+/* Q4_1: d, m (f16), nibbles as Q4_0; w = d * q + m. */
+static inline void decode_q4_1(const uint8_t* b, int sub, v16f* lo, v16f* hi) {
+    (void)sub;
+    const float d = load_half(b), m = load_half(b + 2);
+    const v16u8 q = load_u8(b + 4);
+    *lo = u8_f32(q & 15) * d + m;
+    *hi = u8_f32(q >> 4) * d + m;
+}
+
+/* Q8_0: d (f16), 32 int8; w = d * q. */
+static inline void decode_q8_0(const uint8_t* b, int sub, v16f* lo, v16f* hi) {
+    (void)sub;
+    const float d = load_half(b);
+    *lo = i8_f32((v16i8)load_u8(b + 2)) * d;
+    *hi = i8_f32((v16i8)load_u8(b + 18)) * d;
+}
+
+/* Q4_K: d, dmin (f16), 12 bytes of 6-bit scales and mins (8 of each), 128 bytes of nibbles:
+ * bytes [32 i, 32 i + 32) hold sub-block 2 i in their low nibbles and 2 i + 1 in their high
+ * ones; w = d * scale * q - dmin * min. */
+static inline void decode_q4_k(const uint8_t* b, int sub, v16f* lo, v16f* hi) {
+    const uint8_t* s = b + 4;
+    const int j = sub;
+    const int scale = j < 4 ? s[j] & 63 : (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4);
+    const int min = j < 4 ? s[j + 4] & 63 : (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+    const float d = load_half(b) * (float)scale, m = load_half(b + 2) * (float)min;
+    const uint8_t* qs = b + 16 + 32 * (sub / 2);
+    const int shift = 4 * (sub % 2);
+    *lo = u8_f32((load_u8(qs) >> shift) & 15) * d - m;
+    *hi = u8_f32((load_u8(qs + 16) >> shift) & 15) * d - m;
+}
+
+/* Q6_K: 128 bytes of low nibbles, 64 of high 2-bit pairs, 16 int8 scales, d (f16). Element i of
+ * each half of 128 takes its low 4 bits from low-nibble byte i (i < 64; else the high nibble of
+ * byte i - 64) of that half's 64, and its high 2 bits from bits 2 (i / 32) of high byte i % 32
+ * of that half's 32; w = d * scale[i / 16] * (q - 32). */
+static inline void decode_q6_k(const uint8_t* b, int sub, v16f* lo, v16f* hi) {
+    const int half = sub / 4, i = 32 * (sub % 4);
+    const uint8_t* ql = b + 64 * half + (i < 64 ? i : i - 64);
+    const uint8_t* qh = b + QK_K / 2 + 32 * half;
+    const int8_t* scales = (const int8_t*)(b + QK_K / 2 + QK_K / 4) + 8 * half + i / 16;
+    const float d = load_half(b + QK_K / 2 + QK_K / 4 + QK_K / 16);
+    const int lshift = i < 64 ? 0 : 4, hshift = 2 * (i / 32);
+    for (int h = 0; h < 2; h++) {
+        const v16u8 low = (load_u8(ql + 16 * h) >> lshift) & 15;
+        const v16u8 high = (load_u8(qh + 16 * h) >> hshift) & 3;
+        const v16f w = (u8_f32(low | (high << 4)) - 32.0f) * (d * (float)scales[h]);
+        *(h ? hi : lo) = w;
+    }
+}
+
+/* F16 / BF16 / F32 rows as blocks of 32 elements (rows of them whose length is a multiple of
+ * 32: others take decode_row's element loop). */
+static inline void decode_f16(const uint8_t* b, int sub, v16f* lo, v16f* hi) {
+    (void)sub;
+#if defined(__AVX512F__)
+    *lo = (v16f)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)b));
+    *hi = (v16f)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(b + 32)));
+#else
+    float w[32];
+    for (int k = 0; k < 32; k++) w[k] = load_half(b + 2 * k);
+    *lo = load_f16x(w), *hi = load_f16x(w + 16);
+#endif
+}
+static inline void decode_bf16(const uint8_t* b, int sub, v16f* lo, v16f* hi) {
+    (void)sub;
+    for (int h = 0; h < 2; h++) {
+        uint16_t raw[16];
+        memcpy(raw, b + 32 * h, sizeof raw);
+        v16i32 bits = {0};
+        for (int k = 0; k < 16; k++) bits[k] = (int32_t)((uint32_t)raw[k] << 16);
+        *(h ? hi : lo) = (v16f)bits;
+    }
+}
+static inline void decode_f32(const uint8_t* b, int sub, v16f* lo, v16f* hi) {
+    (void)sub;
+    *lo = load_f16x((const float*)b), *hi = load_f16x((const float*)b + 16);
+}
+
+/* Calls BODY(decode, elements per block, bytes per block) for the type (every type
+ * mg_quant_block_bytes serves), so each loop is compiled with its decoder inlined. */
+#define SWITCH_TYPE(type, BODY)                                                                  \
+    switch (type) {                                                                             \
+    case GGUF_F32: BODY(decode_f32, 1, 4); break;                                               \
+    case GGUF_F16: BODY(decode_f16, 1, 2); break;                                               \
+    case GGUF_BF16: BODY(decode_bf16, 1, 2); break;                                             \
+    case GGUF_Q4_0: BODY(decode_q4_0, QK, 2 + QK / 2); break;                                   \
+    case GGUF_Q4_1: BODY(decode_q4_1, QK, 4 + QK / 2); break;                                   \
+    case GGUF_Q8_0: BODY(decode_q8_0, QK, 2 + QK); break;                                       \
+    case GGUF_Q4_K: BODY(decode_q4_k, QK_K, 4 + 12 + QK_K / 2); break;                          \
+    case GGUF_Q6_K: BODY(decode_q6_k, QK_K, QK_K / 2 + QK_K / 4 + QK_K / 16 + 2); break;        \
+    }
+
+/* Element (block of `elems`, `bytes`) k of a row: its block and which 32 of the block. */
+#define BLOCK_AT(src, k, elems, bytes) ((src) + ((k) / ((elems) < 32 ? 32 : (elems))) *          \
+                                                    ((elems) < 32 ? 32 * (bytes) : (bytes)))
+#define SUB_AT(k, elems) ((int)(((k) % ((elems) < 32 ? 32 : (elems))) / 32))
+
+/* Elements [k, k + 32) of row `src` (a multiple of 32 elements of `type`). */
+static void decode_any(int64_t type, const uint8_t* src, int64_t k, v16f* lo, v16f* hi) {
+#define DECODE_ANY(decode, elems, bytes) decode(BLOCK_AT(src, k, elems, bytes), SUB_AT(k, elems), lo, hi)
+    SWITCH_TYPE(type, DECODE_ANY)
+#undef DECODE_ANY
+}
+
+/* Row `src` (K elements of `type`) in fp32: decoded into `out`, or src itself for aligned F32. */
+static const float* decode_row(int64_t type, const uint8_t* src, int64_t K, float* out) {
+    if (type == GGUF_F32 && (uintptr_t)src % sizeof(float) == 0) return (const float*)src;
+    if (K % 32 != 0) { /* F32 / F16 / BF16 rows of odd lengths */
+        for (int64_t k = 0; k < K; k++) {
+            uint32_t bits = 0;
+            float f = 0.0f;
+            memcpy(type == GGUF_F32 ? (void*)&f : (void*)&bits, src + (type == GGUF_F32 ? 4 : 2) * k,
+                   type == GGUF_F32 ? 4 : 2);
+            if (type == GGUF_F16) f = half_to_float((uint16_t)bits);
+            if (type == GGUF_BF16) bits <<= 16, memcpy(&f, &bits, sizeof f);
+            out[k] = f;
+        }
+        return out;
+    }
+#define DECODE_ROW(decode, elems, bytes)                                                         \
+    for (int64_t k = 0; k < K; k += 32) {                                                       \
+        v16f lo, hi;                                                                            \
+        decode(BLOCK_AT(src, k, elems, bytes), SUB_AT(k, elems), &lo, &hi);                     \
+        store_f16x(out + k, lo), store_f16x(out + k + 16, hi);                                  \
+    }
+    SWITCH_TYPE(type, DECODE_ROW)
+#undef DECODE_ROW
+    return out;
+}
+
+/* out[m] = dot(row, x row m) for M <= QDIRECT rows of x, the row decoded in registers (K a
+ * multiple of 32). Up to 4 rows, two accumulators each (the FMA latency would bound one); more,
+ * one each (16 accumulators and the decoded block fit AVX-512's 32 registers). */
+#define QDIRECT 16
+#define X_L1_BYTES (40 << 10) /* x rows larger than this are walked in slices of X_SLICE */
+#define X_SLICE 512            /* elements (a multiple of every block): 32 KiB of 16 rows */
+static inline __attribute__((always_inline)) void dot_rows(int64_t type, const uint8_t* src,
+                                                           int64_t K, const float* x, int64_t ldx,
+                                                           const int M, float* out) {
+    const int split = M <= 4;
+    v16f acc[QDIRECT][2];
+    for (int m = 0; m < M; m++) acc[m][0] = acc[m][1] = (v16f){0};
+#define DOT_ROWS(decode, elems, bytes)                                                           \
+    for (int64_t k = 0; k < K; k += 32) {                                                       \
+        v16f lo, hi;                                                                            \
+        decode(BLOCK_AT(src, k, elems, bytes), SUB_AT(k, elems), &lo, &hi);                     \
+        for (int m = 0; m < M; m++) {                                                           \
+            acc[m][0] += lo * load_f16x(x + m * ldx + k);                                       \
+            acc[m][split] += hi * load_f16x(x + m * ldx + k + 16);                              \
+        }                                                                                       \
+    }
+    SWITCH_TYPE(type, DOT_ROWS)
+#undef DOT_ROWS
+    for (int m = 0; m < M; m++) {
+        const v16f a = split ? acc[m][0] + acc[m][1] : acc[m][0];
+        vf s = vload((const float*)&a);
+        for (int i = VW; i < 16; i += VW) s += vload((const float*)&a + i);
+        out[m] = vsum(s);
+    }
+}
+#define DEFINE_DOT_ROWS(M)                                                                       \
+    static void dot_rows_##M(int64_t t, const uint8_t* s, int64_t K, const float* x,             \
+                             int64_t ldx, float* out) {                                         \
+        dot_rows(t, s, K, x, ldx, M, out);                                                      \
+    }
+DEFINE_DOT_ROWS(1)
+DEFINE_DOT_ROWS(2)
+DEFINE_DOT_ROWS(3)
+DEFINE_DOT_ROWS(4)
+DEFINE_DOT_ROWS(5)
+DEFINE_DOT_ROWS(6)
+DEFINE_DOT_ROWS(7)
+DEFINE_DOT_ROWS(8)
+DEFINE_DOT_ROWS(9)
+DEFINE_DOT_ROWS(10)
+DEFINE_DOT_ROWS(11)
+DEFINE_DOT_ROWS(12)
+DEFINE_DOT_ROWS(13)
+DEFINE_DOT_ROWS(14)
+DEFINE_DOT_ROWS(15)
+DEFINE_DOT_ROWS(16)
+typedef void (*dot_rows_fn)(int64_t, const uint8_t*, int64_t, const float*, int64_t, float*);
+static const dot_rows_fn DOT_ROWS_FNS[QDIRECT + 1] = {
+    0,           dot_rows_1,  dot_rows_2,  dot_rows_3,  dot_rows_4,  dot_rows_5,
+    dot_rows_6,  dot_rows_7,  dot_rows_8,  dot_rows_9,  dot_rows_10, dot_rows_11,
+    dot_rows_12, dot_rows_13, dot_rows_14, dot_rows_15, dot_rows_16,
+};
+
+/* Bytes of the first K elements of a row of `type` (K a multiple of its block). */
+static inline int64_t row_bytes(int64_t type, int64_t K) {
+    const int64_t elems = type == GGUF_Q4_K || type == GGUF_Q6_K ? QK_K
+                          : type == GGUF_F32 || type == GGUF_F16 || type == GGUF_BF16 ? 1
+                                                                                      : QK;
+    return K / elems * mg_quant_block_bytes(type);
+}
+
+/* Output row n of w: its bytes, and its type in *type. */
+static const uint8_t* weight_row(const mg_weight* w, int64_t K, int64_t n, int64_t* type) {
+    const uint8_t* p = w->data;
+    for (int64_t s = 0; s < w->num_segments; s++) {
+        if (n < w->rows[s]) {
+            *type = w->types[s];
+            return p + n * row_bytes(*type, K);
+        }
+        n -= w->rows[s];
+        p += w->rows[s] * row_bytes(w->types[s], K);
+    }
+    *type = -1;
+    return p;
+}
+
+/* A per-thread buffer of at least `floats` (grown, never shrunk; threads live as long as the
+ * process's OpenMP pool). */
+static float* thread_scratch(int64_t floats) {
+    static __thread float* buffer;
+    static __thread int64_t capacity;
+    if (floats > capacity) {
+        free(buffer);
+        buffer = malloc((size_t)floats * sizeof(float));
+        capacity = buffer ? floats : 0;
+    }
+    return buffer;
+}
+
+/* ---- batches: rows decoded into a panel --------------------------------------------------------
+ * Rows [n0, n0 + ncols) decoded into linear.c's panel layout [K, NB] (columns past ncols zero),
+ * so a batch runs the fp32 path's register tiles. 16 rows at a time, 32 elements of each are
+ * decoded and transposed in registers (four rounds of two-source shuffles). */
+/* Stage b of the transpose pairs rows i and i + b (bit b of i clear): row i takes its own
+ * elements where bit b of the index is clear and row i + b's (shifted down by b) elsewhere,
+ * row i + b the rest. Indices 16.. name the second row's elements. */
+#define SHUFFLE_MASKS(B)                                                                         \
+    v16i32 lo_##B, hi_##B;                                                                      \
+    for (int e = 0; e < 16; e++) {                                                              \
+        lo_##B[e] = e & B ? 16 + e - B : e;                                                     \
+        hi_##B[e] = e & B ? 16 + e : e + B;                                                     \
+    }
+#define STAGE(B)                                                                                 \
+    for (int i = 0; i < 16; i++)                                                                \
+        if (!(i & B)) {                                                                         \
+            const v16f a = r[i], b = r[i + B];                                                  \
+            r[i] = __builtin_shuffle(a, b, lo_##B);                                             \
+            r[i + B] = __builtin_shuffle(a, b, hi_##B);                                         \
+        }
+static inline void transpose16(v16f r[16]) {
+    SHUFFLE_MASKS(8) SHUFFLE_MASKS(4) SHUFFLE_MASKS(2) SHUFFLE_MASKS(1)
+    STAGE(8) STAGE(4) STAGE(2) STAGE(1)
+}
+#undef STAGE
+#undef SHUFFLE_MASKS
+
+/* panel: [K, NB] floats, then K more (a row's scratch) */
+static void decode_panel(const mg_weight* w, int64_t K, int64_t n0, int64_t ncols, float* panel) {
+    if (NB % 16 != 0 || K % 32 != 0) { /* narrow vectors, or odd F32 / F16 rows: one by one */
+        float* row = panel + (int64_t)NB * K;
+        memset(panel, 0, (size_t)(K * NB) * sizeof(float));
+        for (int64_t j = 0; j < ncols; j++) {
+            int64_t type;
+            const uint8_t* src = weight_row(w, K, n0 + j, &type);
+            const float* decoded = decode_row(type, src, K, row);
+            for (int64_t k = 0; k < K; k++) panel[k * NB + j] = decoded[k];
+        }
+        return;
+    }
+    for (int64_t g = 0; g < NB; g += 16) {
+        const uint8_t* src[16];
+        int64_t types[16];
+        int same = 1; /* one type for the 16 rows: its decoder inlined in the loop */
+        for (int i = 0; i < 16; i++) { /* columns past ncols repeat the last: never stored */
+            src[i] = weight_row(w, K, n0 + min64(g + i, ncols - 1), &types[i]);
+            same &= types[i] == types[0];
+        }
+#define DECODE_16(decode, elems, bytes)                                                          \
+    for (int i = 0; i < 16; i++) {                                                              \
+        __builtin_prefetch(BLOCK_AT(src[i], k, elems, bytes) + PREFETCH_BYTES);                 \
+        decode(BLOCK_AT(src[i], k, elems, bytes), SUB_AT(k, elems), &lo[i], &hi[i]);            \
+    }
+#define PANEL_LOOP(decode, elems, bytes)                                                         \
+    for (int64_t k = 0; k < K; k += 32) {                                                       \
+        v16f lo[16], hi[16];                                                                    \
+        if (same) {                                                                             \
+            DECODE_16(decode, elems, bytes)                                                     \
+        } else {                                                                                \
+            for (int i = 0; i < 16; i++) /* a segment boundary inside the 16 rows */            \
+                decode_any(types[i], src[i], k, &lo[i], &hi[i]);                                \
+        }                                                                                       \
+        transpose16(lo);                                                                        \
+        transpose16(hi);                                                                        \
+        for (int i = 0; i < 16; i++) {                                                          \
+            store_f16x(panel + (k + i) * NB + g, lo[i]);                                        \
+            store_f16x(panel + (k + 16 + i) * NB + g, hi[i]);                                   \
+        }                                                                                       \
+    }
+        SWITCH_TYPE(types[0], PANEL_LOOP)
+#undef PANEL_LOOP
+#undef DECODE_16
+    }
+}
+
+/* ---- the linear op ------------------------------------------------------------------------------
+ * Up to QDIRECT rows of x: items of RG weight rows, each row decoded in registers and dotted
+ * with every x row. More: items of one panel (NB weight rows) times up to MC rows of x, in
+ * panel-major order. */
+static int direct(const linear_args* a) { return a->M <= QDIRECT && a->K % 32 == 0; }
+
+int64_t quant_items(const linear_args* a) {
+    if (direct(a)) return (a->N + RG - 1) / RG;
+    return ((a->N + NB - 1) / NB) * ((a->M + MC - 1) / MC);
+}
+
+void quant_range(const void* args, int64_t begin, int64_t end) {
+    const linear_args* a = args;
+    const int64_t K = a->K;
+    if (direct(a)) {
+        /* K in slices whose x rows stay in L1 across the item's weight rows */
+        const int64_t slice = a->M * K * (int64_t)sizeof(float) <= X_L1_BYTES ? K : X_SLICE;
+        for (int64_t n0 = begin * RG; n0 < min64(a->N, end * RG); n0 += RG) {
+            const int64_t rows = min64(RG, a->N - n0);
+            float sums[RG][QDIRECT] = {{0}};
+            for (int64_t k0 = 0; k0 < K; k0 += slice) {
+                for (int64_t r = 0; r < rows; r++) {
+                    int64_t type;
+                    const uint8_t* src = weight_row(a->w, K, n0 + r, &type);
+                    float out[QDIRECT];
+                    DOT_ROWS_FNS[a->M](type, src + row_bytes(type, k0), min64(slice, K - k0),
+                                       a->x + k0, a->ldx, out);
+                    for (int64_t m = 0; m < a->M; m++) sums[r][m] += out[m];
+                }
+            }
+            for (int64_t r = 0; r < rows; r++)
+                for (int64_t m = 0; m < a->M; m++)
+                    a->y[m * a->ldy + n0 + r] = sums[r][m] + (a->bias ? a->bias[n0 + r] : 0.0f);
+        }
+        return;
+    }
+    float* panel = thread_scratch((NB + 1) * K);
+    int64_t decoded = -1; /* the panel in the scratch: consecutive items often share it */
+    for (int64_t item = begin; item < end; item++) {
+        const int64_t chunks = (a->M + MC - 1) / MC; /* panel-major: a panel decoded once */
+        const int64_t p = item / chunks, m0 = (item % chunks) * MC, n0 = p * NB;
+        if (p != decoded) decode_panel(a->w, K, n0, min64(NB, a->N - n0), panel);
+        decoded = p;
+        rows_times_panel(a->x + m0 * a->ldx, a->ldx, min64(MC, a->M - m0), panel, K,
+                         a->bias ? a->bias + n0 : 0, a->y + m0 * a->ldy + n0, a->ldy,
+                         min64(NB, a->N - n0));
+    }
+}
+
+/* ---- embedding lookup ------------------------------------------------------------------------- */
+typedef struct {
+    const mg_weight* w;
+    int64_t K;
+    const int64_t* ids;
+    float* out;
+} embed_args;
+
+static void embed_range(const void* args, int64_t begin, int64_t end) {
+    const embed_args* a = args;
+    for (int64_t r = begin; r < end; r++) {
+        int64_t type;
+        const uint8_t* src = weight_row(a->w, a->K, a->ids[r], &type);
+        float* out = a->out + r * a->K;
+        const float* row = decode_row(type, src, a->K, out);
+        if (row != out) memcpy(out, row, (size_t)a->K * sizeof(float));
+    }
+}
+
+/* out[r] = row ids[r] of w in fp32, for n ids (rows of K elements). */
+void mg_embed(const mg_weight* w, int64_t K, const int64_t* ids, int64_t n, float* out,
+              int nthreads) {
+    const embed_args a = {w, K, ids, out};
+    run_parallel(&a, embed_range, n, max64(1, n / (2 * (int64_t)nthreads)), nthreads);
+}

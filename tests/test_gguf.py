@@ -1,0 +1,245 @@
+"""GGUF weights served as their blocks on CPU (minisgl/kernels/csrc/quant.c, kernels/weights.py).
+
+The `gguf` package is the oracle: its dequantization, then an fp32 matmul. Every served block
+type against it with random blocks, at the row lengths the models here use and at batch sizes
+of both kernel paths (rows decoded in registers up to 16 rows, panels beyond); then whole models:
+a tiny GGUF Llama mixing every type (and one the kernels do not serve) as blocks vs dequantized,
+tp 2 vs tp 1, and the bundled SmolLM2 Q4_1 as blocks vs the fp32 dequantized model.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter
+from gguf.quants import quantize
+
+from minisgl.config import ServerArgs
+from minisgl.core import SamplingParams
+from minisgl.kernels import cpu
+from minisgl.kernels.weights import PackedLinear, QuantTensor
+from minisgl.llm import LLM
+from minisgl.models.default_model import (
+    GGUF_FILE,
+    GGUF_FILE_NAME,
+    default_model_path,
+    write_gguf_index,
+)
+from minisgl.models.loader import gguf_blocks
+from minisgl.models.resolve import resolve_model_path
+from tests.conftest import QWEN3_VOCAB, qwen3_tokenizer_dir
+
+T = GGMLQuantizationType
+SERVED = (T.F32, T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q8_0, T.Q4_K, T.Q6_K)
+ROW_LENGTHS = (256, 576, 1536)  # a K-quant block; SmolLM2's hidden and intermediate sizes
+BATCHES = (1, 3, 8, 16, 40, 97)  # registers (<= 16), panels, more than one chunk of x rows
+WEIGHT_STD = 0.15  # as the tiny HF checkpoints: logits far from uniform
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+PROMPTS = [list(range(200, 205)), list(range(300, 331)), [7, 8, 9, 10]]
+
+
+def kernels():
+    k = cpu.get()
+    assert k is not None, "the CPU kernels must build here"
+    return k
+
+
+def random_blocks(qtype: T, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+    """uint8 [rows, row bytes]: every bit random but the f16 scales (small and finite)."""
+    block, block_bytes = GGML_QUANT_SIZES[qtype]
+    if block == 1:
+        values = rng.standard_normal((rows, cols)).astype(np.float32)
+        if qtype == T.BF16:
+            return (values.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
+        return values.astype(np.float16 if qtype == T.F16 else np.float32).view(np.uint8)
+    raw = rng.integers(0, 256, (rows, cols // block, block_bytes), dtype=np.uint8)
+    scales = {T.Q4_0: [0], T.Q8_0: [0], T.Q4_1: [0, 2], T.Q4_K: [0, 2], T.Q6_K: [208]}[qtype]
+    for at in scales:
+        raw[..., at : at + 2] = (
+            rng.uniform(1e-3, 2e-2, raw.shape[:2] + (1,)).astype(np.float16).view(np.uint8)
+        )
+    return raw.reshape(rows, -1)
+
+
+def model_blocks(qtype: T, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+    """Blocks of weights with mean 0 and std about WEIGHT_STD, for a model that answers."""
+    if qtype not in (T.Q4_K, T.Q6_K):  # gguf quantizes these itself
+        weights = (rng.standard_normal((rows, cols)) * WEIGHT_STD).astype(np.float32)
+        return quantize(weights, qtype) if qtype != T.F32 else weights
+    raw = random_blocks(qtype, rows, cols, rng).reshape(-1, GGML_QUANT_SIZES[qtype][1])
+    half = lambda v: np.asarray(v, np.float16).reshape(-1, 1).view(np.uint8)  # noqa: E731
+    if qtype == T.Q6_K:  # w = d * scale * (q - 32): q uniform, int8 scales
+        raw[:, 208:210] = half(np.full(len(raw), WEIGHT_STD / 1400))
+    else:  # Q4_K: w = d * s * q - dmin * s with dmin = 7.5 d: (q - 7.5) d s, s in 1..15
+        s = rng.integers(1, 16, len(raw), dtype=np.uint8)[:, None]
+        raw[:, 4:8], raw[:, 8:12], raw[:, 12:16] = s, s, s | (s << 4)
+        d = WEIGHT_STD / 37
+        raw[:, 0:2], raw[:, 2:4] = half(np.full(len(raw), d)), half(np.full(len(raw), 7.5 * d))
+    return raw.reshape(rows, -1)
+
+
+@pytest.mark.parametrize("qtype", SERVED, ids=lambda t: t.name)
+def test_block_kernels_match_gguf_dequantize(qtype: T) -> None:
+    """GEMV, GEMM and embedding rows of random blocks against gguf's dequantization."""
+    k, rng = kernels(), np.random.default_rng(int(qtype))
+    assert k.serves_blocks(int(qtype))
+    for cols in ROW_LENGTHS:
+        if cols % GGML_QUANT_SIZES[qtype][0]:
+            continue  # a K-quant never holds rows of other lengths
+        rows = 45  # not a multiple of the panel width or the register tiles
+        weight = QuantTensor(
+            int(qtype), torch.from_numpy(random_blocks(qtype, rows, cols, rng)), cols
+        )
+        want_weight = weight.dequantize()
+        packed = PackedLinear.of_blocks({0: weight})
+        assert torch.equal(k.embed(packed, torch.tensor([44, 0, 7])), want_weight[[44, 0, 7]])
+        bias = torch.randn(rows)
+        for batch in BATCHES:
+            x = torch.randn(batch, cols)
+            want = x @ want_weight.T + bias
+            tol = 1e-5 * float(want.abs().max())
+            torch.testing.assert_close(k.linear(x, packed, bias), want, atol=tol, rtol=1e-5)
+
+
+def test_merged_segments_and_tensor_parallel_cuts() -> None:
+    """A merged weight of three types (Q4_K_M files give q and k Q4_K, v Q6_K), column cuts on
+    and inside block boundaries, and fp32 rows of a length that is no multiple of 32."""
+    k, rng = kernels(), np.random.default_rng(0)
+    parts = [
+        QuantTensor(int(t), torch.from_numpy(random_blocks(t, rows, 512, rng)), 512)
+        for t, rows in ((T.Q4_K, 40), (T.Q4_K, 8), (T.Q6_K, 8))
+    ]
+    parts.append(QuantTensor.of_float(torch.randn(5, 512)))
+    want_weight = torch.cat([p.dequantize() for p in parts])
+    packed = PackedLinear.of_blocks(dict(enumerate(parts)))
+    assert packed.out_features == 61 and len(packed.segments) == 4
+    for batch in (1, 16):
+        x = torch.randn(batch, 512)
+        want = x @ want_weight.T
+        torch.testing.assert_close(
+            k.linear(x, packed), want, atol=1e-5 * float(want.abs().max()), rtol=1e-5
+        )
+    on_blocks, inside = parts[0].columns(256, 256), parts[0].columns(128, 256)
+    assert on_blocks.qtype == T.Q4_K and inside.qtype == T.F32  # a cut inside: fp32 rows
+    for cut, start in ((on_blocks, 256), (inside, 128)):
+        assert torch.equal(cut.dequantize(), parts[0].dequantize()[:, start : start + 256])
+    odd = QuantTensor.of_float(torch.randn(9, 37))
+    x = torch.randn(20, 37)
+    torch.testing.assert_close(
+        k.linear(x, PackedLinear.of_blocks({0: odd})), x @ odd.dequantize().T
+    )
+
+
+LAYER_TYPES = [  # every served type, a merged qkv of two types, one type served dequantized
+    {"attn_q": T.Q4_K, "attn_k": T.Q4_K, "attn_v": T.Q6_K, "attn_output": T.Q4_K,
+     "ffn_gate": T.Q4_1, "ffn_up": T.Q8_0, "ffn_down": T.Q6_K},
+    {"attn_q": T.Q8_0, "attn_k": T.F16, "attn_v": T.BF16, "attn_output": T.Q5_0,
+     "ffn_gate": T.F32, "ffn_up": T.Q4_0, "ffn_down": T.Q4_K},
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory) -> Path:
+    """A 2-layer Llama (hidden 256: K-quant rows) as an HF folder whose weights are a GGUF."""
+    from transformers import LlamaConfig
+
+    root = tmp_path_factory.mktemp("gguf") / "tiny"
+    config = LlamaConfig(
+        vocab_size=QWEN3_VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+        tie_word_embeddings=False, eos_token_id=151645, bos_token_id=151643,
+    )  # fmt: skip
+    config.architectures = ["LlamaForCausalLM"]
+    config.save_pretrained(root)
+    for f in qwen3_tokenizer_dir().iterdir():
+        shutil.copy(f, root / f.name)
+    rng = np.random.default_rng(0)
+    writer = GGUFWriter(root / GGUF_FILE, "llama")
+    shapes = {"attn_q": (256, 256), "attn_k": (128, 256), "attn_v": (128, 256),
+              "attn_output": (256, 256), "ffn_gate": (512, 256), "ffn_up": (512, 256),
+              "ffn_down": (256, 512)}  # fmt: skip
+    for layer, types in enumerate(LAYER_TYPES):
+        for name, qtype in types.items():
+            blocks = model_blocks(qtype, *shapes[name], rng)
+            writer.add_tensor(f"blk.{layer}.{name}.weight", blocks, raw_dtype=qtype)
+        for norm in ("attn_norm", "ffn_norm"):
+            writer.add_tensor(f"blk.{layer}.{norm}.weight", np.ones(256, np.float32))
+    writer.add_tensor("output_norm.weight", np.ones(256, np.float32))
+    writer.add_tensor(
+        "token_embd.weight", model_blocks(T.Q8_0, QWEN3_VOCAB, 256, rng), raw_dtype=T.Q8_0
+    )
+    writer.add_tensor(
+        "output.weight", model_blocks(T.Q6_K, QWEN3_VOCAB, 256, rng), raw_dtype=T.Q6_K
+    )
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    write_gguf_index(root / GGUF_FILE, root)
+    return root
+
+
+def _tokens(model: Path, caplog=None, **options) -> list[list[int]]:
+    with LLM(str(model), num_pages=1024, max_running_requests=4, **options) as llm:
+        engine = llm.scheduler.engine  # type: ignore[attr-defined]
+        qkv = engine.model.model.layers[0].self_attn.qkv_proj
+        assert bool(qkv.packed.segments) == (options.get("quantization") != "none")
+        return [out.token_ids for out in llm.generate(PROMPTS, GREEDY)]
+
+
+def test_tiny_gguf_blocks_match_dequantized_and_tp2(tiny_gguf: Path, caplog) -> None:
+    with caplog.at_level(logging.INFO, logger="minisgl.models.loader"):
+        blocks = _tokens(tiny_gguf)
+    assert "GGUF Q5_0 weights are dequantized to fp32 at load" in caplog.text
+    assert blocks == _tokens(tiny_gguf, quantization="none")
+    assert blocks == _tokens(tiny_gguf, tp_size=2, max_prefill_tokens=16)
+
+
+SMOL_CHATS = ["What is the capital of France?", "Write a haiku about the sea."]
+
+
+def test_bundled_model_as_blocks_matches_fp32(tmp_path: Path) -> None:
+    """SmolLM2 Q4_1 as blocks: its greedy tokens are the fp32 dequantized model's; both are
+    served from the GGUF file (--model file.gguf is the same folder as the default)."""
+    bundled = resolve_model_path(None).joinpath(GGUF_FILE).resolve()
+    assert bundled.name == GGUF_FILE_NAME
+    assert resolve_model_path(str(bundled)) == resolve_model_path(None)
+    messages = [[{"role": "user", "content": chat}] for chat in SMOL_CHATS]
+    params = SamplingParams(temperature=0, max_tokens=24)
+    outputs = {}
+    for quantization in ("auto", "none"):
+        with LLM(None, quantization=quantization, num_pages=1024) as llm:
+            down = llm.scheduler.engine.model.model.layers[0].mlp.down_proj  # type: ignore[attr-defined]
+            assert down.packed.segments == (((int(T.Q4_1), 576),) if quantization == "auto" else ())
+            outputs[quantization] = [out.token_ids for out in llm.chat(messages, params)]
+    assert outputs["auto"] == outputs["none"]
+
+
+def test_quantization_rules(tmp_path: Path, tiny_models, caplog) -> None:
+    """--quantization gguf needs a GGUF model and the fp32 CPU kernels; auto dequantizes (with a
+    log line) where blocks are not served; none always dequantizes."""
+    k, gguf_dir = kernels(), default_model_path()
+    where = "torch.bfloat16 on cpu"
+    args = ServerArgs(quantization="gguf")
+    with pytest.raises(
+        ValueError, match=r"--quantization gguf needs a GGUF model \(--model x.gguf\)"
+    ):
+        gguf_blocks(args, tiny_models["llama"], k, where)
+    with pytest.raises(
+        ValueError, match=rf"--quantization gguf needs the fp32 CPU kernels \(not {where}\)"
+    ):
+        gguf_blocks(args, gguf_dir, None, where)
+    assert gguf_blocks(args, gguf_dir, k, where) is k
+    assert gguf_blocks(ServerArgs(), gguf_dir, k, where) is k
+    assert gguf_blocks(ServerArgs(quantization="none"), gguf_dir, k, where) is None
+    with caplog.at_level(logging.INFO, logger="minisgl.models.loader"):
+        assert gguf_blocks(ServerArgs(dtype="float32"), gguf_dir, k, where) is None
+        assert gguf_blocks(ServerArgs(), gguf_dir, None, where) is None
+    assert f"GGUF weights dequantized to {where}" in caplog.text
+    with pytest.raises(ValueError, match="quantization: must be one of auto, gguf, none"):
+        ServerArgs(quantization="fp8")
