@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -278,15 +279,17 @@ def _lm_eval_parse_logprobs(reply: dict[str, Any], ctxlens: list[int]) -> list[t
     return results
 
 
-def test_lm_eval_loglikelihoods_match_transformers(server: ServerProcess) -> None:
+def test_lm_eval_loglikelihoods_match_transformers(
+    server: ServerProcess, default_model_dir: Path
+) -> None:
     """Every choice scored as lm-eval scores it, against HF transformers on the same checkpoint,
     including choices after which the model's next token is end-of-sequence (whose entry was
     once missing, so lm-eval dropped the answer's last token)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    path = require_default_model()
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    # The reference: the bundled model converted to fp32 (the server multiplies its blocks)
+    tokenizer = AutoTokenizer.from_pretrained(default_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32).eval()
     turn = "<|im_start|>user\nWhat is the capital of {}?<|im_end|>\n<|im_start|>assistant\n"
     requests = [
         (turn.format(country), answer)
