@@ -134,20 +134,30 @@ def test_rope_in_place_matches_the_reference(head_dim):
     torch.testing.assert_close(key, want_k, atol=ATOL, rtol=ATOL)
 
 
+FP8_KV = [torch.float8_e4m3fn, torch.float8_e5m2]
+
+
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize(
-    ("num_heads", "num_kv_heads", "head_dim"), [(9, 3, 64), (4, 4, 20), (16, 2, 128), (10, 2, 40)]
-)
-def test_paged_decode_attention_matches_sdpa(page_size, num_heads, num_kv_heads, head_dim):
+    ("num_heads", "num_kv_heads", "head_dim", "kv_dtype"),
+    [(9, 3, 64, torch.float32), (4, 4, 20, torch.float32), (16, 2, 128, torch.float32),
+     (10, 2, 40, torch.float32), (9, 3, 64, FP8_KV[0]), (10, 2, 40, FP8_KV[1])],
+)  # fmt: skip
+def test_paged_decode_attention_matches_sdpa(
+    page_size, num_heads, num_kv_heads, head_dim, kv_dtype
+):
     """A mixed batch (decodes of very different KV lengths around a prefill chunk) over a
-    shuffled pool: the kernel's decodes equal the padded-SDPA reference's."""
+    shuffled pool: the kernel's decodes equal the padded-SDPA reference's; over an fp8 pool
+    (its per-layer K/V scales not 1) too, the reference dequantizing in torch."""
     # (prefix_len, extend_len); 1100 spans nine of the kernel's 128-position work items
     seqs = [(1100, 1), (5, 1), (0, 7), (129, 1), (0, 1)]
     g = torch.Generator().manual_seed(15)
     num_pages = sum(-(-(pre + ext) // page_size) for pre, ext in seqs) + 4
+    scales = torch.tensor([[1.0, 1.0], [0.6, 1.7]])
     pool = KVPool(
-        KVShape(2, num_kv_heads, head_dim), num_pages, page_size, torch.float32, torch.device("cpu")
-    )
+        KVShape(2, num_kv_heads, head_dim), num_pages, page_size, kv_dtype, torch.device("cpu"),
+        scales,
+    )  # fmt: skip
     pool.buffer.copy_(torch.randn(pool.buffer.shape, generator=g))
     width = max(-(-(pre + ext) // page_size) for pre, ext in seqs) * page_size
     page_table = torch.zeros(len(seqs) + 1, width, dtype=torch.int32)
@@ -390,11 +400,13 @@ def test_models_match_the_torch_path(tiny_models, monkeypatch, arch):
     _assert_same(outs, ref_outs)
 
 
-def test_fused_stack_matches_op_by_op_kernels(tiny_qwen3, monkeypatch):
-    """The one-call decode stack runs the op-by-op kernels in the same order: equal tokens."""
-    outs, _ = _generate(tiny_qwen3)
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])
+def test_fused_stack_matches_op_by_op_kernels(tiny_qwen3, monkeypatch, kv_cache_dtype):
+    """The one-call decode stack runs the op-by-op kernels in the same order: equal tokens.
+    With an fp8 pool the stack quantizes K/V in C, the op-by-op path in torch: the same codes."""
+    outs, _ = _generate(tiny_qwen3, kv_cache_dtype=kv_cache_dtype)
     monkeypatch.setattr("minisgl.models.cpu_decoder.CpuDecodeStack.build", lambda *a: None)
-    op_outs, model = _generate(tiny_qwen3)
+    op_outs, model = _generate(tiny_qwen3, kv_cache_dtype=kv_cache_dtype)
     assert model.cpu_decode_stack is None
     _assert_same(outs, op_outs)
 

@@ -22,8 +22,9 @@ class AttentionConfig:
     head_dim: int
     page_size: int
     max_seq_len: int  # width of the page table: no sequence is longer
-    dtype: torch.dtype  # of queries and of the KV pool
+    dtype: torch.dtype  # of queries (and of the KV pool unless kv_dtype says otherwise)
     device: torch.device
+    kv_dtype: torch.dtype | None = None  # --kv-cache-dtype fp8_*: what the pool stores
 
     @property
     def scale(self) -> float:

@@ -118,7 +118,7 @@ class FlashInferBackend(AttentionBackend):
             *heads,
             seq_lens=kv_lens,
             q_data_type=cfg.dtype,
-            kv_data_type=cfg.dtype,
+            kv_data_type=cfg.kv_dtype or cfg.dtype,
             sm_scale=cfg.scale,
             **kw,
         )
@@ -148,9 +148,13 @@ class FlashInferBackend(AttentionBackend):
         # The scale is baked into the plan (one per forward, shared by all layers).
         assert abs(scale - self.cfg.scale) < 1e-6 * self.cfg.scale, (scale, self.cfg.scale)
         pool.store(layer_id, metadata.out_slots, k, v)
-        pages = (-1, pool.page_size, pool.num_kv_heads, pool.head_dim)  # [slots] -> [pages, page]
+        # [slots, kv_heads, head_dim] -> [pages, page_size, kv_heads, head_dim]
+        pages = (-1, pool.page_size, pool.shape.num_kv_heads, pool.shape.head_dim)
         k_cache, v_cache = pool.k_cache(layer_id).view(pages), pool.v_cache(layer_id).view(pages)
-        return metadata.wrapper.run(q.contiguous(), (k_cache, v_cache))
+        k_scale, v_scale = pool.layer_scales[layer_id]  # fp8's (else 1.0)
+        return metadata.wrapper.run(
+            q.contiguous(), (k_cache, v_cache), k_scale=k_scale, v_scale=v_scale
+        )
 
     # ---- CUDA graphs -----------------------------------------------------------------------
 

@@ -120,10 +120,9 @@ class TorchNativeBackend(AttentionBackend):
         pool.store(layer_id, metadata.out_slots, k, v)
         k_cache, v_cache = pool.k_cache(layer_id), pool.v_cache(layer_id)
         out = torch.empty_like(q)
-        if self._kernels is not None and metadata.kernel_decodes is not None:
-            self._kernels.decode_attention(
-                q, *metadata.kernel_decodes, k_cache, v_cache, out, scale
-            )
+        decodes, kv_scales = metadata.kernel_decodes, pool.layer_scales[layer_id]
+        if self._kernels is not None and decodes is not None:
+            self._kernels.decode_attention(q, *decodes, k_cache, v_cache, out, scale, kv_scales)
         # The SDPA path: prefill chunks always, decodes unless the kernel computed them. SDPA
         # wants [batch, heads, len, head_dim]; GQA repeats KV heads inside the kernel.
         for group in metadata.decode_groups:
@@ -133,9 +132,10 @@ class TorchNativeBackend(AttentionBackend):
                 group.k_buf, group.v_buf = k_cache.new_empty(shape), v_cache.new_empty(shape)
             torch.index_select(k_cache, 0, group.kv_slots, out=group.k_buf)
             torch.index_select(v_cache, 0, group.kv_slots, out=group.v_buf)
+            gk, gv = pool.dequantize(layer_id, group.k_buf, group.v_buf, q.dtype)
             # [decodes * L, kv_heads, D] -> [decodes, kv_heads, L, D]
-            dk = group.k_buf.view(num_decodes, -1, *k_cache.shape[1:]).transpose(1, 2)
-            dv = group.v_buf.view(num_decodes, -1, *v_cache.shape[1:]).transpose(1, 2)
+            dk = gk.view(num_decodes, -1, *k_cache.shape[1:]).transpose(1, 2)
+            dv = gv.view(num_decodes, -1, *v_cache.shape[1:]).transpose(1, 2)
             dq = q[group.token_index].unsqueeze(2)  # [decodes, heads, 1, head_dim]
             o = F.scaled_dot_product_attention(
                 dq, dk, dv, attn_mask=group.mask, scale=scale, enable_gqa=True
@@ -143,8 +143,9 @@ class TorchNativeBackend(AttentionBackend):
             out[group.token_index] = o.squeeze(2)
         for p in metadata.prefills:
             pq = q[p.tokens].transpose(0, 1).unsqueeze(0)  # [1, H, q_len, D]
-            pk = k_cache[p.kv_slots].transpose(0, 1).unsqueeze(0)  # [1, KVH, kv_len, D]
-            pv = v_cache[p.kv_slots].transpose(0, 1).unsqueeze(0)
+            ck, cv = pool.dequantize(layer_id, k_cache[p.kv_slots], v_cache[p.kv_slots], q.dtype)
+            pk = ck.transpose(0, 1).unsqueeze(0)  # [1, KVH, kv_len, D]
+            pv = cv.transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(
                 pq, pk, pv, attn_mask=p.mask, is_causal=p.mask is None, scale=scale, enable_gqa=True
             )

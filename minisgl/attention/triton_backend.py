@@ -223,6 +223,12 @@ class TritonBackend(AttentionBackend):
                 "attention_backend 'triton' runs on CUDA; on CPU only in Triton's interpreter "
                 "(set TRITON_INTERPRET=1 before start-up; slow, meant for tests)"
             )
+        e4m3_on_cuda = cfg.kv_dtype == torch.float8_e4m3fn and cfg.device.type == "cuda"
+        if e4m3_on_cuda and torch.cuda.get_device_capability(cfg.device) < (8, 9):  # Triton's
+            raise ValueError(
+                "--kv-cache-dtype fp8_e4m3 with --attention-backend triton needs compute "
+                "capability 8.9+ (Ada, Hopper): use fp8_e5m2, or flashinfer"
+            )
         self.cfg = cfg
         self.decode_splits = decode_splits
         num_sms = (
@@ -308,12 +314,14 @@ class TritonBackend(AttentionBackend):
         if q.stride(-1) != 1:
             q = q.contiguous()
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        k_scale, v_scale = pool.layer_scales[layer_id]  # fp8's (else 1.0)
+        scale *= k_scale
         if isinstance(metadata, TritonDecodeMetadata):
             decode_attention(q, k_cache, v_cache, out, metadata, scale)
-            return out
-        decodes, n = metadata.decodes, 0  # the decodes: one query each, q's first n rows
-        if decodes is not None:
-            n = decodes.table_rows.numel()
-            decode_attention(q[:n], k_cache, v_cache, out[:n], decodes, scale)
-        extend_attention(q[n:], k_cache, v_cache, out[n:], metadata, scale)
-        return out
+        else:
+            decodes, n = metadata.decodes, 0  # the decodes: one query each, q's first n rows
+            if decodes is not None:
+                n = decodes.table_rows.numel()
+                decode_attention(q[:n], k_cache, v_cache, out[:n], decodes, scale)
+            extend_attention(q[n:], k_cache, v_cache, out[n:], metadata, scale)
+        return out if v_scale == 1.0 else out.mul_(v_scale)

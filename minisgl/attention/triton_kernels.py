@@ -68,7 +68,7 @@ def _attend_tile(
     kv_mask = n_mask[:, None] & (offs_d < HEAD_DIM)[None, :]
     k = tl.load(
         k_head_ptr + slots[:, None] * stride_kv_slot + offs_d[None, :], mask=kv_mask, other=0.0
-    )
+    ).to(q.dtype)  # an fp8 pool's codes: their scale is in qk_scale (K) and the output's (V)
     s = _dot(q, tl.trans(k), DOT_PRECISION) * qk_scale  # [ROWS, BLOCK_N]
     visible = (pos[None, :] <= q_pos[:, None]) & n_mask[None, :]
     s = tl.where(visible, s, float("-inf"))
@@ -79,7 +79,7 @@ def _attend_tile(
     l_i = l_i * alpha + tl.sum(p, 1)
     v = tl.load(
         v_head_ptr + slots[:, None] * stride_kv_slot + offs_d[None, :], mask=kv_mask, other=0.0
-    )
+    ).to(q.dtype)
     acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PRECISION)
     return m_new, l_i, acc
 

@@ -29,7 +29,7 @@ from minisgl.engine.sampler import Sampler
 from minisgl.engine.sampling_batch import SamplingBatch
 from minisgl.engine.tables import DeviceTables
 from minisgl.kernels import cpu
-from minisgl.kvcache.pool import KVPool, KVShape
+from minisgl.kvcache.pool import KV_CACHE_DTYPES, KVPool, KVShape
 from minisgl.models.config import load_model_config
 from minisgl.models.llama import CausalLM, local_head_counts
 from minisgl.models.loader import gguf_blocks, load_weights
@@ -66,6 +66,7 @@ class Engine:
             torch.cuda.set_device(self.device)
         self.stream = ComputeStream(self.device)  # where the forward is queued, and the copies
         self.dtype = resolve_dtype(args.dtype, self.device)
+        self.kv_dtype = KV_CACHE_DTYPES.get(args.kv_cache_dtype, self.dtype)
         self.model_path = resolve_model_path_for(args)
         self.model_config = cfg = load_model_config(self.model_path)
         # fails early, with the numbers, if heads don't divide by tp
@@ -81,22 +82,24 @@ class Engine:
         width = -(-(self.max_model_len + 1) // self.page_size) * self.page_size
         self.tables = DeviceTables(args.max_running_requests, width, self.stream)
         attention = AttentionConfig(
-            num_qo_heads, num_kv_heads, cfg.head_dim, self.page_size, width, self.dtype, self.device
-        )
+            num_qo_heads, num_kv_heads, cfg.head_dim, self.page_size, width, self.dtype,
+            self.device, self.kv_dtype,
+        )  # fmt: skip
         self.backend = create_backend(self.backend_name, attention)
         self.sampler = Sampler(self.device)
         graph_bs = self._graph_max_batch_size()
         weights_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         prefill_tokens = min(self.max_prefill_tokens, self.max_model_len)
         needs = MemoryNeeds(
-            self.kv_shape, self.dtype, cfg.vocab_size, weights_bytes, graph_bs, prefill_tokens
+            self.kv_shape, self.kv_dtype, cfg.vocab_size, weights_bytes, graph_bs, prefill_tokens
         )
         with stage("planning the KV cache"):
             self.num_pages = plan_kv_pages(args, needs, self.tables, self._forward_through)
         # One extra page, never handed out: padded graph entries write their K/V there.
         self.kv_pool = KVPool(
-            self.kv_shape, self.num_pages + 1, self.page_size, self.dtype, self.device
-        )
+            self.kv_shape, self.num_pages + 1, self.page_size, self.kv_dtype, self.device,
+            self.model.kv_scales,
+        )  # fmt: skip
         self.tables.point_dummy_row(self.num_pages * self.page_size)
         self.graphs: GraphRunner | None = None
         if graph_bs > 0:
@@ -111,10 +114,10 @@ class Engine:
             elif self.model.cpu_decode_stack is not None:
                 logger.info("CPU decode steps run padded and op by op (--cuda-graph-max-bs)")
         logger.info(
-            "engine ready: %s on %s (%s), attention %s, %d KV pages x %d tokens, "
-            "CUDA graphs up to batch %d", cfg.architecture, self.device, self.dtype,
-            self.backend_name, self.num_pages, self.page_size,
-            graph_bs if self.stream.is_cuda else 0,
+            "engine ready: %s on %s (%s), attention %s, %d KV pages x %d tokens (%d tokens of "
+            "%s KV), CUDA graphs up to batch %d", cfg.architecture, self.device, self.dtype,
+            self.backend_name, self.num_pages, self.page_size, self.num_pages * self.page_size,
+            self.kv_dtype, graph_bs if self.stream.is_cuda else 0,
         )  # fmt: skip
 
     def _build_model(self) -> CausalLM:

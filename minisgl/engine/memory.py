@@ -43,7 +43,7 @@ class MemoryNeeds:
     """What the KV budget depends on besides the flags, from the engine being built."""
 
     kv_shape: KVShape
-    dtype: torch.dtype
+    kv_dtype: torch.dtype  # what the pool stores
     vocab_size: int
     weights_bytes: int
     graph_max_bs: int  # 0: no CUDA graphs
@@ -58,7 +58,7 @@ def plan_kv_pages(
 ) -> int:
     """The pool size in pages. `forward` runs the warm-up on CUDA (through a temporary pool
     mapped by the dummy table row)."""
-    page_bytes = needs.kv_shape.bytes_per_token(needs.dtype) * args.page_size
+    page_bytes = needs.kv_shape.bytes_per_token(needs.kv_dtype) * args.page_size
     if args.num_pages is not None:
         num_pages = args.num_pages
     elif args.kv_cache_gb is not None:
@@ -116,7 +116,7 @@ def _profile_prefill(
     pool just large enough for it (the dummy table row maps its positions)."""
     device = tables.stream.device
     num_tokens = needs.prefill_tokens
-    pool = KVPool(needs.kv_shape, -(-num_tokens // page_size), page_size, needs.dtype, device)
+    pool = KVPool(needs.kv_shape, -(-num_tokens // page_size), page_size, needs.kv_dtype, device)
     row = tables.dummy_row
     tables.page_table[row, :num_tokens] = torch.arange(num_tokens, dtype=torch.int32, device=device)
     tables.token_table[row].zero_()

@@ -33,7 +33,7 @@ from minisgl.kernels.cpu_ops import CpuKernels
 logger = logging.getLogger(__name__)
 
 ENABLE_ENV = "MINISGL_CPU_KERNELS"  # "0" turns the kernels off
-ABI_VERSION = 7  # MG_ABI_VERSION in csrc/common.h
+ABI_VERSION = 8  # MG_ABI_VERSION in csrc/common.h
 SELF_CHECK_ATOL = 1e-4
 
 

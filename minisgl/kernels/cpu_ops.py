@@ -20,10 +20,13 @@ DECODE_OPS = (
 # decode attention limits (ATTN_MAX_HEADS, ATTN_MAX_HEAD_DIM in csrc/attention.c)
 ATTN_MAX_HEADS = 128
 ATTN_MAX_HEAD_DIM = 256
+# the fp8 KV formats the kernels read and write, as their `fp8` argument (exponent bits)
+FP8_KV_FORMATS = {torch.float8_e4m3fn: 4, torch.float8_e5m2: 5}
 
 
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
+_ATTN = [_P, _I, _P, _P, _P, _P, _I, _P, _P, _P, _I, _I, _I, _I, _I, ctypes.c_float]  # to `scale`
 _SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
     "mg_abi_version": (ctypes.c_int, []),
     "mg_block_n": (ctypes.c_int, []),
@@ -34,14 +37,11 @@ _SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
     "mg_silu_mul": (None, [_P, _I, _P, _I, _I, _I, ctypes.c_int]),
     "mg_rope": (None, [_P, _I, _I, _P, _I, _I, _I, _I, _P, _P, _P, ctypes.c_int]),
     "mg_store_kv": (None, [_P, _I, _P, _I, _P, _P, _P, _I, _I]),
-    "mg_decode_attention": (
-        ctypes.c_int,
-        [_P, _I, _P, _P, _P, _P, _I, _P, _P, _P, _I, _I, _I, _I, _I, ctypes.c_float, ctypes.c_int],
-    ),
+    "mg_decode_attention": (ctypes.c_int, [*_ATTN, ctypes.c_int, ctypes.c_float, ctypes.c_int]),
     "mg_decode_scratch_floats": (_I, [_P, _I]),
     "mg_decode_layers": (
         ctypes.c_int,
-        [_P, _P, _I, _P, _P, _P, _I, _P, _P, _P, _I, _P, _P, ctypes.c_int],
+        [_P, _P, _I, _P, _P, _P, _I, _P, _P, _P, _I, ctypes.c_int, _P, _P, _P, ctypes.c_int],
     ),
     "mg_num_ops": (ctypes.c_int, []),
     "mg_seeded_uniform": (None, [_P, _P, _I, _I, _P, ctypes.c_int]),
@@ -289,12 +289,13 @@ class CpuKernels:
         v_cache: torch.Tensor,
         out: torch.Tensor,
         scale: float,
+        kv_scales: tuple[float, float] = (1.0, 1.0),
     ) -> None:
         """For decode i: out[q_rows[i]] = attention of q[q_rows[i]] ([heads, D]) over positions
         [0, kv_lens[i]) of page-table row table_rows[i], read from the pool's slots.
         q, out: [tokens, heads, D] (out with heads back to back); caches [slots, kv_heads, D],
-        contiguous; int64 index tensors; the int32 page table with contiguous rows. Callers
-        check `supports_decode_attention` first."""
+        contiguous, fp32 or fp8 (their values times `kv_scales`); int64 index tensors; the
+        int32 page table with contiguous rows. Callers check `supports_decode_attention` first."""
         num_heads, head_dim = q.shape[1], q.shape[2]
         q = q if _heads_stride(q) is not None else q.contiguous()
         ldq, ldo = q.stride(0), _heads_stride(out)
@@ -303,7 +304,8 @@ class CpuKernels:
             q.data_ptr(), ldq, q_rows.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
             page_table.data_ptr(), page_table.stride(0), table_rows.data_ptr(),
             kv_lens.data_ptr(), out.data_ptr(), ldo, q_rows.numel(), num_heads,
-            k_cache.shape[1], head_dim, scale, torch.get_num_threads(),
+            k_cache.shape[1], head_dim, scale * kv_scales[0], FP8_KV_FORMATS.get(k_cache.dtype, 0),
+            kv_scales[1], torch.get_num_threads(),
         )  # fmt: skip
         if status != 0:
             raise RuntimeError(
@@ -321,12 +323,14 @@ class CpuKernels:
         table_rows: torch.Tensor,
         kv_lens: torch.Tensor,
         pool_buffer: torch.Tensor,
+        kv_scales: torch.Tensor,
         op_seconds: torch.Tensor | None = None,
     ) -> None:
         """Run every layer of a dense stack for a decode-only batch (see mg_decode_layers):
         hidden [seqs, hidden] (contiguous) holds the embeddings and receives the last layer's
         output plus the residual. Index tensors are int64 [seqs], contiguous; the pool buffer
-        is [layers, 2, slots, kv_heads, head_dim], contiguous. `op_seconds` (float64
+        is [layers, 2, slots, kv_heads, head_dim], contiguous, fp32 or fp8 (its values times
+        `kv_scales`, float32 [layers, 2], contiguous). `op_seconds` (float64
         [len(DECODE_OPS)]), when given, accumulates each op's wall time over the layers."""
         num_seqs = hidden.shape[0]
         scratch = torch.empty(
@@ -336,7 +340,8 @@ class CpuKernels:
             ctypes.addressof(stack), hidden.data_ptr(), num_seqs, positions.data_ptr(),
             out_slots.data_ptr(), page_table.data_ptr(), page_table.stride(0),
             table_rows.data_ptr(), kv_lens.data_ptr(), pool_buffer.data_ptr(),
-            pool_buffer.shape[2], scratch.data_ptr(),
+            pool_buffer.shape[2], FP8_KV_FORMATS.get(pool_buffer.dtype, 0), kv_scales.data_ptr(),
+            scratch.data_ptr(),
             None if op_seconds is None else op_seconds.data_ptr(), torch.get_num_threads(),
         )  # fmt: skip
         if status != 0:

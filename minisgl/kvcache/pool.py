@@ -3,6 +3,10 @@
 slot = page * page_size + offset. Buffers are allocated once at start-up and reused: fresh
 allocations are slow on CPU and fragment GPU memory. The pool knows shapes, not models: the
 engine passes this rank's KV head count.
+
+An fp8 pool (--kv-cache-dtype) stores x / scale, saturated to the format's largest value, with
+one K and one V scale per layer (1.0, or the checkpoint's k_scale / v_scale); readers multiply
+by them: `dequantize` for torch, the scales passed to the C, Triton and FlashInfer kernels.
 """
 
 from __future__ import annotations
@@ -11,8 +15,11 @@ from dataclasses import dataclass
 
 import torch
 
-from minisgl.kernels.cpu_ops import huge_page_zeros
+from minisgl.kernels.cpu_ops import FP8_KV_FORMATS, huge_page_zeros
 from minisgl.kernels.gpu import layer_kernels
+
+# --kv-cache-dtype: vLLM's and SGLang's names ("auto": the model's dtype)
+KV_CACHE_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
 
 @dataclass(frozen=True)
@@ -35,13 +42,13 @@ class KVPool:
         page_size: int,
         dtype: torch.dtype,
         device: torch.device,
+        scales: torch.Tensor | None = None,
     ) -> None:
+        """dtype: what the pool stores; scales: fp8's, [layers, 2 (k, v)] (default 1.0)."""
         self.shape = shape
         self.num_pages = num_pages
         self.page_size = page_size
         self.num_slots = num_pages * page_size
-        self.num_kv_heads = shape.num_kv_heads
-        self.head_dim = shape.head_dim
         # [layer, k/v, slot, kv_head, head_dim]
         dims = (shape.num_layers, 2, self.num_slots, shape.num_kv_heads, shape.head_dim)
         if device.type == "cpu":
@@ -50,8 +57,13 @@ class KVPool:
             self.buffer = huge_page_zeros(dims, dtype).zero_()
         else:
             self.buffer = torch.zeros(dims, dtype=dtype, device=device)
-        kernels = layer_kernels(device, dtype)
-        self._store_kernels = kernels.fused or kernels.cpu  # both have the same store_kv
+        self.fp8 = dtype in FP8_KV_FORMATS
+        # fp8: what each layer's K and V are divided by; other pools hold values as they are
+        kept = scales if self.fp8 and scales is not None else torch.ones(shape.num_layers, 2)
+        self.scales = kept.float().cpu()
+        self.layer_scales: list[tuple[float, float]] = [(k, v) for k, v in self.scales.tolist()]
+        kernels = layer_kernels(device, dtype)  # both have the same store_kv; fp8: torch's
+        self._store_kernels = None if self.fp8 else kernels.fused or kernels.cpu
 
     def k_cache(self, layer_id: int) -> torch.Tensor:
         return self.buffer[layer_id, 0]
@@ -67,5 +79,19 @@ class KVPool:
         kernels = self._store_kernels
         if kernels is not None and kernels.store_kv(k, v, k_cache, v_cache, slots):
             return
+        if self.fp8:  # quantized, then copied as bytes (torch has no fp8 index_copy_ on CPU)
+            top, scales = torch.finfo(k_cache.dtype).max, self.layer_scales[layer_id]
+            k, v = ((x.float() / s).clamp_(-top, top).to(k_cache.dtype).view(torch.uint8)
+                    for x, s in zip((k, v), scales, strict=True))  # fmt: skip
+            k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
         k_cache.index_copy_(0, slots, k)
         v_cache.index_copy_(0, slots, v)
+
+    def dequantize(
+        self, layer_id: int, k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V read from this layer's caches, in `dtype` (fp8 times the layer's scales)."""
+        if not self.fp8:
+            return k, v
+        k_scale, v_scale = self.layer_scales[layer_id]
+        return k.to(dtype) * k_scale, v.to(dtype) * v_scale

@@ -106,7 +106,7 @@ class CpuDecodeStack:
         out_slots = page_table[table_rows, positions].long()
         self.kernels.decode_layers(
             self.shape, hidden, positions, out_slots, page_table, table_rows, positions + 1,
-            pool.buffer, self.op_seconds,
+            pool.buffer, pool.scales, self.op_seconds,
         )  # fmt: skip
         # decode_layers leaves the input of the final norm in `hidden`
         return self.lm_head.compute_logits(self.norm(hidden)).float()

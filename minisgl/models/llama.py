@@ -151,6 +151,8 @@ class CausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         # Set by use_cpu_kernels where the fused decode applies (see models/cpu_decoder.py).
         self.cpu_decode_stack: CpuDecodeStack | None = None
+        # An FP8 checkpoint's KV cache scales, [layers, 2 (k, v)] (the loader sets them).
+        self.kv_scales = torch.ones(cfg.num_layers, 2, device="cpu")
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, logit_indices: torch.Tensor

@@ -6,6 +6,12 @@ transformers' GGUF loader puts them). With `blocks` (the CPU kernels) its linear
 weights stay GGUF blocks (`QuantTensor`) where the kernels serve the type, else fp32 rows (one
 log line); without, every tensor is dequantized, as transformers does.
 
+An FP8 checkpoint (`quantization_config.quant_method` fp8, as Qwen's and DeepSeek's FP8 releases)
+is dequantized at load to the model's dtype: block-wise (`weight_scale_inv` per
+`weight_block_size` tile), per-tensor or per-channel (`weight_scale`), each scale found in
+whichever shard holds it; activation scales (`input_scale`) go unused, and the per-layer KV
+cache scales (`k_scale`, `v_scale`) go to `model.kv_scales` for an fp8 KV pool.
+
 Every weight the model needs is tracked by the checkpoint tensor name that provides it (hub
 layout: `q_proj`, `experts.3.up_proj`, ...), so a checkpoint that lacks any piece of a merged or
 expert weight fails at load with the missing tensor's name instead of serving garbage.
@@ -17,7 +23,8 @@ import json
 import logging
 import math
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from contextlib import ExitStack
 from pathlib import Path
 
 import numpy as np
@@ -38,6 +45,10 @@ from minisgl.models.resolve import checkpoint_files
 logger = logging.getLogger(__name__)
 _EXPERT_RE = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 _IGNORED_RE = re.compile(r"rotary_emb\.inv_freq$")
+_FP8_SCALE_RE = re.compile(r"\.(weight_scale(_inv)?|input_scale|q_scale)$")  # with weights; unused
+_KV_SCALE_RE = re.compile(r"layers\.(\d+)\.self_attn\.(?:.+\.)?([kv])_scale$")
+FP8_METHODS = ("fp8", "compressed-tensors")  # quant_method values whose weights load here
+DEFAULT_FP8_BLOCK = (128, 128)
 _MISSING_SHOWN = 8
 
 
@@ -74,10 +85,40 @@ Weight = torch.Tensor | QuantTensor
 
 
 def _safetensors(model_dir: Path) -> Iterator[tuple[str, Weight]]:
-    for path in checkpoint_files(model_dir):
-        with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                yield name, f.get_tensor(name)
+    quant = json.loads((model_dir / "config.json").read_text()).get("quantization_config") or {}
+    method, fmt = quant.get("quant_method", "fp8"), quant.get("format")
+    if method not in FP8_METHODS or fmt not in (None, "float-quantized"):  # compressed-tensors
+        shown = f"'{method}'" + (f" (format {fmt})" if fmt else "")
+        raise ValueError(f"quant_method {shown} is not supported (fp8 checkpoints, GGUF files)")
+    block, num_fp8 = quant.get("weight_block_size") or DEFAULT_FP8_BLOCK, 0
+    with ExitStack() as files:
+        shards = [files.enter_context(safe_open(str(p), "pt")) for p in checkpoint_files(model_dir)]
+        where = {name: f for f in shards for name in f.keys()}  # noqa: SIM118 (not a dict)
+        for name, f in where.items():
+            if _FP8_SCALE_RE.search(name):
+                continue
+            tensor = f.get_tensor(name)
+            if tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+                tensor, num_fp8 = _fp8_dequantized(name, tensor, where, block), num_fp8 + 1
+            yield name, tensor
+    if num_fp8:
+        logger.info("FP8 checkpoint: %d weights dequantized at load to the model's dtype", num_fp8)
+
+
+def _fp8_dequantized(name: str, w: torch.Tensor, where: dict, block: Sequence[int]) -> torch.Tensor:
+    """fp32 weight times its scale: per block (2-D scales), per output row or per tensor."""
+    scale_name = next((f"{name}_scale{s}" for s in ("_inv", "") if f"{name}_scale{s}" in where), "")
+    if not scale_name:
+        raise ValueError(f"FP8 weight '{name}' has no weight_scale_inv or weight_scale")
+    scale, w = where[scale_name].get_tensor(scale_name).float(), w.float()
+    if scale.dim() == 2 and scale.shape[1] > 1:  # [ceil(rows / bn), ceil(cols / bk)]
+        (rows, cols), (bn, bk) = w.shape, block
+        if scale.shape != (-(-rows // bn), -(-cols // bk)):
+            raise ValueError(
+                f"'{scale_name}' {tuple(scale.shape)}: not {bn}x{bk} blocks of {tuple(w.shape)}"
+            )
+        return w * scale.repeat_interleave(bn, 0)[:rows].repeat_interleave(bk, 1)[:, :cols]
+    return w * scale.reshape(-1, *[1] * (w.dim() - 1))
 
 
 def _gguf(
@@ -141,6 +182,9 @@ def load_weights(model: CausalLM, model_dir: Path, blocks: CpuKernels | None = N
             continue
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue  # tied: the embedding already provides it
+        if kv_scale := _KV_SCALE_RE.search(name):
+            model.kv_scales[int(kv_scale[1]), "kv".index(kv_scale[2])] = float(_dense(tensor))
+            continue
         loaded |= _load_one(name, tensor, params, modules, merged)
     missing = sorted(expected_checkpoint_names(model) - loaded)
     if missing:

@@ -8,7 +8,11 @@
  * the threads, and since the split depends only on the sequence's own length, its result does
  * not depend on the batch or the thread count. An item computes every query head; the heads of
  * one KV head share every K/V load; softmax runs online over tiles of ATTN_TILE positions
- * (running max and sum); a second pass merges each decode's items. */
+ * (running max and sum); a second pass merges each decode's items.
+ *
+ * An fp8 pool (fp8 != 0, common.h) holds codes: each tile's K and V rows are decoded to fp32 in
+ * a scratch tile first, then attended to as fp32 rows. The K scale comes folded into `scale`;
+ * outputs are multiplied by v_scale. */
 #include <stdlib.h>
 
 #include "common.h"
@@ -28,6 +32,19 @@ static inline void axpy(float* y, float a, const float* x, int64_t n) {
 
 static inline void prefetch_row(const float* p, int64_t n) {
     for (int64_t i = 0; i < n; i += 64 / (int64_t)sizeof(float)) __builtin_prefetch(p + i, 0, 3);
+}
+
+/* The n fp8 rows of D codes at rows[t] decoded into tile [n, D]; rows[t] then point there. */
+static void decode_fp8_rows(const void** rows, int64_t n, int64_t D, int fp8, float* tile) {
+    for (int64_t t = 0; t < n; t++) {
+        if (t + ATTN_PREFETCH < n) __builtin_prefetch(rows[t + ATTN_PREFETCH], 0, 3);
+        const uint8_t* codes = rows[t];
+        float* row = tile + t * D;
+        int64_t i = 0;
+        for (; i + VW <= D; i += VW) vstore(row + i, fp8_vload(codes + i, fp8));
+        for (; i < D; i++) row[i] = fp8_get(codes, i, fp8);
+        rows[t] = row;
+    }
 }
 
 /* Online-softmax update of `heads` rows of tile scores [.][ATTN_TILE] (n valid): turns them into
@@ -63,14 +80,16 @@ static inline void softmax_tile(float (*scores)[ATTN_TILE], int64_t heads, int64
  * vector loaded serves all GC heads. Inlined into copies for constant GC and common D (see
  * attend_heads), so queries, dot products and accumulators stay in registers. */
 static inline __attribute__((always_inline)) void attend_heads_impl(
-    const float* q, const float* k_cache, const float* v_cache, const int32_t* slots,
+    const float* q, const void* k_cache, const void* v_cache, const int32_t* slots,
     int64_t begin, int64_t end, int64_t row_width, int64_t kv_offset, const int64_t GC,
-    const int64_t D, float scale, float* part_max, float* part_sum, float* part_acc) {
+    const int64_t D, int fp8, float* fp8_tiles, float scale, float* part_max, float* part_sum,
+    float* part_acc) {
     const int64_t vecs = D / VW, tail_start = vecs * VW;
+    const int64_t elem = fp8 ? 1 : (int64_t)sizeof(float);
     float scores[ATTN_MAX_GROUP_CHUNK][ATTN_TILE];
     float correction[ATTN_MAX_GROUP_CHUNK];
-    const float* keys[ATTN_TILE];
-    const float* values[ATTN_TILE];
+    const void* keys[ATTN_TILE];
+    const void* values[ATTN_TILE];
     vf qv[ATTN_MAX_GROUP_CHUNK][ATTN_MAX_HEAD_DIM / VW];
     for (int64_t j = 0; j < GC; j++) {
         part_max[j] = -INFINITY;
@@ -81,8 +100,13 @@ static inline __attribute__((always_inline)) void attend_heads_impl(
     for (int64_t t0 = begin; t0 < end; t0 += ATTN_TILE) {
         const int64_t n = end - t0 < ATTN_TILE ? end - t0 : ATTN_TILE;
         for (int64_t t = 0; t < n; t++) {
-            keys[t] = k_cache + (int64_t)slots[t0 + t] * row_width + kv_offset;
-            values[t] = v_cache + (int64_t)slots[t0 + t] * row_width + kv_offset;
+            const int64_t offset = ((int64_t)slots[t0 + t] * row_width + kv_offset) * elem;
+            keys[t] = (const char*)k_cache + offset;
+            values[t] = (const char*)v_cache + offset;
+        }
+        if (fp8) {
+            decode_fp8_rows(keys, n, D, fp8, fp8_tiles);
+            decode_fp8_rows(values, n, D, fp8, fp8_tiles + ATTN_TILE * D);
         }
         for (int64_t t = 0; t < n; t++) {
             if (t + ATTN_PREFETCH < n) prefetch_row(keys[t + ATTN_PREFETCH], D);
@@ -126,19 +150,19 @@ static inline __attribute__((always_inline)) void attend_heads_impl(
     do {                                                                                        \
         if (D == 64)                                                                            \
             attend_heads_impl(q, k_cache, v_cache, slots, begin, end, row_width, kv_offset,     \
-                              GC_VALUE, 64, scale, part_max, part_sum, part_acc);               \
+                              GC_VALUE, 64, fp8, tiles, scale, part_max, part_sum, part_acc);   \
         else if (D == 128)                                                                      \
             attend_heads_impl(q, k_cache, v_cache, slots, begin, end, row_width, kv_offset,     \
-                              GC_VALUE, 128, scale, part_max, part_sum, part_acc);              \
+                              GC_VALUE, 128, fp8, tiles, scale, part_max, part_sum, part_acc);  \
         else                                                                                    \
             attend_heads_impl(q, k_cache, v_cache, slots, begin, end, row_width, kv_offset,     \
-                              GC_VALUE, D, scale, part_max, part_sum, part_acc);                \
+                              GC_VALUE, D, fp8, tiles, scale, part_max, part_sum, part_acc);    \
     } while (0)
 
-static void attend_heads(const float* q, const float* k_cache, const float* v_cache,
+static void attend_heads(const float* q, const void* k_cache, const void* v_cache,
                          const int32_t* slots, int64_t begin, int64_t end, int64_t row_width,
-                         int64_t kv_offset, int64_t gc, int64_t D, float scale, float* part_max,
-                         float* part_sum, float* part_acc) {
+                         int64_t kv_offset, int64_t gc, int64_t D, int fp8, float* tiles,
+                         float scale, float* part_max, float* part_sum, float* part_acc) {
     switch (gc) {
         case 1: ATTEND_HEADS_FOR_D(1); break;
         case 2: ATTEND_HEADS_FOR_D(2); break;
@@ -156,14 +180,15 @@ static int64_t group_chunk(int64_t group) {
 
 /* Every query head of q ([hq, D]) over positions [begin, end): part_max [hq], part_sum [hq],
  * part_acc [hq, D]. */
-static void attend_range(const float* q, const float* k_cache, const float* v_cache,
+static void attend_range(const float* q, const void* k_cache, const void* v_cache,
                          const int32_t* slots, int64_t begin, int64_t end, int64_t hk,
-                         int64_t group, int64_t D, float scale, float* part_max, float* part_sum,
-                         float* part_acc) {
+                         int64_t group, int64_t D, int fp8, float scale, float* part_max,
+                         float* part_sum, float* part_acc) {
     const int64_t gc = group_chunk(group), row_width = hk * D;
+    float fp8_tiles[fp8 ? 2 * ATTN_TILE * D : 1]; /* decoded K and V rows of one tile */
     for (int64_t h = 0; h < hk * group; h += gc) {
         attend_heads(q + h * D, k_cache, v_cache, slots, begin, end, row_width, (h / group) * D,
-                     gc, D, scale, part_max + h, part_sum + h, part_acc + h * D);
+                     gc, D, fp8, fp8_tiles, scale, part_max + h, part_sum + h, part_acc + h * D);
     }
 }
 
@@ -195,7 +220,7 @@ void attention_items_range(const void* args, int64_t begin, int64_t end) {
         const int64_t row = a->q_rows ? a->q_rows[b] : b;
         attend_range(a->q + row * a->ldq, a->k_cache, a->v_cache,
                      a->page_table + a->table_rows[b] * a->ld_pt, first, last, a->hk, group, a->D,
-                     a->scale, part, part + a->hq, part + 2 * a->hq);
+                     a->fp8, a->scale, part, part + a->hq, part + 2 * a->hq);
     }
 }
 
@@ -215,20 +240,20 @@ void attention_merge_range(const void* args, int64_t begin, int64_t end) {
                 denom += part[hq + h] * weight;
                 axpy(o + h * D, weight, part + 2 * hq + h * D, D);
             }
-            const float inv = 1.0f / denom;
+            const float inv = a->v_scale / denom;
             for (int64_t d = 0; d < D; d++) o[h * D + d] *= inv;
         }
     }
 }
 
 /* Returns 0, 1 for unsupported head counts / head_dim, 2 when out of memory. */
-int mg_decode_attention(const float* q, int64_t ldq, const int64_t* q_rows, const float* k_cache,
-                        const float* v_cache, const int32_t* page_table, int64_t ld_pt,
+int mg_decode_attention(const float* q, int64_t ldq, const int64_t* q_rows, const void* k_cache,
+                        const void* v_cache, const int32_t* page_table, int64_t ld_pt,
                         const int64_t* table_rows, const int64_t* kv_lens, float* out,
                         int64_t ldo, int64_t B, int64_t hq, int64_t hk, int64_t D, float scale,
-                        int nthreads) {
+                        int fp8, float v_scale, int nthreads) {
     attention_args a = {q,   ldq, q_rows, k_cache, v_cache, page_table, ld_pt, table_rows,
-                        kv_lens, out, ldo, B, hq, hk, D, scale, 0, 0, 0};
+                        kv_lens, out, ldo, B, hq, hk, D, scale, 0, 0, 0, fp8, v_scale};
     if (B == 0) return 0;
     int64_t* first_item = malloc((size_t)(B + 1) * sizeof(int64_t));
     if (!first_item) return 2;

@@ -23,7 +23,7 @@
 #include <time.h>
 
 /* Bumped whenever an exported signature changes, so a stale cached build is never called. */
-#define MG_ABI_VERSION 7
+#define MG_ABI_VERSION 8
 
 /* Vector width in floats: GCC vector extensions compile to AVX-512, AVX2 or SSE/NEON. */
 #if defined(__AVX512F__)
@@ -104,6 +104,54 @@ static inline float sexp(float x) {
     float lanes[VW] = {x};
     vf v = vexp(vload(lanes));
     return v[0];
+}
+
+/* ---- fp8 K/V ---------------------------------------------------------------------------------
+ * `fp8` names a KV pool's element type: 0 for fp32, else the exponent bits of an fp8 format (4:
+ * float8_e4m3fn, 5: float8_e5m2). A code's 7 bits below its sign, shifted into an fp32's
+ * exponent and mantissa fields and rebiased, are its value as an fp32; a subnormal code (exponent
+ * 0) gets the exponent 1 instead and the implicit leading one subtracted (as fast half-to-float
+ * conversions do), so no step computes with a subnormal fp32 (slow on x86). */
+typedef uint8_t vb __attribute__((vector_size(VW)));
+typedef uint32_t vu __attribute__((vector_size(VW * sizeof(uint32_t))));
+
+static inline int fp8_shift(int fp8) { return 16 + fp8; } /* 23 - mantissa bits */
+static inline uint32_t fp8_bias(int fp8) { return (1u << (fp8 - 1)) - 1; }
+
+static inline vf fp8_vload(const uint8_t* p, int fp8) {
+    vb codes;
+    memcpy(&codes, p, sizeof codes);
+    const vu x = __builtin_convertvector(codes, vu), mag = x & 0x7F;
+    const vu subnormal = (vu)(mag >> (7 - fp8) == 0); /* all ones where the exponent is 0 */
+    const vu bits = (mag << fp8_shift(fp8)) + ((127 - fp8_bias(fp8) + (subnormal & 1)) << 23);
+    const vu one = subnormal & ((128 - fp8_bias(fp8)) << 23); /* 2^(1 - bias) there, else 0 */
+    vf f, lead;
+    memcpy(&f, &bits, sizeof f);
+    memcpy(&lead, &one, sizeof lead);
+    f -= lead;
+    vu out;
+    memcpy(&out, &f, sizeof out);
+    out |= (x & 0x80) << 24;
+    memcpy(&f, &out, sizeof f);
+    return f;
+}
+static inline float fp8_get(const uint8_t* p, int64_t i, int fp8) {
+    uint8_t lanes[VW] = {p[i]};
+    return fp8_vload(lanes, fp8)[0];
+}
+/* x as the nearest fp8 code (ties to even), saturated to the largest finite value (e4m3fn 448,
+ * e5m2 57344) as torch's conversion of a clamped value: scaled by 2^(bias - 127) into the
+ * fp32 whose fields the code's are, and rounded at the code's last mantissa bit. */
+static inline uint8_t fp8_encode(float x, int fp8) {
+    const uint32_t unit_bits = (254 - fp8_bias(fp8)) << 23; /* 2^(127 - bias) */
+    float unit;
+    memcpy(&unit, &unit_bits, sizeof unit);
+    const float a = fminf(fabsf(x), fp8 == 4 ? 448.0f : 57344.0f) / unit;
+    uint32_t bits;
+    memcpy(&bits, &a, sizeof bits);
+    const int shift = fp8_shift(fp8);
+    bits += (1u << (shift - 1)) - 1 + ((bits >> shift) & 1);
+    return (uint8_t)(bits >> shift | (signbit(x) ? 0x80u : 0u));
 }
 
 
@@ -204,10 +252,12 @@ typedef struct {
     int64_t ldk;
     const float* v;
     int64_t ldv;
-    float* k_cache;
-    float* v_cache;
+    void* k_cache; /* fp32, or fp8 codes of k / k_scale and v / v_scale */
+    void* v_cache;
     const int64_t* slots;
     int64_t width;
+    int fp8;
+    float k_scale, v_scale;
 } store_kv_args;
 void store_kv_range(const void* args, int64_t begin, int64_t end); /* tokens */
 
@@ -215,8 +265,8 @@ typedef struct {
     const float* q;
     int64_t ldq;
     const int64_t* q_rows; /* NULL: decode b's query is row b */
-    const float* k_cache;
-    const float* v_cache;
+    const void* k_cache; /* fp32, or fp8 codes (k_scale folded into scale) */
+    const void* v_cache;
     const int32_t* page_table;
     int64_t ld_pt;
     const int64_t* table_rows;
@@ -228,6 +278,8 @@ typedef struct {
     const int64_t* first_item;
     const int64_t* item_seq;
     float* parts; /* per item: max [hq], sum [hq], acc [hq, D] */
+    int fp8;
+    float v_scale; /* outputs are multiplied by it */
 } attention_args;
 /* Checks the shapes and fills first_item [B + 1]; returns the item count, or -1 when the head
  * count or head_dim is over the kernel's limits. */

@@ -101,8 +101,10 @@ typedef struct {
     int64_t B;
     const int64_t* positions;
     const int64_t* out_slots;
-    float* pool;
+    void* pool; /* fp32, or fp8 codes (kv_fp8) scaled by kv_scales [layers, 2 (k, v)] */
     int64_t num_slots;
+    int kv_fp8;
+    const float* kv_scales;
     float* scratch;
     attention_args attention; /* with its items planned */
     int64_t attention_items;
@@ -125,15 +127,17 @@ static int decode_step(mg_team* team, const step_args* s, int is_timer) {
     float* act = gate_up + B * 2 * I;
     double* timers = is_timer ? s->op_seconds : 0;
     int64_t last = timers ? now_ns() : 0;
-    const int64_t cache_floats = s->num_slots * kv_width;
+    const int64_t elem_bytes = s->kv_fp8 ? 1 : (int64_t)sizeof(float);
+    const int64_t cache_bytes = s->num_slots * kv_width * elem_bytes;
     const int64_t rows = max64(1, (B + 2 * nthreads - 1) / (2 * nthreads)); /* row chunk */
     int failed = 0;
     const rows_args copy = {s->hidden, residual, B * H, 0};
     failed |= team_run(team, &copy, rows_range, 1, 1);
     for (int64_t l = 0; l < m->num_layers && !failed; l++) {
         const mg_layer* L = &m->layers[l];
-        float* k_cache = s->pool + (2 * l) * cache_floats;
-        float* v_cache = s->pool + (2 * l + 1) * cache_floats;
+        char* k_cache = (char*)s->pool + (2 * l) * cache_bytes;
+        char* v_cache = (char*)s->pool + (2 * l + 1) * cache_bytes;
+        const float k_scale = s->kv_scales[2 * l], v_scale = s->kv_scales[2 * l + 1];
         const rmsnorm_args norm1 = {s->hidden, H, 1, l ? residual : 0, H, L->input_norm,
                                     normed, H, H, m->eps};
         failed |= team_run(team, &norm1, rmsnorm_range, B, rows);
@@ -158,12 +162,14 @@ static int decode_step(mg_team* team, const step_args* s, int is_timer) {
         const rope_store_args rope_store = {
             {q, qkv_width, m->heads, k, qkv_width, m->kv_heads, D, s->positions, m->cos_cache,
              m->sin_cache},
-            {k, qkv_width, v, qkv_width, k_cache, v_cache, s->out_slots, kv_width}};
+            {k, qkv_width, v, qkv_width, k_cache, v_cache, s->out_slots, kv_width, s->kv_fp8,
+             k_scale, v_scale}};
         failed |= team_run(team, &rope_store, rope_store_range, B, rows);
         lap(timers, OP_ROPE_STORE, &last);
         attention_args attention = s->attention;
         attention.q = q, attention.ldq = qkv_width;
         attention.k_cache = k_cache, attention.v_cache = v_cache;
+        attention.scale = m->scale * k_scale, attention.v_scale = v_scale;
         attention.out = attn, attention.ldo = q_width;
         failed |= team_run(team, &attention, attention_items_range, s->attention_items, 1);
         failed |= team_run(team, &attention, attention_merge_range, B, 1);
@@ -197,12 +203,14 @@ static int decode_step(mg_team* team, const step_args* s, int is_timer) {
  * step ran out of work counters (a bug). */
 int mg_decode_layers(const mg_model* m, float* hidden, int64_t B, const int64_t* positions,
                      const int64_t* out_slots, const int32_t* page_table, int64_t ld_pt,
-                     const int64_t* table_rows, const int64_t* kv_lens, float* pool,
-                     int64_t num_slots, float* scratch, double* op_seconds, int nthreads) {
+                     const int64_t* table_rows, const int64_t* kv_lens, void* pool,
+                     int64_t num_slots, int kv_fp8, const float* kv_scales, float* scratch,
+                     double* op_seconds, int nthreads) {
     if (B == 0) return 0;
-    step_args s = {m, hidden, B, positions, out_slots, pool, num_slots, scratch,
+    step_args s = {m,        hidden,    B,       positions, out_slots, pool, num_slots,
+                   kv_fp8,   kv_scales, scratch,
                    {0, 0, 0, 0, 0, page_table, ld_pt, table_rows, kv_lens, 0, 0, B, m->heads,
-                    m->kv_heads, m->head_dim, m->scale, 0, 0, 0},
+                    m->kv_heads, m->head_dim, m->scale, 0, 0, 0, kv_fp8, 1.0f},
                    0, op_seconds};
     const int64_t num_counters = m->num_layers * OPS_PER_LAYER + OPS_PER_STEP;
     int64_t* first_item = malloc((size_t)(B + 1) * sizeof(int64_t));

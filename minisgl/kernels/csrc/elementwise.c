@@ -117,15 +117,26 @@ void mg_rope(float* q, int64_t ldq, int64_t hq, float* k, int64_t ldk, int64_t h
 /* ---- KV store: row t of k and v goes to slot slots[t] of the layer's caches ([slots, width]) */
 void store_kv_range(const void* args, int64_t begin, int64_t end) {
     const store_kv_args* a = args;
-    const size_t bytes = (size_t)a->width * sizeof(float);
+    const int64_t w = a->width;
     for (int64_t t = begin; t < end; t++) {
-        memcpy(a->k_cache + a->slots[t] * a->width, a->k + t * a->ldk, bytes);
-        memcpy(a->v_cache + a->slots[t] * a->width, a->v + t * a->ldv, bytes);
+        const float* k = a->k + t * a->ldk;
+        const float* v = a->v + t * a->ldv;
+        if (!a->fp8) {
+            memcpy((float*)a->k_cache + a->slots[t] * w, k, (size_t)w * sizeof(float));
+            memcpy((float*)a->v_cache + a->slots[t] * w, v, (size_t)w * sizeof(float));
+            continue;
+        }
+        uint8_t* kc = (uint8_t*)a->k_cache + a->slots[t] * w;
+        uint8_t* vc = (uint8_t*)a->v_cache + a->slots[t] * w;
+        for (int64_t i = 0; i < w; i++) {
+            kc[i] = fp8_encode(k[i] / a->k_scale, a->fp8);
+            vc[i] = fp8_encode(v[i] / a->v_scale, a->fp8);
+        }
     }
 }
 
 void mg_store_kv(const float* k, int64_t ldk, const float* v, int64_t ldv, float* k_cache,
                  float* v_cache, const int64_t* slots, int64_t T, int64_t width) {
-    const store_kv_args a = {k, ldk, v, ldv, k_cache, v_cache, slots, width};
+    const store_kv_args a = {k, ldk, v, ldv, k_cache, v_cache, slots, width, 0, 1.0f, 1.0f};
     store_kv_range(&a, 0, T); /* a memcpy per token: not worth a parallel region */
 }
