@@ -392,7 +392,7 @@ class ReqOutput:
     new_logprobs: tuple[TokenLogprob, ...] = ()
     prompt_len: int = 0
     num_cached_prompt_tokens: int = 0
-    error: str | None = None
-    internal_error: bool = False  # the error is the server's (a failed step), not the request's
     # With the request's first output: prompt tokens 1.. scored (sampling_params.prompt_logprobs)
     prompt_logprobs: tuple[TokenLogprob, ...] = ()
+    error: str | None = None
+    internal_error: bool = False  # the error is the server's (a failed step), not the request's

@@ -159,13 +159,13 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{'running':>8} {'ms/step':>9} {'max':>9} {'kernels':>9} {'host':>9}")
     for size, mean_s, max_s, host_s in rows:
         ms = [x * 1e3 for x in (mean_s, max_s, mean_s - host_s, host_s)]
-        print(f"{size:>8} " + " ".join(f"{x:9.2f}" for x in ms))
+        print(f"{size:>8} " + " ".join(f"{x:9.3f}" for x in ms))
     (small, small_s, _, small_host_s), (large, large_s, _, large_host_s) = rows[0], rows[-1]
     if large > small:
         per_req = US_PER_S / (large - small)
         print(
-            f"marginal cost per running request per step: {(large_s - small_s) * per_req:.1f} us "
-            f"in all, {(large_host_s - small_host_s) * per_req:.1f} us on the host"
+            f"marginal cost per running request per step: {(large_s - small_s) * per_req:.2f} us "
+            f"in all, {(large_host_s - small_host_s) * per_req:.2f} us on the host"
         )
     if profiler is not None:
         # Per running request: the slope of torch calls per step between the batch sizes

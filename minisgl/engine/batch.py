@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -47,7 +48,8 @@ class ForwardBatch:
     def is_decode(self) -> bool:
         """One new token per sequence, each sampling: the shape CUDA graphs replay. It scores
         no prompt token: a one-token chunk that samples is a prompt's last position."""
-        return all(e == 1 for e in self.extend_lens) and all(p is not None for p in self.sampling)
+        # count and all: C speed (all() reads no SamplingParams' __eq__, only its truth)
+        return self.extend_lens.count(1) == len(self.extend_lens) and all(self.sampling)
 
     @functools.cached_property
     def num_prompt_scores(self) -> list[int]:
@@ -64,12 +66,17 @@ class ForwardBatch:
 
     @functools.cached_property
     def sampled(self) -> list[int]:
-        """The sequences that sample, in order (their logits come first)."""
+        """The sequences that sample, in order (their logits come first). Decode steps, where
+        all do, are built at C speed (`all` tests no SamplingParams for equality with None)."""
+        if all(self.sampling):
+            return list(range(self.num_seqs))
         return [i for i, p in enumerate(self.sampling) if p is not None]
 
     @functools.cached_property
     def sampled_positions(self) -> list[int]:
         """Per sampled sequence: the position of the token it samples (its chunk's end)."""
+        if len(self.sampled) == self.num_seqs:
+            return list(map(operator.add, self.prefix_lens, self.extend_lens))
         return [self.prefix_lens[i] + self.extend_lens[i] for i in self.sampled]
 
 

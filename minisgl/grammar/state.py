@@ -54,6 +54,8 @@ class GrammarState:
 def build_vocab_mask(states: Sequence[GrammarState | None], vocab_size: int) -> VocabMask | None:
     """The mask for one batch's sampled rows (states in sampling order; None: unconstrained).
     None when no row is constrained."""
+    if states.count(None) == len(states):  # the usual batch, told at C speed
+        return None
     rows = {i: s for i, s in enumerate(states) if s is not None and s.constrains_next}
     if not rows:
         return None

@@ -41,32 +41,44 @@ class Launched:
 
 
 def build_batch(
-    items: list[tuple[Req, int]], with_drafts: bool = False
+    decodes: list[Req], chunks: list[tuple[Req, int]], with_drafts: bool = False
 ) -> tuple[ForwardBatch, Launched]:
-    """Advance each request by its tokens (`cached_len`; `device_len` by the token it will
-    sample) and describe the work for the engine. `with_drafts`: some requests have drafts
-    (speculative decoding); they advance by those verified, when the results are in."""
-    reqs = [req for req, _ in items]
+    """Advance each request by its tokens (a decode by one, a prefill chunk by its own;
+    `cached_len`, and `device_len` by the token it will sample) and describe the work for the
+    engine. `with_drafts`: some decodes have drafts (speculative decoding); they advance by those
+    verified, when the results are in. Runs every step: the decodes in bulk, no tuple each."""
+    reqs = decodes + [req for req, _ in chunks]
     prefix_lens = [req.cached_len for req in reqs]
-    prompt_logprobs = [r.sampling_params.prompt_logprobs if r.scores_prompt else None for r in reqs]
-    sampled: list[Req] = []
+    # scores_prompt, with the usual case (no prompt logprobs wanted) first
+    prompt_logprobs = [r.sampling_params.prompt_logprobs for r in reqs]
+    scoring = prompt_logprobs.count(None) != len(reqs)
+    if scoring:
+        prompt_logprobs = [
+            r.sampling_params.prompt_logprobs if r.scores_prompt else None for r in reqs
+        ]
+    sampling: list[SamplingParams | None] = [req.sampling_params for req in decodes]
+    for req in decodes:  # each samples (DecodeManager schedules none past max_tokens)
+        req.cached_len += 1
+        req.device_len += 1
+        req.num_sampled += 1
+    sampled = decodes.copy()
     scored_only: list[Req] = []  # max_tokens 0: the prompt ends here, nothing to sample
-    sampling: list[SamplingParams | None] = []
-    for req, num_tokens in items:
+    for req, num_tokens in chunks:
         req.cached_len += num_tokens
-        at_end = req.cached_len == req.device_len
-        if at_end and req.sampling_params.max_tokens > 0:  # sample the next token
-            sampling.append(req.sampling_params)
+        params = req.sampling_params
+        if req.cached_len != req.device_len:  # short of the prompt's end
+            sampling.append(None)
+        elif params.max_tokens > 0:  # sample the next token
+            sampling.append(params)
             sampled.append(req)
             req.device_len += 1
             req.num_sampled += 1
         else:
             sampling.append(None)
-            if at_end:
-                scored_only.append(req)
-    scoring = any(k is not None for k in prompt_logprobs)
+            scored_only.append(req)
+    extend_lens = [1] * len(decodes) + [n for _, n in chunks]
     fb = ForwardBatch(
-        [req.table_row for req in reqs], prefix_lens, [n for _, n in items], sampling,
+        [req.table_row for req in reqs], prefix_lens, extend_lens, sampling,
         [req.seed for req in reqs], [req.prompt_len for req in reqs],
         prompt_logprobs if scoring else None,
     )  # fmt: skip

@@ -47,8 +47,9 @@ class DecodeManager:
             and r.num_sampled < r.sampling_params.max_tokens
         ]
 
-    def schedule(self, inflight: bool) -> list[tuple[Req, int]]:
-        """One token for each decodable request, retracting the newest ones if KV runs out.
+    def schedule(self, inflight: bool) -> list[Req]:
+        """The requests that decode a token this step, retracting the newest ones if KV runs
+        out.
 
         Raises NeedDrain when a retraction is needed while a batch is in flight: that batch may
         still use the victim's pages.
@@ -58,13 +59,18 @@ class DecodeManager:
         reqs = self.decodable()
         if self._speculator is not None and self._speculator.propose(reqs):
             if self.cache.reserve(reqs, [r.device_len + len(r.drafts) for r in reqs]):
-                return [(req, 1) for req in reqs]
+                return reqs
             self._speculator.drop(reqs)  # short of pages: plain decodes
-        if self.cache.reserve(reqs, [req.device_len for req in reqs]):  # the usual case
-            return [(req, 1) for req in reqs]
+        # The usual case. A decode's pages cover its cached_len (device_len - 1) positions in
+        # whole pages, so only one whose device_len - 1 starts a page can need one: those alone
+        # are looked at (their page lists are cold in the CPU's caches after a forward).
+        ps = self.cache.page_size
+        crossing = [r for r in reqs if (r.device_len - 1) % ps == 0]
+        if self.cache.reserve(crossing, [req.device_len for req in crossing]):
+            return reqs
         # Short of pages: one by one, oldest (of the highest class) first; victims from the end.
         rank = self._prefill.policy.priority_class
-        items: list[tuple[Req, int]] = []
+        items: list[Req] = []
         for req in sorted(reqs, key=lambda r: -rank(r)):
             if req.table_row < 0:  # retracted while making room for an older request
                 continue
@@ -75,7 +81,7 @@ class DecodeManager:
                 if req.table_row < 0:  # it was the newest and got retracted itself
                     break
             else:
-                items.append((req, 1))
+                items.append(req)
         return items
 
     def _retract(self, victim: Req, inflight: bool) -> None:

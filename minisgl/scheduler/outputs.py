@@ -3,40 +3,25 @@ terminal event per request), and the live requests (added, not ended yet)."""
 
 from __future__ import annotations
 
-from minisgl.core import FinishReason, Req, ReqOutput, TokenLogprob
+from minisgl.core import FinishReason, Req, ReqOutput
 
 
 class Outputs:
     def __init__(self) -> None:
-        self._events: list[ReqOutput] = []
+        self.events: list[ReqOutput] = []  # a new token's is added by Scheduler._take
         # Every request added and not yet ended, by rid: after a failed step, any of them that is
         # neither waiting nor running (caught between the two) still gets its one terminal event.
         self.live: dict[str, Req] = {}
 
     def __bool__(self) -> bool:
-        return bool(self._events)
-
-    def token(
-        self, req: Req, token_id: int, logprob: TokenLogprob | None, reason: FinishReason | None
-    ) -> None:
-        """A new token of `req` (already in its output), the last one when `reason` is set."""
-        first = len(req.output_ids) == 1
-        self._events.append(
-            ReqOutput(
-                req.rid, (token_id,), reason, (logprob,) if logprob is not None else (),
-                req.prompt_len, req.num_cached_prompt_tokens,
-                prompt_logprobs=tuple(req.prompt_logprobs) if first else (),
-            )
-        )  # fmt: skip
-        if reason is not None:
-            req.finish_reason, req.grammar = reason, None
+        return bool(self.events)
 
     def end(self, req: Req, reason: FinishReason, error: str | None = None) -> None:
         """The end of a request without a new token: aborted, failed (`error`, the server's),
         or done scoring its prompt (max_tokens 0: it ends here with its prompt logprobs)."""
         req.finish_reason, req.grammar = reason, None
         only_scored = reason == FinishReason.LENGTH and not req.output_ids
-        self._events.append(
+        self.events.append(
             ReqOutput(
                 req.rid, (), reason, (), req.prompt_len, req.num_cached_prompt_tokens,
                 error=error, internal_error=error is not None,
@@ -46,10 +31,10 @@ class Outputs:
 
     def ended_rids(self) -> set[str]:
         """Requests whose terminal event is among the events not taken yet."""
-        return {out.rid for out in self._events if out.finish_reason is not None}
+        return {out.rid for out in self.events if out.finish_reason is not None}
 
     def take(self) -> list[ReqOutput]:
-        events, self._events = self._events, []
+        events, self.events = self.events, []
         for out in events:
             if out.finish_reason is not None:
                 self.live.pop(out.rid, None)

@@ -13,6 +13,8 @@ from __future__ import annotations
 import random
 from collections import Counter
 
+import torch
+
 from minisgl.config import ServerArgs
 from minisgl.core import SEED_MASK, FinishReason, Req, ReqOutput, TokenLogprob
 from minisgl.engine.batch import ForwardBatch
@@ -56,6 +58,7 @@ class Scheduler:
         self.loop = OverlapLoop(self.engine, overlap, self.cache, self.masks, self._process)
         self._rng = random.Random(args.seed)
         self._is_cuda = self.engine.stream.is_cuda  # NVTX ranges there
+        self._fairness = args.tenant_fairness  # output tokens charged to tenants (_take)
 
     @property
     def model_path(self) -> str:
@@ -104,6 +107,7 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.prefill.waiting or self.running or self.loop.inflight or self.outputs)
 
+    @torch.inference_mode()
     def step(self) -> list[ReqOutput]:
         with nvtx_range("schedule", self._is_cuda):
             batch = self._schedule()
@@ -113,7 +117,7 @@ class Scheduler:
     def _schedule(self) -> tuple[ForwardBatch, Launched] | None:
         while True:
             try:
-                items = self.decode.schedule(inflight=self.loop.inflight is not None)
+                decodes = self.decode.schedule(inflight=self.loop.inflight is not None)
                 break
             except NeedDrain:
                 self.loop.drain()
@@ -122,11 +126,11 @@ class Scheduler:
             if req.num_retractions == 0 and req.num_sampled == 0:
                 req.num_cached_prompt_tokens = req.cached_len
                 self.counters.first_admission(req)
-        if not items and not plan.items:
+        if not decodes and not plan.items:
             return None
-        num_drafts = sum(len(req.drafts) for req, _ in items) if self.speculator is not None else 0
-        self.counters.step(len(items), plan.items, num_drafts)
-        batch = build_batch(items + plan.items, with_drafts=num_drafts > 0)
+        num_drafts = sum(len(req.drafts) for req in decodes) if self.speculator is not None else 0
+        self.counters.step(len(decodes), plan.items, num_drafts)
+        batch = build_batch(decodes, plan.items, with_drafts=num_drafts > 0)
         for req, num_tokens in plan.items:
             if num_tokens > 1:  # a prefill chunk: share its prefix right away
                 self.cache.cache_prefix(req)
@@ -142,40 +146,54 @@ class Scheduler:
                 if not req.finished:
                     self.outputs.end(req, FinishReason.LENGTH)
                     self._release(req)
-            rows = zip(result.token_ids, result.logprobs, strict=True)
             if self.speculator is not None and launched.with_drafts:
+                rows = zip(result.token_ids, result.logprobs, strict=True)
                 for req in launched.sampled:
                     self.speculator.verify(req, rows, self._take)
             else:
-                for req, (token_id, logprob) in zip(launched.sampled, rows, strict=True):
-                    # a finished one: the extra token it got in the batch after (overlap)
-                    if req.finish_reason is None:
-                        self._take(req, token_id, logprob)
+                self._take(launched.sampled, result.token_ids, result.logprobs)
             for req in launched.release_after:
                 self.cache.release(req)
 
-    def _take(self, req: Req, token_id: int, logprob: TokenLogprob | None) -> bool:
-        """A sampled token into `req` (its output, grammar and events); True when it ends `req`,
-        which is then released."""
-        req.output_ids.append(token_id)
-        if req.grammar is not None:
-            req.grammar.accept(req.output_ids)
-        if logprob is not None:
-            req.output_logprobs.append(logprob)
-        self.counters.generation_tokens_total += 1
-        self.prefill.policy.charge(req, OUTPUT_TOKEN_WEIGHT)
-        params, num_outputs = req.sampling_params, len(req.output_ids)
-        reason = None
-        if token_id in params.stop_token_ids or (
-            not params.ignore_eos and token_id in req.eos_token_ids
-        ):
-            reason = FinishReason.STOP
-        elif num_outputs >= params.max_tokens or req.prompt_len + num_outputs >= self.max_model_len:
-            reason = FinishReason.LENGTH
-        self.outputs.token(req, token_id, logprob, reason)
-        if reason is not None:
-            self._release(req)
-        return reason is not None
+    def _take(
+        self, reqs: list[Req], token_ids: list[int], logprobs: list[TokenLogprob | None]
+    ) -> None:
+        """Sampled tokens into their requests (output, grammar, events), token_ids[i] into
+        reqs[i], in order; a request they end is released, and takes no more. One loop over a
+        step's tokens, on locals: this is the host's largest cost per running request."""
+        events, max_model_len, charge = self.outputs.events, self.max_model_len, self._fairness
+        num_taken = 0
+        for req, token_id, logprob in zip(reqs, token_ids, logprobs, strict=True):
+            if req.finish_reason is not None:  # its extra token in the batch after (overlap)
+                continue
+            output_ids, params = req.output_ids, req.sampling_params
+            output_ids.append(token_id)
+            num_taken += 1
+            if req.grammar is not None:
+                req.grammar.accept(output_ids)
+            if logprob is not None:
+                req.output_logprobs.append(logprob)
+            if charge:
+                self.prefill.policy.charge(req, OUTPUT_TOKEN_WEIGHT)
+            num_outputs = len(output_ids)
+            reason = None
+            if token_id in params.stop_token_ids or (
+                token_id in req.eos_token_ids and not params.ignore_eos
+            ):
+                reason = FinishReason.STOP
+            elif num_outputs >= params.max_tokens or req.prompt_len + num_outputs >= max_model_len:
+                reason = FinishReason.LENGTH
+            events.append(
+                ReqOutput(
+                    req.rid, (token_id,), reason, () if logprob is None else (logprob,),
+                    req.prompt_len, req.num_cached_prompt_tokens,
+                    tuple(req.prompt_logprobs) if num_outputs == 1 else (),
+                )
+            )  # fmt: skip
+            if reason is not None:
+                req.finish_reason, req.grammar = reason, None
+                self._release(req)
+        self.counters.generation_tokens_total += num_taken
 
     def _release(self, req: Req) -> None:
         """Drop a finished request; its KV waits for the in-flight batch if that batch uses it."""

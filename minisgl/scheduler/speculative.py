@@ -53,7 +53,7 @@ MAX_VERIFY_ROWS = 32
 # (its token, its logprob) per sampled row
 SampledRow = tuple[int, TokenLogprob | None]
 # The scheduler's: one sampled token into its request; True when that ended it.
-TakeToken = Callable[[Req, int, TokenLogprob | None], bool]
+TakeTokens = Callable[[list[Req], list[int], list[TokenLogprob | None]], None]
 
 
 class NgramDrafter:
@@ -152,7 +152,7 @@ class NgramSpeculator:
         for req in reqs:
             req.drafts = []
 
-    def verify(self, req: Req, rows: Iterator[SampledRow], take: TakeToken) -> None:
+    def verify(self, req: Req, rows: Iterator[SampledRow], take: TakeTokens) -> None:
         """`req`'s 1 + k sampled rows into its output: the token sampled at each position, as
         long as the draft there was the token sampled before it."""
         drafts, req.drafts = req.drafts, []
@@ -166,7 +166,8 @@ class NgramSpeculator:
                 req.device_len += 1
                 req.num_sampled += 1
                 accepted += 1
-            if take(req, token_id, logprob) or j == len(drafts) or token_id != drafts[j]:
+            take([req], [token_id], [logprob])
+            if req.finished or j == len(drafts) or token_id != drafts[j]:
                 break
         if not drafts:
             return
