@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import functools
 import itertools
-import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from minisgl.attention.base import host_tensor
 from minisgl.core import SamplingParams, TokenLogprob
 from minisgl.engine.tables import DeviceTables
 
@@ -75,9 +75,13 @@ class ForwardBatch:
     @functools.cached_property
     def sampled_positions(self) -> list[int]:
         """Per sampled sequence: the position of the token it samples (its chunk's end)."""
-        if len(self.sampled) == self.num_seqs:
-            return list(map(operator.add, self.prefix_lens, self.extend_lens))
         return [self.prefix_lens[i] + self.extend_lens[i] for i in self.sampled]
+
+    @functools.cached_property
+    def rows_and_positions(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """table_rows and prefix_lens as int64 host tensors: a decode step's rows and the
+        positions it computes, made once for the forward and the sampler."""
+        return host_tensor(self.table_rows, torch.int64), host_tensor(self.prefix_lens, torch.int64)
 
 
 @dataclass(frozen=True)

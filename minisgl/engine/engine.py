@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import operator
+from collections.abc import Sequence
 
 import torch
 
@@ -176,8 +177,7 @@ class Engine:
             if batch.is_decode and (stack := self.model.cpu_decode_stack) is not None:
                 # One fused kernel call for the whole decoder stack (models/cpu_decoder.py),
                 # with none of the per-step attention metadata.
-                rows = host_tensor(batch.table_rows, torch.int64)
-                positions = host_tensor(batch.prefix_lens, torch.int64)
+                rows, positions = batch.rows_and_positions
                 return stack.forward(
                     self.tables.token_table, self.tables.page_table, rows, positions, self.kv_pool
                 )
@@ -254,9 +254,12 @@ class Engine:
             if token_scores is not None:
                 token_scores = token_scores.map(broadcast_from_primary)
         # The sampled token becomes the next input: write it where the next step will read it.
-        every = num_sampled == batch.num_seqs  # decodes: no list built per row
-        rows = batch.table_rows if every else [batch.table_rows[i] for i in batch.sampled]
-        rows_d, positions_d = self.stream.stage(torch.int64, rows, batch.sampled_positions)
+        if batch.is_decode:  # the forward's host tensors, a position on: no list per row
+            rows, positions = batch.rows_and_positions
+            at: tuple[Sequence[int] | torch.Tensor, ...] = (rows, positions + 1)
+        else:
+            at = ([batch.table_rows[i] for i in batch.sampled], batch.sampled_positions)
+        rows_d, positions_d = self.stream.stage(torch.int64, *at)
         self.tables.token_table[rows_d, positions_d] = token_ids.to(torch.int32)
         host = self.stream.to_host_async
         return PendingOutput(
