@@ -2,11 +2,11 @@
 
 On a model whose forward is nearly free (one layer, 64 wide, a 512-token vocabulary), a decode
 step's time is mostly the scheduler's and engine's own Python and torch calls. This script keeps
-B requests decoding (the same prompt length for all, so they cross page boundaries in the same
-step, as benchmark workloads do) and times whole `Scheduler.step()` calls for each B. The time
-inside the compute kernels (the CPU decode stack and the sampling kernel: on a GPU, the device's
-share) is timed apart; the rest is the host's. The marginal cost is the slope between the
-smallest and largest B:
+B requests decoding (the same prompt length for all, as benchmark workloads send; chunked
+prefill admits them over several steps, so at 256 about one in 16 crosses a page each step) and
+times whole `Scheduler.step()` calls for each B. The time inside the compute kernels (the CPU
+decode stack and the sampling kernel: on a GPU, the device's share) is timed apart; the rest is
+the host's. The marginal cost is the slope between the smallest and largest B:
 
     python scripts/make_random_checkpoint.py /tmp/host-cost --preset host-probe \\
         --vocab-size 512 --dtype float32
