@@ -52,7 +52,7 @@ MAX_VERIFY_ROWS = 32
 
 # (its token, its logprob) per sampled row
 SampledRow = tuple[int, TokenLogprob | None]
-# The scheduler's: one sampled token into its request; True when that ended it.
+# The scheduler's: sampled tokens into their requests (a request they end takes no more).
 TakeTokens = Callable[[list[Req], list[int], list[TokenLogprob | None]], None]
 
 
