@@ -28,7 +28,6 @@ import argparse
 import json
 import os
 import re
-import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -38,6 +37,9 @@ from pathlib import Path
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads libgomp
 
 import httpx  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "online"))
+from bench_common import LocalServer  # noqa: E402
 
 from minisgl import LLM, SamplingParams  # noqa: E402
 from minisgl.config import ServerArgs  # noqa: E402
@@ -138,22 +140,9 @@ class ServerEngine:
 
     def __init__(self, model: str | None, options: dict[str, object], port: int) -> None:
         flags = [f"--{k.replace('_', '-')}={v}" for k, v in options.items()]
-        model_flag = [f"--model={model}"] if model else []
-        command = [sys.executable, "-m", "minisgl.server", f"--port={port}", *model_flag, *flags]
-        self.proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-        self.url = f"http://127.0.0.1:{port}"
-        deadline_s = time.monotonic() + SERVER_START_TIMEOUT_S
-        while not self._healthy():
-            if self.proc.poll() is not None or time.monotonic() > deadline_s:
-                raise RuntimeError(f"the server on port {port} did not start")
-            time.sleep(0.5)
+        self.server = LocalServer(model, port, flags, SERVER_START_TIMEOUT_S)
+        self.url = self.server.url
         self.chat([WARM_UP_CHAT], 4)
-
-    def _healthy(self) -> bool:
-        try:
-            return httpx.get(self.url + "/health", timeout=2).status_code == 200
-        except httpx.HTTPError:
-            return False
 
     def flush(self) -> None:
         httpx.post(self.url + "/flush_cache", timeout=60).raise_for_status()
@@ -197,8 +186,7 @@ class ServerEngine:
         return value("spec_decode_num_drafts"), value("spec_decode_num_accepted_tokens")
 
     def close(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(timeout=60)
+        self.server.stop()
 
 
 Engine = OfflineEngine | ServerEngine

@@ -22,6 +22,7 @@ import os
 import platform
 import re
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Sequence
@@ -153,6 +154,35 @@ async def send_request(
         result.ttft_s = result.e2e_s
     result.ok = True
     return result
+
+
+class LocalServer:
+    """`python -m minisgl.server` on 127.0.0.1:`port` with `flags` (`model`: None for the bundled
+    one), up once /health answers; RuntimeError if it exits or is not up in `timeout_s`."""
+
+    def __init__(
+        self, model: str | None, port: int, flags: list[str], timeout_s: float = 600.0
+    ) -> None:
+        model_flag = [f"--model={model}"] if model else []
+        command = [sys.executable, "-m", "minisgl.server", f"--port={port}", *model_flag, *flags]
+        self.proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+        self.url = f"http://127.0.0.1:{port}"
+        deadline_s = time.monotonic() + timeout_s
+        while not self._healthy():
+            if self.proc.poll() is not None or time.monotonic() > deadline_s:
+                self.stop()
+                raise RuntimeError(f"the server on port {port} ({' '.join(flags)}) did not start")
+            time.sleep(0.5)
+
+    def _healthy(self) -> bool:
+        try:
+            return httpx.get(self.url + "/health", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=60)
 
 
 def make_client(api_key: str | None, timeout_s: float) -> httpx.AsyncClient:

@@ -26,7 +26,6 @@ import asyncio
 import json
 import random
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -34,9 +33,14 @@ from contextlib import contextmanager
 from typing import Any
 
 import httpx
-from bench_common import COMPLETIONS_PATH, cache_counters, make_client, send_request
+from bench_common import (
+    COMPLETIONS_PATH,
+    LocalServer,
+    cache_counters,
+    make_client,
+    send_request,
+)
 
-SERVER_START_TIMEOUT_S = 600.0
 REQUEST_TIMEOUT_S = 1800.0
 POLL_S = 0.05
 PROMPT_VOCAB_LOW, PROMPT_VOCAB_HIGH = 1000, 20000  # ordinary tokens of the bundled vocabulary
@@ -55,34 +59,9 @@ LPM_PREFIXES, LPM_PER_PREFIX, LPM_PREFIX_LEN, LPM_SUFFIX_LEN, LPM_OUTPUT = 4, 8,
 LPM_NUM_PAGES = 900  # ~3 prefixes: running requests lock two, the rest compete for the pool
 
 
-class Server:
-    """`python -m minisgl.server` on `port` with `flags`, until `stop`."""
-
-    def __init__(self, model: str | None, port: int, flags: list[str]) -> None:
-        model_flag = [f"--model={model}"] if model else []
-        command = [sys.executable, "-m", "minisgl.server", f"--port={port}", *model_flag, *flags]
-        self.proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-        self.url = f"http://127.0.0.1:{port}"
-        deadline_s = time.monotonic() + SERVER_START_TIMEOUT_S
-        while not self._healthy():
-            if self.proc.poll() is not None or time.monotonic() > deadline_s:
-                raise RuntimeError(f"the server ({' '.join(flags)}) did not start")
-            time.sleep(0.5)
-
-    def _healthy(self) -> bool:
-        try:
-            return httpx.get(self.url + "/health", timeout=2).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(timeout=60)
-
-
 @contextmanager
-def server(args: argparse.Namespace, flags: list[str]) -> Iterator[Server]:
-    srv = Server(args.model, args.port, [f"--max-running-requests={MAX_RUNNING}", *flags])
+def server(args: argparse.Namespace, flags: list[str]) -> Iterator[LocalServer]:
+    srv = LocalServer(args.model, args.port, [f"--max-running-requests={MAX_RUNNING}", *flags])
     try:
         yield srv
     finally:
