@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import operator
-from collections.abc import Sequence
 
 import torch
 
@@ -256,10 +255,11 @@ class Engine:
         # The sampled token becomes the next input: write it where the next step will read it.
         if batch.is_decode:  # the forward's host tensors, a position on: no list per row
             rows, positions = batch.rows_and_positions
-            at: tuple[Sequence[int] | torch.Tensor, ...] = (rows, positions + 1)
+            rows_d, positions_d = self.stream.stage(torch.int64, rows, positions + 1)
         else:
-            at = ([batch.table_rows[i] for i in batch.sampled], batch.sampled_positions)
-        rows_d, positions_d = self.stream.stage(torch.int64, *at)
+            rows_d, positions_d = self.stream.stage(
+                torch.int64, [batch.table_rows[i] for i in batch.sampled], batch.sampled_positions
+            )
         self.tables.token_table[rows_d, positions_d] = token_ids.to(torch.int32)
         host = self.stream.to_host_async
         return PendingOutput(

@@ -53,9 +53,8 @@ def build_batch(
     prompt_logprobs = [r.sampling_params.prompt_logprobs for r in reqs]
     scoring = prompt_logprobs.count(None) != len(reqs)
     if scoring:
-        prompt_logprobs = [
-            r.sampling_params.prompt_logprobs if r.scores_prompt else None for r in reqs
-        ]
+        scored = zip(prompt_logprobs, reqs, strict=True)
+        prompt_logprobs = [k if r.scores_prompt else None for k, r in scored]
     sampling: list[SamplingParams | None] = [req.sampling_params for req in decodes]
     for req in decodes:  # each samples (DecodeManager schedules none past max_tokens)
         req.cached_len += 1

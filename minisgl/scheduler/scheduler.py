@@ -58,7 +58,6 @@ class Scheduler:
         self.loop = OverlapLoop(self.engine, overlap, self.cache, self.masks, self._process)
         self._rng = random.Random(args.seed)
         self._is_cuda = self.engine.stream.is_cuda  # NVTX ranges there
-        self._fairness = args.tenant_fairness  # output tokens charged to tenants (_take)
 
     @property
     def model_path(self) -> str:
@@ -161,7 +160,8 @@ class Scheduler:
         """Sampled tokens into their requests (output, grammar, events), token_ids[i] into
         reqs[i], in order; a request they end is released, and takes no more. One loop over a
         step's tokens, on locals: this is the host's largest cost per running request."""
-        events, max_model_len, charge = self.outputs.events, self.max_model_len, self._fairness
+        events, max_model_len = self.outputs.events, self.max_model_len
+        policy = self.prefill.policy  # charges output tokens to tenants under fairness
         num_taken = 0
         for req, token_id, logprob in zip(reqs, token_ids, logprobs, strict=True):
             if req.finish_reason is not None:  # its extra token in the batch after (overlap)
@@ -173,8 +173,8 @@ class Scheduler:
                 req.grammar.accept(output_ids)
             if logprob is not None:
                 req.output_logprobs.append(logprob)
-            if charge:
-                self.prefill.policy.charge(req, OUTPUT_TOKEN_WEIGHT)
+            if policy.fairness:
+                policy.charge(req, OUTPUT_TOKEN_WEIGHT)
             num_outputs = len(output_ids)
             reason = None
             if token_id in params.stop_token_ids or (
