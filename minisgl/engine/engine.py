@@ -29,8 +29,9 @@ from minisgl.engine.memory import MemoryNeeds, plan_kv_pages
 from minisgl.engine.sampler import Sampler
 from minisgl.engine.sampling_batch import SamplingBatch
 from minisgl.engine.tables import DeviceTables
-from minisgl.kernels import cpu
+from minisgl.kernels import cpu, gpu
 from minisgl.kvcache.pool import KV_CACHE_DTYPES, KVPool, KVShape
+from minisgl.layers.linear import PackedWeight
 from minisgl.models.config import load_model_config
 from minisgl.models.llama import CausalLM, local_head_counts
 from minisgl.models.loader import gguf_blocks, load_weights
@@ -133,8 +134,16 @@ class Engine:
         # None: not fp32 on the CPU, not buildable here, or MINISGL_CPU_KERNELS=0
         kernels = cpu.kernels_for(self.device, self.dtype)
         blocks = gguf_blocks(self.args, self.model_path, kernels, f"{self.dtype} on {self.device}")
+        fp8 = gpu.fp8_linear_kernels(self.device)  # None: FP8 checkpoints dequantize at load
         with stage(f"loading the weights of {self.model_path.name}"):
-            load_weights(model, self.model_path, blocks)
+            load_weights(model, self.model_path, blocks, keep_fp8=fp8 is not None)
+        # blocks: GGUF ones; else what `quant` holds was loaded fp8
+        fp8_layers = [m for m in model.modules() if isinstance(m, PackedWeight) and m.quant]
+        if fp8 is not None and blocks is None and fp8_layers:
+            for m in fp8_layers:
+                m.use_fp8(fp8.fp8_linear, len(getattr(m, "part_names", "w")))
+            kernels = None  # the C kernels multiply by fp32 panels and GGUF blocks only
+            logger.info("FP8 GEMMs in %d linear layers (weights fp8)", len(fp8_layers))
         if kernels is not None:
             # The fused decode step does its own attention: only in place of torch-native's.
             model.use_cpu_kernels(kernels, fused_decode=self.backend_name == "torch")

@@ -59,6 +59,14 @@ def triton_kernels(name: str, device: torch.device) -> ModuleType | None:
     return _module(name) if mode == "force" or (mode == "auto" and device.type == "cuda") else None
 
 
+def fp8_linear_kernels(device: torch.device) -> ModuleType | None:
+    """minisgl/kernels/triton_fp8.py where an FP8 checkpoint's weights stay fp8: FP8 tensor
+    cores (compute capability 8.9+: Ada, Hopper and newer), or the CPU under the interpreter."""
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        return None
+    return triton_kernels("triton_fp8", device)
+
+
 @dataclass(frozen=True)
 class LayerKernels:
     """What a layer calls: at most one of the two is set; neither means torch ops."""

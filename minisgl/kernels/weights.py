@@ -1,4 +1,4 @@
-"""How the CPU kernels hold a linear weight: fp32 column panels, or GGUF blocks.
+"""How the kernels hold a linear weight: fp32 column panels or GGUF blocks (CPU), fp8 (GPU).
 
 A `QuantTensor` is one checkpoint tensor [rows, cols] as a GGUF file stores it (llama.cpp's
 quantized formats): each row is cols / block elements blocks of `gguf.GGML_QUANT_SIZES` bytes.
@@ -6,6 +6,9 @@ Cutting rows (column-parallel tp, merged projections) is exact; cutting columns 
 tp) is exact on block boundaries, and a cut inside a block dequantizes that piece to fp32 rows
 (type F32). `PackedLinear.of_blocks` lays the parts of a merged weight back to back for
 csrc/quant.c, which multiplies by the blocks; the loader dequantizes the types it does not serve.
+
+An `Fp8Tensor` is an FP8 checkpoint's weight with one scale per row and column group, which
+minisgl/kernels/triton_fp8.py multiplies by; cuts follow the same rules.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 import ctypes
 import math
 import mmap
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -23,6 +27,7 @@ from gguf.quants import dequantize
 HUGE_PAGE_BYTES = 2 << 20  # x86-64 / arm64 transparent huge page size
 MAX_SEGMENTS = 4  # MG_MAX_SEGMENTS in csrc/common.h: block types in one merged weight
 F32 = 0  # gguf.GGMLQuantizationType.F32: plain fp32 rows
+FP8_GROUP = 128  # columns per scale of a per-row or per-tensor FP8 weight (any width works)
 
 
 def huge_page_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -73,6 +78,51 @@ class QuantTensor:
         """fp32 [rows, cols], as gguf (and transformers' GGUF loader) dequantizes."""
         rows = np.ascontiguousarray(self.data.numpy())
         return torch.from_numpy(np.array(dequantize(rows, GGMLQuantizationType(self.qtype))))
+
+
+@dataclass(frozen=True)
+class Fp8Tensor:
+    data: torch.Tensor  # float8 [rows, cols]
+    scale: torch.Tensor  # fp32 [rows, ceil(cols / group)]: w = data * scale, group by group
+    group: int  # columns per scale
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.data.shape
+
+    @staticmethod
+    def of_checkpoint(w: torch.Tensor, scale: torch.Tensor, block: Sequence[int]) -> Fp8Tensor:
+        """`scale` as checkpoints store it: [ceil(rows / bn), ceil(cols / bk)] for (bn, bk)
+        blocks (`weight_scale_inv`), [rows, 1] per row or one per tensor (`weight_scale`)."""
+        (rows, cols), (bn, bk) = w.shape, block
+        if scale.dim() == 2 and scale.shape[1] > 1:
+            if scale.shape != (-(-rows // bn), -(-cols // bk)):
+                raise ValueError(f"scale {tuple(scale.shape)}: not {bn}x{bk} blocks of {w.shape}")
+            return Fp8Tensor(w, scale.float().repeat_interleave(bn, 0)[:rows].contiguous(), bk)
+        by_row = scale.float().reshape(-1, 1).expand(rows, -(-cols // FP8_GROUP)).contiguous()
+        return Fp8Tensor(w, by_row, FP8_GROUP)
+
+    def rows(self, start: int, num: int) -> Fp8Tensor:
+        return Fp8Tensor(
+            self.data.narrow(0, start, num), self.scale.narrow(0, start, num), self.group
+        )
+
+    def columns(self, start: int, num: int) -> Fp8Tensor | torch.Tensor:
+        """Exact on group boundaries; else this piece dequantized (fp32)."""
+        if start % self.group or (num % self.group and start + num < self.data.shape[1]):
+            return self.dequantize().narrow(1, start, num)
+        scale = self.scale.narrow(1, start // self.group, -(-num // self.group))
+        return Fp8Tensor(self.data.narrow(1, start, num), scale, self.group)
+
+    def dequantize(self) -> torch.Tensor:
+        scale = self.scale.repeat_interleave(self.group, 1)[:, : self.data.shape[1]]
+        return self.data.float() * scale
+
+    @staticmethod
+    def cat(parts: Sequence[Fp8Tensor]) -> Fp8Tensor:
+        """A merged weight's parts, stacked by rows."""
+        scale = torch.cat([p.scale for p in parts])
+        return Fp8Tensor(torch.cat([p.data for p in parts]), scale, parts[0].group)
 
 
 class WeightDesc(ctypes.Structure):

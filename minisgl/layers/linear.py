@@ -10,9 +10,13 @@ the panel layout of minisgl/kernels (read front to back by one kernel call per f
 original is freed, so the model holds one copy of every weight either way. A GGUF model served
 as blocks loads `QuantTensor`s instead (`quant`: this rank's piece of each part, cut by rows,
 or by columns on block boundaries, minisgl/kernels/weights.py); the kernels multiply by them.
+An FP8 checkpoint on FP8 tensor cores loads `Fp8Tensor`s the same way, and `use_fp8` stacks the
+parts into the one fp8 weight that minisgl/kernels/triton_fp8.py multiplies by.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -20,7 +24,7 @@ from torch import nn
 
 from minisgl.distributed import all_reduce, divide, get_tp_info
 from minisgl.kernels.cpu_ops import CpuKernels
-from minisgl.kernels.weights import PackedLinear, QuantTensor
+from minisgl.kernels.weights import Fp8Tensor, PackedLinear, QuantTensor
 
 
 class PackedWeight(nn.Module):
@@ -30,19 +34,31 @@ class PackedWeight(nn.Module):
     weight: nn.Parameter
     _kernels: CpuKernels | None = None
     packed: PackedLinear | None = None  # the weight in the kernels' layout, once repacked
-    quant: dict[int, QuantTensor] | None = None  # GGUF blocks loaded in its place, by part
+    quant: dict[int, QuantTensor | Fp8Tensor] | None = None  # loaded in its place, by part
+    fp8: Fp8Tensor | None = None  # the weight as fp8, multiplied by `_fp8_linear`
+    _fp8_linear: Callable[..., torch.Tensor] | None = None
 
     def use_cpu_kernels(self, kernels: CpuKernels, keep_weight: bool = False) -> None:
         """Repack the loaded weight for `kernels` (call after loading) and free the original
         unless something else reads it (`keep_weight`)."""
         if self.packed is None:  # else given: a tied head shares the embedding's blocks
             self.packed = (
-                PackedLinear.of_blocks(self.quant) if self.quant else kernels.pack(self.weight.data)
+                PackedLinear.of_blocks(self.quant)  # type: ignore[arg-type]
+                if self.quant
+                else kernels.pack(self.weight.data)
             )
         self.quant, self._kernels = None, kernels  # blocks live on in `packed` only
         if not keep_weight:
             # An empty placeholder keeps the parameter's name; nothing reads it after loading.
             self.weight = nn.Parameter(self.weight.data.new_empty(0), requires_grad=False)
+
+    def use_fp8(self, fp8_linear: Callable[..., torch.Tensor], num_parts: int) -> None:
+        """Multiply by the `num_parts` FP8 parts loaded in place of the weight (after loading)."""
+        parts = [p for _, p in sorted((self.quant or {}).items()) if isinstance(p, Fp8Tensor)]
+        if len(parts) != num_parts:
+            raise ValueError("a merged weight mixes fp8 and unquantized parts: not served fp8")
+        self.fp8, self.quant, self._fp8_linear = Fp8Tensor.cat(parts), None, fp8_linear
+        self.weight = nn.Parameter(self.weight.data.new_empty(0), requires_grad=False)
 
     def matmul(
         self, x: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor | None = None
@@ -50,6 +66,8 @@ class PackedWeight(nn.Module):
         """x W^T + bias; with the kernels, into `out` when given ([rows, out], contiguous)."""
         if self._kernels is not None and self.packed is not None:
             return self._kernels.linear(x, self.packed, bias, out)
+        if self._fp8_linear is not None:
+            return self._fp8_linear(x, self.fp8, bias)
         return F.linear(x, self.weight, bias)
 
 
@@ -85,13 +103,15 @@ class ColumnParallelLinear(PackedWeight):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x, self.bias)
 
-    def load_part(self, param: nn.Parameter, full: torch.Tensor | QuantTensor, part: str) -> None:
+    def load_part(
+        self, param: nn.Parameter, full: torch.Tensor | QuantTensor | Fp8Tensor, part: str
+    ) -> None:
         """Copy this rank's slice of checkpoint tensor `full` (the whole of one part)."""
         index = self.part_names.index(part)
         shard = self.shard_sizes[index]
         tp = get_tp_info()
         start = tp.rank * (self.full_sizes[index] // shard) // tp.size * shard
-        if isinstance(full, QuantTensor):
+        if not isinstance(full, torch.Tensor):
             self.quant = {**(self.quant or {}), index: full.rows(start, shard)}
             return
         piece = full.narrow(0, start, shard)
@@ -113,10 +133,16 @@ class RowParallelLinear(PackedWeight):
         y = all_reduce(self.matmul(x, None))
         return y if self.bias is None else y + self.bias
 
-    def load_weight(self, param: nn.Parameter, full: torch.Tensor | QuantTensor) -> None:
+    def load_weight(
+        self, param: nn.Parameter, full: torch.Tensor | QuantTensor | Fp8Tensor
+    ) -> None:
         start = get_tp_info().rank * self.input_shard
-        if isinstance(full, QuantTensor):
-            self.quant = {0: full.columns(start, self.input_shard)}
+        if not isinstance(full, torch.Tensor):  # blocks; an fp8 cut inside a group comes dense
+            full = full.columns(start, self.input_shard)
+            if not isinstance(full, torch.Tensor):
+                self.quant = {0: full}
+                return
+            param.data.copy_(full)
         elif param is self.bias:
             param.data.copy_(full)
         else:

@@ -7,10 +7,12 @@ weights stay GGUF blocks (`QuantTensor`) where the kernels serve the type, else 
 log line); without, every tensor is dequantized, as transformers does.
 
 An FP8 checkpoint (`quantization_config.quant_method` fp8, as Qwen's and DeepSeek's FP8 releases)
-is dequantized at load to the model's dtype: block-wise (`weight_scale_inv` per
-`weight_block_size` tile), per-tensor or per-channel (`weight_scale`), each scale found in
-whichever shard holds it; activation scales (`input_scale`) go unused, and the per-layer KV
-cache scales (`k_scale`, `v_scale`) go to `model.kv_scales` for an fp8 KV pool.
+has its weights scaled block-wise (`weight_scale_inv` per `weight_block_size` tile), per tensor
+or per channel (`weight_scale`), each scale found in whichever shard holds it. With `keep_fp8`
+(FP8 tensor cores: minisgl/kernels/triton_fp8.py) they load as `Fp8Tensor`s, which the linear
+layers keep and MoE experts dequantize; without, every one is dequantized to the model's dtype.
+Activation scales (`input_scale`) go unused (activations are scaled per token as they come), and
+the per-layer KV cache scales (`k_scale`, `v_scale`) go to `model.kv_scales` for an fp8 KV pool.
 
 Every weight the model needs is tracked by the checkpoint tensor name that provides it (hub
 layout: `q_proj`, `experts.3.up_proj`, ...), so a checkpoint that lacks any piece of a merged or
@@ -34,7 +36,7 @@ from torch import nn
 
 from minisgl.config import ServerArgs
 from minisgl.kernels.cpu_ops import CpuKernels
-from minisgl.kernels.weights import QuantTensor
+from minisgl.kernels.weights import Fp8Tensor, QuantTensor
 from minisgl.layers.embedding import VocabParallelEmbedding
 from minisgl.layers.linear import ColumnParallelLinear, RowParallelLinear
 from minisgl.layers.moe import DOWN_PIECE, EXPERT_PIECES, GATE_UP_PIECES, Experts
@@ -81,10 +83,10 @@ def expected_checkpoint_names(model: nn.Module) -> set[str]:
     return names | ({n for n, _ in model.named_parameters()} - claimed)
 
 
-Weight = torch.Tensor | QuantTensor
+Weight = torch.Tensor | QuantTensor | Fp8Tensor
 
 
-def _safetensors(model_dir: Path) -> Iterator[tuple[str, Weight]]:
+def _safetensors(model_dir: Path, keep_fp8: bool) -> Iterator[tuple[str, Weight]]:
     quant = json.loads((model_dir / "config.json").read_text()).get("quantization_config") or {}
     method, fmt = quant.get("quant_method", "fp8"), quant.get("format")
     if method not in FP8_METHODS or fmt not in (None, "float-quantized"):  # compressed-tensors
@@ -99,26 +101,25 @@ def _safetensors(model_dir: Path) -> Iterator[tuple[str, Weight]]:
                 continue
             tensor = f.get_tensor(name)
             if tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-                tensor, num_fp8 = _fp8_dequantized(name, tensor, where, block), num_fp8 + 1
-            yield name, tensor
+                fp8, num_fp8 = _fp8(name, tensor, where, block), num_fp8 + 1
+                # the GEMM's tiles: a power-of-two group of 16+ columns (checkpoints: 128)
+                kept = keep_fp8 and fp8.group >= 16 and fp8.group & (fp8.group - 1) == 0
+                yield name, fp8 if kept else fp8.dequantize()
+            else:
+                yield name, tensor
     if num_fp8:
-        logger.info("FP8 checkpoint: %d weights dequantized at load to the model's dtype", num_fp8)
+        how = "loaded fp8" if keep_fp8 else "dequantized at load to the model's dtype"
+        logger.info("FP8 checkpoint: %d weights %s", num_fp8, how)
 
 
-def _fp8_dequantized(name: str, w: torch.Tensor, where: dict, block: Sequence[int]) -> torch.Tensor:
-    """fp32 weight times its scale: per block (2-D scales), per output row or per tensor."""
+def _fp8(name: str, w: torch.Tensor, where: dict, block: Sequence[int]) -> Fp8Tensor:
     scale_name = next((f"{name}_scale{s}" for s in ("_inv", "") if f"{name}_scale{s}" in where), "")
-    if not scale_name:
-        raise ValueError(f"FP8 weight '{name}' has no weight_scale_inv or weight_scale")
-    scale, w = where[scale_name].get_tensor(scale_name).float(), w.float()
-    if scale.dim() == 2 and scale.shape[1] > 1:  # [ceil(rows / bn), ceil(cols / bk)]
-        (rows, cols), (bn, bk) = w.shape, block
-        if scale.shape != (-(-rows // bn), -(-cols // bk)):
-            raise ValueError(
-                f"'{scale_name}' {tuple(scale.shape)}: not {bn}x{bk} blocks of {tuple(w.shape)}"
-            )
-        return w * scale.repeat_interleave(bn, 0)[:rows].repeat_interleave(bk, 1)[:, :cols]
-    return w * scale.reshape(-1, *[1] * (w.dim() - 1))
+    if not scale_name or w.dim() != 2:
+        raise ValueError(f"FP8 weight '{name}' has no weight_scale_inv or weight_scale, or not 2-D")
+    try:
+        return Fp8Tensor.of_checkpoint(w, where[scale_name].get_tensor(scale_name), block)
+    except ValueError as exc:
+        raise ValueError(f"'{scale_name}': {exc}") from None
 
 
 def _gguf(
@@ -168,15 +169,20 @@ def gguf_blocks(
     return kernels if blocks else None
 
 
-def load_weights(model: CausalLM, model_dir: Path, blocks: CpuKernels | None = None) -> None:
-    """`blocks`: GGUF weights stay blocks for these kernels (see the module docstring)."""
+def load_weights(
+    model: CausalLM, model_dir: Path, blocks: CpuKernels | None = None, keep_fp8: bool = False
+) -> None:
+    """`blocks`: GGUF weights stay blocks for these kernels; `keep_fp8`: an FP8 checkpoint's
+    linear weights stay fp8 (see the module docstring)."""
     cfg = model.cfg
     params = dict(model.named_parameters(remove_duplicate=False))
     modules = dict(model.named_modules())
     merged = _merged_parts(model)
     loaded: set[str] = set()
     gguf_path = model_dir / GGUF_FILE
-    tensors = _gguf(model, model_dir, blocks) if gguf_path.exists() else _safetensors(model_dir)
+    tensors = (
+        _gguf(model, model_dir, blocks) if gguf_path.exists() else _safetensors(model_dir, keep_fp8)
+    )
     for name, tensor in tensors:
         if _IGNORED_RE.search(name):
             continue
@@ -197,7 +203,7 @@ def load_weights(model: CausalLM, model_dir: Path, blocks: CpuKernels | None = N
 
 
 def _dense(t: Weight) -> torch.Tensor:
-    return t.dequantize() if isinstance(t, QuantTensor) else t
+    return t if isinstance(t, torch.Tensor) else t.dequantize()
 
 
 def _load_one(
@@ -226,10 +232,10 @@ def _load_one(
         return {f"{prefix}.{e}.{p}.weight" for e in range(module.num_experts) for p in pieces}
     if isinstance(module, (RowParallelLinear, VocabParallelEmbedding)):
         module.load_weight(param, tensor)
-    elif param.shape != tensor.shape:
+        return {name}
+    if param.shape != (tensor := _dense(tensor)).shape:
         raise ValueError(
             f"weight '{name}': checkpoint {tuple(tensor.shape)}, model {tuple(param.shape)}"
         )
-    else:
-        param.data.copy_(_dense(tensor))
+    param.data.copy_(tensor)
     return {name}

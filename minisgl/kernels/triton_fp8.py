@@ -1,0 +1,85 @@
+"""FP8 linear layers: an FP8 checkpoint's weights multiplied as fp8 on the tensor cores.
+
+The weight stays as the checkpoint ships it (float8, `Fp8Tensor` in minisgl/kernels/weights.py:
+one fp32 scale per output row and column group, the checkpoint's 128x128 block scales repeated
+down the rows so tensor parallelism cuts rows anywhere). Activations are quantized per token and
+column group inside the GEMM (block-wise "w8a8" FP8, as DeepSeek-V3 trained it and SGLang and
+vLLM serve it): each K step loads a [BLOCK_M, group] tile of x, scales each row by its own
+absolute max onto the fp8 range, multiplies the two fp8 tiles and rescales the fp32 partial
+product by both scales. Quantizing in place costs one pass over the x tile per N tile, and saves
+a kernel launch and an fp8 copy of x per layer.
+
+A decode step reads half the weight bytes of bf16 (the reason to keep them fp8); the tile sizes
+below are a first guess, not tuned on a GPU yet.
+
+Importing this module imports triton: `minisgl.kernels.gpu.fp8_linear_kernels` loads it where
+FP8 tensor cores exist (compute capability 8.9+). Under TRITON_INTERPRET=1 it runs on CPU
+tensors, which is how tests/test_fp8.py checks it (and a whole FP8 model) without a GPU.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from minisgl.kernels.weights import Fp8Tensor
+
+# fp32 mantissa bits that each fp8 format drops (23 - 3, 23 - 2)
+MANTISSA_DROP = {torch.float8_e4m3fn: 20, torch.float8_e5m2: 21}
+
+
+@triton.jit
+def _fp8_linear(
+    x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, x_stride, w_stride, s_stride, y_stride,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr, FP8_MAX: tl.constexpr,
+    DROP: tl.constexpr,
+):  # fmt: skip
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for g in range(0, tl.cdiv(K, GROUP)):
+        k = g * GROUP + tl.arange(0, GROUP)
+        x_mask = (rows[:, None] < M) & (k[None, :] < K)
+        x = tl.load(x_ptr + rows[:, None] * x_stride + k[None, :], mask=x_mask, other=0.0)
+        x = x.to(tl.float32)
+        # The row's max maps exactly onto FP8_MAX: no value saturates. An all-zero row keeps a
+        # tiny scale (its products are zero whatever the scale).
+        x_scale = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-12) / FP8_MAX
+        # Rounded to the fp8 mantissa by hand (to nearest, ties to even) so the conversion
+        # is exact: Triton's interpreter, where the tests run, drops the carry of a mantissa
+        # that rounds up into the next power of two (124.3 -> 64, not 128).
+        bits = (x / x_scale[:, None]).to(tl.uint32, bitcast=True)
+        bits = (bits + (1 << (DROP - 1)) - 1 + ((bits >> DROP) & 1)) >> DROP << DROP
+        x_q = bits.to(tl.float32, bitcast=True).to(w_ptr.dtype.element_ty)
+        w_mask = (cols[None, :] < N) & (k[:, None] < K)
+        w = tl.load(w_ptr + cols[None, :] * w_stride + k[:, None], mask=w_mask, other=0.0)
+        w_scale = tl.load(s_ptr + cols * s_stride + g, mask=cols < N, other=0.0)
+        acc += tl.dot(x_q, w) * x_scale[:, None] * w_scale[None, :]
+    y = acc.to(y_ptr.dtype.element_ty)
+    tl.store(
+        y_ptr + rows[:, None] * y_stride + cols[None, :],
+        y,
+        (rows[:, None] < M) & (cols[None, :] < N),
+    )
+
+
+def fp8_linear(x: torch.Tensor, w: Fp8Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., in] (any float dtype) times `w` [out, in] transposed, plus bias: [..., out] in
+    x's dtype."""
+    rows = x.reshape(-1, x.shape[-1])
+    rows = rows if rows.stride(-1) == 1 else rows.contiguous()
+    (m, k), n = rows.shape, w.data.shape[0]
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m:  # tl.dot needs 16+ rows a tile; decode batches take the smallest
+        block_m = 16 if m <= 16 else 32 if m <= 64 else 64
+        block_n = 64 if m <= 64 else 128
+        grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
+        _fp8_linear[grid](
+            rows, w.data, w.scale, y, m, n, k, rows.stride(0), w.data.stride(0),
+            w.scale.stride(0), y.stride(0), BLOCK_M=block_m, BLOCK_N=block_n, GROUP=w.group,
+            FP8_MAX=torch.finfo(w.data.dtype).max, DROP=MANTISSA_DROP[w.data.dtype], num_warps=4,
+            num_stages=3,
+        )  # fmt: skip
+    y = y.view(*x.shape[:-1], n)
+    return y if bias is None else y + bias
