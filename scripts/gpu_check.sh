@@ -91,6 +91,14 @@ run bench_best 100 python3 benchmark/offline/bench.py "${BENCH_WORKLOAD[@]}" \
   --attention-backend flashinfer --overlap on --cuda-graphs on
 run bench_unfused 100 env MINISGL_FUSED_KERNELS=0 python3 benchmark/offline/bench.py \
   "${BENCH_WORKLOAD[@]}" --attention-backend flashinfer --overlap on --cuda-graphs on
+# FP8 (issue 24): the block-FP8 GEMM compiled for CUDA against torch and transformers, its
+# throughput against bf16 on the 0.6B (and 8B) shapes, and the offline workload on an fp8 KV pool.
+run fp8 120 bash -c "python3 -m pytest -q -x -p no:cacheprovider tests/test_fp8.py \
+  -k 'kernel or cuts or gemm_model or triton_attention' && \
+  python3 benchmark/kernels/bench_fp8_gemm.py && python3 benchmark/kernels/bench_fp8_gemm.py \
+  --model 8b --rows 1 64 256 4096"
+run bench_fp8_kv 100 python3 benchmark/offline/bench.py "${BENCH_WORKLOAD[@]}" \
+  --attention-backend flashinfer --overlap on --cuda-graphs on --kv-cache-dtype fp8_e4m3
 # Mini-SGLang on the same checkpoint and workload (scripts/peer_check.sh), when its source and
 # wheels were carried (.peer, from scripts/fetch_peer.sh): its own table follows this summary.
 if [ -d .peer/mini-sglang ]; then
@@ -130,12 +138,13 @@ echo
 echo "== gpu_check summary (${SECONDS}s) =="
 printf '%s\n' "${results[@]}"
 echo "-- benchmark: 256 requests, in/out uniform 100..1024, Qwen3-0.6B shape, bf16"
-for name in bench_best bench_unfused bench_matrix; do
+for name in bench_best bench_unfused bench_fp8_kv bench_matrix; do
   [ -f "$OUT_DIR/$name.log" ] && grep -h "^minisgl radix" "$OUT_DIR/$name.log" | grep "tok/s" \
     | sed "s/tokens in/tok,/; s/^/$name: /"
 done
 grep -h "GPU memory:\|captured" "$OUT_DIR"/bench_*.log 2>/dev/null | head -n 2
 grep -h "bf16 |logprob" "$OUT_DIR"/tests_*.log 2>/dev/null
+[ -f "$OUT_DIR/fp8.log" ] && sed -n '/^FP8 (Triton/,$p' "$OUT_DIR/fp8.log"
 [ -f "$OUT_DIR/sampling_bench.log" ] && grep -h "rows\|temperature\|greedy" "$OUT_DIR/sampling_bench.log"
 [ -f "$OUT_DIR/peer/compare.log" ] && sed -n '/^==== peer check/,$p' "$OUT_DIR/peer/compare.log"
 for name in profile_flashinfer profile_flashinfer_eager; do

@@ -156,7 +156,8 @@ def test_fp8_linear_kernel(scheme, rows, out, cols):
     weight = Fp8Tensor.of_checkpoint(q, scale, (BLOCK, BLOCK))
     torch.testing.assert_close(weight.dequantize(), dequantized)
     bias = torch.randn(out, generator=g)
-    got = fp8_linear(x.to(DEVICE), weight, bias).cpu()
+    on_device = Fp8Tensor(weight.data.to(DEVICE), weight.scale.to(DEVICE), weight.group)
+    got = fp8_linear(x.to(DEVICE), on_device, bias.to(DEVICE)).cpu()
     want = _act_quantized(x, BLOCK) @ dequantized.T + bias
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     exact = x @ w.T + bias  # e4m3 keeps 3 mantissa bits: ~3% per element, less summed

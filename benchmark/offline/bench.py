@@ -186,6 +186,7 @@ def engine_options(args: argparse.Namespace, config: EngineConfig) -> dict:
         "overlap": config.overlap,
         "attention_backend": config.attention_backend,
         "dtype": args.dtype,
+        "kv_cache_dtype": args.kv_cache_dtype,
     }
     if config.graphs is not None:
         options["cuda_graph_max_bs"] = None if config.graphs else 0
@@ -508,6 +509,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default = getattr(ServerArgs, f"speculative_{name}")
         p.add_argument(f"--speculative-{name.replace('_', '-')}", type=int, default=default)
     p.add_argument("--dtype", default="auto")
+    p.add_argument("--kv-cache-dtype", choices=["auto", "fp8_e4m3", "fp8_e5m2"], default="auto")
     p.add_argument(
         "--cuda-graphs",
         choices=["default", "on", "off"],
