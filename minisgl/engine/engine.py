@@ -91,7 +91,9 @@ class Engine:
         self.backend = create_backend(self.backend_name, attention)
         self.sampler = Sampler(self.device)
         graph_bs = self._graph_max_batch_size()
-        weights_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        fp8 = [m.fp8 for m in self.model.modules() if isinstance(m, PackedWeight) and m.fp8]
+        weights = [*self.model.parameters(), *(t for w in fp8 for t in (w.data, w.scale))]
+        weights_bytes = sum(t.numel() * t.element_size() for t in weights)
         prefill_tokens = min(self.max_prefill_tokens, self.max_model_len)
         needs = MemoryNeeds(
             self.kv_shape, self.kv_dtype, cfg.vocab_size, weights_bytes, graph_bs, prefill_tokens

@@ -119,10 +119,10 @@ class Fp8Tensor:
         return self.data.float() * scale
 
     @staticmethod
-    def cat(parts: Sequence[Fp8Tensor]) -> Fp8Tensor:
-        """A merged weight's parts, stacked by rows."""
-        scale = torch.cat([p.scale for p in parts])
-        return Fp8Tensor(torch.cat([p.data for p in parts]), scale, parts[0].group)
+    def cat(parts: Sequence[Fp8Tensor], device: torch.device) -> Fp8Tensor:
+        """A merged weight's parts (as loaded: on the CPU), stacked by rows on `device`."""
+        data, scale = (torch.cat([getattr(p, n) for p in parts]) for n in ("data", "scale"))
+        return Fp8Tensor(data.to(device), scale.to(device), parts[0].group)
 
 
 class WeightDesc(ctypes.Structure):

@@ -57,7 +57,8 @@ class PackedWeight(nn.Module):
         parts = [p for _, p in sorted((self.quant or {}).items()) if isinstance(p, Fp8Tensor)]
         if len(parts) != num_parts:
             raise ValueError("a merged weight mixes fp8 and unquantized parts: not served fp8")
-        self.fp8, self.quant, self._fp8_linear = Fp8Tensor.cat(parts), None, fp8_linear
+        self.fp8 = Fp8Tensor.cat(parts, self.weight.device)
+        self.quant, self._fp8_linear = None, fp8_linear
         self.weight = nn.Parameter(self.weight.data.new_empty(0), requires_grad=False)
 
     def matmul(
