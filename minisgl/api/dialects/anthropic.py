@@ -226,7 +226,7 @@ _EMPTY_BLOCKS = {
 
 
 class BlockEvents:
-    """The reply's blocks as Anthropic's stream events (a minisgl.chat.BlockSink)."""
+    """The reply's blocks as Anthropic's stream events (a minisgl.chat.output.BlockSink)."""
 
     def __init__(self) -> None:
         self.events = EventBuffer()
