@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import inspect
-import json
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -50,11 +49,7 @@ def parse_template_kwargs(value: Any, param: str = "chat_template_kwargs") -> di
     if value is None:
         return {}
     if isinstance(value, str):
-        jsontext.check_json(value, param)  # too deep: say so, not "not a JSON object"
-        try:
-            value = json.loads(value)
-        except ValueError:
-            raise InvalidRequestError(param, "must be a JSON object") from None
+        value = jsontext.loads(value, param, "must be a JSON object")
     if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):
         raise InvalidRequestError(param, "must be a JSON object")
     reserved = sorted(RESERVED_TEMPLATE_KWARGS.intersection(value))

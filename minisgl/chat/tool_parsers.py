@@ -90,10 +90,7 @@ class HermesParser(ToolParser):
 
     def _block(self, out: ChatDelta, body: str, closing: str) -> None:
         """A whole block (or, at the end, an unclosed one): a call, or content as written."""
-        try:
-            call = _as_call(jsontext.loads(body, "tool_calls"), ("arguments", "parameters"))
-        except ValueError:
-            call = None
+        call = _as_call(jsontext.loads_object(body), ("arguments", "parameters"))
         if call is None:
             out.content += self._space + HERMES_START + body + closing
             return
@@ -213,10 +210,8 @@ TOOL_PARSERS: dict[str, type[ToolParser]] = {
 def detect_tool_call_parser(chat_template: str | None) -> str | None:
     """`--tool-call-parser auto`: hermes when the template writes <tool_call> blocks, llama3_json
     when it names <|python_tag|>; None when neither (or both) appear."""
-    if not chat_template:
-        return None
-    hermes = HERMES_START in chat_template
-    llama = PYTHON_TAG in chat_template
+    template = chat_template or ""
+    hermes, llama = HERMES_START in template, PYTHON_TAG in template
     if hermes == llama:
         return None
     return "hermes" if hermes else "llama3_json"

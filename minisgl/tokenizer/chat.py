@@ -69,11 +69,8 @@ def _tool_calls(value: Any, index: int) -> list[dict[str, Any]]:
             raise ValueError(f"{where}: each call needs function.name")
         arguments = function.get("arguments", "{}")
         if isinstance(arguments, str):
-            try:
-                parsed = jsontext.loads(arguments, "tool_calls")
-            except ValueError:
-                parsed = None
-            arguments = parsed if isinstance(parsed, dict) else arguments
+            parsed = jsontext.loads_object(arguments)
+            arguments = arguments if parsed is None else parsed
         elif not isinstance(arguments, Mapping):
             raise ValueError(f"{where}: function.arguments must be JSON text or an object")
         named = {"name": function["name"], "arguments": arguments}
