@@ -60,7 +60,6 @@ def detect_reasoning_parser(chat_template: str | None) -> str | None:
 
 class ReasoningParser(TextParser):
     def __init__(self, mode: Mode, implicit_end: tuple[str, ...] = ()) -> None:
-        super().__init__()
         self.mode = mode
         self.reasoned = mode == Mode.REASONING  # the reply had a reasoning part
         self._ends = (THINK_END, *implicit_end)

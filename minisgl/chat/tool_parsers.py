@@ -41,7 +41,6 @@ def _as_call(value: Any, arg_keys: tuple[str, ...]) -> tuple[str, str] | None:
 
 class ToolParser(TextParser):
     def __init__(self, max_calls: int | None = None) -> None:
-        super().__init__()
         self.max_calls = max_calls  # parallel_tool_calls=false: 1
         self.num_calls = 0
 
@@ -57,11 +56,9 @@ class ToolParser(TextParser):
 
 
 class HermesParser(ToolParser):
-    def __init__(self, max_calls: int | None = None) -> None:
-        super().__init__(max_calls)
-        self._inside = False  # between <tool_call> and </tool_call>
-        self._after_block = False  # whitespace right after a block is not content
-        self._space = ""  # whitespace before the open block: content again if it is malformed
+    _inside = False  # between <tool_call> and </tool_call>
+    _after_block = False  # whitespace right after a block is not content
+    _space = ""  # whitespace before the open block: content again if it is malformed
 
     def _run(self, final: bool) -> ChatDelta:
         out = ChatDelta()
@@ -99,9 +96,7 @@ class HermesParser(ToolParser):
 
 
 class Llama3JsonParser(ToolParser):
-    def __init__(self, max_calls: int | None = None) -> None:
-        super().__init__(max_calls)
-        self._mode = "start"  # start -> calls | content
+    _mode = "start"  # start -> calls | content
 
     def _run(self, final: bool) -> ChatDelta:
         out = ChatDelta()
@@ -163,9 +158,7 @@ class RequiredCallsParser(ToolParser):
     """The reply is a JSON array of {"name", "parameters"} (a grammar made sure); each call is
     reported when its object closes."""
 
-    def __init__(self, max_calls: int | None = None) -> None:
-        super().__init__(max_calls)
-        self._started = False  # past the "["
+    _started = False  # past the "["
 
     def feed(self, text: str, final: bool = False) -> ChatDelta:
         out = super().feed(text, final)
