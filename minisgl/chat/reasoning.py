@@ -26,7 +26,6 @@ import enum
 from minisgl.chat.streaming import ChatDelta, TextParser, hold_back
 from minisgl.tokenizer.detokenizer import find_first
 
-REASONING_PARSERS = ("qwen3", "deepseek-r1")
 THINK_START = "<think>"
 THINK_END = "</think>"
 
