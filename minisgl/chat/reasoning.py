@@ -39,8 +39,7 @@ class Mode(enum.Enum):
 
 def initial_mode(parser: str, prompt_text: str) -> Mode:
     """Where the reply starts, from the rendered prompt's last think tags."""
-    opened = prompt_text.rfind(THINK_START)
-    closed = prompt_text.rfind(THINK_END)
+    opened, closed = prompt_text.rfind(THINK_START), prompt_text.rfind(THINK_END)
     if opened > closed:
         return Mode.REASONING
     if closed >= 0 and not prompt_text[closed + len(THINK_END) :].strip():

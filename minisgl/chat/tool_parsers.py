@@ -32,8 +32,7 @@ def _as_call(value: Any, arg_keys: tuple[str, ...]) -> tuple[str, str] | None:
     """(name, arguments JSON) of a decoded call object; None if it is not one."""
     if not isinstance(value, dict) or not isinstance(value.get("name"), str):
         return None
-    key = next((k for k in arg_keys if k in value), None)
-    arguments = {} if key is None else value[key]
+    arguments: Any = next((value[key] for key in arg_keys if key in value), {})
     if not isinstance(arguments, dict) or not value["name"]:
         return None
     return value["name"], json.dumps(arguments, ensure_ascii=False)

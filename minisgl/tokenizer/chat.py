@@ -36,10 +36,8 @@ def load_chat_template(path: str | Path) -> str:
 
 def message_text(content: Any, index: int) -> str:
     """A message's content as one string: a string, or a list of {"type": "text"} parts joined."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
+    if content is None or isinstance(content, str):
+        return content or ""
     if isinstance(content, list):
         texts = []
         for part in content:
@@ -105,11 +103,9 @@ def normalize_messages(messages: Any) -> list[dict[str, Any]]:
             if not isinstance(value, str):
                 raise ValueError(f"messages: message {index} {name} must be a string")
             entry[name] = value
+        if message.get("tool_calls") is not None and role != "assistant":
+            raise ValueError(f"messages: message {index}: only assistant messages have tool_calls")
         if message.get("tool_calls") is not None:
-            if role != "assistant":
-                raise ValueError(
-                    f"messages: message {index}: only assistant messages have tool_calls"
-                )
             entry["tool_calls"] = _tool_calls(message["tool_calls"], index)
         normalized.append(entry)
     return normalized
