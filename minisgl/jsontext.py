@@ -84,6 +84,21 @@ def check_json(data: bytes | str, param: str = "body") -> bytes:
     return raw
 
 
-def loads(text: str, param: str) -> Any:
-    """json.loads for a string a client sent as JSON: bounded first (`check_json`)."""
-    return json.loads(check_json(text, param))
+def loads(text: str, param: str, invalid: str) -> Any:
+    """json.loads for a string a client sent as JSON: bounded first (`check_json`: what breaks a
+    bound is said as such), then InvalidRequestError(param, invalid) when it is not JSON."""
+    raw = check_json(text, param)
+    try:
+        return json.loads(raw)
+    except ValueError:
+        raise InvalidRequestError(param, invalid) from None
+
+
+def loads_object(text: str) -> dict[str, Any] | None:
+    """The JSON object `text` holds (bounded first); None when it holds none (not JSON, past the
+    bounds, another value): a model's tool-call arguments, which may be broken."""
+    try:
+        value = loads(text, "arguments", "not JSON")
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None

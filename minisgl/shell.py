@@ -73,8 +73,7 @@ def stream_reply(server: ServerArgs, fields: dict, messages: list[dict[str, str]
             if "error" in event:
                 raise RuntimeError(event["error"]["message"])
             for choice in event.get("choices", []):
-                content = choice.get("delta", {}).get("content")
-                if content:
+                if content := choice.get("delta", {}).get("content"):
                     yield content
 
 

@@ -240,8 +240,7 @@ class Children:
         while not all(done(c) for c in self.members):
             if stop_requested():
                 raise StartupError("stopped during startup")
-            failure = self.failure(wait_s=WATCH_INTERVAL_S)
-            if failure is not None:
+            if (failure := self.failure(wait_s=WATCH_INTERVAL_S)) is not None:
                 raise StartupError(failure)
             if time.monotonic() > deadline_s:
                 late = ", ".join(c.name for c in self.members if not done(c))

@@ -126,8 +126,7 @@ def stream_error_body(exc: BaseException, request_id: str) -> dict[str, Any]:
     # The request's own failure (not the server's) carries no code.
     if isinstance(exc, ChoiceFailed) and exc.status_code < HTTPStatus.INTERNAL_SERVER_ERROR:
         return error_dict(str(exc), exc.err_type, None, None)
-    error = as_request_error(exc)
-    if error is not None:
+    if (error := as_request_error(exc)) is not None:
         return error.body()
     logger.exception("request %s failed while streaming", request_id, exc_info=exc)
     message = f"internal error while streaming (request id {request_id})"

@@ -65,8 +65,7 @@ class WireModel(BaseModel):
     def _check_text_and_nulls(cls, data: Any) -> Any:
         """Text must be valid Unicode; an explicit null for a field is left out, so the field
         takes its default."""
-        where = find_invalid_text(data)
-        if where is not None:
+        if (where := find_invalid_text(data)) is not None:
             raise InvalidRequestError(where, "must be valid Unicode text (no lone surrogates)")
         if isinstance(data, dict):
             data = {k: v for k, v in data.items() if v is not None or k not in cls.model_fields}

@@ -26,7 +26,6 @@ import enum
 from minisgl.chat.streaming import ChatDelta, TextParser, hold_back
 from minisgl.tokenizer.detokenizer import find_first
 
-REASONING_PARSERS = ("qwen3", "deepseek-r1")
 THINK_START = "<think>"
 THINK_END = "</think>"
 
@@ -40,8 +39,7 @@ class Mode(enum.Enum):
 
 def initial_mode(parser: str, prompt_text: str) -> Mode:
     """Where the reply starts, from the rendered prompt's last think tags."""
-    opened = prompt_text.rfind(THINK_START)
-    closed = prompt_text.rfind(THINK_END)
+    opened, closed = prompt_text.rfind(THINK_START), prompt_text.rfind(THINK_END)
     if opened > closed:
         return Mode.REASONING
     if closed >= 0 and not prompt_text[closed + len(THINK_END) :].strip():
@@ -60,7 +58,6 @@ def detect_reasoning_parser(chat_template: str | None) -> str | None:
 
 class ReasoningParser(TextParser):
     def __init__(self, mode: Mode, implicit_end: tuple[str, ...] = ()) -> None:
-        super().__init__()
         self.mode = mode
         self.reasoned = mode == Mode.REASONING  # the reply had a reasoning part
         self._ends = (THINK_END, *implicit_end)

@@ -147,11 +147,7 @@ def plan_tools(
 def _schema_text(value: Any, param: str) -> str:
     """A JSON schema given as an object, a boolean or JSON text -> JSON text."""
     if isinstance(value, str):
-        jsontext.check_json(value, param)  # too deep: say so, not "not valid JSON"
-        try:
-            value = json.loads(value)
-        except ValueError:
-            raise _fail(param, "the JSON schema is not valid JSON") from None
+        value = jsontext.loads(value, param, "the JSON schema is not valid JSON")
     if not isinstance(value, (Mapping, bool)):
         raise _fail(param, "must be a JSON schema (an object)")
     return json.dumps(value)

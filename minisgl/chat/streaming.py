@@ -31,8 +31,7 @@ class TextParser(ABC):
     """Text deltas in, `ChatDelta`s out. Unclassified text waits in `_buf`; `_run` takes what it
     can, all of it when `final` (the non-streamed answer is the same machine fed all at once)."""
 
-    def __init__(self) -> None:
-        self._buf = ""
+    _buf = ""
 
     def feed(self, text: str, final: bool = False) -> ChatDelta:
         """`final`: the last text of the reply; whatever is still held comes out."""

@@ -32,8 +32,7 @@ def _as_call(value: Any, arg_keys: tuple[str, ...]) -> tuple[str, str] | None:
     """(name, arguments JSON) of a decoded call object; None if it is not one."""
     if not isinstance(value, dict) or not isinstance(value.get("name"), str):
         return None
-    key = next((k for k in arg_keys if k in value), None)
-    arguments = {} if key is None else value[key]
+    arguments: Any = next((value[key] for key in arg_keys if key in value), {})
     if not isinstance(arguments, dict) or not value["name"]:
         return None
     return value["name"], json.dumps(arguments, ensure_ascii=False)
@@ -41,7 +40,6 @@ def _as_call(value: Any, arg_keys: tuple[str, ...]) -> tuple[str, str] | None:
 
 class ToolParser(TextParser):
     def __init__(self, max_calls: int | None = None) -> None:
-        super().__init__()
         self.max_calls = max_calls  # parallel_tool_calls=false: 1
         self.num_calls = 0
 
@@ -57,11 +55,9 @@ class ToolParser(TextParser):
 
 
 class HermesParser(ToolParser):
-    def __init__(self, max_calls: int | None = None) -> None:
-        super().__init__(max_calls)
-        self._inside = False  # between <tool_call> and </tool_call>
-        self._after_block = False  # whitespace right after a block is not content
-        self._space = ""  # whitespace before the open block: content again if it is malformed
+    _inside = False  # between <tool_call> and </tool_call>
+    _after_block = False  # whitespace right after a block is not content
+    _space = ""  # whitespace before the open block: content again if it is malformed
 
     def _run(self, final: bool) -> ChatDelta:
         out = ChatDelta()
@@ -90,10 +86,7 @@ class HermesParser(ToolParser):
 
     def _block(self, out: ChatDelta, body: str, closing: str) -> None:
         """A whole block (or, at the end, an unclosed one): a call, or content as written."""
-        try:
-            call = _as_call(jsontext.loads(body, "tool_calls"), ("arguments", "parameters"))
-        except ValueError:
-            call = None
+        call = _as_call(jsontext.loads_object(body), ("arguments", "parameters"))
         if call is None:
             out.content += self._space + HERMES_START + body + closing
             return
@@ -102,9 +95,7 @@ class HermesParser(ToolParser):
 
 
 class Llama3JsonParser(ToolParser):
-    def __init__(self, max_calls: int | None = None) -> None:
-        super().__init__(max_calls)
-        self._mode = "start"  # start -> calls | content
+    _mode = "start"  # start -> calls | content
 
     def _run(self, final: bool) -> ChatDelta:
         out = ChatDelta()
@@ -166,9 +157,7 @@ class RequiredCallsParser(ToolParser):
     """The reply is a JSON array of {"name", "parameters"} (a grammar made sure); each call is
     reported when its object closes."""
 
-    def __init__(self, max_calls: int | None = None) -> None:
-        super().__init__(max_calls)
-        self._started = False  # past the "["
+    _started = False  # past the "["
 
     def feed(self, text: str, final: bool = False) -> ChatDelta:
         out = super().feed(text, final)
@@ -213,10 +202,8 @@ TOOL_PARSERS: dict[str, type[ToolParser]] = {
 def detect_tool_call_parser(chat_template: str | None) -> str | None:
     """`--tool-call-parser auto`: hermes when the template writes <tool_call> blocks, llama3_json
     when it names <|python_tag|>; None when neither (or both) appear."""
-    if not chat_template:
-        return None
-    hermes = HERMES_START in chat_template
-    llama = PYTHON_TAG in chat_template
+    template = chat_template or ""
+    hermes, llama = HERMES_START in template, PYTHON_TAG in template
     if hermes == llama:
         return None
     return "hermes" if hermes else "llama3_json"

@@ -1,4 +1,5 @@
-"""Constraint -> xgrammar CompiledGrammar, cached; serialization for the trip to the scheduler.
+"""Constraint -> xgrammar CompiledGrammar, cached: compiled here, or (in the scheduler)
+deserialized from what the API server's compile worker sent.
 
 xgrammar is imported when the first compiler is made (~0.3 s): processes that never see a
 constrained request do not pay for it.
@@ -10,7 +11,7 @@ import os
 import re
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from transformers import PreTrainedTokenizerBase
@@ -35,11 +36,6 @@ def _clean(message: str) -> str:
     return _XGRAMMAR_PREFIX.sub("", message.strip()).strip()
 
 
-def _num_bytes(grammar: Any) -> int:
-    """A cached grammar's size: serialized (text) or compiled (xgrammar's own count)."""
-    return len(grammar) if isinstance(grammar, str) else int(grammar.memory_size_bytes)
-
-
 class GrammarCompiler:
     """Compiles constraints for one tokenizer and vocabulary (the model's logits width).
 
@@ -57,7 +53,6 @@ class GrammarCompiler:
         import xgrammar as xgr
 
         self._xgr = xgr
-        self.vocab_size = vocab_size
         self.param = param  # the request field an invalid constraint is reported against
         self.info = xgr.TokenizerInfo.from_huggingface(
             tokenizer, vocab_size=vocab_size, stop_token_ids=list(stop_token_ids) or None
@@ -66,33 +61,29 @@ class GrammarCompiler:
         # Our own cache below keys on (kind, value) and also holds deserialized grammars.
         self._compiler = xgr.GrammarCompiler(self.info, max_threads=threads, cache_enabled=False)
         self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()
-        self._serialized: OrderedDict[tuple[str, str], str] = OrderedDict()
         self._lock = threading.Lock()
 
-    def _cached(self, cache: OrderedDict, key: tuple[str, str]) -> Any | None:
+    def _cached(self, key: tuple[str, str], make: Callable[[], Any]) -> Any:
+        """The cached grammar for `key`; else `make()` (outside the lock), then cached."""
         with self._lock:
-            value = cache.get(key)
-            if value is not None:
-                cache.move_to_end(key)
-            return value
-
-    def _remember(self, cache: OrderedDict, key: tuple[str, str], value: Any) -> None:
+            compiled = self._cache.get(key)
+            if compiled is not None:
+                self._cache.move_to_end(key)
+                return compiled
+        compiled = make()
         with self._lock:
-            cache[key] = value
-            cache.move_to_end(key)
-            while len(cache) > GRAMMAR_CACHE_SIZE or (
-                len(cache) > 1 and sum(map(_num_bytes, cache.values())) > GRAMMAR_CACHE_BYTES
+            self._cache[key] = compiled
+            self._cache.move_to_end(key)
+            while len(self._cache) > GRAMMAR_CACHE_SIZE or (
+                len(self._cache) > 1
+                and sum(g.memory_size_bytes for g in self._cache.values()) > GRAMMAR_CACHE_BYTES
             ):
-                cache.popitem(last=False)
+                self._cache.popitem(last=False)
+        return compiled
 
     def compile(self, constraint: Constraint) -> Any:
         """The compiled grammar; raises InvalidRequestError naming `self.param` if it is bad."""
-        key = constraint.grammar_key
-        compiled = self._cached(self._cache, key)
-        if compiled is None:
-            compiled = self._compile(constraint)
-            self._remember(self._cache, key, compiled)
-        return compiled
+        return self._cached(constraint.grammar_key, lambda: self._compile(constraint))
 
     def _compile(self, constraint: Constraint) -> Any:
         kind, value = constraint.kind, constraint.value
@@ -118,28 +109,13 @@ class GrammarCompiler:
                 return self._compiler.compile_structural_tag(value)
             return self._compiler.compile_grammar(value)
         except (RuntimeError, ValueError, TypeError) as exc:
-            raise InvalidRequestError(
-                self.param, f"invalid or unsupported {what}: {_clean(str(exc))}"
-            ) from None
-
-    def serialize(self, constraint: Constraint) -> str:
-        """Compile (cached) and serialize, for the scheduler: what TokenizedRequest carries."""
-        key = constraint.grammar_key
-        text = self._cached(self._serialized, key)
-        if text is None:
-            text = str(self.compile(constraint).serialize_json())
-            self._remember(self._serialized, key, text)
-        return text
+            message = f"invalid or unsupported {what}: {_clean(str(exc))}"
+            raise InvalidRequestError(self.param, message) from None
 
     def load(self, constraint: Constraint, grammar_json: str | None) -> Any:
         """The compiled grammar for a request: cached, else deserialized from `grammar_json`
         (compiled by the API server), else compiled here (the offline API sends none)."""
-        key = constraint.grammar_key
-        compiled = self._cached(self._cache, key)
-        if compiled is not None:
-            return compiled
         if grammar_json is None:
             return self.compile(constraint)
-        compiled = self._xgr.CompiledGrammar.deserialize_json(grammar_json, self.info)
-        self._remember(self._cache, key, compiled)
-        return compiled
+        deserialize = self._xgr.CompiledGrammar.deserialize_json
+        return self._cached(constraint.grammar_key, lambda: deserialize(grammar_json, self.info))

@@ -182,8 +182,7 @@ class GrammarWorker:
                 if time.monotonic() > deadline_s:
                     self._stop()
                     raise _Stopped(late)
-            outcome: Outcome = conn.recv()
-            return outcome
+            return conn.recv()  # an Outcome
         except (EOFError, OSError, psutil.Error):
             exit_code = self._stop()
             raise _Stopped(f"the grammar compiler stopped ({describe_exit(exit_code)})") from None

@@ -168,8 +168,7 @@ class DataParallelStack(StopRequests):
             sentinels = [s for replica in self._replicas for s in replica.children.sentinels]
             wait(sentinels, timeout=WATCH_INTERVAL_S)
             for replica in list(self._replicas):
-                failure = replica.children.failure()
-                if failure is not None:
+                if (failure := replica.children.failure()) is not None:
                     self._lose(replica, failure)
             if not self._replicas:
                 logger.error("every replica has exited; shutting down")

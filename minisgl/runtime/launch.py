@@ -117,8 +117,8 @@ class ServerStack(StopRequests):
     def watch(self) -> int:
         """Block until a stop is requested (0) or any child exits (non-zero)."""
         while not self.stop_requested:
-            failure = self.children.failure(wait_s=WATCH_INTERVAL_S)  # a child exits, or reports
-            if failure is not None:
+            # Waits up to WATCH_INTERVAL_S; a child that exits, or reports, ends the wait early.
+            if (failure := self.children.failure(wait_s=WATCH_INTERVAL_S)) is not None:
                 logger.error("%s; shutting down", failure)
                 return CHILD_FAILED_EXIT_CODE
         return 0

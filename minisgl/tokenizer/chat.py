@@ -36,10 +36,8 @@ def load_chat_template(path: str | Path) -> str:
 
 def message_text(content: Any, index: int) -> str:
     """A message's content as one string: a string, or a list of {"type": "text"} parts joined."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
+    if content is None or isinstance(content, str):
+        return content or ""
     if isinstance(content, list):
         texts = []
         for part in content:
@@ -69,11 +67,8 @@ def _tool_calls(value: Any, index: int) -> list[dict[str, Any]]:
             raise ValueError(f"{where}: each call needs function.name")
         arguments = function.get("arguments", "{}")
         if isinstance(arguments, str):
-            try:
-                parsed = jsontext.loads(arguments, "tool_calls")
-            except ValueError:
-                parsed = None
-            arguments = parsed if isinstance(parsed, dict) else arguments
+            parsed = jsontext.loads_object(arguments)
+            arguments = arguments if parsed is None else parsed
         elif not isinstance(arguments, Mapping):
             raise ValueError(f"{where}: function.arguments must be JSON text or an object")
         named = {"name": function["name"], "arguments": arguments}
@@ -108,11 +103,9 @@ def normalize_messages(messages: Any) -> list[dict[str, Any]]:
             if not isinstance(value, str):
                 raise ValueError(f"messages: message {index} {name} must be a string")
             entry[name] = value
+        if message.get("tool_calls") is not None and role != "assistant":
+            raise ValueError(f"messages: message {index}: only assistant messages have tool_calls")
         if message.get("tool_calls") is not None:
-            if role != "assistant":
-                raise ValueError(
-                    f"messages: message {index}: only assistant messages have tool_calls"
-                )
             entry["tool_calls"] = _tool_calls(message["tool_calls"], index)
         normalized.append(entry)
     return normalized

@@ -38,12 +38,8 @@ REPLACEMENT_CHAR = "\ufffd"
 def find_first(text: str, tags: Sequence[str]) -> tuple[int, str | None]:
     """(position, tag) of the earliest of `tags` in `text` (the first listed on a tie);
     (-1, None) when none occurs. Stop strings here, think and tool-call tags in minisgl.chat."""
-    best_at, best_tag = -1, None
-    for tag in tags:
-        at = text.find(tag)
-        if at >= 0 and (best_at < 0 or at < best_at):
-            best_at, best_tag = at, tag
-    return best_at, best_tag
+    found = [(at, tag) for tag in tags if (at := text.find(tag)) >= 0]
+    return min(found, key=lambda match: match[0], default=(-1, None))
 
 
 def partial_match_len(text: str, tags: Sequence[str]) -> int:

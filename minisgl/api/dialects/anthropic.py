@@ -205,11 +205,8 @@ def chat_tool_choice(choice: dict[str, Any] | None) -> str | dict[str, Any] | No
 def tool_input(arguments: str) -> dict[str, Any]:
     """A call's arguments as the object Anthropic's `input` is; text that is not a JSON object
     (a model's broken call) is kept whole under `_raw_arguments` rather than lost."""
-    try:
-        value = jsontext.loads(arguments, "input") if arguments.strip() else {}
-    except ValueError:
-        value = None
-    return value if isinstance(value, dict) else {"_raw_arguments": arguments}
+    value = jsontext.loads_object(arguments) if arguments.strip() else {}
+    return {"_raw_arguments": arguments} if value is None else value
 
 
 # A block's kind -> its delta's type and the key its text goes under.
@@ -226,7 +223,7 @@ _EMPTY_BLOCKS = {
 
 
 class BlockEvents:
-    """The reply's blocks as Anthropic's stream events (a minisgl.chat.BlockSink)."""
+    """The reply's blocks as Anthropic's stream events (a minisgl.chat.output.BlockSink)."""
 
     def __init__(self) -> None:
         self.events = EventBuffer()

@@ -298,8 +298,7 @@ def list_input_items(
     if after is not None:
         ids = [item["id"] for item in items]
         if after not in ids:
-            message = f"after: no input item {after!r}"
-            raise RequestError(HTTPStatus.BAD_REQUEST, message, "after")
+            raise RequestError(HTTPStatus.BAD_REQUEST, f"after: no input item {after!r}", "after")
         items = items[ids.index(after) + 1 :]
     page = items[:limit]
     return {

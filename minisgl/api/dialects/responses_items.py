@@ -184,7 +184,7 @@ def response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
 
 class OutputItems:
     """The reply's blocks as output items, and the stream events that build them
-    (a minisgl.chat.BlockSink)."""
+    (a minisgl.chat.output.BlockSink)."""
 
     def __init__(self, emit: Any) -> None:
         self.items: list[dict[str, Any]] = []
