@@ -196,11 +196,8 @@ class ServerArgs:
             "overlap",
             "speculative decoding runs without overlap scheduling",
         )
-        check(
-            self.request_timeout_s is None or self.request_timeout_s > 0,
-            "request_timeout_s",
-            "must be > 0",
-        )
+        timeout_s = self.request_timeout_s
+        check(timeout_s is None or timeout_s > 0, "request_timeout_s", "must be > 0")
         check(self.grammar_compile_timeout_s > 0, "grammar_compile_timeout_s", "must be > 0")
         kwargs: Any = self.chat_template_kwargs
         if isinstance(kwargs, dict):  # LLM(chat_template_kwargs={...}): kept as JSON text

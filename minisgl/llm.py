@@ -94,10 +94,8 @@ class LLM:
     def _params_per_prompt(
         sampling_params: SamplingParams | Sequence[SamplingParams] | None, num: int
     ) -> list[SamplingParams]:
-        if sampling_params is None:
-            return [SamplingParams()] * num
-        if isinstance(sampling_params, SamplingParams):
-            return [sampling_params] * num
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            return [sampling_params or SamplingParams()] * num
         params = list(sampling_params)
         if len(params) != num:
             raise ValueError(f"sampling_params: {len(params)} given for {num} prompts")

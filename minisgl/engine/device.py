@@ -98,6 +98,4 @@ def nvtx_range(name: str, is_cuda: bool) -> contextlib.AbstractContextManager[An
         stack.enter_context(torch.cuda.nvtx.range(name))
         stack.enter_context(torch.profiler.record_function(name))
         return stack
-    if _ranges_on_cpu:
-        return torch.profiler.record_function(name)
-    return contextlib.nullcontext()
+    return torch.profiler.record_function(name) if _ranges_on_cpu else contextlib.nullcontext()

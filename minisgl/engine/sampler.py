@@ -219,11 +219,10 @@ class Sampler:
             token_ids[rows] = self._draw_filtered(
                 logits[rows], sb.rows.take(rows), sb.num_candidates
             )
-        max_logprobs = sb.max_logprobs
-        if max_logprobs is None:
-            return SampleResult(token_ids, None)
         # Logprobs of the model's own distribution (before penalties and temperature), as vLLM.
-        return SampleResult(token_ids, TokenScores.of(raw_logits, token_ids, max_logprobs))
+        max_k = sb.max_logprobs
+        scores = None if max_k is None else TokenScores.of(raw_logits, token_ids, max_k)
+        return SampleResult(token_ids, scores)
 
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:
         """logits.argmax(-1); on CPU the sampling kernel's greedy path (temperature 0 on every

@@ -75,6 +75,4 @@ def get() -> CpuKernels | None:
 
 def kernels_for(device: torch.device, dtype: torch.dtype) -> CpuKernels | None:
     """The kernels for work in `dtype` on `device` when they apply (fp32 on the CPU), else None."""
-    if device.type != "cpu" or dtype != torch.float32:
-        return None
-    return get()
+    return get() if device.type == "cpu" and dtype == torch.float32 else None

@@ -45,8 +45,7 @@ class VocabParallelEmbedding(PackedWeight):
         local = input_ids - self.vocab_start
         outside = (local < 0) | (local >= self.shard_vocab)
         out = self._lookup(local.clamp(0, self.shard_vocab - 1))
-        out = out.masked_fill(outside.unsqueeze(-1), 0)
-        return all_reduce(out)
+        return all_reduce(out.masked_fill(outside.unsqueeze(-1), 0))
 
 
 class ParallelLMHead(VocabParallelEmbedding):

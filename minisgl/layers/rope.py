@@ -58,10 +58,8 @@ def _yarn_inv_freq(base: float, dim: int, p: dict, max_pos: int) -> tuple[torch.
         high += 0.001
     ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
     pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
-    extrapolation_weight = 1 - ramp
-    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation_weight) + (
-        1.0 / pos_freqs
-    ) * extrapolation_weight
+    unscaled = 1 - ramp  # each frequency's weight of extrapolation (its unscaled value)
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - unscaled) + (1.0 / pos_freqs) * unscaled
     return inv_freq, float(attention_factor)
 
 
@@ -70,9 +68,7 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, head_dim: int, max_positions: int, cfg: RopeConfig) -> None:
         super().__init__()
-        inv_freq = 1.0 / (
-            cfg.theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
-        )
+        inv_freq = 1.0 / cfg.theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
         scale = 1.0
         if cfg.rope_type == "linear":
             inv_freq = inv_freq / cfg.params["factor"]

@@ -35,11 +35,8 @@ class CpuDecodeStack:
         self, model: CausalLM, kernels: CpuKernels, shape: StackShape, keep: list[object]
     ) -> None:
         # the model's own modules around the stack (profile_decode.py times them)
-        self.embed, self.norm, self.lm_head = (
-            model.model.embed_tokens,
-            model.model.norm,
-            model.lm_head,
-        )
+        self.embed, self.norm = model.model.embed_tokens, model.model.norm
+        self.lm_head = model.lm_head
         self.kernels = kernels
         self.shape = shape
         self._keep = keep  # the ctypes array and tensors the struct points into

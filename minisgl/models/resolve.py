@@ -221,9 +221,7 @@ def _explain(exc: Exception, repo_id: str, hub: HubOptions, local_only: bool) ->
             f"model '{repo_id}' (revision {revision}) is not in the local Hugging Face cache "
             f"({cache}) and downloads are off ({why})"
         )
-    if isinstance(
-        exc, errors.LocalEntryNotFoundError
-    ):  # the hub could not be reached, nothing cached
+    if isinstance(exc, errors.LocalEntryNotFoundError):  # the hub unreachable, nothing cached
         cause = exc.__cause__ or exc
         return (
             f"cannot reach the Hugging Face hub at {endpoint} ({type(cause).__name__}), and model "
