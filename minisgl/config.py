@@ -67,16 +67,10 @@ def _env_flag(name: str) -> bool:
 
 
 # The --help groups (listed in the order the fields first name them).
-MODEL, MEMORY, SCHED, SPEC, API, CHAT, PARALLEL, GPU = (
-    "model",
-    "memory (KV cache)",
-    "scheduling",
-    "speculative decoding (docs/speculative.md)",
-    "API server (docs/server.md)",
-    "chat: templates, parsers, sampling defaults",
-    "parallelism (docs/tensor_parallel.md)",
-    "GPU",
-)
+MODEL, MEMORY, SCHED, GPU = "model", "memory (KV cache)", "scheduling", "GPU"
+SPEC = "speculative decoding (docs/speculative.md)"
+API, CHAT = "API server (docs/server.md)", "chat: templates, parsers, sampling defaults"
+PARALLEL = "parallelism (docs/tensor_parallel.md)"
 
 
 def _opt(default: Any, group: str, help: str) -> Any:
@@ -231,8 +225,7 @@ class ServerArgs:
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> ServerArgs:
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(kwargs) - known)
+        unknown = sorted(set(kwargs) - {f.name for f in fields(cls)})
         if unknown:
             raise TypeError(f"unknown option(s): {', '.join(unknown)}")
         return cls(**kwargs)

@@ -230,9 +230,7 @@ class SamplingParams:
         """Every rule a request's sampling fields obey lives here; the server and `LLM` both
         rely on it. Rules that need the model (vocabulary, context) are in minisgl.limits."""
         # Accept the shapes users type (a single stop string, lists) and store tuples.
-        stop = self.stop
-        if isinstance(stop, str):
-            stop = (stop,)
+        stop = (self.stop,) if isinstance(self.stop, str) else self.stop
         _check(isinstance(stop, (list, tuple)) or not stop, "stop", "must be a string or a list")
         object.__setattr__(self, "stop", tuple(stop or ()))
         stop_ids = self.stop_token_ids or ()

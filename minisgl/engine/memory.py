@@ -51,10 +51,7 @@ class MemoryNeeds:
 
 
 def plan_kv_pages(
-    args: ServerArgs,
-    needs: MemoryNeeds,
-    tables: DeviceTables,
-    forward: ForwardThrough,
+    args: ServerArgs, needs: MemoryNeeds, tables: DeviceTables, forward: ForwardThrough
 ) -> int:
     """The pool size in pages. `forward` runs the warm-up on CUDA (through a temporary pool
     mapped by the dummy table row)."""

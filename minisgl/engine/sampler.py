@@ -43,10 +43,7 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
 
 
 def seeded_uniform(
-    seeds: torch.Tensor,
-    positions: torch.Tensor,
-    vocab_size: int,
-    kernels: CpuKernels | None = None,
+    seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int, kernels: CpuKernels | None = None
 ) -> torch.Tensor:
     """Uniform (0, 1) numbers of shape [rows, vocab] for int64 seeds and positions [rows]; a
     pure function of (seed, position, id). With the CPU kernels one call computes the same bits
@@ -97,8 +94,7 @@ def apply_vocab_mask(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
     vocab_size = logits.shape[-1]
     as_bytes = sb.mask_bits.contiguous().view(torch.uint8).long()  # [k, words * 4]
     bias = _byte_bias(logits.device)[as_bytes].flatten(1)[:, :vocab_size]  # [k, vocab]
-    masked = logits[sb.mask_rows] + bias
-    return logits.index_put((sb.mask_rows,), masked)
+    return logits.index_put((sb.mask_rows,), logits[sb.mask_rows] + bias)
 
 
 def apply_logit_bias(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:

@@ -117,10 +117,7 @@ def _sample_kernel(
 
 
 def sample(
-    logits: torch.Tensor,
-    temperatures: torch.Tensor,
-    seeds: torch.Tensor,
-    positions: torch.Tensor,
+    logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor
 ) -> torch.Tensor:
     """Token ids (int64 [rows]) drawn from logits ([rows, vocab], unit stride along the
     vocabulary; any float dtype) at float32 temperatures [rows] (0: greedy), with the seeded

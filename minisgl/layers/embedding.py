@@ -65,8 +65,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         if self.packed is not None:
             rows = hidden.reshape(-1, hidden.shape[-1]).shape[0]
             out = self._logits_out(rows, self.packed.out_features, hidden.dtype)
-        logits = all_gather_last_dim(self.matmul(hidden, None, out))
-        return logits[..., : self.vocab_size]
+        return all_gather_last_dim(self.matmul(hidden, None, out))[..., : self.vocab_size]
 
     def _logits_out(self, rows: int, vocab: int, dtype: torch.dtype) -> torch.Tensor:
         buffer = self._logits_buffer

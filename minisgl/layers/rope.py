@@ -76,8 +76,8 @@ class RotaryEmbedding(nn.Module):
             inv_freq = _llama3_inv_freq(inv_freq, cfg.params)
         elif cfg.rope_type == "yarn":
             inv_freq, scale = _yarn_inv_freq(cfg.theta, head_dim, cfg.params, max_positions)
-        positions = torch.arange(max_positions, dtype=torch.float32)
-        freqs = torch.outer(positions, inv_freq)  # [max_positions, head_dim / 2]
+        # [max_positions, head_dim / 2]
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
         emb = torch.cat([freqs, freqs], dim=-1)  # [max_positions, head_dim]
         self.cos_cache: torch.Tensor
         self.sin_cache: torch.Tensor

@@ -50,8 +50,8 @@ class GrammarMasks:
 
     def mask(self, sampled: list[Req]) -> VocabMask | None:
         """The mask of a batch's sampled requests (in sampling order); None: none constrained."""
-        states = [r.grammar for r in sampled]  # None once finished (Outputs clears it)
-        return build_vocab_mask(states, self._vocab_size)
+        # A finished request's grammar is None (Outputs clears it).
+        return build_vocab_mask([r.grammar for r in sampled], self._vocab_size)
 
     @staticmethod
     def must_wait(previous: list[Req], sampled: list[Req]) -> bool:

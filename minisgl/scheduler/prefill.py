@@ -70,11 +70,10 @@ class PrefillManager:
         return None if self._can_admit(head, running) else self.policy.victim(head, running)
 
     def remove(self, rid: str) -> Req | None:
-        for req in self.waiting:
-            if req.rid == rid:
-                self.waiting.remove(req)
-                return req
-        return None
+        req = next((r for r in self.waiting if r.rid == rid), None)
+        if req is not None:
+            self.waiting.remove(req)
+        return req
 
     def schedule(self, running: list[Req]) -> PrefillPlan:
         """Chunks for running prefills, then new admissions (appended to `running`)."""

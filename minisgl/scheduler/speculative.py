@@ -98,10 +98,8 @@ class NgramDrafter:
         return []
 
     def verified(self, num_drafts: int, num_accepted: int) -> None:
-        rate = num_accepted / num_drafts
-        self.accept_rate += ACCEPT_AVERAGE_WEIGHT * (rate - self.accept_rate)
-        hit = num_accepted == num_drafts
-        self._allowed = self._max_drafts if hit else num_accepted + 1
+        self.accept_rate += ACCEPT_AVERAGE_WEIGHT * (num_accepted / num_drafts - self.accept_rate)
+        self._allowed = self._max_drafts if num_accepted == num_drafts else num_accepted + 1
         if num_accepted:
             self._backoff_steps = 0
         else:
@@ -126,12 +124,11 @@ class NgramSpeculator:
         budget = MAX_VERIFY_ROWS - len(reqs)  # draft rows left for this step
         min_accept_rate = len(reqs) / (KNEE_ROWS + len(reqs))
         for req in reqs:
-            params = req.sampling_params
             # Room for k drafts: k + 1 tokens may come out of the step.
             room = min(
                 self.max_drafts,
                 budget,
-                params.max_tokens - req.num_sampled - 1,
+                req.sampling_params.max_tokens - req.num_sampled - 1,
                 self._max_len - req.device_len - 1,
             )
             if req.grammar is not None or room <= 0:
