@@ -286,8 +286,7 @@ def build_arg_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="python -m minisgl.server", usage=usage, description=DESCRIPTION)
     groups: dict[str, Any] = {}  # in the order ServerArgs' fields first name them
     for f in fields(ServerArgs):
-        name = f.metadata["group"]
-        if name not in groups:
+        if (name := f.metadata["group"]) not in groups:
             groups[name] = parser.add_argument_group(name)
         group = groups[name]
         flags = ["--" + f.name.replace("_", "-"), *_ALIASES.get(f.name, [])]

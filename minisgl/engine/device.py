@@ -62,17 +62,12 @@ class ComputeStream:
         if not self.is_cuda:
             return x
         out = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
-        out.copy_(x, non_blocking=True)
-        return out
+        return out.copy_(x, non_blocking=True)
 
     def record_event(self) -> Any:
         """A torch.cuda.Event at the stream's current point (`synchronize()` blocks the host until
         it passes); None on CPU, where everything has run already."""
-        if self.cuda_stream is None:
-            return None
-        event = torch.cuda.Event()
-        event.record(self.cuda_stream)
-        return event
+        return None if self.cuda_stream is None else self.cuda_stream.record_event()
 
     def synchronize(self) -> None:
         if self.cuda_stream is not None:

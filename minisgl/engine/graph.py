@@ -102,10 +102,8 @@ class GraphRunner:
         rows, positions = rows + [self.tables.dummy_row] * pad, positions + [0] * pad
         kv_lens = [p + 1 for p in positions]
         rows_d, pos_d, kv_d = self.stream.stage(torch.int64, rows, positions, kv_lens)
-        self.table_rows[:size].copy_(rows_d)
-        self.positions[:size].copy_(pos_d)
+        table_rows, pos = self.table_rows[:size].copy_(rows_d), self.positions[:size].copy_(pos_d)
         self.kv_lens[:size].copy_(kv_d)
-        table_rows, pos = self.table_rows[:size], self.positions[:size]
         self.out_slots[:size].copy_(self.tables.page_table[table_rows, pos])
         return AttentionBatch(
             table_rows=table_rows,

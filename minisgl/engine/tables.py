@@ -35,9 +35,7 @@ class DeviceTables:
         self.num_rows = num_rows  # rows requests may use; row `num_rows` is the dummy row
         self.dummy_row = num_rows
         # Both tables in one tensor, so that one copy applies every pending write: [2, rows, width]
-        self._tables = torch.zeros(
-            (2, num_rows + 1, width), dtype=torch.int32, device=stream.device
-        )
+        self._tables = torch.zeros(2, num_rows + 1, width, dtype=torch.int32, device=stream.device)
         self.page_table, self.token_table = self._tables[_PAGE_TABLE], self._tables[_TOKEN_TABLE]
         # Pending writes: flat indices into both tables and the values to put there (int64), in
         # numpy: a small array op costs a fraction of a torch call's microseconds on the host.

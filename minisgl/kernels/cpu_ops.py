@@ -168,8 +168,7 @@ class CpuKernels:
         x, ldx = _rows(x)
         num_tokens, hidden = x.shape
         out = torch.empty(num_tokens, hidden, dtype=x.dtype)
-        if residual is not None:
-            assert residual.is_contiguous() and residual.shape == x.shape
+        assert residual is None or (residual.is_contiguous() and residual.shape == x.shape)
         self._lib.mg_rmsnorm(
             x.data_ptr(), ldx, 1, None if residual is None else residual.data_ptr(), hidden,
             weight.data_ptr(), out.data_ptr(), hidden, num_tokens, hidden, eps,
@@ -332,12 +331,10 @@ class CpuKernels:
         is [layers, 2, slots, kv_heads, head_dim], contiguous, fp32 or fp8 (its values times
         `kv_scales`, float32 [layers, 2], contiguous). `op_seconds` (float64
         [len(DECODE_OPS)]), when given, accumulates each op's wall time over the layers."""
-        num_seqs = hidden.shape[0]
-        scratch = torch.empty(
-            int(self._lib.mg_decode_scratch_floats(ctypes.addressof(stack), num_seqs))
-        )
+        num_seqs, stack_ptr = hidden.shape[0], ctypes.addressof(stack)
+        scratch = torch.empty(int(self._lib.mg_decode_scratch_floats(stack_ptr, num_seqs)))
         status = self._lib.mg_decode_layers(
-            ctypes.addressof(stack), hidden.data_ptr(), num_seqs, positions.data_ptr(),
+            stack_ptr, hidden.data_ptr(), num_seqs, positions.data_ptr(),
             out_slots.data_ptr(), page_table.data_ptr(), page_table.stride(0),
             table_rows.data_ptr(), kv_lens.data_ptr(), pool_buffer.data_ptr(),
             pool_buffer.shape[2], FP8_KV_FORMATS.get(pool_buffer.dtype, 0), kv_scales.data_ptr(),

@@ -8,8 +8,7 @@ __all__ = ["MatchResult", "NaiveCache", "PrefixCache", "RadixCache", "create_pre
 
 def create_prefix_cache(cache_type: str, page_size: int) -> PrefixCache:
     """Build the cache named by `--cache-type`: "radix" shares prefixes, "naive" keeps nothing."""
-    if cache_type == "radix":
-        return RadixCache(page_size)
-    if cache_type == "naive":
-        return NaiveCache(page_size)
-    raise ValueError(f"unknown cache type {cache_type!r}: expected 'radix' or 'naive'")
+    caches = {"radix": RadixCache, "naive": NaiveCache}
+    if cache_type not in caches:
+        raise ValueError(f"unknown cache type {cache_type!r}: expected 'radix' or 'naive'")
+    return caches[cache_type](page_size)

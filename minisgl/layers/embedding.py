@@ -71,6 +71,5 @@ class ParallelLMHead(VocabParallelEmbedding):
         buffer = self._logits_buffer
         if buffer is None or buffer.shape[0] < rows or buffer.dtype != dtype:
             grown = 0 if buffer is None else 2 * buffer.shape[0]  # batches ramp up a row at a time
-            buffer = huge_page_zeros((max(rows, grown), vocab), dtype)
-            self._logits_buffer = buffer
+            buffer = self._logits_buffer = huge_page_zeros((max(rows, grown), vocab), dtype)
         return buffer[:rows]

@@ -52,9 +52,8 @@ class CpuDecodeStack:
         if get_tp_info().size != 1 or not layers:
             return None
         attn0 = layers[0].self_attn
-        if not kernels.supports_decode_attention(
-            attn0.num_heads, attn0.num_kv_heads, attn0.head_dim
-        ):
+        heads = (attn0.num_heads, attn0.num_kv_heads, attn0.head_dim)
+        if not kernels.supports_decode_attention(*heads):
             return None
         weights = []
         for layer in layers:

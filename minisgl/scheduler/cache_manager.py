@@ -142,9 +142,8 @@ class CacheManager:
         if short > 0:
             if short * self.page_size > self.prefix_cache.evictable_size:
                 return None
-            self.allocator.free(
-                self._slots_to_pages(self.prefix_cache.evict(short * self.page_size))
-            )
+            evicted = self.prefix_cache.evict(short * self.page_size)
+            self.allocator.free(self._slots_to_pages(evicted))
         return self.allocator.alloc(num)
 
     def cache_prefix(self, req: Req) -> None:

@@ -170,10 +170,7 @@ class TPScheduler(Scheduler):
         try:
             broadcast(command)
         except Exception as exc:
-            self._break(
-                self._followers.failure(wait_s=DEATH_GRACE_S)
-                or f"rank 0 could not send to the other ranks: {type(exc).__name__}: {exc}"
-            )
+            self._break_after(exc, "rank 0 could not send to the other ranks")
 
     def _guarded(self, fn: Callable[[], _T]) -> _T:
         self._raise_if_broken()
@@ -181,8 +178,12 @@ class TPScheduler(Scheduler):
             return fn()
         except Exception as exc:
             # Whatever failed, the ranks may now disagree: the group cannot go on.
-            failure = self._followers.failure(wait_s=DEATH_GRACE_S)
-            self._break(failure or f"rank 0: {type(exc).__name__}: {exc}", exc)
+            self._break_after(exc, "rank 0")
+
+    def _break_after(self, exc: Exception, where: str) -> NoReturn:
+        """Break the group over `exc`, blamed on a follower that died, if one did."""
+        failure = self._followers.failure(wait_s=DEATH_GRACE_S)
+        self._break(failure or f"{where}: {type(exc).__name__}: {exc}", exc)
 
     def check_health(self) -> None:
         """Raise TPRankError if a rank on this node has died (the idle server calls this: with no
