@@ -94,7 +94,7 @@ run bench_unfused 100 env MINISGL_FUSED_KERNELS=0 python3 benchmark/offline/benc
 # FP8 (issue 24): the block-FP8 GEMM compiled for CUDA against torch and transformers, its
 # throughput against bf16 on the 0.6B (and 8B) shapes, and the offline workload on an fp8 KV pool.
 run fp8 120 bash -c "python3 -m pytest -q -x -p no:cacheprovider tests/test_fp8.py \
-  -k 'kernel or cuts or gemm_model or triton_attention' && \
+  -k 'kernel or cuts or gemm_model or fused_moe_fp8 or triton_attention' && \
   python3 benchmark/kernels/bench_fp8_gemm.py && python3 benchmark/kernels/bench_fp8_gemm.py \
   --model 8b --rows 1 64 256 4096"
 run bench_fp8_kv 100 python3 benchmark/offline/bench.py "${BENCH_WORKLOAD[@]}" \

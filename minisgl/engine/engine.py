@@ -32,6 +32,7 @@ from minisgl.engine.tables import DeviceTables
 from minisgl.kernels import cpu, gpu
 from minisgl.kvcache.pool import KV_CACHE_DTYPES, KVPool, KVShape
 from minisgl.layers.linear import PackedWeight
+from minisgl.layers.moe import Experts
 from minisgl.models.config import load_model_config
 from minisgl.models.llama import CausalLM, local_head_counts
 from minisgl.models.loader import gguf_blocks, load_weights
@@ -91,8 +92,9 @@ class Engine:
         self.backend = create_backend(self.backend_name, attention)
         self.sampler = Sampler(self.device)
         graph_bs = self._graph_max_batch_size()
-        fp8 = [m.fp8 for m in self.model.modules() if isinstance(m, PackedWeight) and m.fp8]
-        weights = [*self.model.parameters(), *(t for w in fp8 for t in (w.data, w.scale))]
+        fp8 = [m.fp8 for m in self.model.modules() if isinstance(m, (PackedWeight, Experts))]
+        fp8_tensors = [w for f in fp8 if f for w in (f if isinstance(f, tuple) else (f,))]
+        weights = [*self.model.parameters(), *(t for w in fp8_tensors for t in (w.data, w.scale))]
         weights_bytes = sum(t.numel() * t.element_size() for t in weights)
         prefill_tokens = min(self.max_prefill_tokens, self.max_model_len)
         needs = MemoryNeeds(
@@ -141,11 +143,13 @@ class Engine:
             load_weights(model, self.model_path, blocks, keep_fp8=fp8 is not None)
         # blocks: GGUF ones; else what `quant` holds was loaded fp8
         fp8_layers = [m for m in model.modules() if isinstance(m, PackedWeight) and m.quant]
-        if fp8 is not None and blocks is None and fp8_layers:
+        if fp8 is not None and blocks is None:
             for m in fp8_layers:
                 m.use_fp8(fp8.fp8_linear, len(getattr(m, "part_names", "w")))
-            kernels = None  # the C kernels multiply by fp32 panels and GGUF blocks only
-            logger.info("FP8 GEMMs in %d linear layers (weights fp8)", len(fp8_layers))
+            moe = sum(m.use_fp8() for m in model.modules() if isinstance(m, Experts))
+            if fp8_layers or moe:  # the C kernels multiply by fp32 panels and GGUF blocks only
+                kernels = None
+                logger.info("FP8 GEMMs in %d linear and %d MoE layers", len(fp8_layers), moe)
         if kernels is not None:
             # The fused decode step does its own attention: only in place of torch-native's.
             model.use_cpu_kernels(kernels, fused_decode=self.backend_name == "torch")

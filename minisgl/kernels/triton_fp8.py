@@ -25,15 +25,32 @@ import triton.language as tl
 
 from minisgl.kernels.weights import Fp8Tensor
 
-# fp32 mantissa bits that each fp8 format drops (23 - 3, 23 - 2)
-MANTISSA_DROP = {torch.float8_e4m3fn: 20, torch.float8_e5m2: 21}
+
+@triton.jit
+def quantize_rows(x, dtype: tl.constexpr):
+    """x [rows, cols] as fp8 `dtype` codes and one fp32 scale per row: x ~ codes * scale. The
+    row's absolute max maps exactly onto the format's largest value, so nothing saturates (an
+    all-zero row keeps a tiny scale: its products are zero whatever the scale)."""
+    if dtype == tl.float8e4nv:  # e4m3: 3 of fp32's 23 mantissa bits kept
+        fp8_max = 448.0
+        drop = 20
+    else:  # e5m2
+        fp8_max = 57344.0
+        drop = 21
+    x = x.to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-12) / fp8_max
+    # Rounded to the fp8 mantissa by hand (to nearest, ties to even) so the conversion is
+    # exact: Triton's interpreter, where the tests run, drops the carry of a mantissa that
+    # rounds up into the next power of two (124.3 -> 64, not 128).
+    bits = (x / scale[:, None]).to(tl.uint32, bitcast=True)
+    bits = (bits + (1 << (drop - 1)) - 1 + ((bits >> drop) & 1)) >> drop << drop
+    return bits.to(tl.float32, bitcast=True).to(dtype), scale
 
 
 @triton.jit
 def _fp8_linear(
     x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, x_stride, w_stride, s_stride, y_stride,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr, FP8_MAX: tl.constexpr,
-    DROP: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr,
 ):  # fmt: skip
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -42,16 +59,7 @@ def _fp8_linear(
         k = g * GROUP + tl.arange(0, GROUP)
         x_mask = (rows[:, None] < M) & (k[None, :] < K)
         x = tl.load(x_ptr + rows[:, None] * x_stride + k[None, :], mask=x_mask, other=0.0)
-        x = x.to(tl.float32)
-        # The row's max maps exactly onto FP8_MAX: no value saturates. An all-zero row keeps a
-        # tiny scale (its products are zero whatever the scale).
-        x_scale = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-12) / FP8_MAX
-        # Rounded to the fp8 mantissa by hand (to nearest, ties to even) so the conversion
-        # is exact: Triton's interpreter, where the tests run, drops the carry of a mantissa
-        # that rounds up into the next power of two (124.3 -> 64, not 128).
-        bits = (x / x_scale[:, None]).to(tl.uint32, bitcast=True)
-        bits = (bits + (1 << (DROP - 1)) - 1 + ((bits >> DROP) & 1)) >> DROP << DROP
-        x_q = bits.to(tl.float32, bitcast=True).to(w_ptr.dtype.element_ty)
+        x_q, x_scale = quantize_rows(x, w_ptr.dtype.element_ty)
         w_mask = (cols[None, :] < N) & (k[:, None] < K)
         w = tl.load(w_ptr + cols[None, :] * w_stride + k[:, None], mask=w_mask, other=0.0)
         w_scale = tl.load(s_ptr + cols * s_stride + g, mask=cols < N, other=0.0)
@@ -78,8 +86,7 @@ def fp8_linear(x: torch.Tensor, w: Fp8Tensor, bias: torch.Tensor | None = None) 
         _fp8_linear[grid](
             rows, w.data, w.scale, y, m, n, k, rows.stride(0), w.data.stride(0),
             w.scale.stride(0), y.stride(0), BLOCK_M=block_m, BLOCK_N=block_n, GROUP=w.group,
-            FP8_MAX=torch.finfo(w.data.dtype).max, DROP=MANTISSA_DROP[w.data.dtype], num_warps=4,
-            num_stages=3,
+            num_warps=4, num_stages=3,
         )  # fmt: skip
     y = y.view(*x.shape[:-1], n)
     return y if bias is None else y + bias

@@ -95,7 +95,7 @@ class Fp8Tensor:
         """`scale` as checkpoints store it: [ceil(rows / bn), ceil(cols / bk)] for (bn, bk)
         blocks (`weight_scale_inv`), [rows, 1] per row or one per tensor (`weight_scale`)."""
         (rows, cols), (bn, bk) = w.shape, block
-        if scale.dim() == 2 and scale.shape[1] > 1:
+        if scale.numel() > 1 and tuple(scale.shape) not in ((rows,), (rows, 1)):
             if scale.shape != (-(-rows // bn), -(-cols // bk)):
                 raise ValueError(f"scale {tuple(scale.shape)}: not {bn}x{bk} blocks of {w.shape}")
             return Fp8Tensor(w, scale.float().repeat_interleave(bn, 0)[:rows].contiguous(), bk)

@@ -22,6 +22,9 @@ import torch
 import triton
 import triton.language as tl
 
+from minisgl.kernels.triton_fp8 import quantize_rows
+from minisgl.kernels.weights import FP8_GROUP
+
 # tl.dot needs every block dim >= 16. Small batches (decode) put few rows on each expert: a
 # 16-row block wastes less padding; large batches amortise weight loads over 64 rows.
 SMALL_BLOCK_M = 16
@@ -71,6 +74,7 @@ def _grouped_gemm_kernel(
     a_ptr,  # gate/up: x [tokens, K]; down: h [pairs, K]
     w_ptr,  # gate/up: [experts, 2 * N, K]; down: [experts, N, K]
     out_ptr,  # [pairs, N]
+    scale_ptr,  # FP8: w's scales [experts, rows of w, K / BLOCK_K] (else unused)
     pair_weights_ptr,  # [pairs] fp32 routing weights (down pass only)
     sorted_pair_ids_ptr,
     block_experts_ptr,
@@ -85,7 +89,10 @@ def _grouped_gemm_kernel(
     stride_we,
     stride_wn,
     stride_om,
+    stride_se,
+    stride_sn,
     GATE_UP: tl.constexpr,
+    FP8: tl.constexpr,  # w fp8 with a scale per row and BLOCK_K columns; x quantized to match
     INPUT_PRECISION: tl.constexpr,  # "ieee" for fp32 parity, else "tf32" (ignored for bf16)
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -111,14 +118,25 @@ def _grouped_gemm_kernel(
     w_ptrs = w_ptr + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    s_ptrs = scale_ptr + expert * stride_se + offs_n * stride_sn
     for k0 in range(0, K, BLOCK_K):
         k_ok = offs_k < K - k0
         a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         w_mask = k_ok[:, None] & col_ok[None, :]
-        acc += tl.dot(a, tl.load(w_ptrs, mask=w_mask, other=0.0), input_precision=INPUT_PRECISION)
+        w = tl.load(w_ptrs, mask=w_mask, other=0.0)
+        if FP8:  # as minisgl/kernels/triton_fp8.py: the gate and up products share a's codes
+            a, a_scale = quantize_rows(a, w.dtype)
+            s = tl.load(s_ptrs + k0 // BLOCK_K, mask=col_ok, other=0.0)
+            acc += tl.dot(a, w) * a_scale[:, None] * s[None, :]
+        else:
+            acc += tl.dot(a, w, input_precision=INPUT_PRECISION)
         if GATE_UP:  # the up rows sit N rows below the gate rows
             w_up = tl.load(w_ptrs + N * stride_wn, mask=w_mask, other=0.0)
-            acc_up += tl.dot(a, w_up, input_precision=INPUT_PRECISION)
+            if FP8:
+                s = tl.load(s_ptrs + N * stride_sn + k0 // BLOCK_K, mask=col_ok, other=0.0)
+                acc_up += tl.dot(a, w_up) * a_scale[:, None] * s[None, :]
+            else:
+                acc_up += tl.dot(a, w_up, input_precision=INPUT_PRECISION)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     if GATE_UP:
@@ -135,9 +153,12 @@ def fused_moe(
     down: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Same contract as `moe_torch`: x [tokens, hidden]; gate_up [experts, 2 * inter, hidden];
-    down [experts, hidden, inter]; topk_weights / topk_ids [tokens, top_k]."""
+    down [experts, hidden, inter]; topk_weights / topk_ids [tokens, top_k]. With `scales`
+    (gate_up's and down's, [experts, rows, ceil(cols / FP8_GROUP)]) the weights are fp8 (an FP8
+    checkpoint's), multiplied as minisgl/kernels/triton_fp8.py multiplies a linear layer's."""
     num_tokens, hidden = x.shape
     num_experts, inter = down.shape[0], down.shape[2]
     top_k = topk_ids.shape[1]
@@ -155,12 +176,15 @@ def fused_moe(
         out = torch.empty(num_pairs, n, dtype=x.dtype, device=x.device)
         assert a.stride(1) == 1 and w.stride(2) == 1, "the kernel assumes a unit stride along K"
         block_k = BLOCK_K_FP32 if a.dtype == torch.float32 else BLOCK_K
+        scale = pair_weights if scales is None else scales[0 if is_gate_up else 1]
+        block_k = block_k if scales is None else FP8_GROUP  # one tile of K per scale
         grid = (block_experts.numel(), triton.cdiv(n, BLOCK_N))
         _grouped_gemm_kernel[grid](
-            a, w, out, pair_weights, sorted_pair_ids, block_experts,
+            a, w, out, scale, pair_weights, sorted_pair_ids, block_experts,
             num_pairs, num_experts, top_k, n, a.shape[1],
             a.stride(0), w.stride(0), w.stride(1), out.stride(0),
-            GATE_UP=is_gate_up, INPUT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+            scale.stride(0), scale.stride(1) if scales else 0, GATE_UP=is_gate_up, FP8=bool(scales),
+            INPUT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
             BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=block_k,
             num_warps=NUM_WARPS, num_stages=NUM_STAGES,
         )  # fmt: skip

@@ -20,6 +20,7 @@ from torch import nn
 
 from minisgl.distributed import all_reduce, divide, get_tp_info
 from minisgl.kernels.gpu import triton_kernels
+from minisgl.kernels.weights import FP8_GROUP, Fp8Tensor
 
 # The per-expert projections of the hub layout, in the order they sit in `gate_up_proj` / alone.
 GATE_UP_PIECES = ("gate_proj", "up_proj")
@@ -71,7 +72,10 @@ class TopKRouter(nn.Module):
 
 
 class Experts(nn.Module):
-    """This rank's slice of every expert; forward returns the partial (pre-all-reduce) output."""
+    """This rank's slice of every expert; forward returns the partial (pre-all-reduce) output.
+    An FP8 checkpoint's pieces loaded as `Fp8Tensor`s wait in `_fp8_pieces` for `use_fp8`."""
+
+    fp8: tuple[Fp8Tensor, ...] | None = None  # gate_up, down: [experts, rows, cols] each
 
     def __init__(self, hidden_size: int, cfg: MoeConfig) -> None:
         super().__init__()
@@ -90,8 +94,11 @@ class Experts(nn.Module):
             self.down_proj.is_cuda
             and triton_kernels("triton_fused", self.down_proj.device) is not None
         )
+        self._fp8_pieces: dict[tuple[int, str], Fp8Tensor | torch.Tensor] = {}
 
-    def load_piece(self, name: str, full: torch.Tensor, piece: str, expert: int | None) -> None:
+    def load_piece(
+        self, name: str, full: torch.Tensor | Fp8Tensor, piece: str, expert: int | None
+    ) -> None:
         """Copy this rank's slice of one projection (`piece`): of one expert (the hub layout,
         `experts.{expert}.{piece}.weight`), or of every expert at once (expert None; stacked
         along a first dim)."""
@@ -102,16 +109,46 @@ class Experts(nn.Module):
             )
         experts = slice(None) if expert is None else expert
         stacked = (self.num_experts,) if expert is None else ()
-        start = get_tp_info().rank * self.inter_shard
-        hidden, inter = self.down_proj.shape[1], slice(start, start + self.inter_shard)
+        start, shard, down = (
+            get_tp_info().rank * self.inter_shard,
+            self.inter_shard,
+            piece == DOWN_PIECE,
+        )
+        hidden, inter = self.down_proj.shape[1], slice(start, start + shard)
+        rows, cols = (hidden, self.full_inter) if down else (self.full_inter, hidden)
+        _check_shape(name, full, (*stacked, rows, cols))
+        if isinstance(full, Fp8Tensor):  # one expert's: the loader makes only 2-D ones
+            cut = full.columns(start, shard) if down else full.rows(start, shard)
+            self._fp8_pieces[expert or 0, piece] = cut
+        else:
+            self._write(experts, piece, full[..., inter] if down else full[..., inter, :])
+
+    def _write(self, experts: int | slice, piece: str, cut: torch.Tensor) -> None:
+        """This rank's slice of one projection into the weights, of one expert or all."""
         if piece == DOWN_PIECE:
-            _check_shape(name, full, (*stacked, hidden, self.full_inter))
-            self.down_proj.data[experts].copy_(full[..., inter])
+            self.down_proj.data[experts].copy_(cut)
             return
-        _check_shape(name, full, (*stacked, self.full_inter, hidden))
         offset = GATE_UP_PIECES.index(piece) * self.inter_shard
-        gate_up = self.gate_up_proj.data[experts]
-        gate_up[..., offset : offset + self.inter_shard, :].copy_(full[..., inter, :])
+        self.gate_up_proj.data[experts][..., offset : offset + self.inter_shard, :].copy_(cut)
+
+    def use_fp8(self) -> bool:
+        """After loading: multiply by the FP8 pieces loaded in place of the weights (whether it
+        does), if every piece is fp8 in 128-column groups; else they dequantize into them."""
+        pieces, self._fp8_pieces, num = self._fp8_pieces, {}, self.num_experts
+        fp8 = {k: p for k, p in pieces.items() if isinstance(p, Fp8Tensor) and p.group == FP8_GROUP}
+        if not pieces or len(fp8) < len(pieces):
+            for (expert, piece), p in pieces.items():
+                self._write(expert, piece, p if isinstance(p, torch.Tensor) else p.dequantize())
+            return False
+        gate_up = [fp8[e, p] for e in range(num) for p in GATE_UP_PIECES]
+        self.fp8 = tuple(
+            Fp8Tensor(w.data.unflatten(0, (num, -1)), w.scale.unflatten(0, (num, -1)), FP8_GROUP)
+            for w in (Fp8Tensor.cat(ws, self.down_proj.device)
+                      for ws in (gate_up, [fp8[e, DOWN_PIECE] for e in range(num)]))
+        )  # fmt: skip
+        for name in ("gate_up_proj", "down_proj"):  # empty placeholders keep the names
+            setattr(self, name, nn.Parameter(self.down_proj.data.new_empty(0), requires_grad=False))
+        return True
 
     def load_fused(self, name: str, full: torch.Tensor, param: nn.Parameter) -> None:
         """Copy this rank's slice of a fused tensor (transformers 5.x in-memory layout)."""
@@ -125,14 +162,18 @@ class Experts(nn.Module):
     def forward(
         self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
     ) -> torch.Tensor:
-        if self.use_triton:
+        if self.fp8 is not None or self.use_triton:
             from minisgl.layers.fused_moe_triton import fused_moe
 
+            if self.fp8 is not None:
+                gate_up, down = self.fp8
+                scales = (gate_up.scale, down.scale)
+                return fused_moe(x, gate_up.data, down.data, topk_weights, topk_ids, scales)
             return fused_moe(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids)
         return moe_torch(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids)
 
 
-def _check_shape(name: str, tensor: torch.Tensor, expected: tuple[int, ...]) -> None:
+def _check_shape(name: str, tensor: torch.Tensor | Fp8Tensor, expected: tuple[int, ...]) -> None:
     if tuple(tensor.shape) != expected:
         raise ValueError(
             f"weight '{name}': checkpoint shape {tuple(tensor.shape)}, expected {expected} "

@@ -10,7 +10,7 @@ An FP8 checkpoint (`quantization_config.quant_method` fp8, as Qwen's and DeepSee
 has its weights scaled block-wise (`weight_scale_inv` per `weight_block_size` tile), per tensor
 or per channel (`weight_scale`), each scale found in whichever shard holds it. With `keep_fp8`
 (FP8 tensor cores: minisgl/kernels/triton_fp8.py) they load as `Fp8Tensor`s, which the linear
-layers keep and MoE experts dequantize; without, every one is dequantized to the model's dtype.
+layers and MoE experts keep; without, every one is dequantized to the model's dtype.
 Activation scales (`input_scale`) go unused (activations are scaled per token as they come), and
 the per-layer KV cache scales (`k_scale`, `v_scale`) go to `model.kv_scales` for an fp8 KV pool.
 
@@ -216,7 +216,8 @@ def _load_one(
     """Copy one checkpoint tensor into place; returns the checkpoint names it accounts for."""
     expert = _EXPERT_RE.match(name)
     if expert and isinstance(experts := modules.get(expert.group(1)), Experts):
-        experts.load_piece(name, _dense(tensor), expert.group(3), int(expert.group(2)))
+        piece = tensor if isinstance(tensor, Fp8Tensor) else _dense(tensor)
+        experts.load_piece(name, piece, expert.group(3), int(expert.group(2)))
         return {name}
     prefix, _, kind = name.rpartition(".")
     if prefix in merged:  # q_proj.weight, into qkv_proj.weight
