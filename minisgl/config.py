@@ -225,8 +225,7 @@ class ServerArgs:
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> ServerArgs:
-        unknown = sorted(set(kwargs) - {f.name for f in fields(cls)})
-        if unknown:
+        if unknown := sorted(set(kwargs) - {f.name for f in fields(cls)}):
             raise TypeError(f"unknown option(s): {', '.join(unknown)}")
         return cls(**kwargs)
 

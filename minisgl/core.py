@@ -186,6 +186,19 @@ _FIELD_RULES: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("include_stop_str_in_output", lambda v: isinstance(v, bool), "must be a boolean"),
     ("logprobs", _logprobs_count, f"must be in [0, {MAX_LOGPROBS}]"),
     ("constraint", lambda v: v is None or isinstance(v, Constraint), "must be a Constraint"),
+    # stop and stop_token_ids: tuples by now (SamplingParams.__post_init__)
+    ("stop", lambda v: len(v) <= MAX_STOP_STRINGS, f"at most {MAX_STOP_STRINGS} strings"),
+    (
+        "stop",
+        lambda v: all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_STRING_CHARS for s in v),
+        f"must be non-empty strings of at most {MAX_STOP_STRING_CHARS} characters",
+    ),
+    ("stop_token_ids", lambda v: len(v) <= MAX_STOP_TOKEN_IDS, f"at most {MAX_STOP_TOKEN_IDS} ids"),
+    (
+        "stop_token_ids",
+        lambda v: all(_is_int(t) and 0 <= t <= MAX_TOKEN_ID for t in v),
+        f"must be token ids in [0, {MAX_TOKEN_ID}]",
+    ),
 )
 
 
@@ -254,22 +267,6 @@ class SamplingParams:
         )
         for name, allowed, message in _FIELD_RULES:
             _check(allowed(getattr(self, name)), name, message)
-        _check(len(self.stop) <= MAX_STOP_STRINGS, "stop", f"at most {MAX_STOP_STRINGS} strings")
-        _check(
-            all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_STRING_CHARS for s in self.stop),
-            "stop",
-            f"must be non-empty strings of at most {MAX_STOP_STRING_CHARS} characters",
-        )
-        _check(
-            len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS,
-            "stop_token_ids",
-            f"at most {MAX_STOP_TOKEN_IDS} ids",
-        )
-        _check(
-            all(_is_int(t) and 0 <= t <= MAX_TOKEN_ID for t in self.stop_token_ids),
-            "stop_token_ids",
-            f"must be token ids in [0, {MAX_TOKEN_ID}]",
-        )
         object.__setattr__(self, "logit_bias", logit_bias_pairs(self.logit_bias))
 
     @property

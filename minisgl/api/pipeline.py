@@ -267,8 +267,7 @@ class Run:
             self.close()
             raise
         self._pending.append(asyncio.create_task(self._watch_disconnect(http_request)))
-        timeout_s = self.ctx.args.request_timeout_s
-        if timeout_s is not None:
+        if (timeout_s := self.ctx.args.request_timeout_s) is not None:
             timed_out = RequestError(
                 HTTPStatus.GATEWAY_TIMEOUT,
                 f"The request did not finish within the server's timeout ({timeout_s:g} s) "

@@ -167,8 +167,7 @@ class FlashInferBackend(AttentionBackend):
 
     def prepare_graph(self, batch: AttentionBatch, capturing: bool) -> FlashInferMetadata:
         size = batch.num_seqs
-        wrapper = self._graph_wrappers.get(size)
-        if wrapper is None:
+        if (wrapper := self._graph_wrappers.get(size)) is None:
             assert capturing and self._graph_indices is not None
             wrapper = self._flashinfer.BatchDecodeWithPagedKVCacheWrapper(
                 self.workspace,

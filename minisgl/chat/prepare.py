@@ -51,8 +51,7 @@ def parse_template_kwargs(value: Any, param: str = "chat_template_kwargs") -> di
         value = jsontext.loads(value, param, "must be a JSON object")
     if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):
         raise InvalidRequestError(param, "must be a JSON object")
-    reserved = sorted(RESERVED_TEMPLATE_KWARGS.intersection(value))
-    if reserved:
+    if reserved := sorted(RESERVED_TEMPLATE_KWARGS.intersection(value)):
         raise InvalidRequestError(param, f"{reserved} cannot be set here")
     return dict(value)
 

@@ -74,8 +74,7 @@ class ReasoningParser(TextParser):
                 if self._buf:
                     self.mode = Mode.CONTENT
             elif self.mode == Mode.MAYBE:  # decide from the reply's start
-                opened = self._opens(final)
-                if opened is None:
+                if (opened := self._opens(final)) is None:
                     break
                 self.mode = Mode.REASONING if opened else Mode.CONTENT
                 self.reasoned = opened

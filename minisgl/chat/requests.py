@@ -225,14 +225,8 @@ CONSTRAINT_FIELDS = tuple(_FIELDS)  # the request fields that ask for a constrai
 def constraint_from_fields(fields: Mapping[str, Any]) -> tuple[str, Constraint] | None:
     """(the field it came from, the constraint) for the structured-output fields that are set;
     None when none asks for one. More than one: an error."""
-    found: list[tuple[str, Constraint]] = []
-    for name, convert in _FIELDS.items():
-        value = fields.get(name)
-        if value is None:
-            continue
-        constraint = convert(value)
-        if constraint is not None:
-            found.append((name, constraint))
+    asked = [name for name in _FIELDS if fields.get(name) is not None]
+    found = [(name, c) for name in asked if (c := _FIELDS[name](fields[name])) is not None]
     if len(found) > 1:
         names = [name for name, _ in found]
         raise _fail(found[1][0], f"only one structured-output constraint per request; got {names}")

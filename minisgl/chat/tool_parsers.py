@@ -183,8 +183,7 @@ class RequiredCallsParser(ToolParser):
                 value, end = _DECODER.raw_decode(self._buf)
             except ValueError:
                 return out
-            call = _as_call(value, ("parameters", "arguments"))
-            if call is None:
+            if (call := _as_call(value, ("parameters", "arguments"))) is None:
                 return out
             self._buf = self._buf[end:]
             if self._room():

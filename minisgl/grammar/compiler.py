@@ -66,8 +66,7 @@ class GrammarCompiler:
     def _cached(self, key: tuple[str, str], make: Callable[[], Any]) -> Any:
         """The cached grammar for `key`; else `make()` (outside the lock), then cached."""
         with self._lock:
-            compiled = self._cache.get(key)
-            if compiled is not None:
+            if (compiled := self._cache.get(key)) is not None:
                 self._cache.move_to_end(key)
                 return compiled
         compiled = make()

@@ -114,8 +114,7 @@ class GrammarWorker:
         if size > MAX_CONSTRAINT_BYTES:
             limit = f"{MAX_CONSTRAINT_BYTES} bytes ({MAX_CONSTRAINT_BYTES // KIB} KiB)"
             raise InvalidRequestError(param, f"the grammar is {size} bytes; at most {limit}")
-        outcome = self._cached(constraint.grammar_key)
-        if outcome is None:
+        if (outcome := self._cached(constraint.grammar_key)) is None:
             loop = asyncio.get_running_loop()
             outcome = await loop.run_in_executor(self._thread, self._compile, constraint)
         compiled, text = outcome
@@ -125,8 +124,7 @@ class GrammarWorker:
 
     def _cached(self, key: tuple[str, str]) -> Outcome | None:
         with self._lock:
-            outcome = self._cache.get(key)
-            if outcome is not None:
+            if (outcome := self._cache.get(key)) is not None:
                 self._cache.move_to_end(key)
             return outcome
 

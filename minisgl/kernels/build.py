@@ -127,8 +127,7 @@ def build_library() -> Path:
         with _build_lock(target):
             if target.exists():  # built by another process while we waited for the lock
                 return target
-            error = _compile(compiler, flags, target)
-            if error is None:
+            if (error := _compile(compiler, flags, target)) is None:
                 return target
             with contextlib.suppress(OSError):
                 failed.write_text(error)

@@ -179,8 +179,7 @@ class CpuKernels:
     def rmsnorm_heads_(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> bool:
         """RMSNorm of every head of x [tokens, heads, head_dim] in place (Qwen3's q/k norm).
         Returns False, untouched, when x's heads are not laid out back to back."""
-        ld = _heads_stride(x)
-        if ld is None:
+        if (ld := _heads_stride(x)) is None:
             return False
         num_tokens, heads, head_dim = x.shape
         ptr = x.data_ptr()

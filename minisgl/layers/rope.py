@@ -40,8 +40,7 @@ def _yarn_inv_freq(base: float, dim: int, p: dict, max_pos: int) -> tuple[torch.
     def mscale(scale: float, m: float = 1.0) -> float:
         return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
 
-    attention_factor = p.get("attention_factor")
-    if attention_factor is None:
+    if (attention_factor := p.get("attention_factor")) is None:
         if p.get("mscale") and p.get("mscale_all_dim"):
             attention_factor = mscale(factor, p["mscale"]) / mscale(factor, p["mscale_all_dim"])
         else:

@@ -88,8 +88,7 @@ def _generation_config(model_dir: Path) -> dict[str, Any]:
 
 def _eos_ids(model_dir: Path, raw: dict[str, Any]) -> tuple[int, ...]:
     # generation_config.json is what HF generate() stops on; it may hold a list.
-    eos = _generation_config(model_dir).get("eos_token_id")
-    if eos is None:
+    if (eos := _generation_config(model_dir).get("eos_token_id")) is None:
         eos = raw.get("eos_token_id")
     if eos is None:
         return ()

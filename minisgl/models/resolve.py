@@ -117,10 +117,8 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
 
     Raises FileNotFoundError naming a tensor of the first missing shard, or when there are none.
     """
-    by_shard = index_shards(model_dir)
-    if by_shard is None:
-        files = sorted(model_dir.glob(WEIGHTS_PATTERN))
-        if not files:
+    if (by_shard := index_shards(model_dir)) is None:
+        if not (files := sorted(model_dir.glob(WEIGHTS_PATTERN))):
             raise FileNotFoundError(f"no {WEIGHTS_PATTERN} files in {model_dir}")
         return files
     for shard, tensor_names in sorted(by_shard.items()):

@@ -36,8 +36,7 @@ class DetokenizerWorker:
         self._requests: dict[str, RequestDetokenizer] = {}
 
     def _process(self, output: ReqOutput) -> msg.DetokenizedOutput | None:
-        request = self._requests.get(output.rid)
-        if request is None:
+        if (request := self._requests.get(output.rid)) is None:
             logger.debug("detokenizer: output for unknown request %s dropped", output.rid)
             return None
         delta = request.add(output)

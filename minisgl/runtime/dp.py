@@ -81,8 +81,7 @@ def _visible_gpus(args: ServerArgs) -> list[str]:
     import torch  # only here: the launcher stays light otherwise
 
     count = torch.cuda.device_count()
-    visible = os.environ.get(CUDA_VISIBLE_DEVICES)
-    if visible is not None:
+    if (visible := os.environ.get(CUDA_VISIBLE_DEVICES)) is not None:
         return [dev.strip() for dev in visible.split(",") if dev.strip()][:count]
     return [str(i) for i in range(count)]
 
@@ -90,8 +89,7 @@ def _visible_gpus(args: ServerArgs) -> list[str]:
 def plan_placements(args: ServerArgs, dp_size: int) -> list[Placement]:
     """GPUs when there are any: replica i gets the i-th group of --tp of them. Otherwise the cores
     are split into dp_size contiguous groups (shared round-robin if there are fewer cores)."""
-    gpus = _visible_gpus(args)
-    if gpus:
+    if gpus := _visible_gpus(args):
         per_replica = args.tp_size
         if len(gpus) < dp_size * per_replica:
             raise StartupError(

@@ -26,8 +26,7 @@ class GrammarMasks:
     def compiled(self, req: Req) -> Any:
         """The request's compiled grammar (None when it has no constraint); a bad constraint
         raises here. Cached: the second call for a request costs a lookup."""
-        constraint = req.sampling_params.constraint
-        if constraint is None:
+        if (constraint := req.sampling_params.constraint) is None:
             return None
         if self._compiler is None:
             # Once per process: reads the tokenizer's vocabulary (~0.5-1.5 s). Errors name the
@@ -42,8 +41,7 @@ class GrammarMasks:
 
     def attach(self, req: Req) -> None:
         """Give a constrained request the matcher that follows its output."""
-        compiled = self.compiled(req)
-        if compiled is not None:
+        if (compiled := self.compiled(req)) is not None:
             assert req.sampling_params.constraint is not None
             req.grammar = GrammarState(compiled, req.sampling_params.constraint.start_after)
             req.grammar_json = None  # loaded: the serialized copy is not needed any more

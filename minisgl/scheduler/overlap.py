@@ -40,11 +40,8 @@ class OverlapLoop:
         self._process = process  # the scheduler's: a batch's results into its requests
         self.inflight: Launched | None = None  # launched, results not processed yet
         # CPU overlap needs a thread to run the forward; CUDA launches are asynchronous anyway.
-        self._executor = (
-            ThreadPoolExecutor(1, "minisgl-forward")
-            if enabled and not engine.stream.is_cuda
-            else None
-        )
+        threaded = enabled and not engine.stream.is_cuda  # CUDA overlaps on its stream instead
+        self._executor = ThreadPoolExecutor(1, "minisgl-forward") if threaded else None
 
     def run(self, batch: tuple[ForwardBatch, Launched] | None) -> None:
         """Launch this step's batch, if any, and process the one before it."""

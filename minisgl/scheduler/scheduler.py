@@ -91,8 +91,7 @@ class Scheduler:
         self.outputs.live[req.rid] = req
 
     def abort_request(self, rid: str) -> None:
-        waiting = self.prefill.remove(rid)
-        if waiting is not None:
+        if (waiting := self.prefill.remove(rid)) is not None:
             self.outputs.end(waiting, FinishReason.ABORT)
             return
         for req in self.running:

@@ -189,8 +189,7 @@ class TPScheduler(Scheduler):
         """Raise TPRankError if a rank on this node has died (the idle server calls this: with no
         step to run there is no collective that would fail)."""
         self._raise_if_broken()
-        failure = self._followers.failure()
-        if failure is not None:
+        if (failure := self._followers.failure()) is not None:
             self._break(failure)
 
     def _break(self, failure: str, cause: BaseException | None = None) -> NoReturn:

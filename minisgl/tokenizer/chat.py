@@ -97,8 +97,7 @@ def normalize_messages(messages: Any) -> list[dict[str, Any]]:
             raise ValueError(f"messages: message {index} ({role}) needs a content")
         entry: dict[str, Any] = {"role": role, "content": message_text(content, index)}
         for name in _TEXT_FIELDS:
-            value = message.get(name)
-            if value is None:
+            if (value := message.get(name)) is None:
                 continue
             if not isinstance(value, str):
                 raise ValueError(f"messages: message {index} {name} must be a string")

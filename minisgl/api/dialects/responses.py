@@ -146,8 +146,7 @@ class ResponseStore:
             self._entries.popitem(last=False)
 
     def get(self, response_id: str) -> StoredResponse | None:
-        entry = self._entries.get(response_id)
-        if entry is not None:
+        if (entry := self._entries.get(response_id)) is not None:
             self._entries.move_to_end(response_id)  # a chain in use stays
         return entry
 
@@ -247,8 +246,7 @@ class Turn:
 
 def stored(store: ResponseStore, response_id: str, param: str = "response_id") -> StoredResponse:
     """The stored response; a 404 when there is none."""
-    entry = store.get(response_id)
-    if entry is None:
+    if (entry := store.get(response_id)) is None:
         kept = "responses are kept in this server's memory while it runs, when store is true"
         message = f"{param}: no stored response {response_id!r} ({kept})"
         raise RequestError(HTTPStatus.NOT_FOUND, message, param=param)

@@ -171,8 +171,7 @@ def chat_tool_choice(choice: str | dict[str, Any] | None) -> str | dict[str, Any
 
 def response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
     """`text.format` -> chat's `response_format` (json_schema's fields move under one key)."""
-    fmt = (text or {}).get("format")
-    if fmt is None:
+    if (fmt := (text or {}).get("format")) is None:
         return None
     if not isinstance(fmt, Mapping):
         raise InvalidRequestError("text.format", "must be an object with a type")

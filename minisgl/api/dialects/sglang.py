@@ -146,8 +146,7 @@ class GenerateRequest(WireModel):
             raise RequestValidationError(errors) from None
 
     def to_api(self) -> ApiRequest:
-        prompts = self.prompts()
-        if not prompts:
+        if not (prompts := self.prompts()):
             raise InvalidRequestError("text", "must not be empty")
         rows = self._sampling(len(prompts))
         if any(row.n != rows[0].n for row in rows):
@@ -173,8 +172,7 @@ class GenerateRequest(WireModel):
 
 
 def _finish_reason(choice: Choice, max_new_tokens: int) -> dict[str, Any] | None:
-    reason = choice.finish_reason
-    if reason is None:
+    if (reason := choice.finish_reason) is None:
         return None
     if reason == FinishReason.LENGTH:
         return {"type": "length", "length": max_new_tokens}
@@ -332,8 +330,7 @@ for path, handler in (("server_info", _server_info), ("model_info", _model_info)
 @router.get("/get_load")
 async def get_load(request: Request) -> Response:
     ctx = request.app.state.ctx
-    reply = await ctx.engine.stats(LOAD_STATS_TIMEOUT_S)
-    if reply is None:
+    if (reply := await ctx.engine.stats(LOAD_STATS_TIMEOUT_S)) is None:
         raise RequestError(HTTPStatus.SERVICE_UNAVAILABLE, SCHEDULER_SILENT)
     stats = reply.stats
     load = {
