@@ -86,7 +86,9 @@ class ServerArgs:
     served_model_name: str | None = _opt(None, MODEL, "the name clients send (default: --model)")
     tokenizer: str | None = _opt(None, MODEL, "tokenizer folder or hub id (default: the model's)")
     dtype: str = _opt("auto", MODEL, "auto: float32 on CPU, bfloat16 on CUDA")
-    quantization: str = _opt("auto", MODEL, "GGUF: auto keeps blocks on CPU (docs/models.md)")
+    quantization: str = _opt(
+        "auto", MODEL, "auto: GGUF blocks on CPU, FP8 on FP8 GPUs; none: dequantize"
+    )
     device: str = _opt("auto", MODEL, "cpu, cuda or cuda:N; auto: cuda when there is one")
     max_model_len: int | None = _opt(None, MODEL, "longest prompt + output (default: the model's)")
     revision: str | None = _opt(None, MODEL, "hub download: branch, tag or commit")

@@ -283,6 +283,26 @@ def test_fp8_gemm_model_matches_hf(tmp_path, scheme, monkeypatch, caplog):
     assert (diff < 1e-4).float().mean() > 0.3 and diff.max() < 0.3
 
 
+@requires_triton
+def test_quantization_none_dequantizes_fp8(tmp_path, monkeypatch, caplog):
+    """`--quantization none` serves an FP8 checkpoint dequantized where FP8 GEMMs would apply."""
+    from minisgl.kernels import gpu
+
+    src = build_tiny_checkpoint(tmp_path / "src", "llama", vocab_size=8192)
+    fp8_dir, _ = _fp8_checkpoint(src, tmp_path, "tensor")
+    monkeypatch.setenv(gpu.ENABLE_ENV, "1")
+    gpu.reset()
+    try:
+        with caplog.at_level(logging.INFO, logger="minisgl"), LLM(
+            str(fp8_dir), dtype="float32", num_pages=64, quantization="none"
+        ) as llm:  # fmt: skip
+            llm.generate(_prompts()[:1], SamplingParams(temperature=0, max_tokens=2))
+    finally:
+        monkeypatch.delenv(gpu.ENABLE_ENV)
+        gpu.reset()
+    assert "weights dequantized at load" in caplog.text and "FP8 GEMMs" not in caplog.text
+
+
 # ---- the fp8 KV cache ----------------------------------------------------------------------------
 
 TEXT = (

@@ -138,7 +138,8 @@ class Engine:
         # None: not fp32 on the CPU, not buildable here, or MINISGL_CPU_KERNELS=0
         kernels = cpu.kernels_for(self.device, self.dtype)
         blocks = gguf_blocks(self.args, self.model_path, kernels, f"{self.dtype} on {self.device}")
-        fp8 = gpu.fp8_linear_kernels(self.device)  # None: FP8 checkpoints dequantize at load
+        # None: FP8 checkpoints dequantize at load
+        fp8 = gpu.fp8_linear_kernels(self.device) if self.args.quantization != "none" else None
         with stage(f"loading the weights of {self.model_path.name}"):
             load_weights(model, self.model_path, blocks, keep_fp8=fp8 is not None)
         # blocks: GGUF ones; else what `quant` holds was loaded fp8
