@@ -142,11 +142,10 @@ class Engine:
         fp8 = gpu.fp8_linear_kernels(self.device) if self.args.quantization != "none" else None
         with stage(f"loading the weights of {self.model_path.name}"):
             load_weights(model, self.model_path, blocks, keep_fp8=fp8 is not None)
-        # blocks: GGUF ones; else what `quant` holds was loaded fp8
-        fp8_layers = [m for m in model.modules() if isinstance(m, PackedWeight) and m.quant]
-        if fp8 is not None and blocks is None:
+        if fp8 is not None and blocks is None:  # (with GGUF blocks, `quant` holds those)
+            fp8_layers = [m for m in model.modules() if isinstance(m, PackedWeight) and m.quant]
             for m in fp8_layers:
-                m.use_fp8(fp8.fp8_linear, len(getattr(m, "part_names", "w")))
+                m.use_fp8(fp8.fp8_linear)
             moe = sum(m.use_fp8() for m in model.modules() if isinstance(m, Experts))
             if fp8_layers or moe:  # the C kernels multiply by fp32 panels and GGUF blocks only
                 kernels = None

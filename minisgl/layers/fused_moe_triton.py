@@ -175,9 +175,9 @@ def fused_moe(
         """One pass of the kernel over the sorted pairs: [pairs, n]."""
         out = torch.empty(num_pairs, n, dtype=x.dtype, device=x.device)
         assert a.stride(1) == 1 and w.stride(2) == 1, "the kernel assumes a unit stride along K"
-        block_k = BLOCK_K_FP32 if a.dtype == torch.float32 else BLOCK_K
+        # FP8: one tile of K per scale
+        block_k = FP8_GROUP if scales else BLOCK_K_FP32 if a.dtype == torch.float32 else BLOCK_K
         scale = pair_weights if scales is None else scales[0 if is_gate_up else 1]
-        block_k = block_k if scales is None else FP8_GROUP  # one tile of K per scale
         grid = (block_experts.numel(), triton.cdiv(n, BLOCK_N))
         _grouped_gemm_kernel[grid](
             a, w, out, scale, pair_weights, sorted_pair_ids, block_experts,

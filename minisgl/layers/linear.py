@@ -27,6 +27,12 @@ from minisgl.kernels.cpu_ops import CpuKernels
 from minisgl.kernels.weights import Fp8Tensor, PackedLinear, QuantTensor
 
 
+def freed(param: nn.Parameter) -> nn.Parameter:
+    """An empty stand-in for a weight now held elsewhere (packed, fp8): it keeps the parameter's
+    name, and nothing reads it after loading."""
+    return nn.Parameter(param.data.new_empty(0), requires_grad=False)
+
+
 class PackedWeight(nn.Module):
     """The CPU-kernel switch of a layer multiplying by a weight [out, in] (both linear kinds,
     the LM head)."""
@@ -49,17 +55,15 @@ class PackedWeight(nn.Module):
             )
         self.quant, self._kernels = None, kernels  # blocks live on in `packed` only
         if not keep_weight:
-            # An empty placeholder keeps the parameter's name; nothing reads it after loading.
-            self.weight = nn.Parameter(self.weight.data.new_empty(0), requires_grad=False)
+            self.weight = freed(self.weight)
 
-    def use_fp8(self, fp8_linear: Callable[..., torch.Tensor], num_parts: int) -> None:
-        """Multiply by the `num_parts` FP8 parts loaded in place of the weight (after loading)."""
+    def use_fp8(self, fp8_linear: Callable[..., torch.Tensor]) -> None:
+        """Multiply by the FP8 parts loaded in place of the weight (after loading)."""
         parts = [p for _, p in sorted((self.quant or {}).items()) if isinstance(p, Fp8Tensor)]
-        if len(parts) != num_parts:
+        if len(parts) != (len(self.part_names) if isinstance(self, ColumnParallelLinear) else 1):
             raise ValueError("a merged weight mixes fp8 and unquantized parts: not served fp8")
         self.fp8 = Fp8Tensor.cat(parts, self.weight.device)
-        self.quant, self._fp8_linear = None, fp8_linear
-        self.weight = nn.Parameter(self.weight.data.new_empty(0), requires_grad=False)
+        self.quant, self._fp8_linear, self.weight = None, fp8_linear, freed(self.weight)
 
     def matmul(
         self, x: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor | None = None

@@ -21,6 +21,7 @@ from torch import nn
 from minisgl.distributed import all_reduce, divide, get_tp_info
 from minisgl.kernels.gpu import triton_kernels
 from minisgl.kernels.weights import FP8_GROUP, Fp8Tensor
+from minisgl.layers.linear import freed
 
 # The per-expert projections of the hub layout, in the order they sit in `gate_up_proj` / alone.
 GATE_UP_PIECES = ("gate_proj", "up_proj")
@@ -109,11 +110,8 @@ class Experts(nn.Module):
             )
         experts = slice(None) if expert is None else expert
         stacked = (self.num_experts,) if expert is None else ()
-        start, shard, down = (
-            get_tp_info().rank * self.inter_shard,
-            self.inter_shard,
-            piece == DOWN_PIECE,
-        )
+        shard, down = self.inter_shard, piece == DOWN_PIECE
+        start = get_tp_info().rank * shard
         hidden, inter = self.down_proj.shape[1], slice(start, start + shard)
         rows, cols = (hidden, self.full_inter) if down else (self.full_inter, hidden)
         _check_shape(name, full, (*stacked, rows, cols))
@@ -146,8 +144,7 @@ class Experts(nn.Module):
             for w in (Fp8Tensor.cat(ws, self.down_proj.device)
                       for ws in (gate_up, [fp8[e, DOWN_PIECE] for e in range(num)]))
         )  # fmt: skip
-        for name in ("gate_up_proj", "down_proj"):  # empty placeholders keep the names
-            setattr(self, name, nn.Parameter(self.down_proj.data.new_empty(0), requires_grad=False))
+        self.gate_up_proj, self.down_proj = freed(self.gate_up_proj), freed(self.down_proj)
         return True
 
     def load_fused(self, name: str, full: torch.Tensor, param: nn.Parameter) -> None:
