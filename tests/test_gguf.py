@@ -2,26 +2,32 @@
 
 The `gguf` package is the oracle: its dequantization, then an fp32 matmul. Every served block
 type against it with random blocks, at the row lengths the models here use and at batch sizes
-of both kernel paths (rows decoded in registers up to 16 rows, panels beyond); then whole models:
-a tiny GGUF Llama mixing every type (and one the kernels do not serve) as blocks vs dequantized,
-tp 2 vs tp 1, and the bundled SmolLM2 Q4_1 as blocks vs the fp32 dequantized model.
+of every kernel path (rows decoded in registers up to 16 rows, panels beyond; and the opt-in
+int8 path, MINISGL_INT8_ACTIVATIONS=1 with AVX-512 VNNI: Q4_0 / Q4_1 / Q8_0 times activations
+quantized to int8 per 32 elements, checked against that quantization done by hand and by gguf's
+Q8_0); then whole models: a tiny GGUF Llama mixing every type (and one the kernels do not serve)
+as blocks vs dequantized, tp 2 vs tp 1, and the bundled SmolLM2 Q4_1 as blocks vs the fp32
+dequantized model (tokens equal; with int8 activations, the same log-likelihood of our docs).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter
-from gguf.quants import quantize
+from gguf.quants import dequantize, quantize
 
 from minisgl.config import ServerArgs
 from minisgl.core import SamplingParams
 from minisgl.kernels import cpu
+from minisgl.kernels.cpu_ops import CpuKernels
 from minisgl.kernels.weights import PackedLinear, QuantTensor
 from minisgl.llm import LLM
 from minisgl.models.default_model import (
@@ -36,8 +42,10 @@ from tests.conftest import QWEN3_VOCAB, qwen3_tokenizer_dir
 
 T = GGMLQuantizationType
 SERVED = (T.F32, T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q8_0, T.Q4_K, T.Q6_K)
-ROW_LENGTHS = (256, 576, 1536)  # a K-quant block; SmolLM2's hidden and intermediate sizes
-BATCHES = (1, 3, 8, 16, 40, 97)  # registers (<= 16), panels, more than one chunk of x rows
+# a K-quant block; SmolLM2's hidden and intermediate sizes; 96: no int8 path (not 64 | K)
+ROW_LENGTHS = (256, 576, 1536, 96)
+BATCHES = (1, 3, 8, 16, 40, 97)  # registers (<= 16; int8: <= 64), panels, > 1 chunk of x rows
+INT8_TYPES = (T.Q4_0, T.Q4_1, T.Q8_0)  # MINISGL_INT8_ACTIVATIONS=1
 WEIGHT_STD = 0.15  # as the tiny HF checkpoints: logits far from uniform
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 PROMPTS = [list(range(200, 205)), list(range(300, 331)), [7, 8, 9, 10]]
@@ -83,9 +91,29 @@ def model_blocks(qtype: T, rows: int, cols: int, rng: np.random.Generator) -> np
     return raw.reshape(rows, -1)
 
 
+def int8_activations(x: torch.Tensor) -> torch.Tensor:
+    """x as the int8 path quantizes it, per 32 elements: codes round(x / d) (ties to even), d =
+    max |x| / 127 in fp32; returned as codes times d."""
+    blocks = x.reshape(len(x), -1, 32)
+    d = blocks.abs().amax(-1, keepdim=True) / 127
+    inverse = torch.where(d == 0, 0.0, 1 / d)
+    return (torch.round(blocks * inverse) * d).reshape(x.shape)
+
+
+@contextlib.contextmanager
+def int8_activations_on(k: CpuKernels) -> Iterator[bool]:
+    """The kernels' int8 path on (MINISGL_INT8_ACTIVATIONS=1) for a while; whether it could be
+    (AVX-512 VNNI)."""
+    try:
+        yield k.set_int8_activations(True)
+    finally:
+        k.set_int8_activations(False)
+
+
 @pytest.mark.parametrize("qtype", SERVED, ids=lambda t: t.name)
 def test_block_kernels_match_gguf_dequantize(qtype: T) -> None:
-    """GEMV, GEMM and embedding rows of random blocks against gguf's dequantization."""
+    """GEMV, GEMM and embedding rows of random blocks against gguf's dequantization; with int8
+    activations (Q4_0, Q4_1, Q8_0), against the same with x quantized by hand and by gguf."""
     k, rng = kernels(), np.random.default_rng(int(qtype))
     assert k.serves_blocks(int(qtype))
     for cols in ROW_LENGTHS:
@@ -101,9 +129,21 @@ def test_block_kernels_match_gguf_dequantize(qtype: T) -> None:
         bias = torch.randn(rows)
         for batch in BATCHES:
             x = torch.randn(batch, cols)
-            want = x @ want_weight.T + bias
+            want = (x.double() @ want_weight.double().T + bias).float()
             tol = 1e-5 * float(want.abs().max())
             torch.testing.assert_close(k.linear(x, packed, bias), want, atol=tol, rtol=1e-5)
+            if qtype not in INT8_TYPES or cols % 64:
+                continue
+            with int8_activations_on(k) as on:
+                got = k.linear(x, packed, bias) if on else None
+            if got is None:
+                continue  # no VNNI here
+            # gguf's Q8_0 keeps the scale in fp16 (the kernel, in fp32): close, not equal
+            as_q8 = torch.from_numpy(dequantize(quantize(x.numpy(), T.Q8_0), T.Q8_0))
+            want = as_q8 @ want_weight.T + bias
+            torch.testing.assert_close(got, want, atol=2e-3 * float(want.abs().max()), rtol=0)
+            want = (int8_activations(x).double() @ want_weight.double().T + bias).float()
+            torch.testing.assert_close(got, want, atol=tol, rtol=1e-5)
 
 
 def test_merged_segments_and_tensor_parallel_cuts() -> None:
@@ -218,6 +258,27 @@ def test_bundled_model_as_blocks_matches_fp32(tmp_path: Path) -> None:
             assert down.packed.segments == (((int(T.Q4_1), 576),) if quantization == "auto" else ())
             outputs[quantization] = [out.token_ids for out in llm.chat(messages, params)]
     assert outputs["auto"] == outputs["none"]
+
+
+def test_bundled_model_with_int8_activations_scores_as_fp32() -> None:
+    """MINISGL_INT8_ACTIVATIONS=1: the bundled model scoring this repository's docs has the fp32
+    model's mean log-likelihood within 1%; each token's logprob moves ~0.07 on average (enough
+    to swap near-tied greedy choices, not the model's quality)."""
+    root = Path(__file__).resolve().parents[1]
+    texts = (root / "docs" / "architecture.md").read_text().split("\n\n")
+    texts = [p for p in texts if 400 < len(p) < 2000][:6]
+    logprobs = {}
+    for int8 in (True, False):
+        with int8_activations_on(kernels()) if int8 else contextlib.nullcontext() as on:
+            if int8 and not on:
+                pytest.skip("no AVX-512 VNNI on this CPU: the int8 path cannot run")
+            with LLM(None, num_pages=1024) as llm:
+                scored = llm.generate(texts, SamplingParams(max_tokens=1, prompt_logprobs=0))
+        logprobs[int8] = np.array([p.logprob for out in scored for p in out.prompt_logprobs if p])
+    int8, fp32 = logprobs[True], logprobs[False]
+    assert len(int8) == len(fp32) > 1000
+    assert abs(int8.mean() - fp32.mean()) < 0.01 * abs(fp32.mean())
+    assert 0 < np.abs(int8 - fp32).mean() < 0.15
 
 
 def test_quantization_rules(tmp_path: Path, tiny_models, caplog) -> None:

@@ -33,6 +33,7 @@ from minisgl.kernels.cpu_ops import CpuKernels
 logger = logging.getLogger(__name__)
 
 ENABLE_ENV = "MINISGL_CPU_KERNELS"  # "0" turns the kernels off
+INT8_ENV = "MINISGL_INT8_ACTIVATIONS"  # "1": GGUF Q4_0/Q4_1/Q8_0 times int8 activations
 ABI_VERSION = 8  # MG_ABI_VERSION in csrc/common.h
 SELF_CHECK_ATOL = 1e-4
 
@@ -67,6 +68,9 @@ def get() -> CpuKernels | None:
             raise RuntimeError(f"{path} has ABI {lib.mg_abi_version()}, expected {ABI_VERSION}")
         kernels = CpuKernels(lib)
         _self_check(kernels)
+        if os.environ.get(INT8_ENV, "0").strip().lower() in ("1", "true", "on", "yes"):
+            on = kernels.set_int8_activations(True)
+            logger.info("int8 activations for GGUF Q4_0/Q4_1/Q8_0 blocks: %s", on or "no VNNI")
     except Exception as exc:  # noqa: BLE001 (any failure means: fall back to torch)
         logger.warning("CPU kernels unavailable, using torch ops: %s", exc)
         return None

@@ -32,6 +32,7 @@ _SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
     "mg_block_n": (ctypes.c_int, []),
     "mg_linear": (None, [_P, _I, _P, _P, _P, _I, _I, _I, _I, ctypes.c_int]),
     "mg_quant_block_bytes": (_I, [_I]),
+    "mg_set_int8_activations": (ctypes.c_int, [ctypes.c_int]),
     "mg_embed": (None, [_P, _I, _P, _I, _P, ctypes.c_int]),
     "mg_rmsnorm": (None, [_P, _I, _I, _P, _I, _P, _P, _I, _I, _I, ctypes.c_float, ctypes.c_int]),
     "mg_silu_mul": (None, [_P, _I, _P, _I, _I, _I, ctypes.c_int]),
@@ -121,6 +122,12 @@ class CpuKernels:
 
     def serves_blocks(self, qtype: int) -> bool:
         return self._lib.mg_quant_block_bytes(qtype) > 0
+
+    def set_int8_activations(self, on: bool) -> bool:
+        """Q4_0 / Q4_1 / Q8_0 blocks times activations quantized to int8 per 32 elements
+        (llama.cpp's numerics) where the CPU has AVX-512 VNNI, or fp32 ones (the default: see
+        csrc/quant.c). Process-wide; returns whether the int8 path is on now."""
+        return bool(self._lib.mg_set_int8_activations(int(on)))
 
     def embed(self, weight: PackedLinear, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` (int64) of a block weight, dequantized: [len(ids), in_features] fp32."""

@@ -7,8 +7,9 @@
  * takes a second or two and needs nothing beyond a C compiler.
  *
  * Every kernel computes in fp32 with the formulas of the torch ops it replaces (only summation
- * order and fused multiply-adds differ), and no result depends on the thread count or on which
- * thread computed it: work is split by output element, never inside one sum.
+ * order and fused multiply-adds differ; the one exception, opt-in GGUF Q4_0/Q4_1/Q8_0 times int8
+ * activations, is llama.cpp's arithmetic: quant.c), and no result depends on the thread count or
+ * on which thread computed it: work is split by output element, never inside one sum.
  *
  * The OpenMP runtime is the one torch already loaded (same soname): the kernels share torch's
  * thread pool, and callers pass torch's thread count explicitly.
@@ -204,7 +205,13 @@ typedef struct {
     const float* bias;
     float* y;
     int64_t ldy, M, K, N;
+    /* Tells ops apart for quant.c's int8 path (which quantizes x once per op and thread): the
+     * same for every thread's part of one op, never reused; 0 for "quantize again". */
+    int64_t tag;
+    int x_rounded; /* x already holds its int8 values (quant_round_x): take the fp32 panels */
 } linear_args;
+/* A fresh linear_args tag (and `count` - 1 more after it). */
+int64_t linear_tags(int64_t count);
 int64_t linear_items(const linear_args* a);
 int64_t linear_chunk(const linear_args* a, int nthreads);
 void linear_range(const void* args, int64_t begin, int64_t end);
@@ -215,6 +222,10 @@ void rows_times_panel(const float* x, int64_t ldx, int64_t rows, const float* pa
 /* the GGUF block path of the three above (quant.c) */
 int64_t quant_items(const linear_args* a);
 void quant_range(const void* args, int64_t begin, int64_t end);
+/* For the int8 path's large batches (prefill): x rounded to its int8 values per 32 elements, in
+ * a new [M, K] buffer the caller frees, for the fp32 panels to multiply (the same result up to
+ * rounding, and faster there); NULL when op a does not need it (or out of memory). */
+float* quant_round_x(const linear_args* a, int nthreads);
 
 typedef struct {
     const float* x;

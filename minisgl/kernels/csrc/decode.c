@@ -109,6 +109,7 @@ typedef struct {
     attention_args attention; /* with its items planned */
     int64_t attention_items;
     double* op_seconds; /* recorded by thread 0 */
+    int64_t tags; /* the first of the linear ops' tags (4 per layer) */
 } step_args;
 
 /* One thread's part of a step (every thread runs it). Returns 0, or 1 if out of counters. */
@@ -142,8 +143,9 @@ static int decode_step(mg_team* team, const step_args* s, int is_timer) {
                                     normed, H, H, m->eps};
         failed |= team_run(team, &norm1, rmsnorm_range, B, rows);
         lap(timers, OP_NORM, &last);
+        const int64_t tag = s->tags + 4 * l; /* one per linear op below */
         const linear_args qkv_proj = {normed, H, L->qkv, L->qkv_bias, qkv, qkv_width, B, H,
-                                      qkv_width};
+                                      qkv_width, tag};
         failed |= team_run(team, &qkv_proj, linear_range, linear_items(&qkv_proj),
                            linear_chunk(&qkv_proj, nthreads));
         lap(timers, OP_QKV, &last);
@@ -174,21 +176,22 @@ static int decode_step(mg_team* team, const step_args* s, int is_timer) {
         failed |= team_run(team, &attention, attention_items_range, s->attention_items, 1);
         failed |= team_run(team, &attention, attention_merge_range, B, 1);
         lap(timers, OP_ATTENTION, &last);
-        const linear_args o_proj = {attn, q_width, L->o, 0, o, H, B, q_width, H};
+        const linear_args o_proj = {attn, q_width, L->o, 0, o, H, B, q_width, H, tag + 1};
         failed |= team_run(team, &o_proj, linear_range, linear_items(&o_proj),
                            linear_chunk(&o_proj, nthreads));
         lap(timers, OP_O_PROJ, &last);
         const rmsnorm_args norm2 = {o, H, 1, residual, H, L->post_norm, normed, H, H, m->eps};
         failed |= team_run(team, &norm2, rmsnorm_range, B, rows);
         lap(timers, OP_NORM, &last);
-        const linear_args gu_proj = {normed, H, L->gate_up, 0, gate_up, 2 * I, B, H, 2 * I};
+        const linear_args gu_proj = {normed, H, L->gate_up, 0, gate_up, 2 * I, B, H, 2 * I,
+                                     tag + 2};
         failed |= team_run(team, &gu_proj, linear_range, linear_items(&gu_proj),
                            linear_chunk(&gu_proj, nthreads));
         lap(timers, OP_GATE_UP, &last);
         const silu_mul_args silu = {gate_up, 2 * I, act, I, I};
         failed |= team_run(team, &silu, silu_mul_range, B, rows);
         lap(timers, OP_SILU_MUL, &last);
-        const linear_args down_proj = {act, I, L->down, 0, s->hidden, H, B, I, H};
+        const linear_args down_proj = {act, I, L->down, 0, s->hidden, H, B, I, H, tag + 3};
         failed |= team_run(team, &down_proj, linear_range, linear_items(&down_proj),
                            linear_chunk(&down_proj, nthreads));
         lap(timers, OP_DOWN, &last);
@@ -211,7 +214,7 @@ int mg_decode_layers(const mg_model* m, float* hidden, int64_t B, const int64_t*
                    kv_fp8,   kv_scales, scratch,
                    {0, 0, 0, 0, 0, page_table, ld_pt, table_rows, kv_lens, 0, 0, B, m->heads,
                     m->kv_heads, m->head_dim, m->scale, 0, 0, 0, kv_fp8, 1.0f},
-                   0, op_seconds};
+                   0, op_seconds, linear_tags(4 * m->num_layers)};
     const int64_t num_counters = m->num_layers * OPS_PER_LAYER + OPS_PER_STEP;
     int64_t* first_item = malloc((size_t)(B + 1) * sizeof(int64_t));
     atomic_llong* counters = calloc((size_t)num_counters, sizeof(atomic_llong));

@@ -6,6 +6,8 @@
  * vector accumulators stay in registers. At M = 1 that is a pure read stream of the weights
  * (bandwidth-bound); from M ~ 8 on it is bound by fused multiply-adds. A work item is one panel
  * times a chunk of up to MC rows. */
+#include <stdlib.h>
+
 #include "common.h"
 
 
@@ -93,8 +95,16 @@ void linear_range(const void* args, int64_t begin, int64_t end) {
 
 int mg_block_n(void) { return NB; }
 
+int64_t linear_tags(int64_t count) {
+    static atomic_llong next = 1;
+    return atomic_fetch_add(&next, count);
+}
+
 void mg_linear(const float* x, int64_t ldx, const mg_weight* w, const float* bias, float* y,
                int64_t ldy, int64_t M, int64_t K, int64_t N, int nthreads) {
-    const linear_args a = {x, ldx, w, bias, y, ldy, M, K, N};
+    linear_args a = {x, ldx, w, bias, y, ldy, M, K, N, linear_tags(1), 0};
+    float* rounded = quant_round_x(&a, nthreads);
+    if (rounded) a.x = rounded, a.ldx = K, a.x_rounded = 1;
     run_parallel(&a, linear_range, linear_items(&a), linear_chunk(&a, nthreads), nthreads);
+    free(rounded);
 }
