@@ -44,7 +44,7 @@ T = GGMLQuantizationType
 SERVED = (T.F32, T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q8_0, T.Q4_K, T.Q6_K)
 # a K-quant block; SmolLM2's hidden and intermediate sizes; 96: no int8 path (not 64 | K)
 ROW_LENGTHS = (256, 576, 1536, 96)
-BATCHES = (1, 3, 8, 16, 40, 97)  # registers (<= 16; int8: <= 64), panels, > 1 chunk of x rows
+BATCHES = (1, 3, 8, 16, 19, 40, 97)  # registers (<= 20; int8 <= 64), panels, > 1 chunk of x
 INT8_TYPES = (T.Q4_0, T.Q4_1, T.Q8_0)  # MINISGL_INT8_ACTIVATIONS=1
 WEIGHT_STD = 0.15  # as the tiny HF checkpoints: logits far from uniform
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)

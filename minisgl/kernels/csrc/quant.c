@@ -14,7 +14,7 @@
  * summation order) into visibly different logprobs, so the same request could answer otherwise
  * once its prompt is cached. Everything else (and everything by default) is decoded to fp32
  * (gguf's dequantize, up to a fused multiply-add's rounding) and multiplied with the fp32
- * activations in fp32: a result is the dequantized model's up to summation order. Up to QDIRECT
+ * activations in fp32: a result is the dequantized model's up to summation order. Up to 20
  * activation rows: each weight row is decoded in registers, 32 elements at a time, and dotted
  * with every activation row, a read stream of the blocks (a fifth to a half of the fp32 weights'
  * bytes). More rows (prefill, large decode batches): the weight rows of one panel are decoded
@@ -259,6 +259,10 @@ static const float* decode_row(int64_t type, const uint8_t* src, int64_t K, floa
  * multiple of 32). Up to 4 rows, two accumulators each (the FMA latency would bound one); more,
  * one each (16 accumulators and the decoded block fit AVX-512's 32 registers). */
 #define QDIRECT 16
+/* Up to this many rows the weight rows are decoded in registers (in even chunks of at most
+ * QDIRECT), not into panels: at 17-20 rows two passes cost ~20% less than the panels (a 16-row
+ * decode step plus a few speculative drafts); from ~24 on the panels win (RESULTS.md, 20). */
+#define DIRECT_MAX_ROWS 20
 #define X_L1_BYTES (40 << 10) /* x rows larger than this are walked in slices of X_SLICE */
 #define X_SLICE 512            /* elements (a multiple of every block): 32 KiB of 16 rows */
 static inline __attribute__((always_inline)) void dot_rows(int64_t type, const uint8_t* src,
@@ -678,6 +682,7 @@ static int int8_range(const linear_args* a, int64_t begin, int64_t end) {
  * and what the int8 path saves, decoding the weights once per row, a large batch amortizes. */
 #define INT8_MAX_ROWS 64
 
+/* Rows [begin, end) of x rounded to their int8 values (codes times dx), into a->y ([M, K]). */
 static void round_rows(const void* args, int64_t begin, int64_t end) {
     const linear_args* a = args;
     float* out = a->y;
@@ -722,19 +727,20 @@ static int int8_range(const linear_args* a, int64_t begin, int64_t end) {
  * Up to QDIRECT rows of x: items of RG weight rows, each row decoded in registers and dotted
  * with every x row. More: items of one panel (NB weight rows) times up to MC rows of x, in
  * panel-major order. */
-static int direct(const linear_args* a) { return a->M <= QDIRECT && a->K % 32 == 0; }
+static int direct(const linear_args* a) { return a->M <= DIRECT_MAX_ROWS && a->K % 32 == 0; }
 
 int64_t quant_items(const linear_args* a) {
     if (int8_path(a) || direct(a)) return (a->N + RG - 1) / RG;
     return ((a->N + NB - 1) / NB) * ((a->M + MC - 1) / MC);
 }
 
-/* Items [begin, end) of RG weight rows each, each row decoded in registers and dotted with
- * QDIRECT activation rows at a time. */
+/* Items [begin, end) of RG weight rows each, each row decoded in registers and dotted with the
+ * activation rows, up to QDIRECT at a time (in even chunks). */
 static void direct_range(const linear_args* a, int64_t begin, int64_t end) {
     const int64_t K = a->K;
-    for (int64_t m0 = 0; m0 < a->M; m0 += QDIRECT) {
-        const int64_t M = min64(QDIRECT, a->M - m0);
+    const int64_t passes = (a->M + QDIRECT - 1) / QDIRECT, chunk = (a->M + passes - 1) / passes;
+    for (int64_t m0 = 0; m0 < a->M; m0 += chunk) {
+        const int64_t M = min64(chunk, a->M - m0);
         const float* x = a->x + m0 * a->ldx;
         /* K in slices whose x rows stay in L1 across the item's weight rows */
         const int64_t slice = M * K * (int64_t)sizeof(float) <= X_L1_BYTES ? K : X_SLICE;
