@@ -8,8 +8,8 @@
  * Asked for (MINISGL_INT8_ACTIVATIONS=1) on CPUs with AVX-512 VNNI, Q4_0, Q4_1 and Q8_0 rows
  * (K a multiple of 64) take the int8 path: activations quantized to int8 per 32 elements and
  * integer dot products, llama.cpp's numerics (section "int8 activations" below), at every batch
- * size (past 64 rows the activations are rounded to their int8 values and multiplied by the
- * fp32 panels below, the same result up to rounding). Not the default: quantizing amplifies the
+ * size (mg_linear past 64 rows, i.e. prefill, rounds the activations to their int8 values and
+ * multiplies by the fp32 panels below instead: the same result up to rounding). Not the default: quantizing amplifies the
  * last-bit differences between the prefill and decode paths (another attention kernel, another
  * summation order) into visibly different logprobs, so the same request could answer otherwise
  * once its prompt is cached. Everything else (and everything by default) is decoded to fp32
@@ -340,17 +340,21 @@ static const uint8_t* weight_row(const mg_weight* w, int64_t K, int64_t n, int64
     return p;
 }
 
-/* A per-thread buffer of at least `floats` (grown, never shrunk; threads live as long as the
- * process's OpenMP pool). */
-static float* thread_scratch(int64_t floats) {
-    static __thread float* buffer;
-    static __thread int64_t capacity;
-    if (floats > capacity) {
-        free(buffer);
-        buffer = malloc((size_t)floats * sizeof(float));
-        capacity = buffer ? floats : 0;
+/* *buffer (64-byte aligned) grown to at least `bytes`, never shrunk: the kernels' per-thread
+ * scratches (threads live as long as the process's OpenMP pool). NULL when out of memory. */
+static char* grow(char** buffer, int64_t* capacity, int64_t bytes) {
+    if (bytes > *capacity) {
+        free(*buffer);
+        *buffer = aligned_alloc(64, (size_t)(bytes + 63) / 64 * 64);
+        *capacity = *buffer ? bytes : 0;
     }
-    return buffer;
+    return *buffer;
+}
+/* A per-thread buffer of at least `floats`. */
+static float* thread_scratch(int64_t floats) {
+    static __thread char* buffer;
+    static __thread int64_t capacity;
+    return (float*)grow(&buffer, &capacity, floats * (int64_t)sizeof(float));
 }
 
 /* ---- batches: rows decoded into a panel --------------------------------------------------------
@@ -499,12 +503,8 @@ static xquant quantized_x(const linear_args* a) {
     static __thread int64_t capacity, tag;
     const int64_t bytes = a->M * a->K + 2 * a->M * (a->K / 32) * (int64_t)sizeof(float);
     xquant q = {0, 0, 0, a->M};
-    if (bytes > capacity) {
-        free(buffer);
-        buffer = aligned_alloc(64, (size_t)(bytes + 63) / 64 * 64);
-        capacity = buffer ? bytes : 0, tag = 0;
-        if (!buffer) return q;
-    }
+    if (bytes > capacity) tag = 0; /* (a new buffer holds no op's rows) */
+    if (!grow(&buffer, &capacity, bytes)) return q;
     q.codes = (int8_t*)buffer;
     q.scales = (float*)(buffer + a->M * a->K);
     q.sums = q.scales + a->M * a->K / 32;
@@ -649,12 +649,7 @@ static int int8_range(const linear_args* a, int64_t begin, int64_t end) {
     static __thread char* scratch; /* one decoded weight row */
     static __thread int64_t capacity;
     const int64_t K = a->K, pairs = K / 64;
-    const int64_t bytes = pairs * (64 + 4 * (int64_t)sizeof(float));
-    if (bytes > capacity) {
-        free(scratch);
-        scratch = aligned_alloc(64, (size_t)bytes);
-        capacity = scratch ? bytes : 0;
-    }
+    grow(&scratch, &capacity, pairs * (64 + 4 * (int64_t)sizeof(float)));
     const xquant x = quantized_x(a);
     if (!scratch || !x.codes) return 0;
     __m512i* q = (__m512i*)scratch;
@@ -724,8 +719,8 @@ static int int8_range(const linear_args* a, int64_t begin, int64_t end) {
 #endif
 
 /* ---- the linear op ------------------------------------------------------------------------------
- * Up to QDIRECT rows of x: items of RG weight rows, each row decoded in registers and dotted
- * with every x row. More: items of one panel (NB weight rows) times up to MC rows of x, in
+ * The int8 path, or up to DIRECT_MAX_ROWS rows of x: items of RG weight rows, each row decoded
+ * in registers and dotted with every x row. More: items of one panel (NB weight rows) times up to MC rows of x, in
  * panel-major order. */
 static int direct(const linear_args* a) { return a->M <= DIRECT_MAX_ROWS && a->K % 32 == 0; }
 
