@@ -30,7 +30,7 @@ def _req(prompt: list[int], outputs: list[int] = ()) -> Req:
     return req
 
 
-def test_drafter_continues_the_latest_longest_match():
+def test_drafter_continues_the_longest_match():
     drafter = NgramDrafter(1, 3, 4)
     #        0  1  2  3  4  5  6  7  8  9
     prompt = [5, 6, 7, 8, 9, 5, 6, 7, 1, 2]
@@ -44,21 +44,37 @@ def test_drafter_continues_the_latest_longest_match():
     assert drafter.drafts(_req(prompt, [5, 6, 7, 8, 3, 9]), 2) == [5, 6]  # capped at 2
 
 
+def test_drafter_follows_an_edit_of_its_source():
+    # Copying in order: after a draft from position 1, the occurrence of 1 nearest the source's
+    # next position (2) continues, not the latest one (at 5) a new drafter takes.
+    prompt = [5, 1, 6, 2, 7, 1, 8]
+    drafter = NgramDrafter(1, 1, 4)
+    assert drafter.drafts(_req(prompt, [5]), 1) == [1]
+    assert drafter.drafts(_req(prompt, [5, 1]), 4) == [6, 2, 7, 1]
+    assert NgramDrafter(1, 1, 4).drafts(_req(prompt, [5, 1]), 4) == [8, 5, 1]
+    # The model writes 5 where its source has 2 (a rename): later drafts rename 2 likewise.
+    drafter = NgramDrafter(1, 1, 4)
+    assert drafter.drafts(_req([7, 2, 9, 2], [7]), 4) == [2, 9, 2, 7]
+    drafter.verified(4, 0, 5)
+    assert drafter.drafts(_req([7, 2, 9, 2], [7, 5]), 4) == []  # (backing off a step)
+    assert drafter.drafts(_req([7, 2, 9, 2], [7, 5, 9]), 4) == [5]
+
+
 def test_drafter_backs_off_after_misses():
     drafter = NgramDrafter(1, 2, 3)
     req = _req([1, 2, 3, 1, 2, 3, 1])
     assert drafter.drafts(req, 4) == [2, 3, 1]
-    drafter.verified(3, 0)  # a miss: skip one step, then one draft at most
+    drafter.verified(3, 0, 9)  # a miss (9 for 2): skip one step, then one draft at most
     assert drafter.drafts(req, 4) == []
-    assert drafter.drafts(req, 4) == [2]
-    drafter.verified(1, 0)  # a second miss in a row: skip two
+    assert drafter.drafts(req, 4) == [9]
+    drafter.verified(1, 0, 2)  # a second miss in a row: skip two; 2 is 2 again
     assert [drafter.drafts(req, 4) for _ in range(3)] == [[], [], [2]]
-    drafter.verified(1, 1)  # a full hit: all drafts again, and no back-off
+    drafter.verified(1, 1, 3)  # a full hit: all drafts again, and no back-off
     assert drafter.drafts(req, 4) == [2, 3, 1]
-    drafter.verified(3, 1)  # one accepted of three: two next time
-    assert drafter.drafts(req, 4) == [2, 3]
-    drafter.verified(2, 0)  # back-off starts over at one step
-    assert [drafter.drafts(req, 4) for _ in range(2)] == [[], [2]]
+    drafter.verified(3, 1, 4)  # one accepted of three (then 4 for 3): two next time
+    assert drafter.drafts(req, 4) == [2, 4]
+    drafter.verified(2, 0, 8)  # back-off starts over at one step
+    assert [drafter.drafts(req, 4) for _ in range(2)] == [[], [8]]
 
 
 def workload() -> list[list[int]]:

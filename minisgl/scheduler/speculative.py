@@ -18,6 +18,7 @@ Requests with a structured-output grammar decode without drafts.
 
 from __future__ import annotations
 
+import bisect
 import itertools
 from collections.abc import Callable, Iterator
 
@@ -57,23 +58,30 @@ TakeTokens = Callable[[list[Req], list[int], list[TokenLogprob | None]], None]
 
 
 class NgramDrafter:
-    """One request's n-grams, each (of min_match .. max_match tokens) -> the position after its
-    latest occurrence in the request's tokens; indexed as tokens arrive, never rebuilt."""
+    """One request's n-grams, each (of min_match .. max_match tokens) -> the positions after its
+    occurrences in the request's tokens; indexed as tokens arrive, never rebuilt."""
 
     def __init__(self, min_match: int, max_match: int, max_drafts: int) -> None:
         self.tokens: list[int] = []  # the request's tokens so far: prompt, then output
         self._lengths = range(max_match, min_match - 1, -1)  # the longest match first
-        self._after: dict[tuple[int, ...], int] = {}
+        self._after: dict[tuple[int, ...], list[int]] = {}
         self._indexed = 1  # n-grams ending before this position are in `_after`
+        # An edit copies its source in order, with changes: a draft continues the occurrence
+        # nearest to where the last one was copied from (`_offset`: relative to the end then),
+        # with each token the model wrote in place of a draft's source token replaced likewise.
+        self._offset = 0
+        self._source: list[int] = []  # the last draft before replacements
+        self._replaced: dict[int, int] = {}
         self._max_drafts = self._allowed = max_drafts
         self._backoff_steps = 0
         self._wait_steps = 0
         self.accept_rate = 1.0  # of its drafts, lately (optimistic at first)
 
     def drafts(self, req: Req, room: int, min_accept_rate: float = 0.0) -> list[int]:
-        """Up to `room` tokens (fewer after misses) that followed the latest earlier occurrence
-        of the request's longest matching suffix; none when nothing matches (or backing off, or
-        its drafts are accepted less often than `min_accept_rate`)."""
+        """Up to `room` tokens (fewer after misses) that followed an earlier occurrence of the
+        request's longest matching suffix (the latest, or the one nearest the last draft's);
+        none when nothing matches (or backing off, or its drafts are accepted less often than
+        `min_accept_rate`)."""
         if self.accept_rate < min_accept_rate:
             self.accept_rate += (1.0 - self.accept_rate) / PROBE_STEPS
             return []
@@ -89,15 +97,24 @@ class NgramDrafter:
         for end in range(self._indexed, len(tokens)):
             for n in self._lengths:
                 if n <= end:
-                    self._after[tuple(tokens[end - n : end])] = end
+                    self._after.setdefault(tuple(tokens[end - n : end]), []).append(end)
         self._indexed = len(tokens)
+        near = len(tokens) + self._offset  # (at first past the end: the latest occurrence)
         for n in self._lengths:
-            at = self._after.get(tuple(tokens[-n:])) if n <= len(tokens) else None
-            if at is not None:
-                return tokens[at : at + max_drafts]
+            if after := self._after.get(tuple(tokens[-n:])) if n <= len(tokens) else None:
+                i = bisect.bisect(after, near)
+                at = min(after[max(i - 1, 0) : i + 1], key=lambda p: abs(p - near))
+                self._offset = at - len(tokens)
+                self._source = tokens[at : at + max_drafts]
+                return [self._replaced.get(t, t) for t in self._source]
         return []
 
-    def verified(self, num_drafts: int, num_accepted: int) -> None:
+    def verified(self, num_drafts: int, num_accepted: int, sampled: int) -> None:
+        """`sampled`: the token the model chose after the accepted drafts."""
+        if num_accepted < num_drafts:  # it wrote `sampled` where the source had `source`
+            source = self._source[num_accepted]
+            if self._replaced.pop(source, source) == source:  # (a replacement that failed: gone)
+                self._replaced[source] = sampled
         self.accept_rate += ACCEPT_AVERAGE_WEIGHT * (num_accepted / num_drafts - self.accept_rate)
         self._allowed = self._max_drafts if num_accepted == num_drafts else num_accepted + 1
         if num_accepted:
@@ -171,6 +188,6 @@ class NgramSpeculator:
         self._counters.spec_verify_steps_total += 1
         self._counters.spec_draft_tokens_total += len(drafts)
         self._counters.spec_accepted_tokens_total += accepted
-        req.drafter.verified(len(drafts), accepted)
+        req.drafter.verified(len(drafts), accepted, token_id)
         if not req.finished:  # (a finished one gave everything back already)
             self._cache.trim(req)
