@@ -64,7 +64,7 @@ class NgramDrafter:
     def __init__(self, min_match: int, max_match: int, max_drafts: int) -> None:
         self.tokens: list[int] = []  # the request's tokens so far: prompt, then output
         self._lengths = range(max_match, min_match - 1, -1)  # the longest match first
-        self._after: dict[tuple[int, ...], list[int]] = {}
+        self._after: dict[tuple[int, ...], int | list[int]] = {}
         self._indexed = 1  # n-grams ending before this position are in `_after`
         # An edit copies its source in order, with changes: a draft continues the occurrence
         # nearest to where the last one was copied from (`_offset`: relative to the end then),
@@ -97,11 +97,16 @@ class NgramDrafter:
         for end in range(self._indexed, len(tokens)):
             for n in self._lengths:
                 if n <= end:
-                    self._after.setdefault(tuple(tokens[end - n : end]), []).append(end)
+                    key = tuple(tokens[end - n : end])
+                    if isinstance(seen := self._after.get(key), list):
+                        seen.append(end)
+                    else:  # an int while it occurred once (most do): a list per n-gram costs
+                        self._after[key] = end if seen is None else [seen, end]  # the GC time
         self._indexed = len(tokens)
         near = len(tokens) + self._offset  # (at first past the end: the latest occurrence)
         for n in self._lengths:
             if after := self._after.get(tuple(tokens[-n:])) if n <= len(tokens) else None:
+                after = after if isinstance(after, list) else [after]
                 i = bisect.bisect(after, near)
                 at = min(after[max(i - 1, 0) : i + 1], key=lambda p: abs(p - near))
                 self._offset = at - len(tokens)
@@ -173,18 +178,17 @@ class NgramSpeculator:
         verified = list(itertools.islice(rows, 1 + len(drafts)))  # consumed even if skipped
         if req.finished:
             return
-        accepted = 0
         for j, (token_id, logprob) in enumerate(verified):
             if j > 0:  # drafts[j - 1] was right: its KV is the request's, and the token after it
                 req.cached_len += 1
                 req.device_len += 1
                 req.num_sampled += 1
-                accepted += 1
             take([req], [token_id], [logprob])
             if req.finished or j == len(drafts) or token_id != drafts[j]:
                 break
         if not drafts:
             return
+        accepted = j  # the drafts before where it stopped
         self._counters.spec_verify_steps_total += 1
         self._counters.spec_draft_tokens_total += len(drafts)
         self._counters.spec_accepted_tokens_total += accepted
