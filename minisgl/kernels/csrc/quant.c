@@ -5,22 +5,22 @@
  * common.h). Served as blocks: F32, F16, BF16, Q4_0, Q4_1, Q8_0 (blocks of 32) and Q4_K, Q6_K
  * (super-blocks of 256); the loader dequantizes every other type (minisgl/kernels/weights.py).
  *
- * Asked for (MINISGL_INT8_ACTIVATIONS=1) on CPUs with AVX-512 VNNI, Q4_0, Q4_1 and Q8_0 rows
- * (K a multiple of 64) take the int8 path: activations quantized to int8 per 32 elements and
- * integer dot products, llama.cpp's numerics (section "int8 activations" below), at every batch
- * size (mg_linear past 64 rows, i.e. prefill, rounds the activations to their int8 values and
- * multiplies by the fp32 panels below instead: the same result up to rounding). Not the default: quantizing amplifies the
- * last-bit differences between the prefill and decode paths (another attention kernel, another
- * summation order) into visibly different logprobs, so the same request could answer otherwise
- * once its prompt is cached. Everything else (and everything by default) is decoded to fp32
- * (gguf's dequantize, up to a fused multiply-add's rounding) and multiplied with the fp32
- * activations in fp32: a result is the dequantized model's up to summation order. Up to 20
- * activation rows: each weight row is decoded in registers, 32 elements at a time, and dotted
+ * Asked for (MINISGL_INT8_ACTIVATIONS=1) on CPUs with AVX-512 VNNI, Q4_0, Q4_1 and Q8_0 rows (K a
+ * multiple of 64) take the int8 path: activations quantized to int8 per 32 elements and integer
+ * dot products, llama.cpp's numerics (section "int8 activations" below), at every batch size
+ * (mg_linear past 64 rows, i.e. prefill, rounds the activations to their int8 values and
+ * multiplies by the fp32 panels below instead: the same result up to rounding). Not the default:
+ * quantizing amplifies the last-bit differences between the prefill and decode paths (another
+ * attention kernel, another summation order) into visibly different logprobs, so the same request
+ * could answer otherwise once its prompt is cached. Everything else (and everything by default) is
+ * decoded to fp32 (gguf's dequantize, up to a fused multiply-add's rounding) and multiplied with
+ * the fp32 activations in fp32: a result is the dequantized model's up to summation order. Up to
+ * 20 activation rows: each weight row is decoded in registers, 32 elements at a time, and dotted
  * with every activation row, a read stream of the blocks (a fifth to a half of the fp32 weights'
- * bytes). More rows (prefill, large decode batches): the weight rows of one panel are decoded
- * into the fp32 panel layout (linear.c) in a per-thread scratch and multiplied by linear.c's
- * register tiles; work items run panel by panel (MC activation rows each), so a panel is decoded
- * once per batch and thread. */
+ * bytes). More rows (prefill, large decode batches): the weight rows of one panel are decoded into
+ * the fp32 panel layout (linear.c) in a per-thread scratch and multiplied by linear.c's register
+ * tiles; work items run panel by panel (MC activation rows each), so a panel is decoded once per
+ * batch and thread. */
 #include <stdlib.h>
 #if defined(__F16C__) || defined(__AVX512F__)
 #include <immintrin.h>
@@ -720,8 +720,8 @@ static int int8_range(const linear_args* a, int64_t begin, int64_t end) {
 
 /* ---- the linear op ------------------------------------------------------------------------------
  * The int8 path, or up to DIRECT_MAX_ROWS rows of x: items of RG weight rows, each row decoded
- * in registers and dotted with every x row. More: items of one panel (NB weight rows) times up to MC rows of x, in
- * panel-major order. */
+ * in registers and dotted with every x row. More: items of one panel (NB weight rows) times up
+ * to MC rows of x, in panel-major order. */
 static int direct(const linear_args* a) { return a->M <= DIRECT_MAX_ROWS && a->K % 32 == 0; }
 
 int64_t quant_items(const linear_args* a) {
