@@ -76,7 +76,8 @@ def test_linear_does_not_depend_on_thread_count_or_batch():
     finally:
         torch.set_num_threads(previous)
     assert torch.equal(one, two)
-    assert torch.equal(k.linear(x[5:6], w), one[5:6])
+    for rows in range(1, 26):  # every register tile size, and rows split over tiles
+        assert torch.equal(k.linear(x[5 : 5 + rows], w), one[5 : 5 + rows])
 
 
 def test_rmsnorm_with_and_without_residual():
@@ -202,6 +203,35 @@ def test_paged_decode_attention_matches_sdpa(
     want = reference.forward(q, k, v, 1, scale, pool, reference.prepare(batch))
     torch.testing.assert_close(got, want, atol=ATOL, rtol=ATOL)
     assert torch.equal(stored, pool.buffer)  # the kernel stored the same K/V
+
+
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(9, 3, 64), (10, 2, 40)])
+def test_decode_attention_of_a_verify_equals_each_row_alone(num_heads, num_kv_heads, head_dim):
+    """A speculative verify's rows (one table row, consecutive lengths, one of them past a
+    128-position work item) next to another sequence: each row's output is bitwise the one it
+    gets alone, and matches SDPA over its prefix."""
+    k, g = _kernels(), torch.Generator().manual_seed(3)
+    slots = 300
+    kc, vc = (torch.randn(slots, num_kv_heads, head_dim, generator=g) for _ in range(2))
+    page_table = torch.randperm(slots, generator=g).to(torch.int32).view(2, -1).contiguous()
+    table_rows = torch.tensor([1, 0, 0, 0, 0, 0])
+    kv_lens = torch.tensor([90, 126, 127, 128, 129, 130])
+    q = torch.randn(len(kv_lens), num_heads, head_dim, generator=g)
+    out = torch.empty_like(q)
+    args = (page_table, kc, vc)
+    k.decode_attention(q, torch.arange(len(q)), table_rows, kv_lens, *args, out, head_dim**-0.5)
+    group = num_heads // num_kv_heads
+    for i in range(len(q)):
+        alone = torch.empty(1, num_heads, head_dim)
+        k.decode_attention(
+            q[i : i + 1], torch.zeros(1, dtype=torch.int64), table_rows[i : i + 1],
+            kv_lens[i : i + 1], *args, alone, head_dim**-0.5,
+        )  # fmt: skip
+        assert torch.equal(alone[0], out[i])
+        slots_i = page_table[table_rows[i], : kv_lens[i]].long()
+        keys, values = (c[slots_i].repeat_interleave(group, 1).transpose(0, 1) for c in (kc, vc))
+        want = F.scaled_dot_product_attention(q[i].unsqueeze(1), keys, values).squeeze(1)
+        torch.testing.assert_close(out[i], want, atol=ATOL, rtol=ATOL)
 
 
 def test_seeded_uniform_is_bit_for_bit_the_torch_formula():

@@ -231,6 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-requests", type=int, default=4, help="per workload at batch 1")
     p.add_argument("--concurrency", type=int, default=16, help="0 skips the concurrent runs")
     p.add_argument("--max-tokens", type=int, default=192)
+    p.add_argument("--quantization", default=ServerArgs.quantization, help="none: fp32 weights")
     p.add_argument("--server", action="store_true", help="through two servers, over HTTP")
     p.add_argument("--server-port", type=int, default=DEFAULT_SERVER_PORT, help="and port + 1")
     p.add_argument("--num-draft-tokens", type=int, default=ServerArgs.speculative_num_draft_tokens)
@@ -243,6 +244,7 @@ def main(argv: list[str] | None = None) -> int:
         "speculative_ngram_min_match": args.ngram_min_match,
         "speculative_ngram_max_match": args.ngram_max_match,
     }
+    model_options = {"quantization": args.quantization}
     runs = [(name, batch) for name in args.workloads for batch in (1, args.concurrency) if batch]
     results: dict[tuple[str, int, bool], Timing] = {}
     outputs: dict[tuple[str, int, bool], list[object]] = {}
@@ -252,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     engines: dict[bool, Engine] = {}
     try:
         for drafts in (False, True):
-            options = spec if drafts else {}
+            options = {**model_options, **(spec if drafts else {})}
             engines[drafts] = (
                 ServerEngine(args.model, options, args.server_port + drafts)
                 if args.server

@@ -6,7 +6,10 @@
  *
  * Work items are (decode, range of up to ATTN_SPLIT positions): a long sequence spreads over
  * the threads, and since the split depends only on the sequence's own length, its result does
- * not depend on the batch or the thread count. An item computes every query head; the heads of
+ * not depend on the batch or the thread count. Decodes of one table row (a speculative verify's
+ * rows, side by side in the batch) read the same K/V: their items of one range are one unit of
+ * work, computed one decode after another, so the later ones read it from this core's cache and
+ * not from memory. An item computes every query head; the heads of
  * one KV head share every K/V load; softmax runs online over tiles of ATTN_TILE positions
  * (running max and sum); a second pass merges each decode's items.
  *
@@ -47,18 +50,51 @@ static void decode_fp8_rows(const void** rows, int64_t n, int64_t D, int fp8, fl
     }
 }
 
+#if VW == 16
+/* Lane i = vsum(a[i]), by the same additions (the same bits), for 16 vectors at once: each
+ * level adds the two halves of two vectors held side by side in one register, so 16 sums take
+ * 46 instructions instead of 128, and no chain of dependent shuffles per sum. */
+static inline vf vsum16(const vf a[16]) {
+    vf b[8], c[4], d[2];
+    for (int i = 0; i < 8; i++)
+        b[i] = __builtin_shuffle(a[2 * i], a[2 * i + 1],
+                                 (vi){0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23}) +
+               __builtin_shuffle(a[2 * i], a[2 * i + 1],
+                                 (vi){8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31});
+    for (int i = 0; i < 4; i++)
+        c[i] = __builtin_shuffle(b[2 * i], b[2 * i + 1],
+                                 (vi){0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27}) +
+               __builtin_shuffle(b[2 * i], b[2 * i + 1],
+                                 (vi){4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31});
+    for (int i = 0; i < 2; i++)
+        d[i] = __builtin_shuffle(c[2 * i], c[2 * i + 1],
+                                 (vi){0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29}) +
+               __builtin_shuffle(c[2 * i], c[2 * i + 1],
+                                 (vi){2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31});
+    /* (the last level also puts vector i's sum in lane i) */
+    return __builtin_shuffle(d[0], d[1],
+                             (vi){0, 4, 8, 12, 2, 6, 10, 14, 16, 20, 24, 28, 18, 22, 26, 30}) +
+           __builtin_shuffle(d[0], d[1],
+                             (vi){1, 5, 9, 13, 3, 7, 11, 15, 17, 21, 25, 29, 19, 23, 27, 31});
+}
+#endif
+
 /* Online-softmax update of `heads` rows of tile scores [.][ATTN_TILE] (n valid): turns them into
  * exponentials, folds the tile into the running max / sum, and returns through `correction`
  * the factor each head's accumulator must be scaled by first. */
 static inline void softmax_tile(float (*scores)[ATTN_TILE], int64_t heads, int64_t n,
                                 float* part_max, float* part_sum, float* correction) {
     for (int64_t j = 0; j < heads; j++) {
+        vf maxes = vsplat(-INFINITY); /* (vectors: fmaxf is a libm call per position) */
+        int64_t t = 0;
+        for (; t + VW <= n; t += VW) maxes = vmax(maxes, vload(&scores[j][t]));
         float tile_max = -INFINITY;
-        for (int64_t t = 0; t < n; t++) tile_max = fmaxf(tile_max, scores[j][t]);
+        for (; t < n; t++) tile_max = scores[j][t] > tile_max ? scores[j][t] : tile_max;
+        for (int i = 0; i < VW; i++) tile_max = maxes[i] > tile_max ? maxes[i] : tile_max;
         const float new_max = fmaxf(part_max[j], tile_max);
         correction[j] = part_max[j] == -INFINITY ? 1.0f : sexp(part_max[j] - new_max);
         part_max[j] = new_max;
-        int64_t t = 0;
+        t = 0;
         vf sum = (vf){0};
         for (; t + VW <= n; t += VW) {
             vf p = vexp(vload(&scores[j][t]) - new_max);
@@ -108,6 +144,25 @@ static inline __attribute__((always_inline)) void attend_heads_impl(
             decode_fp8_rows(keys, n, D, fp8, fp8_tiles);
             decode_fp8_rows(values, n, D, fp8, fp8_tiles + ATTN_TILE * D);
         }
+#if VW == 16
+        if (tail_start == D) { /* the dot products of 16 positions summed across lanes at once */
+            for (int64_t t0 = 0; t0 < n; t0 += 16) {
+                vf lanes[ATTN_MAX_GROUP_CHUNK][16];
+                for (int64_t u = 0; u < 16; u++) {
+                    const int64_t t = t0 + u;
+                    if (t + ATTN_PREFETCH < n) prefetch_row(keys[t + ATTN_PREFETCH], D);
+                    vf dot[ATTN_MAX_GROUP_CHUNK];
+                    for (int64_t j = 0; j < GC; j++) dot[j] = (vf){0};
+                    for (int64_t c = 0; c < vecs && t < n; c++) {
+                        const vf kv = vload((const float*)keys[t] + c * VW);
+                        for (int64_t j = 0; j < GC; j++) dot[j] += qv[j][c] * kv;
+                    }
+                    for (int64_t j = 0; j < GC; j++) lanes[j][u] = dot[j];
+                }
+                for (int64_t j = 0; j < GC; j++) vstore(&scores[j][t0], vsum16(lanes[j]));
+            }
+        } else
+#endif
         for (int64_t t = 0; t < n; t++) {
             if (t + ATTN_PREFETCH < n) prefetch_row(keys[t + ATTN_PREFETCH], D);
             const float* key = keys[t];
@@ -201,26 +256,42 @@ int64_t attention_count_items(const attention_args* a, int64_t* first_item) {
     return first_item[a->B];
 }
 
-void attention_fill_item_seq(const attention_args* a, const int64_t* first_item,
-                             int64_t* item_seq) {
-    for (int64_t b = 0; b < a->B; b++)
-        for (int64_t i = first_item[b]; i < first_item[b + 1]; i++) item_seq[i] = b;
+/* Decode b's group: b up to the first decode after it of another table row. */
+static int64_t group_end(const attention_args* a, int64_t b) {
+    int64_t end = b + 1;
+    while (end < a->B && a->table_rows[end] == a->table_rows[b]) end++;
+    return end;
+}
+
+int64_t attention_fill_units(const attention_args* a, const int64_t* first_item, int64_t* units) {
+    int64_t count = 0;
+    for (int64_t b = 0, end; b < a->B; b = end) {
+        end = group_end(a, b);
+        int64_t splits = 0;
+        for (int64_t i = b; i < end; i++) splits = max64(splits, first_item[i + 1] - first_item[i]);
+        for (int64_t split = 0; split < splits; split++) units[count++] = split * a->B + b;
+    }
+    return count;
 }
 
 int64_t attention_part_floats(const attention_args* a) { return a->hq * (a->D + 2); }
 
-void attention_items_range(const void* args, int64_t begin, int64_t end) {
+void attention_units_range(const void* args, int64_t begin, int64_t end) {
     const attention_args* a = args;
     const int64_t group = a->hq / a->hk, part_width = attention_part_floats(a);
-    for (int64_t item = begin; item < end; item++) {
-        const int64_t b = a->item_seq[item];
-        const int64_t first = (item - a->first_item[b]) * ATTN_SPLIT;
-        const int64_t last = min64(first + ATTN_SPLIT, a->kv_lens[b]);
-        float* part = a->parts + item * part_width;
-        const int64_t row = a->q_rows ? a->q_rows[b] : b;
-        attend_range(a->q + row * a->ldq, a->k_cache, a->v_cache,
-                     a->page_table + a->table_rows[b] * a->ld_pt, first, last, a->hk, group, a->D,
-                     a->fp8, a->scale, part, part + a->hq, part + 2 * a->hq);
+    for (int64_t unit = begin; unit < end; unit++) {
+        const int64_t first_b = a->units[unit] % a->B, split = a->units[unit] / a->B;
+        for (int64_t b = first_b; b < group_end(a, first_b); b++) {
+            const int64_t item = a->first_item[b] + split;
+            if (item >= a->first_item[b + 1]) continue; /* a shorter decode of the group */
+            const int64_t first = split * ATTN_SPLIT;
+            const int64_t last = min64(first + ATTN_SPLIT, a->kv_lens[b]);
+            float* part = a->parts + item * part_width;
+            const int64_t row = a->q_rows ? a->q_rows[b] : b;
+            attend_range(a->q + row * a->ldq, a->k_cache, a->v_cache,
+                         a->page_table + a->table_rows[b] * a->ld_pt, first, last, a->hk, group,
+                         a->D, a->fp8, a->scale, part, part + a->hq, part + 2 * a->hq);
+        }
     }
 }
 
@@ -262,16 +333,16 @@ int mg_decode_attention(const float* q, int64_t ldq, const int64_t* q_rows, cons
         free(first_item);
         return 1;
     }
-    int64_t* item_seq = malloc((size_t)items * sizeof(int64_t));
+    int64_t* units = malloc((size_t)items * sizeof(int64_t));
     float* parts = malloc((size_t)(items * attention_part_floats(&a)) * sizeof(float));
     int status = 2;
-    if (item_seq && parts) {
-        attention_fill_item_seq(&a, first_item, item_seq);
-        a.first_item = first_item, a.item_seq = item_seq, a.parts = parts;
-        run_parallel(&a, attention_items_range, items, 1, nthreads);
+    if (units && parts) {
+        a.first_item = first_item, a.units = units, a.parts = parts;
+        run_parallel(&a, attention_units_range, attention_fill_units(&a, first_item, units), 1,
+                     nthreads);
         run_parallel(&a, attention_merge_range, B, 1, nthreads);
         status = 0;
     }
-    free(first_item), free(item_seq), free(parts);
+    free(first_item), free(units), free(parts);
     return status;
 }

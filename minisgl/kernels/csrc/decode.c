@@ -107,7 +107,7 @@ typedef struct {
     const float* kv_scales;
     float* scratch;
     attention_args attention; /* with its items planned */
-    int64_t attention_items;
+    int64_t attention_units;
     double* op_seconds; /* recorded by thread 0 */
     int64_t tags; /* the first of the linear ops' tags (4 per layer) */
 } step_args;
@@ -173,7 +173,7 @@ static int decode_step(mg_team* team, const step_args* s, int is_timer) {
         attention.k_cache = k_cache, attention.v_cache = v_cache;
         attention.scale = m->scale * k_scale, attention.v_scale = v_scale;
         attention.out = attn, attention.ldo = q_width;
-        failed |= team_run(team, &attention, attention_items_range, s->attention_items, 1);
+        failed |= team_run(team, &attention, attention_units_range, s->attention_units, 1);
         failed |= team_run(team, &attention, attention_merge_range, B, 1);
         lap(timers, OP_ATTENTION, &last);
         const linear_args o_proj = {attn, q_width, L->o, 0, o, H, B, q_width, H, tag + 1};
@@ -218,21 +218,20 @@ int mg_decode_layers(const mg_model* m, float* hidden, int64_t B, const int64_t*
     const int64_t num_counters = m->num_layers * OPS_PER_LAYER + OPS_PER_STEP;
     int64_t* first_item = malloc((size_t)(B + 1) * sizeof(int64_t));
     atomic_llong* counters = calloc((size_t)num_counters, sizeof(atomic_llong));
-    int64_t* item_seq = 0;
+    int64_t* units = 0;
     float* parts = 0;
     int status = 2;
     if (!first_item || !counters) goto done;
-    s.attention_items = attention_count_items(&s.attention, first_item);
-    if (s.attention_items < 0) {
+    const int64_t items = attention_count_items(&s.attention, first_item);
+    if (items < 0) {
         status = 1;
         goto done;
     }
-    item_seq = malloc((size_t)s.attention_items * sizeof(int64_t));
-    parts = malloc((size_t)(s.attention_items * attention_part_floats(&s.attention)) *
-                   sizeof(float));
-    if (!item_seq || !parts) goto done;
-    attention_fill_item_seq(&s.attention, first_item, item_seq);
-    s.attention.first_item = first_item, s.attention.item_seq = item_seq;
+    units = malloc((size_t)items * sizeof(int64_t));
+    parts = malloc((size_t)(items * attention_part_floats(&s.attention)) * sizeof(float));
+    if (!units || !parts) goto done;
+    s.attention_units = attention_fill_units(&s.attention, first_item, units);
+    s.attention.first_item = first_item, s.attention.units = units;
     s.attention.parts = parts;
     mg_barrier barrier;
     atomic_init(&barrier.arrived, 0);
@@ -246,6 +245,6 @@ int mg_decode_layers(const mg_model* m, float* hidden, int64_t B, const int64_t*
     }
     status = atomic_load(&failed) ? 3 : 0;
 done:
-    free(first_item), free(counters), free(item_seq), free(parts);
+    free(first_item), free(counters), free(units), free(parts);
     return status;
 }
