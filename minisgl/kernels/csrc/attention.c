@@ -110,46 +110,67 @@ static inline void softmax_tile(float (*scores)[ATTN_TILE], int64_t heads, int64
     }
 }
 
-/* Unnormalized attention of GC query heads q ([GC, D]) that share one KV head (at kv_offset in
- * each K/V row) over positions [begin, end): per head the running max (part_max), the sum of
- * exponentials (part_sum) and the exponential-weighted sum of V (part_acc, [GC, D]). Every K/V
- * vector loaded serves all GC heads. Inlined into copies for constant GC and common D (see
- * attend_heads), so queries, dot products and accumulators stay in registers. */
+/* Decodes of one table row over the same positions from `begin` on, attended to together:
+ * each K/V tile is read from memory once, then from this core's L1 for the others. */
+#define ATTN_MAX_ROWS 16 /* (a larger group goes in turns) */
+typedef struct {
+    int64_t count, hq;
+    const float* q[ATTN_MAX_ROWS]; /* row r's queries [hq, D] */
+    int64_t end[ATTN_MAX_ROWS];    /* row r's positions: [begin, end[r]) */
+    float* part[ATTN_MAX_ROWS];    /* row r's running max [hq], sum [hq], accumulators [hq, D] */
+} attn_rows;
+
+/* Unnormalized attention of GC query heads h.. of each row ([GC, D]; they share one KV head, at
+ * kv_offset in each K/V row) over its positions: per head the running max, the sum of
+ * exponentials and the exponential-weighted sum of V. Every K/V vector loaded serves all GC
+ * heads; each row takes the same additions as it would alone. Inlined into copies for constant
+ * GC and common D (see attend_heads), so queries, dot products and accumulators stay in
+ * registers. */
 static inline __attribute__((always_inline)) void attend_heads_impl(
-    const float* q, const void* k_cache, const void* v_cache, const int32_t* slots,
-    int64_t begin, int64_t end, int64_t row_width, int64_t kv_offset, const int64_t GC,
-    const int64_t D, int fp8, float* fp8_tiles, float scale, float* part_max, float* part_sum,
-    float* part_acc) {
-    const int64_t vecs = D / VW, tail_start = vecs * VW;
+    const attn_rows* rows, int64_t h, const void* k_cache, const void* v_cache,
+    const int32_t* slots, int64_t begin, int64_t row_width, int64_t kv_offset, const int64_t GC,
+    const int64_t D, int fp8, float* fp8_tiles, float scale) {
+    const int64_t vecs = D / VW, tail_start = vecs * VW, hq = rows->hq;
     const int64_t elem = fp8 ? 1 : (int64_t)sizeof(float);
     float scores[ATTN_MAX_GROUP_CHUNK][ATTN_TILE];
     float correction[ATTN_MAX_GROUP_CHUNK];
     const void* keys[ATTN_TILE];
     const void* values[ATTN_TILE];
     vf qv[ATTN_MAX_GROUP_CHUNK][ATTN_MAX_HEAD_DIM / VW];
-    for (int64_t j = 0; j < GC; j++) {
-        part_max[j] = -INFINITY;
-        part_sum[j] = 0.0f;
-        memset(part_acc + j * D, 0, (size_t)D * sizeof(float));
-        for (int64_t c = 0; c < vecs; c++) qv[j][c] = vload(q + j * D + c * VW) * scale;
+    int64_t end = begin;
+    for (int64_t r = 0; r < rows->count; r++) {
+        end = max64(end, rows->end[r]);
+        for (int64_t j = 0; j < GC; j++) {
+            rows->part[r][h + j] = -INFINITY;
+            rows->part[r][hq + h + j] = 0.0f;
+            memset(rows->part[r] + 2 * hq + (h + j) * D, 0, (size_t)D * sizeof(float));
+        }
     }
     for (int64_t t0 = begin; t0 < end; t0 += ATTN_TILE) {
-        const int64_t n = end - t0 < ATTN_TILE ? end - t0 : ATTN_TILE;
-        for (int64_t t = 0; t < n; t++) {
+        const int64_t n_any = end - t0 < ATTN_TILE ? end - t0 : ATTN_TILE;
+        for (int64_t t = 0; t < n_any; t++) {
             const int64_t offset = ((int64_t)slots[t0 + t] * row_width + kv_offset) * elem;
             keys[t] = (const char*)k_cache + offset;
             values[t] = (const char*)v_cache + offset;
         }
         if (fp8) {
-            decode_fp8_rows(keys, n, D, fp8, fp8_tiles);
-            decode_fp8_rows(values, n, D, fp8, fp8_tiles + ATTN_TILE * D);
+            decode_fp8_rows(keys, n_any, D, fp8, fp8_tiles);
+            decode_fp8_rows(values, n_any, D, fp8, fp8_tiles + ATTN_TILE * D);
         }
+        for (int64_t r = 0; r < rows->count; r++) {
+        const int64_t n = min64(n_any, rows->end[r] - t0);
+        if (n <= 0) continue;
+        const float* q = rows->q[r] + h * D;
+        float *part_max = rows->part[r] + h, *part_sum = rows->part[r] + hq + h;
+        float* part_acc = rows->part[r] + 2 * hq + h * D;
+        for (int64_t j = 0; j < GC; j++)
+            for (int64_t c = 0; c < vecs; c++) qv[j][c] = vload(q + j * D + c * VW) * scale;
 #if VW == 16
         if (tail_start == D) { /* the dot products of 16 positions summed across lanes at once */
-            for (int64_t t0 = 0; t0 < n; t0 += 16) {
+            for (int64_t u0 = 0; u0 < n; u0 += 16) {
                 vf lanes[ATTN_MAX_GROUP_CHUNK][16];
                 for (int64_t u = 0; u < 16; u++) {
-                    const int64_t t = t0 + u;
+                    const int64_t t = u0 + u;
                     if (t + ATTN_PREFETCH < n) prefetch_row(keys[t + ATTN_PREFETCH], D);
                     vf dot[ATTN_MAX_GROUP_CHUNK];
                     for (int64_t j = 0; j < GC; j++) dot[j] = (vf){0};
@@ -159,7 +180,7 @@ static inline __attribute__((always_inline)) void attend_heads_impl(
                     }
                     for (int64_t j = 0; j < GC; j++) lanes[j][u] = dot[j];
                 }
-                for (int64_t j = 0; j < GC; j++) vstore(&scores[j][t0], vsum16(lanes[j]));
+                for (int64_t j = 0; j < GC; j++) vstore(&scores[j][u0], vsum16(lanes[j]));
             }
         } else
 #endif
@@ -198,26 +219,27 @@ static inline __attribute__((always_inline)) void attend_heads_impl(
         }
         for (int64_t j = 0; j < GC; j++)
             for (int64_t c = 0; c < vecs; c++) vstore(part_acc + j * D + c * VW, av[j][c]);
+        }
     }
 }
 
 #define ATTEND_HEADS_FOR_D(GC_VALUE)                                                            \
     do {                                                                                        \
         if (D == 64)                                                                            \
-            attend_heads_impl(q, k_cache, v_cache, slots, begin, end, row_width, kv_offset,     \
-                              GC_VALUE, 64, fp8, tiles, scale, part_max, part_sum, part_acc);   \
+            attend_heads_impl(rows, h, k_cache, v_cache, slots, begin, row_width, kv_offset,    \
+                              GC_VALUE, 64, fp8, tiles, scale);                                 \
         else if (D == 128)                                                                      \
-            attend_heads_impl(q, k_cache, v_cache, slots, begin, end, row_width, kv_offset,     \
-                              GC_VALUE, 128, fp8, tiles, scale, part_max, part_sum, part_acc);  \
+            attend_heads_impl(rows, h, k_cache, v_cache, slots, begin, row_width, kv_offset,    \
+                              GC_VALUE, 128, fp8, tiles, scale);                                \
         else                                                                                    \
-            attend_heads_impl(q, k_cache, v_cache, slots, begin, end, row_width, kv_offset,     \
-                              GC_VALUE, D, fp8, tiles, scale, part_max, part_sum, part_acc);    \
+            attend_heads_impl(rows, h, k_cache, v_cache, slots, begin, row_width, kv_offset,    \
+                              GC_VALUE, D, fp8, tiles, scale);                                  \
     } while (0)
 
-static void attend_heads(const float* q, const void* k_cache, const void* v_cache,
-                         const int32_t* slots, int64_t begin, int64_t end, int64_t row_width,
-                         int64_t kv_offset, int64_t gc, int64_t D, int fp8, float* tiles,
-                         float scale, float* part_max, float* part_sum, float* part_acc) {
+static void attend_heads(const attn_rows* rows, int64_t h, const void* k_cache,
+                         const void* v_cache, const int32_t* slots, int64_t begin,
+                         int64_t row_width, int64_t kv_offset, int64_t gc, int64_t D, int fp8,
+                         float* tiles, float scale) {
     switch (gc) {
         case 1: ATTEND_HEADS_FOR_D(1); break;
         case 2: ATTEND_HEADS_FOR_D(2); break;
@@ -233,18 +255,15 @@ static int64_t group_chunk(int64_t group) {
     return 1;
 }
 
-/* Every query head of q ([hq, D]) over positions [begin, end): part_max [hq], part_sum [hq],
- * part_acc [hq, D]. */
-static void attend_range(const float* q, const void* k_cache, const void* v_cache,
-                         const int32_t* slots, int64_t begin, int64_t end, int64_t hk,
-                         int64_t group, int64_t D, int fp8, float scale, float* part_max,
-                         float* part_sum, float* part_acc) {
+/* Every query head of the rows over their positions from `begin` on. */
+static void attend_range(const attn_rows* rows, const void* k_cache, const void* v_cache,
+                         const int32_t* slots, int64_t begin, int64_t hk, int64_t group,
+                         int64_t D, int fp8, float scale) {
     const int64_t gc = group_chunk(group), row_width = hk * D;
     float fp8_tiles[fp8 ? 2 * ATTN_TILE * D : 1]; /* decoded K and V rows of one tile */
-    for (int64_t h = 0; h < hk * group; h += gc) {
-        attend_heads(q + h * D, k_cache, v_cache, slots, begin, end, row_width, (h / group) * D,
-                     gc, D, fp8, fp8_tiles, scale, part_max + h, part_sum + h, part_acc + h * D);
-    }
+    for (int64_t h = 0; h < hk * group; h += gc)
+        attend_heads(rows, h, k_cache, v_cache, slots, begin, row_width, (h / group) * D, gc, D,
+                     fp8, fp8_tiles, scale);
 }
 
 int64_t attention_count_items(const attention_args* a, int64_t* first_item) {
@@ -281,16 +300,22 @@ void attention_units_range(const void* args, int64_t begin, int64_t end) {
     const int64_t group = a->hq / a->hk, part_width = attention_part_floats(a);
     for (int64_t unit = begin; unit < end; unit++) {
         const int64_t first_b = a->units[unit] % a->B, split = a->units[unit] / a->B;
-        for (int64_t b = first_b; b < group_end(a, first_b); b++) {
+        const int64_t first = split * ATTN_SPLIT, last_b = group_end(a, first_b);
+        attn_rows rows = {.count = 0, .hq = a->hq};
+        for (int64_t b = first_b; b < last_b; b++) {
             const int64_t item = a->first_item[b] + split;
-            if (item >= a->first_item[b + 1]) continue; /* a shorter decode of the group */
-            const int64_t first = split * ATTN_SPLIT;
-            const int64_t last = min64(first + ATTN_SPLIT, a->kv_lens[b]);
-            float* part = a->parts + item * part_width;
-            const int64_t row = a->q_rows ? a->q_rows[b] : b;
-            attend_range(a->q + row * a->ldq, a->k_cache, a->v_cache,
-                         a->page_table + a->table_rows[b] * a->ld_pt, first, last, a->hk, group,
-                         a->D, a->fp8, a->scale, part, part + a->hq, part + 2 * a->hq);
+            if (item < a->first_item[b + 1]) { /* (not a shorter decode of the group) */
+                const int64_t r = rows.count++;
+                rows.q[r] = a->q + (a->q_rows ? a->q_rows[b] : b) * a->ldq;
+                rows.end[r] = min64(first + ATTN_SPLIT, a->kv_lens[b]);
+                rows.part[r] = a->parts + item * part_width;
+            }
+            if (rows.count == ATTN_MAX_ROWS || (b + 1 == last_b && rows.count)) {
+                attend_range(&rows, a->k_cache, a->v_cache,
+                             a->page_table + a->table_rows[first_b] * a->ld_pt, first, a->hk,
+                             group, a->D, a->fp8, a->scale);
+                rows.count = 0;
+            }
         }
     }
 }
