@@ -282,13 +282,32 @@ static int64_t group_end(const attention_args* a, int64_t b) {
     return end;
 }
 
-int64_t attention_fill_units(const attention_args* a, const int64_t* first_item, int64_t* units) {
+/* The work items of the group's longest decode. */
+static int64_t group_splits(const int64_t* first_item, int64_t b, int64_t end) {
+    int64_t splits = 0;
+    for (int64_t i = b; i < end; i++) splits = max64(splits, first_item[i + 1] - first_item[i]);
+    return splits;
+}
+
+int64_t attention_fill_units(const attention_args* a, const int64_t* first_item, int nthreads,
+                             int64_t* units) {
+    int64_t whole = 0;
+    for (int64_t b = 0, end; b < a->B; b = end) {
+        end = group_end(a, b);
+        whole += group_splits(first_item, b, end);
+    }
+    /* Too few for the threads (a batch-1 verify over a few hundred positions: 2-3 units, one
+     * of them short): each group's rows go in two halves, each half reading the K/V itself. */
+    const int halves = whole < 2 * nthreads;
     int64_t count = 0;
     for (int64_t b = 0, end; b < a->B; b = end) {
         end = group_end(a, b);
-        int64_t splits = 0;
-        for (int64_t i = b; i < end; i++) splits = max64(splits, first_item[i + 1] - first_item[i]);
-        for (int64_t split = 0; split < splits; split++) units[count++] = split * a->B + b;
+        const int64_t mid = halves ? b + (end - b + 1) / 2 : end;
+        for (int64_t split = 0, splits = group_splits(first_item, b, end); split < splits;
+             split++) {
+            units[2 * count] = split * a->B + b, units[2 * count + 1] = mid, count++;
+            if (mid < end) units[2 * count] = split * a->B + mid, units[2 * count + 1] = end, count++;
+        }
     }
     return count;
 }
@@ -299,8 +318,8 @@ void attention_units_range(const void* args, int64_t begin, int64_t end) {
     const attention_args* a = args;
     const int64_t group = a->hq / a->hk, part_width = attention_part_floats(a);
     for (int64_t unit = begin; unit < end; unit++) {
-        const int64_t first_b = a->units[unit] % a->B, split = a->units[unit] / a->B;
-        const int64_t first = split * ATTN_SPLIT, last_b = group_end(a, first_b);
+        const int64_t first_b = a->units[2 * unit] % a->B, split = a->units[2 * unit] / a->B;
+        const int64_t first = split * ATTN_SPLIT, last_b = a->units[2 * unit + 1];
         attn_rows rows = {.count = 0, .hq = a->hq};
         for (int64_t b = first_b; b < last_b; b++) {
             const int64_t item = a->first_item[b] + split;
@@ -358,13 +377,13 @@ int mg_decode_attention(const float* q, int64_t ldq, const int64_t* q_rows, cons
         free(first_item);
         return 1;
     }
-    int64_t* units = malloc((size_t)items * sizeof(int64_t));
+    int64_t* units = malloc((size_t)(4 * items) * sizeof(int64_t));
     float* parts = malloc((size_t)(items * attention_part_floats(&a)) * sizeof(float));
     int status = 2;
     if (units && parts) {
         a.first_item = first_item, a.units = units, a.parts = parts;
-        run_parallel(&a, attention_units_range, attention_fill_units(&a, first_item, units), 1,
-                     nthreads);
+        run_parallel(&a, attention_units_range,
+                     attention_fill_units(&a, first_item, nthreads, units), 1, nthreads);
         run_parallel(&a, attention_merge_range, B, 1, nthreads);
         status = 0;
     }

@@ -285,8 +285,9 @@ typedef struct {
     float* out;
     int64_t ldo, B, hq, hk, D;
     float scale;
-    /* work items: decode b owns items [first_item[b], first_item[b + 1]); a unit of work,
-     * split * B + b: that split's items of b's group (attention.c) */
+    /* work items: decode b owns items [first_item[b], first_item[b + 1]); unit u of work:
+     * that split's items of decodes [b, end) of one table row, units[2u] = split * B + b and
+     * units[2u + 1] = end (attention.c) */
     const int64_t* first_item;
     const int64_t* units;
     float* parts; /* per item: max [hq], sum [hq], acc [hq, D] */
@@ -296,8 +297,9 @@ typedef struct {
 /* Checks the shapes and fills first_item [B + 1]; returns the item count, or -1 when the head
  * count or head_dim is over the kernel's limits. */
 int64_t attention_count_items(const attention_args* a, int64_t* first_item);
-/* Fills units [at most the item count]; returns their count. */
-int64_t attention_fill_units(const attention_args* a, const int64_t* first_item, int64_t* units);
+/* Fills units [2 x at most twice the item count]; returns their count. */
+int64_t attention_fill_units(const attention_args* a, const int64_t* first_item, int nthreads,
+                             int64_t* units);
 int64_t attention_part_floats(const attention_args* a); /* per item */
 void attention_units_range(const void* args, int64_t begin, int64_t end);
 void attention_merge_range(const void* args, int64_t begin, int64_t end); /* decodes */

@@ -227,10 +227,10 @@ int mg_decode_layers(const mg_model* m, float* hidden, int64_t B, const int64_t*
         status = 1;
         goto done;
     }
-    units = malloc((size_t)items * sizeof(int64_t));
+    units = malloc((size_t)(4 * items) * sizeof(int64_t));
     parts = malloc((size_t)(items * attention_part_floats(&s.attention)) * sizeof(float));
     if (!units || !parts) goto done;
-    s.attention_units = attention_fill_units(&s.attention, first_item, units);
+    s.attention_units = attention_fill_units(&s.attention, first_item, nthreads, units);
     s.attention.first_item = first_item, s.attention.units = units;
     s.attention.parts = parts;
     mg_barrier barrier;
