@@ -152,13 +152,13 @@ def test_merged_segments_and_tensor_parallel_cuts() -> None:
     k, rng = kernels(), np.random.default_rng(0)
     parts = [
         QuantTensor(int(t), torch.from_numpy(random_blocks(t, rows, 512, rng)), 512)
-        for t, rows in ((T.Q4_K, 40), (T.Q4_K, 8), (T.Q6_K, 8))
+        for t, rows in ((T.Q4_K, 41), (T.Q4_K, 8), (T.Q6_K, 7))  # seams inside 16-row items
     ]
     parts.append(QuantTensor.of_float(torch.randn(5, 512)))
     want_weight = torch.cat([p.dequantize() for p in parts])
     packed = PackedLinear.of_blocks(dict(enumerate(parts)))
     assert packed.out_features == 61 and len(packed.segments) == 4
-    for batch in (1, 16):
+    for batch in (1, 5, 16, 40):
         x = torch.randn(batch, 512)
         want = x @ want_weight.T
         torch.testing.assert_close(
