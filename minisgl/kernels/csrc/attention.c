@@ -6,12 +6,12 @@
  *
  * Work items are (decode, range of up to ATTN_SPLIT positions): a long sequence spreads over
  * the threads, and since the split depends only on the sequence's own length, its result does
- * not depend on the batch or the thread count. Decodes of one table row (a speculative verify's
- * rows, side by side in the batch) read the same K/V: their items of one range are one unit of
- * work, computed one decode after another, so the later ones read it from this core's cache and
- * not from memory. An item computes every query head; the heads of
+ * not depend on the batch or the thread count. An item computes every query head; the heads of
  * one KV head share every K/V load; softmax runs online over tiles of ATTN_TILE positions
- * (running max and sum); a second pass merges each decode's items.
+ * (running max and sum); a second pass merges each decode's items. Decodes of one table row (a
+ * speculative verify's rows, side by side in the batch) read the same K/V: their items of one
+ * range are one unit of work that takes each K/V tile through all of them in turn, so it comes
+ * from memory once and from this core's L1 for the others.
  *
  * An fp8 pool (fp8 != 0, common.h) holds codes: each tile's K and V rows are decoded to fp32 in
  * a scratch tile first, then attended to as fp32 rows. The K scale comes folded into `scale`;
@@ -60,7 +60,8 @@ static inline vf vsum16(const vf a[16]) {
         b[i] = __builtin_shuffle(a[2 * i], a[2 * i + 1],
                                  (vi){0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23}) +
                __builtin_shuffle(a[2 * i], a[2 * i + 1],
-                                 (vi){8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31});
+                                 (vi){8, 9, 10, 11, 12, 13, 14, 15,
+                                      24, 25, 26, 27, 28, 29, 30, 31});
     for (int i = 0; i < 4; i++)
         c[i] = __builtin_shuffle(b[2 * i], b[2 * i + 1],
                                  (vi){0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27}) +
@@ -158,67 +159,68 @@ static inline __attribute__((always_inline)) void attend_heads_impl(
             decode_fp8_rows(values, n_any, D, fp8, fp8_tiles + ATTN_TILE * D);
         }
         for (int64_t r = 0; r < rows->count; r++) {
-        const int64_t n = min64(n_any, rows->end[r] - t0);
-        if (n <= 0) continue;
-        const float* q = rows->q[r] + h * D;
-        float *part_max = rows->part[r] + h, *part_sum = rows->part[r] + hq + h;
-        float* part_acc = rows->part[r] + 2 * hq + h * D;
-        for (int64_t j = 0; j < GC; j++)
-            for (int64_t c = 0; c < vecs; c++) qv[j][c] = vload(q + j * D + c * VW) * scale;
+            const int64_t n = min64(n_any, rows->end[r] - t0);
+            if (n <= 0) continue;
+            const float* q = rows->q[r] + h * D;
+            float *part_max = rows->part[r] + h, *part_sum = rows->part[r] + hq + h;
+            float* part_acc = rows->part[r] + 2 * hq + h * D;
+            for (int64_t j = 0; j < GC; j++)
+                for (int64_t c = 0; c < vecs; c++) qv[j][c] = vload(q + j * D + c * VW) * scale;
 #if VW == 16
-        if (tail_start == D) { /* the dot products of 16 positions summed across lanes at once */
-            for (int64_t u0 = 0; u0 < n; u0 += 16) {
-                vf lanes[ATTN_MAX_GROUP_CHUNK][16];
-                for (int64_t u = 0; u < 16; u++) {
-                    const int64_t t = u0 + u;
-                    if (t + ATTN_PREFETCH < n) prefetch_row(keys[t + ATTN_PREFETCH], D);
-                    vf dot[ATTN_MAX_GROUP_CHUNK];
-                    for (int64_t j = 0; j < GC; j++) dot[j] = (vf){0};
-                    for (int64_t c = 0; c < vecs && t < n; c++) {
-                        const vf kv = vload((const float*)keys[t] + c * VW);
-                        for (int64_t j = 0; j < GC; j++) dot[j] += qv[j][c] * kv;
+            if (tail_start == D) { /* 16 positions' dot products summed across lanes at once */
+                for (int64_t u0 = 0; u0 < n; u0 += 16) {
+                    vf lanes[ATTN_MAX_GROUP_CHUNK][16];
+                    for (int64_t u = 0; u < 16; u++) {
+                        const int64_t t = u0 + u;
+                        if (t + ATTN_PREFETCH < n) prefetch_row(keys[t + ATTN_PREFETCH], D);
+                        vf dot[ATTN_MAX_GROUP_CHUNK];
+                        for (int64_t j = 0; j < GC; j++) dot[j] = (vf){0};
+                        for (int64_t c = 0; c < vecs && t < n; c++) {
+                            const vf kv = vload((const float*)keys[t] + c * VW);
+                            for (int64_t j = 0; j < GC; j++) dot[j] += qv[j][c] * kv;
+                        }
+                        for (int64_t j = 0; j < GC; j++) lanes[j][u] = dot[j];
                     }
-                    for (int64_t j = 0; j < GC; j++) lanes[j][u] = dot[j];
+                    for (int64_t j = 0; j < GC; j++) vstore(&scores[j][u0], vsum16(lanes[j]));
                 }
-                for (int64_t j = 0; j < GC; j++) vstore(&scores[j][u0], vsum16(lanes[j]));
-            }
-        } else
+            } else
 #endif
-        for (int64_t t = 0; t < n; t++) {
-            if (t + ATTN_PREFETCH < n) prefetch_row(keys[t + ATTN_PREFETCH], D);
-            const float* key = keys[t];
-            vf dot[ATTN_MAX_GROUP_CHUNK];
-            for (int64_t j = 0; j < GC; j++) dot[j] = (vf){0};
-            for (int64_t c = 0; c < vecs; c++) {
-                const vf kv = vload(key + c * VW);
-                for (int64_t j = 0; j < GC; j++) dot[j] += qv[j][c] * kv;
+            for (int64_t t = 0; t < n; t++) {
+                if (t + ATTN_PREFETCH < n) prefetch_row(keys[t + ATTN_PREFETCH], D);
+                const float* key = keys[t];
+                vf dot[ATTN_MAX_GROUP_CHUNK];
+                for (int64_t j = 0; j < GC; j++) dot[j] = (vf){0};
+                for (int64_t c = 0; c < vecs; c++) {
+                    const vf kv = vload(key + c * VW);
+                    for (int64_t j = 0; j < GC; j++) dot[j] += qv[j][c] * kv;
+                }
+                for (int64_t j = 0; j < GC; j++) {
+                    float tail = 0.0f;
+                    for (int64_t i = tail_start; i < D; i++) tail += q[j * D + i] * scale * key[i];
+                    scores[j][t] = vsum(dot[j]) + tail;
+                }
             }
+            for (int64_t t = 0; t < n && t < ATTN_PREFETCH; t++) prefetch_row(values[t], D);
+            softmax_tile(scores, GC, n, part_max, part_sum, correction);
+            vf av[ATTN_MAX_GROUP_CHUNK][ATTN_MAX_HEAD_DIM / VW];
             for (int64_t j = 0; j < GC; j++) {
-                float tail = 0.0f;
-                for (int64_t i = tail_start; i < D; i++) tail += q[j * D + i] * scale * key[i];
-                scores[j][t] = vsum(dot[j]) + tail;
+                float* acc = part_acc + j * D;
+                for (int64_t c = 0; c < vecs; c++) av[j][c] = vload(acc + c * VW) * correction[j];
+                for (int64_t i = tail_start; i < D; i++) acc[i] *= correction[j];
             }
-        }
-        for (int64_t t = 0; t < n && t < ATTN_PREFETCH; t++) prefetch_row(values[t], D);
-        softmax_tile(scores, GC, n, part_max, part_sum, correction);
-        vf av[ATTN_MAX_GROUP_CHUNK][ATTN_MAX_HEAD_DIM / VW];
-        for (int64_t j = 0; j < GC; j++) {
-            float* acc = part_acc + j * D;
-            for (int64_t c = 0; c < vecs; c++) av[j][c] = vload(acc + c * VW) * correction[j];
-            for (int64_t i = tail_start; i < D; i++) acc[i] *= correction[j];
-        }
-        for (int64_t t = 0; t < n; t++) {
-            if (t + ATTN_PREFETCH < n) prefetch_row(values[t + ATTN_PREFETCH], D);
-            const float* value = values[t];
-            for (int64_t c = 0; c < vecs; c++) {
-                const vf vv = vload(value + c * VW);
-                for (int64_t j = 0; j < GC; j++) av[j][c] += vv * scores[j][t];
+            for (int64_t t = 0; t < n; t++) {
+                if (t + ATTN_PREFETCH < n) prefetch_row(values[t + ATTN_PREFETCH], D);
+                const float* value = values[t];
+                for (int64_t c = 0; c < vecs; c++) {
+                    const vf vv = vload(value + c * VW);
+                    for (int64_t j = 0; j < GC; j++) av[j][c] += vv * scores[j][t];
+                }
+                for (int64_t j = 0; j < GC; j++)
+                    for (int64_t i = tail_start; i < D; i++)
+                        part_acc[j * D + i] += value[i] * scores[j][t];
             }
             for (int64_t j = 0; j < GC; j++)
-                for (int64_t i = tail_start; i < D; i++) part_acc[j * D + i] += value[i] * scores[j][t];
-        }
-        for (int64_t j = 0; j < GC; j++)
-            for (int64_t c = 0; c < vecs; c++) vstore(part_acc + j * D + c * VW, av[j][c]);
+                for (int64_t c = 0; c < vecs; c++) vstore(part_acc + j * D + c * VW, av[j][c]);
         }
     }
 }
@@ -306,7 +308,8 @@ int64_t attention_fill_units(const attention_args* a, const int64_t* first_item,
         for (int64_t split = 0, splits = group_splits(first_item, b, end); split < splits;
              split++) {
             units[2 * count] = split * a->B + b, units[2 * count + 1] = mid, count++;
-            if (mid < end) units[2 * count] = split * a->B + mid, units[2 * count + 1] = end, count++;
+            if (mid < end)
+                units[2 * count] = split * a->B + mid, units[2 * count + 1] = end, count++;
         }
     }
     return count;
