@@ -297,7 +297,8 @@ typedef struct {
 /* Checks the shapes and fills first_item [B + 1]; returns the item count, or -1 when the head
  * count or head_dim is over the kernel's limits. */
 int64_t attention_count_items(const attention_args* a, int64_t* first_item);
-/* Fills units [2 x at most twice the item count]; returns their count. */
+/* Fills units (room for 4 int64 per item: two per unit, at most two units per item); returns
+ * their count. */
 int64_t attention_fill_units(const attention_args* a, const int64_t* first_item, int nthreads,
                              int64_t* units);
 int64_t attention_part_floats(const attention_args* a); /* per item */
