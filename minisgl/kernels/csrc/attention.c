@@ -292,7 +292,7 @@ static int64_t group_splits(const int64_t* first_item, int64_t b, int64_t end) {
 }
 
 int64_t attention_fill_units(const attention_args* a, const int64_t* first_item, int nthreads,
-                             int64_t* units) {
+                             attention_unit* units) {
     int64_t whole = 0;
     for (int64_t b = 0, end; b < a->B; b = end) {
         end = group_end(a, b);
@@ -307,9 +307,8 @@ int64_t attention_fill_units(const attention_args* a, const int64_t* first_item,
         const int64_t mid = halves ? b + (end - b + 1) / 2 : end;
         for (int64_t split = 0, splits = group_splits(first_item, b, end); split < splits;
              split++) {
-            units[2 * count] = split * a->B + b, units[2 * count + 1] = mid, count++;
-            if (mid < end)
-                units[2 * count] = split * a->B + mid, units[2 * count + 1] = end, count++;
+            units[count++] = (attention_unit){b, mid, split};
+            if (mid < end) units[count++] = (attention_unit){mid, end, split};
         }
     }
     return count;
@@ -321,8 +320,8 @@ void attention_units_range(const void* args, int64_t begin, int64_t end) {
     const attention_args* a = args;
     const int64_t group = a->hq / a->hk, part_width = attention_part_floats(a);
     for (int64_t unit = begin; unit < end; unit++) {
-        const int64_t first_b = a->units[2 * unit] % a->B, split = a->units[2 * unit] / a->B;
-        const int64_t first = split * ATTN_SPLIT, last_b = a->units[2 * unit + 1];
+        const int64_t first_b = a->units[unit].first_b, last_b = a->units[unit].end_b;
+        const int64_t split = a->units[unit].split, first = split * ATTN_SPLIT;
         attn_rows rows = {.count = 0, .hq = a->hq};
         for (int64_t b = first_b; b < last_b; b++) {
             const int64_t item = a->first_item[b] + split;
@@ -380,7 +379,7 @@ int mg_decode_attention(const float* q, int64_t ldq, const int64_t* q_rows, cons
         free(first_item);
         return 1;
     }
-    int64_t* units = malloc((size_t)(4 * items) * sizeof(int64_t));
+    attention_unit* units = malloc((size_t)(2 * items) * sizeof(attention_unit));
     float* parts = malloc((size_t)(items * attention_part_floats(&a)) * sizeof(float));
     int status = 2;
     if (units && parts) {

@@ -285,11 +285,10 @@ typedef struct {
     float* out;
     int64_t ldo, B, hq, hk, D;
     float scale;
-    /* work items: decode b owns items [first_item[b], first_item[b + 1]); unit u of work:
-     * that split's items of decodes [b, end) of one table row, units[2u] = split * B + b and
-     * units[2u + 1] = end (attention.c) */
+    /* work items: decode b owns items [first_item[b], first_item[b + 1]); a unit of work is
+     * one split's items of some decodes of one table row (attention.c) */
     const int64_t* first_item;
-    const int64_t* units;
+    const struct attention_unit* units;
     float* parts; /* per item: max [hq], sum [hq], acc [hq, D] */
     int fp8;
     float v_scale; /* outputs are multiplied by it */
@@ -297,10 +296,13 @@ typedef struct {
 /* Checks the shapes and fills first_item [B + 1]; returns the item count, or -1 when the head
  * count or head_dim is over the kernel's limits. */
 int64_t attention_count_items(const attention_args* a, int64_t* first_item);
-/* Fills units (room for 4 int64 per item: two per unit, at most two units per item); returns
- * their count. */
+/* Decodes [first_b, end_b) (of one table row), their items of positions split * ATTN_SPLIT on. */
+typedef struct attention_unit {
+    int64_t first_b, end_b, split;
+} attention_unit;
+/* Fills units (room for two per item); returns their count. */
 int64_t attention_fill_units(const attention_args* a, const int64_t* first_item, int nthreads,
-                             int64_t* units);
+                             attention_unit* units);
 int64_t attention_part_floats(const attention_args* a); /* per item */
 void attention_units_range(const void* args, int64_t begin, int64_t end);
 void attention_merge_range(const void* args, int64_t begin, int64_t end); /* decodes */

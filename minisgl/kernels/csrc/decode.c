@@ -218,7 +218,7 @@ int mg_decode_layers(const mg_model* m, float* hidden, int64_t B, const int64_t*
     const int64_t num_counters = m->num_layers * OPS_PER_LAYER + OPS_PER_STEP;
     int64_t* first_item = malloc((size_t)(B + 1) * sizeof(int64_t));
     atomic_llong* counters = calloc((size_t)num_counters, sizeof(atomic_llong));
-    int64_t* units = 0;
+    attention_unit* units = 0;
     float* parts = 0;
     int status = 2;
     if (!first_item || !counters) goto done;
@@ -227,7 +227,7 @@ int mg_decode_layers(const mg_model* m, float* hidden, int64_t B, const int64_t*
         status = 1;
         goto done;
     }
-    units = malloc((size_t)(4 * items) * sizeof(int64_t));
+    units = malloc((size_t)(2 * items) * sizeof(attention_unit));
     parts = malloc((size_t)(items * attention_part_floats(&s.attention)) * sizeof(float));
     if (!units || !parts) goto done;
     s.attention_units = attention_fill_units(&s.attention, first_item, nthreads, units);

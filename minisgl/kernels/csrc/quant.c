@@ -325,36 +325,28 @@ static inline int64_t row_bytes(int64_t type, int64_t K) {
     return K / elems * mg_quant_block_bytes(type);
 }
 
-/* Output row n of w: its bytes, and its type in *type. */
-static const uint8_t* weight_row(const mg_weight* w, int64_t K, int64_t n, int64_t* type) {
-    const uint8_t* p = w->data;
-    for (int64_t s = 0; s < w->num_segments; s++) {
-        if (n < w->rows[s]) {
-            *type = w->types[s];
-            return p + n * row_bytes(*type, K);
-        }
-        n -= w->rows[s];
-        p += w->rows[s] * row_bytes(w->types[s], K);
-    }
-    *type = -1;
-    return p;
-}
-
-/* Rows n .. n + count - 1 of w: their bytes and types, with a division per segment (weight_row
- * takes two per row: ~13 cycles of a 576-element row's ~110 at batch 1). */
+/* Output rows n .. n + count - 1 of w: their bytes and types (-1 past the last segment). A
+ * division per segment, not per row: at batch 1 two per row were ~13 cycles of a 576-element
+ * row's ~110. */
 static void weight_rows(const mg_weight* w, int64_t K, int64_t n, int64_t count,
                         const uint8_t** src, int64_t* type) {
     const uint8_t* p = w->data; /* where segment s starts */
-    int64_t s = -1, stride = 0;
+    int64_t s = 0, stride = w->num_segments ? row_bytes(w->types[0], K) : 0;
     for (int64_t r = 0; r < count; r++, n++) {
-        while (s < 0 || (s < w->num_segments && n >= w->rows[s])) {
-            if (s >= 0) p += w->rows[s] * stride, n -= w->rows[s];
-            s++;
+        while (s < w->num_segments && n >= w->rows[s]) {
+            p += w->rows[s] * stride, n -= w->rows[s++];
             stride = s < w->num_segments ? row_bytes(w->types[s], K) : 0;
         }
         type[r] = s < w->num_segments ? w->types[s] : -1;
         src[r] = p + n * stride;
     }
+}
+
+/* Output row n of w: its bytes, and its type in *type. */
+static const uint8_t* weight_row(const mg_weight* w, int64_t K, int64_t n, int64_t* type) {
+    const uint8_t* src;
+    weight_rows(w, K, n, 1, &src, type);
+    return src;
 }
 
 /* *buffer (64-byte aligned) grown to at least `bytes`, never shrunk: the kernels' per-thread
