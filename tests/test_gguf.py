@@ -2,7 +2,7 @@
 
 The `gguf` package is the oracle: its dequantization, then an fp32 matmul. Every served block
 type against it with random blocks, at the row lengths the models here use and at batch sizes
-of every kernel path (rows decoded in registers up to 16 rows, panels beyond; and the opt-in
+of every kernel path (rows decoded in registers up to 20 rows, panels beyond; and the opt-in
 int8 path, MINISGL_INT8_ACTIVATIONS=1 with AVX-512 VNNI: Q4_0 / Q4_1 / Q8_0 times activations
 quantized to int8 per 32 elements, checked against that quantization done by hand and by gguf's
 Q8_0); then whole models: a tiny GGUF Llama mixing every type (and one the kernels do not serve)
@@ -144,6 +144,28 @@ def test_block_kernels_match_gguf_dequantize(qtype: T) -> None:
             torch.testing.assert_close(got, want, atol=2e-3 * float(want.abs().max()), rtol=0)
             want = (int8_activations(x).double() @ want_weight.double().T + bias).float()
             torch.testing.assert_close(got, want, atol=tol, rtol=1e-5)
+
+
+@pytest.mark.parametrize("qtype", SERVED, ids=lambda t: t.name)
+def test_block_kernels_do_not_depend_on_the_batch_or_threads(qtype: T) -> None:
+    """Up to 20 rows (decoding, and a verify step's drafts) a row's output is bitwise the same
+    whatever its batch mates and the thread count: rows in passes of 8, K in slices from 7 rows
+    at 1536 and 3 at 4096, yet each row adds in one order (a draft row's logits are plain
+    decoding's)."""
+    k, rng = kernels(), np.random.default_rng(100 + int(qtype))
+    for cols in (256, 1536, 4096):
+        blocks = torch.from_numpy(random_blocks(qtype, 40, cols, rng))
+        packed = PackedLinear.of_blocks({0: QuantTensor(int(qtype), blocks, cols)})
+        x = torch.randn(20, cols)
+        alone = torch.cat([k.linear(x[i : i + 1], packed) for i in range(len(x))])
+        previous = torch.get_num_threads()
+        try:
+            for threads in (1, 2):
+                torch.set_num_threads(threads)
+                for rows in range(2, 21):
+                    assert torch.equal(k.linear(x[:rows], packed), alone[:rows]), (cols, rows)
+        finally:
+            torch.set_num_threads(previous)
 
 
 def test_merged_segments_and_tensor_parallel_cuts() -> None:

@@ -287,20 +287,24 @@ COPY_MESSAGES = [{"role": "user", "content": f"Copy this text exactly:\n\n{PASSA
 def test_server_serves_drafted_outputs_unchanged():
     """A server with --speculative-algorithm ngram on the bundled model (real text that the
     model copies): its greedy replies, streamed or not and cut by a stop string, are what the
-    offline engine without drafts writes; /metrics counts the drafts."""
+    offline engine without drafts writes, and their logprobs bit for bit (a draft row's logits
+    are plain decoding's at batch 1); /metrics counts the drafts."""
     require_default_model()
     cases = [dict(max_tokens=48), dict(max_tokens=48, stop=["computes"])]
     with LLM(None) as llm:
         expected = [
-            llm.chat([COPY_MESSAGES], SamplingParams(temperature=0, **case))[0] for case in cases
+            llm.chat([COPY_MESSAGES], SamplingParams(temperature=0, logprobs=0, **case))[0]
+            for case in cases
         ]
     with running_server("--speculative-algorithm", "ngram") as srv:
         client = openai_client(srv, timeout_s=120)
         for case, want in zip(cases, expected, strict=True):
             reply = client.chat.completions.create(
-                model=MODEL, messages=COPY_MESSAGES, temperature=0, **case
+                model=MODEL, messages=COPY_MESSAGES, temperature=0, logprobs=True, **case
             )
             assert reply.choices[0].message.content == want.text
+            logprobs = [c.logprob for c in reply.choices[0].logprobs.content]
+            assert logprobs == [lp.logprob for lp in want.logprobs]
             assert reply.choices[0].finish_reason == want.finish_reason
             assert reply.usage.completion_tokens == len(want.token_ids)
             stream = client.chat.completions.create(

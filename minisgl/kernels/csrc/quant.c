@@ -17,7 +17,8 @@
  * the fp32 activations in fp32: a result is the dequantized model's up to summation order. Up to
  * 20 activation rows: each weight row is decoded in registers, 32 elements at a time, and dotted
  * with every activation row, a read stream of the blocks (a fifth to a half of the fp32 weights'
- * bytes). More rows (prefill, large decode batches): the weight rows of one panel are decoded into
+ * bytes), each row's sum in one order whatever the batch (dot_rows). More rows (prefill, large
+ * decode batches): the weight rows of one panel are decoded into
  * the fp32 panel layout (linear.c) in a per-thread scratch and multiplied by linear.c's register
  * tiles; work items run panel by panel (MC activation rows each), so a panel is decoded once per
  * batch and thread. */
@@ -255,35 +256,43 @@ static const float* decode_row(int64_t type, const uint8_t* src, int64_t K, floa
     return out;
 }
 
-/* out[m] = dot(row, x row m) for M <= QDIRECT rows of x, the row decoded in registers (K a
- * multiple of 32). Up to 4 rows, two accumulators each (the FMA latency would bound one); more,
- * one each (16 accumulators and the decoded block fit AVX-512's 32 registers). */
-#define QDIRECT 16
 /* Up to this many rows the weight rows are decoded in registers (in even chunks of at most
- * QDIRECT), not into panels: at 17-20 rows two passes cost ~20% less than the panels (a 16-row
+ * QDIRECT), not into panels: at 17-20 rows a few passes cost ~20% less than the panels (a 16-row
  * decode step plus a few speculative drafts); from ~24 on the panels win (RESULTS.md, 20). */
 #define DIRECT_MAX_ROWS 20
-#define X_L1_BYTES (40 << 10) /* x rows larger than this are walked in slices of X_SLICE */
-#define X_SLICE 512            /* elements (a multiple of every block): 32 KiB of 16 rows */
+#define QDIRECT 8 /* x rows per pass: 16 accumulators, the decoded block and x's fit 32 registers */
+#define X_L1_BYTES (36 << 10) /* larger x chunks are walked in slices of X_SLICE (2+ rows) */
+#define X_SLICE 1024          /* elements (a multiple of every block): 32 KiB of 8 rows */
+/* out[m] = dot(row, x row m) for M <= QDIRECT rows of x, the row decoded in registers 32
+ * elements at a time (K a multiple of 32): elements 0-15 of each 32 into one accumulator per x
+ * row, 16-31 into another (two chains: the FMA latency would bound one), then one sum. Every row
+ * adds in this one order whatever M and however K is sliced, so a row's result does not depend
+ * on its batch (a verify step's rows equal plain decoding's, bit for bit). A slice of K starts
+ * from the accumulators in `carry` unless `first`, and leaves them there unless `last`. */
 static inline __attribute__((always_inline)) void dot_rows(int64_t type, const uint8_t* src,
                                                            int64_t K, const float* x, int64_t ldx,
-                                                           const int M, float* out) {
-    const int split = M <= 4;
+                                                           const int M, v16f (*carry)[2],
+                                                           int first, int last, float* out) {
     v16f acc[QDIRECT][2];
-    for (int m = 0; m < M; m++) acc[m][0] = acc[m][1] = (v16f){0};
+    for (int m = 0; m < M; m++)
+        acc[m][0] = first ? (v16f){0} : carry[m][0], acc[m][1] = first ? (v16f){0} : carry[m][1];
 #define DOT_ROWS(decode, elems, bytes)                                                           \
     for (int64_t k = 0; k < K; k += 32) {                                                       \
         v16f lo, hi;                                                                            \
         decode(BLOCK_AT(src, k, elems, bytes), SUB_AT(k, elems), &lo, &hi);                     \
         for (int m = 0; m < M; m++) {                                                           \
             acc[m][0] += lo * load_f16x(x + m * ldx + k);                                       \
-            acc[m][split] += hi * load_f16x(x + m * ldx + k + 16);                              \
+            acc[m][1] += hi * load_f16x(x + m * ldx + k + 16);                                  \
         }                                                                                       \
     }
     SWITCH_TYPE(type, DOT_ROWS)
 #undef DOT_ROWS
     for (int m = 0; m < M; m++) {
-        const v16f a = split ? acc[m][0] + acc[m][1] : acc[m][0];
+        if (!last) {
+            carry[m][0] = acc[m][0], carry[m][1] = acc[m][1];
+            continue;
+        }
+        const v16f a = acc[m][0] + acc[m][1];
         vf s = vload((const float*)&a);
         for (int i = VW; i < 16; i += VW) s += vload((const float*)&a + i);
         out[m] = vsum(s);
@@ -291,8 +300,8 @@ static inline __attribute__((always_inline)) void dot_rows(int64_t type, const u
 }
 #define DEFINE_DOT_ROWS(M)                                                                       \
     static void dot_rows_##M(int64_t t, const uint8_t* s, int64_t K, const float* x,             \
-                             int64_t ldx, float* out) {                                         \
-        dot_rows(t, s, K, x, ldx, M, out);                                                      \
+                             int64_t ldx, v16f (*carry)[2], int first, int last, float* out) {  \
+        dot_rows(t, s, K, x, ldx, M, carry, first, last, out);                                  \
     }
 DEFINE_DOT_ROWS(1)
 DEFINE_DOT_ROWS(2)
@@ -302,19 +311,11 @@ DEFINE_DOT_ROWS(5)
 DEFINE_DOT_ROWS(6)
 DEFINE_DOT_ROWS(7)
 DEFINE_DOT_ROWS(8)
-DEFINE_DOT_ROWS(9)
-DEFINE_DOT_ROWS(10)
-DEFINE_DOT_ROWS(11)
-DEFINE_DOT_ROWS(12)
-DEFINE_DOT_ROWS(13)
-DEFINE_DOT_ROWS(14)
-DEFINE_DOT_ROWS(15)
-DEFINE_DOT_ROWS(16)
-typedef void (*dot_rows_fn)(int64_t, const uint8_t*, int64_t, const float*, int64_t, float*);
+typedef void (*dot_rows_fn)(int64_t, const uint8_t*, int64_t, const float*, int64_t, v16f (*)[2],
+                            int, int, float*);
 static const dot_rows_fn DOT_ROWS_FNS[QDIRECT + 1] = {
-    0,           dot_rows_1,  dot_rows_2,  dot_rows_3,  dot_rows_4,  dot_rows_5,
-    dot_rows_6,  dot_rows_7,  dot_rows_8,  dot_rows_9,  dot_rows_10, dot_rows_11,
-    dot_rows_12, dot_rows_13, dot_rows_14, dot_rows_15, dot_rows_16,
+    0, dot_rows_1, dot_rows_2, dot_rows_3, dot_rows_4,
+    dot_rows_5, dot_rows_6, dot_rows_7, dot_rows_8,
 };
 
 /* Bytes of the first K elements of a row of `type` (K a multiple of its block). */
@@ -746,11 +747,13 @@ static void direct_range(const linear_args* a, int64_t begin, int64_t end) {
     for (int64_t m0 = 0; m0 < a->M; m0 += chunk) {
         const int64_t M = min64(chunk, a->M - m0);
         const float* x = a->x + m0 * a->ldx;
-        /* K in slices whose x rows stay in L1 across the item's weight rows */
-        const int64_t slice = M * K * (int64_t)sizeof(float) <= X_L1_BYTES ? K : X_SLICE;
+        /* K in slices whose x rows stay in L1 across the item's weight rows (one row streams
+         * from L2 as fast: slices would only make the item's 16 weight rows 16 jumping streams) */
+        const int64_t slice = M == 1 || M * K * (int64_t)sizeof(float) <= X_L1_BYTES ? K : X_SLICE;
         for (int64_t n0 = begin * RG; n0 < min64(a->N, end * RG); n0 += RG) {
             const int64_t rows = min64(RG, a->N - n0);
-            float sums[RG][QDIRECT] = {{0}};
+            float sums[RG][QDIRECT];
+            v16f carry[RG][QDIRECT][2]; /* the accumulators from slice to slice */
             const uint8_t* src[RG];
             int64_t types[RG];
             weight_rows(a->w, K, n0, rows, src, types);
@@ -759,10 +762,8 @@ static void direct_range(const linear_args* a, int64_t begin, int64_t end) {
                 for (int64_t r = 0; r < rows; r++) {
                     if (types[r] != offset_type)
                         offset_type = types[r], offset = row_bytes(types[r], k0);
-                    float out[QDIRECT];
                     DOT_ROWS_FNS[M](types[r], src[r] + offset, min64(slice, K - k0), x + k0,
-                                    a->ldx, out);
-                    for (int64_t m = 0; m < M; m++) sums[r][m] += out[m];
+                                    a->ldx, carry[r], k0 == 0, k0 + slice >= K, sums[r]);
                 }
             }
             for (int64_t r = 0; r < rows; r++)
