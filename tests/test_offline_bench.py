@@ -167,7 +167,7 @@ def test_speculative_benchmarks_report_drafts(tiny_qwen3):
     found = re.search(r"speculative: (\d+) verify steps, (\d+) draft tokens, (\d+) accepted", out)
     assert found and int(found[3]) <= int(found[2]), out
     out = run_script(
-        "bench_speculative.py", tiny_qwen3, "--workloads", "quote", "story",
+        "bench_speculative.py", tiny_qwen3, "--workloads", "quote", "story", "--rounds=2",
         workload=("--num-requests=1", "--concurrency=2", "--max-tokens=8", "--ngram-min-match=1"),
     )  # fmt: skip
     # (a tiny model's timings are noise: only the table's shape and the identity are checked)

@@ -8,7 +8,8 @@ Workloads (chat prompts built from this repository's own text, greedy):
   copy-heavy     (a summary row) the first three together: their tokens over their time
 
 Each workload runs at batch 1 (one request at a time) and at concurrency C (C requests at once),
-with drafts and without, in this process: two engines, each run timed on one then the other.
+with drafts and without, in this process: two engines, each run timed on one then the other
+(`--rounds N`: N times, alternating, the figures summed over them).
 Decode tok/s leaves the prefill out: each set of requests runs once with max_tokens 1 (the
 prefill and first token) and once in full, from an empty prefix cache both times; decode tok/s =
 (output tokens - first tokens) / (full time - prefill time). Greedy outputs must be identical
@@ -32,7 +33,7 @@ import re
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads libgomp
@@ -108,6 +109,9 @@ class Timing:
     @property
     def decode_tok_s(self) -> float:
         return self.decode_tokens / self.decode_s
+
+    def __add__(self, other: Timing) -> Timing:
+        return Timing(*(a + b for a, b in zip(astuple(self), astuple(other), strict=True)))
 
 
 Chat = list[dict[str, str]]
@@ -231,6 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-requests", type=int, default=4, help="per workload at batch 1")
     p.add_argument("--concurrency", type=int, default=16, help="0 skips the concurrent runs")
     p.add_argument("--max-tokens", type=int, default=192)
+    p.add_argument("--rounds", type=int, default=1, help="each run off then on, this many times")
     p.add_argument("--quantization", default=ServerArgs.quantization, help="none: fp32 weights")
     p.add_argument("--server", action="store_true", help="through two servers, over HTTP")
     p.add_argument("--server-port", type=int, default=DEFAULT_SERVER_PORT, help="and port + 1")
@@ -248,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     runs = [(name, batch) for name in args.workloads for batch in (1, args.concurrency) if batch]
     results: dict[tuple[str, int, bool], Timing] = {}
     outputs: dict[tuple[str, int, bool], list[object]] = {}
-    accept: dict[tuple[str, int], float] = {}
+    counts: dict[tuple[str, int], list[int]] = {}  # verify steps, accepted drafts
     # Both engines loaded at once and each run timed off then on, back to back: this machine's
     # memory bandwidth drifts over minutes, which would otherwise favour one side.
     engines: dict[bool, Engine] = {}
@@ -262,21 +267,24 @@ def main(argv: list[str] | None = None) -> int:
             )
         for name, batch in runs:
             chats = conversations(name, args.num_requests if batch == 1 else batch)
-            for drafts, engine in engines.items():
-                before = engine.spec_counts()
-                results[name, batch, drafts], outputs[name, batch, drafts] = run_batches(
-                    engine, chats, args.max_tokens, batch
-                )
-                verifies, got = (b - a for a, b in zip(before, engine.spec_counts(), strict=True))
-                if drafts:
-                    accept[name, batch] = (got + verifies) / verifies if verifies else 0.0
-                r = results[name, batch, drafts]
-                state = "on " if drafts else "off"
-                print(
-                    f"{name:<10} batch {batch:<3} drafts {state} {r.output_tokens:>5} tokens  "
-                    f"decode {r.decode_tok_s:7.1f} tok/s",
-                    flush=True,
-                )
+            counts[name, batch] = [0, 0]
+            for _ in range(args.rounds):  # off, on, off, on ...: drift hits both alike
+                for drafts, engine in engines.items():
+                    before = engine.spec_counts()
+                    r, outputs[name, batch, drafts] = run_batches(
+                        engine, chats, args.max_tokens, batch
+                    )
+                    after = engine.spec_counts()
+                    for i in range(2):
+                        counts[name, batch][i] += after[i] - before[i]
+                    key = (name, batch, drafts)
+                    results[key] = results[key] + r if key in results else r
+                    state = "on " if drafts else "off"
+                    print(
+                        f"{name:<10} batch {batch:<3} drafts {state} {r.output_tokens:>5} "
+                        f"tokens  decode {r.decode_tok_s:7.1f} tok/s",
+                        flush=True,
+                    )
     finally:
         for engine in engines.values():
             engine.close()
@@ -287,8 +295,10 @@ def main(argv: list[str] | None = None) -> int:
         off, on = results[name, batch, False], results[name, batch, True]
         same = outputs[name, batch, False] == outputs[name, batch, True]
         same_everywhere &= same
+        verifies, accepted = counts[name, batch]
+        accept = (accepted + verifies) / verifies if verifies else 0.0
         print(f"{name:<11}{batch:>6}{off.decode_tok_s:>11.1f}{on.decode_tok_s:>10.1f}"
-              f"{on.decode_tok_s / off.decode_tok_s:>8.2f}x{accept[name, batch]:>12.2f}"
+              f"{on.decode_tok_s / off.decode_tok_s:>8.2f}x{accept:>12.2f}"
               f"{'yes' if same else 'NO':>6}")  # fmt: skip
     # The copy-heavy workload is the three copying kinds together: their decode tokens
     # over their decode time, with drafts and without.
