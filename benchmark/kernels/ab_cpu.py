@@ -8,13 +8,15 @@ measurement alternates between them, so drift hits both alike.
     python benchmark/kernels/ab_cpu.py --before HEAD~1                  # matmuls, then chats
     python benchmark/kernels/ab_cpu.py --before HEAD~1 --mode matmuls --rows 1 5 16
     python benchmark/kernels/ab_cpu.py --before HEAD~1 --mode chats --rounds 4
+    python benchmark/kernels/ab_cpu.py --before HEAD~1 --mode chats --workloads story --concurrency 16
 
 `matmuls`: every linear weight of the model (the bundled Q4_1 SmolLM2 unless --model; its 121
 matmuls including the head, weights from memory as in a decode step), one after the other at
 each --rows, best of --repeats, ms per model pass (about 1 ms of it is ctypes calls); and whether
-the two builds return the same bits. `chats`: benchmark/offline/bench_speculative.py's batch-1
-copy-heavy chats, greedy, drafts off and on, each chat run with one build in every layer and the
-fused decode step, then with the other; decode tok/s per build and the drafts' speedup.
+the two builds return the same bits. `chats`: benchmark/offline/bench_speculative.py's chats
+(the copy-heavy ones unless --workloads; two per workload at batch 1, --concurrency at once
+otherwise), greedy, drafts off and on, each group run with one build in every layer and the fused
+decode step, then with the other; decode tok/s per build and the drafts' speedup.
 """
 
 from __future__ import annotations
@@ -89,10 +91,19 @@ def matmuls(llm: LLM, builds: dict[str, CpuKernels], rows: list[int], repeats: i
         print(f"rows {m:3d}: {cells}   same bits: {'yes' if same else 'no'}", flush=True)
 
 
-def chats(llm: LLM, drafting: LLM, builds: dict[str, CpuKernels], rounds: int) -> None:
-    conversations = [
-        c for w in chats_workload.COPY_HEAVY for c in chats_workload.conversations(w, 2)
-    ]
+def chats(
+    llm: LLM,
+    drafting: LLM,
+    builds: dict[str, CpuKernels],
+    rounds: int,
+    workloads: list[str],
+    concurrency: int,
+) -> None:
+    count = 2 if concurrency == 1 else concurrency
+    groups = []
+    for w in workloads:
+        conversations = chats_workload.conversations(w, count)
+        groups += [conversations[i : i + concurrency] for i in range(0, count, concurrency)]
     first, full = (
         SamplingParams(temperature=0, max_tokens=1),
         SamplingParams(temperature=0, max_tokens=192),
@@ -102,18 +113,18 @@ def chats(llm: LLM, drafting: LLM, builds: dict[str, CpuKernels], rounds: int) -
     for e in engines.values():
         e.chat([chats_workload.WARM_UP_CHAT], first)
     for r in range(rounds):
-        for conversation in conversations:
+        for group in groups:
             for name, k in builds.items():
                 for on, e in engines.items():
                     use(e.scheduler.engine.model, k)
                     e.scheduler.flush_cache()
                     start = time.perf_counter()
-                    e.chat([conversation], first)
+                    e.chat(group, first)  # the prefill and first tokens, timed apart
                     prefill_s = time.perf_counter() - start
                     e.scheduler.flush_cache()
                     start = time.perf_counter()
-                    out = e.chat([conversation], full)[0]
-                    totals[name, on][0] += len(out.token_ids) - 1
+                    outs = e.chat(group, full)
+                    totals[name, on][0] += sum(len(o.token_ids) - 1 for o in outs)
                     totals[name, on][1] += time.perf_counter() - start - prefill_s
         cells = []
         for name in builds:
@@ -135,6 +146,11 @@ def main() -> None:
     p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 5, 8, 16, 20])
     p.add_argument("--repeats", type=int, default=15)
     p.add_argument("--rounds", type=int, default=3, help="chats: times through the chats")
+    p.add_argument(
+        "--workloads", nargs="+", choices=chats_workload.WORKLOADS,
+        default=list(chats_workload.COPY_HEAVY), help="chats: bench_speculative.py's",
+    )  # fmt: skip
+    p.add_argument("--concurrency", type=int, default=1, help="chats: requests at once")
     args = p.parse_args()
     torch.manual_seed(0)
     builds = {"before": build_of(args.before), "after": library(REPO / CSRC)}
@@ -144,7 +160,7 @@ def main() -> None:
             matmuls(llm, builds, args.rows, args.repeats)
         if args.mode in ("chats", "both"):
             with LLM(args.model, speculative_algorithm="ngram") as drafting:
-                chats(llm, drafting, builds, args.rounds)
+                chats(llm, drafting, builds, args.rounds, args.workloads, args.concurrency)
     finally:
         llm.shutdown()
 
