@@ -8,7 +8,8 @@ measurement alternates between them, so drift hits both alike.
     python benchmark/kernels/ab_cpu.py --before HEAD~1                  # matmuls, then chats
     python benchmark/kernels/ab_cpu.py --before HEAD~1 --mode matmuls --rows 1 5 16
     python benchmark/kernels/ab_cpu.py --before HEAD~1 --mode chats --rounds 4
-    python benchmark/kernels/ab_cpu.py --before HEAD~1 --mode chats --workloads story --concurrency 16
+    python benchmark/kernels/ab_cpu.py --before HEAD~1 --mode chats --workloads story \
+        --concurrency 16
 
 `matmuls`: every linear weight of the model (the bundled Q4_1 SmolLM2 unless --model; its 121
 matmuls including the head, weights from memory as in a decode step), one after the other at
