@@ -18,10 +18,9 @@
  * 20 activation rows: each weight row is decoded in registers, 32 elements at a time, and dotted
  * with every activation row, a read stream of the blocks (a fifth to a half of the fp32 weights'
  * bytes), each row's sum in one order whatever the batch (dot_rows). More rows (prefill, large
- * decode batches): the weight rows of one panel are decoded into
- * the fp32 panel layout (linear.c) in a per-thread scratch and multiplied by linear.c's register
- * tiles; work items run panel by panel (MC activation rows each), so a panel is decoded once per
- * batch and thread. */
+ * decode batches): the weight rows of one panel are decoded into the fp32 panel layout
+ * (linear.c) in a per-thread scratch and multiplied by linear.c's register tiles; work items run
+ * panel by panel (MC activation rows each), so a panel is decoded once per batch and thread. */
 #include <stdlib.h>
 #if defined(__F16C__) || defined(__AVX512F__)
 #include <immintrin.h>
@@ -119,7 +118,7 @@ static inline float load_half(const uint8_t* p) {
 /* 4-bit codes through a table: `table` holds w(q) for q = 0 .. 15, and the 16 codes (bits
  * shift .. shift + 3 of 16 bytes) pick from it with one permute. The same bits as converting each
  * code and scaling it (the table is that arithmetic on 0 .. 15), with one FMA per block instead
- * of two plus two conversions on the FP pipes the dot products need (batch 1: -8-16% per matmul,
+ * of two plus two conversions on the FP pipes the dot products need (batch-1 matmuls 8-27% faster,
  * RESULTS.md, 23). */
 static const v16f NIBBLES = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
 static inline v16f by_table(v16f table, const uint8_t* bytes, int shift) {
@@ -285,8 +284,9 @@ static const float* decode_row(int64_t type, const uint8_t* src, int64_t K, floa
 }
 
 /* Up to this many rows the weight rows are decoded in registers (in even chunks of at most
- * QDIRECT), not into panels: at 17-20 rows a few passes cost ~20% less than the panels (a 16-row
- * decode step plus a few speculative drafts); from ~24 on the panels win (RESULTS.md, 20). */
+ * QDIRECT), not into panels: at 17-20 rows (a 16-row decode step plus a few speculative drafts)
+ * three passes cost about what the panels do and keep each row's sum in dot_rows' order; from
+ * ~24 on the panels win (RESULTS.md, 20 and 23). */
 #define DIRECT_MAX_ROWS 20
 #define QDIRECT 8 /* x rows per pass: 16 accumulators, the decoded block and x's fit 32 registers */
 #define X_L1_BYTES (36 << 10) /* larger x chunks are walked in slices of X_SLICE (2+ rows) */
