@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from minisgl import LLM, SamplingParams
+from minisgl import LLM
 from minisgl.kernels import build
 from minisgl.kernels.cpu_ops import CpuKernels
 from minisgl.kernels.weights import PackedLinear
@@ -41,6 +41,8 @@ REPO = Path(__file__).resolve().parents[2]
 CSRC = "minisgl/kernels/csrc"
 sys.path.insert(0, str(REPO / "benchmark" / "offline"))
 import bench_speculative as chats_workload  # noqa: E402
+
+MAX_TOKENS = 192  # as bench_speculative.py's default
 
 
 def library(source_dir: Path) -> CpuKernels:
@@ -93,47 +95,32 @@ def matmuls(llm: LLM, builds: dict[str, CpuKernels], rows: list[int], repeats: i
 
 
 def chats(
-    llm: LLM,
-    drafting: LLM,
+    engines: dict[str, chats_workload.OfflineEngine],
     builds: dict[str, CpuKernels],
     rounds: int,
     workloads: list[str],
     concurrency: int,
 ) -> None:
+    """bench_speculative.py's runs (its timing: the prefill and first tokens run apart), each
+    group of chats on every build and engine in turn."""
     count = 2 if concurrency == 1 else concurrency
     groups = []
     for w in workloads:
         conversations = chats_workload.conversations(w, count)
         groups += [conversations[i : i + concurrency] for i in range(0, count, concurrency)]
-    first, full = (
-        SamplingParams(temperature=0, max_tokens=1),
-        SamplingParams(temperature=0, max_tokens=192),
-    )
-    engines = {"off": llm, "on": drafting}
-    totals = {(name, on): [0, 0.0] for name in builds for on in engines}
-    for e in engines.values():
-        e.chat([chats_workload.WARM_UP_CHAT], first)
+    totals: dict[tuple[str, str], chats_workload.Timing] = {}
     for r in range(rounds):
         for group in groups:
             for name, k in builds.items():
-                for on, e in engines.items():
-                    use(e.scheduler.engine.model, k)
-                    e.scheduler.flush_cache()
-                    start = time.perf_counter()
-                    e.chat(group, first)  # the prefill and first tokens, timed apart
-                    prefill_s = time.perf_counter() - start
-                    e.scheduler.flush_cache()
-                    start = time.perf_counter()
-                    outs = e.chat(group, full)
-                    totals[name, on][0] += sum(len(o.token_ids) - 1 for o in outs)
-                    totals[name, on][1] += time.perf_counter() - start - prefill_s
+                for drafts, engine in engines.items():
+                    use(engine.llm.scheduler.engine.model, k)
+                    timing, _ = chats_workload.run_batches(engine, group, MAX_TOKENS, len(group))
+                    key = (name, drafts)
+                    totals[key] = totals[key] + timing if key in totals else timing
         cells = []
         for name in builds:
-            off_tok_s, on_tok_s = (totals[name, o][0] / totals[name, o][1] for o in engines)
-            cells.append(
-                f"{name}: off {off_tok_s:6.1f} on {on_tok_s:6.1f} tok/s, "
-                f"{on_tok_s / off_tok_s:.2f}x"
-            )
+            off, on = (totals[name, drafts].decode_tok_s for drafts in engines)
+            cells.append(f"{name}: off {off:6.1f} on {on:6.1f} tok/s, {on / off:.2f}x")
         print(f"after {r + 1} rounds: " + " | ".join(cells), flush=True)
 
 
@@ -155,15 +142,18 @@ def main() -> None:
     args = p.parse_args()
     torch.manual_seed(0)
     builds = {"before": build_of(args.before), "after": library(REPO / CSRC)}
-    llm = LLM(args.model)
+    engines = {"off": chats_workload.OfflineEngine(args.model, {})}
     try:
         if args.mode in ("matmuls", "both"):
-            matmuls(llm, builds, args.rows, args.repeats)
+            matmuls(engines["off"].llm, builds, args.rows, args.repeats)
         if args.mode in ("chats", "both"):
-            with LLM(args.model, speculative_algorithm="ngram") as drafting:
-                chats(llm, drafting, builds, args.rounds, args.workloads, args.concurrency)
+            engines["on"] = chats_workload.OfflineEngine(
+                args.model, {"speculative_algorithm": "ngram"}
+            )
+            chats(engines, builds, args.rounds, args.workloads, args.concurrency)
     finally:
-        llm.shutdown()
+        for engine in engines.values():
+            engine.close()
 
 
 if __name__ == "__main__":

@@ -73,7 +73,7 @@ static const tile_fn tiles[MR + 1] = {0, tile_1, tile_2, tile_3, tile_4, tile_5,
 void rows_times_panel(const float* x, int64_t ldx, int64_t rows, const float* panel,
                       int64_t K, const float* bias, float* y, int64_t ldy, int64_t ncols) {
     while (rows > 0) {
-        const int64_t R = (rows + (rows + MR - 1) / MR - 1) / ((rows + MR - 1) / MR);
+        const int64_t count = (rows + MR - 1) / MR, R = (rows + count - 1) / count; /* tiles left */
         tiles[R](x, ldx, panel, K, bias, y, ldy, ncols);
         x += R * ldx, y += R * ldy, rows -= R;
     }
