@@ -22,7 +22,7 @@
  * (linear.c) in a per-thread scratch and multiplied by linear.c's register tiles; work items run
  * panel by panel (MC activation rows each), so a panel is decoded once per batch and thread. */
 #include <stdlib.h>
-#if defined(__F16C__) || defined(__AVX512F__)
+#if defined(__F16C__) || defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -55,11 +55,12 @@ int64_t mg_quant_block_bytes(int64_t type) {
 }
 
 /* ---- decoding blocks to fp32 ------------------------------------------------------------------
- * decode_<type>(block, sub, &lo, &hi): elements [32 sub, 32 sub + 32) of one block, in two
- * 16-float vectors (sub is 0 for the 32-element types, 0..7 in a K-quant super-block). */
-typedef float v16f __attribute__((vector_size(16 * sizeof(float))));
+ * decode_<type>(block, sub, out): elements [32 sub, 32 sub + 32) of one block (sub is 0 for the
+ * 32-element types, 0..7 in a K-quant super-block) as PIECES vectors of VW floats, in order.
+ * Native-width vectors only: gcc 12 lowers wider generic vectors on AVX2 through the stack, and
+ * byte-to-float conversions element by element (block matmuls were ~20x slower there). */
+#define PIECES (32 / VW)
 typedef uint8_t v16u8 __attribute__((vector_size(16)));
-typedef int8_t v16i8 __attribute__((vector_size(16)));
 typedef int32_t v16i32 __attribute__((vector_size(16 * sizeof(int32_t))));
 
 static inline v16u8 load_u8(const uint8_t* p) {
@@ -67,27 +68,28 @@ static inline v16u8 load_u8(const uint8_t* p) {
     memcpy(&v, p, sizeof v);
     return v;
 }
-static inline v16f load_f16x(const float* p) {
-    v16f v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-static inline void store_f16x(float* out, v16f v) { memcpy(out, &v, sizeof v); }
 
-/* Bytes to floats (gcc scalarizes a direct 8-bit to float conversion, and a signed 8-bit one to
- * 32 bits: intrinsics where there are some, else through unsigned 32-bit integers). */
-static inline v16f u8_f32(v16u8 v) {
-#if defined(__AVX512F__)
-    return (v16f)_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32((__m128i)v));
+/* VW bytes at p as floats: unsigned, or signed. */
+static inline vf u8_vf(const uint8_t* p) {
+#if VW == 16
+    return (vf)_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p)));
+#elif VW == 8 && defined(__AVX2__)
+    return (vf)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p)));
 #else
-    return __builtin_convertvector(__builtin_convertvector(v, v16i32), v16f);
+    vf v;
+    for (int i = 0; i < VW; i++) v[i] = (float)p[i];
+    return v;
 #endif
 }
-static inline v16f i8_f32(v16i8 v) {
-#if defined(__AVX512F__)
-    return (v16f)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32((__m128i)v));
+static inline vf i8_vf(const uint8_t* p) {
+#if VW == 16
+    return (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
+#elif VW == 8 && defined(__AVX2__)
+    return (vf)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
 #else
-    return u8_f32((v16u8)v ^ 0x80) - 128.0f;
+    vf v;
+    for (int i = 0; i < VW; i++) v[i] = (float)(int8_t)p[i];
+    return v;
 #endif
 }
 
@@ -114,60 +116,63 @@ static inline float load_half(const uint8_t* p) {
     return half_to_float(h);
 }
 
-#if defined(__AVX512F__)
-/* 4-bit codes through a table: `table` holds w(q) for q = 0 .. 15, and the 16 codes (bits
- * shift .. shift + 3 of 16 bytes) pick from it with one permute. The same bits as converting each
- * code and scaling it (the table is that arithmetic on 0 .. 15), with one FMA per block instead
- * of two plus two conversions on the FP pipes the dot products need (batch-1 matmuls 8-27% faster,
- * RESULTS.md, 23). */
-static const v16f NIBBLES = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-static inline v16f by_table(v16f table, const uint8_t* bytes, int shift) {
-    const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)bytes));
-    return (v16f)_mm512_permutexvar_ps(_mm512_srli_epi32(q, shift), (__m512)table);
-}
+/* 32 4-bit codes, elements 0-15 in bits shift0 .. shift0 + 3 of bytes0[0..16) and 16-31 in bits
+ * shift1 .. of bytes1[0..16), each code q as scale * q + offset. With AVX-512 through a table:
+ * the block's 16 possible values computed once (one FMA) and each 16 codes pick theirs with one
+ * `vpermps` (it reads only an index's low 4 bits): the same bits as converting and scaling each
+ * code, with one FMA per block instead of two plus two conversions on the FP pipes the dot
+ * products need (batch-1 matmuls 8-27% faster, RESULTS.md, 23). Narrower vectors convert and
+ * scale each code (a 16-entry table takes two permutes and a blend there). */
+static inline void decode_nibbles(const uint8_t* bytes0, int shift0, const uint8_t* bytes1,
+                                  int shift1, float scale, float offset, vf* out) {
+#if VW == 16
+    const vf table = (vf){0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15} * scale + offset;
+    for (int h = 0; h < 2; h++) {
+        const __m128i bytes = _mm_loadu_si128((const __m128i*)(h ? bytes1 : bytes0));
+        const __m512i q = _mm512_srli_epi32(_mm512_cvtepu8_epi32(bytes), h ? shift1 : shift0);
+        out[h] = (vf)_mm512_permutexvar_ps(q, (__m512)table);
+    }
+#else
+    for (int i = 0; i < PIECES; i++) {
+        const uint8_t* p = (i * VW < 16 ? bytes0 : bytes1) + i * VW % 16;
+        const int shift = i * VW < 16 ? shift0 : shift1;
+#if VW == 8 && defined(__AVX2__)
+        const __m256i q = _mm256_srli_epi32(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p)), shift);
+        const vf codes = (vf)_mm256_cvtepi32_ps(_mm256_and_si256(q, _mm256_set1_epi32(15)));
+#else
+        vf codes;
+        for (int j = 0; j < VW; j++) codes[j] = (float)((p[j] >> shift) & 15);
 #endif
+        out[i] = codes * scale + offset;
+    }
+#endif
+}
 
 /* Q4_0: d (f16), 16 bytes of nibbles: element j < 16 is the low nibble of byte j, element
- * 16 + j its high nibble; w = d * (q - 8). */
-static inline void decode_q4_0(const uint8_t* b, int sub, v16f* lo, v16f* hi) {
+ * 16 + j its high nibble; w = d * (q - 8) (= d q - 8 d: the same rounding, -8 d is exact). */
+static inline void decode_q4_0(const uint8_t* b, int sub, vf* out) {
     (void)sub;
     const float d = load_half(b);
-#if defined(__AVX512F__)
-    const v16f table = (NIBBLES - 8.0f) * d;
-    *lo = by_table(table, b + 2, 0), *hi = by_table(table, b + 2, 4);
-#else
-    const v16u8 q = load_u8(b + 2);
-    *lo = (u8_f32(q & 15) - 8.0f) * d;
-    *hi = (u8_f32(q >> 4) - 8.0f) * d;
-#endif
+    decode_nibbles(b + 2, 0, b + 2, 4, d, -8.0f * d, out);
 }
 
 /* Q4_1: d, m (f16), nibbles as Q4_0; w = d * q + m. */
-static inline void decode_q4_1(const uint8_t* b, int sub, v16f* lo, v16f* hi) {
+static inline void decode_q4_1(const uint8_t* b, int sub, vf* out) {
     (void)sub;
-    const float d = load_half(b), m = load_half(b + 2);
-#if defined(__AVX512F__)
-    const v16f table = NIBBLES * d + m;
-    *lo = by_table(table, b + 4, 0), *hi = by_table(table, b + 4, 4);
-#else
-    const v16u8 q = load_u8(b + 4);
-    *lo = u8_f32(q & 15) * d + m;
-    *hi = u8_f32(q >> 4) * d + m;
-#endif
+    decode_nibbles(b + 4, 0, b + 4, 4, load_half(b), load_half(b + 2), out);
 }
 
 /* Q8_0: d (f16), 32 int8; w = d * q. */
-static inline void decode_q8_0(const uint8_t* b, int sub, v16f* lo, v16f* hi) {
+static inline void decode_q8_0(const uint8_t* b, int sub, vf* out) {
     (void)sub;
     const float d = load_half(b);
-    *lo = i8_f32((v16i8)load_u8(b + 2)) * d;
-    *hi = i8_f32((v16i8)load_u8(b + 18)) * d;
+    for (int i = 0; i < PIECES; i++) out[i] = i8_vf(b + 2 + i * VW) * d;
 }
 
 /* Q4_K: d, dmin (f16), 12 bytes of 6-bit scales and mins (8 of each), 128 bytes of nibbles:
  * bytes [32 i, 32 i + 32) hold sub-block 2 i in their low nibbles and 2 i + 1 in their high
  * ones; w = d * scale * q - dmin * min. */
-static inline void decode_q4_k(const uint8_t* b, int sub, v16f* lo, v16f* hi) {
+static inline void decode_q4_k(const uint8_t* b, int sub, vf* out) {
     const uint8_t* s = b + 4;
     const int j = sub;
     const int scale = j < 4 ? s[j] & 63 : (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4);
@@ -175,60 +180,59 @@ static inline void decode_q4_k(const uint8_t* b, int sub, v16f* lo, v16f* hi) {
     const float d = load_half(b) * (float)scale, m = load_half(b + 2) * (float)min;
     const uint8_t* qs = b + 16 + 32 * (sub / 2);
     const int shift = 4 * (sub % 2);
-#if defined(__AVX512F__)
-    const v16f table = NIBBLES * d - m;
-    *lo = by_table(table, qs, shift), *hi = by_table(table, qs + 16, shift);
-#else
-    *lo = u8_f32((load_u8(qs) >> shift) & 15) * d - m;
-    *hi = u8_f32((load_u8(qs + 16) >> shift) & 15) * d - m;
-#endif
+    decode_nibbles(qs, shift, qs + 16, shift, d, -m, out);
 }
 
 /* Q6_K: 128 bytes of low nibbles, 64 of high 2-bit pairs, 16 int8 scales, d (f16). Element i of
  * each half of 128 takes its low 4 bits from low-nibble byte i (i < 64; else the high nibble of
  * byte i - 64) of that half's 64, and its high 2 bits from bits 2 (i / 32) of high byte i % 32
  * of that half's 32; w = d * scale[i / 16] * (q - 32). */
-static inline void decode_q6_k(const uint8_t* b, int sub, v16f* lo, v16f* hi) {
+static inline void decode_q6_k(const uint8_t* b, int sub, vf* out) {
     const int half = sub / 4, i = 32 * (sub % 4);
     const uint8_t* ql = b + 64 * half + (i < 64 ? i : i - 64);
     const uint8_t* qh = b + QK_K / 2 + 32 * half;
     const int8_t* scales = (const int8_t*)(b + QK_K / 2 + QK_K / 4) + 8 * half + i / 16;
     const float d = load_half(b + QK_K / 2 + QK_K / 4 + QK_K / 16);
     const int lshift = i < 64 ? 0 : 4, hshift = 2 * (i / 32);
+    uint8_t q[32];
     for (int h = 0; h < 2; h++) {
         const v16u8 low = (load_u8(ql + 16 * h) >> lshift) & 15;
         const v16u8 high = (load_u8(qh + 16 * h) >> hshift) & 3;
-        const v16f w = (u8_f32(low | (high << 4)) - 32.0f) * (d * (float)scales[h]);
-        *(h ? hi : lo) = w;
+        const v16u8 codes = low | (high << 4);
+        memcpy(q + 16 * h, &codes, sizeof codes);
     }
+    for (int p = 0; p < PIECES; p++)
+        out[p] = (u8_vf(q + p * VW) - 32.0f) * (d * (float)scales[p * VW / 16]);
 }
 
 /* F16 / BF16 / F32 rows as blocks of 32 elements (rows of them whose length is a multiple of
  * 32: others take decode_row's element loop). */
-static inline void decode_f16(const uint8_t* b, int sub, v16f* lo, v16f* hi) {
+static inline void decode_f16(const uint8_t* b, int sub, vf* out) {
     (void)sub;
-#if defined(__AVX512F__)
-    *lo = (v16f)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)b));
-    *hi = (v16f)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(b + 32)));
+    for (int p = 0; p < PIECES; p++) {
+        const uint8_t* h = b + 2 * VW * p;
+#if VW == 16
+        out[p] = (vf)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)h));
+#elif VW == 8 && defined(__F16C__)
+        out[p] = (vf)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)h));
 #else
-    float w[32];
-    for (int k = 0; k < 32; k++) w[k] = load_half(b + 2 * k);
-    *lo = load_f16x(w), *hi = load_f16x(w + 16);
+        for (int e = 0; e < VW; e++) out[p][e] = load_half(h + 2 * e);
 #endif
-}
-static inline void decode_bf16(const uint8_t* b, int sub, v16f* lo, v16f* hi) {
-    (void)sub;
-    for (int h = 0; h < 2; h++) {
-        uint16_t raw[16];
-        memcpy(raw, b + 32 * h, sizeof raw);
-        v16i32 bits = {0};
-        for (int k = 0; k < 16; k++) bits[k] = (int32_t)((uint32_t)raw[k] << 16);
-        *(h ? hi : lo) = (v16f)bits;
     }
 }
-static inline void decode_f32(const uint8_t* b, int sub, v16f* lo, v16f* hi) {
+static inline void decode_bf16(const uint8_t* b, int sub, vf* out) {
     (void)sub;
-    *lo = load_f16x((const float*)b), *hi = load_f16x((const float*)b + 16);
+    for (int p = 0; p < PIECES; p++) {
+        uint16_t raw[VW];
+        memcpy(raw, b + 2 * VW * p, sizeof raw);
+        vi bits;
+        for (int e = 0; e < VW; e++) bits[e] = (int32_t)((uint32_t)raw[e] << 16);
+        out[p] = (vf)bits;
+    }
+}
+static inline void decode_f32(const uint8_t* b, int sub, vf* out) {
+    (void)sub;
+    for (int p = 0; p < PIECES; p++) out[p] = vload((const float*)b + VW * p);
 }
 
 /* Calls BODY(decode, elements per block, bytes per block) for the type (every type
@@ -251,8 +255,8 @@ static inline void decode_f32(const uint8_t* b, int sub, v16f* lo, v16f* hi) {
 #define SUB_AT(k, elems) ((int)(((k) % ((elems) < 32 ? 32 : (elems))) / 32))
 
 /* Elements [k, k + 32) of row `src` (a multiple of 32 elements of `type`). */
-static void decode_any(int64_t type, const uint8_t* src, int64_t k, v16f* lo, v16f* hi) {
-#define DECODE_ANY(decode, elems, bytes) decode(BLOCK_AT(src, k, elems, bytes), SUB_AT(k, elems), lo, hi)
+static void decode_any(int64_t type, const uint8_t* src, int64_t k, vf* out) {
+#define DECODE_ANY(decode, elems, bytes) decode(BLOCK_AT(src, k, elems, bytes), SUB_AT(k, elems), out)
     SWITCH_TYPE(type, DECODE_ANY)
 #undef DECODE_ANY
 }
@@ -274,9 +278,9 @@ static const float* decode_row(int64_t type, const uint8_t* src, int64_t K, floa
     }
 #define DECODE_ROW(decode, elems, bytes)                                                         \
     for (int64_t k = 0; k < K; k += 32) {                                                       \
-        v16f lo, hi;                                                                            \
-        decode(BLOCK_AT(src, k, elems, bytes), SUB_AT(k, elems), &lo, &hi);                     \
-        store_f16x(out + k, lo), store_f16x(out + k + 16, hi);                                  \
+        vf w[PIECES];                                                                           \
+        decode(BLOCK_AT(src, k, elems, bytes), SUB_AT(k, elems), w);                            \
+        for (int p = 0; p < PIECES; p++) vstore(out + k + p * VW, w[p]);                        \
     }
     SWITCH_TYPE(type, DECODE_ROW)
 #undef DECODE_ROW
@@ -288,47 +292,48 @@ static const float* decode_row(int64_t type, const uint8_t* src, int64_t K, floa
  * three passes cost about what the panels do and keep each row's sum in dot_rows' order; from
  * ~24 on the panels win (RESULTS.md, 20 and 23). */
 #define DIRECT_MAX_ROWS 20
-#define QDIRECT 8 /* x rows per pass: 16 accumulators, the decoded block and x's fit 32 registers */
+#define QDIRECT 8 /* x rows per pass: 16 accumulators, the decoded block and x's (AVX-512) */
+#define ACCS 2    /* accumulators per x row: two FMA chains (the latency would bound one) */
 #define X_L1_BYTES (36 << 10) /* larger x chunks are walked in slices of X_SLICE (2+ rows) */
 #define X_SLICE 1024          /* elements (a multiple of every block): 32 KiB of 8 rows */
 /* out[m] = dot(row, x row m) for M <= QDIRECT rows of x, the row decoded in registers 32
  * elements at a time (K a multiple of 32): elements 0-15 of each 32 into one accumulator per x
- * row, 16-31 into another (two chains: the FMA latency would bound one), then one sum. Every row
- * adds in this one order whatever M and however K is sliced, so a row's result does not depend
- * on its batch (a verify step's rows equal plain decoding's, bit for bit). A slice of K starts
- * from the accumulators in `carry` unless `first`, and leaves them there unless `last`. */
+ * row, 16-31 into another, then one sum. Every row adds in this one order whatever M and however
+ * K is sliced, so a row's result does not depend on its batch (a verify step's rows equal plain
+ * decoding's, bit for bit). A slice of K starts from the accumulators in `carry` unless `first`,
+ * and leaves them there unless `last`. (With AVX2's 16 registers 8 rows spill a little, but one
+ * pass of a 5-row verify still beats two of 3 + 2 rows: 30% faster, RESULTS.md, 24.) */
 static inline __attribute__((always_inline)) void dot_rows(int64_t type, const uint8_t* src,
                                                            int64_t K, const float* x, int64_t ldx,
-                                                           const int M, v16f (*carry)[2],
+                                                           const int M, vf (*carry)[ACCS],
                                                            int first, int last, float* out) {
-    v16f acc[QDIRECT][2];
+    vf acc[QDIRECT][ACCS];
     for (int m = 0; m < M; m++)
-        acc[m][0] = first ? (v16f){0} : carry[m][0], acc[m][1] = first ? (v16f){0} : carry[m][1];
+        for (int a = 0; a < ACCS; a++) acc[m][a] = (vf){0};
+    if (!first)
+        for (int m = 0; m < M; m++)
+            for (int a = 0; a < ACCS; a++) acc[m][a] = carry[m][a];
 #define DOT_ROWS(decode, elems, bytes)                                                           \
     for (int64_t k = 0; k < K; k += 32) {                                                       \
-        v16f lo, hi;                                                                            \
-        decode(BLOCK_AT(src, k, elems, bytes), SUB_AT(k, elems), &lo, &hi);                     \
-        for (int m = 0; m < M; m++) {                                                           \
-            acc[m][0] += lo * load_f16x(x + m * ldx + k);                                       \
-            acc[m][1] += hi * load_f16x(x + m * ldx + k + 16);                                  \
-        }                                                                                       \
+        vf w[PIECES];                                                                           \
+        decode(BLOCK_AT(src, k, elems, bytes), SUB_AT(k, elems), w);                            \
+        for (int m = 0; m < M; m++)                                                             \
+            for (int p = 0; p < PIECES; p++)                                                    \
+                acc[m][p * ACCS / PIECES] += w[p] * vload(x + m * ldx + k + p * VW);            \
     }
     SWITCH_TYPE(type, DOT_ROWS)
 #undef DOT_ROWS
     for (int m = 0; m < M; m++) {
         if (!last) {
-            carry[m][0] = acc[m][0], carry[m][1] = acc[m][1];
+            for (int a = 0; a < ACCS; a++) carry[m][a] = acc[m][a];
             continue;
         }
-        const v16f a = acc[m][0] + acc[m][1];
-        vf s = vload((const float*)&a);
-        for (int i = VW; i < 16; i += VW) s += vload((const float*)&a + i);
-        out[m] = vsum(s);
+        out[m] = vsum(acc[m][0] + acc[m][1]);
     }
 }
 #define DEFINE_DOT_ROWS(M)                                                                       \
     static void dot_rows_##M(int64_t t, const uint8_t* s, int64_t K, const float* x,             \
-                             int64_t ldx, v16f (*carry)[2], int first, int last, float* out) {  \
+                             int64_t ldx, vf (*carry)[ACCS], int first, int last, float* out) { \
         dot_rows(t, s, K, x, ldx, M, carry, first, last, out);                                  \
     }
 DEFINE_DOT_ROWS(1)
@@ -339,11 +344,10 @@ DEFINE_DOT_ROWS(5)
 DEFINE_DOT_ROWS(6)
 DEFINE_DOT_ROWS(7)
 DEFINE_DOT_ROWS(8)
-typedef void (*dot_rows_fn)(int64_t, const uint8_t*, int64_t, const float*, int64_t, v16f (*)[2],
-                            int, int, float*);
+typedef void (*dot_rows_fn)(int64_t, const uint8_t*, int64_t, const float*, int64_t,
+                            vf (*)[ACCS], int, int, float*);
 static const dot_rows_fn DOT_ROWS_FNS[QDIRECT + 1] = {
-    0, dot_rows_1, dot_rows_2, dot_rows_3, dot_rows_4,
-    dot_rows_5, dot_rows_6, dot_rows_7, dot_rows_8,
+    0, dot_rows_1, dot_rows_2, dot_rows_3, dot_rows_4, dot_rows_5, dot_rows_6, dot_rows_7, dot_rows_8,
 };
 
 /* Bytes of the first K elements of a row of `type` (K a multiple of its block). */
@@ -397,34 +401,31 @@ static float* thread_scratch(int64_t floats) {
 
 /* ---- batches: rows decoded into a panel --------------------------------------------------------
  * Rows [n0, n0 + ncols) decoded into linear.c's panel layout [K, NB] (columns past ncols zero),
- * so a batch runs the fp32 path's register tiles. 16 rows at a time, 32 elements of each are
- * decoded and transposed in registers (four rounds of two-source shuffles). */
+ * so a batch runs the fp32 path's register tiles. VW rows at a time, 32 elements of each are
+ * decoded and transposed in registers (log2 VW rounds of two-source shuffles per VW x VW tile). */
 /* Stage b of the transpose pairs rows i and i + b (bit b of i clear): row i takes its own
  * elements where bit b of the index is clear and row i + b's (shifted down by b) elsewhere,
- * row i + b the rest. Indices 16.. name the second row's elements. */
-#define SHUFFLE_MASKS(B)                                                                         \
-    v16i32 lo_##B, hi_##B;                                                                      \
-    for (int e = 0; e < 16; e++) {                                                              \
-        lo_##B[e] = e & B ? 16 + e - B : e;                                                     \
-        hi_##B[e] = e & B ? 16 + e : e + B;                                                     \
+ * row i + b the rest. Indices VW.. name the second row's elements. */
+static inline void transpose_stage(vf* r, int B) {
+    vi lo, hi;
+    for (int e = 0; e < VW; e++) {
+        lo[e] = e & B ? VW + e - B : e;
+        hi[e] = e & B ? VW + e : e + B;
     }
-#define STAGE(B)                                                                                 \
-    for (int i = 0; i < 16; i++)                                                                \
-        if (!(i & B)) {                                                                         \
-            const v16f a = r[i], b = r[i + B];                                                  \
-            r[i] = __builtin_shuffle(a, b, lo_##B);                                             \
-            r[i + B] = __builtin_shuffle(a, b, hi_##B);                                         \
+    for (int i = 0; i < VW; i++)
+        if (!(i & B)) {
+            const vf a = r[i], b = r[i + B];
+            r[i] = __builtin_shuffle(a, b, lo);
+            r[i + B] = __builtin_shuffle(a, b, hi);
         }
-static inline void transpose16(v16f r[16]) {
-    SHUFFLE_MASKS(8) SHUFFLE_MASKS(4) SHUFFLE_MASKS(2) SHUFFLE_MASKS(1)
-    STAGE(8) STAGE(4) STAGE(2) STAGE(1)
 }
-#undef STAGE
-#undef SHUFFLE_MASKS
+static inline void transpose(vf r[VW]) {
+    for (int B = VW / 2; B > 0; B /= 2) transpose_stage(r, B);
+}
 
 /* panel: [K, NB] floats, then K more (a row's scratch) */
 static void decode_panel(const mg_weight* w, int64_t K, int64_t n0, int64_t ncols, float* panel) {
-    if (NB % 16 != 0 || K % 32 != 0) { /* narrow vectors, or odd F32 / F16 rows: one by one */
+    if (NB % VW != 0 || K % 32 != 0 || VW < 8) { /* odd F32 / F16 rows, or SSE: one by one */
         float* row = panel + (int64_t)NB * K;
         memset(panel, 0, (size_t)(K * NB) * sizeof(float));
         for (int64_t j = 0; j < ncols; j++) {
@@ -435,38 +436,37 @@ static void decode_panel(const mg_weight* w, int64_t K, int64_t n0, int64_t ncol
         }
         return;
     }
-    for (int64_t g = 0; g < NB; g += 16) {
-        const uint8_t* src[16];
-        int64_t types[16];
-        int same = 1; /* one type for the 16 rows: its decoder inlined in the loop */
-        for (int i = 0; i < 16; i++) { /* columns past ncols repeat the last: never stored */
+    for (int64_t g = 0; g < NB; g += VW) {
+        const uint8_t* src[VW];
+        int64_t types[VW];
+        int same = 1; /* one type for the VW rows: its decoder inlined in the loop */
+        for (int i = 0; i < VW; i++) { /* columns past ncols repeat the last: never stored */
             src[i] = weight_row(w, K, n0 + min64(g + i, ncols - 1), &types[i]);
             same &= types[i] == types[0];
         }
-#define DECODE_16(decode, elems, bytes)                                                          \
-    for (int i = 0; i < 16; i++) {                                                              \
+#define DECODE_ROWS(decode, elems, bytes)                                                        \
+    for (int i = 0; i < VW; i++) {                                                              \
         __builtin_prefetch(BLOCK_AT(src[i], k, elems, bytes) + PREFETCH_BYTES);                 \
-        decode(BLOCK_AT(src[i], k, elems, bytes), SUB_AT(k, elems), &lo[i], &hi[i]);            \
+        decode(BLOCK_AT(src[i], k, elems, bytes), SUB_AT(k, elems), w[i]);                      \
     }
 #define PANEL_LOOP(decode, elems, bytes)                                                         \
     for (int64_t k = 0; k < K; k += 32) {                                                       \
-        v16f lo[16], hi[16];                                                                    \
+        vf w[VW][PIECES], tile[VW];                                                             \
         if (same) {                                                                             \
-            DECODE_16(decode, elems, bytes)                                                     \
+            DECODE_ROWS(decode, elems, bytes)                                                   \
         } else {                                                                                \
-            for (int i = 0; i < 16; i++) /* a segment boundary inside the 16 rows */            \
-                decode_any(types[i], src[i], k, &lo[i], &hi[i]);                                \
+            for (int i = 0; i < VW; i++) /* a segment boundary inside the VW rows */            \
+                decode_any(types[i], src[i], k, w[i]);                                          \
         }                                                                                       \
-        transpose16(lo);                                                                        \
-        transpose16(hi);                                                                        \
-        for (int i = 0; i < 16; i++) {                                                          \
-            store_f16x(panel + (k + i) * NB + g, lo[i]);                                        \
-            store_f16x(panel + (k + 16 + i) * NB + g, hi[i]);                                   \
+        for (int p = 0; p < PIECES; p++) {                                                      \
+            for (int i = 0; i < VW; i++) tile[i] = w[i][p];                                     \
+            transpose(tile);                                                                    \
+            for (int e = 0; e < VW; e++) vstore(panel + (k + p * VW + e) * NB + g, tile[e]);    \
         }                                                                                       \
     }
         SWITCH_TYPE(types[0], PANEL_LOOP)
 #undef PANEL_LOOP
-#undef DECODE_16
+#undef DECODE_ROWS
     }
 }
 
@@ -781,7 +781,7 @@ static void direct_range(const linear_args* a, int64_t begin, int64_t end) {
         for (int64_t n0 = begin * RG; n0 < min64(a->N, end * RG); n0 += RG) {
             const int64_t rows = min64(RG, a->N - n0);
             float sums[RG][QDIRECT];
-            v16f carry[RG][QDIRECT][2]; /* the accumulators from slice to slice */
+            vf carry[RG][QDIRECT][ACCS]; /* the accumulators from slice to slice */
             const uint8_t* src[RG];
             int64_t types[RG];
             weight_rows(a->w, K, n0, rows, src, types);
