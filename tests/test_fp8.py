@@ -318,10 +318,14 @@ KV_GB = 0.05
 # |logprob(fp8 KV) - logprob(fp32 KV)| over the prompt's 113 tokens, mean and max (measured:
 # e4m3 0.071 / 0.67, e5m2 0.145 / 0.83; docs/models.md), and the greedy tokens that must agree
 BOUNDS = {"fp8_e4m3": (0.12, 1.2, NEW_TOKENS), "fp8_e5m2": (0.25, 1.5, 4)}
+# ... up to the reference's first near-tie: where its top two tokens are this close (in nats), the
+# fp8 run may take either (token 9 here is one: 0.117 apart in fp32, 0.001 with fp8 e4m3 on AVX2,
+# where the kernels' summation order decides it)
+NEAR_TIE = 0.15
 
 
 def _score(kv_cache_dtype: str):
-    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, prompt_logprobs=0, logprobs=0)
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, prompt_logprobs=0, logprobs=2)
     with LLM(kv_cache_dtype=kv_cache_dtype, kv_cache_gb=KV_GB) as llm:
         out = llm.generate([TEXT], params)[0]
         llm.check_page_accounting()
@@ -350,6 +354,9 @@ def test_fp8_kv_cache_error_on_real_text(full_precision, kv_cache_dtype):
     print(f"{kv_cache_dtype}: {diff.numel()} prompt logprobs, |diff| mean {diff.mean():.4f} "
           f"max {diff.max():.4f}; greedy {out.token_ids} vs {ref.token_ids}")  # fmt: skip
     assert diff.mean() < mean_bound and diff.max() < max_bound
+    near_ties = [i for i, lp in enumerate(ref.logprobs) if lp.top[0][1] - lp.top[1][1] < NEAR_TIE]
+    num_equal = min([num_equal, *near_ties])
+    assert num_equal >= 4  # (this text has 9 tokens before its first near-tie)
     assert out.token_ids[:num_equal] == ref.token_ids[:num_equal]
 
 
