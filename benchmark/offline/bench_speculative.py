@@ -232,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--model", default=None, help="HF folder or hub id; default: bundled model")
     p.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS))
-    p.add_argument("--num-requests", type=int, default=4, help="per workload at batch 1")
+    p.add_argument("--num-requests", type=int, default=4, help="at batch 1; 0 skips it")
     p.add_argument("--concurrency", type=int, default=16, help="0 skips the concurrent runs")
     p.add_argument("--max-tokens", type=int, default=192)
     p.add_argument("--rounds", type=int, default=1, help="each run off then on, this many times")
@@ -250,7 +250,8 @@ def main(argv: list[str] | None = None) -> int:
         "speculative_ngram_max_match": args.ngram_max_match,
     }
     model_options = {"quantization": args.quantization}
-    runs = [(name, batch) for name in args.workloads for batch in (1, args.concurrency) if batch]
+    sizes = [b for b, on in ((1, args.num_requests), (args.concurrency, args.concurrency)) if on]
+    runs = [(name, batch) for name in args.workloads for batch in sizes]
     results: dict[tuple[str, int, bool], Timing] = {}
     outputs: dict[tuple[str, int, bool], list[object]] = {}
     counts: dict[tuple[str, int], list[int]] = {}  # verify steps, accepted drafts

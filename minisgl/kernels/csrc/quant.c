@@ -15,7 +15,7 @@
  * could answer otherwise once its prompt is cached. Everything else (and everything by default) is
  * decoded to fp32 (gguf's dequantize, up to a fused multiply-add's rounding) and multiplied with
  * the fp32 activations in fp32: a result is the dequantized model's up to summation order. Up to
- * 20 activation rows: each weight row is decoded in registers, 32 elements at a time, and dotted
+ * 20 activation rows (48 with AVX2): each weight row is decoded in registers, 32 elements at a time, and dotted
  * with every activation row, a read stream of the blocks (a fifth to a half of the fp32 weights'
  * bytes), each row's sum in one order whatever the batch (dot_rows). More rows (prefill, large
  * decode batches): the weight rows of one panel are decoded into the fp32 panel layout
@@ -288,10 +288,15 @@ static const float* decode_row(int64_t type, const uint8_t* src, int64_t K, floa
 }
 
 /* Up to this many rows the weight rows are decoded in registers (in even chunks of at most
- * QDIRECT), not into panels: at 17-20 rows (a 16-row decode step plus a few speculative drafts)
- * three passes cost about what the panels do and keep each row's sum in dot_rows' order; from
- * ~24 on the panels win (RESULTS.md, 20 and 23). */
+ * QDIRECT), not into panels: with AVX-512, at 17-20 rows (a 16-row decode step plus a few
+ * speculative drafts) three passes cost about what the panels do and keep each row's sum in
+ * dot_rows' order, and from ~24 on the panels win (RESULTS.md, 20 and 23); with AVX2 the passes
+ * still win at 48 rows (14%; at 21-24 rows 1.8x: RESULTS.md, 24). */
+#if VW == 16
 #define DIRECT_MAX_ROWS 20
+#else
+#define DIRECT_MAX_ROWS 48
+#endif
 #define QDIRECT 8 /* x rows per pass: 16 accumulators, the decoded block and x's (AVX-512) */
 #define ACCS 2    /* accumulators per x row: two FMA chains (the latency would bound one) */
 #define X_L1_BYTES (36 << 10) /* larger x chunks are walked in slices of X_SLICE (2+ rows) */
