@@ -15,12 +15,13 @@
  * could answer otherwise once its prompt is cached. Everything else (and everything by default) is
  * decoded to fp32 (gguf's dequantize, up to a fused multiply-add's rounding) and multiplied with
  * the fp32 activations in fp32: a result is the dequantized model's up to summation order. Up to
- * 20 activation rows (48 with AVX2): each weight row is decoded in registers, 32 elements at a time, and dotted
- * with every activation row, a read stream of the blocks (a fifth to a half of the fp32 weights'
- * bytes), each row's sum in one order whatever the batch (dot_rows). More rows (prefill, large
- * decode batches): the weight rows of one panel are decoded into the fp32 panel layout
- * (linear.c) in a per-thread scratch and multiplied by linear.c's register tiles; work items run
- * panel by panel (MC activation rows each), so a panel is decoded once per batch and thread. */
+ * 20 activation rows (48 with AVX2): each weight row is decoded in registers, 32 elements at a
+ * time, and dotted with every activation row, a read stream of the blocks (a fifth to a half of
+ * the fp32 weights' bytes), each row's sum in one order whatever the batch (dot_rows). More rows
+ * (prefill, large decode batches): the weight rows of one panel are decoded into the fp32 panel
+ * layout (linear.c) in a per-thread scratch and multiplied by linear.c's register tiles; work
+ * items run panel by panel (MC activation rows each), so a panel is decoded once per batch and
+ * thread. */
 #include <stdlib.h>
 #if defined(__F16C__) || defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
@@ -61,7 +62,6 @@ int64_t mg_quant_block_bytes(int64_t type) {
  * byte-to-float conversions element by element (block matmuls were ~20x slower there). */
 #define PIECES (32 / VW)
 typedef uint8_t v16u8 __attribute__((vector_size(16)));
-typedef int32_t v16i32 __attribute__((vector_size(16 * sizeof(int32_t))));
 
 static inline v16u8 load_u8(const uint8_t* p) {
     v16u8 v;
@@ -69,26 +69,17 @@ static inline v16u8 load_u8(const uint8_t* p) {
     return v;
 }
 
-/* VW bytes at p as floats: unsigned, or signed. */
-static inline vf u8_vf(const uint8_t* p) {
+/* VW bytes at p as floats, signed or not (a constant at every call: one branch folds away). */
+static inline vf bytes_vf(const uint8_t* p, int is_signed) {
 #if VW == 16
-    return (vf)_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p)));
+    const __m128i b = _mm_loadu_si128((const __m128i*)p);
+    return (vf)_mm512_cvtepi32_ps(is_signed ? _mm512_cvtepi8_epi32(b) : _mm512_cvtepu8_epi32(b));
 #elif VW == 8 && defined(__AVX2__)
-    return (vf)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p)));
+    const __m128i b = _mm_loadl_epi64((const __m128i*)p);
+    return (vf)_mm256_cvtepi32_ps(is_signed ? _mm256_cvtepi8_epi32(b) : _mm256_cvtepu8_epi32(b));
 #else
     vf v;
-    for (int i = 0; i < VW; i++) v[i] = (float)p[i];
-    return v;
-#endif
-}
-static inline vf i8_vf(const uint8_t* p) {
-#if VW == 16
-    return (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
-#elif VW == 8 && defined(__AVX2__)
-    return (vf)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
-#else
-    vf v;
-    for (int i = 0; i < VW; i++) v[i] = (float)(int8_t)p[i];
+    for (int i = 0; i < VW; i++) v[i] = is_signed ? (float)(int8_t)p[i] : (float)p[i];
     return v;
 #endif
 }
@@ -137,7 +128,8 @@ static inline void decode_nibbles(const uint8_t* bytes0, int shift0, const uint8
         const uint8_t* p = (i * VW < 16 ? bytes0 : bytes1) + i * VW % 16;
         const int shift = i * VW < 16 ? shift0 : shift1;
 #if VW == 8 && defined(__AVX2__)
-        const __m256i q = _mm256_srli_epi32(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p)), shift);
+        const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p));
+        const __m256i q = _mm256_srli_epi32(bytes, shift);
         const vf codes = (vf)_mm256_cvtepi32_ps(_mm256_and_si256(q, _mm256_set1_epi32(15)));
 #else
         vf codes;
@@ -166,7 +158,7 @@ static inline void decode_q4_1(const uint8_t* b, int sub, vf* out) {
 static inline void decode_q8_0(const uint8_t* b, int sub, vf* out) {
     (void)sub;
     const float d = load_half(b);
-    for (int i = 0; i < PIECES; i++) out[i] = i8_vf(b + 2 + i * VW) * d;
+    for (int i = 0; i < PIECES; i++) out[i] = bytes_vf(b + 2 + i * VW, 1) * d;
 }
 
 /* Q4_K: d, dmin (f16), 12 bytes of 6-bit scales and mins (8 of each), 128 bytes of nibbles:
@@ -202,7 +194,7 @@ static inline void decode_q6_k(const uint8_t* b, int sub, vf* out) {
         memcpy(q + 16 * h, &codes, sizeof codes);
     }
     for (int p = 0; p < PIECES; p++)
-        out[p] = (u8_vf(q + p * VW) - 32.0f) * (d * (float)scales[p * VW / 16]);
+        out[p] = (bytes_vf(q + p * VW, 0) - 32.0f) * (d * (float)scales[p * VW / 16]);
 }
 
 /* F16 / BF16 / F32 rows as blocks of 32 elements (rows of them whose length is a multiple of
@@ -352,7 +344,8 @@ DEFINE_DOT_ROWS(8)
 typedef void (*dot_rows_fn)(int64_t, const uint8_t*, int64_t, const float*, int64_t,
                             vf (*)[ACCS], int, int, float*);
 static const dot_rows_fn DOT_ROWS_FNS[QDIRECT + 1] = {
-    0, dot_rows_1, dot_rows_2, dot_rows_3, dot_rows_4, dot_rows_5, dot_rows_6, dot_rows_7, dot_rows_8,
+    0, dot_rows_1, dot_rows_2, dot_rows_3, dot_rows_4,
+    dot_rows_5, dot_rows_6, dot_rows_7, dot_rows_8,
 };
 
 /* Bytes of the first K elements of a row of `type` (K a multiple of its block). */
