@@ -78,10 +78,10 @@ llm = LLM('$MODEL', attention_backend='flashinfer', num_pages=512, max_running_r
 llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2)); llm.shutdown(); print('flashinfer warm')" \
   > "$OUT_DIR/flashinfer_warmup.log" 2>&1 &
 warmup_pid=$!
-run tests_triton_torch 150 python3 -m pytest -q -s -x -p no:cacheprovider tests/test_cuda.py \
+run tests_triton_torch 190 python3 -m pytest -q -s -x -p no:cacheprovider tests/test_cuda.py \
   tests/test_triton_sampling.py -k "not flashinfer"
 wait "$warmup_pid"; echo "flashinfer warm-up exit $?, at ${SECONDS}s"; tail -n 3 "$OUT_DIR/flashinfer_warmup.log"
-run tests_flashinfer 120 python3 -m pytest -q -s -x -p no:cacheprovider tests/test_cuda.py \
+run tests_flashinfer 150 python3 -m pytest -q -s -x -p no:cacheprovider tests/test_cuda.py \
   -k flashinfer
 # The headline figure first (a short session still gets it): the best config, and the same
 # with the fused layer kernels off (torch ops for norms, rope, SiLU, KV store) for their effect.
