@@ -236,14 +236,15 @@ def _assert_same_generation(outs, reference, exact: bool, label: object) -> None
             assert abs(got.logprob - want.logprob) < BF16_LOGPROB_ATOL, (label, step, got, want)
 
 
-@pytest.mark.parametrize(
-    ("name", "dtype"),
-    [
-        pytest.param("triton", "float32", marks=_backends(torch.float32)[0].marks, id="triton"),
-        *[pytest.param(p.values[0], "bfloat16", marks=p.marks, id=p.id + "-bf16")
-          for p in _backends(torch.bfloat16)],
-    ],
-)  # fmt: skip
+# (backend, dtype): fp32 on Triton (tokens compared exactly), bf16 on each backend
+TOKEN_CASES = [
+    pytest.param("triton", "float32", marks=_backends(torch.float32)[0].marks, id="triton"),
+    *[pytest.param(p.values[0], "bfloat16", marks=p.marks, id=p.id + "-bf16")
+      for p in _backends(torch.bfloat16)],
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("name", "dtype"), TOKEN_CASES)
 def test_graphs_and_overlap_keep_tokens(qwen3_06b, name, dtype):
     runs = {}
     for graphs in (True, False):
@@ -279,14 +280,7 @@ def test_graphs_are_captured_and_replayed(qwen3_06b, name):
         assert replays >= 6  # every decode-only step after the prefills
 
 
-@pytest.mark.parametrize(
-    ("name", "dtype"),
-    [
-        pytest.param("triton", "float32", marks=_backends(torch.float32)[0].marks, id="triton"),
-        *[pytest.param(p.values[0], "bfloat16", marks=p.marks, id=p.id + "-bf16")
-          for p in _backends(torch.bfloat16)],
-    ],
-)  # fmt: skip
+@pytest.mark.parametrize(("name", "dtype"), TOKEN_CASES)
 def test_speculative_verify_steps_keep_tokens(qwen3_06b, name, dtype):
     """n-gram drafts verified in decode-shaped batches, CUDA graphs on, against plain decoding
     with graphs off (docs/speculative.md): the same tokens (bf16: up to a near-tie)."""
