@@ -164,13 +164,16 @@ def _hf_logprobs(model_dir: Path, dtype: torch.dtype, seqs: list[list[int]]) -> 
     return out
 
 
-def _generate(model_dir: Path, **options) -> list:
+def _generate(model_dir: Path, after=None, **options) -> list:
+    """`after(llm)`, if given, runs once the outputs are in (the LLM still open)."""
     params = SamplingParams(temperature=0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True,
                             logprobs=TOP_K)  # fmt: skip
     opts = dict(num_pages=2048, page_size=16, max_running_requests=8, **options)
     with LLM(str(model_dir), **opts) as llm:
         outs = llm.generate(_prompts(), params)
         llm.check_page_accounting()
+        if after is not None:
+            after(llm)
     return outs
 
 
@@ -285,15 +288,15 @@ def test_speculative_verify_steps_keep_tokens(qwen3_06b, name, dtype):
     """n-gram drafts verified in decode-shaped batches, CUDA graphs on, against plain decoding
     with graphs off (docs/speculative.md): the same tokens (bf16: up to a near-tie)."""
     baseline = _generate(qwen3_06b, dtype=dtype, attention_backend=name, cuda_graph_max_bs=0)
-    params = SamplingParams(temperature=0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True,
-                            logprobs=TOP_K)  # fmt: skip
-    with LLM(str(qwen3_06b), dtype=dtype, attention_backend=name, num_pages=2048, page_size=16,
-             max_running_requests=8, speculative_algorithm="ngram",
-             speculative_ngram_min_match=1) as llm:  # fmt: skip
-        assert llm.scheduler.engine.graphs is not None
-        outs = llm.generate(_prompts(), params)
-        llm.check_page_accounting()
-        stats = llm.scheduler.stats()
+    seen = {}
+    outs = _generate(
+        qwen3_06b, lambda llm: seen.update(graphs=llm.scheduler.engine.graphs,
+                                           stats=llm.scheduler.stats()),
+        dtype=dtype, attention_backend=name, speculative_algorithm="ngram",
+        speculative_ngram_min_match=1,
+    )  # fmt: skip
+    assert seen["graphs"] is not None
+    stats = seen["stats"]
     # (a random model's greedy text repeats itself: 1-token matches find drafts)
     assert stats.spec_verify_steps_total > 0
     print(f"{name} {dtype}: {stats.spec_verify_steps_total} verify steps, "
