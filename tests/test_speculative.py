@@ -205,8 +205,8 @@ def test_sampled_tokens_follow_the_model_distribution(tiny_qwen3):
         SamplingParams(temperature=temperature, max_tokens=3, seed=s, logit_bias=bias)
         for s in range(num_seeds)
     ]
-    # 16 running: a batch of more than speculative.MAX_VERIFY_ROWS requests would not draft
-    outs, llm = run(tiny_qwen3, [prompt] * num_seeds, params, **SPEC, max_running_requests=16)
+    # 8 running, each with its draft: a batch of speculative.MAX_VERIFY_ROWS would not draft
+    outs, llm = run(tiny_qwen3, [prompt] * num_seeds, params, **SPEC, max_running_requests=8)
     stats = llm.scheduler.stats()
     llm.shutdown()
     assert 0 < stats.spec_accepted_tokens_total < stats.spec_draft_tokens_total

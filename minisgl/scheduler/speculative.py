@@ -44,12 +44,13 @@ KNEE_ROWS = 8
 ACCEPT_AVERAGE_WEIGHT = 0.5
 PROBE_STEPS = 32
 
-# Rows (decodes plus drafts) a step's drafts may bring its batch to. Past the point where a
-# decode step stops being bound by reading the weights, a draft row costs about what a decoded
-# token does, and a rejected one is pure loss: on this repository's CPU (SmolLM2-135M) drafts
-# stopped paying at about 16 requests (benchmark/RESULTS.md, section 16). A batch of more
-# requests than this drafts nothing. Not measured on a GPU yet, where the point lies far higher.
-MAX_VERIFY_ROWS = 32
+# Rows (decodes plus drafts) a step's drafts may bring its batch to: a batch of this many
+# decoding requests drafts nothing. Past the point where a decode step stops being bound by
+# reading the weights, a draft row costs about what a decoded token does, and a rejected one is
+# pure loss: on this repository's CPU (SmolLM2-135M, fp32 or 4-bit) drafts stopped paying at
+# about 16 requests, where a draft row costs ~85% of a decoded token (benchmark/RESULTS.md,
+# sections 16, 16b and 27). Not measured on a GPU yet, where the point lies far higher.
+MAX_VERIFY_ROWS = 16
 
 # (its token, its logprob) per sampled row
 SampledRow = tuple[int, TokenLogprob | None]
