@@ -205,7 +205,7 @@ def test_sampled_tokens_follow_the_model_distribution(tiny_qwen3):
         SamplingParams(temperature=temperature, max_tokens=3, seed=s, logit_bias=bias)
         for s in range(num_seeds)
     ]
-    # 8 running, each with its draft: a batch of speculative.MAX_VERIFY_ROWS would not draft
+    # 8 running, each with its draft: a batch of speculative.MAX_VERIFY_ROWS (CPU) would not draft
     outs, llm = run(tiny_qwen3, [prompt] * num_seeds, params, **SPEC, max_running_requests=8)
     stats = llm.scheduler.stats()
     llm.shutdown()

@@ -49,8 +49,9 @@ PROBE_STEPS = 32
 # reading the weights, a draft row costs about what a decoded token does, and a rejected one is
 # pure loss: on this repository's CPU (SmolLM2-135M, fp32 or 4-bit) drafts stopped paying at
 # about 16 requests, where a draft row costs ~85% of a decoded token (benchmark/RESULTS.md,
-# sections 16, 16b and 27). Not measured on a GPU yet, where the point lies far higher.
-MAX_VERIFY_ROWS = 16
+# sections 16, 16b and 27). Not measured on a GPU yet, where the point lies far higher: there
+# the cap stays at its first value (by the tables' device: "cpu" or "cuda").
+MAX_VERIFY_ROWS = {"cpu": 16, "cuda": 32}
 
 # (its token, its logprob) per sampled row
 SampledRow = tuple[int, TokenLogprob | None]
@@ -139,12 +140,13 @@ class NgramSpeculator:
         self._cache = cache
         self._counters = counters
         self._max_len = max_len  # the model's: a request ends there
+        self._max_rows = MAX_VERIFY_ROWS[cache.tables.token_table.device.type]
 
     def propose(self, reqs: list[Req]) -> bool:
         """Give each decoding request its drafts for this step (written into the token table
         after its last token); whether any got some."""
         proposed = False
-        budget = MAX_VERIFY_ROWS - len(reqs)  # draft rows left for this step
+        budget = self._max_rows - len(reqs)  # draft rows left for this step
         min_accept_rate = len(reqs) / (KNEE_ROWS + len(reqs))
         for req in reqs:
             # Room for k drafts: k + 1 tokens may come out of the step.
@@ -164,13 +166,6 @@ class NgramSpeculator:
                 budget -= len(req.drafts)
                 proposed = True
         return proposed
-
-    @staticmethod
-    def drop(reqs: list[Req]) -> None:
-        """No drafts this step after all (short of KV pages); what was written past each
-        request's end is overwritten before anything reads it."""
-        for req in reqs:
-            req.drafts = []
 
     def verify(self, req: Req, rows: Iterator[SampledRow], take: TakeTokens) -> None:
         """`req`'s 1 + k sampled rows into its output: the token sampled at each position, as
