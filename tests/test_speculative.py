@@ -140,6 +140,18 @@ def test_tensor_parallel_ranks_draft_alike(tiny_qwen3, baseline):
         llm.shutdown()
 
 
+def test_a_full_cpu_batch_drafts_nothing(tiny_qwen3):
+    """On a CPU a draft row costs about what a decoded token does once 16 requests decode
+    (benchmark/RESULTS.md, section 27): 16 decoding together draft nothing, 15 do."""
+    prompt = workload()[0]  # a motif repeated: every request finds drafts
+    for count, drafts in ((16, False), (15, True)):
+        outs, llm = run(tiny_qwen3, [prompt] * count, **SPEC, max_prefill_tokens=4096)
+        drafted = llm.scheduler.stats().spec_draft_tokens_total
+        llm.shutdown()
+        assert len({tuple(o.token_ids) for o in outs}) == 1
+        assert (drafted > 0) == drafts, (count, drafted)
+
+
 def test_retraction_keeps_outputs_and_pages(tiny_qwen3, baseline):
     pool_pages = 200  # the longest request (120 + 24 tokens, plus drafts) fits; the batch does not
     outs, llm = run(tiny_qwen3, workload(), **SPEC, num_pages=pool_pages)
