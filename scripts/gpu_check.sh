@@ -7,15 +7,17 @@
 # rerun. Steps an earlier run already recorded can be skipped (SKIP_STEPS, below). Carrying .peer
 # too (scripts/fetch_peer.sh) adds the `peer` step after the headline benchmarks: Mini-SGLang
 # against minisgl (scripts/peer_check.sh, ~3-6 minutes), e.g. CHECK_BUDGET_S=520
-# SKIP_STEPS="bench_matrix kernel_bench tests_moe tests_tiny_parity" with timeout_s=560.
+# SKIP_STEPS="bench_matrix kernel_bench tests_moe tests_tiny_parity spec_bench" with
+# timeout_s=560.
 # It makes a random Qwen3-0.6B-shaped checkpoint, runs the CUDA tests (tests/test_cuda.py: each
 # backend against torch-native, fp32/bf16 logits against transformers, graphs/overlap on/off give
 # the same tokens), profiles a window of full-batch steps (benchmark/offline/profile_steps.py:
 # host phases, GPU busy share, top kernels), then the offline benchmark on Mini-SGLang's workload
 # (256 requests, input and output lengths uniform in 100..1024, ignore_eos): the best config
 # with the fused layer kernels on and off, then per backend with overlap and graphs on/off,
-# and prints one table last. A session whose device time is short skips what an earlier run
-# already recorded, e.g. SKIP_STEPS="bench_matrix tests_moe". Every step has a time limit and
+# speculative decoding on vs off (bench_speculative.py), and prints one table last. A session
+# whose device time is short skips what an earlier run already recorded, e.g.
+# SKIP_STEPS="bench_matrix tests_moe spec_bench". Every step has a time limit and
 # the whole run stops starting steps past CHECK_BUDGET_S, so it ends inside one 8-minute call.
 #
 # FlashInfer JIT-compiles its kernels with nvcc on first use (minutes). The compiled modules are
@@ -129,6 +131,12 @@ run tests_tiny_parity 60 python3 -m pytest -q -x -p no:cacheprovider tests/test_
 # (tp 2 needs two GPUs).
 run tests_moe 60 python3 -m pytest -q -x -p no:cacheprovider tests/test_fused_moe.py \
   tests/test_moe.py --deselect "tests/test_moe.py::test_qwen3_moe_matches_hf[2]"
+# Speculative decoding (issue 22) on the random checkpoint, drafts on vs off at batch 1 and 16
+# (its greedy text repeats itself, so drafts are accepted): what verify rows cost on a GPU, for
+# the GPU's draft-row cap (`MAX_VERIFY_ROWS` in minisgl/scheduler/speculative.py, unmeasured).
+# Outputs are compared: in bf16 a near-tie may differ, a FAIL printed after the figures.
+run spec_bench 150 python3 benchmark/offline/bench_speculative.py --model "$MODEL" --rounds 1 \
+  --max-tokens 128
 
 pack_fi_aot "$RETURN_DIR/fi_aot.tar"  # FlashInfer's compiled modules, for the next run
 tar -czf "$RETURN_DIR/logs.tar.gz" -C "$OUT_DIR" . 2>/dev/null || true
@@ -146,6 +154,7 @@ grep -h "GPU memory:\|captured" "$OUT_DIR"/bench_*.log 2>/dev/null | head -n 2
 grep -h "bf16 |logprob" "$OUT_DIR"/tests_*.log 2>/dev/null
 [ -f "$OUT_DIR/fp8.log" ] && sed -n '/^FP8 (Triton/,$p' "$OUT_DIR/fp8.log"
 [ -f "$OUT_DIR/sampling_bench.log" ] && grep -h "rows\|temperature\|greedy" "$OUT_DIR/sampling_bench.log"
+[ -f "$OUT_DIR/spec_bench.log" ] && sed -n '/^workload /,$p' "$OUT_DIR/spec_bench.log"
 [ -f "$OUT_DIR/peer/compare.log" ] && sed -n '/^==== peer check/,$p' "$OUT_DIR/peer/compare.log"
 for name in profile_flashinfer profile_flashinfer_eager; do
   [ -f "$OUT_DIR/$name.log" ] && sed -n '/^== /,$p' "$OUT_DIR/$name.log" | head -n 40
