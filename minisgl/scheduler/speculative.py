@@ -50,7 +50,7 @@ PROBE_STEPS = 32
 # pure loss: on this repository's CPU (SmolLM2-135M, fp32 or 4-bit) drafts stopped paying at
 # about 16 requests, where a draft row costs ~85% of a decoded token (benchmark/RESULTS.md,
 # sections 16, 16b and 27). Not measured on a GPU yet, where the point lies far higher: there
-# the cap stays at its first value (by the tables' device: "cpu" or "cuda").
+# the cap stays at its first value (by the engine stream's device: "cpu" or "cuda").
 MAX_VERIFY_ROWS = {"cpu": 16, "cuda": 32}
 
 # (its token, its logprob) per sampled row
@@ -140,7 +140,7 @@ class NgramSpeculator:
         self._cache = cache
         self._counters = counters
         self._max_len = max_len  # the model's: a request ends there
-        self._max_rows = MAX_VERIFY_ROWS[cache.tables.token_table.device.type]
+        self._max_rows = MAX_VERIFY_ROWS[cache.tables.stream.device.type]
 
     def propose(self, reqs: list[Req]) -> bool:
         """Give each decoding request its drafts for this step (written into the token table
