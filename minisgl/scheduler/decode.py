@@ -60,8 +60,10 @@ class DecodeManager:
         if self._speculator is not None and self._speculator.propose(reqs):
             if self.cache.reserve(reqs, [r.device_len + len(r.drafts) for r in reqs]):
                 return reqs
-            for req in reqs:  # short of pages: plain decodes (what was written past each
-                req.drafts = []  # request's end is overwritten before anything reads it)
+            # Short of pages: plain decodes. What was written past each request's end is
+            # overwritten before anything reads it.
+            for req in reqs:
+                req.drafts = []
         # The usual case. A decode's pages cover its cached_len (device_len - 1) positions in
         # whole pages, so only one whose device_len - 1 starts a page can need one: those alone
         # are looked at (their page lists are cold in the CPU's caches after a forward).
