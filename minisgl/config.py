@@ -15,6 +15,14 @@ import socket
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal, NoReturn
 
+from minisgl.limits import (
+    DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S,
+    DEFAULT_MAX_QUEUED_REQUESTS,
+    DEFAULT_MAX_REQUEST_BODY_BYTES,
+    DEFAULT_MAX_SEQUENCES_PER_REQUEST,
+    DEFAULT_SHUTDOWN_TIMEOUT_S,
+)
+
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 1919
 # On CPU there is no "free device memory" to take a fraction of: give the KV pool a fixed budget.
@@ -22,7 +30,6 @@ DEFAULT_CPU_KV_CACHE_GB = 1.0
 DISABLE_OVERLAP_ENV = "MINISGL_DISABLE_OVERLAP_SCHEDULING"
 DEFAULT_CUDA_MAX_PREFILL_TOKENS = 8192
 DEFAULT_CPU_MAX_PREFILL_TOKENS = 1024
-MIB = 1 << 20
 
 # Data parallelism (minisgl/runtime/dp.py): the SGLang Model Gateway's routing policies.
 ROUTER_POLICIES = ("cache_aware", "round_robin", "random", "power_of_two")
@@ -131,16 +138,26 @@ class ServerArgs:
     port: int = _opt(DEFAULT_PORT, API, "port to listen on")
     api_key: str | None = _opt(None, API, "clients must send it as a Bearer token (off)")
     log_level: str = _opt("info", API, "debug, info, warning or error")
-    max_sequences_per_request: int = _opt(256, API, "prompts x n in one request; over it: 400")
+    max_sequences_per_request: int = _opt(
+        DEFAULT_MAX_SEQUENCES_PER_REQUEST, API, "prompts x n in one request; over it: 400"
+    )
     max_queued_requests: int = _opt(
-        1024, API, "sequences waiting beyond --max-running-requests; over it: 503"
+        DEFAULT_MAX_QUEUED_REQUESTS,
+        API,
+        "sequences waiting beyond --max-running-requests; over it: 503",
     )
     request_timeout_s: float | None = _opt(None, API, "abort requests running longer: 504 (off)")
-    max_request_body_bytes: int = _opt(32 * MIB, API, "larger request bodies: 413")
-    grammar_compile_timeout_s: float = _opt(
-        10.0, API, "a request's JSON schema / regex / grammar compiling longer: 400"
+    max_request_body_bytes: int = _opt(
+        DEFAULT_MAX_REQUEST_BODY_BYTES, API, "larger request bodies: 413"
     )
-    shutdown_timeout_s: float = _opt(20.0, API, "SIGTERM: seconds open requests may finish")
+    grammar_compile_timeout_s: float = _opt(
+        DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S,
+        API,
+        "a request's JSON schema / regex / grammar compiling longer: 400",
+    )
+    shutdown_timeout_s: float = _opt(
+        DEFAULT_SHUTDOWN_TIMEOUT_S, API, "SIGTERM: seconds open requests may finish"
+    )
     chat_template: str | None = _opt(None, CHAT, "a Jinja file replacing the model's template")
     chat_template_kwargs: str | None = _opt(
         None,

@@ -15,26 +15,25 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from minisgl.limits import (
+    DEFAULT_MAX_TOKENS,
+    INT32_MAX,
+    INT64_MAX,
+    INT64_MIN,
+    MAX_CONSTRAINT_CHARS,
+    MAX_LOGIT_BIAS,
+    MAX_LOGIT_BIAS_ENTRIES,
+    MAX_LOGPROBS,
+    MAX_STOP_STRING_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    MAX_TOKEN_ID,
+    MAX_USER_CHARS,
+    InvalidRequestError,
+)
+
 # Seeds are folded into 31 bits: the sampler's counter-based hash works on 32-bit lanes.
 SEED_MASK = (1 << 31) - 1
-# What the engine can represent. Token ids and lengths live in int32 tables; seeds and other
-# integers travel as int64 (msgpack, torch). A value outside these bounds is a client error.
-INT32_MAX = (1 << 31) - 1
-INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
-MAX_TOKEN_ID = INT32_MAX
-MAX_LOGPROBS = 20  # top alternatives per token (OpenAI's limit)
-# Stop conditions are checked on every generated token: bound how much checking one asks for.
-MAX_STOP_STRINGS = 32
-MAX_STOP_STRING_CHARS = 1024
-MAX_STOP_TOKEN_IDS = 1024
-# logit_bias: OpenAI's range for a bias, and a bound on entries (a bias per vocabulary token
-# would be a [vocab] array on every step's wire).
-MAX_LOGIT_BIAS = 100.0
-MAX_LOGIT_BIAS_ENTRIES = 1024
-# A grammar's source text (JSON schema, regex, EBNF): bounded like any other request field.
-MAX_CONSTRAINT_CHARS = 1 << 20
-# A request's tenant name (`user`): a metric label and a key of the scheduler's counters.
-MAX_USER_CHARS = 256
 CONSTRAINT_KINDS = ("json_schema", "json_object", "regex", "ebnf", "structural_tag")
 
 
@@ -43,16 +42,6 @@ class FinishReason(str, enum.Enum):
     LENGTH = "length"  # max_tokens or the context length reached
     ABORT = "abort"  # cancelled by the client or at shutdown
     ERROR = "error"  # rejected: the message says why
-
-
-class InvalidRequestError(ValueError):
-    """A request that cannot run, with the field to blame. Its text is "param: message", and the
-    server turns it into a 400 whose `param` names the field."""
-
-    def __init__(self, param: str, message: str) -> None:
-        super().__init__(f"{param}: {message}")
-        self.param = param
-        self.message = message
 
 
 def _check(ok: bool, field_name: str, message: str) -> None:
@@ -206,7 +195,7 @@ _FIELD_RULES: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
 class SamplingParams:
     """How to pick each next token and when to stop. Defaults follow vLLM / OpenAI."""
 
-    max_tokens: int = 16
+    max_tokens: int = DEFAULT_MAX_TOKENS
     # Until this many tokens are out, EOS and stop_token_ids are never drawn and stop strings
     # do not match (vLLM's min_tokens, SGLang's min_new_tokens)
     min_tokens: int = 0

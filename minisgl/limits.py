@@ -1,17 +1,82 @@
-"""The request rules that need the model: vocabulary, context length and KV pool capacity.
+"""Every bound on what a request may ask, in one table, and the rules that need the model.
 
-Field-by-field rules live in `SamplingParams`; these are the rest. The server checks them before
-a request reaches the scheduler (to answer 400 with the right `param`), and the scheduler checks
-them again in `Scheduler.validate` (the offline `LLM` and any other sender): one function, two
-callers, so the two can never disagree.
+The table: each constant is one bound, its unit in its name; core.py's `SamplingParams`, the
+dialects, the JSON checks and the flags' defaults read it here, and docs/server.md#limits lists
+it (tests/test_limits.py keeps the two equal). The rules below the table need the model
+(vocabulary, context length, KV pool): the server checks them before a request reaches the
+scheduler, to answer 400 naming the field, and the scheduler checks them again
+(`Scheduler.validate`) for the offline `LLM`: one function, two callers.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from minisgl.core import InvalidRequestError, SamplingParams
+if TYPE_CHECKING:
+    from minisgl.core import SamplingParams
+
+KIB, MIB, GIB = 1 << 10, 1 << 20, 1 << 30
+
+# ---- The table -----------------------------------------------------------------------------
+# What the engine can represent: token ids and lengths live in int32 tables; seeds and other
+# integers travel as int64.
+INT32_MAX = (1 << 31) - 1
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
+MAX_TOKEN_ID = INT32_MAX
+# Sampling fields (SamplingParams)
+MAX_LOGPROBS = 20  # top alternatives per token (OpenAI's limit)
+MAX_STOP_STRINGS = 32
+MAX_STOP_STRING_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range for one bias, either sign
+MAX_LOGIT_BIAS_ENTRIES = 1024
+MAX_USER_CHARS = 256  # `user`: a metric label and a key of the scheduler's counters
+# Structured outputs: a grammar's source text, what one compile may take
+MAX_CONSTRAINT_CHARS = 1 << 20
+# The UTF-8 size of a schema / regex / grammar / tool-call tag compiled; real ones are a few KB.
+MAX_CONSTRAINT_BYTES = 256 * KIB
+# A compile taking the grammar worker (idle at ~0.4 GB) past this is refused: fixed, not a share
+# of the machine, so that it does not grow with a big host.
+MAX_WORKER_RSS_BYTES = 2 * GIB
+MAX_TOOLS = 128
+# JSON from clients (minisgl.chat.jsontext): deeper than any schema or message list needs, far
+# below where recursive code runs out of stack; each object costs microseconds to validate
+# (Anthropic's API allows 100,000 messages).
+MAX_JSON_DEPTH = 128
+MAX_JSON_OBJECTS = 100_000
+# Dialects
+MAX_CHOICES_PER_REQUEST = 128  # `n` (OpenAI's bound)
+MAX_DETOKENIZE_IDS = 1 << 20  # /detokenize
+MAX_LISTED_ITEMS = 100  # GET /v1/responses/{id}/input_items?limit=
+DEFAULT_MAX_TOKENS = 16  # SamplingParams, /v1/completions (vLLM's and OpenAI's default)
+DEFAULT_GENERATE_MAX_NEW_TOKENS = 128  # SGLang's /generate without max_new_tokens
+# The server's flags' defaults (minisgl.config)
+DEFAULT_MAX_SEQUENCES_PER_REQUEST = 256  # prompts x n
+DEFAULT_MAX_QUEUED_REQUESTS = 1024  # sequences waiting beyond --max-running-requests
+DEFAULT_MAX_REQUEST_BODY_BYTES = 32 * MIB
+DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S = 10.0
+DEFAULT_SHUTDOWN_TIMEOUT_S = 20.0
+# A client that stops sending holds a descriptor and a task: its request line and headers must
+# arrive whole within CLIENT_TIMEOUT_S (KEEP_ALIVE_S after a response), its body may pause no
+# longer (nginx's client_header_timeout and client_body_timeout; 408 for a body).
+CLIENT_TIMEOUT_S = 10.0
+KEEP_ALIVE_S = 30.0
+# The Responses API's store of past responses (previous_response_id)
+MAX_STORED_RESPONSES = 1024
+MAX_STORED_CHARS = 64 * MIB
+# ---------------------------------------------------------------------------------------------
+
+
+class InvalidRequestError(ValueError):
+    """A request that cannot run, with the field to blame. Its text is "param: message", and the
+    server turns it into a 400 whose `param` names the field."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(f"{param}: {message}")
+        self.param = param
+        self.message = message
 
 
 @dataclass(frozen=True)

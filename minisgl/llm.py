@@ -11,10 +11,11 @@ from typing import Any
 
 from tqdm import tqdm
 
+from minisgl.chat.template import apply_chat_template, load_chat_template
 from minisgl.config import ServerArgs
 from minisgl.core import Req, SamplingParams, TokenLogprob, next_request_id
 from minisgl.scheduler.tp import make_scheduler
-from minisgl.tokenizer.chat import apply_chat_template, load_chat_template, load_tokenizer
+from minisgl.tokenizer import load_tokenizer
 from minisgl.tokenizer.detokenizer import RequestDetokenizer, stop_reason
 
 Prompt = str | list[int]

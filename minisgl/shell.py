@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from minisgl.config import ServerArgs
 from minisgl.models.names import served_model_name
 from minisgl.runtime.launch import ServerStack
-from minisgl.supervisor import StartupError
+from minisgl.runtime.supervisor import StartupError
 
 PROMPT = ">>> "
 RESET_COMMAND = "/reset"

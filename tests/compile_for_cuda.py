@@ -141,7 +141,7 @@ def sampling_launches() -> list[Launch]:
 
 def attention_launches() -> list[Launch]:
     from minisgl.attention import triton_backend as tb
-    from minisgl.attention import triton_kernels
+    from minisgl.kernels import triton_attention as triton_kernels
 
     def run() -> None:
         for dtype, head_dim in ((torch.bfloat16, 128), (torch.float16, 64), (torch.float32, 128)):
@@ -165,7 +165,7 @@ def attention_launches() -> list[Launch]:
 
 
 def moe_launches() -> list[Launch]:
-    from minisgl.layers import fused_moe_triton as moe
+    from minisgl.kernels import triton_moe as moe
 
     def run() -> None:
         for dtype in (torch.bfloat16, torch.float32):

@@ -21,7 +21,7 @@ import httpx
 import psutil
 
 from minisgl.api.metrics import EXPORTED_FIELDS, PREFIX
-from minisgl.scheduler.stats import METRIC
+from minisgl.stats import METRIC
 
 STARTUP_TIMEOUT_S = 180.0
 SHUTDOWN_TIMEOUT_S = 30.0

@@ -36,7 +36,8 @@ from minisgl.api.errors import ChoiceFailed, RequestError, shape_error
 from minisgl.api.pipeline import Choice, Event
 from minisgl.api.sse import stream_frames
 from minisgl.chat import ChatDelta
-from minisgl.core import InvalidRequestError, SamplingParams
+from minisgl.core import SamplingParams
+from minisgl.limits import InvalidRequestError
 from minisgl.runtime.messages import DetokenizedOutput
 from tests.server_utils import ServerProcess, require_default_model, running_server, wait_idle
 

@@ -10,10 +10,10 @@ import pytest
 from minisgl.chat import ChatPrompt, ChatSettings, prepare_chat
 from minisgl.chat.reasoning import Mode
 from minisgl.chat.requests import constraint_from_fields, plan_tools
-from minisgl.core import InvalidRequestError
+from minisgl.chat.template import apply_chat_template, render_chat
 from minisgl.grammar.compiler import GrammarCompiler
+from minisgl.limits import InvalidRequestError
 from minisgl.tokenizer import load_tokenizer
-from minisgl.tokenizer.chat import apply_chat_template, render_chat
 from tests.conftest import qwen3_tokenizer_dir
 
 THINK_END_ID = 151668

@@ -24,7 +24,8 @@ from minisgl.runtime.messages import (
     decode,
     encode,
 )
-from minisgl.scheduler.stats import HistogramCounts, SchedulerStats
+from minisgl.scheduler.counters import HistogramCounts
+from minisgl.stats import SchedulerStats
 
 PARAMS = SamplingParams(
     max_tokens=7, temperature=0.5, top_k=3, seed=11, stop=("a", "bc"), stop_token_ids=(5,)

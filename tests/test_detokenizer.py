@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from minisgl.chat.template import apply_chat_template
 from minisgl.core import FinishReason, ReqOutput, SamplingParams, TokenLogprob
-from minisgl.tokenizer import IncrementalDetokenizer, apply_chat_template, load_tokenizer
+from minisgl.tokenizer import IncrementalDetokenizer, load_tokenizer
 from minisgl.tokenizer.detokenizer import RequestDetokenizer, stop_reason
 from tests.conftest import qwen3_tokenizer_dir
 

@@ -24,7 +24,7 @@ from minisgl.runtime import dp as dp_module
 from minisgl.runtime.dp import DataParallelStack, Placement, plan_placements
 from minisgl.runtime.gateway import gateway_command, gateway_installed
 from minisgl.runtime.launch import CHILD_FAILED_EXIT_CODE, http_url
-from minisgl.supervisor import StartupError
+from minisgl.runtime.supervisor import StartupError
 from tests.dp_utils import (
     FAST_HEALTH_CHECKS,
     DataParallelProcess,

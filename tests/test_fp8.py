@@ -196,8 +196,8 @@ def _moe_reference(x, gate_up, down, weights, ids):
 @pytest.mark.parametrize("tokens, hidden, inter", [(1, 256, 128), (37, 192, 320)])
 def test_fused_moe_fp8(tokens, hidden, inter):
     """The fused MoE kernel over fp8 experts (block scales) against `_moe_reference`."""
+    from minisgl.kernels.triton_moe import fused_moe
     from minisgl.kernels.weights import Fp8Tensor
-    from minisgl.layers.fused_moe_triton import fused_moe
 
     g, experts = torch.Generator().manual_seed(tokens), 8
     x = torch.randn(tokens, hidden, generator=g)

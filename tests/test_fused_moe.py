@@ -16,7 +16,7 @@ pytest.importorskip("triton", reason="triton is not installed (Linux: pip instal
 if not ON_CUDA and os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("no GPU and TRITON_INTERPRET is not 1", allow_module_level=True)
 
-from minisgl.layers.fused_moe_triton import align_pairs_by_expert, fused_moe  # noqa: E402
+from minisgl.kernels.triton_moe import align_pairs_by_expert, fused_moe  # noqa: E402
 from minisgl.layers.moe import moe_torch  # noqa: E402
 
 DEVICE = torch.device("cuda" if ON_CUDA else "cpu")

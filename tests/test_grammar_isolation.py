@@ -24,9 +24,10 @@ import httpx
 import psutil
 import pytest
 
-from minisgl.core import Constraint, InvalidRequestError
+from minisgl.core import Constraint
 from minisgl.grammar import worker
-from minisgl.grammar.worker import MAX_CONSTRAINT_BYTES, MAX_WORKER_RSS_BYTES, WORKER_NAME
+from minisgl.grammar.worker import WORKER_NAME
+from minisgl.limits import MAX_CONSTRAINT_BYTES, MAX_WORKER_RSS_BYTES, InvalidRequestError
 from minisgl.tokenizer import load_tokenizer
 from tests.server_utils import ServerProcess, require_default_model, running_server
 

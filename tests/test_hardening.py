@@ -29,23 +29,26 @@ from starlette.routing import Route
 
 from minisgl.api.app import _NotAgainSoon, _Protocol
 from minisgl.api.errors import ChoiceFailed, RequestError
-from minisgl.api.middleware import CLIENT_TIMEOUT_S, Gate, Lifecycle
+from minisgl.api.middleware import Gate, Lifecycle
 from minisgl.api.sse import stream_frames
+from minisgl.chat.jsontext import _skeleton, check_json
+from minisgl.chat.template import apply_chat_template
 from minisgl.config import ServerArgs
-from minisgl.core import (
+from minisgl.core import FinishReason, ReqOutput, SamplingParams
+from minisgl.limits import (
+    CLIENT_TIMEOUT_S,
+    MAX_JSON_OBJECTS,
     MAX_STOP_STRINGS,
-    FinishReason,
     InvalidRequestError,
-    ReqOutput,
-    SamplingParams,
+    ModelLimits,
+    check_request,
+    resolve_max_tokens,
 )
-from minisgl.jsontext import MAX_JSON_OBJECTS, _skeleton, check_json
-from minisgl.limits import ModelLimits, check_request, resolve_max_tokens
 from minisgl.runtime.engine_client import EngineClient
 from minisgl.runtime.messages import BatchTokenOutput, Endpoints, MessageQueue, TokenizedRequest
 from minisgl.runtime.scheduler_proc import MAX_FAILED_STEPS_IN_A_ROW, SchedulerLoop
 from minisgl.scheduler.scheduler import Scheduler
-from minisgl.tokenizer import apply_chat_template, load_tokenizer
+from minisgl.tokenizer import load_tokenizer
 from tests.conftest import QWEN3_VOCAB
 from tests.server_utils import ServerProcess, running_server, wait_idle
 

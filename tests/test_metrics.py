@@ -16,13 +16,12 @@ from minisgl.core import FinishReason
 from minisgl.engine.gpu_probe import GPU_SAMPLE_INTERVAL_S, GpuProbe, GpuSample, make_gpu_probe
 from minisgl.runtime.messages import StatsReply, decode, encode
 from minisgl.runtime.scheduler_proc import build_stats_reply
-from minisgl.scheduler.stats import (
+from minisgl.scheduler.counters import HistogramCounts, ThroughputWindow
+from minisgl.stats import (
     BATCH_SIZE_BUCKETS,
     QUEUE_TIME_BUCKETS_S,
-    HistogramCounts,
     HistogramSnapshot,
     SchedulerStats,
-    ThroughputWindow,
 )
 from tests.server_utils import GPU_METRIC_NAMES, parse_metrics
 from tests.test_scheduler import GREEDY, NEW_TOKENS, workload
@@ -98,7 +97,7 @@ SCHEDULER_METRICS = {
         "histogram", "Queue time by tenant (user, else API key)", "queue_time_by_tenant_s"
     ),
 }  # fmt: skip
-# The labelled ones: one series per label value (bounded: minisgl.scheduler.stats).
+# The labelled ones: one series per label value (bounded: minisgl.stats).
 METRIC_LABELS = {
     "queue_time_by_priority_seconds": "priority",
     "queue_time_by_tenant_seconds": "tenant",

@@ -20,9 +20,9 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import (
 from minisgl import LLM
 from minisgl.distributed import reset_tp_info, set_tp_info
 from minisgl.layers.moe import MoeConfig, SparseMoeBlock, TopKRouter
-from minisgl.models.config import load_model_config
 from minisgl.models.llama import MLP, CausalLM
 from minisgl.models.loader import load_weights
+from minisgl.models.model_config import load_model_config
 from tests.conftest import TINY_MOE, build_tiny_checkpoint
 from tests.test_model_parity import NUM_NEW_TOKENS, _prompts, check_against_hf
 

@@ -108,9 +108,9 @@ def test_every_runtime_import_is_a_declared_dependency():
 
 
 def test_the_supervisor_is_the_bottom_layer():
-    """minisgl/supervisor.py imports only the standard library: the server's launcher and the tp
-    ranks in minisgl/scheduler/ both use it, and every import points down."""
-    imported = {module for module, _, _ in _imports(PACKAGE / "supervisor.py")}
+    """minisgl/runtime/supervisor.py imports only the standard library: the server's launcher
+    and the tp ranks in minisgl/scheduler/ both use it, and every import points down."""
+    imported = {module for module, _, _ in _imports(PACKAGE / "runtime" / "supervisor.py")}
     assert imported <= {"__future__", *sys.stdlib_module_names}, imported
 
 

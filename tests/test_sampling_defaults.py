@@ -15,7 +15,7 @@ from minisgl.api.dialects.completions import CompletionRequest
 from minisgl.api.request import choice_params
 from minisgl.config import ServerArgs
 from minisgl.limits import ModelLimits
-from minisgl.models.config import load_sampling_defaults
+from minisgl.models.model_config import load_sampling_defaults
 from tests.server_utils import ServerProcess, running_server
 
 HTTP_TIMEOUT_S = 60.0

@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import psutil
 
-from minisgl.supervisor import describe_exit
+from minisgl.runtime.supervisor import describe_exit
 from tests.server_utils import alive, start_server
 
 NUM_STREAMS = 8

@@ -18,11 +18,12 @@ import torch
 import xgrammar as xgr
 
 from minisgl import LLM, SamplingParams
-from minisgl.core import Constraint, InvalidRequestError
+from minisgl.core import Constraint
 from minisgl.engine.device import ComputeStream
 from minisgl.engine.sampler import Sampler, apply_vocab_mask
 from minisgl.engine.sampling_batch import SamplingBatch
 from minisgl.grammar import GrammarCompiler, GrammarState, build_vocab_mask
+from minisgl.limits import InvalidRequestError
 from minisgl.tokenizer import load_tokenizer
 from tests.conftest import QWEN3_VOCAB, qwen3_tokenizer_dir
 

@@ -2,7 +2,7 @@
 whole greedy generation with each.
 
 Interpreter: Triton decides between compiling a kernel and interpreting it when the kernel is
-decorated, i.e. when `minisgl.attention.triton_kernels` is first imported, and reads the
+decorated, i.e. when `minisgl.kernels.triton_attention` is first imported, and reads the
 variable again at launch. Without CUDA, this module sets TRITON_INTERPRET=1 before that import,
 at collection (before any test can import the kernels through the registry), and leaves it set:
 on a CPU-only machine nothing else runs Triton, and subprocesses that inherit it are unaffected.
@@ -32,8 +32,8 @@ INTERPRETED = False
 if HAVE_TRITON:
     if DEVICE.type == "cpu":
         os.environ["TRITON_INTERPRET"] = "1"
-    from minisgl.attention import triton_kernels
     from minisgl.attention.triton_backend import MAX_DECODE_SPLITS, TritonBackend
+    from minisgl.kernels import triton_attention as triton_kernels
 
     INTERPRETED = triton_kernels.INTERPRETER
 

@@ -50,7 +50,7 @@ from minisgl import LLM, SamplingParams
 from minisgl.config import ServerArgs
 from minisgl.core import Req, next_request_id
 from minisgl.engine.engine import resolve_device, resolve_dtype
-from minisgl.models.config import load_model_config
+from minisgl.models.model_config import load_model_config
 from minisgl.models.resolve import resolve_model_path
 
 WARMUP_PROMPT_LEN = 16

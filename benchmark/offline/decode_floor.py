@@ -28,7 +28,7 @@ import torch
 
 from minisgl import LLM, SamplingParams
 from minisgl.core import Req, next_request_id
-from minisgl.models.config import ModelConfig
+from minisgl.models.model_config import ModelConfig
 
 try:  # absent before the CPU kernels existed: the floors still measure older checkouts
     from minisgl.kernels import cpu as cpu_kernels

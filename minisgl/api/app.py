@@ -23,16 +23,16 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from minisgl.api.dialects import anthropic, completions, openai, responses, sglang, vllm
 from minisgl.api.errors import EXCEPTION_HANDLERS
 from minisgl.api.metrics import ServerMetrics
-from minisgl.api.middleware import CLIENT_TIMEOUT_S, Gate, Lifecycle
+from minisgl.api.middleware import Gate, Lifecycle
 from minisgl.api.pipeline import ServingContext
 from minisgl.chat import ChatSettings
 from minisgl.config import ServerArgs
-from minisgl.limits import ModelLimits
-from minisgl.models.config import load_sampling_defaults
+from minisgl.limits import CLIENT_TIMEOUT_S, KEEP_ALIVE_S, ModelLimits
+from minisgl.models.model_config import load_sampling_defaults
 from minisgl.models.names import served_model_name
 from minisgl.runtime.engine_client import BACKEND_STOPPED, EngineClient
 from minisgl.runtime.messages import Endpoints, StatsReply
-from minisgl.supervisor import BACKEND_FAILED_SIGNAL, ChildStartupError
+from minisgl.runtime.supervisor import BACKEND_FAILED_SIGNAL, ChildStartupError
 from minisgl.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -48,7 +48,6 @@ SCHEDULER_PING_INTERVAL_S = 1.0
 # before uvicorn closes the connections.
 GRACEFUL_SHUTDOWN_S = 2
 DRAIN_POLL_S = 0.05
-KEEP_ALIVE_S = 30
 # Connections accepted in one burst, before any is seen (asyncio's accept loop): the excess over
 # the bound below lives that long. Descriptors are left for the burst and all but client
 # connections (ZeroMQ sockets, files, the log).

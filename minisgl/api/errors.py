@@ -13,7 +13,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-from minisgl.core import InvalidRequestError
+from minisgl.limits import InvalidRequestError
 from minisgl.runtime.engine_client import BackendUnavailable
 
 logger = logging.getLogger(__name__)

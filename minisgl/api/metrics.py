@@ -22,7 +22,7 @@ from prometheus_client.registry import Collector
 
 from minisgl.core import FinishReason
 from minisgl.runtime.messages import StatsReply
-from minisgl.scheduler.stats import METRIC, Metric, SchedulerStats
+from minisgl.stats import METRIC, Metric, SchedulerStats
 
 PREFIX = "minisgl:"
 # Buckets in seconds, spanning a fast GPU decode step to a slow CPU prefill.

@@ -21,8 +21,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from minisgl.api.errors import RequestError
 from minisgl.api.request import new_id
-from minisgl.core import InvalidRequestError
-from minisgl.jsontext import check_json
+from minisgl.chat.jsontext import check_json
+from minisgl.limits import CLIENT_TIMEOUT_S, InvalidRequestError
 from minisgl.runtime.engine_client import SHUTTING_DOWN
 
 logger = logging.getLogger(__name__)
@@ -31,10 +31,6 @@ logger = logging.getLogger(__name__)
 # /health_generate runs a generation: it needs the key, as every route that does work.
 METRICS_PATH = "/metrics"
 PROBE_PATHS = frozenset({"/health", METRICS_PATH})
-# A client that stops sending holds a descriptor and a task: a request's line and headers must
-# arrive whole within this long (minisgl.api.app), its body may pause no longer (as nginx's
-# client_header_timeout and client_body_timeout; 408 for a body).
-CLIENT_TIMEOUT_S = 10.0
 # Metric labels: any other method (a client may invent thousands) counts as one.
 HTTP_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
 

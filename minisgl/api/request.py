@@ -13,6 +13,7 @@ Responses API, `sampling_params.max_new_tokens` on SGLang's /generate.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import uuid
 from collections.abc import Mapping
@@ -22,10 +23,20 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, model_validator
 
 from minisgl.chat import ChatPrompt
-from minisgl.core import Constraint, InvalidRequestError, SamplingParams
-from minisgl.limits import ModelLimits, check_request, resolve_max_tokens
+from minisgl.core import Constraint, SamplingParams
+from minisgl.limits import InvalidRequestError, ModelLimits, check_request, resolve_max_tokens
 
 SAMPLING_NAMES = frozenset(f.name for f in dataclasses.fields(SamplingParams))
+KEY_TENANT_HASH_CHARS = 12  # an API key's tenant: a hash prefix, never the key itself
+
+
+def api_key_tenant(headers: Mapping[str, str]) -> str | None:
+    """The tenant of a request that names no user: the API key it presents (`x-api-key` or a
+    Bearer token, as the server's Gate checks it), as `key-` and a short hash."""
+    key = headers.get("x-api-key") or headers.get("authorization", "").removeprefix("Bearer ")
+    if not key:
+        return None
+    return "key-" + hashlib.sha256(key.encode()).hexdigest()[:KEY_TENANT_HASH_CHARS]
 
 
 def new_id(prefix: str, sep: str = "-") -> str:
@@ -44,7 +55,7 @@ def find_invalid_text(data: Any) -> str | None:
     the tokenizer or the other processes. "body" when it is not under a field (a key of the
     body); None if clean. Such a string is what UTF-8 cannot encode: JSON decodes a pair of
     surrogate escapes into one character, so a surrogate left in a string is a lone one. (A
-    body nests at most minisgl.jsontext.MAX_JSON_DEPTH deep here: json.dumps recurses.)"""
+    body nests at most minisgl.chat.jsontext.MAX_JSON_DEPTH deep here: json.dumps recurses.)"""
     # The keys first: a field's name that is not valid text is no place to point at.
     fields = [("body", [*data]), *data.items()] if isinstance(data, dict) else [("body", data)]
     for where, value in fields:
@@ -167,7 +178,7 @@ def choice_params(
     `defaults`: for the fields the request leaves, the model's recommended sampling values and
     the tenant of the API key presented (`user`)."""
     sampling = req.sampling[prompt_index] if isinstance(req.sampling, list) else req.sampling
-    # The model's defaults (minisgl.models.config.GENERATION_SAMPLING_KEYS), then the request's.
+    # The model's defaults (models.model_config.GENERATION_SAMPLING_KEYS), then the request's.
     fields = {**defaults, **{name: value for name, value in sampling.items() if value is not None}}
     requested = fields.get("max_tokens")
     seed = fields.pop("seed", None)

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from minisgl.attention import triton_kernels as kernels
 from minisgl.attention.base import AttentionBackend, AttentionBatch, AttentionConfig, copy_to_device
+from minisgl.kernels import triton_attention as kernels
 from minisgl.kvcache.pool import KVPool
 
 LOG2_E = math.log2(math.e)

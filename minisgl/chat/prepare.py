@@ -10,7 +10,7 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
-from minisgl import jsontext
+import minisgl.chat.jsontext as jsontext
 from minisgl.chat.output import ChatOutputParser
 from minisgl.chat.reasoning import (
     THINK_END,
@@ -20,6 +20,7 @@ from minisgl.chat.reasoning import (
     initial_mode,
 )
 from minisgl.chat.requests import ToolPlan, constraint_from_fields, plan_tools
+from minisgl.chat.template import encode_prompt, load_chat_template, render_chat
 from minisgl.chat.tool_parsers import (
     HERMES_START,
     TOOL_PARSERS,
@@ -30,8 +31,8 @@ from minisgl.chat.tool_parsers import (
     detect_tool_call_parser,
 )
 from minisgl.chat.tool_prompt import with_tools_described
-from minisgl.core import Constraint, InvalidRequestError
-from minisgl.tokenizer.chat import encode_prompt, load_chat_template, render_chat
+from minisgl.core import Constraint
+from minisgl.limits import InvalidRequestError
 
 logger = logging.getLogger(__name__)
 

@@ -19,13 +19,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from minisgl import jsontext
+import minisgl.chat.jsontext as jsontext
 from minisgl.chat.tool_parsers import HERMES_END, HERMES_START
-from minisgl.core import Constraint, InvalidRequestError
+from minisgl.core import Constraint
+from minisgl.limits import MAX_TOOLS, InvalidRequestError
 
 ToolMode = Literal["none", "auto", "named", "required"]
 EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
-MAX_TOOLS = 128
 
 
 @dataclass(frozen=True)

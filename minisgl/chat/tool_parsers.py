@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from minisgl import jsontext
+import minisgl.chat.jsontext as jsontext
 from minisgl.chat.streaming import ChatDelta, TextParser, ToolCallDelta, hold_back
 
 HERMES_START, HERMES_END = "<tool_call>", "</tool_call>"

@@ -12,8 +12,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from minisgl.chat.template import normalize_messages
 from minisgl.chat.tool_parsers import HERMES_END, HERMES_START
-from minisgl.tokenizer.chat import normalize_messages
 
 TOOLS_PROMPT = (
     "You may call functions to answer. The functions, as JSON schemas:\n<tools>\n{tools}\n"

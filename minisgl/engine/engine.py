@@ -33,11 +33,11 @@ from minisgl.kernels import cpu, gpu
 from minisgl.kvcache.pool import KV_CACHE_DTYPES, KVPool, KVShape
 from minisgl.layers.linear import PackedWeight
 from minisgl.layers.moe import Experts
-from minisgl.models.config import load_model_config
 from minisgl.models.llama import CausalLM, local_head_counts
 from minisgl.models.loader import gguf_blocks, load_weights
+from minisgl.models.model_config import load_model_config
 from minisgl.models.resolve import resolve_model_path_for
-from minisgl.stages import stage
+from minisgl.runtime.stages import stage
 
 logger = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ PERCENT = 100.0
 
 @dataclass(frozen=True)
 class GpuSample:
-    """Named as the SchedulerStats fields it fills in (minisgl.scheduler.stats)."""
+    """Named as the SchedulerStats fields it fills in (minisgl.stats)."""
 
     gpu_utilization_ratio: float | None  # None: NVML unavailable
     gpu_memory_used_bytes: int  # the whole device's, as nvidia-smi shows it (all processes)

@@ -12,7 +12,7 @@ from minisgl.core import SamplingParams
 from minisgl.engine.batch import ForwardBatch, VocabMask
 from minisgl.engine.device import ComputeStream
 from minisgl.engine.tables import DeviceTables
-from minisgl.models.config import ModelConfig
+from minisgl.models.model_config import ModelConfig
 
 # The per-row float parameters, in RowInputs' order (staged in one copy).
 _FLOAT_PARAMS = (

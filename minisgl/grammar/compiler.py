@@ -16,7 +16,8 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
-from minisgl.core import Constraint, InvalidRequestError
+from minisgl.core import Constraint
+from minisgl.limits import InvalidRequestError
 
 # Compiled grammars kept per process. One holds a token-mask cache of ~100-250 KB for a
 # 50k-150k vocabulary, so this bounds the cache to tens of MB.

@@ -34,17 +34,17 @@ from pathlib import Path
 import psutil
 from transformers import PreTrainedTokenizerBase
 
-from minisgl.core import Constraint, InvalidRequestError
+from minisgl.core import Constraint
 from minisgl.grammar.compiler import GRAMMAR_CACHE_SIZE, GrammarCompiler
-from minisgl.supervisor import describe_exit, prepare_exec_child
+from minisgl.limits import (
+    GIB,
+    KIB,
+    MAX_CONSTRAINT_BYTES,
+    MAX_WORKER_RSS_BYTES,
+    InvalidRequestError,
+)
+from minisgl.runtime.supervisor import describe_exit, prepare_exec_child
 
-KIB, GIB = 1 << 10, 1 << 30
-# The UTF-8 size of a schema / regex / grammar / tool-call tag we compile; real ones are a few KB.
-MAX_CONSTRAINT_BYTES = 256 * KIB
-# The worker idles at ~0.4 GB (torch and xgrammar loaded, the vocabulary read); a compile that
-# takes it past this is refused. Fixed rather than a share of the machine: it must not grow with
-# a big host, and the model's own processes come first.
-MAX_WORKER_RSS_BYTES = 2 * GIB
 RSS_POLL_INTERVAL_S = 0.05
 # The cache's bound in characters of grammar JSON, besides its count: an enum of 10,000 strings
 # serializes to 21 MB.

@@ -160,7 +160,7 @@ class Experts(nn.Module):
         self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
     ) -> torch.Tensor:
         if self.fp8 is not None or self.use_triton:
-            from minisgl.layers.fused_moe_triton import fused_moe
+            from minisgl.kernels.triton_moe import fused_moe
 
             if self.fp8 is not None:
                 gate_up, down = self.fp8

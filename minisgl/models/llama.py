@@ -20,8 +20,8 @@ from minisgl.layers.linear import ColumnParallelLinear, RowParallelLinear
 from minisgl.layers.moe import SparseMoeBlock
 from minisgl.layers.norm import RMSNorm
 from minisgl.layers.rope import RotaryEmbedding
-from minisgl.models.config import ModelConfig
 from minisgl.models.cpu_decoder import CpuDecodeStack
+from minisgl.models.model_config import ModelConfig
 
 
 def local_head_counts(cfg: ModelConfig) -> tuple[int, int]:

@@ -32,7 +32,7 @@ from minisgl.config import DataParallelArgs, ServerArgs
 from minisgl.models.names import served_model_name
 from minisgl.runtime.gateway import INSTALL_HINT, Gateway, gateway_installed
 from minisgl.runtime.launch import CHILD_FAILED_EXIT_CODE, ServerStack, StopRequests
-from minisgl.supervisor import WATCH_INTERVAL_S, StartupError
+from minisgl.runtime.supervisor import WATCH_INTERVAL_S, StartupError
 
 logger = logging.getLogger("minisgl")
 

@@ -5,7 +5,7 @@ it comes from the same environment. Its control plane (`/workers`, opened by the
 one is set) says when it has registered the replicas, and takes a dead one out of rotation.
 Its graceful stop is Ctrl-C (SIGINT): it refuses new requests and lets in-flight ones finish;
 SIGTERM ends it at once, and it gets SIGTERM when the launcher dies (set up by
-minisgl.supervisor.prepare_exec_child).
+minisgl.runtime.supervisor.prepare_exec_child).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from typing import Any
 
 from minisgl.config import DataParallelArgs, ServerArgs
 from minisgl.runtime.launch import STOP_GRACE_S, WILDCARD_HOSTS, http_url
-from minisgl.supervisor import WATCH_INTERVAL_S, StartupError, prepare_exec_child
+from minisgl.runtime.supervisor import WATCH_INTERVAL_S, StartupError, prepare_exec_child
 
 logger = logging.getLogger("minisgl")
 

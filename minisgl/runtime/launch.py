@@ -6,7 +6,7 @@
       |- api server    FastAPI + uvicorn, tokenizes prompts        minisgl.api.app
 
 All three start at once (the API server pings the scheduler until the model is loaded), as
-children of minisgl.supervisor. The launcher logs one line once every child reports
+children of minisgl.runtime.supervisor. The launcher logs one line once every child reports
 ready; if any child dies it stops the others and exits non-zero; SIGTERM / Ctrl-C stop
 everything and remove the private socket folder.
 """
@@ -26,8 +26,8 @@ from minisgl.config import ServerArgs
 from minisgl.models.names import served_model_name
 from minisgl.models.resolve import resolve_model_path_for
 from minisgl.runtime.messages import Endpoints
-from minisgl.stages import stage
-from minisgl.supervisor import (
+from minisgl.runtime.stages import stage
+from minisgl.runtime.supervisor import (
     BACKEND_FAILED_SIGNAL,
     WATCH_INTERVAL_S,
     Children,

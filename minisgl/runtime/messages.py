@@ -32,7 +32,7 @@ import zmq
 import zmq.asyncio
 
 from minisgl.core import Constraint, FinishReason, ReqOutput, SamplingParams, TokenLogprob
-from minisgl.scheduler.stats import HistogramSnapshot, SchedulerStats
+from minisgl.stats import HistogramSnapshot, SchedulerStats
 
 # ---------------------------------------------------------------------------------------------
 # Messages

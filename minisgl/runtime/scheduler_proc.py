@@ -21,7 +21,7 @@ from minisgl.config import ServerArgs
 from minisgl.core import FinishReason, Req, ReqOutput
 from minisgl.engine.gpu_probe import GpuProbe, make_gpu_probe
 from minisgl.runtime import messages as msg
-from minisgl.scheduler.stats import ThroughputWindow
+from minisgl.scheduler.counters import ThroughputWindow
 from minisgl.tokenizer.detokenizer import PROMPT_CONTEXT_TOKENS
 
 if TYPE_CHECKING:

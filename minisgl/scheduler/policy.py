@@ -27,10 +27,9 @@ is full or pages are short retracts a running request of a lower class (`victim`
 
 from __future__ import annotations
 
-import hashlib
 import math
 from collections import deque
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from minisgl.config import ServerArgs
@@ -48,20 +47,10 @@ LPM_MAX_WAITING = 128
 SHARED_TENANT = "shared"  # requests that name no user and present no API key
 # Counters of idle tenants are forgotten past this many tenants (they return at the floor).
 MAX_TRACKED_TENANTS = 4096
-KEY_TENANT_HASH_CHARS = 12  # an API key's tenant: a hash prefix, never the key itself
 
 
 def tenant_of(req: Req) -> str:
     return req.sampling_params.user or SHARED_TENANT
-
-
-def api_key_tenant(headers: Mapping[str, str]) -> str | None:
-    """The tenant of a request that names no user: the API key it presents (`x-api-key` or a
-    Bearer token, as the server's Gate checks it), as `key-` and a short hash."""
-    key = headers.get("x-api-key") or headers.get("authorization", "").removeprefix("Bearer ")
-    if not key:
-        return None
-    return "key-" + hashlib.sha256(key.encode()).hexdigest()[:KEY_TENANT_HASH_CHARS]
 
 
 class SchedulePolicy:

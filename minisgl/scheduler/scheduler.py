@@ -23,6 +23,7 @@ from minisgl.engine.engine import Engine
 from minisgl.limits import ModelLimits, check_request
 from minisgl.scheduler.batch import Launched, build_batch
 from minisgl.scheduler.cache_manager import CacheManager
+from minisgl.scheduler.counters import SchedulerCounters
 from minisgl.scheduler.decode import DecodeManager, NeedDrain
 from minisgl.scheduler.grammar_masks import GrammarMasks
 from minisgl.scheduler.outputs import Outputs
@@ -31,7 +32,7 @@ from minisgl.scheduler.policy import OUTPUT_TOKEN_WEIGHT
 from minisgl.scheduler.prefill import PrefillManager
 from minisgl.scheduler.recovery import fail_admitted
 from minisgl.scheduler.speculative import NgramSpeculator
-from minisgl.scheduler.stats import SchedulerCounters, SchedulerStats
+from minisgl.stats import SchedulerStats
 
 
 class Scheduler:

@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterator
 from minisgl.config import ServerArgs
 from minisgl.core import Req, TokenLogprob
 from minisgl.scheduler.cache_manager import CacheManager
-from minisgl.scheduler.stats import SchedulerCounters
+from minisgl.scheduler.counters import SchedulerCounters
 
 # Adaptive drafting, so that text without repetition runs about as fast as without drafts: a
 # request proposes at most one draft more than its last verify accepted (all of them again

@@ -40,14 +40,14 @@ from minisgl.distributed import (
     reset_tp_info,
     set_tp_info,
 )
-from minisgl.models.config import load_model_config
 from minisgl.models.llama import local_head_counts
+from minisgl.models.model_config import load_model_config
 from minisgl.models.resolve import resolve_model_path_for
+from minisgl.runtime.supervisor import Children, StartupError
 from minisgl.scheduler import tp_ranks
 from minisgl.scheduler.scheduler import Scheduler
-from minisgl.scheduler.stats import SchedulerStats
 from minisgl.scheduler.tp_ranks import AbortOp, AddOp, Command, Op, TPRankError, broadcast
-from minisgl.supervisor import Children, StartupError
+from minisgl.stats import SchedulerStats
 
 logger = logging.getLogger(__name__)
 

@@ -2,9 +2,9 @@
 
 Rank 0 (`minisgl.scheduler.tp`) broadcasts one `Command` per step over the gloo control group;
 a follower (`start_rank`, then `follow`) replays each on its own `Scheduler`. `spawn_followers`
-starts a node's follower processes as children of minisgl.supervisor: each reports over a pipe
-that it started, then that it is ready or why it failed, so rank 0 can name the rank that broke
-the group. `run_follower_node` is a whole node k > 0 (`python -m minisgl.scheduler.tp`).
+starts a node's follower processes as children of minisgl.runtime.supervisor: each reports over
+a pipe that it started, then that it is ready or why it failed, so rank 0 can name the rank that
+broke the group. `run_follower_node` is a whole node k > 0 (`python -m minisgl.scheduler.tp`).
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ from minisgl.distributed import (
     ranks_per_node,
 )
 from minisgl.engine.engine import resolve_device
+from minisgl.runtime.supervisor import Children, describe_exit
 from minisgl.scheduler.scheduler import Scheduler
-from minisgl.supervisor import Children, describe_exit
 
 logger = logging.getLogger(__name__)
 
@@ -134,7 +134,7 @@ def start_rank(args: ServerArgs, rank: int) -> Scheduler:
 
 def run_rank(args: ServerArgs, rank: int, report_ready: Callable[[], None] = lambda: None) -> None:
     """One follower rank, until rank 0 says stop (or a collective fails: rank 0 is gone).
-    A spawned follower's process (`minisgl.supervisor.child_main` runs it, and reports its
+    A spawned follower's process (`minisgl.runtime.supervisor.child_main` runs it, and reports its
     failure to rank 0), or the first rank of a node k > 0."""
     scheduler: Scheduler | None = None
     try:

@@ -28,14 +28,14 @@ from typing import Any
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from minisgl import jsontext
 from minisgl.api.errors import ERROR_SHAPES
 from minisgl.api.pipeline import Choice, Run, prepare
 from minisgl.api.request import ApiRequest, ChatWire, function_call, new_id, sampling_of
 from minisgl.api.sse import EventBuffer, WireEvent, respond, sse_event
-from minisgl.chat import CALL, REASONING, ChatPrompt, ReplyBlocks
+from minisgl.chat import CALL, REASONING, ChatPrompt, ReplyBlocks, jsontext
 from minisgl.chat.tool_parsers import ToolCallDelta
-from minisgl.core import FinishReason, InvalidRequestError
+from minisgl.core import FinishReason
+from minisgl.limits import InvalidRequestError
 
 PATH_PREFIX = "/v1/messages"
 ALIASES = {"stop_sequences": "stop", "metadata.user_id": "user"}

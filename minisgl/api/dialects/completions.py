@@ -18,11 +18,10 @@ from minisgl.api.dialects.openai import OpenAISampling, chunk, finish_text, fold
 from minisgl.api.pipeline import Run, ServingContext
 from minisgl.api.request import ApiRequest, new_id, sampling_of
 from minisgl.api.sse import WireEvent, respond
-from minisgl.core import InvalidRequestError, TokenLogprob
+from minisgl.core import TokenLogprob
+from minisgl.limits import DEFAULT_MAX_TOKENS, InvalidRequestError
 from minisgl.tokenizer.detokenizer import stop_reason
 
-# /v1/completions without max_tokens: OpenAI's default (and vLLM's and SGLang's).
-DEFAULT_COMPLETION_MAX_TOKENS = 16
 LOGPROB_KEYS = ("tokens", "token_logprobs", "top_logprobs", "text_offset")
 
 
@@ -50,7 +49,7 @@ class CompletionRequest(OpenAISampling):
         single = isinstance(prompt, str) or isinstance(prompt[0], int)
         prompts = cast("list[str] | list[list[int]]", [prompt] if single else prompt)
         sampling, wire_names = sampling_of(self, {})
-        sampling.setdefault("max_tokens", DEFAULT_COMPLETION_MAX_TOKENS)
+        sampling.setdefault("max_tokens", DEFAULT_MAX_TOKENS)
         # echo with logprobs scores the prompt too (OpenAI: the first token's is null); echo
         # with max_tokens 0 only echoes, through the same prompt-only path.
         scored = self.echo and (self.logprobs is not None or sampling["max_tokens"] == 0)

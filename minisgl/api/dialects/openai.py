@@ -25,11 +25,10 @@ from minisgl.api.request import ApiRequest, ChatWire, SamplingWire, WireModel, n
 from minisgl.api.sse import WireEvent, respond
 from minisgl.chat import ChatDelta, ChatPrompt, with_reasoning_effort
 from minisgl.chat.requests import CONSTRAINT_FIELDS
-from minisgl.core import FinishReason, InvalidRequestError, TokenLogprob
+from minisgl.core import FinishReason, TokenLogprob
+from minisgl.limits import MAX_CHOICES_PER_REQUEST, InvalidRequestError
 from minisgl.tokenizer.detokenizer import stop_reason
 
-# OpenAI's bound on choices per request.
-MAX_CHOICES_PER_REQUEST = 128
 # ChatPrompt's fields but template_kwargs: a chat completion request has them by the same names.
 PROMPT_FIELDS = tuple(f.name for f in dataclasses.fields(ChatPrompt) if f.name != "template_kwargs")
 CHAT_ALIASES = {"max_completion_tokens": "max_tokens", "top_logprobs": "logprobs"}
@@ -76,7 +75,7 @@ class OpenAISampling(SamplingWire):
 
 
 class ChatCompletionRequest(OpenAISampling, ChatWire):
-    # Content checks (roles, text parts) happen in minisgl.tokenizer.chat with clear messages.
+    # Content checks (roles, text parts) happen in minisgl.chat.template with clear messages.
     messages: list[Any]
     max_completion_tokens: int | None = None
     logprobs: bool = False

@@ -42,7 +42,13 @@ from minisgl.api.pipeline import Run
 from minisgl.api.request import ApiRequest, ChatWire, new_id, sampling_of
 from minisgl.api.sse import EventBuffer, WireEvent, respond, sse_event
 from minisgl.chat import ChatPrompt, ReplyBlocks, with_reasoning_effort
-from minisgl.core import FinishReason, InvalidRequestError
+from minisgl.core import FinishReason
+from minisgl.limits import (
+    MAX_LISTED_ITEMS,
+    MAX_STORED_CHARS,
+    MAX_STORED_RESPONSES,
+    InvalidRequestError,
+)
 
 ALIASES = {
     "max_output_tokens": "max_tokens",
@@ -55,9 +61,6 @@ ECHOED_FIELDS = (
     *("instructions", "max_output_tokens", "parallel_tool_calls", "previous_response_id"),
     *("metadata", "store", "top_logprobs", "user"),
 )
-MAX_STORED_RESPONSES = 1024
-MAX_STORED_CHARS = 64 * 1024 * 1024
-MAX_LISTED_ITEMS = 100
 
 
 class ResponsesRequest(ChatWire):

@@ -21,7 +21,7 @@ from minisgl.api.dialects.openai import new_call_id
 from minisgl.api.request import function_call, new_id
 from minisgl.chat import CALL, REASONING
 from minisgl.chat.tool_parsers import ToolCallDelta
-from minisgl.core import InvalidRequestError
+from minisgl.limits import InvalidRequestError
 
 TEXT_PART_TYPES = frozenset({"input_text", "output_text", "text", "summary_text", "reasoning_text"})
 # A function_call item's fields, in function_call's order.

@@ -51,18 +51,11 @@ from minisgl.api.request import SAMPLING_NAMES, ApiRequest, WireModel, new_id, s
 from minisgl.api.sse import WireEvent, respond
 from minisgl.chat.requests import CONSTRAINT_FIELDS
 from minisgl.config import ServerArgs
-from minisgl.core import (
-    MAX_LOGPROBS,
-    FinishReason,
-    InvalidRequestError,
-    SamplingParams,
-    TokenLogprob,
-)
+from minisgl.core import FinishReason, SamplingParams, TokenLogprob
+from minisgl.limits import DEFAULT_GENERATE_MAX_NEW_TOKENS, MAX_LOGPROBS, InvalidRequestError
 from minisgl.runtime.engine_client import BackendUnavailable, RoutedOutput
 from minisgl.runtime.messages import TokenizedRequest
 
-# SGLang's default when sampling_params has no max_new_tokens.
-DEFAULT_MAX_NEW_TOKENS = 128
 ALIASES = {
     "max_new_tokens": "max_tokens",
     "min_new_tokens": "min_tokens",
@@ -97,7 +90,7 @@ CONFIG_FILE = "config.json"
 class SGLangSampling(OpenAISampling):
     """SGLang's `sampling_params` object (logprob settings come from the request)."""
 
-    max_new_tokens: int | None = DEFAULT_MAX_NEW_TOKENS
+    max_new_tokens: int | None = DEFAULT_GENERATE_MAX_NEW_TOKENS
     min_new_tokens: int | None = None
     sampling_seed: int | None = None
     no_stop_trim: bool = False  # SGLang's name for include_stop_str_in_output

@@ -18,11 +18,12 @@ from pydantic import Field, model_validator
 from minisgl.api.pipeline import ServingContext, prepare
 from minisgl.api.request import ApiRequest, WireModel
 from minisgl.chat import ChatPrompt
-from minisgl.core import InvalidRequestError
-from minisgl.limits import check_prompt_size, check_token_ids
-
-# The most ids one /detokenize takes (a whole context of the largest models, with room).
-MAX_DETOKENIZE_IDS = 1 << 20
+from minisgl.limits import (
+    MAX_DETOKENIZE_IDS,
+    InvalidRequestError,
+    check_prompt_size,
+    check_token_ids,
+)
 
 
 class TokenizeRequest(WireModel):

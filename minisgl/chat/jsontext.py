@@ -18,14 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from minisgl.core import InvalidRequestError
+from minisgl.limits import MAX_JSON_DEPTH, MAX_JSON_OBJECTS, InvalidRequestError
 
-# Deeper than any schema or message list a client needs (a 10-level nested pydantic model is
-# about 30), far below where recursive code runs out of stack (~450 in transformers' template).
-MAX_JSON_DEPTH = 128
-# Objects in one value: validating and converting each costs microseconds of Python on the event
-# loop (Anthropic's API allows 100,000 messages in a request).
-MAX_JSON_OBJECTS = 100_000
 _NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
 _STEPS = bytes(1 if chr(b) in "[{" else 255 if chr(b) in "]}" else 0 for b in range(256))
 # Not JSON numbers (NaN, Infinity), or ones Python cannot hold: past float range (an exponent

@@ -1,4 +1,4 @@
-"""Load a tokenizer and turn chat messages (and tools) into prompt token ids.
+"""Chat templates: turn chat messages (and tools) into prompt token ids.
 
 Messages keep every field a chat template reads: `name`, `tool_calls` on assistant messages,
 `tool_call_id` on tool messages and `reasoning_content`. Tool-call arguments arrive as JSON
@@ -13,17 +13,12 @@ from pathlib import Path
 from typing import Any
 
 from jinja2 import TemplateError
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
-from minisgl import jsontext
+import minisgl.chat.jsontext as jsontext
 
 CHAT_ROLES = ("system", "user", "assistant", "developer", "tool")
 _TEXT_FIELDS = ("name", "tool_call_id", "reasoning_content")
-
-
-def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
-    """Load the tokenizer of a local checkpoint folder (never downloads)."""
-    return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
 
 
 def load_chat_template(path: str | Path) -> str:

@@ -1,1 +1,0 @@
-"""The OpenAI-compatible HTTP server: `python -m minisgl.server`. See docs/server.md."""
