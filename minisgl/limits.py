@@ -62,7 +62,7 @@ DEFAULT_SHUTDOWN_TIMEOUT_S = 20.0
 # arrive whole within CLIENT_TIMEOUT_S (KEEP_ALIVE_S after a response), its body may pause no
 # longer (nginx's client_header_timeout and client_body_timeout; 408 for a body).
 CLIENT_TIMEOUT_S = 10.0
-KEEP_ALIVE_S = 30.0
+KEEP_ALIVE_S = 30
 # The Responses API's store of past responses (previous_response_id)
 MAX_STORED_RESPONSES = 1024
 MAX_STORED_CHARS = 64 * MIB
