@@ -66,7 +66,6 @@ class ReplyBlocks:
         self.num_blocks = 0
         self.num_calls = 0
         self._open: str | None = None
-        self._open_call: int | None = None  # ToolCallDelta.index of the open call
         self._held_text = ""
         self._held_logprobs: list[Any] = []
 
@@ -76,10 +75,9 @@ class ReplyBlocks:
         if delta.content:
             self._write(TEXT, delta.content, logprobs or [])
         for call in delta.tool_calls:
-            if call.name is not None or self._open != CALL or self._open_call != call.index:
+            if call.name is not None or self._open != CALL:  # a call's first delta has its name
                 self._held_text, self._held_logprobs = "", []
                 self._start(CALL, call)
-                self._open_call = call.index
                 self.num_calls += 1
             self._sink.write(CALL, call.arguments, [])
 
@@ -109,5 +107,5 @@ class ReplyBlocks:
 
     def _close(self, status: str) -> None:
         if self._open is not None:
-            self._open = self._open_call = None
+            self._open = None
             self._sink.close(status)

@@ -37,8 +37,10 @@ class Mode(enum.Enum):
     CONTENT = "content"  # no reasoning in this reply
 
 
-def initial_mode(parser: str, prompt_text: str) -> Mode:
-    """Where the reply starts, from the rendered prompt's last think tags."""
+def initial_mode(parser: str | None, prompt_text: str) -> Mode:
+    """Where the reply starts, from the rendered prompt's last think tags (no parser: content)."""
+    if parser is None:
+        return Mode.CONTENT
     opened, closed = prompt_text.rfind(THINK_START), prompt_text.rfind(THINK_END)
     if opened > closed:
         return Mode.REASONING
@@ -47,10 +49,10 @@ def initial_mode(parser: str, prompt_text: str) -> Mode:
     return Mode.REASONING if parser == "deepseek-r1" else Mode.MAYBE
 
 
-def detect_reasoning_parser(chat_template: str | None) -> str | None:
+def detect_reasoning_parser(chat_template: str) -> str | None:
     """`--reasoning-parser auto`: the parser the chat template's think tags call for, or None
     when the template has none."""
-    if not chat_template or THINK_START not in chat_template:
+    if THINK_START not in chat_template:
         return None
     # DeepSeek-R1's template writes its own role markers with full-width bars.
     return "deepseek-r1" if "<｜Assistant｜>" in chat_template else "qwen3"

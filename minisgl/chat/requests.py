@@ -70,10 +70,8 @@ def _check_tools(tools: Any) -> dict[str, dict[str, Any]]:
 
 
 def _choice(tool_choice: Any, names: list[str]) -> tuple[ToolMode, str | None]:
-    if tool_choice is None:
-        return "auto", None
-    if tool_choice in ("none", "auto", "required"):
-        return tool_choice, None
+    if tool_choice in (None, "none", "auto", "required"):
+        return tool_choice or "auto", None
     if isinstance(tool_choice, Mapping) and tool_choice.get("type", "function") == "function":
         function = tool_choice.get("function")
         name = function.get("name") if isinstance(function, Mapping) else None
@@ -224,8 +222,8 @@ CONSTRAINT_FIELDS = tuple(_FIELDS)  # the request fields that ask for a constrai
 def constraint_from_fields(fields: Mapping[str, Any]) -> tuple[str, Constraint] | None:
     """(the field it came from, the constraint) for the structured-output fields that are set;
     None when none asks for one. More than one: an error."""
-    asked = [name for name in _FIELDS if fields.get(name) is not None]
-    found = [(name, c) for name in asked if (c := _FIELDS[name](fields[name], name)) is not None]
+    asked = [(name, value) for name in _FIELDS if (value := fields.get(name)) is not None]
+    found = [(name, c) for name, value in asked if (c := _FIELDS[name](value, name)) is not None]
     if len(found) > 1:
         names = [name for name, _ in found]
         message = f"only one structured-output constraint per request; got {names}"

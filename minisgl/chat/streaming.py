@@ -23,9 +23,6 @@ class ChatDelta:
     content: str = ""
     tool_calls: list[ToolCallDelta] = field(default_factory=list)
 
-    def __bool__(self) -> bool:
-        return bool(self.reasoning or self.content or self.tool_calls)
-
 
 class TextParser(ABC):
     """Text deltas in, `ChatDelta`s out. Unclassified text waits in `_buf`; `_run` takes what it

@@ -97,10 +97,12 @@ def normalize_messages(messages: Any) -> list[dict[str, Any]]:
             if not isinstance(value, str):
                 raise ValueError(f"messages: message {index} {name} must be a string")
             entry[name] = value
-        if message.get("tool_calls") is not None and role != "assistant":
-            raise ValueError(f"messages: message {index}: only assistant messages have tool_calls")
-        if message.get("tool_calls") is not None:
-            entry["tool_calls"] = _tool_calls(message["tool_calls"], index)
+        if (calls := message.get("tool_calls")) is not None:
+            if role != "assistant":
+                raise ValueError(
+                    f"messages: message {index}: only assistant messages have tool_calls"
+                )
+            entry["tool_calls"] = _tool_calls(calls, index)
         normalized.append(entry)
     return normalized
 

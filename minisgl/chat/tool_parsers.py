@@ -161,11 +161,10 @@ TOOL_PARSERS: dict[str, type[ToolParser]] = {
 }
 
 
-def detect_tool_call_parser(chat_template: str | None) -> str | None:
+def detect_tool_call_parser(chat_template: str) -> str | None:
     """`--tool-call-parser auto`: hermes when the template writes <tool_call> blocks, llama3_json
     when it names <|python_tag|>; None when neither (or both) appear."""
-    template = chat_template or ""
-    hermes, llama = HERMES_START in template, PYTHON_TAG in template
+    hermes, llama = HERMES_START in chat_template, PYTHON_TAG in chat_template
     if hermes == llama:
         return None
     return "hermes" if hermes else "llama3_json"

@@ -23,9 +23,8 @@ TOOLS_PROMPT = (
 
 
 def _call_block(call: dict[str, Any]) -> str:
-    function = call["function"]
-    body = json.dumps({"name": function["name"], "arguments": function["arguments"]})
-    return f"{HERMES_START}\n{body}\n{HERMES_END}"
+    """A normalized call's {"name", "arguments"} as a hermes block."""
+    return f"{HERMES_START}\n{json.dumps(call['function'])}\n{HERMES_END}"
 
 
 def with_tools_described(messages: Any, tools: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -90,22 +90,13 @@ class GrammarCompiler:
             tokenizer, vocab_size=vocab_size, stop_token_ids=list(stop_token_ids) or None
         )
         threads = max(1, min(MAX_COMPILE_THREADS, os.cpu_count() or 1))
-        # Our own cache below keys on (kind, value) and also holds deserialized grammars.
+        # Our own cache keys on (kind, value) and also holds deserialized grammars.
         self._compiler = xgr.GrammarCompiler(self.info, max_threads=threads, cache_enabled=False)
         self._cache: GrammarCache[Any] = GrammarCache(lambda grammar: grammar.memory_size_bytes)
 
-    def _cached(self, key: tuple[str, str], make: Callable[[], Any]) -> Any:
-        """The cached grammar for `key`; else `make()` (outside the cache's lock), then cached."""
-        if (compiled := self._cache.get(key)) is None:
-            compiled = make()
-            self._cache.put(key, compiled)
-        return compiled
-
     def compile(self, constraint: Constraint) -> Any:
-        """The compiled grammar; raises InvalidRequestError naming `self.param` if it is bad."""
-        return self._cached(constraint.grammar_key, lambda: self._compile(constraint))
-
-    def _compile(self, constraint: Constraint) -> Any:
+        """The compiled grammar (not cached); InvalidRequestError naming `self.param` if it is
+        bad."""
         kind, value = constraint.kind, constraint.value
         try:
             if kind in ("json_schema", "json_object"):
@@ -125,7 +116,10 @@ class GrammarCompiler:
     def load(self, constraint: Constraint, grammar_json: str | None) -> Any:
         """The compiled grammar for a request: cached, else deserialized from `grammar_json`
         (compiled by the API server), else compiled here (the offline API sends none)."""
-        if grammar_json is None:
-            return self.compile(constraint)
-        deserialize = self._xgr.CompiledGrammar.deserialize_json
-        return self._cached(constraint.grammar_key, lambda: deserialize(grammar_json, self.info))
+        if (compiled := self._cache.get(constraint.grammar_key)) is None:
+            if grammar_json is None:
+                compiled = self.compile(constraint)
+            else:
+                compiled = self._xgr.CompiledGrammar.deserialize_json(grammar_json, self.info)
+            self._cache.put(constraint.grammar_key, compiled)
+        return compiled

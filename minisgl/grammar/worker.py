@@ -67,7 +67,7 @@ def _serve(
         except EOFError:  # the API server closed it (or is gone)
             return
         try:
-            reply = (True, str(compiler._compile(Constraint(kind, value)).serialize_json()))
+            reply = (True, str(compiler.compile(Constraint(kind, value)).serialize_json()))
         except InvalidRequestError as exc:
             reply = (False, exc.message)
         conn.send(reply)
