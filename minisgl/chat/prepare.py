@@ -41,7 +41,7 @@ logger = logging.getLogger(__name__)
 # not template variables, and passing one twice would change what the call returns
 # (return_dict, tokenize) or fail.
 _OWN_PARAMETERS = inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters
-RESERVED_TEMPLATE_KWARGS = frozenset(_OWN_PARAMETERS).union({"messages"}) - {"self", "kwargs"}
+RESERVED_TEMPLATE_KWARGS = frozenset(_OWN_PARAMETERS) - {"self", "kwargs"} | {"messages"}
 
 
 def parse_template_kwargs(value: Any, param: str = "chat_template_kwargs") -> dict[str, Any]:
@@ -106,15 +106,14 @@ class PreparedChat:
 
     def new_parser(self) -> ChatOutputParser:
         """A fresh parser for one choice's reply."""
+        plan = self.tools
         tools: ToolParser | None = None
-        mode = self.tools.mode
-        if mode == "auto":
-            tools = TOOL_PARSERS[self.tool_call_parser or "hermes"](self.tools.max_calls)
-        elif mode == "named":
-            assert self.tools.function is not None
-            tools = NamedCallParser(self.tools.function)
-        elif mode == "required":
-            tools = RequiredCallsParser(self.tools.max_calls)
+        if plan.function is not None:  # mode "named"
+            tools = NamedCallParser(plan.function)
+        elif plan.mode == "required":
+            tools = RequiredCallsParser(plan.max_calls)
+        elif plan.mode == "auto":
+            tools = TOOL_PARSERS[self.tool_call_parser or "hermes"](plan.max_calls)
         reasoning = None
         if self.reasoning_parser is not None:
             # Qwen3 may call a tool before it closes its thought: <tool_call> ends reasoning too.

@@ -31,10 +31,9 @@ THINK_END = "</think>"
 
 
 class Mode(enum.Enum):
-    MAYBE = "maybe"  # not yet known whether the reply opens with <think>
+    MAYBE = "maybe"  # the reply's start: does it open with <think>?
     REASONING = "reasoning"
-    AFTER = "after"  # reasoning ended: content follows (its leading blank lines dropped)
-    CONTENT = "content"  # no reasoning in this reply
+    CONTENT = "content"  # no reasoning in this reply, or the reasoning ended
 
 
 def initial_mode(parser: str | None, prompt_text: str) -> Mode:
@@ -60,32 +59,26 @@ def detect_reasoning_parser(chat_template: str) -> str | None:
 
 class ReasoningParser(TextParser):
     def __init__(self, mode: Mode, implicit_end: tuple[str, ...] = ()) -> None:
-        self.mode = mode
-        self.reasoned = mode == Mode.REASONING  # the reply had a reasoning part
+        self.reasoned = mode == Mode.REASONING  # the reply has a reasoning part
+        # Where the template opened <think>, the model may still write it (R1): MAYBE looks.
+        self.mode = Mode.MAYBE if self.reasoned else mode
         self._ends = (THINK_END, *implicit_end)
-        self._reasoning_started = False  # leading whitespace of the reasoning is dropped
+        self._strip = False  # leading whitespace, of the reasoning or of the answer after it
 
     def _run(self, final: bool) -> ChatDelta:
         out = ChatDelta()
         while self._buf:
-            if self.mode == Mode.CONTENT:
+            if self._strip:
+                self._buf = self._buf.lstrip()
+                self._strip = not self._buf
+            elif self.mode == Mode.CONTENT:
                 out.content += self._buf
                 self._buf = ""
-            elif self.mode == Mode.AFTER:
-                self._buf = self._buf.lstrip()
-                if self._buf:
-                    self.mode = Mode.CONTENT
-            elif self.mode == Mode.MAYBE:  # decide from the reply's start
+            elif self.mode == Mode.MAYBE:
                 if (opened := self._opens(final)) is None:
                     break
-                self.mode = Mode.REASONING if opened else Mode.CONTENT
-                self.reasoned = opened
-            elif not self._reasoning_started:
-                # A template that opened <think> may still see the model write it (R1).
-                if self._opens(final) is None:
-                    break
-                self._buf = self._buf.lstrip()
-                self._reasoning_started = bool(self._buf)
+                self.reasoned = self._strip = self.reasoned or opened
+                self.mode = Mode.REASONING if self.reasoned else Mode.CONTENT
             else:
                 at, tag = find_first(self._buf, self._ends)
                 if tag is None:
@@ -95,9 +88,7 @@ class ReasoningParser(TextParser):
                 out.reasoning += self._buf[:at].rstrip()
                 # The end tag is consumed; an implicit end (a tool call) stays for the content.
                 self._buf = self._buf[at + len(tag) :] if tag == THINK_END else self._buf[at:]
-                self.mode = Mode.AFTER
-        if final and self.mode == Mode.MAYBE:  # only whitespace or half a tag came
-            self.mode = Mode.CONTENT
+                self.mode, self._strip = Mode.CONTENT, True
         return out
 
     def _opens(self, final: bool) -> bool | None:

@@ -138,7 +138,7 @@ def render_chat(
 
 def encode_prompt(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
     """Rendered chat text -> ids (the template wrote the special tokens itself)."""
-    return [int(t) for t in tokenizer.encode(text, add_special_tokens=False)]
+    return list(tokenizer.encode(text, add_special_tokens=False))
 
 
 def apply_chat_template(
