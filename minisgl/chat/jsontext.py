@@ -1,12 +1,9 @@
 """JSON from clients, bounded before anything walks it.
 
-Python's parser accepts nesting up to the interpreter's recursion limit (~1,000 levels), `NaN`,
-`Infinity`, `1e999` and integers thousands of digits long. What walks the value next (the chat
-template, pydantic, `json.dumps`, `int()`) then fails with a RecursionError or ValueError: a 500
-for one bad request. So every request body (at the HTTP edge) and every string a client sends as
-JSON (tool-call arguments, schemas) passes `check_json` first and is refused with a 400 naming the
-field. JSON is UTF-8 (RFC 8259): a body in UTF-16 or UTF-32 is refused; a UTF-8 byte-order mark
-is ignored, as the RFC allows.
+Python's parser accepts deep nesting, `NaN`, `Infinity`, `1e999` and huge integers, on which
+what walks the value next (templates, pydantic, `json.dumps`, `int()`) fails: a 500. So every
+request body and every string a client sends as JSON passes `check_json` first, refused with a
+400 naming the field. JSON is UTF-8 (RFC 8259): UTF-16/32 is refused, a UTF-8 BOM ignored.
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ class ChatOutputParser:
             mode_before = parser.mode
             out = parser.feed(text, final)
             # this delta's tokens were reasoning, or opened it (<think> after MAYBE)
-            if mode_before == Mode.REASONING or (mode_before == Mode.MAYBE and parser.reasoned):
+            if mode_before != Mode.CONTENT and parser.reasoned:
                 self.reasoning_tokens += num_tokens
         if self._tools is None or not (out.content or final):
             return out

@@ -1,23 +1,9 @@
 """Reasoning output: the text between `<think>` and `</think>` goes to `reasoning_content`.
 
-An incremental parser over text deltas. It never emits part of a tag: a chunk ending in "<thi"
-is held back until the next chunk shows whether a tag follows. The same machine produces the
-non-streamed answer (fed the whole text at once), so streamed deltas joined always equal it.
-
-Where the reply starts depends on the prompt (`initial_mode`):
-- the template opened `<think>` itself (DeepSeek-R1, Qwen3 thinking-2507): reasoning from the
-  first token, a leading `<think>` is still accepted;
-- the template closed an empty think block (Qwen3 with `enable_thinking: false`): everything is
-  content, tags included;
-- otherwise (Qwen3): a reply starting with `<think>` reasons until `</think>`; any other reply
-  is content. deepseek-r1 treats this case as reasoning, since R1 always thinks.
-
-Whitespace around the reasoning is dropped: leading and trailing whitespace of the reasoning,
-and the blank lines the model writes after `</think>` before its answer.
-
-Reasoning also ends at an `implicit_end` tag, such as `<tool_call>` when Qwen3 calls a tool
-before closing its thought; that tag stays in the content for the tool parser.
-"""
+An incremental parser that never emits part of a tag; fed the whole reply at once it gives the
+non-streamed answer, which streamed deltas joined always equal. Whitespace around the reasoning
+is dropped. An `implicit_end` tag (`<tool_call>`: Qwen3 may call a tool before closing its
+thought) ends the reasoning too and stays in the content for the tool parser."""
 
 from __future__ import annotations
 
@@ -37,7 +23,10 @@ class Mode(enum.Enum):
 
 
 def initial_mode(parser: str | None, prompt_text: str) -> Mode:
-    """Where the reply starts, from the rendered prompt's last think tags (no parser: content)."""
+    """Where the reply starts, from the rendered prompt's last think tags: the template opened
+    `<think>` (DeepSeek-R1, Qwen3 thinking-2507): reasoning; it closed an empty think block
+    (`enable_thinking: false`): content; otherwise a reply that opens `<think>` reasons (and
+    under deepseek-r1 any reply: R1 always thinks). No parser: content."""
     if parser is None:
         return Mode.CONTENT
     opened, closed = prompt_text.rfind(THINK_START), prompt_text.rfind(THINK_END)

@@ -1,15 +1,8 @@
 """Request fields -> what to render, what to constrain, how to parse the reply.
 
 `plan_tools` checks `tools` / `tool_choice` / `parallel_tool_calls`; `constraint_from_fields`
-turns `response_format` and the other structured-output fields (SGLang's `regex`, `ebnf`,
-`json_schema`; vLLM's `guided_*` and `structured_outputs`) into one `Constraint`. Every broken
-rule is an `InvalidRequestError` naming the field, which the server answers with a 400.
-
-`tool_choice` naming a function or "required" is enforced by a grammar, as vLLM does it, so the
-reply cannot be anything but a valid call: for a named function the reply is its arguments
-object; for "required" a JSON array of {"name", "parameters"} objects, one schema per tool.
-"auto" in minisgl's default format (no tool-call parser fits the chat template) lets the model
-write text or `<tool_call>` blocks, and a grammar makes every block it opens a valid call.
+turns the structured-output fields (`response_format`, SGLang's and vLLM's) into one
+`Constraint`. A broken rule is an `InvalidRequestError` naming the field (a 400).
 """
 
 from __future__ import annotations
@@ -111,7 +104,10 @@ def _call_blocks(schemas: dict[str, dict[str, Any]], max_calls: int | None) -> C
 def plan_tools(
     tools: Any, tool_choice: Any, parallel_tool_calls: bool, default_format: bool = False
 ) -> ToolPlan:
-    """`default_format`: no tool-call parser fits the chat template (minisgl.chat.tool_prompt)."""
+    """The plan for a request's tools. tool_choice naming a function or "required" is enforced
+    by a grammar, as vLLM does it: the reply is the arguments object, or a JSON array of
+    {"name", "parameters"} calls. `default_format` (no tool-call parser fits the template):
+    "auto" lets the model write text or `<tool_call>` blocks, each one a valid call."""
     if not tools:  # None or [] (the Agents SDK sends [] for an agent without tools): no tools
         if tool_choice not in (None, "none", "auto"):
             raise InvalidRequestError("tool_choice", "needs tools")

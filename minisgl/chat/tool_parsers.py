@@ -1,17 +1,9 @@
 """Tool calls in the model's text -> OpenAI tool_calls, incrementally.
 
-Every parser turns text deltas into (content, call deltas). A call is reported as a first delta
-with its name and empty arguments, then argument text; handlers add ids and the OpenAI shape.
-As with reasoning, the non-streamed answer is the same machine fed all the text at once.
-
-- `hermes` / `qwen25` (Qwen2.5, Qwen3, Hermes): `<tool_call>{"name": ..., "arguments": {...}}
-  </tool_call>` blocks; text outside them is content. A block is reported when it closes, so a
-  malformed one can still be returned as content, unchanged.
-- `llama3_json` (Llama 3.x): `{"name": ..., "parameters": {...}}` objects (after an optional
-  `<|python_tag|>`, separated by `;`); `RequiredCallsParser` reads the JSON array of them that
-  tool_choice "required" asks for, `NamedCallParser` the arguments object of a named function
-  (both under a grammar: minisgl.chat.requests).
-"""
+Each parser turns text deltas into content and call deltas (a call's first delta has its name
+and no arguments; handlers add ids and the OpenAI shape); fed the whole reply at once it gives
+the non-streamed answer. Under tool_choice "required" or a named function a grammar shapes the
+reply (minisgl.chat.requests) and `RequiredCallsParser` / `NamedCallParser` read it."""
 
 from __future__ import annotations
 
@@ -53,6 +45,10 @@ class ToolParser(TextParser):
 
 
 class HermesParser(ToolParser):
+    """`<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks (Qwen2.5, Qwen3,
+    Hermes), text outside them content. A block is reported when it closes, so a malformed one
+    is returned as content, unchanged."""
+
     _inside = False  # between <tool_call> and </tool_call>
     _after_block = False  # whitespace right after a block is not content
     _space = ""  # whitespace before the open block: content again if it is malformed
@@ -115,7 +111,8 @@ class Llama3JsonParser(ToolParser):
             except ValueError:  # not whole yet; at the end, cut short or broken
                 if final:
                     self._mode = "content"
-                    self._buf = "" if self._buf.strip() == self.closing else self._buf
+                    if self._buf.strip() == self.closing:  # "]": the array's end
+                        self._buf = ""
                 break
             call = _as_call(value, ("parameters", "arguments"))
             if call is None or not self._room():

@@ -89,7 +89,7 @@ class GrammarCompiler:
         self.info = xgr.TokenizerInfo.from_huggingface(
             tokenizer, vocab_size=vocab_size, stop_token_ids=list(stop_token_ids) or None
         )
-        threads = max(1, min(MAX_COMPILE_THREADS, os.cpu_count() or 1))
+        threads = min(MAX_COMPILE_THREADS, os.cpu_count() or 1)
         # Our own cache keys on (kind, value) and also holds deserialized grammars.
         self._compiler = xgr.GrammarCompiler(self.info, max_threads=threads, cache_enabled=False)
         self._cache: GrammarCache[Any] = GrammarCache(lambda grammar: grammar.memory_size_bytes)

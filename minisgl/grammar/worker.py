@@ -1,13 +1,9 @@
 """The API server's grammar compiles, in a worker process: a constraint that would take the
-server's memory or time costs its own request a 400, never the server.
-
-xgrammar compiles in C++ that Python cannot interrupt, and some small inputs blow up in time or
-memory (RESULTS.md section 17). So `GrammarWorker` refuses a constraint over MAX_CONSTRAINT_BYTES,
-and otherwise compiles it in one child process, waited for on a thread of its own, which it
-kills past --grammar-compile-timeout or MAX_WORKER_RSS_BYTES: that request gets a 400 naming its
-field, and the next constraint starts a fresh worker. Answers (a grammar, or xgrammar's refusal)
-are cached by `grammar_key`; a kill is not (a timeout depends on the load).
-"""
+server's memory or time costs its own request a 400, never the server (xgrammar's C++ cannot be
+interrupted, and some small inputs blow up: RESULTS.md section 17). A constraint over
+MAX_CONSTRAINT_BYTES is refused; a worker past --grammar-compile-timeout or MAX_WORKER_RSS_BYTES
+is killed (a 400 naming the field; the next constraint starts a fresh one). Answers (a grammar, or
+xgrammar's refusal) are cached by `grammar_key`; a kill is not (a timeout depends on the load)."""
 
 from __future__ import annotations
 
@@ -74,8 +70,9 @@ def _serve(
 
 
 class GrammarWorker:
-    """The API server's side: constraints compiled in the worker, cached; made with what the
-    worker needs to build its `GrammarCompiler` (started at the first uncached constraint)."""
+    """The API server's side: constraints compiled in the worker, one at a time, waited for on
+    a thread of its own (the event loop keeps serving), cached. Made with what the worker needs
+    to build its `GrammarCompiler`; the worker starts at the first uncached constraint."""
 
     def __init__(
         self,
