@@ -50,7 +50,7 @@ class _Stopped(Exception):
 def _serve(
     conn: Connection, tokenizer: PreTrainedTokenizerBase, vocab_size: int, eos: Sequence[int]
 ) -> None:
-    """The worker process: compile each (kind, value) that arrives until the pipe closes."""
+    """The worker process: compile each constraint that arrives until the pipe closes."""
     prepare_exec_child()  # Ctrl-C is the server's to handle; SIGTERM when the server dies
     os.nice(WORKER_NICENESS)
     with contextlib.suppress(OSError):  # our name in ps/top
@@ -59,11 +59,11 @@ def _serve(
     conn.send((True, "ready"))
     while True:
         try:
-            kind, value = conn.recv()
+            constraint = conn.recv()
         except EOFError:  # the API server closed it (or is gone)
             return
         try:
-            reply = (True, str(compiler.compile(Constraint(kind, value)).serialize_json()))
+            reply = (True, compiler.compile(constraint).serialize_json())
         except InvalidRequestError as exc:
             reply = (False, exc.message)
         conn.send(reply)
@@ -115,7 +115,7 @@ class GrammarWorker:
         timeout_s = self.timeout_s
         late = f"compiling the grammar took longer than {timeout_s:g} s (--grammar-compile-timeout)"
         try:
-            outcome = self._exchange((constraint.kind, constraint.value), timeout_s, late)
+            outcome = self._exchange(constraint, timeout_s, late)
         except _Stopped as exc:
             return False, str(exc)
         self._cache.put(key, outcome)
@@ -136,7 +136,7 @@ class GrammarWorker:
         except _Stopped as exc:
             raise RuntimeError(f"the grammar compiler process did not start: {exc}") from None
 
-    def _exchange(self, request: tuple[str, str] | None, timeout_s: float, late: str) -> Outcome:
+    def _exchange(self, request: Constraint | None, timeout_s: float, late: str) -> Outcome:
         """Send `request` (if any) and wait for the worker's answer; raises _Stopped, the
         worker killed for its time (`late`: why) or its memory, or found dead."""
         assert self._process is not None and self._conn is not None
