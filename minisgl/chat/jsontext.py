@@ -1,12 +1,9 @@
 """JSON from clients, bounded before anything walks it.
 
-Python's parser accepts nesting up to the interpreter's recursion limit (~1,000 levels), `NaN`,
-`Infinity`, `1e999` and integers thousands of digits long. What walks the value next (the chat
-template, pydantic, `json.dumps`, `int()`) then fails with a RecursionError or ValueError: a 500
-for one bad request. So every request body (at the HTTP edge) and every string a client sends as
-JSON (tool-call arguments, schemas) passes `check_json` first and is refused with a 400 naming the
-field. JSON is UTF-8 (RFC 8259): a body in UTF-16 or UTF-32 is refused; a UTF-8 byte-order mark
-is ignored, as the RFC allows.
+Python's parser accepts deep nesting, `NaN`, `Infinity`, `1e999` and huge integers, on which
+what walks the value next (templates, pydantic, `json.dumps`, `int()`) fails: a 500. So every
+request body and every string a client sends as JSON passes `check_json` first, refused with a
+400 naming the field. JSON is UTF-8 (RFC 8259): UTF-16/32 is refused, a UTF-8 BOM ignored.
 """
 
 from __future__ import annotations
@@ -33,8 +30,8 @@ _WIDE_ENCODINGS = (codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)
 def _skeleton(raw: bytes) -> bytes:
     """`raw` with what its strings hold cut out (`""` left of each): brackets and bare words
     remain. With escaped backslashes, then escaped quotes, taken out first, the quotes left
-    alternate between opening and closing a string: vectorised on that (a regex took a second on
-    a 30 MB body of short strings, holding the GIL all along)."""
+    alternate between opening and closing a string: vectorised on that (a regex is far slower,
+    holding the GIL all along: RESULTS.md section 17)."""
     unescaped = raw.replace(b"\\\\", b"").replace(b'\\"', b"")
     if not unescaped:
         return b""
@@ -44,15 +41,6 @@ def _skeleton(raw: bytes) -> bytes:
     # survives the overflow).
     inside = np.cumsum(quotes, dtype=np.uint8) & 1
     return data[(inside == 0) | quotes].tobytes()
-
-
-def _depth(brackets: bytes) -> int:
-    """The deepest nesting of a string of brackets: the running sum's peak, +1 per opening,
-    -1 per closing (one vectorised pass: a Python loop takes seconds on a 32 MiB body)."""
-    if not brackets:
-        return 0
-    steps = np.frombuffer(brackets.translate(_STEPS), dtype=np.int8)
-    return int(steps.cumsum(dtype=np.int32).max())
 
 
 def check_json(data: bytes | str, param: str = "body") -> bytes:
@@ -71,7 +59,10 @@ def check_json(data: bytes | str, param: str = "body") -> bytes:
         message = "NaN, Infinity and numbers beyond 64-bit float range are not JSON values"
         raise InvalidRequestError(param, message)
     brackets = skeleton.translate(None, _NOT_BRACKETS)
-    if _depth(brackets) > MAX_JSON_DEPTH:
+    # The deepest nesting: the running sum's peak, +1 per opening bracket, -1 per closing one
+    # (vectorised: a Python loop is far too slow on a large body).
+    steps = np.frombuffer(brackets.translate(_STEPS), dtype=np.int8)
+    if brackets and steps.cumsum(dtype=np.int32).max() > MAX_JSON_DEPTH:
         raise InvalidRequestError(param, f"nests deeper than {MAX_JSON_DEPTH} levels")
     if brackets.count(b"{") > MAX_JSON_OBJECTS:
         raise InvalidRequestError(param, f"holds more than {MAX_JSON_OBJECTS} objects")

@@ -31,7 +31,7 @@ class ChatOutputParser:
             mode_before = parser.mode
             out = parser.feed(text, final)
             # this delta's tokens were reasoning, or opened it (<think> after MAYBE)
-            if mode_before == Mode.REASONING or (mode_before == Mode.MAYBE and parser.reasoned):
+            if mode_before != Mode.CONTENT and parser.reasoned:
                 self.reasoning_tokens += num_tokens
         if self._tools is None or not (out.content or final):
             return out
@@ -66,9 +66,7 @@ class ReplyBlocks:
         self.num_blocks = 0
         self.num_calls = 0
         self._open: str | None = None
-        self._open_call: int | None = None  # ToolCallDelta.index of the open call
-        self._held_text = ""
-        self._held_logprobs: list[Any] = []
+        self._held: tuple[str, list[Any]] = ("", [])  # whitespace (text, logprobs) between blocks
 
     def feed(self, delta: ChatDelta, logprobs: list[Any] | None = None) -> None:
         if delta.reasoning:
@@ -76,38 +74,34 @@ class ReplyBlocks:
         if delta.content:
             self._write(TEXT, delta.content, logprobs or [])
         for call in delta.tool_calls:
-            if call.name is not None or self._open != CALL or self._open_call != call.index:
-                self._held_text, self._held_logprobs = "", []
+            if call.name is not None or self._open != CALL:  # a call's first delta has its name
                 self._start(CALL, call)
-                self._open_call = call.index
                 self.num_calls += 1
             self._sink.write(CALL, call.arguments, [])
 
     def finish(self, status: str = "completed") -> None:
         """Close the open block with `status` (completed, or incomplete when cut short)."""
-        if not self.num_blocks and self._held_text:  # a reply of only whitespace is a reply
+        if not self.num_blocks and self._held[0]:  # a reply of only whitespace is a reply
             self._write(TEXT, "", [], flush=True)
         self._close(status)
 
     def _start(self, kind: str, call: ToolCallDelta | None) -> None:
         self._close("completed")
-        self._open = kind
+        self._open, self._held = kind, ("", [])
         self.num_blocks += 1
         self._sink.open(kind, call)
 
     def _write(self, kind: str, text: str, logprobs: list[Any], flush: bool = False) -> None:
         if self._open != kind:
-            if kind == TEXT and not text.strip() and not flush:
-                self._held_text += text
-                self._held_logprobs += logprobs
-                return
-            self._start(kind, None)
             if kind == TEXT:
-                text, logprobs = self._held_text + text, self._held_logprobs + logprobs
-                self._held_text, self._held_logprobs = "", []
+                text, logprobs = self._held[0] + text, self._held[1] + logprobs
+                if not (text.strip() or flush):
+                    self._held = text, logprobs
+                    return
+            self._start(kind, None)
         self._sink.write(kind, text, logprobs)
 
     def _close(self, status: str) -> None:
         if self._open is not None:
-            self._open = self._open_call = None
+            self._open = None
             self._sink.close(status)

@@ -41,7 +41,7 @@ logger = logging.getLogger(__name__)
 # not template variables, and passing one twice would change what the call returns
 # (return_dict, tokenize) or fail.
 _OWN_PARAMETERS = inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters
-RESERVED_TEMPLATE_KWARGS = frozenset(_OWN_PARAMETERS).union({"messages"}) - {"self", "kwargs"}
+RESERVED_TEMPLATE_KWARGS = frozenset(_OWN_PARAMETERS) - {"self", "kwargs"} | {"messages"}
 
 
 def parse_template_kwargs(value: Any, param: str = "chat_template_kwargs") -> dict[str, Any]:
@@ -81,7 +81,7 @@ class ChatSettings:
     ) -> ChatSettings:
         template = load_chat_template(chat_template_path) if chat_template_path else None
         source = template or getattr(tokenizer, "chat_template", None)
-        source = source if isinstance(source, str) else None
+        source = source if isinstance(source, str) else ""
         if reasoning_parser == "auto":
             reasoning_parser = detect_reasoning_parser(source)
             logger.info("--reasoning-parser auto: %s", reasoning_parser or "none (no think tags)")
@@ -90,8 +90,7 @@ class ChatSettings:
             found = tool_call_parser or "none fits the chat template, tools use the default format"
             logger.info("--tool-call-parser auto: %s", found)
         kwargs = parse_template_kwargs(template_kwargs)
-        hermes = tool_call_parser in (None, "hermes", "qwen25")
-        describe = hermes and "tools" not in (source or "")
+        describe = tool_call_parser in (None, "hermes", "qwen25") and "tools" not in source
         return cls(template, kwargs, reasoning_parser, tool_call_parser, describe)
 
 
@@ -107,15 +106,14 @@ class PreparedChat:
 
     def new_parser(self) -> ChatOutputParser:
         """A fresh parser for one choice's reply."""
+        plan = self.tools
         tools: ToolParser | None = None
-        mode = self.tools.mode
-        if mode == "auto":
-            tools = TOOL_PARSERS[self.tool_call_parser or "hermes"](self.tools.max_calls)
-        elif mode == "named":
-            assert self.tools.function is not None
-            tools = NamedCallParser(self.tools.function)
-        elif mode == "required":
-            tools = RequiredCallsParser(self.tools.max_calls)
+        if plan.function is not None:  # mode "named"
+            tools = NamedCallParser(plan.function)
+        elif plan.mode == "required":
+            tools = RequiredCallsParser(plan.max_calls)
+        elif plan.mode == "auto":
+            tools = TOOL_PARSERS[self.tool_call_parser or "hermes"](plan.max_calls)
         reasoning = None
         if self.reasoning_parser is not None:
             # Qwen3 may call a tool before it closes its thought: <tool_call> ends reasoning too.
@@ -169,18 +167,15 @@ def prepare_chat(
     constraint_fields: Mapping[str, Any] | None = None,
 ) -> PreparedChat:
     """Raises InvalidRequestError (a field to blame) or ValueError (about `messages`)."""
-    p = prompt
-    default_format = settings.tool_call_parser is None
-    plan = plan_tools(p.tools, p.tool_choice, p.parallel_tool_calls, default_format)
+    p, parser = prompt, settings.reasoning_parser
+    plan = plan_tools(p.tools, p.tool_choice, p.parallel_tool_calls, not settings.tool_call_parser)
     kwargs = {**settings.template_kwargs, **parse_template_kwargs(p.template_kwargs)}
     messages, tools = p.messages, plan.template_tools
     if tools and settings.describe_tools:
         messages, tools = with_tools_described(messages, tools), None
     text = render_chat(tokenizer, messages, tools, settings.chat_template, kwargs)
     # The model reasons whether or not this request wants the reasoning split off.
-    parser = settings.reasoning_parser
-    mode = initial_mode(parser, text) if parser is not None else Mode.CONTENT
-    reasoning = parser if p.separate_reasoning else None
+    mode = initial_mode(parser, text)
     param, constraint = constraint_from_fields(constraint_fields or {}) or (None, None)
     if plan.constraint is not None and constraint is None:
         constraint, param = plan.constraint, "tools"
@@ -188,12 +183,17 @@ def prepare_chat(
         raise InvalidRequestError(
             "tool_choice", f"a required or named tool call cannot be combined with {param}"
         )
-    if constraint is not None and parser is not None and mode != Mode.CONTENT:
+    if constraint is not None and mode != Mode.CONTENT:
         # The answer is constrained, the reasoning before it is not: the grammar starts after
         # the end tag's tokens.
         end_ids = tuple(tokenizer.encode(THINK_END, add_special_tokens=False))
         constraint = Constraint(constraint.kind, constraint.value, end_ids)
-    prompt_ids = encode_prompt(tokenizer, text)
     return PreparedChat(
-        prompt_ids, plan, settings.tool_call_parser, reasoning, mode, constraint, param
+        encode_prompt(tokenizer, text),
+        plan,
+        settings.tool_call_parser,
+        parser if p.separate_reasoning else None,
+        mode,
+        constraint,
+        param,
     )

@@ -1,23 +1,9 @@
 """Reasoning output: the text between `<think>` and `</think>` goes to `reasoning_content`.
 
-An incremental parser over text deltas. It never emits part of a tag: a chunk ending in "<thi"
-is held back until the next chunk shows whether a tag follows. The same machine produces the
-non-streamed answer (fed the whole text at once), so streamed deltas joined always equal it.
-
-Where the reply starts depends on the prompt (`initial_mode`):
-- the template opened `<think>` itself (DeepSeek-R1, Qwen3 thinking-2507): reasoning from the
-  first token, a leading `<think>` is still accepted;
-- the template closed an empty think block (Qwen3 with `enable_thinking: false`): everything is
-  content, tags included;
-- otherwise (Qwen3): a reply starting with `<think>` reasons until `</think>`; any other reply
-  is content. deepseek-r1 treats this case as reasoning, since R1 always thinks.
-
-Whitespace around the reasoning is dropped: leading and trailing whitespace of the reasoning,
-and the blank lines the model writes after `</think>` before its answer.
-
-Reasoning also ends at an `implicit_end` tag, such as `<tool_call>` when Qwen3 calls a tool
-before closing its thought; that tag stays in the content for the tool parser.
-"""
+An incremental parser that never emits part of a tag; fed the whole reply at once it gives the
+non-streamed answer, which streamed deltas joined always equal. Whitespace around the reasoning
+is dropped. An `implicit_end` tag (`<tool_call>`: Qwen3 may call a tool before closing its
+thought) ends the reasoning too and stays in the content for the tool parser."""
 
 from __future__ import annotations
 
@@ -31,14 +17,18 @@ THINK_END = "</think>"
 
 
 class Mode(enum.Enum):
-    MAYBE = "maybe"  # not yet known whether the reply opens with <think>
+    MAYBE = "maybe"  # the reply's start: does it open with <think>?
     REASONING = "reasoning"
-    AFTER = "after"  # reasoning ended: content follows (its leading blank lines dropped)
-    CONTENT = "content"  # no reasoning in this reply
+    CONTENT = "content"  # no reasoning in this reply, or the reasoning ended
 
 
-def initial_mode(parser: str, prompt_text: str) -> Mode:
-    """Where the reply starts, from the rendered prompt's last think tags."""
+def initial_mode(parser: str | None, prompt_text: str) -> Mode:
+    """Where the reply starts, from the rendered prompt's last think tags: the template opened
+    `<think>` (DeepSeek-R1, Qwen3 thinking-2507): reasoning; it closed an empty think block
+    (`enable_thinking: false`): content; otherwise a reply that opens `<think>` reasons (and
+    under deepseek-r1 any reply: R1 always thinks). No parser: content."""
+    if parser is None:
+        return Mode.CONTENT
     opened, closed = prompt_text.rfind(THINK_START), prompt_text.rfind(THINK_END)
     if opened > closed:
         return Mode.REASONING
@@ -47,10 +37,10 @@ def initial_mode(parser: str, prompt_text: str) -> Mode:
     return Mode.REASONING if parser == "deepseek-r1" else Mode.MAYBE
 
 
-def detect_reasoning_parser(chat_template: str | None) -> str | None:
+def detect_reasoning_parser(chat_template: str) -> str | None:
     """`--reasoning-parser auto`: the parser the chat template's think tags call for, or None
     when the template has none."""
-    if not chat_template or THINK_START not in chat_template:
+    if THINK_START not in chat_template:
         return None
     # DeepSeek-R1's template writes its own role markers with full-width bars.
     return "deepseek-r1" if "<｜Assistant｜>" in chat_template else "qwen3"
@@ -58,32 +48,26 @@ def detect_reasoning_parser(chat_template: str | None) -> str | None:
 
 class ReasoningParser(TextParser):
     def __init__(self, mode: Mode, implicit_end: tuple[str, ...] = ()) -> None:
-        self.mode = mode
-        self.reasoned = mode == Mode.REASONING  # the reply had a reasoning part
+        self.reasoned = mode == Mode.REASONING  # the reply has a reasoning part
+        # Where the template opened <think>, the model may still write it (R1): MAYBE looks.
+        self.mode = Mode.MAYBE if self.reasoned else mode
         self._ends = (THINK_END, *implicit_end)
-        self._reasoning_started = False  # leading whitespace of the reasoning is dropped
+        self._strip = False  # leading whitespace, of the reasoning or of the answer after it
 
     def _run(self, final: bool) -> ChatDelta:
         out = ChatDelta()
         while self._buf:
-            if self.mode == Mode.CONTENT:
+            if self._strip:
+                self._buf = self._buf.lstrip()
+                self._strip = not self._buf
+            elif self.mode == Mode.CONTENT:
                 out.content += self._buf
                 self._buf = ""
-            elif self.mode == Mode.AFTER:
-                self._buf = self._buf.lstrip()
-                if self._buf:
-                    self.mode = Mode.CONTENT
-            elif self.mode == Mode.MAYBE:  # decide from the reply's start
+            elif self.mode == Mode.MAYBE:
                 if (opened := self._opens(final)) is None:
                     break
-                self.mode = Mode.REASONING if opened else Mode.CONTENT
-                self.reasoned = opened
-            elif not self._reasoning_started:
-                # A template that opened <think> may still see the model write it (R1).
-                if self._opens(final) is None:
-                    break
-                self._buf = self._buf.lstrip()
-                self._reasoning_started = bool(self._buf)
+                self.reasoned = self._strip = self.reasoned or opened
+                self.mode = Mode.REASONING if self.reasoned else Mode.CONTENT
             else:
                 at, tag = find_first(self._buf, self._ends)
                 if tag is None:
@@ -93,9 +77,7 @@ class ReasoningParser(TextParser):
                 out.reasoning += self._buf[:at].rstrip()
                 # The end tag is consumed; an implicit end (a tool call) stays for the content.
                 self._buf = self._buf[at + len(tag) :] if tag == THINK_END else self._buf[at:]
-                self.mode = Mode.AFTER
-        if final and self.mode == Mode.MAYBE:  # only whitespace or half a tag came
-            self.mode = Mode.CONTENT
+                self.mode, self._strip = Mode.CONTENT, True
         return out
 
     def _opens(self, final: bool) -> bool | None:

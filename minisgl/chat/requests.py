@@ -1,21 +1,14 @@
 """Request fields -> what to render, what to constrain, how to parse the reply.
 
 `plan_tools` checks `tools` / `tool_choice` / `parallel_tool_calls`; `constraint_from_fields`
-turns `response_format` and the other structured-output fields (SGLang's `regex`, `ebnf`,
-`json_schema`; vLLM's `guided_*` and `structured_outputs`) into one `Constraint`. Every broken
-rule is an `InvalidRequestError` naming the field, which the server answers with a 400.
-
-`tool_choice` naming a function or "required" is enforced by a grammar, as vLLM does it, so the
-reply cannot be anything but a valid call: for a named function the reply is its arguments
-object; for "required" a JSON array of {"name", "parameters"} objects, one schema per tool.
-"auto" in minisgl's default format (no tool-call parser fits the chat template) lets the model
-write text or `<tool_call>` blocks, and a grammar makes every block it opens a valid call.
+turns the structured-output fields (`response_format`, SGLang's and vLLM's) into one
+`Constraint`. A broken rule is an `InvalidRequestError` naming the field (a 400).
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -37,51 +30,51 @@ class ToolPlan:
     max_calls: int | None = None  # parallel_tool_calls=false: 1
 
 
-def _fail(param: str, message: str) -> InvalidRequestError:
-    return InvalidRequestError(param, message)
-
-
 def _check_tools(tools: Any) -> dict[str, dict[str, Any]]:
     """name -> parameters schema of each tool; raises for any malformed tool."""
     if not isinstance(tools, list):
-        raise _fail("tools", "must be a list of {'type': 'function', 'function': ...}")
+        raise InvalidRequestError(
+            "tools", "must be a list of {'type': 'function', 'function': ...}"
+        )
     if len(tools) > MAX_TOOLS:
-        raise _fail("tools", f"at most {MAX_TOOLS} tools")
+        raise InvalidRequestError("tools", f"at most {MAX_TOOLS} tools")
     schemas: dict[str, dict[str, Any]] = {}
     for i, tool in enumerate(tools):
         if not isinstance(tool, Mapping) or tool.get("type", "function") != "function":
-            raise _fail("tools", f"tool {i} must be an object with type 'function'")
+            raise InvalidRequestError("tools", f"tool {i} must be an object with type 'function'")
         function = tool.get("function")
         if not isinstance(function, Mapping):
-            raise _fail("tools", f"tool {i} has no 'function' object")
+            raise InvalidRequestError("tools", f"tool {i} has no 'function' object")
         name = function.get("name")
         if not isinstance(name, str) or not name:
-            raise _fail("tools", f"tool {i} has no function name")
+            raise InvalidRequestError("tools", f"tool {i} has no function name")
         if name in schemas:
-            raise _fail("tools", f"function name {name!r} is given twice")
+            raise InvalidRequestError("tools", f"function name {name!r} is given twice")
         parameters = function.get("parameters", EMPTY_PARAMETERS)
         if not isinstance(parameters, Mapping):
-            raise _fail("tools", f"function {name!r}: parameters must be a JSON schema object")
+            raise InvalidRequestError(
+                "tools", f"function {name!r}: parameters must be a JSON schema object"
+            )
         description = function.get("description")
         if description is not None and not isinstance(description, str):
-            raise _fail("tools", f"function {name!r}: description must be a string")
+            raise InvalidRequestError("tools", f"function {name!r}: description must be a string")
         schemas[name] = dict(parameters)
     return schemas
 
 
 def _choice(tool_choice: Any, names: list[str]) -> tuple[ToolMode, str | None]:
-    if tool_choice is None:
-        return "auto", None
-    if tool_choice in ("none", "auto", "required"):
-        return tool_choice, None
+    if tool_choice in (None, "none", "auto", "required"):
+        return tool_choice or "auto", None
     if isinstance(tool_choice, Mapping) and tool_choice.get("type", "function") == "function":
         function = tool_choice.get("function")
         name = function.get("name") if isinstance(function, Mapping) else None
         if isinstance(name, str):
             if name not in names:
-                raise _fail("tool_choice", f"function {name!r} is not one of the tools {names}")
+                raise InvalidRequestError(
+                    "tool_choice", f"function {name!r} is not one of the tools {names}"
+                )
             return "named", name
-    raise _fail(
+    raise InvalidRequestError(
         "tool_choice",
         "must be 'none', 'auto', 'required' or {'type': 'function', 'function': {'name': ...}}",
     )
@@ -111,37 +104,37 @@ def _call_blocks(schemas: dict[str, dict[str, Any]], max_calls: int | None) -> C
 def plan_tools(
     tools: Any, tool_choice: Any, parallel_tool_calls: bool, default_format: bool = False
 ) -> ToolPlan:
-    """`default_format`: no tool-call parser fits the chat template (minisgl.chat.tool_prompt)."""
+    """The plan for a request's tools. tool_choice naming a function or "required" is enforced
+    by a grammar, as vLLM does it: the reply is the arguments object, or a JSON array of
+    {"name", "parameters"} calls. `default_format` (no tool-call parser fits the template):
+    "auto" lets the model write text or `<tool_call>` blocks, each one a valid call."""
     if not tools:  # None or [] (the Agents SDK sends [] for an agent without tools): no tools
         if tool_choice not in (None, "none", "auto"):
-            raise _fail("tool_choice", "needs tools")
+            raise InvalidRequestError("tool_choice", "needs tools")
         return ToolPlan(None, "none")
     schemas = _check_tools(tools)
     mode, function = _choice(tool_choice, list(schemas))
-    max_calls = None if parallel_tool_calls else 1
     if mode == "none":
         return ToolPlan(None, "none")  # the model is not told about tools it may not call
-    template_tools = [dict(tool) for tool in tools]
-    if mode == "auto":
-        blocks = _call_blocks(schemas, max_calls) if default_format else None
-        return ToolPlan(template_tools, "auto", constraint=blocks, max_calls=max_calls)
-    if mode == "named":
-        assert function is not None
-        schema = json.dumps(schemas[function])
-        return ToolPlan(template_tools, "named", function, Constraint("json_schema", schema))
-    calls = [
-        {
-            "type": "object",
-            "properties": {"name": {"type": "string", "enum": [name]}, "parameters": params},
-            "required": ["name", "parameters"],
-        }
-        for name, params in schemas.items()
-    ]
-    array: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
-    if max_calls is not None:
-        array["maxItems"] = max_calls
-    constraint = Constraint("json_schema", json.dumps(array))
-    return ToolPlan(template_tools, "required", constraint=constraint, max_calls=max_calls)
+    max_calls = None if parallel_tool_calls else 1
+    if mode == "auto":  # free text; in the default format every call block under a grammar
+        constraint = _call_blocks(schemas, max_calls) if default_format else None
+    elif function is not None:  # mode "named": the reply is its arguments
+        constraint = Constraint("json_schema", json.dumps(schemas[function]))
+    else:  # "required": a JSON array of {"name", "parameters"} calls
+        calls = [
+            {
+                "type": "object",
+                "properties": {"name": {"type": "string", "enum": [name]}, "parameters": params},
+                "required": ["name", "parameters"],
+            }
+            for name, params in schemas.items()
+        ]
+        array: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+        if max_calls is not None:
+            array["maxItems"] = max_calls
+        constraint = Constraint("json_schema", json.dumps(array))
+    return ToolPlan([dict(tool) for tool in tools], mode, function, constraint, max_calls)
 
 
 def _schema_text(value: Any, param: str) -> str:
@@ -149,21 +142,26 @@ def _schema_text(value: Any, param: str) -> str:
     if isinstance(value, str):
         value = jsontext.loads(value, param, "the JSON schema is not valid JSON")
     if not isinstance(value, (Mapping, bool)):
-        raise _fail(param, "must be a JSON schema (an object)")
+        raise InvalidRequestError(param, "must be a JSON schema (an object)")
     return json.dumps(value)
 
 
 def _choice_grammar(choices: Any, param: str) -> str:
     """guided_choice: the reply is exactly one of these strings (an EBNF alternation)."""
     if not isinstance(choices, list) or not choices or not all(isinstance(c, str) for c in choices):
-        raise _fail(param, "must be a non-empty list of strings")
+        raise InvalidRequestError(param, "must be a non-empty list of strings")
     return "root ::= " + " | ".join(json.dumps(c) for c in choices)
 
 
-def _response_format(value: Any) -> Constraint | None:
-    param = "response_format"
+def _text(value: Any, param: str) -> str:
+    if not isinstance(value, str) or not value:
+        raise InvalidRequestError(param, "must be a non-empty string")
+    return value
+
+
+def _response_format(value: Any, param: str) -> Constraint | None:
     if not isinstance(value, Mapping):
-        raise _fail(param, "must be an object with a 'type'")
+        raise InvalidRequestError(param, "must be an object with a 'type'")
     kind = value.get("type")
     if kind == "text":
         return None
@@ -172,51 +170,46 @@ def _response_format(value: Any) -> Constraint | None:
     if kind == "json_schema":
         spec = value.get("json_schema")
         if not isinstance(spec, Mapping) or "schema" not in spec:
-            raise _fail(param, "json_schema must be an object with a 'schema'")
-        name = spec.get("name")
-        if name is not None and not isinstance(name, str):
-            raise _fail(param, "json_schema.name must be a string")
+            raise InvalidRequestError(param, "json_schema must be an object with a 'schema'")
+        if (name := spec.get("name")) is not None and not isinstance(name, str):
+            raise InvalidRequestError(param, "json_schema.name must be a string")
         return Constraint("json_schema", _schema_text(spec["schema"], param))
-    raise _fail(param, f"type must be 'text', 'json_object' or 'json_schema', not {kind!r}")
+    message = f"type must be 'text', 'json_object' or 'json_schema', not {kind!r}"
+    raise InvalidRequestError(param, message)
 
 
-def _structured_outputs(value: Any) -> Constraint | None:
-    param = "structured_outputs"
+def _structured_outputs(value: Any, param: str) -> Constraint | None:
+    """vLLM's `structured_outputs`: one of its keys, read as the guided_* field it stands for."""
     if not isinstance(value, Mapping):
-        raise _fail(param, "must be an object")
+        raise InvalidRequestError(param, "must be an object")
     given = [key for key in ("json", "regex", "grammar", "choice", "json_object") if value.get(key)]
     if len(given) > 1:
-        raise _fail(param, f"give one of json, regex, grammar, choice; got {given}")
+        raise InvalidRequestError(param, f"give one of json, regex, grammar, choice; got {given}")
     if not given:
         return None
     key = given[0]
-    if key == "json":
-        return Constraint("json_schema", _schema_text(value["json"], param))
     if key == "json_object":
         return Constraint("json_object")
-    if key == "choice":
-        return Constraint("ebnf", _choice_grammar(value["choice"], param))
-    if not isinstance(value[key], str):
-        raise _fail(param, f"{key} must be a string")
-    return Constraint("regex" if key == "regex" else "ebnf", value[key])
+    try:
+        return _FIELDS[f"guided_{key}"](value[key], param)
+    except InvalidRequestError as exc:
+        raise InvalidRequestError(param, f"{key} {exc.message}") from None
 
 
-def _text(value: Any, param: str) -> str:
-    if not isinstance(value, str) or not value:
-        raise _fail(param, "must be a non-empty string")
-    return value
+def _as(kind: str, check: Callable[[Any, str], str]) -> Callable[[Any, str], Constraint]:
+    return lambda value, param: Constraint(kind, check(value, param))
 
 
-# Each structured-output field: how its value becomes a Constraint.
-_FIELDS = {
+# Each structured-output field: how its value (and the field's name) becomes a Constraint.
+_FIELDS: dict[str, Callable[[Any, str], Constraint | None]] = {
     "response_format": _response_format,
-    "regex": lambda v: Constraint("regex", _text(v, "regex")),
-    "ebnf": lambda v: Constraint("ebnf", _text(v, "ebnf")),
-    "json_schema": lambda v: Constraint("json_schema", _schema_text(v, "json_schema")),
-    "guided_json": lambda v: Constraint("json_schema", _schema_text(v, "guided_json")),
-    "guided_regex": lambda v: Constraint("regex", _text(v, "guided_regex")),
-    "guided_grammar": lambda v: Constraint("ebnf", _text(v, "guided_grammar")),
-    "guided_choice": lambda v: Constraint("ebnf", _choice_grammar(v, "guided_choice")),
+    "regex": _as("regex", _text),
+    "ebnf": _as("ebnf", _text),
+    "json_schema": _as("json_schema", _schema_text),
+    "guided_json": _as("json_schema", _schema_text),
+    "guided_regex": _as("regex", _text),
+    "guided_grammar": _as("ebnf", _text),
+    "guided_choice": _as("ebnf", _choice_grammar),
     "structured_outputs": _structured_outputs,
 }
 CONSTRAINT_FIELDS = tuple(_FIELDS)  # the request fields that ask for a constraint
@@ -225,9 +218,10 @@ CONSTRAINT_FIELDS = tuple(_FIELDS)  # the request fields that ask for a constrai
 def constraint_from_fields(fields: Mapping[str, Any]) -> tuple[str, Constraint] | None:
     """(the field it came from, the constraint) for the structured-output fields that are set;
     None when none asks for one. More than one: an error."""
-    asked = [name for name in _FIELDS if fields.get(name) is not None]
-    found = [(name, c) for name in asked if (c := _FIELDS[name](fields[name])) is not None]
+    asked = [(name, value) for name in _FIELDS if (value := fields.get(name)) is not None]
+    found = [(name, c) for name, value in asked if (c := _FIELDS[name](value, name)) is not None]
     if len(found) > 1:
         names = [name for name, _ in found]
-        raise _fail(found[1][0], f"only one structured-output constraint per request; got {names}")
+        message = f"only one structured-output constraint per request; got {names}"
+        raise InvalidRequestError(found[1][0], message)
     return found[0] if found else None

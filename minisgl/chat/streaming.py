@@ -3,7 +3,6 @@ and holding back text that may start a tag."""
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -23,11 +22,8 @@ class ChatDelta:
     content: str = ""
     tool_calls: list[ToolCallDelta] = field(default_factory=list)
 
-    def __bool__(self) -> bool:
-        return bool(self.reasoning or self.content or self.tool_calls)
 
-
-class TextParser(ABC):
+class TextParser:
     """Text deltas in, `ChatDelta`s out. Unclassified text waits in `_buf`; `_run` takes what it
     can, all of it when `final` (the non-streamed answer is the same machine fed all at once)."""
 
@@ -38,8 +34,8 @@ class TextParser(ABC):
         self._buf += text
         return self._run(final)
 
-    @abstractmethod
-    def _run(self, final: bool) -> ChatDelta: ...
+    def _run(self, final: bool) -> ChatDelta:
+        raise NotImplementedError
 
 
 def hold_back(text: str, tags: Sequence[str], final: bool = False) -> tuple[str, str]:

@@ -33,20 +33,19 @@ def message_text(content: Any, index: int) -> str:
     """A message's content as one string: a string, or a list of {"type": "text"} parts joined."""
     if content is None or isinstance(content, str):
         return content or ""
-    if isinstance(content, list):
-        texts = []
-        for part in content:
-            if isinstance(part, str):
-                texts.append(part)
-                continue
-            if not isinstance(part, Mapping) or part.get("type", "text") != "text":
-                raise ValueError(f"messages: message {index} has a content part that is not text")
-            text = part.get("text")
-            if not isinstance(text, str):
-                raise ValueError(f"messages: message {index} has a text part without 'text'")
-            texts.append(text)
-        return "".join(texts)
-    raise ValueError(f"messages: message {index} content must be a string or a list of text parts")
+    where = f"messages: message {index}"
+    if not isinstance(content, list):
+        raise ValueError(f"{where} content must be a string or a list of text parts")
+    texts = []
+    for part in content:
+        if isinstance(part, Mapping) and part.get("type", "text") == "text":
+            part = part.get("text")
+            if not isinstance(part, str):
+                raise ValueError(f"{where} has a text part without 'text'")
+        elif not isinstance(part, str):
+            raise ValueError(f"{where} has a content part that is not text")
+        texts.append(part)
+    return "".join(texts)
 
 
 def _tool_calls(value: Any, index: int) -> list[dict[str, Any]]:
@@ -97,10 +96,12 @@ def normalize_messages(messages: Any) -> list[dict[str, Any]]:
             if not isinstance(value, str):
                 raise ValueError(f"messages: message {index} {name} must be a string")
             entry[name] = value
-        if message.get("tool_calls") is not None and role != "assistant":
-            raise ValueError(f"messages: message {index}: only assistant messages have tool_calls")
-        if message.get("tool_calls") is not None:
-            entry["tool_calls"] = _tool_calls(message["tool_calls"], index)
+        if (calls := message.get("tool_calls")) is not None:
+            if role != "assistant":
+                raise ValueError(
+                    f"messages: message {index}: only assistant messages have tool_calls"
+                )
+            entry["tool_calls"] = _tool_calls(calls, index)
         normalized.append(entry)
     return normalized
 
@@ -136,7 +137,7 @@ def render_chat(
 
 def encode_prompt(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
     """Rendered chat text -> ids (the template wrote the special tokens itself)."""
-    return [int(t) for t in tokenizer.encode(text, add_special_tokens=False)]
+    return list(tokenizer.encode(text, add_special_tokens=False))
 
 
 def apply_chat_template(

@@ -1,19 +1,9 @@
 """Tool calls in the model's text -> OpenAI tool_calls, incrementally.
 
-Every parser turns text deltas into (content, call deltas). A call is reported as a first delta
-with its name and empty arguments, then argument text; handlers add ids and the OpenAI shape.
-As with reasoning, the non-streamed answer is the same machine fed all the text at once.
-
-- `hermes` / `qwen25` (Qwen2.5, Qwen3, Hermes): `<tool_call>{"name": ..., "arguments": {...}}
-  </tool_call>` blocks; text outside them is content. A block is reported when it closes, so a
-  malformed one can still be returned as content, unchanged.
-- `llama3_json` (Llama 3.x): the reply is `{"name": ..., "parameters": {...}}` objects
-  (optionally after `<|python_tag|>`, separated by `;`); a reply that does not start with one
-  is content.
-- `NamedCallParser` / `RequiredCallsParser`: replies written under a grammar for
-  `tool_choice` naming a function (the arguments object itself, streamed as it comes) or
-  `"required"` (a JSON array of {"name", "parameters"}); see minisgl.chat.requests.
-"""
+Each parser turns text deltas into content and call deltas (a call's first delta has its name
+and no arguments; handlers add ids and the OpenAI shape); fed the whole reply at once it gives
+the non-streamed answer. Under tool_choice "required" or a named function a grammar shapes the
+reply (minisgl.chat.requests) and `RequiredCallsParser` / `NamedCallParser` read it."""
 
 from __future__ import annotations
 
@@ -30,12 +20,12 @@ _DECODER = json.JSONDecoder()
 
 def _as_call(value: Any, arg_keys: tuple[str, ...]) -> tuple[str, str] | None:
     """(name, arguments JSON) of a decoded call object; None if it is not one."""
-    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+    if not isinstance(value, dict) or not isinstance(name := value.get("name"), str) or not name:
         return None
     arguments: Any = next((value[key] for key in arg_keys if key in value), {})
-    if not isinstance(arguments, dict) or not value["name"]:
-        return None
-    return value["name"], json.dumps(arguments, ensure_ascii=False)
+    return (
+        (name, json.dumps(arguments, ensure_ascii=False)) if isinstance(arguments, dict) else None
+    )
 
 
 class ToolParser(TextParser):
@@ -55,6 +45,10 @@ class ToolParser(TextParser):
 
 
 class HermesParser(ToolParser):
+    """`<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks (Qwen2.5, Qwen3,
+    Hermes), text outside them content. A block is reported when it closes, so a malformed one
+    is returned as content, unchanged."""
+
     _inside = False  # between <tool_call> and </tool_call>
     _after_block = False  # whitespace right after a block is not content
     _space = ""  # whitespace before the open block: content again if it is malformed
@@ -65,9 +59,15 @@ class HermesParser(ToolParser):
             if self._inside:
                 if HERMES_END not in self._buf and not final:
                     break
+                # A whole block (or, at the end, an unclosed one): a call, or content as written.
                 body, closing, self._buf = self._buf.partition(HERMES_END)
                 self._inside = False
-                self._block(out, body, closing)
+                call = _as_call(jsontext.loads_object(body), ("arguments", "parameters"))
+                if call is None:
+                    out.content += self._space + HERMES_START + body + closing
+                else:
+                    self._add_call(out, *call)
+                    self._after_block = True
             elif self._after_block:
                 self._buf = self._buf.lstrip()
                 self._after_block = not self._buf
@@ -84,56 +84,53 @@ class HermesParser(ToolParser):
                 self._inside = True
         return out
 
-    def _block(self, out: ChatDelta, body: str, closing: str) -> None:
-        """A whole block (or, at the end, an unclosed one): a call, or content as written."""
-        call = _as_call(jsontext.loads_object(body), ("arguments", "parameters"))
-        if call is None:
-            out.content += self._space + HERMES_START + body + closing
-            return
-        self._add_call(out, *call)
-        self._after_block = True
-
 
 class Llama3JsonParser(ToolParser):
+    """Calls as JSON objects in a row: `{"name", "parameters"}` objects separated by `;`, after
+    an optional <|python_tag|>. A reply that does not start with one is content, and so is what
+    follows a call when it is not one."""
+
+    opening, separator, closing = PYTHON_TAG, ";", ""
     _mode = "start"  # start -> calls | content
 
     def _run(self, final: bool) -> ChatDelta:
         out = ChatDelta()
         if self._mode == "start":
-            head = self._buf.lstrip()
-            if head.startswith(PYTHON_TAG):
-                head = head[len(PYTHON_TAG) :].lstrip()
-            if not final and (not head or PYTHON_TAG.startswith(head)):
+            head = self._buf.lstrip().removeprefix(self.opening).lstrip()
+            if not final and (not head or self.opening.startswith(head)):
                 return out
             if head.startswith("{"):
                 self._mode, self._buf = "calls", head
             else:
                 self._mode = "content"
-        if self._mode == "calls":
-            self._calls(out, final)
+        while self._mode == "calls":
+            if self.num_calls > 0:  # between calls: a separator
+                self._buf = self._buf.lstrip().removeprefix(self.separator).lstrip()
+            try:
+                value, end = _DECODER.raw_decode(self._buf)
+            except ValueError:  # not whole yet; at the end, cut short or broken
+                if final:
+                    self._mode = "content"
+                    if self._buf.strip() == self.closing:  # "]": the array's end
+                        self._buf = ""
+                break
+            call = _as_call(value, ("parameters", "arguments"))
+            if call is None or not self._room():
+                self._mode = "content"
+                break
+            self._add_call(out, *call)
+            self._buf = self._buf[end:]
         if self._mode == "content":
             out.content += self._buf
             self._buf = ""
         return out
 
-    def _calls(self, out: ChatDelta, final: bool) -> None:
-        while True:
-            if self.num_calls > 0:  # between calls: "; " separators
-                self._buf = self._buf.lstrip().removeprefix(";").lstrip()
-            if not self._buf:
-                return
-            try:
-                value, end = _DECODER.raw_decode(self._buf)
-            except ValueError:
-                if final:
-                    self._mode = "content"  # an unfinished or broken object
-                return
-            call = _as_call(value, ("parameters", "arguments"))
-            if call is None or not self._room():
-                self._mode = "content"
-                return
-            self._add_call(out, *call)
-            self._buf = self._buf[end:]
+
+class RequiredCallsParser(Llama3JsonParser):
+    """The reply is a JSON array of {"name", "parameters"} (a grammar made sure); each call is
+    reported when its object closes, and a reply cut short shows the rest as content."""
+
+    opening, separator, closing = "[", ",", "]"
 
 
 class NamedCallParser(ToolParser):
@@ -153,43 +150,6 @@ class NamedCallParser(ToolParser):
         return out
 
 
-class RequiredCallsParser(ToolParser):
-    """The reply is a JSON array of {"name", "parameters"} (a grammar made sure); each call is
-    reported when its object closes."""
-
-    _started = False  # past the "["
-
-    def feed(self, text: str, final: bool = False) -> ChatDelta:
-        out = super().feed(text, final)
-        rest = self._buf.strip()
-        if final and rest not in ("", "]"):  # cut short (max_tokens): shown as it is
-            out.content += rest
-            self._buf = ""
-        return out
-
-    def _run(self, final: bool) -> ChatDelta:
-        out = ChatDelta()
-        while True:
-            self._buf = self._buf.lstrip()
-            if not self._started:
-                if not self._buf.startswith("["):
-                    return out
-                self._buf, self._started = self._buf[1:], True
-                continue
-            self._buf = self._buf.removeprefix(",").lstrip()
-            if not self._buf.startswith("{"):
-                return out
-            try:
-                value, end = _DECODER.raw_decode(self._buf)
-            except ValueError:
-                return out
-            if (call := _as_call(value, ("parameters", "arguments"))) is None:
-                return out
-            self._buf = self._buf[end:]
-            if self._room():
-                self._add_call(out, *call)
-
-
 # The parser each --tool-call-parser names (qwen25 writes hermes blocks).
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "hermes": HermesParser,
@@ -198,11 +158,10 @@ TOOL_PARSERS: dict[str, type[ToolParser]] = {
 }
 
 
-def detect_tool_call_parser(chat_template: str | None) -> str | None:
+def detect_tool_call_parser(chat_template: str) -> str | None:
     """`--tool-call-parser auto`: hermes when the template writes <tool_call> blocks, llama3_json
     when it names <|python_tag|>; None when neither (or both) appear."""
-    template = chat_template or ""
-    hermes, llama = HERMES_START in template, PYTHON_TAG in template
+    hermes, llama = HERMES_START in chat_template, PYTHON_TAG in chat_template
     if hermes == llama:
         return None
     return "hermes" if hermes else "llama3_json"

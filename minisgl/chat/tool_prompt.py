@@ -1,10 +1,7 @@
-"""Tools for a chat template that has no place for them (SmolLM2's, for one).
-
-Such a template drops `tools` and shows an assistant turn that only called tools as an empty
-one, so the model would never learn what it may call. Here the conversation is rewritten in
-the Hermes convention (Qwen2.5's template writes the same): the tools are described in the
-system message, earlier calls become `<tool_call>` blocks in the assistant's text and tool
-results user turns in `<tool_response>` blocks. The hermes parser reads the reply.
+"""Tools for a chat template that has no place for them (SmolLM2's, for one): such a template
+would drop them, and show a turn that only called tools as empty. The conversation is rewritten
+in the Hermes convention (as Qwen2.5's template writes it): tools described in the system
+message, calls as `<tool_call>` blocks, results as user turns in `<tool_response>` blocks.
 """
 
 from __future__ import annotations
@@ -23,9 +20,8 @@ TOOLS_PROMPT = (
 
 
 def _call_block(call: dict[str, Any]) -> str:
-    function = call["function"]
-    body = json.dumps({"name": function["name"], "arguments": function["arguments"]})
-    return f"{HERMES_START}\n{body}\n{HERMES_END}"
+    """A normalized call's {"name", "arguments"} as a hermes block."""
+    return f"{HERMES_START}\n{json.dumps(call['function'])}\n{HERMES_END}"
 
 
 def with_tools_described(messages: Any, tools: list[dict[str, Any]]) -> list[dict[str, Any]]:

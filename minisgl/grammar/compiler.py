@@ -1,8 +1,8 @@
 """Constraint -> xgrammar CompiledGrammar, cached: compiled here, or (in the scheduler)
 deserialized from what the API server's compile worker sent.
 
-xgrammar is imported when the first compiler is made (~0.3 s): processes that never see a
-constrained request do not pay for it.
+xgrammar is imported when the first compiler is made: processes that never see a constrained
+request do not pay for its import.
 """
 
 from __future__ import annotations
@@ -12,37 +12,68 @@ import re
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from transformers import PreTrainedTokenizerBase
 
 from minisgl.core import Constraint
 from minisgl.limits import InvalidRequestError
 
-# Compiled grammars kept per process. One holds a token-mask cache of ~100-250 KB for a
-# 50k-150k vocabulary, so this bounds the cache to tens of MB.
+# Grammars kept per process (compiled, or as the JSON the compile worker sends), by count and
+# by bytes: most are small, but one can hold tens of MB (a long enum; RESULTS.md section 17).
 GRAMMAR_CACHE_SIZE = 128
-# ... and by bytes: a grammar can be far larger (an enum of 10,000 strings: tens of MB).
 GRAMMAR_CACHE_BYTES = 256 << 20
 # xgrammar compiles a grammar's token masks on this many threads (it defaults to 8).
 MAX_COMPILE_THREADS = 8
 # JSON is generated compact (", " and ": " separators, no free whitespace): small models given
 # free whitespace can emit newlines forever, and the output stays the same JSON value.
 ANY_WHITESPACE = False
+# What a constraint's kind is called in its error messages.
+_KIND_NAMES = {
+    "json_schema": "JSON schema",
+    "json_object": "JSON object grammar",
+    "regex": "regex",
+    "ebnf": "EBNF grammar",
+    "structural_tag": "tool call grammar",
+}
 # xgrammar's errors start with "[time] /path/file.cc:line: "; clients need only the rest.
 _XGRAMMAR_PREFIX = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")
+_V = TypeVar("_V")
 
 
 def _clean(message: str) -> str:
     return _XGRAMMAR_PREFIX.sub("", message.strip()).strip()
 
 
+class GrammarCache(Generic[_V]):
+    """A thread-safe LRU map of grammars, bounded in entries (GRAMMAR_CACHE_SIZE) and in the
+    sum of `size_of` its values (GRAMMAR_CACHE_BYTES); the newest entry always stays."""
+
+    def __init__(self, size_of: Callable[[_V], int]) -> None:
+        self._size_of = size_of
+        self._entries: OrderedDict[tuple[str, str], _V] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key: tuple[str, str]) -> _V | None:
+        with self._lock:
+            if (value := self._entries.get(key)) is not None:
+                self._entries.move_to_end(key)
+            return value
+
+    def put(self, key: tuple[str, str], value: _V) -> None:
+        with self._lock:
+            self._entries[key] = value
+            self._entries.move_to_end(key)
+            while len(self._entries) > 1 and (
+                len(self._entries) > GRAMMAR_CACHE_SIZE
+                or sum(map(self._size_of, self._entries.values())) > GRAMMAR_CACHE_BYTES
+            ):
+                self._entries.popitem(last=False)
+
+
 class GrammarCompiler:
     """Compiles constraints for one tokenizer and vocabulary (the model's logits width).
-
-    Thread-safe. The API server's compile worker (minisgl.grammar.worker) and the scheduler
-    (offline requests) use it.
-    """
+    Thread-safe: the API server's compile worker and the scheduler (offline requests) use it."""
 
     def __init__(
         self,
@@ -58,50 +89,20 @@ class GrammarCompiler:
         self.info = xgr.TokenizerInfo.from_huggingface(
             tokenizer, vocab_size=vocab_size, stop_token_ids=list(stop_token_ids) or None
         )
-        threads = max(1, min(MAX_COMPILE_THREADS, os.cpu_count() or 1))
-        # Our own cache below keys on (kind, value) and also holds deserialized grammars.
+        threads = min(MAX_COMPILE_THREADS, os.cpu_count() or 1)
+        # Our own cache keys on (kind, value) and also holds deserialized grammars.
         self._compiler = xgr.GrammarCompiler(self.info, max_threads=threads, cache_enabled=False)
-        self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()
-        self._lock = threading.Lock()
-
-    def _cached(self, key: tuple[str, str], make: Callable[[], Any]) -> Any:
-        """The cached grammar for `key`; else `make()` (outside the lock), then cached."""
-        with self._lock:
-            if (compiled := self._cache.get(key)) is not None:
-                self._cache.move_to_end(key)
-                return compiled
-        compiled = make()
-        with self._lock:
-            self._cache[key] = compiled
-            self._cache.move_to_end(key)
-            while len(self._cache) > GRAMMAR_CACHE_SIZE or (
-                len(self._cache) > 1
-                and sum(g.memory_size_bytes for g in self._cache.values()) > GRAMMAR_CACHE_BYTES
-            ):
-                self._cache.popitem(last=False)
-        return compiled
+        self._cache: GrammarCache[Any] = GrammarCache(lambda grammar: grammar.memory_size_bytes)
 
     def compile(self, constraint: Constraint) -> Any:
-        """The compiled grammar; raises InvalidRequestError naming `self.param` if it is bad."""
-        return self._cached(constraint.grammar_key, lambda: self._compile(constraint))
-
-    def _compile(self, constraint: Constraint) -> Any:
+        """The compiled grammar (not cached); InvalidRequestError naming `self.param` if it is
+        bad."""
         kind, value = constraint.kind, constraint.value
-        what = {
-            "json_schema": "JSON schema",
-            "json_object": "JSON object grammar",
-            "regex": "regex",
-            "ebnf": "EBNF grammar",
-            "structural_tag": "tool call grammar",
-        }[kind]
         try:
-            if kind == "json_schema":
+            if kind in ("json_schema", "json_object"):
+                schema = value if kind == "json_schema" else '{"type": "object"}'
                 return self._compiler.compile_json_schema(
-                    value, any_whitespace=ANY_WHITESPACE, strict_mode=True
-                )
-            if kind == "json_object":
-                return self._compiler.compile_json_schema(
-                    '{"type": "object"}', any_whitespace=ANY_WHITESPACE, strict_mode=False
+                    schema, any_whitespace=ANY_WHITESPACE, strict_mode=kind == "json_schema"
                 )
             if kind == "regex":
                 return self._compiler.compile_regex(value)
@@ -109,13 +110,16 @@ class GrammarCompiler:
                 return self._compiler.compile_structural_tag(value)
             return self._compiler.compile_grammar(value)
         except (RuntimeError, ValueError, TypeError) as exc:
-            message = f"invalid or unsupported {what}: {_clean(str(exc))}"
+            message = f"invalid or unsupported {_KIND_NAMES[kind]}: {_clean(str(exc))}"
             raise InvalidRequestError(self.param, message) from None
 
     def load(self, constraint: Constraint, grammar_json: str | None) -> Any:
         """The compiled grammar for a request: cached, else deserialized from `grammar_json`
         (compiled by the API server), else compiled here (the offline API sends none)."""
-        if grammar_json is None:
-            return self.compile(constraint)
-        deserialize = self._xgr.CompiledGrammar.deserialize_json
-        return self._cached(constraint.grammar_key, lambda: deserialize(grammar_json, self.info))
+        if (compiled := self._cache.get(constraint.grammar_key)) is None:
+            if grammar_json is None:
+                compiled = self.compile(constraint)
+            else:
+                compiled = self._xgr.CompiledGrammar.deserialize_json(grammar_json, self.info)
+            self._cache.put(constraint.grammar_key, compiled)
+        return compiled

@@ -12,13 +12,10 @@ logger = logging.getLogger(__name__)
 
 
 class GrammarState:
-    """Follows one request's output through its grammar.
-
-    With `start_after` (a reasoning model's `</think>` token ids) the grammar is dormant until
-    the output ends with those ids: the reasoning is free text, the answer is constrained.
-    Advancing is deterministic in the accepted tokens, so every tensor-parallel rank, fed the
-    same tokens (rank 0's, broadcast), builds the same masks.
-    """
+    """Follows one request's output through its grammar. With `start_after` (a reasoning
+    model's `</think>` token ids) the grammar is dormant until the output ends with those ids.
+    Advancing depends only on the accepted tokens, so every tensor-parallel rank, fed rank 0's
+    tokens, builds the same masks."""
 
     def __init__(self, compiled: Any, start_after: Sequence[int] = ()) -> None:
         import xgrammar as xgr  # loaded already: the compiled grammar came from it
@@ -35,19 +32,12 @@ class GrammarState:
 
     def accept(self, output_ids: Sequence[int]) -> None:
         """Advance by the last token of `output_ids` (the request's output so far)."""
-        if self.broken:
-            return
-        token_id = output_ids[-1]
         if not self.active:
-            n = len(self._start_after)
-            self.active = len(output_ids) >= n and list(output_ids[-n:]) == self._start_after
-            return
-        if self._matcher.is_terminated():
-            return  # the final stop token was already accepted
-        if not self._matcher.accept_token(token_id):
+            self.active = list(output_ids[-len(self._start_after) :]) == self._start_after
+        elif self.constrains_next and not self._matcher.accept_token(output_ids[-1]):
             # Cannot happen when the mask was applied; if it does, stop constraining rather
             # than fail the request.
-            logger.warning("grammar rejected token %d: constraint dropped", token_id)
+            logger.warning("grammar rejected token %d: constraint dropped", output_ids[-1])
             self.broken = True
 
 

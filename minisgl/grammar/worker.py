@@ -1,20 +1,9 @@
 """The API server's grammar compiles, in a worker process: a constraint that would take the
-server's memory or time costs its own request a 400, never the server.
-
-xgrammar compiles in C++ that Python cannot interrupt, and some small inputs blow up (measured
-in-process: one regex character class of 20,000 CJK characters grew to 10 GB; an `enum` of
-50,000 strings took 37 s). So `GrammarWorker` sends (kind, value) to one child process and
-waits for the serialized grammar on a thread of its own (the event loop and the tokenizer
-thread keep serving every other request), and
-- refuses a constraint over MAX_CONSTRAINT_BYTES before it is sent;
-- kills the worker when it has not answered within --grammar-compile-timeout;
-- kills it when its RSS passes MAX_WORKER_RSS_BYTES (looked at every RSS_POLL_INTERVAL_S).
-Either kill, or the worker dying on its own, answers that request with a 400 naming its field;
-the next constraint starts a fresh worker. The worker compiles one constraint at a time: a
-request whose constraint queues behind another's compile waits for it, the others do not wait.
-What the worker answers (a grammar, or xgrammar's refusal) is cached by `grammar_key`, so a
-repeated constraint costs no trip; a kill is not (a timeout depends on the load).
-"""
+server's memory or time costs its own request a 400, never the server (xgrammar's C++ cannot be
+interrupted, and some small inputs blow up: RESULTS.md section 17). A constraint over
+MAX_CONSTRAINT_BYTES is refused; a worker past --grammar-compile-timeout or MAX_WORKER_RSS_BYTES
+is killed (a 400 naming the field; the next constraint starts a fresh one). Answers (a grammar, or
+xgrammar's refusal) are cached by `grammar_key`; a kill is not (a timeout depends on the load)."""
 
 from __future__ import annotations
 
@@ -22,9 +11,7 @@ import asyncio
 import contextlib
 import multiprocessing as mp
 import os
-import threading
 import time
-from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
@@ -35,7 +22,7 @@ import psutil
 from transformers import PreTrainedTokenizerBase
 
 from minisgl.core import Constraint
-from minisgl.grammar.compiler import GRAMMAR_CACHE_SIZE, GrammarCompiler
+from minisgl.grammar.compiler import GrammarCache, GrammarCompiler
 from minisgl.limits import (
     GIB,
     KIB,
@@ -46,14 +33,11 @@ from minisgl.limits import (
 from minisgl.runtime.supervisor import describe_exit, prepare_exec_child
 
 RSS_POLL_INTERVAL_S = 0.05
-# The cache's bound in characters of grammar JSON, besides its count: an enum of 10,000 strings
-# serializes to 21 MB.
-MAX_CACHED_CHARS = 256 << 20
-# Spawning it: importing torch, xgrammar and the tokenizer, then reading the vocabulary (~2-6 s).
+# Spawning it: importing torch, xgrammar and the tokenizer, then reading the vocabulary.
 STARTUP_TIMEOUT_S = 120.0
 WORKER_NAME = "minisgl:grammar"  # its name in ps
-# The model's processes come first where they share cores with a compile (CPU serving): a
-# concurrent stream's longest chunk gap during one fell from ~0.3 s to ~0.15 s here.
+# The model's processes come first where they share cores with a compile (CPU serving), which
+# shortens the gaps a compile causes in other requests' streams (RESULTS.md section 17).
 WORKER_NICENESS = 10
 
 Outcome = tuple[bool, str]  # (compiled, the grammar's JSON text or why it was refused)
@@ -66,7 +50,7 @@ class _Stopped(Exception):
 def _serve(
     conn: Connection, tokenizer: PreTrainedTokenizerBase, vocab_size: int, eos: Sequence[int]
 ) -> None:
-    """The worker process: compile each (kind, value) that arrives until the pipe closes."""
+    """The worker process: compile each constraint that arrives until the pipe closes."""
     prepare_exec_child()  # Ctrl-C is the server's to handle; SIGTERM when the server dies
     os.nice(WORKER_NICENESS)
     with contextlib.suppress(OSError):  # our name in ps/top
@@ -75,19 +59,20 @@ def _serve(
     conn.send((True, "ready"))
     while True:
         try:
-            kind, value = conn.recv()
+            constraint = conn.recv()
         except EOFError:  # the API server closed it (or is gone)
             return
         try:
-            reply = (True, str(compiler._compile(Constraint(kind, value)).serialize_json()))
+            reply = (True, compiler.compile(constraint).serialize_json())
         except InvalidRequestError as exc:
             reply = (False, exc.message)
         conn.send(reply)
 
 
 class GrammarWorker:
-    """The API server's side: constraints compiled in the worker, cached; made with what the
-    worker needs to build its `GrammarCompiler` (started at the first uncached constraint)."""
+    """The API server's side: constraints compiled in the worker, one at a time, waited for on
+    a thread of its own (the event loop keeps serving), cached. Made with what the worker needs
+    to build its `GrammarCompiler`; the worker starts at the first uncached constraint."""
 
     def __init__(
         self,
@@ -101,9 +86,8 @@ class GrammarWorker:
         # One thread: compiles run one at a time. It also starts the worker, whose SIGTERM on
         # our death (PR_SET_PDEATHSIG) is tied to this thread: it lives as long as the process.
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="minisgl-grammar")
-        self._lock = threading.Lock()  # the cache: read on the event loop, filled on the thread
-        self._cache: OrderedDict[tuple[str, str], Outcome] = OrderedDict()
-        self._cached_chars = 0
+        # Read on the event loop, filled on the thread.
+        self._cache: GrammarCache[Outcome] = GrammarCache(lambda outcome: len(outcome[1]))
         self._process: BaseProcess | None = None
         self._conn: Connection | None = None
 
@@ -114,7 +98,7 @@ class GrammarWorker:
         if size > MAX_CONSTRAINT_BYTES:
             limit = f"{MAX_CONSTRAINT_BYTES} bytes ({MAX_CONSTRAINT_BYTES // KIB} KiB)"
             raise InvalidRequestError(param, f"the grammar is {size} bytes; at most {limit}")
-        if (outcome := self._cached(constraint.grammar_key)) is None:
+        if (outcome := self._cache.get(constraint.grammar_key)) is None:
             loop = asyncio.get_running_loop()
             outcome = await loop.run_in_executor(self._thread, self._compile, constraint)
         compiled, text = outcome
@@ -122,30 +106,19 @@ class GrammarWorker:
             raise InvalidRequestError(param, text)
         return text
 
-    def _cached(self, key: tuple[str, str]) -> Outcome | None:
-        with self._lock:
-            if (outcome := self._cache.get(key)) is not None:
-                self._cache.move_to_end(key)
-            return outcome
-
     def _compile(self, constraint: Constraint) -> Outcome:
         """On the grammar thread."""
         key = constraint.grammar_key
-        outcome = self._cached(key)  # it may have been compiled while this one queued
-        if outcome is not None:
+        if (outcome := self._cache.get(key)) is not None:  # compiled while this one queued
             return outcome
         self._start()
         timeout_s = self.timeout_s
         late = f"compiling the grammar took longer than {timeout_s:g} s (--grammar-compile-timeout)"
         try:
-            outcome = self._exchange((constraint.kind, constraint.value), timeout_s, late)
+            outcome = self._exchange(constraint, timeout_s, late)
         except _Stopped as exc:
             return False, str(exc)
-        with self._lock:
-            self._cache[key] = outcome
-            self._cached_chars += len(outcome[1])
-            while len(self._cache) > GRAMMAR_CACHE_SIZE or self._cached_chars > MAX_CACHED_CHARS:
-                self._cached_chars -= len(self._cache.popitem(last=False)[1][1])
+        self._cache.put(key, outcome)
         return outcome
 
     def _start(self) -> None:
@@ -163,7 +136,7 @@ class GrammarWorker:
         except _Stopped as exc:
             raise RuntimeError(f"the grammar compiler process did not start: {exc}") from None
 
-    def _exchange(self, request: tuple[str, str] | None, timeout_s: float, late: str) -> Outcome:
+    def _exchange(self, request: Constraint | None, timeout_s: float, late: str) -> Outcome:
         """Send `request` (if any) and wait for the worker's answer; raises _Stopped, the
         worker killed for its time (`late`: why) or its memory, or found dead."""
         assert self._process is not None and self._conn is not None
