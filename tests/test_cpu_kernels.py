@@ -183,7 +183,6 @@ def test_paged_decode_attention_matches_sdpa(
         page_table=page_table,
         prefix_lens_cpu=prefix.tolist(),
         kv_lens_cpu=kv_lens.tolist(),
-        page_size=page_size,
     )
     num_tokens = positions.numel()
     q = torch.randn(num_tokens, num_heads, head_dim, generator=g)

@@ -48,7 +48,6 @@ class AttentionBatch:
     page_table: torch.Tensor  # int32 [max_rows, max_len], token slots
     prefix_lens_cpu: list[int]
     kv_lens_cpu: list[int]
-    page_size: int = 1  # slot = page * page_size + offset; pages are page_size aligned slots
 
     @property
     def extend_lens_cpu(self) -> list[int]:
@@ -81,14 +80,18 @@ def host_tensor(values: Sequence[Any] | torch.Tensor, dtype: torch.dtype) -> tor
         return torch.as_tensor(values, dtype=dtype)
 
 
-def copy_to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor's copy on `device`, queued without making the host wait. On CUDA it goes
-    through pinned memory: a "non-blocking" copy from pageable memory is staged synchronously,
-    and under overlap that can hold the host until the batch in flight finishes (the Triton
-    backend's extend block map did, serialising mixed steps' launches with their execution)."""
+def stage(
+    device: torch.device, dtype: torch.dtype, *values: Sequence[Any] | torch.Tensor
+) -> list[torch.Tensor]:
+    """1-D host values (lists or tensors) on `device` as `dtype`, queued without making the host
+    wait. On CUDA they go in one non-blocking copy through pinned memory: a copy from pageable
+    memory is staged synchronously, and under overlap that can hold the host until the batch in
+    flight finishes; `torch.tensor(values, device="cuda")` even waits for the whole stream."""
+    host = [host_tensor(v, dtype) for v in values]
     if device.type != "cuda":
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
+        return [t.to(device) for t in host]
+    on_device = torch.cat(host).pin_memory().to(device, non_blocking=True)
+    return list(on_device.split([t.numel() for t in host]))
 
 
 class AttentionBackend(ABC):

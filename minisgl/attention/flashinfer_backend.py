@@ -26,8 +26,8 @@ from minisgl.attention.base import (
     AttentionBackend,
     AttentionBatch,
     AttentionConfig,
-    copy_to_device,
     host_tensor,
+    stage,
 )
 from minisgl.kvcache.pool import KVPool
 
@@ -40,12 +40,12 @@ PREFILL_KERNEL_BACKEND = "fa2"
 
 
 def paged_kv_lists(
-    batch: AttentionBatch,
+    batch: AttentionBatch, page_size: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """FlashInfer's paged-KV description of a batch: (indptr int32 on the host, page ids int32 on
     the device, last page lengths int32 on the host) and the KV lengths (int32, on the host) that
     plan() would otherwise recompute from the first and last. Host tensors are pinned on CUDA."""
-    page_size, device = batch.page_size, batch.table_rows.device
+    device = batch.table_rows.device
     kv_lens = host_tensor(batch.kv_lens_cpu, torch.int32)
     num_pages = (kv_lens + page_size - 1) // page_size
     indptr = F.pad(torch.cumsum(num_pages, 0, dtype=torch.int32), (1, 0))
@@ -55,7 +55,7 @@ def paged_kv_lists(
     # so nothing waits for the host.
     seq = torch.repeat_interleave(num_pages.long())
     first_pos = (torch.arange(seq.numel()) - indptr[seq]) * page_size
-    seq_d, pos_d = copy_to_device(torch.stack([seq, first_pos]), device)
+    seq_d, pos_d = stage(device, torch.int64, seq, first_pos)
     page_ids = (batch.page_table[batch.table_rows[seq_d], pos_d] // page_size).to(torch.int32)
     if device.type == "cuda":
         indptr, last_page_len = indptr.pin_memory(), last_page_len.pin_memory()
@@ -109,7 +109,8 @@ class FlashInferBackend(AttentionBackend):
         """`wrapper.plan(...)` for `batch` (a prefill wrapper's `qo_indptr` first), after the
         previous plan's host-to-device copy has run."""
         cfg = self.cfg
-        *kv_lists, kv_lens = paged_kv_lists(batch)  # (indptr, page ids, last page lengths)
+        # (indptr, page ids, last page lengths)
+        *kv_lists, kv_lens = paged_kv_lists(batch, cfg.page_size)
         heads = (cfg.num_qo_heads, cfg.num_kv_heads, cfg.head_dim, cfg.page_size)
         self._planned.synchronize()
         wrapper.plan(

@@ -16,7 +16,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from minisgl.attention.base import AttentionBackend, AttentionBatch, AttentionConfig, copy_to_device
+from minisgl.attention.base import AttentionBackend, AttentionBatch, AttentionConfig, stage
 from minisgl.kernels.cpu import kernels_for
 from minisgl.kernels.cpu_ops import CpuKernels
 from minisgl.kvcache.pool import KVPool
@@ -164,10 +164,11 @@ def _group(batch: AttentionBatch, decodes: list[tuple[int, int, int]]) -> list[_
     result = []
     for members in groups:
         max_kv = members[0][0]
-        seq_index = copy_to_device(torch.tensor([m[2] for m in members]), device)
+        seq_index, token_index = stage(
+            device, torch.int64, [m[2] for m in members], [m[1] for m in members]
+        )
         valid = torch.arange(max_kv, device=device)[None, :] < batch.kv_lens[seq_index, None]
         slots = batch.page_table[batch.table_rows[seq_index], :max_kv].long()
-        token_index = copy_to_device(torch.tensor([m[1] for m in members]), device)
         mask = valid[:, None, None, :]  # [decodes, 1, 1, max_kv]
         result.append(_DecodeGroup(token_index, slots.masked_fill(~valid, 0).flatten(), mask))
     return result

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from minisgl.attention.base import AttentionBackend, AttentionBatch, AttentionConfig, copy_to_device
+from minisgl.attention.base import AttentionBackend, AttentionBatch, AttentionConfig, stage
 from minisgl.kernels import triton_attention as kernels
 from minisgl.kvcache.pool import KVPool
 
@@ -281,7 +281,7 @@ class TritonBackend(AttentionBackend):
             kv_lens=batch.kv_lens[num_decodes:],
             out_slots=batch.out_slots,
             page_table=batch.page_table,
-            block_map=copy_to_device(block_map, batch.table_rows.device),
+            block_map=stage(batch.table_rows.device, torch.int32, block_map)[0],
             decodes=decodes,
         )
 

@@ -70,62 +70,59 @@ class Engine:
             torch.cuda.set_device(self.device)
         self.stream = ComputeStream(self.device)  # where the forward is queued, and the copies
         self.dtype = resolve_dtype(args.dtype, self.device)
-        self.kv_dtype = KV_CACHE_DTYPES.get(args.kv_cache_dtype, self.dtype)
+        kv_dtype = KV_CACHE_DTYPES.get(args.kv_cache_dtype, self.dtype)
         self.model_path = resolve_model_path_for(args)
         self.model_config = cfg = load_model_config(self.model_path)
         # fails early, with the numbers, if heads don't divide by tp
         num_qo_heads, num_kv_heads = local_head_counts(cfg)
-        self.kv_shape = KVShape(cfg.num_layers, num_kv_heads, cfg.head_dim)
+        kv_shape = KVShape(cfg.num_layers, num_kv_heads, cfg.head_dim)
         self.max_model_len = args.max_model_len or cfg.max_position_embeddings
-        self.page_size = args.page_size
         self.max_prefill_tokens = args.resolved_max_prefill_tokens(self.device.type)
-
         self.backend_name = resolve_backend_name(args.attention_backend, self.device, self.dtype)
         self.model = self._build_model()
         # Table rows are request slots; width covers the longest sequence rounded up to a page.
-        width = -(-(self.max_model_len + 1) // self.page_size) * self.page_size
+        page_size = args.page_size
+        width = -(-(self.max_model_len + 1) // page_size) * page_size
         self.tables = DeviceTables(args.max_running_requests, width, self.stream)
-        attention = AttentionConfig(
-            num_qo_heads, num_kv_heads, cfg.head_dim, self.page_size, width, self.dtype,
-            self.device, self.kv_dtype,
-        )  # fmt: skip
+        heads = (num_qo_heads, num_kv_heads, cfg.head_dim)
+        attention = AttentionConfig(*heads, page_size, width, self.dtype, self.device, kv_dtype)
         self.backend = create_backend(self.backend_name, attention)
         self.sampler = Sampler(self.device)
         graph_bs = self._graph_max_batch_size()
-        fp8 = [m.fp8 for m in self.model.modules() if isinstance(m, (PackedWeight, Experts))]
-        fp8_tensors = [w for f in fp8 if f for w in (f if isinstance(f, tuple) else (f,))]
-        weights = [*self.model.parameters(), *(t for w in fp8_tensors for t in (w.data, w.scale))]
-        weights_bytes = sum(t.numel() * t.element_size() for t in weights)
         prefill_tokens = min(self.max_prefill_tokens, self.max_model_len)
-        needs = MemoryNeeds(
-            self.kv_shape, self.kv_dtype, cfg.vocab_size, weights_bytes, graph_bs, prefill_tokens
-        )
+        needs = MemoryNeeds(kv_shape, kv_dtype, cfg.vocab_size, graph_bs, prefill_tokens)
         with stage("planning the KV cache"):
             self.num_pages = plan_kv_pages(args, needs, self.tables, self._forward_through)
         # One extra page, never handed out: padded graph entries write their K/V there.
         self.kv_pool = KVPool(
-            self.kv_shape, self.num_pages + 1, self.page_size, self.kv_dtype, self.device,
-            self.model.kv_scales,
-        )  # fmt: skip
-        self.tables.point_dummy_row(self.num_pages * self.page_size)
-        self.graphs: GraphRunner | None = None
-        if graph_bs > 0:
-            self.graphs = GraphRunner(self.model, self.backend, self.kv_pool, self.tables, graph_bs)
+            kv_shape, self.num_pages + 1, page_size, kv_dtype, self.device, self.model.kv_scales
+        )
+        self.tables.point_dummy_row(self.num_pages * page_size)
+        self.graphs = (
+            GraphRunner(self.model, self.backend, self.kv_pool, self.tables, graph_bs)
+            if graph_bs
+            else None
+        )
         # The pool's zero fill, the tables and the graph buffers were queued on the default
         # stream, which the engine's stream does not follow by itself.
         self.stream.follow_default_stream()
-        if self.graphs is not None:
-            if self.stream.is_cuda:
-                with stage("capturing CUDA graphs"):
-                    self.graphs.capture()
-            elif self.model.cpu_decode_stack is not None:
-                logger.info("CPU decode steps run padded and op by op (--cuda-graph-max-bs)")
+        if self.graphs is not None and self.stream.is_cuda:
+            with stage("capturing CUDA graphs"):
+                self.graphs.capture()
+        elif self.graphs is not None and self.model.cpu_decode_stack is not None:
+            logger.info("CPU decode steps run padded and op by op (--cuda-graph-max-bs)")
         logger.info(
-            "engine ready: %s on %s (%s), attention %s, %d KV pages x %d tokens (%d tokens of "
-            "%s KV), CUDA graphs up to batch %d", cfg.architecture, self.device, self.dtype,
-            self.backend_name, self.num_pages, self.page_size, self.num_pages * self.page_size,
-            self.kv_dtype, graph_bs if self.stream.is_cuda else 0,
-        )  # fmt: skip
+            "engine ready: %s on %s (%s), attention %s, %d KV pages x %d tokens (%s KV), "
+            "CUDA graphs up to batch %d",
+            cfg.architecture,
+            self.device,
+            self.dtype,
+            self.backend_name,
+            self.num_pages,
+            page_size,
+            kv_dtype,
+            graph_bs if self.stream.is_cuda else 0,
+        )
 
     def _build_model(self) -> CausalLM:
         previous = torch.get_default_dtype()
@@ -155,9 +152,10 @@ class Engine:
             model.use_cpu_kernels(kernels, fused_decode=self.backend_name == "torch")
             logger.info(
                 "CPU kernels on (%d threads, %s weights); decode steps %s",
-                torch.get_num_threads(), "GGUF block" if blocks else "fp32 panel",
+                torch.get_num_threads(),
+                "GGUF block" if blocks else "fp32 panel",
                 "in one fused call" if model.cpu_decode_stack is not None else "op by op",
-            )  # fmt: skip
+            )
         return model.eval()
 
     def _graph_max_batch_size(self) -> int:
@@ -237,7 +235,6 @@ class Engine:
             page_table=self.tables.page_table,
             prefix_lens_cpu=batch.prefix_lens,
             kv_lens_cpu=kv_lens.tolist(),
-            page_size=self.page_size,
         )
         ctx = ForwardContext(self.backend, pool, self.backend.prepare(attn))
         with forward_context(ctx):

@@ -113,7 +113,6 @@ class GraphRunner:
             page_table=self.tables.page_table,
             prefix_lens_cpu=positions,
             kv_lens_cpu=kv_lens,
-            page_size=self.pool.page_size,
         )
 
     def _forward(self, size: int, metadata: Any) -> torch.Tensor:

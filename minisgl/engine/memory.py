@@ -45,7 +45,6 @@ class MemoryNeeds:
     kv_shape: KVShape
     kv_dtype: torch.dtype  # what the pool stores
     vocab_size: int
-    weights_bytes: int
     graph_max_bs: int  # 0: no CUDA graphs
     prefill_tokens: int  # the largest prefill chunk: what the warm-up forward computes
 
@@ -82,6 +81,7 @@ def _cuda_kv_budget(
     device = tables.stream.device
     torch.cuda.synchronize(device)
     free_after_weights, total = torch.cuda.mem_get_info(device)
+    ours = torch.cuda.memory_allocated(device)  # the weights, and the tables
     vocab_bytes = needs.vocab_size * 4
     graph_max_bs = needs.graph_max_bs
     graph_rows = sum(graph_batch_sizes(graph_max_bs)) + graph_max_bs
@@ -95,10 +95,10 @@ def _cuda_kv_budget(
     }
     budget = free_after_weights - sum(reserves.values())
     logger.info(
-        "GPU memory: total %.2f GiB, weights %.2f GiB, free after weights %.2f GiB, %s -> "
-        "KV cache %.2f GiB",
+        "GPU memory: total %.2f GiB, weights and tables %.2f GiB, free after them %.2f GiB, "
+        "%s -> KV cache %.2f GiB",
         total / GIB,
-        needs.weights_bytes / GIB,
+        ours / GIB,
         free_after_weights / GIB,
         ", ".join(f"{name} {value / GIB:.2f} GiB" for name, value in reserves.items()),
         budget / GIB,

@@ -20,21 +20,19 @@ kernels run on torch's thread pool, with torch's thread count passed in explicit
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import logging
 import os
 
 import torch
 
-from minisgl.kernels import build
+from minisgl.kernels import build, cpu_abi
 from minisgl.kernels.cpu_ops import CpuKernels
 
 logger = logging.getLogger(__name__)
 
 ENABLE_ENV = "MINISGL_CPU_KERNELS"  # "0" turns the kernels off
 INT8_ENV = "MINISGL_INT8_ACTIVATIONS"  # "1": GGUF Q4_0/Q4_1/Q8_0 times int8 activations
-ABI_VERSION = 8  # MG_ABI_VERSION in csrc/common.h
 SELF_CHECK_ATOL = 1e-4
 
 
@@ -55,20 +53,25 @@ def _self_check(kernels: CpuKernels) -> None:
         raise RuntimeError("self-check failed: silu_mul differs")
 
 
+def env_switch(name: str) -> bool | None:
+    """An on/off environment variable: False for 0/false/off/no, True for 1/true/on/yes, None
+    when unset or anything else (auto)."""
+    value = os.environ.get(name, "").strip().lower()
+    if value in ("0", "false", "off", "no"):
+        return False
+    return True if value in ("1", "true", "on", "yes") else None
+
+
 @functools.cache
 def get() -> CpuKernels | None:
     """The kernels, or None when they are turned off or cannot be built here (logged once)."""
-    if os.environ.get(ENABLE_ENV, "1").strip().lower() in ("0", "false", "off", "no"):
+    if env_switch(ENABLE_ENV) is False:
         logger.info("CPU kernels off (%s=0): torch ops only", ENABLE_ENV)
         return None
     try:
-        path = build.build_library()
-        lib = ctypes.CDLL(str(path))
-        if lib.mg_abi_version() != ABI_VERSION:
-            raise RuntimeError(f"{path} has ABI {lib.mg_abi_version()}, expected {ABI_VERSION}")
-        kernels = CpuKernels(lib)
+        kernels = CpuKernels(cpu_abi.load(build.build_library()))
         _self_check(kernels)
-        if os.environ.get(INT8_ENV, "0").strip().lower() in ("1", "true", "on", "yes"):
+        if env_switch(INT8_ENV):
             on = kernels.set_int8_activations(True)
             logger.info("int8 activations for GGUF Q4_0/Q4_1/Q8_0 blocks: %s", on or "no VNNI")
     except Exception as exc:  # noqa: BLE001 (any failure means: fall back to torch)

@@ -1,7 +1,6 @@
 """Typed wrappers over the fp32 CPU kernels' library (csrc/), called through ctypes with raw
-pointers: the C signatures and the structs the fused decode stack reads (the weight layouts are
-in weights.py). `minisgl.kernels.cpu` builds and loads the library (see there for why these
-kernels).
+pointers (the signatures are in cpu_abi.py, the weight layouts in weights.py).
+`minisgl.kernels.cpu` builds and loads the library (see there for why these kernels).
 """
 
 from __future__ import annotations
@@ -10,70 +9,14 @@ import ctypes
 
 import torch
 
+from minisgl.kernels.cpu_abi import (
+    ATTN_MAX_HEAD_DIM,
+    ATTN_MAX_HEADS,
+    FP8_KV_FORMATS,
+    StackShape,
+    ptr,
+)
 from minisgl.kernels.weights import PackedLinear, huge_page_zeros
-
-# mg_decode_layers' op timers, in the C enum's order (MG_NUM_OPS in csrc/decode.c)
-DECODE_OPS = (
-    "rmsnorm + residual add", "qkv_proj", "q/k head norm", "rope + KV store",
-    "decode attention", "o_proj", "gate_up_proj", "silu_mul", "down_proj",
-)  # fmt: skip
-# decode attention limits (ATTN_MAX_HEADS, ATTN_MAX_HEAD_DIM in csrc/attention.c)
-ATTN_MAX_HEADS = 128
-ATTN_MAX_HEAD_DIM = 256
-# the fp8 KV formats the kernels read and write, as their `fp8` argument (exponent bits)
-FP8_KV_FORMATS = {torch.float8_e4m3fn: 4, torch.float8_e5m2: 5}
-
-
-_P = ctypes.c_void_p
-_I = ctypes.c_int64
-_ATTN = [_P, _I, _P, _P, _P, _P, _I, _P, _P, _P, _I, _I, _I, _I, _I, ctypes.c_float]  # to `scale`
-_SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
-    "mg_abi_version": (ctypes.c_int, []),
-    "mg_block_n": (ctypes.c_int, []),
-    "mg_linear": (None, [_P, _I, _P, _P, _P, _I, _I, _I, _I, ctypes.c_int]),
-    "mg_quant_block_bytes": (_I, [_I]),
-    "mg_set_int8_activations": (ctypes.c_int, [ctypes.c_int]),
-    "mg_embed": (None, [_P, _I, _P, _I, _P, ctypes.c_int]),
-    "mg_rmsnorm": (None, [_P, _I, _I, _P, _I, _P, _P, _I, _I, _I, ctypes.c_float, ctypes.c_int]),
-    "mg_silu_mul": (None, [_P, _I, _P, _I, _I, _I, ctypes.c_int]),
-    "mg_rope": (None, [_P, _I, _I, _P, _I, _I, _I, _I, _P, _P, _P, ctypes.c_int]),
-    "mg_store_kv": (None, [_P, _I, _P, _I, _P, _P, _P, _I, _I]),
-    "mg_decode_attention": (ctypes.c_int, [*_ATTN, ctypes.c_int, ctypes.c_float, ctypes.c_int]),
-    "mg_decode_scratch_floats": (_I, [_P, _I]),
-    "mg_decode_layers": (
-        ctypes.c_int,
-        [_P, _P, _I, _P, _P, _P, _I, _P, _P, _P, _I, ctypes.c_int, _P, _P, _P, ctypes.c_int],
-    ),
-    "mg_num_ops": (ctypes.c_int, []),
-    "mg_seeded_uniform": (None, [_P, _P, _I, _I, _P, ctypes.c_int]),
-    "mg_sample": (None, [_P, _I, _P, _P, _P, _I, _I, _P, ctypes.c_int]),
-}
-
-
-class LayerWeights(ctypes.Structure):
-    """`mg_layer`: one dense decoder layer's weights (`mg_weight`s and norms; NULL where absent)."""
-
-    _fields_ = [
-        (name, ctypes.c_void_p)
-        for name in (
-            "input_norm", "post_norm", "qkv", "qkv_bias", "q_norm", "k_norm", "o", "gate_up",
-            "down",
-        )
-    ]  # fmt: skip
-
-
-class StackShape(ctypes.Structure):
-    """`mg_model`: sizes of a dense decoder stack and its layers' weights."""
-
-    _fields_ = [
-        *[(name, ctypes.c_int64) for name in (
-            "num_layers", "hidden", "heads", "kv_heads", "head_dim", "inter",
-        )],
-        *[(name, ctypes.c_float) for name in ("eps", "head_norm_eps", "scale")],
-        ("cos_cache", ctypes.c_void_p),
-        ("sin_cache", ctypes.c_void_p),
-        ("layers", ctypes.POINTER(LayerWeights)),
-    ]  # fmt: skip
 
 
 def _rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -96,13 +39,9 @@ class CpuKernels:
     self-check."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
-        for name, (restype, argtypes) in _SIGNATURES.items():
-            fn = getattr(lib, name)
-            fn.restype, fn.argtypes = restype, argtypes
+        """lib: as `cpu_abi.load` returns it."""
         self._lib = lib
         self.block_n = int(lib.mg_block_n())
-        if lib.mg_num_ops() != len(DECODE_OPS):
-            raise RuntimeError("the library's op timers do not match DECODE_OPS")
 
     # ---- linear ----------------------------------------------------------------------------
 
@@ -134,9 +73,13 @@ class CpuKernels:
         ids = ids.contiguous()
         out = torch.empty(*ids.shape, weight.in_features)
         self._lib.mg_embed(
-            weight.desc, weight.in_features, ids.data_ptr(), ids.numel(), out.data_ptr(),
+            weight.desc,
+            weight.in_features,
+            ids.data_ptr(),
+            ids.numel(),
+            out.data_ptr(),
             torch.get_num_threads(),
-        )  # fmt: skip
+        )
         return out
 
     def linear(
@@ -155,10 +98,17 @@ class CpuKernels:
         assert y.shape == (num_rows, weight.out_features) and y.is_contiguous()
         if num_rows:
             self._lib.mg_linear(
-                x2.data_ptr(), ldx, weight.desc, None if bias is None else bias.data_ptr(),
-                y.data_ptr(), weight.out_features, num_rows, weight.in_features,
-                weight.out_features, torch.get_num_threads(),
-            )  # fmt: skip
+                x2.data_ptr(),
+                ldx,
+                weight.desc,
+                ptr(bias),
+                y.data_ptr(),
+                weight.out_features,
+                num_rows,
+                weight.in_features,
+                weight.out_features,
+                torch.get_num_threads(),
+            )
         return y.view(*lead, weight.out_features)
 
     # ---- elementwise -----------------------------------------------------------------------
@@ -177,10 +127,19 @@ class CpuKernels:
         out = torch.empty(num_tokens, hidden, dtype=x.dtype)
         assert residual is None or (residual.is_contiguous() and residual.shape == x.shape)
         self._lib.mg_rmsnorm(
-            x.data_ptr(), ldx, 1, None if residual is None else residual.data_ptr(), hidden,
-            weight.data_ptr(), out.data_ptr(), hidden, num_tokens, hidden, eps,
+            x.data_ptr(),
+            ldx,
+            1,
+            ptr(residual),
+            hidden,
+            weight.data_ptr(),
+            out.data_ptr(),
+            hidden,
+            num_tokens,
+            hidden,
+            eps,
             torch.get_num_threads(),
-        )  # fmt: skip
+        )
         return out
 
     def rmsnorm_heads_(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> bool:
@@ -191,9 +150,19 @@ class CpuKernels:
         num_tokens, heads, head_dim = x.shape
         ptr = x.data_ptr()
         self._lib.mg_rmsnorm(
-            ptr, ld, heads, None, 0, weight.data_ptr(), ptr, ld, num_tokens, head_dim, eps,
+            ptr,
+            ld,
+            heads,
+            None,
+            0,
+            weight.data_ptr(),
+            ptr,
+            ld,
+            num_tokens,
+            head_dim,
+            eps,
             torch.get_num_threads(),
-        )  # fmt: skip
+        )
         return True
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
@@ -202,9 +171,14 @@ class CpuKernels:
         num_tokens, inter = gate_up.shape[0], gate_up.shape[1] // 2
         out = torch.empty(num_tokens, inter, dtype=gate_up.dtype)
         self._lib.mg_silu_mul(
-            gate_up.data_ptr(), ld, out.data_ptr(), inter, num_tokens, inter,
+            gate_up.data_ptr(),
+            ld,
+            out.data_ptr(),
+            inter,
+            num_tokens,
+            inter,
             torch.get_num_threads(),
-        )  # fmt: skip
+        )
         return out
 
     def rope_(
@@ -222,10 +196,19 @@ class CpuKernels:
             return False
         positions = positions.contiguous()
         self._lib.mg_rope(
-            q.data_ptr(), ldq, q.shape[1], k.data_ptr(), ldk, k.shape[1], q.shape[0], q.shape[2],
-            positions.data_ptr(), cos_cache.data_ptr(), sin_cache.data_ptr(),
+            q.data_ptr(),
+            ldq,
+            q.shape[1],
+            k.data_ptr(),
+            ldk,
+            k.shape[1],
+            q.shape[0],
+            q.shape[2],
+            positions.data_ptr(),
+            cos_cache.data_ptr(),
+            sin_cache.data_ptr(),
             torch.get_num_threads(),
-        )  # fmt: skip
+        )
         return True
 
     def seeded_uniform(
@@ -236,9 +219,13 @@ class CpuKernels:
         seeds, positions = seeds.contiguous(), positions.contiguous()
         out = torch.empty(seeds.numel(), vocab_size, dtype=torch.float32)
         self._lib.mg_seeded_uniform(
-            seeds.data_ptr(), positions.data_ptr(), seeds.numel(), vocab_size, out.data_ptr(),
+            seeds.data_ptr(),
+            positions.data_ptr(),
+            seeds.numel(),
+            vocab_size,
+            out.data_ptr(),
             torch.get_num_threads(),
-        )  # fmt: skip
+        )
         return out
 
     def sample(
@@ -256,9 +243,16 @@ class CpuKernels:
         rows, vocab = logits.shape
         out = torch.empty(rows, dtype=torch.int64)
         self._lib.mg_sample(
-            logits.data_ptr(), ld, temperatures.data_ptr(), seeds.data_ptr(),
-            positions.data_ptr(), rows, vocab, out.data_ptr(), torch.get_num_threads(),
-        )  # fmt: skip
+            logits.data_ptr(),
+            ld,
+            temperatures.data_ptr(),
+            seeds.data_ptr(),
+            positions.data_ptr(),
+            rows,
+            vocab,
+            out.data_ptr(),
+            torch.get_num_threads(),
+        )
         return out
 
     # ---- KV pool and attention -------------------------------------------------------------
@@ -278,9 +272,16 @@ class CpuKernels:
             return False
         slots = slots.contiguous()
         self._lib.mg_store_kv(
-            k.data_ptr(), ldk, v.data_ptr(), ldv, k_cache.data_ptr(), v_cache.data_ptr(),
-            slots.data_ptr(), k.shape[0], k.shape[1] * k.shape[2],
-        )  # fmt: skip
+            k.data_ptr(),
+            ldk,
+            v.data_ptr(),
+            ldv,
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+            slots.data_ptr(),
+            k.shape[0],
+            k.shape[1] * k.shape[2],
+        )
         return True
 
     def decode_attention(
@@ -306,12 +307,26 @@ class CpuKernels:
         ldq, ldo = q.stride(0), _heads_stride(out)
         assert ldo is not None and page_table.stride(1) == 1 and k_cache.is_contiguous()
         status = self._lib.mg_decode_attention(
-            q.data_ptr(), ldq, q_rows.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
-            page_table.data_ptr(), page_table.stride(0), table_rows.data_ptr(),
-            kv_lens.data_ptr(), out.data_ptr(), ldo, q_rows.numel(), num_heads,
-            k_cache.shape[1], head_dim, scale * kv_scales[0], FP8_KV_FORMATS.get(k_cache.dtype, 0),
-            kv_scales[1], torch.get_num_threads(),
-        )  # fmt: skip
+            q.data_ptr(),
+            ldq,
+            q_rows.data_ptr(),
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+            page_table.data_ptr(),
+            page_table.stride(0),
+            table_rows.data_ptr(),
+            kv_lens.data_ptr(),
+            out.data_ptr(),
+            ldo,
+            q_rows.numel(),
+            num_heads,
+            k_cache.shape[1],
+            head_dim,
+            scale * kv_scales[0],
+            FP8_KV_FORMATS.get(k_cache.dtype, 0),
+            kv_scales[1],
+            torch.get_num_threads(),
+        )
         if status != 0:
             raise RuntimeError(
                 f"decode attention failed (status {status}): {num_heads} heads, "
@@ -340,13 +355,23 @@ class CpuKernels:
         num_seqs, stack_ptr = hidden.shape[0], ctypes.addressof(stack)
         scratch = torch.empty(int(self._lib.mg_decode_scratch_floats(stack_ptr, num_seqs)))
         status = self._lib.mg_decode_layers(
-            stack_ptr, hidden.data_ptr(), num_seqs, positions.data_ptr(),
-            out_slots.data_ptr(), page_table.data_ptr(), page_table.stride(0),
-            table_rows.data_ptr(), kv_lens.data_ptr(), pool_buffer.data_ptr(),
-            pool_buffer.shape[2], FP8_KV_FORMATS.get(pool_buffer.dtype, 0), kv_scales.data_ptr(),
+            stack_ptr,
+            hidden.data_ptr(),
+            num_seqs,
+            positions.data_ptr(),
+            out_slots.data_ptr(),
+            page_table.data_ptr(),
+            page_table.stride(0),
+            table_rows.data_ptr(),
+            kv_lens.data_ptr(),
+            pool_buffer.data_ptr(),
+            pool_buffer.shape[2],
+            FP8_KV_FORMATS.get(pool_buffer.dtype, 0),
+            kv_scales.data_ptr(),
             scratch.data_ptr(),
-            None if op_seconds is None else op_seconds.data_ptr(), torch.get_num_threads(),
-        )  # fmt: skip
+            ptr(op_seconds),
+            torch.get_num_threads(),
+        )
         if status != 0:
             raise ValueError("decode_layers: unsupported attention shape")
 

@@ -49,9 +49,21 @@ def quantize_rows(x, dtype: tl.constexpr):
 
 @triton.jit
 def _fp8_linear(
-    x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, x_stride, w_stride, s_stride, y_stride,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr,
-):  # fmt: skip
+    x_ptr,
+    w_ptr,
+    s_ptr,
+    y_ptr,
+    M,
+    N,
+    K,
+    x_stride,
+    w_stride,
+    s_stride,
+    y_stride,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    GROUP: tl.constexpr,
+):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -84,9 +96,22 @@ def fp8_linear(x: torch.Tensor, w: Fp8Tensor, bias: torch.Tensor | None = None) 
         block_n = 64 if m <= 64 else 128
         grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
         _fp8_linear[grid](
-            rows, w.data, w.scale, y, m, n, k, rows.stride(0), w.data.stride(0),
-            w.scale.stride(0), y.stride(0), BLOCK_M=block_m, BLOCK_N=block_n, GROUP=w.group,
-            num_warps=4, num_stages=3,
-        )  # fmt: skip
+            rows,
+            w.data,
+            w.scale,
+            y,
+            m,
+            n,
+            k,
+            rows.stride(0),
+            w.data.stride(0),
+            w.scale.stride(0),
+            y.stride(0),
+            BLOCK_M=block_m,
+            BLOCK_N=block_n,
+            GROUP=w.group,
+            num_warps=4,
+            num_stages=3,
+        )
     y = y.view(*x.shape[:-1], n)
     return y if bias is None else y + bias

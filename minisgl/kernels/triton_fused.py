@@ -6,7 +6,7 @@ rsqrt, scale, downcast, weight), and even replayed from a CUDA graph each costs 
 microseconds of GPU time however little data it touches: ~1,700 kernels per step for a 28-layer
 model, several milliseconds at any batch size. These kernels do each group in one pass:
 
-- `rmsnorm` / `add_rmsnorm_`: the residual add and the norm (two per layer);
+- `rmsnorm`: the residual add and the norm (two per layer);
 - `qk_norm_rope`: Qwen3's per-head q/k norm and the rotary embedding, for all heads of a token;
 - `silu_mul`: the MLP's activation;
 - `store_kv`: a layer's new K and V into the paged pool.
@@ -119,13 +119,6 @@ def rmsnorm(
             num_warps=_num_warps(block),
         )
     return out.view(x.shape)
-
-
-def add_rmsnorm_(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
-) -> torch.Tensor:
-    """residual <- x + residual (in place); returns RMSNorm(residual) as a new tensor."""
-    return rmsnorm(x, weight, eps, residual)
 
 
 # ---- per-head q/k norm + rotary embedding --------------------------------------------------------

@@ -180,14 +180,33 @@ def fused_moe(
         scale = pair_weights if scales is None else scales[0 if is_gate_up else 1]
         grid = (block_experts.numel(), triton.cdiv(n, BLOCK_N))
         _grouped_gemm_kernel[grid](
-            a, w, out, scale, pair_weights, sorted_pair_ids, block_experts,
-            num_pairs, num_experts, top_k, n, a.shape[1],
-            a.stride(0), w.stride(0), w.stride(1), out.stride(0),
-            scale.stride(0), scale.stride(1) if scales else 0, GATE_UP=is_gate_up, FP8=bool(scales),
+            a,
+            w,
+            out,
+            scale,
+            pair_weights,
+            sorted_pair_ids,
+            block_experts,
+            num_pairs,
+            num_experts,
+            top_k,
+            n,
+            a.shape[1],
+            a.stride(0),
+            w.stride(0),
+            w.stride(1),
+            out.stride(0),
+            scale.stride(0),
+            scale.stride(1) if scales else 0,
+            GATE_UP=is_gate_up,
+            FP8=bool(scales),
             INPUT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
-            BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=block_k,
-            num_warps=NUM_WARPS, num_stages=NUM_STAGES,
-        )  # fmt: skip
+            BLOCK_M=block_m,
+            BLOCK_N=BLOCK_N,
+            BLOCK_K=block_k,
+            num_warps=NUM_WARPS,
+            num_stages=NUM_STAGES,
+        )
         return out
 
     h = grouped_gemm(x, gate_up, inter, is_gate_up=True)  # silu(x W_gate^T) * (x W_up^T)

@@ -103,16 +103,34 @@ def _sample_kernel(
         start = 0
         while start < vocab_size:
             best, best_id = _race_block(
-                row_logits, start, vocab_size, key, greedy, inv_t, best, best_id,
-                UNIFORM_SHIFT, UNIFORM_SCALE, BLOCK,
-            )  # fmt: skip
+                row_logits,
+                start,
+                vocab_size,
+                key,
+                greedy,
+                inv_t,
+                best,
+                best_id,
+                UNIFORM_SHIFT,
+                UNIFORM_SCALE,
+                BLOCK,
+            )
             start += BLOCK
     else:
         for start in range(0, vocab_size, BLOCK):
             best, best_id = _race_block(
-                row_logits, start, vocab_size, key, greedy, inv_t, best, best_id,
-                UNIFORM_SHIFT, UNIFORM_SCALE, BLOCK,
-            )  # fmt: skip
+                row_logits,
+                start,
+                vocab_size,
+                key,
+                greedy,
+                inv_t,
+                best,
+                best_id,
+                UNIFORM_SHIFT,
+                UNIFORM_SCALE,
+                BLOCK,
+            )
     tl.store(out_ptr + row, best_id.to(tl.int64))
 
 

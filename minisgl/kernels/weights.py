@@ -128,8 +128,11 @@ class Fp8Tensor:
 class WeightDesc(ctypes.Structure):
     """`mg_weight` (csrc/common.h): fp32 panels (no segments), or runs of GGUF block rows."""
 
-    _fields_ = [("data", ctypes.c_void_p), ("num_segments", ctypes.c_int64),
-                *[(name, ctypes.c_int64 * MAX_SEGMENTS) for name in ("types", "rows")]]  # fmt: skip
+    _fields_ = [
+        ("data", ctypes.c_void_p),
+        ("num_segments", ctypes.c_int64),
+        *[(name, ctypes.c_int64 * MAX_SEGMENTS) for name in ("types", "rows")],
+    ]
 
 
 @dataclass(frozen=True)

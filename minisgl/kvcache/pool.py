@@ -15,8 +15,9 @@ from dataclasses import dataclass
 
 import torch
 
-from minisgl.kernels.cpu_ops import FP8_KV_FORMATS, huge_page_zeros
+from minisgl.kernels.cpu_abi import FP8_KV_FORMATS
 from minisgl.kernels.gpu import layer_kernels
+from minisgl.kernels.weights import huge_page_zeros
 
 # --kv-cache-dtype: vLLM's and SGLang's names ("auto": the model's dtype)
 KV_CACHE_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
@@ -62,8 +63,7 @@ class KVPool:
         kept = scales if self.fp8 and scales is not None else torch.ones(shape.num_layers, 2)
         self.scales = kept.float().cpu()
         self.layer_scales: list[tuple[float, float]] = [(k, v) for k, v in self.scales.tolist()]
-        kernels = layer_kernels(device, dtype)  # both have the same store_kv; fp8: torch's
-        self._store_kernels = None if self.fp8 else kernels.fused or kernels.cpu
+        self._store_kernels = None if self.fp8 else layer_kernels(device, dtype)  # fp8: torch's
 
     def k_cache(self, layer_id: int) -> torch.Tensor:
         return self.buffer[layer_id, 0]
@@ -81,8 +81,10 @@ class KVPool:
             return
         if self.fp8:  # quantized, then copied as bytes (torch has no fp8 index_copy_ on CPU)
             top, scales = torch.finfo(k_cache.dtype).max, self.layer_scales[layer_id]
-            k, v = ((x.float() / s).clamp_(-top, top).to(k_cache.dtype).view(torch.uint8)
-                    for x, s in zip((k, v), scales, strict=True))  # fmt: skip
+            k, v = (
+                (x.float() / s).clamp_(-top, top).to(k_cache.dtype).view(torch.uint8)
+                for x, s in zip((k, v), scales, strict=True)
+            )
             k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
         k_cache.index_copy_(0, slots, k)
         v_cache.index_copy_(0, slots, v)

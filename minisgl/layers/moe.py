@@ -141,9 +141,11 @@ class Experts(nn.Module):
         gate_up = [fp8[e, p] for e in range(num) for p in GATE_UP_PIECES]
         self.fp8 = tuple(
             Fp8Tensor(w.data.unflatten(0, (num, -1)), w.scale.unflatten(0, (num, -1)), FP8_GROUP)
-            for w in (Fp8Tensor.cat(ws, self.down_proj.device)
-                      for ws in (gate_up, [fp8[e, DOWN_PIECE] for e in range(num)]))
-        )  # fmt: skip
+            for w in (
+                Fp8Tensor.cat(ws, self.down_proj.device)
+                for ws in (gate_up, [fp8[e, DOWN_PIECE] for e in range(num)])
+            )
+        )
         self.gate_up_proj, self.down_proj = freed(self.gate_up_proj), freed(self.down_proj)
         return True
 

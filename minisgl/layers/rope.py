@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from minisgl.kernels.cpu_ops import CpuKernels
 from minisgl.kernels.gpu import layer_kernels
 
 
@@ -82,16 +83,18 @@ class RotaryEmbedding(nn.Module):
         self.sin_cache: torch.Tensor
         self.register_buffer("cos_cache", emb.cos() * scale, persistent=False)
         self.register_buffer("sin_cache", emb.sin() * scale, persistent=False)
-        # q and k come in the model's dtype (the default one while it is built): the caches
-        # stay fp32.
-        self.kernels = layer_kernels(self.cos_cache.device)
+        # The C kernels' rotation, where they apply to q and k, which come in the model's dtype
+        # (the default one while it is built: the caches stay fp32). The Triton kernels rotate
+        # in the attention layer instead (qk_norm_rope).
+        kernels = layer_kernels(self.cos_cache.device)
+        self.kernels = kernels if isinstance(kernels, CpuKernels) else None
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [tokens, heads, head_dim], k: [tokens, kv_heads, head_dim]. On CPU in fp32 they
         are rotated in place (one kernel call) and returned."""
-        kernels = self.kernels.cpu
+        kernels = self.kernels
         if kernels is not None and kernels.rope_(q, k, positions, self.cos_cache, self.sin_cache):
             return q, k
         cos = self.cos_cache[positions].unsqueeze(1).to(q.dtype)  # [tokens, 1, head_dim]

@@ -16,18 +16,13 @@ from typing import TYPE_CHECKING, cast
 import torch
 
 from minisgl.distributed import get_tp_info
-from minisgl.kernels.cpu_ops import CpuKernels, LayerWeights, PackedLinear, StackShape
+from minisgl.kernels.cpu_abi import LayerWeights, StackShape, ptr
+from minisgl.kernels.cpu_ops import CpuKernels
 from minisgl.kvcache.pool import KVPool
 from minisgl.layers.moe import SparseMoeBlock
 
 if TYPE_CHECKING:  # llama.py builds the stack: only its types here
     from minisgl.models.llama import CausalLM, DecoderLayer
-
-
-def _ptr(t: torch.Tensor | PackedLinear | None) -> int | None:
-    if t is None:
-        return None
-    return t.desc if isinstance(t, PackedLinear) else t.data_ptr()
 
 
 class CpuDecodeStack:
@@ -68,7 +63,7 @@ class CpuDecodeStack:
             q_norm, k_norm = (None if n is None else n.weight for n in (attn.q_norm, attn.k_norm))
             # in mg_layer's order (LayerWeights)
             ptrs = (in_norm, post_norm, qkv, attn.qkv_proj.bias, q_norm, k_norm, o, gate_up, down)
-            weights.append(LayerWeights(*map(_ptr, ptrs)))
+            weights.append(LayerWeights(*map(ptr, ptrs)))
         array = (LayerWeights * len(weights))(*weights)
         rope = attn0.rope
         shape = StackShape(
@@ -101,8 +96,16 @@ class CpuDecodeStack:
         hidden = self.embed(token_table[table_rows, positions].long()).contiguous()
         out_slots = page_table[table_rows, positions].long()
         self.kernels.decode_layers(
-            self.shape, hidden, positions, out_slots, page_table, table_rows, positions + 1,
-            pool.buffer, pool.scales, self.op_seconds,
-        )  # fmt: skip
+            self.shape,
+            hidden,
+            positions,
+            out_slots,
+            page_table,
+            table_rows,
+            positions + 1,
+            pool.buffer,
+            pool.scales,
+            self.op_seconds,
+        )
         # decode_layers leaves the input of the final norm in `hidden`
         return self.lm_head.compute_logits(self.norm(hidden)).float()

@@ -14,7 +14,7 @@ from torch import nn
 from minisgl.attention.context import get_forward_context
 from minisgl.distributed import divide, get_tp_info
 from minisgl.kernels.cpu_ops import CpuKernels
-from minisgl.kernels.gpu import layer_kernels
+from minisgl.kernels.gpu import layer_kernels, triton_kernels
 from minisgl.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from minisgl.layers.linear import ColumnParallelLinear, RowParallelLinear
 from minisgl.layers.moe import SparseMoeBlock
@@ -57,7 +57,8 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.rope = rope
         self.scale = cfg.head_dim**-0.5
-        self.fused = layer_kernels().fused  # norm and rope of every head in one kernel
+        # norm and rope of every head in one kernel
+        self.fused = triton_kernels("triton_fused", torch.get_default_device())
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         num_tokens = hidden.shape[0]
@@ -93,13 +94,12 @@ class MLP(nn.Module):
             part_names=["gate_proj", "up_proj"],
         )
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias)
-        kernels = layer_kernels()
-        self._silu_mul_kernels = kernels.fused or kernels.cpu  # both have the same silu_mul
+        self.kernels = layer_kernels()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        if self._silu_mul_kernels is not None:
-            return self.down_proj(self._silu_mul_kernels.silu_mul(gate_up))
+        if self.kernels is not None:
+            return self.down_proj(self.kernels.silu_mul(gate_up))
         gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
