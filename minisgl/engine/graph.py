@@ -35,18 +35,13 @@ from minisgl.kvcache.pool import KVPool
 logger = logging.getLogger(__name__)
 
 # Padded sizes: every small size, then steps that waste at most ~1/8 of a batch.
-_SMALL_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64)
-_LARGE_STEP = 16
+_SIZES_BELOW_128 = (1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112)
+_STEP_FROM_128 = 32
 
 
 def graph_batch_sizes(max_batch_size: int) -> list[int]:
-    sizes = [s for s in _SMALL_SIZES if s < max_batch_size]
-    size = _SMALL_SIZES[-1] + _LARGE_STEP
-    while size < max_batch_size:
-        sizes.append(size)
-        size += _LARGE_STEP if size < 128 else 2 * _LARGE_STEP
-    sizes.append(max_batch_size)
-    return sorted(set(sizes))
+    sizes = [*_SIZES_BELOW_128, *range(128, max_batch_size, _STEP_FROM_128)]
+    return [s for s in sizes if s < max_batch_size] + [max_batch_size]
 
 
 ModelFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -72,27 +67,25 @@ class GraphRunner:
         if self.backend.supports_graphs:
             self.backend.init_graph_state(self.max_batch_size)
 
-    def padded_size(self, num_seqs: int) -> int | None:
-        index = bisect.bisect_left(self.sizes, num_seqs)
-        return self.sizes[index] if index < len(self.sizes) else None
+    def padded_size(self, num_seqs: int) -> int:
+        return self.sizes[bisect.bisect_left(self.sizes, num_seqs)]
 
     def can_run(self, batch: ForwardBatch) -> bool:
         return batch.is_decode and batch.num_seqs <= self.max_batch_size
 
     def run(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits [num_seqs, vocab] of a decode-only batch (replayed, or padded and eager)."""
-        num_seqs = batch.num_seqs
+        num_seqs, backend = batch.num_seqs, self.backend
         size = self.padded_size(num_seqs)
-        assert size is not None and batch.is_decode
         attn = self._fill(size, batch.table_rows, batch.prefix_lens)
-        if not self.backend.supports_graphs:
-            return self._forward(size, self.backend.prepare(attn))[:num_seqs]
-        metadata = self.backend.prepare_graph(attn, capturing=False)
-        graph = self._graphs.get(size)
-        if graph is None:  # not captured (CPU): the same buffers, eagerly
+        if not backend.supports_graphs:
+            return self._forward(size, backend.prepare(attn))[:num_seqs]
+        metadata = backend.prepare_graph(attn, capturing=False)
+        if size not in self._graphs:  # not captured (CPU): the same buffers, eagerly
             return self._forward(size, metadata)[:num_seqs]
-        graph[0].replay()
-        return graph[1][:num_seqs]
+        graph, logits = self._graphs[size]
+        graph.replay()
+        return logits[:num_seqs]
 
     def _fill(self, size: int, rows: list[int], positions: list[int]) -> AttentionBatch:
         """Write one step's rows and positions into the static buffers, padded to `size` with

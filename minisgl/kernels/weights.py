@@ -2,10 +2,11 @@
 
 A `QuantTensor` is one checkpoint tensor [rows, cols] as a GGUF file stores it (llama.cpp's
 quantized formats): each row is cols / block elements blocks of `gguf.GGML_QUANT_SIZES` bytes.
-Cutting rows (column-parallel tp, merged projections) is exact; cutting columns (row-parallel
-tp) is exact on block boundaries, and a cut inside a block dequantizes that piece to fp32 rows
-(type F32). `PackedLinear.of_blocks` lays the parts of a merged weight back to back for
-csrc/quant.c, which multiplies by the blocks; the loader dequantizes the types it does not serve.
+It cuts as `torch.Tensor.narrow` does: rows (column-parallel tp, merged projections) exactly;
+columns (row-parallel tp) exactly on block boundaries, and a cut inside a block dequantizes
+that piece to fp32 rows (type F32). `PackedLinear.of_blocks` lays the parts of a merged weight
+back to back for csrc/quant.c, which multiplies by the blocks; the loader dequantizes the types
+it does not serve.
 
 An `Fp8Tensor` is an FP8 checkpoint's weight with one scale per row and column group, which
 minisgl/kernels/triton_fp8.py multiplies by; cuts follow the same rules.
@@ -64,15 +65,15 @@ class QuantTensor:
     def of_float(t: torch.Tensor) -> QuantTensor:
         return QuantTensor(F32, t.float().contiguous().view(torch.uint8), t.shape[1])
 
-    def rows(self, start: int, num: int) -> QuantTensor:
-        return QuantTensor(self.qtype, self.data.narrow(0, start, num), self.cols)
-
-    def columns(self, start: int, num: int) -> QuantTensor:
+    def narrow(self, dim: int, start: int, length: int) -> QuantTensor:
+        """Rows or columns, as `torch.Tensor.narrow`."""
+        if dim % 2 == 0:
+            return QuantTensor(self.qtype, self.data.narrow(0, start, length), self.cols)
         block, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(self.qtype)]
-        if start % block or num % block:
-            return QuantTensor.of_float(self.dequantize().narrow(1, start, num))
-        cut = self.data.narrow(1, start // block * block_bytes, num // block * block_bytes)
-        return QuantTensor(self.qtype, cut, num)
+        if start % block or length % block:
+            return QuantTensor.of_float(self.dequantize().narrow(1, start, length))
+        cut = self.data.narrow(1, start // block * block_bytes, length // block * block_bytes)
+        return QuantTensor(self.qtype, cut, length)
 
     def dequantize(self) -> torch.Tensor:
         """fp32 [rows, cols], as gguf (and transformers' GGUF loader) dequantizes."""
@@ -102,17 +103,16 @@ class Fp8Tensor:
         by_row = scale.float().reshape(-1, 1).expand(rows, -(-cols // FP8_GROUP)).contiguous()
         return Fp8Tensor(w, by_row, FP8_GROUP)
 
-    def rows(self, start: int, num: int) -> Fp8Tensor:
-        return Fp8Tensor(
-            self.data.narrow(0, start, num), self.scale.narrow(0, start, num), self.group
-        )
-
-    def columns(self, start: int, num: int) -> Fp8Tensor | torch.Tensor:
-        """Exact on group boundaries; else this piece dequantized (fp32)."""
-        if start % self.group or (num % self.group and start + num < self.data.shape[1]):
-            return self.dequantize().narrow(1, start, num)
-        scale = self.scale.narrow(1, start // self.group, -(-num // self.group))
-        return Fp8Tensor(self.data.narrow(1, start, num), scale, self.group)
+    def narrow(self, dim: int, start: int, length: int) -> Fp8Tensor | torch.Tensor:
+        """Rows or columns, as `torch.Tensor.narrow`: columns exact on group boundaries, else
+        this piece dequantized (fp32)."""
+        if dim % 2 == 0:
+            scale = self.scale.narrow(0, start, length)
+            return Fp8Tensor(self.data.narrow(0, start, length), scale, self.group)
+        if start % self.group or (length % self.group and start + length < self.data.shape[1]):
+            return self.dequantize().narrow(1, start, length)
+        scale = self.scale.narrow(1, start // self.group, -(-length // self.group))
+        return Fp8Tensor(self.data.narrow(1, start, length), scale, self.group)
 
     def dequantize(self) -> torch.Tensor:
         scale = self.scale.repeat_interleave(self.group, 1)[:, : self.data.shape[1]]
@@ -123,6 +123,15 @@ class Fp8Tensor:
         """A merged weight's parts (as loaded: on the CPU), stacked by rows on `device`."""
         data, scale = (torch.cat([getattr(p, n) for p in parts]) for n in ("data", "scale"))
         return Fp8Tensor(data.to(device), scale.to(device), parts[0].group)
+
+
+# A checkpoint tensor as the loader hands it to a layer: plain, GGUF blocks or fp8.
+Weight = torch.Tensor | QuantTensor | Fp8Tensor
+
+
+def dense(t: Weight) -> torch.Tensor:
+    """A checkpoint tensor as a plain one (blocks and fp8 dequantized)."""
+    return t if isinstance(t, torch.Tensor) else t.dequantize()
 
 
 class WeightDesc(ctypes.Structure):

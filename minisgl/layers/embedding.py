@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from minisgl.distributed import all_gather_last_dim, all_reduce, get_tp_info
-from minisgl.kernels.weights import Fp8Tensor, QuantTensor, huge_page_zeros
+from minisgl.kernels.weights import QuantTensor, Weight, dense, huge_page_zeros
 from minisgl.layers.linear import PackedWeight
 
 
@@ -23,16 +23,13 @@ class VocabParallelEmbedding(PackedWeight):
         self.vocab_start = tp.rank * self.shard_vocab
         self.weight = nn.Parameter(torch.zeros(self.shard_vocab, hidden_size), requires_grad=False)
 
-    def load_weight(
-        self, param: nn.Parameter, full: torch.Tensor | QuantTensor | Fp8Tensor
-    ) -> None:
+    def load_weight(self, param: nn.Parameter, full: Weight) -> None:
         rows = max(0, min(self.shard_vocab, full.shape[0] - self.vocab_start))
-        if isinstance(full, QuantTensor) and rows == self.shard_vocab:
-            self.quant = {0: full.rows(self.vocab_start, rows)}
-            return
-        if not isinstance(full, torch.Tensor):  # padded rows: a shard the blocks do not fill
-            full = full.dequantize()
-        param.data[:rows].copy_(full.narrow(0, self.vocab_start, rows))
+        piece = full.narrow(0, self.vocab_start, rows)
+        if isinstance(piece, QuantTensor) and rows == self.shard_vocab:
+            self.quant = {0: piece}
+        else:  # fp8, and blocks that leave padded rows, dequantized
+            param.data[:rows].copy_(dense(piece))
 
     def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
         if self.packed is not None and self.packed.segments and self._kernels is not None:

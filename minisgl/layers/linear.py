@@ -24,7 +24,7 @@ from torch import nn
 
 from minisgl.distributed import all_reduce, divide, get_tp_info
 from minisgl.kernels.cpu_ops import CpuKernels
-from minisgl.kernels.weights import Fp8Tensor, PackedLinear, QuantTensor
+from minisgl.kernels.weights import Fp8Tensor, PackedLinear, QuantTensor, Weight
 
 
 def freed(param: nn.Parameter) -> nn.Parameter:
@@ -64,6 +64,14 @@ class PackedWeight(nn.Module):
             raise ValueError("a merged weight mixes fp8 and unquantized parts: not served fp8")
         self.fp8 = Fp8Tensor.cat(parts, self.weight.device)
         self.quant, self._fp8_linear, self.weight = None, fp8_linear, freed(self.weight)
+
+    def _place(self, piece: Weight, part: int, dest: torch.Tensor) -> None:
+        """This rank's piece of a checkpoint tensor (of merged part `part`): copied into `dest`,
+        or kept as blocks or fp8 (`quant`; an fp8 cut inside a group comes dense)."""
+        if isinstance(piece, torch.Tensor):
+            dest.copy_(piece)
+        else:
+            self.quant = {**(self.quant or {}), part: piece}
 
     def matmul(
         self, x: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor | None = None
@@ -108,19 +116,14 @@ class ColumnParallelLinear(PackedWeight):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x, self.bias)
 
-    def load_part(
-        self, param: nn.Parameter, full: torch.Tensor | QuantTensor | Fp8Tensor, part: str
-    ) -> None:
+    def load_part(self, param: nn.Parameter, full: Weight, part: str) -> None:
         """Copy this rank's slice of checkpoint tensor `full` (the whole of one part)."""
         index = self.part_names.index(part)
         shard = self.shard_sizes[index]
         tp = get_tp_info()
         start = tp.rank * (self.full_sizes[index] // shard) // tp.size * shard
-        if not isinstance(full, torch.Tensor):
-            self.quant = {**(self.quant or {}), index: full.rows(start, shard)}
-            return
-        piece = full.narrow(0, start, shard)
-        param.data.narrow(0, sum(self.shard_sizes[:index]), shard).copy_(piece)
+        dest = param.data.narrow(0, sum(self.shard_sizes[:index]), shard)
+        self._place(full.narrow(0, start, shard), index, dest)
 
 
 class RowParallelLinear(PackedWeight):
@@ -138,17 +141,7 @@ class RowParallelLinear(PackedWeight):
         y = all_reduce(self.matmul(x, None))
         return y if self.bias is None else y + self.bias
 
-    def load_weight(
-        self, param: nn.Parameter, full: torch.Tensor | QuantTensor | Fp8Tensor
-    ) -> None:
-        start = get_tp_info().rank * self.input_shard
-        if not isinstance(full, torch.Tensor):  # blocks; an fp8 cut inside a group comes dense
-            full = full.columns(start, self.input_shard)
-            if not isinstance(full, torch.Tensor):
-                self.quant = {0: full}
-                return
-            param.data.copy_(full)
-        elif param is self.bias:
-            param.data.copy_(full)
-        else:
-            param.data.copy_(full.narrow(1, start, self.input_shard))
+    def load_weight(self, param: nn.Parameter, full: Weight) -> None:
+        if param is not self.bias:  # (held whole)
+            full = full.narrow(1, get_tp_info().rank * self.input_shard, self.input_shard)
+        self._place(full, 0, param.data)

@@ -20,7 +20,7 @@ from torch import nn
 
 from minisgl.distributed import all_reduce, divide, get_tp_info
 from minisgl.kernels.gpu import triton_kernels
-from minisgl.kernels.weights import FP8_GROUP, Fp8Tensor
+from minisgl.kernels.weights import FP8_GROUP, Fp8Tensor, dense
 from minisgl.layers.linear import freed
 
 # The per-expert projections of the hub layout, in the order they sit in `gate_up_proj` / alone.
@@ -110,16 +110,15 @@ class Experts(nn.Module):
             )
         experts = slice(None) if expert is None else expert
         stacked = (self.num_experts,) if expert is None else ()
-        shard, down = self.inter_shard, piece == DOWN_PIECE
-        start = get_tp_info().rank * shard
-        hidden, inter = self.down_proj.shape[1], slice(start, start + shard)
+        shard, down, hidden = self.inter_shard, piece == DOWN_PIECE, self.down_proj.shape[1]
         rows, cols = (hidden, self.full_inter) if down else (self.full_inter, hidden)
         _check_shape(name, full, (*stacked, rows, cols))
+        # this rank's slice of the intermediate dim: down_proj's columns, gate/up's rows
+        cut = full.narrow(-1 if down else -2, get_tp_info().rank * shard, shard)
         if isinstance(full, Fp8Tensor):  # one expert's: the loader makes only 2-D ones
-            cut = full.columns(start, shard) if down else full.rows(start, shard)
             self._fp8_pieces[expert or 0, piece] = cut
         else:
-            self._write(experts, piece, full[..., inter] if down else full[..., inter, :])
+            self._write(experts, piece, dense(cut))
 
     def _write(self, experts: int | slice, piece: str, cut: torch.Tensor) -> None:
         """This rank's slice of one projection into the weights, of one expert or all."""
@@ -136,7 +135,7 @@ class Experts(nn.Module):
         fp8 = {k: p for k, p in pieces.items() if isinstance(p, Fp8Tensor) and p.group == FP8_GROUP}
         if not pieces or len(fp8) < len(pieces):
             for (expert, piece), p in pieces.items():
-                self._write(expert, piece, p if isinstance(p, torch.Tensor) else p.dequantize())
+                self._write(expert, piece, dense(p))
             return False
         gate_up = [fp8[e, p] for e in range(num) for p in GATE_UP_PIECES]
         self.fp8 = tuple(

@@ -42,9 +42,8 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int, rope: RotaryEmbedding) -> None:
         super().__init__()
         self.layer_id = layer_id
-        self.head_dim = cfg.head_dim
+        head_dim = self.head_dim = cfg.head_dim
         self.num_heads, self.num_kv_heads = local_head_counts(cfg)
-        head_dim = cfg.head_dim
         self.qkv_proj = ColumnParallelLinear(
             cfg.hidden_size,
             [cfg.num_heads * head_dim, cfg.num_kv_heads * head_dim, cfg.num_kv_heads * head_dim],
@@ -53,19 +52,17 @@ class Attention(nn.Module):
             shard_sizes=[self.num_heads * head_dim, *[self.num_kv_heads * head_dim] * 2],
         )
         self.o_proj = RowParallelLinear(cfg.num_heads * head_dim, cfg.hidden_size, bias=False)
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.q_norm = RMSNorm(head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.rope = rope
-        self.scale = cfg.head_dim**-0.5
+        self.scale = head_dim**-0.5
         # norm and rope of every head in one kernel
         self.fused = triton_kernels("triton_fused", torch.get_default_device())
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         num_tokens = hidden.shape[0]
-        q, k, v = self.qkv_proj(hidden).split(self.qkv_proj.shard_sizes, dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(hidden).split(self.qkv_proj.shard_sizes, dim=-1)
+        q, k, v = (x.view(num_tokens, -1, self.head_dim) for x in qkv)  # [tokens, heads, D]
         if self.fused is not None:
             q_weight = k_weight = None
             eps = 0.0
@@ -162,12 +159,8 @@ class CausalLM(nn.Module):
         residual: torch.Tensor | None = None
         for layer in self.model.layers:
             hidden, residual = layer(positions, hidden, residual)
-        if residual is None:  # a model with no layers has no residual to add
-            hidden = self.model.norm(hidden[logit_indices])
-        else:
-            hidden, _ = self.model.norm.forward_residual(
-                hidden[logit_indices], residual[logit_indices]
-            )
+        assert residual is not None  # (config.json has layers)
+        hidden, _ = self.model.norm.forward_residual(hidden[logit_indices], residual[logit_indices])
         return self.lm_head.compute_logits(hidden).float()
 
     def use_cpu_kernels(self, kernels: CpuKernels, fused_decode: bool = True) -> None:

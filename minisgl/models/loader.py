@@ -36,7 +36,7 @@ from torch import nn
 
 from minisgl.config import ServerArgs
 from minisgl.kernels.cpu_ops import CpuKernels
-from minisgl.kernels.weights import Fp8Tensor, QuantTensor
+from minisgl.kernels.weights import Fp8Tensor, QuantTensor, Weight, dense
 from minisgl.layers.embedding import VocabParallelEmbedding
 from minisgl.layers.linear import ColumnParallelLinear, RowParallelLinear
 from minisgl.layers.moe import DOWN_PIECE, EXPERT_PIECES, GATE_UP_PIECES, Experts
@@ -81,9 +81,6 @@ def expected_checkpoint_names(model: nn.Module) -> set[str]:
         if isinstance(module, (ColumnParallelLinear, Experts)):
             claimed.update(f"{module_name}.{p}" for p, _ in module.named_parameters())
     return names | ({n for n, _ in model.named_parameters()} - claimed)
-
-
-Weight = torch.Tensor | QuantTensor | Fp8Tensor
 
 
 def _safetensors(model_dir: Path, keep_fp8: bool) -> Iterator[tuple[str, Weight]]:
@@ -145,11 +142,13 @@ def _gguf(
             heads = cfg.num_heads if ".attn_q." in gguf_name else cfg.num_kv_heads
             data = data.view(heads, -1, 2, data.shape[1]).transpose(1, 2).reshape(data.shape)
         weight = QuantTensor(qtype, data, shape[0])
-        if blocks is not None and len(shape) == 2 and not blocks.serves_blocks(qtype):
+        if blocks is None or len(shape) == 1:
+            yield name, weight.dequantize().view(*reversed(shape))
+        elif blocks.serves_blocks(qtype):
+            yield name, weight
+        else:
             dequantized.add(gguf.GGMLQuantizationType(qtype).name)
-            weight = QuantTensor.of_float(weight.dequantize())
-        dense = blocks is None or len(shape) == 1
-        yield name, weight.dequantize().view(*reversed(shape)) if dense else weight
+            yield name, QuantTensor.of_float(weight.dequantize())
     if dequantized:
         shown = ", ".join(sorted(dequantized))
         logger.info("GGUF %s weights are dequantized to fp32 at load (not served as blocks)", shown)
@@ -189,7 +188,7 @@ def load_weights(
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue  # tied: the embedding already provides it
         if kv_scale := _KV_SCALE_RE.search(name):
-            model.kv_scales[int(kv_scale[1]), "kv".index(kv_scale[2])] = float(_dense(tensor))
+            model.kv_scales[int(kv_scale[1]), "kv".index(kv_scale[2])] = float(dense(tensor))
             continue
         loaded |= _load_one(name, tensor, params, modules, merged)
     missing = sorted(expected_checkpoint_names(model) - loaded)
@@ -202,10 +201,6 @@ def load_weights(
         raise ValueError(f"checkpoint {model_dir} lacks weights: {shown}{more}{hint}")
 
 
-def _dense(t: Weight) -> torch.Tensor:
-    return t if isinstance(t, torch.Tensor) else t.dequantize()
-
-
 def _load_one(
     name: str,
     tensor: Weight,
@@ -216,7 +211,7 @@ def _load_one(
     """Copy one checkpoint tensor into place; returns the checkpoint names it accounts for."""
     expert = _EXPERT_RE.match(name)
     if expert and isinstance(experts := modules.get(expert.group(1)), Experts):
-        piece = tensor if isinstance(tensor, Fp8Tensor) else _dense(tensor)
+        piece = tensor if isinstance(tensor, Fp8Tensor) else dense(tensor)
         experts.load_piece(name, piece, expert.group(3), int(expert.group(2)))
         return {name}
     prefix, _, kind = name.rpartition(".")
@@ -228,13 +223,13 @@ def _load_one(
         raise ValueError(f"unexpected weight '{name}' in checkpoint")
     module, param = modules[prefix], params[name]
     if isinstance(module, Experts):  # fused layout: one tensor holds every expert's piece
-        module.load_fused(name, _dense(tensor), param)
+        module.load_fused(name, dense(tensor), param)
         pieces = GATE_UP_PIECES if kind == "gate_up_proj" else (DOWN_PIECE,)
         return {f"{prefix}.{e}.{p}.weight" for e in range(module.num_experts) for p in pieces}
     if isinstance(module, (RowParallelLinear, VocabParallelEmbedding)):
         module.load_weight(param, tensor)
         return {name}
-    if param.shape != (tensor := _dense(tensor)).shape:
+    if param.shape != (tensor := dense(tensor)).shape:
         raise ValueError(
             f"weight '{name}': checkpoint {tuple(tensor.shape)}, model {tuple(param.shape)}"
         )
