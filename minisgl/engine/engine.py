@@ -172,9 +172,8 @@ class Engine:
 
     # ---- the forward pass ------------------------------------------------------------------
 
-    @torch.inference_mode()
     def forward(self, batch: ForwardBatch, vocab_mask: VocabMask | None = None) -> PendingOutput:
-        """Launch the model and the sampling of one batch."""
+        """Launch the model and the sampling of one batch (each under inference mode)."""
         return self.sample(batch, self.forward_logits(batch), vocab_mask)
 
     @torch.inference_mode()

@@ -30,29 +30,26 @@ ATTN_MAX_HEAD_DIM = 256
 # the fp8 KV formats the kernels read and write, as their `fp8` argument (exponent bits)
 FP8_KV_FORMATS = {torch.float8_e4m3fn: 4, torch.float8_e5m2: 5}
 
-_P = ctypes.c_void_p
-_I = ctypes.c_int64
-_ATTN = [_P, _I, _P, _P, _P, _P, _I, _P, _P, _P, _I, _I, _I, _I, _I, ctypes.c_float]  # to `scale`
-_SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
-    "mg_abi_version": (ctypes.c_int, []),
-    "mg_block_n": (ctypes.c_int, []),
-    "mg_linear": (None, [_P, _I, _P, _P, _P, _I, _I, _I, _I, ctypes.c_int]),
-    "mg_quant_block_bytes": (_I, [_I]),
-    "mg_set_int8_activations": (ctypes.c_int, [ctypes.c_int]),
-    "mg_embed": (None, [_P, _I, _P, _I, _P, ctypes.c_int]),
-    "mg_rmsnorm": (None, [_P, _I, _I, _P, _I, _P, _P, _I, _I, _I, ctypes.c_float, ctypes.c_int]),
-    "mg_silu_mul": (None, [_P, _I, _P, _I, _I, _I, ctypes.c_int]),
-    "mg_rope": (None, [_P, _I, _I, _P, _I, _I, _I, _I, _P, _P, _P, ctypes.c_int]),
-    "mg_store_kv": (None, [_P, _I, _P, _I, _P, _P, _P, _I, _I]),
-    "mg_decode_attention": (ctypes.c_int, [*_ATTN, ctypes.c_int, ctypes.c_float, ctypes.c_int]),
-    "mg_decode_scratch_floats": (_I, [_P, _I]),
-    "mg_decode_layers": (
-        ctypes.c_int,
-        [_P, _P, _I, _P, _P, _P, _I, _P, _P, _P, _I, ctypes.c_int, _P, _P, _P, ctypes.c_int],
-    ),
-    "mg_num_ops": (ctypes.c_int, []),
-    "mg_seeded_uniform": (None, [_P, _P, _I, _I, _P, ctypes.c_int]),
-    "mg_sample": (None, [_P, _I, _P, _P, _P, _I, _I, _P, ctypes.c_int]),
+# Argument and return types as `struct` format characters: P a pointer, q int64, i int, f float
+# ("" returns nothing).
+_CTYPES = {"P": ctypes.c_void_p, "q": ctypes.c_int64, "i": ctypes.c_int, "f": ctypes.c_float}
+_SIGNATURES = {  # name: (return type, argument types)
+    "mg_abi_version": ("i", ""),
+    "mg_block_n": ("i", ""),
+    "mg_linear": ("", "PqPPPqqqqi"),
+    "mg_quant_block_bytes": ("q", "q"),
+    "mg_set_int8_activations": ("i", "i"),
+    "mg_embed": ("", "PqPqPi"),
+    "mg_rmsnorm": ("", "PqqPqPPqqqfi"),
+    "mg_silu_mul": ("", "PqPqqqi"),
+    "mg_rope": ("", "PqqPqqqqPPPi"),
+    "mg_store_kv": ("", "PqPqPPPqq"),
+    "mg_decode_attention": ("i", "PqPPPPqPPPqqqqqfifi"),
+    "mg_decode_scratch_floats": ("q", "Pq"),
+    "mg_decode_layers": ("i", "PPqPPPqPPPqiPPPi"),
+    "mg_num_ops": ("i", ""),
+    "mg_seeded_uniform": ("", "PPqqPi"),
+    "mg_sample": ("", "PqPPPqqPi"),
 }
 
 
@@ -61,7 +58,7 @@ def load(path: Path) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(path))
     for name, (restype, argtypes) in _SIGNATURES.items():
         fn = getattr(lib, name)
-        fn.restype, fn.argtypes = restype, argtypes
+        fn.restype, fn.argtypes = _CTYPES.get(restype), [_CTYPES[c] for c in argtypes]
     if lib.mg_abi_version() != ABI_VERSION:
         raise RuntimeError(f"{path} has ABI {lib.mg_abi_version()}, expected {ABI_VERSION}")
     if lib.mg_num_ops() != len(DECODE_OPS):

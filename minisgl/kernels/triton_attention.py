@@ -57,11 +57,10 @@ def _attend_tile(
     stride_kv_slot,  # K and V caches share their layout
     HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     """One online-softmax step over the keys at positions [n0, min(n0 + BLOCK_N, end))."""
-    offs_d = tl.arange(0, BLOCK_D)
+    offs_d = tl.arange(0, q.shape[1])
     pos = n0 + tl.arange(0, BLOCK_N)
     n_mask = pos < end
     slots = tl.load(pt_row_ptr + pos, mask=n_mask, other=0).to(tl.int64)
@@ -95,17 +94,15 @@ def _attend_range(
     end,
     qk_scale,
     stride_kv_slot,
-    ROWS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """Online softmax over the keys at positions [start, end): (running max, running sum,
-    unnormalized output), all fp32."""
-    m_i = tl.full([ROWS], float("-inf"), tl.float32)
-    l_i = tl.zeros([ROWS], tl.float32)
-    acc = tl.zeros([ROWS, BLOCK_D], tl.float32)
+    """Online softmax over the keys at positions [start, end) for the queries q [rows,
+    BLOCK_D]: (running max, running sum, unnormalized output), all fp32."""
+    m_i = tl.full([q.shape[0]], float("-inf"), tl.float32)
+    l_i = tl.zeros([q.shape[0]], tl.float32)
+    acc = tl.zeros(q.shape, tl.float32)
     if LOOP_AS_WHILE:
         n0 = start
         while n0 < end:
@@ -124,7 +121,6 @@ def _attend_range(
                 stride_kv_slot,
                 HEAD_DIM,
                 BLOCK_N,
-                BLOCK_D,
                 DOT_PRECISION,
             )
             n0 += BLOCK_N
@@ -145,7 +141,6 @@ def _attend_range(
                 stride_kv_slot,
                 HEAD_DIM,
                 BLOCK_N,
-                BLOCK_D,
                 DOT_PRECISION,
             )
     return m_i, l_i, acc
@@ -215,10 +210,8 @@ def decode_split_kernel(
         end,
         qk_scale,
         stride_kv_slot,
-        ROWS=BLOCK_H,
         HEAD_DIM=HEAD_DIM,
         BLOCK_N=BLOCK_N,
-        BLOCK_D=BLOCK_D,
         DOT_PRECISION=DOT_PRECISION,
     )
 
@@ -347,10 +340,8 @@ def extend_kernel(
         end,
         qk_scale,
         stride_kv_slot,
-        ROWS=BLOCK_M,
         HEAD_DIM=HEAD_DIM,
         BLOCK_N=BLOCK_N,
-        BLOCK_D=BLOCK_D,
         DOT_PRECISION=DOT_PRECISION,
     )
     # Position 0 is visible to every row (q_pos >= 0), padded rows included: l_i > 0.

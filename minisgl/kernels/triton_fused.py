@@ -135,24 +135,24 @@ def _norm_rope_heads(
     head_stride,
     eps,
     HEAD_DIM: tl.constexpr,
-    HALF: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
     HAS_NORM: tl.constexpr,
 ):
+    half = HEAD_DIM // 2
     heads = tl.arange(0, BLOCK_H)[:, None]
     d = tl.arange(0, BLOCK_D)[None, :]
-    mask = (heads < num_heads) & (d < HALF)
+    mask = (heads < num_heads) & (d < half)
     lo_ptr = in_ptr + heads * head_stride + d
     x1 = tl.load(lo_ptr, mask=mask, other=0.0)
-    x2 = tl.load(lo_ptr + HALF, mask=mask, other=0.0)
+    x2 = tl.load(lo_ptr + half, mask=mask, other=0.0)
     dtype = out_ptr.dtype.element_ty
     a = x1.to(tl.float32)
     b = x2.to(tl.float32)
     if HAS_NORM:
         inv_rms = tl.rsqrt((tl.sum(a * a, axis=1) + tl.sum(b * b, axis=1)) / HEAD_DIM + eps)
-        w1 = tl.load(weight_ptr + d, mask=d < HALF, other=0.0).to(tl.float32)
-        w2 = tl.load(weight_ptr + HALF + d, mask=d < HALF, other=0.0).to(tl.float32)
+        w1 = tl.load(weight_ptr + d, mask=d < half, other=0.0).to(tl.float32)
+        w2 = tl.load(weight_ptr + half + d, mask=d < half, other=0.0).to(tl.float32)
         a = _round(w1 * _round(a * inv_rms[:, None], dtype), dtype)
         b = _round(w2 * _round(b * inv_rms[:, None], dtype), dtype)
     # x * cos + rotate_half(x) * sin, rotate_half(x) = [-x2, x1]; each product and the sum are
@@ -161,7 +161,7 @@ def _norm_rope_heads(
     hi = _round(_round(b * cos, dtype) + _round(a * sin, dtype), dtype)
     out_lo = out_ptr + heads * HEAD_DIM + d
     tl.store(out_lo, lo.to(dtype), mask=mask)
-    tl.store(out_lo + HALF, hi.to(dtype), mask=mask)
+    tl.store(out_lo + half, hi.to(dtype), mask=mask)
 
 
 @triton.jit
@@ -184,7 +184,6 @@ def _qk_norm_rope_kernel(
     num_kv_heads,
     eps,
     HEAD_DIM: tl.constexpr,
-    HALF: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_HQ: tl.constexpr,
     BLOCK_HK: tl.constexpr,
@@ -192,11 +191,12 @@ def _qk_norm_rope_kernel(
 ):
     token = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions_ptr + token).to(tl.int64)
+    half = HEAD_DIM // 2
     d = tl.arange(0, BLOCK_D)[None, :]
     # The cache holds cat([freqs, freqs]): both halves of a row share the first half's values.
     dtype = q_out_ptr.dtype.element_ty
-    cos = tl.load(cos_ptr + pos * cos_stride + d, mask=d < HALF, other=0.0)
-    sin = tl.load(sin_ptr + pos * cos_stride + d, mask=d < HALF, other=0.0)
+    cos = tl.load(cos_ptr + pos * cos_stride + d, mask=d < half, other=0.0)
+    sin = tl.load(sin_ptr + pos * cos_stride + d, mask=d < half, other=0.0)
     cos = _round(cos.to(tl.float32), dtype)
     sin = _round(sin.to(tl.float32), dtype)
     _norm_rope_heads(
@@ -209,7 +209,6 @@ def _qk_norm_rope_kernel(
         q_head_stride,
         eps,
         HEAD_DIM,
-        HALF,
         BLOCK_HQ,
         BLOCK_D,
         HAS_NORM,
@@ -224,7 +223,6 @@ def _qk_norm_rope_kernel(
         k_head_stride,
         eps,
         HEAD_DIM,
-        HALF,
         BLOCK_HK,
         BLOCK_D,
         HAS_NORM,
@@ -271,7 +269,6 @@ def qk_norm_rope(
             num_kv_heads,
             eps,
             HEAD_DIM=head_dim,
-            HALF=half,
             BLOCK_D=triton.next_power_of_2(half),
             BLOCK_HQ=triton.next_power_of_2(num_q_heads),
             BLOCK_HK=triton.next_power_of_2(num_kv_heads),

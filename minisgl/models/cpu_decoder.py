@@ -27,14 +27,14 @@ if TYPE_CHECKING:  # llama.py builds the stack: only its types here
 
 class CpuDecodeStack:
     def __init__(
-        self, model: CausalLM, kernels: CpuKernels, shape: StackShape, keep: list[object]
+        self, model: CausalLM, kernels: CpuKernels, shape: StackShape, layers: ctypes.Array
     ) -> None:
         # the model's own modules around the stack (profile_decode.py times them)
         self.embed, self.norm = model.model.embed_tokens, model.model.norm
         self.lm_head = model.lm_head
         self.kernels = kernels
         self.shape = shape
-        self._keep = keep  # the ctypes array and tensors the struct points into
+        self._layers = layers  # what `shape.layers` points into (the tensors are the model's)
         # float64 [len(DECODE_OPS)]: when set, each step adds its per-op wall time here
         # (benchmark/offline/profile_decode.py).
         self.op_seconds: torch.Tensor | None = None
@@ -74,13 +74,13 @@ class CpuDecodeStack:
             attn0.head_dim,
             cfg.intermediate_size,
             cfg.rms_norm_eps,
-            attn0.q_norm.eps if attn0.q_norm is not None else cfg.rms_norm_eps,
+            cfg.rms_norm_eps,  # the q/k norms' (config.json has one)
             attn0.scale,
             rope.cos_cache.data_ptr(),
             rope.sin_cache.data_ptr(),
             ctypes.cast(array, ctypes.POINTER(LayerWeights)),
         )
-        return CpuDecodeStack(model, kernels, shape, [array, rope.cos_cache, rope.sin_cache])
+        return CpuDecodeStack(model, kernels, shape, array)
 
     def forward(
         self,
