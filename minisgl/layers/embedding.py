@@ -8,7 +8,7 @@ from torch import nn
 
 from minisgl.distributed import all_gather_last_dim, all_reduce, get_tp_info
 from minisgl.kernels.weights import QuantTensor, Weight, dense, huge_page_zeros
-from minisgl.layers.linear import PackedWeight
+from minisgl.layers.linear import PackedWeight, frozen
 
 
 class VocabParallelEmbedding(PackedWeight):
@@ -21,7 +21,7 @@ class VocabParallelEmbedding(PackedWeight):
         # Round up so every rank holds the same number of rows; padded rows stay zero.
         self.shard_vocab = (vocab_size + tp.size - 1) // tp.size
         self.vocab_start = tp.rank * self.shard_vocab
-        self.weight = nn.Parameter(torch.zeros(self.shard_vocab, hidden_size), requires_grad=False)
+        self.weight = frozen(torch.zeros(self.shard_vocab, hidden_size))
 
     def load_weight(self, param: nn.Parameter, full: Weight) -> None:
         rows = max(0, min(self.shard_vocab, full.shape[0] - self.vocab_start))

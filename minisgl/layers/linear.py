@@ -27,10 +27,15 @@ from minisgl.kernels.cpu_ops import CpuKernels
 from minisgl.kernels.weights import Fp8Tensor, PackedLinear, QuantTensor, Weight
 
 
+def frozen(t: torch.Tensor) -> nn.Parameter:
+    """`t` as a parameter that no gradient touches (the loader fills it)."""
+    return nn.Parameter(t, requires_grad=False)
+
+
 def freed(param: nn.Parameter) -> nn.Parameter:
     """An empty stand-in for a weight now held elsewhere (packed, fp8): it keeps the parameter's
     name, and nothing reads it after loading."""
-    return nn.Parameter(param.data.new_empty(0), requires_grad=False)
+    return frozen(param.data.new_empty(0))
 
 
 class PackedWeight(nn.Module):
@@ -110,8 +115,8 @@ class ColumnParallelLinear(PackedWeight):
         ]
         self.part_names = part_names
         out = sum(self.shard_sizes)
-        self.weight = nn.Parameter(torch.empty(out, input_size), requires_grad=False)
-        self.bias = nn.Parameter(torch.empty(out), requires_grad=False) if bias else None
+        self.weight = frozen(torch.empty(out, input_size))
+        self.bias = frozen(torch.empty(out)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x, self.bias)
@@ -133,9 +138,9 @@ class RowParallelLinear(PackedWeight):
         super().__init__()
         tp = get_tp_info()
         self.input_shard = divide(input_size, tp.size, "input size")
-        self.weight = nn.Parameter(torch.empty(output_size, self.input_shard), requires_grad=False)
+        self.weight = frozen(torch.empty(output_size, self.input_shard))
         # The bias is added once, after the reduction, so it is held whole on every rank.
-        self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False) if bias else None
+        self.bias = frozen(torch.empty(output_size)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = all_reduce(self.matmul(x, None))

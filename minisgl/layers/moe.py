@@ -21,7 +21,7 @@ from torch import nn
 from minisgl.distributed import all_reduce, divide, get_tp_info
 from minisgl.kernels.gpu import triton_kernels
 from minisgl.kernels.weights import FP8_GROUP, Fp8Tensor, dense
-from minisgl.layers.linear import freed
+from minisgl.layers.linear import freed, frozen
 
 # The per-expert projections of the hub layout, in the order they sit in `gate_up_proj` / alone.
 GATE_UP_PIECES = ("gate_proj", "up_proj")
@@ -61,7 +61,7 @@ class TopKRouter(nn.Module):
         super().__init__()
         self.top_k = cfg.top_k
         self.norm_topk_prob = cfg.norm_topk_prob
-        self.weight = nn.Parameter(torch.empty(cfg.num_experts, hidden_size), requires_grad=False)
+        self.weight = frozen(torch.empty(cfg.num_experts, hidden_size))
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [tokens, hidden] -> (weights [tokens, top_k] fp32, expert ids [tokens, top_k])."""
@@ -87,8 +87,8 @@ class Experts(nn.Module):
         )
         shape_gate_up = (cfg.num_experts, 2 * self.inter_shard, hidden_size)
         shape_down = (cfg.num_experts, hidden_size, self.inter_shard)
-        self.gate_up_proj = nn.Parameter(torch.empty(shape_gate_up), requires_grad=False)
-        self.down_proj = nn.Parameter(torch.empty(shape_down), requires_grad=False)
+        self.gate_up_proj = frozen(torch.empty(shape_gate_up))
+        self.down_proj = frozen(torch.empty(shape_down))
         # The Triton kernel where the fused layer kernels apply (CUDA, Triton importable, not
         # MINISGL_FUSED_KERNELS=0: kernels/gpu.py); else moe_torch.
         self.use_triton = (

@@ -8,13 +8,14 @@ from torch import nn
 
 from minisgl.kernels.cpu_ops import CpuKernels
 from minisgl.kernels.gpu import layer_kernels
+from minisgl.layers.linear import frozen
 
 
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
+        self.weight = frozen(torch.ones(size))
         self.kernels = layer_kernels(self.weight.device, self.weight.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
