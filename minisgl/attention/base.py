@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
+from torch import Tensor
 
 from minisgl.kvcache.pool import KVPool
 
@@ -41,11 +42,11 @@ class AttentionBatch:
     sequence order; `out_slots` ([tokens]) are where this batch's new K/V go.
     """
 
-    table_rows: torch.Tensor  # int64 [seqs]
-    prefix_lens: torch.Tensor  # int64 [seqs]
-    kv_lens: torch.Tensor  # int64 [seqs]
-    out_slots: torch.Tensor  # int64 [tokens]
-    page_table: torch.Tensor  # int32 [max_rows, max_len], token slots
+    table_rows: Tensor  # int64 [seqs]
+    prefix_lens: Tensor  # int64 [seqs]
+    kv_lens: Tensor  # int64 [seqs]
+    out_slots: Tensor  # int64 [tokens]
+    page_table: Tensor  # int32 [max_rows, max_len], token slots
     prefix_lens_cpu: list[int]
     kv_lens_cpu: list[int]
 
@@ -67,12 +68,12 @@ class AttentionBatch:
 _ARRAY_CODES = {torch.int64: "q", torch.int32: "i", torch.float32: "f"}
 
 
-def host_tensor(values: Sequence[Any] | torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def host_tensor(values: Sequence[Any] | Tensor, dtype: torch.dtype) -> Tensor:
     """A 1-D host tensor of `values` as `dtype`. From a list of Python numbers it goes through
     `array.array` and `torch.frombuffer` (no copy): ~4x faster than `torch.tensor`, which
     costs ~0.2-0.3 us an element here, several a step for every running request."""
     code = _ARRAY_CODES.get(dtype)
-    if isinstance(values, torch.Tensor) or code is None or not len(values):
+    if isinstance(values, Tensor) or code is None or not len(values):
         return torch.as_tensor(values, dtype=dtype)
     try:
         return torch.frombuffer(array.array(code, values), dtype=dtype)
@@ -81,8 +82,8 @@ def host_tensor(values: Sequence[Any] | torch.Tensor, dtype: torch.dtype) -> tor
 
 
 def stage(
-    device: torch.device, dtype: torch.dtype, *values: Sequence[Any] | torch.Tensor
-) -> list[torch.Tensor]:
+    device: torch.device, dtype: torch.dtype, *values: Sequence[Any] | Tensor
+) -> list[Tensor]:
     """1-D host values (lists or tensors) on `device` as `dtype`, queued without making the host
     wait. On CUDA they go in one non-blocking copy through pinned memory: a copy from pageable
     memory is staged synchronously, and under overlap that can hold the host until the batch in
@@ -120,14 +121,14 @@ class AttentionBackend(ABC):
     @abstractmethod
     def forward(
         self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
         layer_id: int,
         scale: float,
         pool: KVPool,
         metadata: Any,
-    ) -> torch.Tensor: ...
+    ) -> Tensor: ...
 
     def init_graph_state(self, max_batch_size: int) -> None:
         """Allocate buffers that captured graphs read (for up to `max_batch_size` decodes)."""

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 
 from minisgl.attention.base import (
     AttentionBackend,
@@ -39,9 +40,7 @@ TENSOR_CORE_MIN_GQA = 4
 PREFILL_KERNEL_BACKEND = "fa2"
 
 
-def paged_kv_lists(
-    batch: AttentionBatch, page_size: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def paged_kv_lists(batch: AttentionBatch, page_size: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """FlashInfer's paged-KV description of a batch: (indptr int32 on the host, page ids int32 on
     the device, last page lengths int32 on the host) and the KV lengths (int32, on the host) that
     plan() would otherwise recompute from the first and last. Host tensors are pinned on CUDA."""
@@ -65,7 +64,7 @@ def paged_kv_lists(
 @dataclass
 class FlashInferMetadata:
     wrapper: Any  # the planned prefill or decode wrapper
-    out_slots: torch.Tensor
+    out_slots: Tensor
 
 
 class FlashInferBackend(AttentionBackend):
@@ -92,7 +91,7 @@ class FlashInferBackend(AttentionBackend):
             self.workspace, "NHD", backend=PREFILL_KERNEL_BACKEND
         )
         self._graph_wrappers: dict[int, Any] = {}
-        self._graph_indices: torch.Tensor | None = None
+        self._graph_indices: Tensor | None = None
         # plan() writes its metadata into a pinned host buffer of the wrapper and queues an
         # async copy from it; under overlap the next plan() can come before that copy ran (the
         # batch in flight is queued ahead of it) and would overwrite what it copies. Each plan
@@ -104,7 +103,7 @@ class FlashInferBackend(AttentionBackend):
     # ---- metadata --------------------------------------------------------------------------
 
     def _plan(
-        self, wrapper: Any, batch: AttentionBatch, *qo_indptr: torch.Tensor, **kw: Any
+        self, wrapper: Any, batch: AttentionBatch, *qo_indptr: Tensor, **kw: Any
     ) -> FlashInferMetadata:
         """`wrapper.plan(...)` for `batch` (a prefill wrapper's `qo_indptr` first), after the
         previous plan's host-to-device copy has run."""
@@ -138,14 +137,14 @@ class FlashInferBackend(AttentionBackend):
 
     def forward(
         self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
         layer_id: int,
         scale: float,
         pool: KVPool,
         metadata: FlashInferMetadata,
-    ) -> torch.Tensor:
+    ) -> Tensor:
         # The scale is baked into the plan (one per forward, shared by all layers).
         assert abs(scale - self.cfg.scale) < 1e-6 * self.cfg.scale, (scale, self.cfg.scale)
         pool.store(layer_id, metadata.out_slots, k, v)

@@ -15,6 +15,7 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 
 from minisgl.attention.base import AttentionBackend, AttentionBatch, AttentionConfig, stage
 from minisgl.kernels.cpu import kernels_for
@@ -31,31 +32,31 @@ class _Group:
     """Sequences computed in one SDPA call: one prefill chunk, or decodes of similar KV length
     (padded to the longest)."""
 
-    token_index: torch.Tensor | slice  # query rows: [seqs * q_len], sequence by sequence
+    token_index: Tensor | slice  # query rows: [seqs * q_len], sequence by sequence
     num_seqs: int
-    kv_slots: torch.Tensor  # int64 [seqs * kv_len] (padding points at slot 0)
+    kv_slots: Tensor  # int64 [seqs * kv_len] (padding points at slot 0)
     # bool, [q_len, kv_len] for a prefill chunk ([seqs, 1, 1, kv_len] for decodes); None: plain
     # causal from position 0
-    mask: torch.Tensor | None
+    mask: Tensor | None
     # Gather buffers, allocated at the first layer and reused by every layer: a fresh allocation
     # per layer costs more than the copy itself on CPU.
-    k_buf: torch.Tensor | None = None
-    v_buf: torch.Tensor | None = None
+    k_buf: Tensor | None = None
+    v_buf: Tensor | None = None
 
 
 class _KernelDecodes(NamedTuple):
     """Every decode of the batch, for the CPU paged-attention kernel (int64, one per decode), in
     the order `CpuKernels.decode_attention` takes them."""
 
-    token_index: torch.Tensor  # query rows
-    table_rows: torch.Tensor
-    kv_lens: torch.Tensor
-    page_table: torch.Tensor  # int32 [rows, width], contiguous
+    token_index: Tensor  # query rows
+    table_rows: Tensor
+    kv_lens: Tensor
+    page_table: Tensor  # int32 [rows, width], contiguous
 
 
 @dataclass
 class TorchNativeMetadata:
-    out_slots: torch.Tensor
+    out_slots: Tensor
     # The decodes for the CPU paged-attention kernel where it applies (else they are groups).
     kernel_decodes: _KernelDecodes | None
     groups: list[_Group]
@@ -105,14 +106,14 @@ class TorchNativeBackend(AttentionBackend):
 
     def forward(
         self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
         layer_id: int,
         scale: float,
         pool: KVPool,
         metadata: TorchNativeMetadata,
-    ) -> torch.Tensor:
+    ) -> Tensor:
         pool.store(layer_id, metadata.out_slots, k, v)
         k_cache, v_cache = pool.k_cache(layer_id), pool.v_cache(layer_id)
         out = torch.empty_like(q)

@@ -14,6 +14,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
+from torch import Tensor
 
 from minisgl.attention.base import stage
 
@@ -44,14 +45,12 @@ class ComputeStream:
         if self.cuda_stream is not None:
             self.cuda_stream.wait_stream(torch.cuda.current_stream(self.device))
 
-    def stage(
-        self, dtype: torch.dtype, *values: Sequence[Any] | torch.Tensor
-    ) -> list[torch.Tensor]:
+    def stage(self, dtype: torch.dtype, *values: Sequence[Any] | Tensor) -> list[Tensor]:
         """1-D host values (lists or tensors) on the device as `dtype`, in one non-blocking copy
         queued on the current stream."""
         return stage(self.device, dtype, *values)
 
-    def to_host_async(self, x: torch.Tensor) -> torch.Tensor:
+    def to_host_async(self, x: Tensor) -> Tensor:
         """Start copying `x` to host memory; read the result only after the event recorded next
         (`record_event`) has passed."""
         if not self.is_cuda:

@@ -16,6 +16,7 @@ import logging
 import operator
 
 import torch
+from torch import Tensor
 
 from minisgl.attention import create_backend, resolve_backend_name
 from minisgl.attention.base import AttentionBatch, AttentionConfig, host_tensor
@@ -177,7 +178,7 @@ class Engine:
         return self.sample(batch, self.forward_logits(batch), vocab_mask)
 
     @torch.inference_mode()
-    def forward_logits(self, batch: ForwardBatch) -> torch.Tensor:
+    def forward_logits(self, batch: ForwardBatch) -> Tensor:
         """Launch the model only: logits [sampled rows, vocab], for `sample` to consume. The
         scheduler splits the two when a structured-output mask needs the previous step's tokens
         (docs/architecture.md, "Structured outputs")."""
@@ -196,7 +197,7 @@ class Engine:
 
     @torch.inference_mode()
     def sample(
-        self, batch: ForwardBatch, logits: torch.Tensor, vocab_mask: VocabMask | None = None
+        self, batch: ForwardBatch, logits: Tensor, vocab_mask: VocabMask | None = None
     ) -> PendingOutput:
         """Sample (outside any CUDA graph, so a mask never changes what graphs capture), write
         the tokens into the token table and start their copy to the host."""
@@ -209,7 +210,7 @@ class Engine:
         with self.stream.active():
             return self._sample(batch, self._forward_eager(batch, pool), None).result()
 
-    def _forward_eager(self, batch: ForwardBatch, pool: KVPool) -> torch.Tensor:
+    def _forward_eager(self, batch: ForwardBatch, pool: KVPool) -> Tensor:
         extend = host_tensor(batch.extend_lens, torch.int64)
         prefix = host_tensor(batch.prefix_lens, torch.int64)
         kv_lens = prefix + extend
@@ -240,7 +241,7 @@ class Engine:
             return self.model(input_ids, positions_d, logit_d)
 
     def _sample(
-        self, batch: ForwardBatch, logits: torch.Tensor, vocab_mask: VocabMask | None
+        self, batch: ForwardBatch, logits: Tensor, vocab_mask: VocabMask | None
     ) -> PendingOutput:
         num_sampled = len(batch.sampled)
         scores = None

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch import Tensor
 
 from minisgl.attention.base import AttentionBackend, AttentionBatch
 from minisgl.attention.context import ForwardContext, forward_context
@@ -44,7 +45,7 @@ def graph_batch_sizes(max_batch_size: int) -> list[int]:
     return [s for s in sizes if s < max_batch_size] + [max_batch_size]
 
 
-ModelFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+ModelFn = Callable[[Tensor, Tensor, Tensor], Tensor]
 
 
 @dataclass
@@ -63,7 +64,7 @@ class GraphRunner:
             (4, self.max_batch_size), dtype=torch.int64, device=self.stream.device
         )
         self.logit_index = torch.arange(self.max_batch_size, device=self.stream.device)
-        self._graphs: dict[int, tuple[Any, torch.Tensor]] = {}  # size -> (graph, logits)
+        self._graphs: dict[int, tuple[Any, Tensor]] = {}  # size -> (graph, logits)
         if self.backend.supports_graphs:
             self.backend.init_graph_state(self.max_batch_size)
 
@@ -73,7 +74,7 @@ class GraphRunner:
     def can_run(self, batch: ForwardBatch) -> bool:
         return batch.is_decode and batch.num_seqs <= self.max_batch_size
 
-    def run(self, batch: ForwardBatch) -> torch.Tensor:
+    def run(self, batch: ForwardBatch) -> Tensor:
         """Logits [num_seqs, vocab] of a decode-only batch (replayed, or padded and eager)."""
         num_seqs, backend = batch.num_seqs, self.backend
         size = self.padded_size(num_seqs)
@@ -108,7 +109,7 @@ class GraphRunner:
             kv_lens_cpu=kv_lens,
         )
 
-    def _forward(self, size: int, metadata: Any) -> torch.Tensor:
+    def _forward(self, size: int, metadata: Any) -> Tensor:
         table_rows, pos = self.table_rows[:size], self.positions[:size]
         input_ids = self.tables.token_table[table_rows, pos].long()
         with forward_context(ForwardContext(self.backend, self.pool, metadata)):

@@ -16,6 +16,7 @@ import functools
 from typing import NamedTuple
 
 import torch
+from torch import Tensor
 
 from minisgl.engine.batch import TokenScores
 from minisgl.engine.sampling_batch import RowInputs, SamplingBatch
@@ -30,7 +31,7 @@ _MASK32 = 0xFFFFFFFF
 _UNIFORM_BITS = 23
 
 
-def _mix32(x: torch.Tensor) -> torch.Tensor:
+def _mix32(x: Tensor) -> Tensor:
     """A 32-bit integer finalizer (lowbias32). x: int64 holding values in [0, 2^32).
 
     int64 products may wrap, which keeps the low 32 bits right: they are all we keep.
@@ -43,8 +44,8 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
 
 
 def seeded_uniform(
-    seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int, kernels: CpuKernels | None = None
-) -> torch.Tensor:
+    seeds: Tensor, positions: Tensor, vocab_size: int, kernels: CpuKernels | None = None
+) -> Tensor:
     """Uniform (0, 1) numbers of shape [rows, vocab] for int64 seeds and positions [rows]; a
     pure function of (seed, position, id). With the CPU kernels one call computes the same bits
     (the tensor formula costs ~1 ms per row of a 49k vocabulary)."""
@@ -54,9 +55,7 @@ def seeded_uniform(
     return seeded_uniform_at(seeds, positions, ids[None, :])
 
 
-def seeded_uniform_at(
-    seeds: torch.Tensor, positions: torch.Tensor, ids: torch.Tensor
-) -> torch.Tensor:
+def seeded_uniform_at(seeds: Tensor, positions: Tensor, ids: Tensor) -> Tensor:
     """`seeded_uniform(seeds, positions, vocab)[row, ids[row, j]]` for int64 ids [rows or 1, k],
     computed for those ids only."""
     row_key = _mix32((_mix32(seeds & _MASK32) ^ positions) & _MASK32)  # [rows]
@@ -64,7 +63,7 @@ def seeded_uniform_at(
     return _unit_interval(_mix32(h ^ row_key[:, None]))
 
 
-def _unit_interval(h: torch.Tensor) -> torch.Tensor:
+def _unit_interval(h: Tensor) -> Tensor:
     """32-bit hashes (int64) to float32 uniforms strictly inside (0, 1)."""
     return ((h >> (32 - _UNIFORM_BITS)).float() + 0.5) / float(1 << _UNIFORM_BITS)
 
@@ -73,7 +72,7 @@ _BITS_PER_BYTE = 8
 
 
 @functools.cache
-def _byte_bias(device: torch.device) -> torch.Tensor:
+def _byte_bias(device: torch.device) -> Tensor:
     """[256, 8] float32: 0 where bit j of byte value b is set, -inf where it is not. Made on
     the device itself (no host copy), once per device."""
     values = torch.arange(256, device=device)[:, None]
@@ -82,7 +81,7 @@ def _byte_bias(device: torch.device) -> torch.Tensor:
     return torch.zeros(allowed.shape, device=device).masked_fill(~allowed, float("-inf"))
 
 
-def apply_vocab_mask(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
+def apply_vocab_mask(logits: Tensor, sb: SamplingBatch) -> Tensor:
     """-inf for every token a constrained row may not pick. Out of place: the raw logits stay
     what logprobs report (and may be a CUDA graph's static output).
 
@@ -97,14 +96,14 @@ def apply_vocab_mask(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
     return logits.index_put((sb.mask_rows,), logits[sb.mask_rows] + bias)
 
 
-def apply_logit_bias(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
+def apply_logit_bias(logits: Tensor, sb: SamplingBatch) -> Tensor:
     """The requests' logit_bias added to their rows. Out of place, like the mask."""
     if sb.bias_rows is None or sb.bias_ids is None or sb.bias_values is None:
         return logits
     return logits.index_put((sb.bias_rows, sb.bias_ids), sb.bias_values, accumulate=True)
 
 
-def apply_bans(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
+def apply_bans(logits: Tensor, sb: SamplingBatch) -> Tensor:
     """min_tokens: -inf for each row's stop tokens, except in a row where nothing else is
     allowed (a structured output whose grammar can only end): the grammar wins, as a row of
     only -inf would draw a token the grammar forbids."""
@@ -115,7 +114,7 @@ def apply_bans(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
     return torch.where(something_left, banned, logits)
 
 
-def apply_penalties(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
+def apply_penalties(logits: Tensor, sb: SamplingBatch) -> Tensor:
     """Repetition (HF / vLLM: positive logits divided, negative multiplied) on every token of
     prompt or output; then frequency x count and presence for tokens of the output (OpenAI).
 
@@ -148,7 +147,7 @@ def apply_penalties(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
     return out.scatter_(1, target, values)[:, :vocab]
 
 
-def process_logits(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
+def process_logits(logits: Tensor, sb: SamplingBatch) -> Tensor:
     """All of the above, in vLLM's order: logits processors (the bias first; -inf stays -inf),
     then penalties."""
     logits = apply_vocab_mask(apply_logit_bias(logits, sb), sb)
@@ -161,7 +160,7 @@ def process_logits(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
 CPU_FIRST_CANDIDATES = 256
 
 
-def _keep(probs: torch.Tensor, rows: RowInputs) -> torch.Tensor:
+def _keep(probs: Tensor, rows: RowInputs) -> Tensor:
     """Which of each row's candidates ([rows, k], most likely first) survive top-k, the top-p
     nucleus and min_p * max prob. The most likely token always does."""
     rank = torch.arange(probs.shape[-1], device=probs.device)[None, :]
@@ -174,7 +173,7 @@ def _keep(probs: torch.Tensor, rows: RowInputs) -> torch.Tensor:
     return ~drop
 
 
-def _cut_inside(probs: torch.Tensor, rows: RowInputs) -> torch.Tensor:
+def _cut_inside(probs: Tensor, rows: RowInputs) -> Tensor:
     """Per row ([rows] bool): whether it drops every token past these candidates ([rows, k],
     the k most likely), so that they are all the candidates it has and its draw is exact."""
     by_top_k = rows.top_k <= probs.shape[-1]
@@ -184,7 +183,7 @@ def _cut_inside(probs: torch.Tensor, rows: RowInputs) -> torch.Tensor:
 
 
 class SampleResult(NamedTuple):
-    token_ids: torch.Tensor  # int64 [rows]
+    token_ids: Tensor  # int64 [rows]
     scores: TokenScores | None  # the chosen tokens' logprobs; None when no row wants them
 
 
@@ -200,7 +199,7 @@ class Sampler:
         self.triton_kernels = triton_kernels("triton_sampling", device)
         self.cpu_kernels = cpu.kernels_for(device, torch.float32)
 
-    def sample(self, logits: torch.Tensor, sb: SamplingBatch) -> SampleResult:
+    def sample(self, logits: Tensor, sb: SamplingBatch) -> SampleResult:
         raw_logits = logits
         logits = process_logits(logits, sb)
         if sb.all_greedy:
@@ -220,7 +219,7 @@ class Sampler:
         scores = None if max_k is None else TokenScores.of(raw_logits, token_ids, max_k)
         return SampleResult(token_ids, scores)
 
-    def argmax(self, logits: torch.Tensor) -> torch.Tensor:
+    def argmax(self, logits: Tensor) -> Tensor:
         """logits.argmax(-1); on CPU the sampling kernel's greedy path (temperature 0 on every
         row, so no seed or position is read): one vector pass per row over the threads, ~3x
         torch's at 256 rows of a 151k vocabulary."""
@@ -230,7 +229,7 @@ class Sampler:
         unused = torch.zeros(logits.shape[0], dtype=torch.int64)
         return self.cpu_kernels.sample(logits, greedy, unused, unused)
 
-    def _draw_all(self, logits: torch.Tensor, rows: RowInputs) -> torch.Tensor:
+    def _draw_all(self, logits: Tensor, rows: RowInputs) -> Tensor:
         """Exponential race over the whole vocabulary (greedy where the temperature is 0):
         argmax p_i / E_i with E_i ~ Exp(1) draws i with probability p_i."""
         per_row = (rows.temperatures, rows.seeds, rows.positions)
@@ -247,9 +246,7 @@ class Sampler:
         sampled = (probs / -torch.log(u)).argmax(dim=-1)
         return torch.where(rows.temperatures == 0, greedy_ids, sampled)
 
-    def _draw_filtered(
-        self, logits: torch.Tensor, rows: RowInputs, num_candidates: int
-    ) -> torch.Tensor:
+    def _draw_filtered(self, logits: Tensor, rows: RowInputs, num_candidates: int) -> Tensor:
         """The race among each row's surviving candidates (rows with a temperature > 0): the
         same draw as racing over the vocabulary with every dropped token's probability set
         to 0."""
@@ -269,9 +266,7 @@ class Sampler:
         token_ids[rest] = self._race(long, rows.take(rest), logits.shape[-1])
         return token_ids
 
-    def _race(
-        self, candidates: tuple[torch.Tensor, torch.Tensor], rows: RowInputs, vocab_size: int
-    ) -> torch.Tensor:
+    def _race(self, candidates: tuple[Tensor, Tensor], rows: RowInputs, vocab_size: int) -> Tensor:
         """Token ids [rows]: the exponential race among the candidates (probabilities and ids
         [rows, k], most likely first) that top-k, top-p and min-p keep."""
         cand_probs, cand_ids = candidates

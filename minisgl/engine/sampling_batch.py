@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 import torch
+from torch import Tensor
 
 from minisgl.core import SamplingParams
 from minisgl.engine.batch import ForwardBatch, VocabMask
@@ -30,18 +31,18 @@ class RowInputs:
     """Every row's parameters, seed and position: a batch's (`SamplingBatch.rows`) or some
     rows' (`take`)."""
 
-    temperatures: torch.Tensor  # float32 [rows]; 0 rows are greedy
-    top_p: torch.Tensor  # float32 [rows]
-    min_p: torch.Tensor  # float32 [rows]
+    temperatures: Tensor  # float32 [rows]; 0 rows are greedy
+    top_p: Tensor  # float32 [rows]
+    min_p: Tensor  # float32 [rows]
     # penalties (float32 [rows]); they apply only where SamplingBatch.history_ids is set
-    repetition: torch.Tensor
-    presence: torch.Tensor
-    frequency: torch.Tensor
-    top_k: torch.Tensor  # int64 [rows]; vocab size when off
-    seeds: torch.Tensor  # int64 [rows]
-    positions: torch.Tensor  # int64 [rows]: position of the token being sampled
+    repetition: Tensor
+    presence: Tensor
+    frequency: Tensor
+    top_k: Tensor  # int64 [rows]; vocab size when off
+    seeds: Tensor  # int64 [rows]
+    positions: Tensor  # int64 [rows]: position of the token being sampled
 
-    def take(self, rows: torch.Tensor) -> RowInputs:
+    def take(self, rows: Tensor) -> RowInputs:
         """These rows only (an index or a boolean mask)."""
         return RowInputs(*(getattr(self, f.name)[rows] for f in fields(self)))
 
@@ -57,24 +58,24 @@ class SamplingBatch:
     # empty); filter_rows is None when no row filters. Filtered rows draw among their
     # `num_candidates` most likely tokens (the largest top-k among them, the vocabulary when one
     # has none), found with topk instead of sorting the vocabulary.
-    filter_rows: torch.Tensor | None
-    plain_rows: torch.Tensor | None
+    filter_rows: Tensor | None
+    plain_rows: Tensor | None
     num_candidates: int
     # Each row's tokens so far, prompt then output: int64 [rows, length], the vocabulary size
     # past a row's end; and which of those positions are output (bool, same shape). None when
     # no row uses penalties.
-    history_ids: torch.Tensor | None = None
-    history_in_output: torch.Tensor | None = None
+    history_ids: Tensor | None = None
+    history_in_output: Tensor | None = None
     # logit_bias, flattened over the rows that set one (None when none does)
-    bias_rows: torch.Tensor | None = None  # int64 [entries]
-    bias_ids: torch.Tensor | None = None  # int64 [entries]
-    bias_values: torch.Tensor | None = None  # float32 [entries]
+    bias_rows: Tensor | None = None  # int64 [entries]
+    bias_ids: Tensor | None = None  # int64 [entries]
+    bias_values: Tensor | None = None  # float32 [entries]
     # min_tokens: (row, token) pairs that may not be drawn yet (None when none); see apply_bans
-    ban_rows: torch.Tensor | None = None  # int64 [entries]
-    ban_ids: torch.Tensor | None = None  # int64 [entries]
+    ban_rows: Tensor | None = None  # int64 [entries]
+    ban_ids: Tensor | None = None  # int64 [entries]
     # structured outputs (None when no row is constrained)
-    mask_rows: torch.Tensor | None = None  # int64 [k]: the constrained rows
-    mask_bits: torch.Tensor | None = None  # int32 [k, ceil(vocab / 32)]: allowed tokens
+    mask_rows: Tensor | None = None  # int64 [k]: the constrained rows
+    mask_bits: Tensor | None = None  # int32 [k, ceil(vocab / 32)]: allowed tokens
 
     @property
     def all_greedy(self) -> bool:

@@ -22,6 +22,7 @@ import threading
 
 import numpy as np
 import torch
+from torch import Tensor
 
 from minisgl.engine.device import ComputeStream
 
@@ -51,7 +52,7 @@ class DeviceTables:
     def write_tokens(self, row: int, start: int, token_ids: list[int]) -> None:
         self._write(_TOKEN_TABLE, [row], [start], np.asarray(token_ids, np.int64)[None, :])
 
-    def write_slots(self, rows: list[int], starts: list[int], slots: torch.Tensor) -> None:
+    def write_slots(self, rows: list[int], starts: list[int], slots: Tensor) -> None:
         """Positions starts[i] .. starts[i] + k - 1 of row rows[i] get slots[i] ([len(rows), k]):
         one write for a whole step's new pages."""
         self._write(_PAGE_TABLE, rows, starts, slots.numpy())

@@ -8,6 +8,7 @@ import ctypes
 from pathlib import Path
 
 import torch
+from torch import Tensor
 
 from minisgl.kernels.weights import PackedLinear
 
@@ -66,7 +67,7 @@ def load(path: Path) -> ctypes.CDLL:
     return lib
 
 
-def ptr(x: torch.Tensor | PackedLinear | None) -> int | None:
+def ptr(x: Tensor | PackedLinear | None) -> int | None:
     """What a pointer argument gets: a tensor's data, a packed weight's `mg_weight`, or NULL."""
     if x is None:
         return None

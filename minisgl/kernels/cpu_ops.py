@@ -8,6 +8,7 @@ from __future__ import annotations
 import ctypes
 
 import torch
+from torch import Tensor
 
 from minisgl.kernels.cpu_abi import (
     ATTN_MAX_HEAD_DIM,
@@ -19,14 +20,14 @@ from minisgl.kernels.cpu_abi import (
 from minisgl.kernels.weights import PackedLinear, huge_page_zeros
 
 
-def _rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
+def _rows(x: Tensor) -> tuple[Tensor, int]:
     """A 2-D x with contiguous rows (a copy only when they are not) and its row stride."""
     if x.shape[1] > 1 and x.stride(1) != 1:
         x = x.contiguous()
     return x, x.stride(0)
 
 
-def _heads_stride(x: torch.Tensor) -> int | None:
+def _heads_stride(x: Tensor) -> int | None:
     """Token stride of a [tokens, heads, head_dim] view whose heads lie back to back, else None."""
     if x.dim() != 3 or x.stride(2) != 1 or (x.shape[1] > 1 and x.stride(1) != x.shape[2]):
         return None
@@ -45,7 +46,7 @@ class CpuKernels:
 
     # ---- linear ----------------------------------------------------------------------------
 
-    def pack(self, weight: torch.Tensor) -> PackedLinear:
+    def pack(self, weight: Tensor) -> PackedLinear:
         out_features, in_features = weight.shape
         num_panels = -(-out_features // self.block_n)
         panels = huge_page_zeros((num_panels, in_features, self.block_n), weight.dtype)
@@ -68,7 +69,7 @@ class CpuKernels:
         csrc/quant.c). Process-wide; returns whether the int8 path is on now."""
         return bool(self._lib.mg_set_int8_activations(int(on)))
 
-    def embed(self, weight: PackedLinear, ids: torch.Tensor) -> torch.Tensor:
+    def embed(self, weight: PackedLinear, ids: Tensor) -> Tensor:
         """Rows `ids` (int64) of a block weight, dequantized: [len(ids), in_features] fp32."""
         ids = ids.contiguous()
         out = torch.empty(*ids.shape, weight.in_features)
@@ -84,11 +85,11 @@ class CpuKernels:
 
     def linear(
         self,
-        x: torch.Tensor,
+        x: Tensor,
         weight: PackedLinear,
-        bias: torch.Tensor | None = None,
-        out: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+        bias: Tensor | None = None,
+        out: Tensor | None = None,
+    ) -> Tensor:
         """x [..., in] -> [..., out] = x @ W^T + bias; into `out` ([rows, out], contiguous)
         when given."""
         lead = x.shape[:-1]
@@ -115,11 +116,11 @@ class CpuKernels:
 
     def rmsnorm(
         self,
-        x: torch.Tensor,
-        weight: torch.Tensor,
+        x: Tensor,
+        weight: Tensor,
         eps: float,
-        residual: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+        residual: Tensor | None = None,
+    ) -> Tensor:
         """RMSNorm of x [tokens, hidden]; with `residual` (contiguous, same shape) it normalizes
         x + residual and stores that sum into `residual` (the fused residual add)."""
         x, ldx = _rows(x)
@@ -142,7 +143,7 @@ class CpuKernels:
         )
         return out
 
-    def rmsnorm_heads_(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> bool:
+    def rmsnorm_heads_(self, x: Tensor, weight: Tensor, eps: float) -> bool:
         """RMSNorm of every head of x [tokens, heads, head_dim] in place (Qwen3's q/k norm).
         Returns False, untouched, when x's heads are not laid out back to back."""
         if (ld := _heads_stride(x)) is None:
@@ -165,7 +166,7 @@ class CpuKernels:
         )
         return True
 
-    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+    def silu_mul(self, gate_up: Tensor) -> Tensor:
         """[tokens, 2 * inter] -> silu(gate) * up, [tokens, inter]."""
         gate_up, ld = _rows(gate_up)
         num_tokens, inter = gate_up.shape[0], gate_up.shape[1] // 2
@@ -183,11 +184,11 @@ class CpuKernels:
 
     def rope_(
         self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        positions: torch.Tensor,
-        cos_cache: torch.Tensor,
-        sin_cache: torch.Tensor,
+        q: Tensor,
+        k: Tensor,
+        positions: Tensor,
+        cos_cache: Tensor,
+        sin_cache: Tensor,
     ) -> bool:
         """Rotate q [tokens, heads, D] and k [tokens, kv_heads, D] in place by the cos/sin rows
         ([max_pos, D], contiguous) of int64 `positions`. False, untouched, for other layouts."""
@@ -211,9 +212,7 @@ class CpuKernels:
         )
         return True
 
-    def seeded_uniform(
-        self, seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int
-    ) -> torch.Tensor:
+    def seeded_uniform(self, seeds: Tensor, positions: Tensor, vocab_size: int) -> Tensor:
         """minisgl.engine.sampler.seeded_uniform, bit for bit: [rows, vocab] uniforms for int64
         seeds and positions [rows]."""
         seeds, positions = seeds.contiguous(), positions.contiguous()
@@ -230,11 +229,11 @@ class CpuKernels:
 
     def sample(
         self,
-        logits: torch.Tensor,
-        temperatures: torch.Tensor,
-        seeds: torch.Tensor,
-        positions: torch.Tensor,
-    ) -> torch.Tensor:
+        logits: Tensor,
+        temperatures: Tensor,
+        seeds: Tensor,
+        positions: Tensor,
+    ) -> Tensor:
         """Token ids [rows] (int64): argmax of softmax(logits / t) / -log(u) per row, u the seeded
         uniforms, greedy where the temperature is 0 (sampler.sample without filters)."""
         logits, ld = _rows(logits)
@@ -259,11 +258,11 @@ class CpuKernels:
 
     def store_kv(
         self,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        slots: torch.Tensor,
+        k: Tensor,
+        v: Tensor,
+        k_cache: Tensor,
+        v_cache: Tensor,
+        slots: Tensor,
     ) -> bool:
         """k_cache[slots] = k and v_cache[slots] = v for k, v [tokens, kv_heads, D] and caches
         [slots, kv_heads, D] (contiguous). False, untouched, for other layouts."""
@@ -286,14 +285,14 @@ class CpuKernels:
 
     def decode_attention(
         self,
-        q: torch.Tensor,
-        q_rows: torch.Tensor,
-        table_rows: torch.Tensor,
-        kv_lens: torch.Tensor,
-        page_table: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        out: torch.Tensor,
+        q: Tensor,
+        q_rows: Tensor,
+        table_rows: Tensor,
+        kv_lens: Tensor,
+        page_table: Tensor,
+        k_cache: Tensor,
+        v_cache: Tensor,
+        out: Tensor,
         scale: float,
         kv_scales: tuple[float, float] = (1.0, 1.0),
     ) -> None:
@@ -336,15 +335,15 @@ class CpuKernels:
     def decode_layers(
         self,
         stack: StackShape,
-        hidden: torch.Tensor,
-        positions: torch.Tensor,
-        out_slots: torch.Tensor,
-        page_table: torch.Tensor,
-        table_rows: torch.Tensor,
-        kv_lens: torch.Tensor,
-        pool_buffer: torch.Tensor,
-        kv_scales: torch.Tensor,
-        op_seconds: torch.Tensor | None = None,
+        hidden: Tensor,
+        positions: Tensor,
+        out_slots: Tensor,
+        page_table: Tensor,
+        table_rows: Tensor,
+        kv_lens: Tensor,
+        pool_buffer: Tensor,
+        kv_scales: Tensor,
+        op_seconds: Tensor | None = None,
     ) -> None:
         """Run every layer of a dense stack for a decode-only batch (see mg_decode_layers):
         hidden [seqs, hidden] (contiguous) holds the embeddings and receives the last layer's

@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from torch import Tensor
 
 from minisgl.kernels.weights import Fp8Tensor
 
@@ -84,7 +85,7 @@ def _fp8_linear(
     )
 
 
-def fp8_linear(x: torch.Tensor, w: Fp8Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def fp8_linear(x: Tensor, w: Fp8Tensor, bias: Tensor | None = None) -> Tensor:
     """x [..., in] (any float dtype) times `w` [out, in] transposed, plus bias: [..., out] in
     x's dtype."""
     rows = x.reshape(-1, x.shape[-1])

@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from torch import Tensor
 
 # Rows wider than this many elements take 8 warps (an RMSNorm over hidden 4096+).
 WIDE_ROW = 4096
@@ -84,15 +85,13 @@ def _rmsnorm_kernel(
     tl.store(out_ptr + row * out_row_stride + cols, out.to(dtype), mask=mask)
 
 
-def _rows(x: torch.Tensor) -> torch.Tensor:
+def _rows(x: Tensor) -> Tensor:
     """x as 2-D rows with unit column stride (a view when it already is one)."""
     x2 = x.reshape(-1, x.shape[-1])
     return x2 if x2.stride(-1) == 1 else x2.contiguous()
 
 
-def rmsnorm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
-) -> torch.Tensor:
+def rmsnorm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None) -> Tensor:
     """RMSNorm over the last dim of x (any leading shape): a new tensor of x's dtype. With
     `residual` (2-D rows with unit column stride, x's shape) it normalizes x + residual and
     stores that sum into `residual` (the fused residual add)."""
@@ -230,15 +229,15 @@ def _qk_norm_rope_kernel(
 
 
 def qk_norm_rope(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    positions: torch.Tensor,
-    cos_cache: torch.Tensor,
-    sin_cache: torch.Tensor,
-    q_weight: torch.Tensor | None,
-    k_weight: torch.Tensor | None,
+    q: Tensor,
+    k: Tensor,
+    positions: Tensor,
+    cos_cache: Tensor,
+    sin_cache: Tensor,
+    q_weight: Tensor | None,
+    k_weight: Tensor | None,
     eps: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[Tensor, Tensor]:
     """(rope(norm(q)), rope(norm(k))) as new contiguous tensors; no norm when the weights are
     None. q: [tokens, heads, head_dim], k: [tokens, kv_heads, head_dim], each head's values
     contiguous (views into the fused qkv projection are fine); positions: [tokens];
@@ -297,7 +296,7 @@ def _silu_mul_kernel(gate_up_ptr, out_ptr, gate_up_row_stride, num_cols, BLOCK: 
     tl.store(out_ptr + row * num_cols + cols, out.to(gate.dtype), mask=mask)
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+def silu_mul(gate_up: Tensor) -> Tensor:
     """silu(gate) * up for gate_up = [gate | up] along the last dim: [rows, 2 * n] -> [rows, n]."""
     x = _rows(gate_up)
     num_rows, width = x.shape
@@ -336,11 +335,11 @@ def _store_kv_kernel(
 
 
 def store_kv(
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slots: torch.Tensor,
+    k: Tensor,
+    v: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    slots: Tensor,
 ) -> bool:
     """k_cache[slots] = k and v_cache[slots] = v in one kernel. k, v: [tokens, kv_heads,
     head_dim]; caches: contiguous [slots, kv_heads, head_dim]. False (nothing written) when a

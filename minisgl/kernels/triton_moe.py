@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from torch import Tensor
 
 from minisgl.kernels.triton_fp8 import quantize_rows
 from minisgl.kernels.weights import FP8_GROUP
@@ -38,8 +39,8 @@ NUM_STAGES = 3
 
 
 def align_pairs_by_expert(
-    topk_ids: torch.Tensor, num_experts: int, block_m: int
-) -> tuple[torch.Tensor, torch.Tensor]:
+    topk_ids: Tensor, num_experts: int, block_m: int
+) -> tuple[Tensor, Tensor]:
     """Sort routed pairs by expert, each expert's run padded to a multiple of block_m.
 
     Returns (sorted_pair_ids [padded_len] int32, block_experts [padded_len // block_m] int32):
@@ -148,13 +149,13 @@ def _grouped_gemm_kernel(
 
 
 def fused_moe(
-    x: torch.Tensor,
-    gate_up: torch.Tensor,
-    down: torch.Tensor,
-    topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor,
-    scales: tuple[torch.Tensor, torch.Tensor] | None = None,
-) -> torch.Tensor:
+    x: Tensor,
+    gate_up: Tensor,
+    down: Tensor,
+    topk_weights: Tensor,
+    topk_ids: Tensor,
+    scales: tuple[Tensor, Tensor] | None = None,
+) -> Tensor:
     """Same contract as `moe_torch`: x [tokens, hidden]; gate_up [experts, 2 * inter, hidden];
     down [experts, hidden, inter]; topk_weights / topk_ids [tokens, top_k]. With `scales`
     (gate_up's and down's, [experts, rows, ceil(cols / FP8_GROUP)]) the weights are fp8 (an FP8
@@ -171,7 +172,7 @@ def fused_moe(
     sorted_pair_ids, block_experts = align_pairs_by_expert(topk_ids, num_experts, block_m)
     pair_weights = topk_weights.flatten().to(torch.float32).contiguous()
 
-    def grouped_gemm(a: torch.Tensor, w: torch.Tensor, n: int, is_gate_up: bool) -> torch.Tensor:
+    def grouped_gemm(a: Tensor, w: Tensor, n: int, is_gate_up: bool) -> Tensor:
         """One pass of the kernel over the sorted pairs: [pairs, n]."""
         out = torch.empty(num_pairs, n, dtype=x.dtype, device=x.device)
         assert a.stride(1) == 1 and w.stride(2) == 1, "the kernel assumes a unit stride along K"

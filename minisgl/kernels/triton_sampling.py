@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from torch import Tensor
 
 # Vocabulary entries a program handles per iteration (~37 iterations for Qwen3's 151,936).
 BLOCK = 4096
@@ -134,9 +135,7 @@ def _sample_kernel(
     tl.store(out_ptr + row, best_id.to(tl.int64))
 
 
-def sample(
-    logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor
-) -> torch.Tensor:
+def sample(logits: Tensor, temperatures: Tensor, seeds: Tensor, positions: Tensor) -> Tensor:
     """Token ids (int64 [rows]) drawn from logits ([rows, vocab], unit stride along the
     vocabulary; any float dtype) at float32 temperatures [rows] (0: greedy), with the seeded
     uniforms of int64 seeds and positions [rows]."""

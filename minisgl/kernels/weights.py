@@ -24,6 +24,7 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
+from torch import Tensor
 
 HUGE_PAGE_BYTES = 2 << 20  # x86-64 / arm64 transparent huge page size
 MAX_SEGMENTS = 4  # MG_MAX_SEGMENTS in csrc/common.h: block types in one merged weight
@@ -31,7 +32,7 @@ F32 = 0  # gguf.GGMLQuantizationType.F32: plain fp32 rows
 FP8_GROUP = 128  # columns per scale of a per-row or per-tensor FP8 weight (any width works)
 
 
-def huge_page_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+def huge_page_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
     """A zeroed CPU tensor in memory advised for transparent huge pages (Linux), else plain.
 
     Streaming the weights crosses a 4 KiB page every 1024 floats: with huge pages the TLB
@@ -54,7 +55,7 @@ def huge_page_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
 @dataclass(frozen=True)
 class QuantTensor:
     qtype: int  # gguf.GGMLQuantizationType
-    data: torch.Tensor  # uint8 [rows, row bytes]
+    data: Tensor  # uint8 [rows, row bytes]
     cols: int
 
     @property
@@ -62,7 +63,7 @@ class QuantTensor:
         return self.data.shape[0], self.cols
 
     @staticmethod
-    def of_float(t: torch.Tensor) -> QuantTensor:
+    def of_float(t: Tensor) -> QuantTensor:
         return QuantTensor(F32, t.float().contiguous().view(torch.uint8), t.shape[1])
 
     def narrow(self, dim: int, start: int, length: int) -> QuantTensor:
@@ -75,7 +76,7 @@ class QuantTensor:
         cut = self.data.narrow(1, start // block * block_bytes, length // block * block_bytes)
         return QuantTensor(self.qtype, cut, length)
 
-    def dequantize(self) -> torch.Tensor:
+    def dequantize(self) -> Tensor:
         """fp32 [rows, cols], as gguf (and transformers' GGUF loader) dequantizes."""
         rows = np.ascontiguousarray(self.data.numpy())
         return torch.from_numpy(np.array(dequantize(rows, GGMLQuantizationType(self.qtype))))
@@ -83,8 +84,8 @@ class QuantTensor:
 
 @dataclass(frozen=True)
 class Fp8Tensor:
-    data: torch.Tensor  # float8 [rows, cols]
-    scale: torch.Tensor  # fp32 [rows, ceil(cols / group)]: w = data * scale, group by group
+    data: Tensor  # float8 [rows, cols]
+    scale: Tensor  # fp32 [rows, ceil(cols / group)]: w = data * scale, group by group
     group: int  # columns per scale
 
     @property
@@ -92,7 +93,7 @@ class Fp8Tensor:
         return self.data.shape
 
     @staticmethod
-    def of_checkpoint(w: torch.Tensor, scale: torch.Tensor, block: Sequence[int]) -> Fp8Tensor:
+    def of_checkpoint(w: Tensor, scale: Tensor, block: Sequence[int]) -> Fp8Tensor:
         """`scale` as checkpoints store it: [ceil(rows / bn), ceil(cols / bk)] for (bn, bk)
         blocks (`weight_scale_inv`), [rows, 1] per row or one per tensor (`weight_scale`)."""
         (rows, cols), (bn, bk) = w.shape, block
@@ -103,7 +104,7 @@ class Fp8Tensor:
         by_row = scale.float().reshape(-1, 1).expand(rows, -(-cols // FP8_GROUP)).contiguous()
         return Fp8Tensor(w, by_row, FP8_GROUP)
 
-    def narrow(self, dim: int, start: int, length: int) -> Fp8Tensor | torch.Tensor:
+    def narrow(self, dim: int, start: int, length: int) -> Fp8Tensor | Tensor:
         """Rows or columns, as `torch.Tensor.narrow`: columns exact on group boundaries, else
         this piece dequantized (fp32)."""
         if dim % 2 == 0:
@@ -114,7 +115,7 @@ class Fp8Tensor:
         scale = self.scale.narrow(1, start // self.group, -(-length // self.group))
         return Fp8Tensor(self.data.narrow(1, start, length), scale, self.group)
 
-    def dequantize(self) -> torch.Tensor:
+    def dequantize(self) -> Tensor:
         scale = self.scale.repeat_interleave(self.group, 1)[:, : self.data.shape[1]]
         return self.data.float() * scale
 
@@ -126,12 +127,12 @@ class Fp8Tensor:
 
 
 # A checkpoint tensor as the loader hands it to a layer: plain, GGUF blocks or fp8.
-Weight = torch.Tensor | QuantTensor | Fp8Tensor
+Weight = Tensor | QuantTensor | Fp8Tensor
 
 
-def dense(t: Weight) -> torch.Tensor:
+def dense(t: Weight) -> Tensor:
     """A checkpoint tensor as a plain one (blocks and fp8 dequantized)."""
-    return t if isinstance(t, torch.Tensor) else t.dequantize()
+    return t if isinstance(t, Tensor) else t.dequantize()
 
 
 class WeightDesc(ctypes.Structure):
@@ -150,7 +151,7 @@ class PackedLinear:
     past `out_features` zero; or, with `segments` ((GGUF type, rows) each), GGUF block rows back
     to back (uint8). What `CpuKernels.linear` multiplies by, through `desc`."""
 
-    panels: torch.Tensor
+    panels: Tensor
     out_features: int
     in_features: int
     segments: tuple[tuple[int, int], ...] = ()

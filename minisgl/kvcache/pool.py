@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch import Tensor
 
 from minisgl.kernels.cpu_abi import FP8_KV_FORMATS
 from minisgl.kernels.gpu import layer_kernels
@@ -43,7 +44,7 @@ class KVPool:
         page_size: int,
         dtype: torch.dtype,
         device: torch.device,
-        scales: torch.Tensor | None = None,
+        scales: Tensor | None = None,
     ) -> None:
         """dtype: what the pool stores; scales: fp8's, [layers, 2 (k, v)] (default 1.0)."""
         self.shape = shape
@@ -65,13 +66,13 @@ class KVPool:
         self.layer_scales: list[tuple[float, float]] = [(k, v) for k, v in self.scales.tolist()]
         self._store_kernels = None if self.fp8 else layer_kernels(device, dtype)  # fp8: torch's
 
-    def k_cache(self, layer_id: int) -> torch.Tensor:
+    def k_cache(self, layer_id: int) -> Tensor:
         return self.buffer[layer_id, 0]
 
-    def v_cache(self, layer_id: int) -> torch.Tensor:
+    def v_cache(self, layer_id: int) -> Tensor:
         return self.buffer[layer_id, 1]
 
-    def store(self, layer_id: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    def store(self, layer_id: int, slots: Tensor, k: Tensor, v: Tensor) -> None:
         """Write this batch's new K/V ([tokens, kv_heads, head_dim]) at `slots` ([tokens]): both
         in one kernel where one applies (Triton on CUDA, the C kernels for fp32 on CPU; each
         declines layouts it does not take), else two index copies."""
@@ -90,8 +91,8 @@ class KVPool:
         v_cache.index_copy_(0, slots, v)
 
     def dequantize(
-        self, layer_id: int, k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self, layer_id: int, k: Tensor, v: Tensor, dtype: torch.dtype
+    ) -> tuple[Tensor, Tensor]:
         """K and V read from this layer's caches, in `dtype` (fp8 times the layer's scales)."""
         if not self.fp8:
             return k, v

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch import Tensor
 
 from minisgl.kvcache.base import MatchResult, PrefixCache
 
@@ -32,7 +33,7 @@ _HEAP_MAX_ENTRIES_PER_LEAF = 2
 _HEAP_MIN_REBUILD_LEN = 64
 
 
-def _empty_slots() -> torch.Tensor:
+def _empty_slots() -> Tensor:
     return torch.empty(0, dtype=torch.int64)
 
 
@@ -48,7 +49,7 @@ def _common_len(key: list[int], tokens: list[int], start: int, page_size: int) -
 @dataclass(eq=False, slots=True)  # eq=False: nodes compare and hash by identity
 class _Node:
     key: list[int]
-    slot_indices: torch.Tensor
+    slot_indices: Tensor
     parent: _Node | None  # None for the root and for evicted (detached) nodes
     node_id: int  # unique heap tie-breaker (nodes themselves are not orderable)
     last_access: int  # logical clock, not wall time: deterministic LRU
@@ -103,7 +104,7 @@ class RadixCache(PrefixCache):
                 self.protected_size -= len(node.key)
                 self._refresh_candidate(node)
 
-    def insert(self, token_ids: Sequence[int], slot_indices: torch.Tensor) -> int:
+    def insert(self, token_ids: Sequence[int], slot_indices: Tensor) -> int:
         tokens = list(token_ids)
         assert len(tokens) == len(slot_indices), (
             f"insert: {len(tokens)} token ids but {len(slot_indices)} slot indices"
@@ -123,8 +124,8 @@ class RadixCache(PrefixCache):
             self._refresh_candidate(node)  # it has a child now, so it is no longer a candidate
         return prefix_len
 
-    def evict(self, num_tokens: int) -> torch.Tensor:
-        released: list[torch.Tensor] = []
+    def evict(self, num_tokens: int) -> Tensor:
+        released: list[Tensor] = []
         released_len = 0
         while released_len < num_tokens and self._evictable_leaves:
             last_access, _, node = heapq.heappop(self._lru_heap)
@@ -141,7 +142,7 @@ class RadixCache(PrefixCache):
             self._refresh_candidate(parent)  # may have just become an unlocked leaf
         return torch.cat(released) if released else _empty_slots()
 
-    def reset(self) -> torch.Tensor:
+    def reset(self) -> Tensor:
         assert self.protected_size == 0, "reset while a prefix is locked"
         slots = [node.slot_indices for node in self._iter_nodes()]
         self._clear()
@@ -149,13 +150,13 @@ class RadixCache(PrefixCache):
 
     # ---- tree mechanics ---------------------------------------------------------------------
 
-    def _walk(self, tokens: list[int]) -> tuple[_Node, list[torch.Tensor]]:
+    def _walk(self, tokens: list[int]) -> tuple[_Node, list[Tensor]]:
         """Descend along page-aligned `tokens`, splitting the last node if the match ends inside
         it, and touch every node on the way. Returns the deepest matched node (the root if
         nothing matched) and the matched slot tensors in path order."""
         self._clock += 1
         node, pos = self._root, 0
-        chunks: list[torch.Tensor] = []
+        chunks: list[Tensor] = []
         while pos < len(tokens):
             child = node.children.get(self._page_key(tokens, pos))
             if child is None:
@@ -241,5 +242,5 @@ class RadixCache(PrefixCache):
 class NaiveCache(RadixCache):
     """No reuse (`--cache-type naive`): a tree that takes nothing offered, so matches nothing."""
 
-    def insert(self, token_ids: Sequence[int], slot_indices: torch.Tensor) -> int:
+    def insert(self, token_ids: Sequence[int], slot_indices: Tensor) -> int:
         return len(token_ids)

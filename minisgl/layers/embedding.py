@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import nn
+from torch import Tensor, nn
 
 from minisgl.distributed import all_gather_last_dim, all_reduce, get_tp_info
 from minisgl.kernels.weights import QuantTensor, Weight, dense, huge_page_zeros
@@ -31,12 +31,12 @@ class VocabParallelEmbedding(PackedWeight):
         else:  # fp8, and blocks that leave padded rows, dequantized
             param.data[:rows].copy_(dense(piece))
 
-    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
+    def _lookup(self, ids: Tensor) -> Tensor:
         if self.packed is not None and self.packed.segments and self._kernels is not None:
             return self._kernels.embed(self.packed, ids)
         return F.embedding(ids, self.weight)
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: Tensor) -> Tensor:
         if get_tp_info().size == 1:
             return self._lookup(input_ids)
         local = input_ids - self.vocab_start
@@ -55,16 +55,16 @@ class ParallelLMHead(VocabParallelEmbedding):
     # each step costs page faults twice over: glibc maps blocks over 32 MiB afresh and unmaps
     # them on free (a tiny model's step: 35 -> 23 ms at 64 rows, RESULTS.md section 12).
     # So the logits are valid until the next step's, as a CUDA graph's static output is.
-    _logits_buffer: torch.Tensor | None = None
+    _logits_buffer: Tensor | None = None
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: Tensor) -> Tensor:
         out = None
         if self.packed is not None:
             rows = hidden.reshape(-1, hidden.shape[-1]).shape[0]
             out = self._logits_out(rows, self.packed.out_features, hidden.dtype)
         return all_gather_last_dim(self.matmul(hidden, None, out))[..., : self.vocab_size]
 
-    def _logits_out(self, rows: int, vocab: int, dtype: torch.dtype) -> torch.Tensor:
+    def _logits_out(self, rows: int, vocab: int, dtype: torch.dtype) -> Tensor:
         buffer = self._logits_buffer
         if buffer is None or buffer.shape[0] < rows or buffer.dtype != dtype:
             grown = 0 if buffer is None else 2 * buffer.shape[0]  # batches ramp up a row at a time

@@ -20,14 +20,14 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
-from torch import nn
+from torch import Tensor, nn
 
 from minisgl.distributed import all_reduce, divide, get_tp_info
 from minisgl.kernels.cpu_ops import CpuKernels
 from minisgl.kernels.weights import Fp8Tensor, PackedLinear, QuantTensor, Weight
 
 
-def frozen(t: torch.Tensor) -> nn.Parameter:
+def frozen(t: Tensor) -> nn.Parameter:
     """`t` as a parameter that no gradient touches (the loader fills it)."""
     return nn.Parameter(t, requires_grad=False)
 
@@ -47,7 +47,7 @@ class PackedWeight(nn.Module):
     packed: PackedLinear | None = None  # the weight in the kernels' layout, once repacked
     quant: dict[int, QuantTensor | Fp8Tensor] | None = None  # loaded in its place, by part
     fp8: Fp8Tensor | None = None  # the weight as fp8, multiplied by `_fp8_linear`
-    _fp8_linear: Callable[..., torch.Tensor] | None = None
+    _fp8_linear: Callable[..., Tensor] | None = None
 
     def use_cpu_kernels(self, kernels: CpuKernels, keep_weight: bool = False) -> None:
         """Repack the loaded weight for `kernels` (call after loading) and free the original
@@ -62,7 +62,7 @@ class PackedWeight(nn.Module):
         if not keep_weight:
             self.weight = freed(self.weight)
 
-    def use_fp8(self, fp8_linear: Callable[..., torch.Tensor]) -> None:
+    def use_fp8(self, fp8_linear: Callable[..., Tensor]) -> None:
         """Multiply by the FP8 parts loaded in place of the weight (after loading)."""
         parts = [p for _, p in sorted((self.quant or {}).items()) if isinstance(p, Fp8Tensor)]
         if len(parts) != (len(self.part_names) if isinstance(self, ColumnParallelLinear) else 1):
@@ -70,17 +70,15 @@ class PackedWeight(nn.Module):
         self.fp8 = Fp8Tensor.cat(parts, self.weight.device)
         self.quant, self._fp8_linear, self.weight = None, fp8_linear, freed(self.weight)
 
-    def _place(self, piece: Weight, part: int, dest: torch.Tensor) -> None:
+    def _place(self, piece: Weight, part: int, dest: Tensor) -> None:
         """This rank's piece of a checkpoint tensor (of merged part `part`): copied into `dest`,
         or kept as blocks or fp8 (`quant`; an fp8 cut inside a group comes dense)."""
-        if isinstance(piece, torch.Tensor):
+        if isinstance(piece, Tensor):
             dest.copy_(piece)
         else:
             self.quant = {**(self.quant or {}), part: piece}
 
-    def matmul(
-        self, x: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor | None = None
-    ) -> torch.Tensor:
+    def matmul(self, x: Tensor, bias: Tensor | None, out: Tensor | None = None) -> Tensor:
         """x W^T + bias; with the kernels, into `out` when given ([rows, out], contiguous)."""
         if self._kernels is not None and self.packed is not None:
             return self._kernels.linear(x, self.packed, bias, out)
@@ -118,7 +116,7 @@ class ColumnParallelLinear(PackedWeight):
         self.weight = frozen(torch.empty(out, input_size))
         self.bias = frozen(torch.empty(out)) if bias else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: Tensor) -> Tensor:
         return self.matmul(x, self.bias)
 
     def load_part(self, param: nn.Parameter, full: Weight, part: str) -> None:
@@ -142,7 +140,7 @@ class RowParallelLinear(PackedWeight):
         # The bias is added once, after the reduction, so it is held whole on every rank.
         self.bias = frozen(torch.empty(output_size)) if bias else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: Tensor) -> Tensor:
         y = all_reduce(self.matmul(x, None))
         return y if self.bias is None else y + self.bias
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch import nn
+from torch import Tensor, nn
 
 from minisgl.distributed import all_reduce, divide, get_tp_info
 from minisgl.kernels.gpu import triton_kernels
@@ -63,7 +63,7 @@ class TopKRouter(nn.Module):
         self.norm_topk_prob = cfg.norm_topk_prob
         self.weight = frozen(torch.empty(cfg.num_experts, hidden_size))
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """x: [tokens, hidden] -> (weights [tokens, top_k] fp32, expert ids [tokens, top_k])."""
         probs = torch.softmax(F.linear(x, self.weight), dim=-1, dtype=torch.float32)
         weights, expert_ids = torch.topk(probs, self.top_k, dim=-1)
@@ -95,10 +95,10 @@ class Experts(nn.Module):
             self.down_proj.is_cuda
             and triton_kernels("triton_fused", self.down_proj.device) is not None
         )
-        self._fp8_pieces: dict[tuple[int, str], Fp8Tensor | torch.Tensor] = {}
+        self._fp8_pieces: dict[tuple[int, str], Fp8Tensor | Tensor] = {}
 
     def load_piece(
-        self, name: str, full: torch.Tensor | Fp8Tensor, piece: str, expert: int | None
+        self, name: str, full: Tensor | Fp8Tensor, piece: str, expert: int | None
     ) -> None:
         """Copy this rank's slice of one projection (`piece`): of one expert (the hub layout,
         `experts.{expert}.{piece}.weight`), or of every expert at once (expert None; stacked
@@ -120,7 +120,7 @@ class Experts(nn.Module):
         else:
             self._write(experts, piece, dense(cut))
 
-    def _write(self, experts: int | slice, piece: str, cut: torch.Tensor) -> None:
+    def _write(self, experts: int | slice, piece: str, cut: Tensor) -> None:
         """This rank's slice of one projection into the weights, of one expert or all."""
         if piece == DOWN_PIECE:
             self.down_proj.data[experts].copy_(cut)
@@ -148,7 +148,7 @@ class Experts(nn.Module):
         self.gate_up_proj, self.down_proj = freed(self.gate_up_proj), freed(self.down_proj)
         return True
 
-    def load_fused(self, name: str, full: torch.Tensor, param: nn.Parameter) -> None:
+    def load_fused(self, name: str, full: Tensor, param: nn.Parameter) -> None:
         """Copy this rank's slice of a fused tensor (transformers 5.x in-memory layout)."""
         if param is self.down_proj:
             self.load_piece(name, full, DOWN_PIECE, None)
@@ -157,9 +157,7 @@ class Experts(nn.Module):
         for piece, part in zip(GATE_UP_PIECES, full.split(self.full_inter, dim=1), strict=True):
             self.load_piece(name, part, piece, None)
 
-    def forward(
-        self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
-    ) -> torch.Tensor:
+    def forward(self, x: Tensor, topk_weights: Tensor, topk_ids: Tensor) -> Tensor:
         if self.fp8 is not None or self.use_triton:
             from minisgl.kernels.triton_moe import fused_moe
 
@@ -171,7 +169,7 @@ class Experts(nn.Module):
         return moe_torch(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids)
 
 
-def _check_shape(name: str, tensor: torch.Tensor | Fp8Tensor, expected: tuple[int, ...]) -> None:
+def _check_shape(name: str, tensor: Tensor | Fp8Tensor, expected: tuple[int, ...]) -> None:
     if tuple(tensor.shape) != expected:
         raise ValueError(
             f"weight '{name}': checkpoint shape {tuple(tensor.shape)}, expected {expected} "
@@ -180,12 +178,12 @@ def _check_shape(name: str, tensor: torch.Tensor | Fp8Tensor, expected: tuple[in
 
 
 def moe_torch(
-    x: torch.Tensor,
-    gate_up: torch.Tensor,
-    down: torch.Tensor,
-    topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor,
-) -> torch.Tensor:
+    x: Tensor,
+    gate_up: Tensor,
+    down: Tensor,
+    topk_weights: Tensor,
+    topk_ids: Tensor,
+) -> Tensor:
     """Reference path (CPU): loop over the experts that received tokens.
 
     x [tokens, hidden]; gate_up [experts, 2 * inter, hidden]; down [experts, hidden, inter];
@@ -218,6 +216,6 @@ class SparseMoeBlock(nn.Module):
         self.gate = TopKRouter(hidden_size, cfg)  # HF name: mlp.gate.weight
         self.experts = Experts(hidden_size, cfg)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: Tensor) -> Tensor:
         topk_weights, topk_ids = self.gate(x)
         return all_reduce(self.experts(x, topk_weights, topk_ids))

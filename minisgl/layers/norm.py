@@ -4,7 +4,7 @@ fp32 through the CPU kernels, elsewhere in torch ops (`_reference`, what both mu
 from __future__ import annotations
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from minisgl.kernels.cpu_ops import CpuKernels
 from minisgl.kernels.gpu import layer_kernels
@@ -18,14 +18,12 @@ class RMSNorm(nn.Module):
         self.weight = frozen(torch.ones(size))
         self.kernels = layer_kernels(self.weight.device, self.weight.dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: Tensor) -> Tensor:
         if self.kernels is not None and x.dim() == 2:
             return self.kernels.rmsnorm(x, self.weight, self.eps)
         return self._reference(x)
 
-    def forward_residual(
-        self, x: torch.Tensor, residual: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward_residual(self, x: Tensor, residual: Tensor) -> tuple[Tensor, Tensor]:
         """(norm(x + residual), x + residual): a pre-norm decoder's residual add and norm in
         one pass. `residual` may be updated in place and returned: callers hand it over."""
         if self.kernels is not None and x.dim() == 2 and residual.is_contiguous():
@@ -33,7 +31,7 @@ class RMSNorm(nn.Module):
         residual = x + residual
         return self._reference(residual), residual
 
-    def forward_heads_(self, x: torch.Tensor) -> torch.Tensor:
+    def forward_heads_(self, x: Tensor) -> Tensor:
         """Normalize every head of x [tokens, heads, head_dim] (Qwen3's q/k norm), in place
         where the C kernels apply; returns the result either way."""
         kernels = self.kernels
@@ -41,7 +39,7 @@ class RMSNorm(nn.Module):
             return x
         return self._reference(x)
 
-    def _reference(self, x: torch.Tensor) -> torch.Tensor:
+    def _reference(self, x: Tensor) -> Tensor:
         # Compute in fp32 like the HF reference, then return in the input dtype.
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import ctypes
 from typing import TYPE_CHECKING, cast
 
-import torch
+from torch import Tensor
 
 from minisgl.distributed import get_tp_info
 from minisgl.kernels.cpu_abi import LayerWeights, StackShape, ptr
@@ -37,7 +37,7 @@ class CpuDecodeStack:
         self._layers = layers  # what `shape.layers` points into (the tensors are the model's)
         # float64 [len(DECODE_OPS)]: when set, each step adds its per-op wall time here
         # (benchmark/offline/profile_decode.py).
-        self.op_seconds: torch.Tensor | None = None
+        self.op_seconds: Tensor | None = None
 
     @staticmethod
     def build(model: CausalLM, kernels: CpuKernels) -> CpuDecodeStack | None:
@@ -84,12 +84,12 @@ class CpuDecodeStack:
 
     def forward(
         self,
-        token_table: torch.Tensor,
-        page_table: torch.Tensor,
-        table_rows: torch.Tensor,
-        positions: torch.Tensor,
+        token_table: Tensor,
+        page_table: Tensor,
+        table_rows: Tensor,
+        positions: Tensor,
         pool: KVPool,
-    ) -> torch.Tensor:
+    ) -> Tensor:
         """The model's forward for a decode-only batch: sequence i computes the token at
         positions[i] of table row table_rows[i] (int64 [seqs]) and samples. Writes each token's
         K/V to that position's slot of the pool; returns logits [seqs, vocab] in fp32."""

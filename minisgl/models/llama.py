@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import nn
+from torch import Tensor, nn
 
 from minisgl.attention.context import get_forward_context
 from minisgl.distributed import divide, get_tp_info
@@ -59,7 +59,7 @@ class Attention(nn.Module):
         # norm and rope of every head in one kernel
         self.fused = triton_kernels("triton_fused", torch.get_default_device())
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(self, positions: Tensor, hidden: Tensor) -> Tensor:
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden).split(self.qkv_proj.shard_sizes, dim=-1)
         q, k, v = (x.view(num_tokens, -1, self.head_dim) for x in qkv)  # [tokens, heads, D]
@@ -93,7 +93,7 @@ class MLP(nn.Module):
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias)
         self.kernels = layer_kernels()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: Tensor) -> Tensor:
         gate_up = self.gate_up_proj(x)
         if self.kernels is not None:
             return self.down_proj(self.kernels.silu_mul(gate_up))
@@ -112,8 +112,8 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg) if moe is None else SparseMoeBlock(cfg.hidden_size, moe)
 
     def forward(
-        self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self, positions: Tensor, hidden: Tensor, residual: Tensor | None
+    ) -> tuple[Tensor, Tensor]:
         """Pre-norm residual stream, carried as (this layer's output, the residual before it):
         the next norm adds them in the same pass (`forward_residual`). The sums are the HF
         model's `hidden + attn(norm(hidden))`, in the same order and dtype."""
@@ -151,12 +151,10 @@ class CausalLM(nn.Module):
         # An FP8 checkpoint's KV cache scales, [layers, 2 (k, v)] (the loader sets them).
         self.kv_scales = torch.ones(cfg.num_layers, 2, device="cpu")
 
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, logit_indices: torch.Tensor
-    ) -> torch.Tensor:
+    def forward(self, input_ids: Tensor, positions: Tensor, logit_indices: Tensor) -> Tensor:
         """input_ids, positions: [tokens]; returns logits [len(logit_indices), vocab] in fp32."""
         hidden = self.model.embed_tokens(input_ids)
-        residual: torch.Tensor | None = None
+        residual: Tensor | None = None
         for layer in self.model.layers:
             hidden, residual = layer(positions, hidden, residual)
         assert residual is not None  # (config.json has layers)

@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from safetensors import safe_open
-from torch import nn
+from torch import Tensor, nn
 
 from minisgl.config import ServerArgs
 from minisgl.kernels.cpu_ops import CpuKernels
@@ -109,7 +109,7 @@ def _safetensors(model_dir: Path, keep_fp8: bool) -> Iterator[tuple[str, Weight]
         logger.info("FP8 checkpoint: %d weights %s", num_fp8, how)
 
 
-def _fp8(name: str, w: torch.Tensor, where: dict, block: Sequence[int]) -> Fp8Tensor:
+def _fp8(name: str, w: Tensor, where: dict, block: Sequence[int]) -> Fp8Tensor:
     scale_name = next((f"{name}_scale{s}" for s in ("_inv", "") if f"{name}_scale{s}" in where), "")
     if not scale_name or w.dim() != 2:
         raise ValueError(f"FP8 weight '{name}' has no weight_scale_inv or weight_scale, or not 2-D")
