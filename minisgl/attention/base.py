@@ -70,8 +70,8 @@ _ARRAY_CODES = {torch.int64: "q", torch.int32: "i", torch.float32: "f"}
 
 def host_tensor(values: Sequence[Any] | Tensor, dtype: torch.dtype) -> Tensor:
     """A 1-D host tensor of `values` as `dtype`. From a list of Python numbers it goes through
-    `array.array` and `torch.frombuffer` (no copy): ~4x faster than `torch.tensor`, which
-    costs ~0.2-0.3 us an element here, several a step for every running request."""
+    `array.array` and `torch.frombuffer` (no copy), well ahead of `torch.tensor`'s per-element
+    cost, paid several times a step for every running request (RESULTS.md section 15)."""
     code = _ARRAY_CODES.get(dtype)
     if isinstance(values, Tensor) or code is None or not len(values):
         return torch.as_tensor(values, dtype=dtype)
@@ -97,21 +97,11 @@ def stage(
 
 class AttentionBackend(ABC):
     """Computes attention for a mixed batch (prefill chunks with cached prefixes, and decodes)
-    directly from the paged KV pool.
-
-    Contract: `prepare` runs once per forward and returns metadata reused by every layer;
-    `forward` first stores the layer's new K/V at `batch.out_slots`, then returns attention
-    output of shape [tokens, heads, head_dim] for q of shape [tokens, heads, head_dim].
-
-    CUDA graphs (decode-only batches): a backend with `supports_graphs` lets the engine capture
-    its `forward` for fixed batch sizes. The engine owns static input buffers (table rows, KV
-    lengths, output slots) sized for the largest graph; before capturing it calls
-    `init_graph_state` once, then `prepare_graph` for each batch size (capturing=True) and
-    captures the forward with the metadata returned. Before every replay it fills its static
-    buffers and calls `prepare_graph` again (capturing=False) with the same tensors: the backend
-    must then refresh, in place, whatever the captured kernels read (never allocate a tensor the
-    graph reads after capture). Padding sequences point at a dummy table row with KV length 1.
-    """
+    directly from the paged KV pool. `prepare` runs once per forward and returns metadata every
+    layer reuses; `forward` stores the layer's new K/V at `batch.out_slots`, then returns the
+    output [tokens, heads, head_dim]. A backend with `supports_graphs` also serves CUDA graphs
+    (docs/architecture.md, "CUDA graphs"): `prepare_graph` over the engine's static buffers
+    refreshes in place whatever the captured kernels read, and never allocates what they read."""
 
     supports_graphs: ClassVar[bool] = False
 
@@ -131,9 +121,12 @@ class AttentionBackend(ABC):
     ) -> Tensor: ...
 
     def init_graph_state(self, max_batch_size: int) -> None:
-        """Allocate buffers that captured graphs read (for up to `max_batch_size` decodes)."""
+        """Allocate buffers that captured graphs read (for up to `max_batch_size` decodes); the
+        engine calls it once, before any `prepare_graph`."""
         raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")
 
     def prepare_graph(self, batch: AttentionBatch, capturing: bool) -> Any:
-        """Metadata for a decode-only batch over the engine's static buffers (see class doc)."""
+        """Metadata for a decode-only batch over the engine's static buffers: for a capture
+        (`capturing`), then before every replay with the same tensors. Padding sequences point at
+        a dummy table row with KV length 1."""
         raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")

@@ -1,18 +1,10 @@
 """FlashInfer attention on CUDA: paged prefill (with cached prefixes) and paged decode.
 
-FlashInfer reads K/V by page: our pool's `[slots, kv_heads, head_dim]` buffer of a layer is
-viewed as `[pages, page_size, kv_heads, head_dim]` (NHD), and each sequence's page ids are
-`page_table[row, 0::page_size] // page_size`. The new tokens' K/V are stored in the pool first,
-so every sequence (prefill chunk or decode) attends to pages only: one wrapper call per layer.
-
-Per forward: one `plan` (host-side work scheduling; index arrays built on the device, lengths
-from the host) shared by every layer. Decode-only batches use the decode wrapper, with tensor
-cores when the GQA group is large enough to feed them (as SGLang decides); batches with any
-prefill chunk use the prefill wrapper for all sequences (decodes are one-query "prefills").
-
-CUDA graphs: one decode wrapper per captured batch size, in FlashInfer's graph mode over fixed
-index buffers that `prepare_graph` refills (and re-plans) before every replay.
-"""
+A layer's pool buffer is viewed as FlashInfer's NHD pages; new K/V are stored first, so every
+sequence attends to pages only. One `plan` per forward serves every layer: the decode wrapper
+for decode-only batches (tensor cores for large GQA groups, as SGLang decides), else the prefill
+wrapper for all (decodes as one-query prefills). CUDA graphs: one decode wrapper per captured
+size, over fixed index buffers that `prepare_graph` re-plans before every replay."""
 
 from __future__ import annotations
 

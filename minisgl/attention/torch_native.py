@@ -1,12 +1,9 @@
 """Attention in plain torch (SDPA) over the paged pool: the CPU path and the CUDA fallback.
 
-Decodes (one query each) are grouped by KV length into a few padded SDPA calls; prefill chunks
-run one SDPA call per sequence with a causal mask offset by the cached prefix length.
-
-On CPU in fp32 the decodes instead go to one paged-attention kernel call (minisgl/kernels) that
-reads K/V straight from the pool through the page table, with no gather and no padding, and the
-new K/V are stored by one kernel call. The SDPA path stays the reference (and the CUDA path).
-"""
+Decodes (one query each) are grouped by KV length into a few padded SDPA calls; each prefill
+chunk is one SDPA call, causal after its cached prefix. On CPU in fp32 the decodes go instead
+to one paged-attention kernel call (minisgl/kernels) that reads K/V through the page table with
+no gather or padding. The SDPA path stays the reference."""
 
 from __future__ import annotations
 

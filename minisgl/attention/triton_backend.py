@@ -1,14 +1,10 @@
-"""Attention with our own Triton kernels: works on any CUDA GPU, and in Triton's interpreter on
-CPU (TRITON_INTERPRET=1, slow: that is how CI checks the kernels).
+"""Attention with our own Triton kernels (kernels/triton_attention.py): any CUDA GPU, and Triton's
+interpreter on CPU (TRITON_INTERPRET=1, slow: how CI checks them). This is the host side: tile
+sizes, launch grids, scratch and the extend kernel's query-block map.
 
-Decode-only batches run the split-KV decode kernel, whose launches depend only on the batch size
-and read every length from device tensors, so the engine can capture them in CUDA graphs. Any
-other batch (prefill chunks, possibly with decodes mixed in) runs the extend kernel, which takes
-every query's K/V, cached prefix and new tokens alike, from the pool through the page table.
-
-This module is the host side: tile sizes, launch grids, scratch and the extend kernel's
-query-block map. See `triton_kernels` for the device code.
-"""
+Decodes run the split-KV decode kernel, whose launches depend only on the batch size (so CUDA
+graphs capture them); prefill chunks run the extend kernel, which reads every query's K/V,
+cached prefix and new tokens alike, through the page table."""
 
 from __future__ import annotations
 

@@ -1,11 +1,8 @@
 """What the engine needs from the device beyond tensors: a stream, events, host staging, NVTX.
 
 On CPU every piece is a no-op or a plain copy, so the scheduler and the engine have one code
-path; nothing here touches CUDA unless the device is CUDA (nothing CUDA-only at import time).
-
-Host values reach the device staged (`minisgl.attention.base.stage`): a pinned buffer and one
-non-blocking copy, so the scheduler never stalls behind the batch in flight.
-"""
+path; nothing CUDA-only runs at import time. Host values reach the device staged
+(`minisgl.attention.base.stage`), so the scheduler never stalls behind the batch in flight."""
 
 from __future__ import annotations
 

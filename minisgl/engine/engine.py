@@ -1,14 +1,10 @@
 """The engine: model weights, paged KV pool, token/page tables, attention backend and sampler.
 
-One engine per tensor-parallel rank. It knows nothing of requests or queues: the scheduler hands
-it a `ForwardBatch` (which table rows, which positions) and gets a `PendingOutput` back.
-Input ids are read from the device-side token table, and sampled ids are written back there, so
-the next batch can be launched before this one's tokens reach the host (overlap scheduling).
-
-On CUDA, `forward` only launches work on the engine's stream: host metadata goes over in staged
-non-blocking copies, sampled ids come back in a non-blocking copy, and the only wait is in
-`PendingOutput.result()`. Decode-only steps replay CUDA graphs (engine/graph.py).
-"""
+One engine per tensor-parallel rank, knowing nothing of requests: the scheduler hands it a
+`ForwardBatch` (table rows, positions) and gets a `PendingOutput` back. Input ids come from the
+device-side token table and sampled ids go back there, so the next batch can launch before this
+one's tokens reach the host; on CUDA `forward` only queues work on the engine's stream, and the
+only wait is in `PendingOutput.result()`. Decode-only steps replay CUDA graphs (graph.py)."""
 
 from __future__ import annotations
 

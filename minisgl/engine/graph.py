@@ -1,19 +1,10 @@
-"""CUDA graphs for decode: capture once per padded batch size, replay for decode-only steps.
+"""CUDA graphs for decode: capture once per padded batch size, replay for decode-only steps (one
+launch instead of a few hundred small kernels).
 
-A decode step launches a few hundred small kernels (a dozen per layer); on a GPU their launch
-cost exceeds their run time at small batches. A captured graph replays them with one launch.
-
-Shapes are frozen at capture, so batches are padded up to the next captured size. Padding
-entries point at the dummy table row (position 0, KV length 1), whose only slot is the pool's
-dummy page: they compute garbage nobody reads, and no real request's KV is touched.
-
-The same runner works without capture (CPU, or `capture=False`): it pads the batch and runs the
-forward eagerly over the same static buffers. That is what CI checks on CPU: a padded batch
-gives the tokens of the unpadded one.
-
-Mixed steps (prefill chunks + decodes) always run eagerly: their shapes vary every step, and
-their cost is dominated by the prefill's matmuls, not by launches.
-"""
+Batches are padded to the next captured size; padding entries point at the dummy table row,
+whose only slot is the pool's dummy page, so no request's KV is touched. Without capture (CPU)
+the runner pads and runs eagerly over the same buffers: what CI checks. Mixed steps always run
+eagerly (their shapes vary, and the prefill's matmuls dominate them)."""
 
 from __future__ import annotations
 

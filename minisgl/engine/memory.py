@@ -1,12 +1,9 @@
 """How many KV pages fit: a fixed budget on CPU, what is left of the GPU after everything else.
 
-On CUDA, after the weights are loaded, one warm-up forward at the largest prefill chunk measures
-the activation peak (it also compiles/JITs the attention kernels before the first request). The
-pool then gets `mem_fraction_static` of the device, minus what other processes and our weights
-already hold, minus that peak, minus a reserve for CUDA graphs and the sampler's [batch, vocab]
-temporaries. Every number is logged. All of it runs before the pool exists: the engine builds
-the pool from the number planned here.
-"""
+On CUDA one warm-up forward at the largest prefill chunk measures the activation peak (and
+compiles the attention kernels); the pool gets `mem_fraction_static` of the device less what is
+held already, that peak, and reserves for CUDA graphs and the sampler, every figure logged.
+It all runs before the pool exists: the engine builds it from the number planned here."""
 
 from __future__ import annotations
 

@@ -1,14 +1,10 @@
 """Batched sampling: the logits processors (structured-output mask, logit_bias, min_tokens
 bans, penalties), temperature, top-k / top-p / min-p, seeded draws, logprobs.
 
-The processors return new logits (out of place: the raw ones stay what logprobs report, and
-may be a CUDA graph's static output) and cost nothing for a batch that does not use them.
-
-Randomness is counter-based: the uniform number for (request seed, token position, vocab id) is
-a hash of those three integers. A request's draws therefore depend only on its own seed and
-position: reproducible whatever else is in the batch, identical on every tensor-parallel rank,
-and free of per-request generator objects.
-"""
+The processors work out of place (the raw logits stay what logprobs report) and cost nothing
+for a batch that does not use them. Randomness is counter-based: a uniform is a hash of
+(request seed, position, vocab id), so a request's draws are reproducible whatever else is in
+the batch and identical on every tensor-parallel rank."""
 
 from __future__ import annotations
 
@@ -48,7 +44,7 @@ def seeded_uniform(
 ) -> Tensor:
     """Uniform (0, 1) numbers of shape [rows, vocab] for int64 seeds and positions [rows]; a
     pure function of (seed, position, id). With the CPU kernels one call computes the same bits
-    (the tensor formula costs ~1 ms per row of a 49k vocabulary)."""
+    (the tensor formula makes a dozen int64 [rows, vocab] temporaries)."""
     if kernels is not None:
         return kernels.seeded_uniform(seeds, positions, vocab_size)
     ids = torch.arange(vocab_size, device=seeds.device, dtype=torch.int64)
@@ -87,7 +83,7 @@ def apply_vocab_mask(logits: Tensor, sb: SamplingBatch) -> Tensor:
 
     The packed words are read as bytes (little-endian: byte i of word w holds tokens
     32w + 8i .. 32w + 8i + 7) and each byte looks up its 8 biases in a table: one gather and
-    one add, ~30x faster on CPU than unpacking bit by bit."""
+    one add instead of unpacking bit by bit (RESULTS.md section 8)."""
     if sb.mask_rows is None or sb.mask_bits is None:
         return logits
     vocab_size = logits.shape[-1]
@@ -118,11 +114,9 @@ def apply_penalties(logits: Tensor, sb: SamplingBatch) -> Tensor:
     """Repetition (HF / vLLM: positive logits divided, negative multiplied) on every token of
     prompt or output; then frequency x count and presence for tokens of the output (OpenAI).
 
-    Only the tokens a row has seen change, so the work is on [rows, length] tensors: each row's
-    history sorted by (token, output first), so the first position of each token's run stands
-    for that token and knows its output count. One copy of the logits (with a spare column that
-    positions past a row's end write into) takes every new value in one scatter. Fixed shapes
-    throughout: nothing waits for the device."""
+    Only the tokens a row has seen change: each row's history sorted by (token, output first), the
+    first position of each token's run writes its token's new value in one scatter into a copy of
+    the logits (a spare column takes the padding). Fixed shapes: nothing waits for the device."""
     if sb.history_ids is None or sb.history_in_output is None:
         return logits
     rows, vocab = logits.shape
@@ -154,9 +148,9 @@ def process_logits(logits: Tensor, sb: SamplingBatch) -> Tensor:
     return apply_penalties(apply_bans(logits, sb), sb)
 
 
-# On CPU a filtered draw first tries this many candidates: topk over a 150k vocabulary costs
-# ~0.1 ms a row where a full sort costs ~6 ms. Enough whenever the top-p nucleus or the min-p
-# cut ends inside it, which `_cut_inside` checks (free on CPU; on CUDA it would be a sync).
+# On CPU a filtered draw first tries this many candidates: a small topk instead of sorting the
+# vocabulary (RESULTS.md section 11). Enough whenever the top-p nucleus or the min-p cut ends
+# inside it, which `_cut_inside` checks (free on CPU; on CUDA it would be a sync).
 CPU_FIRST_CANDIDATES = 256
 
 
@@ -221,8 +215,8 @@ class Sampler:
 
     def argmax(self, logits: Tensor) -> Tensor:
         """logits.argmax(-1); on CPU the sampling kernel's greedy path (temperature 0 on every
-        row, so no seed or position is read): one vector pass per row over the threads, ~3x
-        torch's at 256 rows of a 151k vocabulary."""
+        row, so no seed or position is read): one vector pass per row over the threads
+        (RESULTS.md section 13)."""
         if self.cpu_kernels is None:
             return logits.argmax(dim=-1)
         greedy = torch.zeros(logits.shape[0], dtype=torch.float32)
@@ -234,8 +228,7 @@ class Sampler:
         argmax p_i / E_i with E_i ~ Exp(1) draws i with probability p_i."""
         per_row = (rows.temperatures, rows.seeds, rows.positions)
         # One pass per row, no [rows, vocab] temporaries: the same draw as the formula below (on
-        # CUDA a Triton kernel, on CPU a C kernel; the formula costs ~20 GB of traffic at 256
-        # rows).
+        # CUDA a Triton kernel, on CPU a C kernel; RESULTS.md section 9 for the formula's cost).
         if self.triton_kernels is not None and logits.stride(-1) == 1:
             return self.triton_kernels.sample(logits, *per_row)
         if self.cpu_kernels is not None:

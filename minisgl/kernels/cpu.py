@@ -1,22 +1,10 @@
-"""fp32 CPU kernels (the C sources in `csrc/`), built with the system C compiler at first use and
-called through ctypes.
+"""fp32 CPU kernels (the C sources in `csrc/`), built at first use (build.py) and called through
+ctypes: linear layers on packed panels or GGUF blocks, the elementwise ops, decode attention,
+sampling, and a whole decode step in one call (why: RESULTS.md section 10).
 
-Why: at decode batch sizes torch's CPU matmuls stream the weights at about a third of the
-machine's read bandwidth, and a layer's dozen small elementwise ops cost more in dispatch than
-in arithmetic. The kernels pack every linear weight into column panels read front to back
-(one pass over the weights per step, near the read bandwidth at batch 1, near the FMA peak from
-batch ~8) and do RMSNorm (with the residual add), SiLU-and-mul, rotary embedding, the KV store,
-paged decode attention and sampling in one call each, or a whole decode step in one call
-(models/cpu_decoder.py).
-
-The library is built once per machine and source version (build.py, a second or two) and must
-pass a numeric self-check against torch before it is used. With no compiler, or a failed build
-or check, `get()` returns None (logged once) and every caller keeps its torch path.
-`MINISGL_CPU_KERNELS=0` turns the kernels off (A/B comparisons, debugging).
-
-The library links the OpenMP runtime by soname; torch has already loaded its own copy, so the
-kernels run on torch's thread pool, with torch's thread count passed in explicitly.
-"""
+The library must pass a numeric self-check against torch before it serves; with no compiler or
+a failed build or check, `get()` returns None (logged once) and callers keep their torch path.
+`MINISGL_CPU_KERNELS=0` turns the kernels off. They run on torch's OpenMP pool and thread count."""
 
 from __future__ import annotations
 

@@ -1,17 +1,9 @@
-"""Which kernels a layer or the sampler calls: the fused Triton kernels (minisgl/kernels/
-triton_fused.py: norms, rope, activation, KV store; triton_sampling.py: temperature sampling),
-the C kernels (minisgl/kernels/cpu.py), or none (torch ops). Chosen once, when the layer is
-built: its device and dtype are known then and never change.
+"""Which kernels a layer or the sampler calls: the Triton ones (triton_fused.py, triton_sampling.py,
+triton_fp8.py), the C ones (cpu.py), or none (torch ops), chosen when the layer is built.
 
-`MINISGL_FUSED_KERNELS`:
-- unset or `auto`: the Triton kernels on CUDA, when Triton imports (it ships with torch's Linux
-  CUDA wheels); on the CPU the C kernels (fp32) or torch ops;
-- `0`: never (torch ops everywhere: the A/B knob for benchmarks and debugging);
-- `1`: on the CPU too, which only works under Triton's interpreter (TRITON_INTERPRET=1): how
-  tests run a whole model through the kernels without a GPU.
-
-Read once per process; `reset()` re-reads it.
-"""
+`MINISGL_FUSED_KERNELS` (read once; `reset()` re-reads it): unset or `auto`, Triton on CUDA when
+it imports; `0`, never (the A/B knob); `1`, on the CPU too, which only works under Triton's
+interpreter (TRITON_INTERPRET=1: how tests run a whole model through them)."""
 
 from __future__ import annotations
 

@@ -1,20 +1,10 @@
-"""Triton attention kernels over the paged KV pool: split-KV decode and extend (prefill).
+"""Triton attention kernels over the paged KV pool: split-KV decode and extend (prefill); device
+code only (`triton_backend` sizes the tiles and launches them).
 
-Device code only; `triton_backend` sizes the tiles and launches them.
-
-Both read K/V through the page table: `page_table[row, pos]` is the token slot holding position
-`pos` of the sequence in table row `row`, and `k_cache[slot]` is its [kv_heads, head_dim] keys,
-so each K/V tile is a gather of BLOCK_N rows of head_dim contiguous elements. Page size only
-changes which slots appear, never the kernels.
-
-Softmax runs in base 2: scores are scaled by `scale * log2(e)` and exponentiated with exp2 (one
-multiply cheaper than exp); every log-sum-exp below is in log2 units. Accumulation is fp32 for
-every input dtype. fp32 inputs use IEEE dots (no TF32), so they match the torch reference
-tightly on GPU as well.
-
-Setting TRITON_INTERPRET=1 before this module is imported runs the kernels on CPU tensors
-(Triton decides at decoration time): that is how CI checks them.
-"""
+K/V tiles are gathers through the page table (`page_table[row, pos]` is a token slot), so page
+size never changes the kernels. Softmax runs in base 2 (scores scaled by `scale * log2(e)`, every
+log-sum-exp in log2 units), accumulation in fp32, fp32 inputs with IEEE dots. With
+TRITON_INTERPRET=1 set before import they run on CPU tensors: how CI checks them."""
 
 from __future__ import annotations
 

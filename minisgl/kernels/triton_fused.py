@@ -1,24 +1,10 @@
-"""Fused elementwise kernels for the GPU decoder layer, in Triton.
+"""Fused elementwise kernels for the GPU decoder layer, in Triton: `rmsnorm` (with the residual
+add), `qk_norm_rope` (Qwen3's per-head q/k norm and rope, all heads of a token), `silu_mul` and
+`store_kv`, each one pass instead of a dozen small torch kernels (docs/architecture.md, "Fused
+layer kernels").
 
-Why: a decode step of a small model is a long chain of tiny kernels. Written as torch ops, one
-layer of Qwen3 launches ~60 of them (an RMSNorm alone is nine: add, upcast, square, mean, add eps,
-rsqrt, scale, downcast, weight), and even replayed from a CUDA graph each costs a few
-microseconds of GPU time however little data it touches: ~1,700 kernels per step for a 28-layer
-model, several milliseconds at any batch size. These kernels do each group in one pass:
-
-- `rmsnorm`: the residual add and the norm (two per layer);
-- `qk_norm_rope`: Qwen3's per-head q/k norm and the rotary embedding, for all heads of a token;
-- `silu_mul`: the MLP's activation;
-- `store_kv`: a layer's new K and V into the paged pool.
-
-They round exactly where the torch reference does (layers/norm.py, layers/rope.py, layers/
-linear.py's MLP): in 16-bit dtypes every intermediate the reference materialises in that dtype is
-rounded to it here too, so outputs match the torch path up to the order of a mean's summation.
-
-Importing this module imports triton: `minisgl.kernels.gpu.triton_kernels` imports it lazily.
-Under TRITON_INTERPRET=1 (set before triton is imported) they run on CPU tensors, which is how
-CI checks them against the torch reference (tests/test_fused_kernels.py).
-"""
+They round where the torch reference does (16-bit intermediates included), so outputs match it
+up to a mean's summation order. Imported lazily; tests run them under TRITON_INTERPRET=1."""
 
 from __future__ import annotations
 

@@ -1,20 +1,10 @@
-"""Fused MoE on CUDA in Triton: pairs sorted by expert, grouped GEMMs, SiLU-and-mul fused.
+"""Fused MoE in Triton: routed (token, slot) pairs sorted by expert, then two grouped GEMMs.
 
-Top-k routing gives `tokens * top_k` (token, slot) pairs; pair p belongs to token p // top_k.
-
-1. `align_pairs_by_expert` sorts the pairs by expert and pads each expert's run to a multiple of
-   BLOCK_M, so every program instance multiplies rows of a single expert. Torch ops with static
-   shapes and no host sync (the grid is sized by an upper bound; blocks past the end exit at once),
-   so the whole layer can be captured in a CUDA graph.
-2. Gate/up pass: h[p] = silu(x[t] W_gate^T) * (x[t] W_up^T); both halves accumulate in the same
-   sweep over x, and the activation is applied in the epilogue (no [pairs, 2 * inter] buffer).
-3. Down pass: y[p] = w[p] * (h[p] W_down^T), scaled by the routing weight in fp32.
-4. out[t] = sum of the token's top_k rows of y (torch).
-
-Importing this module imports triton: callers import it lazily (CUDA only). Under
-TRITON_INTERPRET=1 (set before this module is imported) the same kernels run on CPU tensors,
-which is how the tests check them against `moe_torch` on machines without a GPU.
-"""
+`align_pairs_by_expert` pads each expert's run to a multiple of BLOCK_M with static shapes and
+no host sync (so CUDA graphs capture the layer); the gate/up pass accumulates both halves in one
+sweep and applies SiLU-and-mul in its epilogue; the down pass scales by the routing weight; the
+token's top_k rows are summed in torch. Importing it imports triton (callers import it lazily);
+under TRITON_INTERPRET=1 the tests check it against `moe_torch` on CPU tensors."""
 
 from __future__ import annotations
 

@@ -1,16 +1,9 @@
 """How the kernels hold a linear weight: fp32 column panels or GGUF blocks (CPU), fp8 (GPU).
 
-A `QuantTensor` is one checkpoint tensor [rows, cols] as a GGUF file stores it (llama.cpp's
-quantized formats): each row is cols / block elements blocks of `gguf.GGML_QUANT_SIZES` bytes.
-It cuts as `torch.Tensor.narrow` does: rows (column-parallel tp, merged projections) exactly;
-columns (row-parallel tp) exactly on block boundaries, and a cut inside a block dequantizes
-that piece to fp32 rows (type F32). `PackedLinear.of_blocks` lays the parts of a merged weight
-back to back for csrc/quant.c, which multiplies by the blocks; the loader dequantizes the types
-it does not serve.
-
-An `Fp8Tensor` is an FP8 checkpoint's weight with one scale per row and column group, which
-minisgl/kernels/triton_fp8.py multiplies by; cuts follow the same rules.
-"""
+A `QuantTensor` is a checkpoint tensor as a GGUF file stores it (rows of llama.cpp blocks); an
+`Fp8Tensor` an FP8 checkpoint's weight with a scale per row and column group. Both cut as
+`torch.Tensor.narrow` does: rows exactly, columns exactly on block or group boundaries (a cut
+inside one comes dequantized). `PackedLinear` is what the C kernels multiply by."""
 
 from __future__ import annotations
 
@@ -36,8 +29,8 @@ def huge_page_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
     """A zeroed CPU tensor in memory advised for transparent huge pages (Linux), else plain.
 
     Streaming the weights crosses a 4 KiB page every 1024 floats: with huge pages the TLB
-    misses and the prefetchers' restarts at page boundaries mostly go away (the panel kernel read
-    the SmolLM2 weights ~1.4x faster in a same-process A/B here). The memory is a private
+    misses and the prefetchers' restarts at page boundaries mostly go away (RESULTS.md section
+    10, "Measurements behind the choices"). The memory is a private
     anonymous mapping: zero-filled, committed page by page as it is first written, and freed
     when the last tensor viewing it goes away (the tensor keeps the mapping alive)."""
     num_bytes = math.prod(shape) * dtype.itemsize

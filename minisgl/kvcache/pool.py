@@ -1,13 +1,9 @@
-"""The paged KV pool: one K and one V buffer per layer, indexed by token slot.
-
-slot = page * page_size + offset. Buffers are allocated once at start-up and reused: fresh
-allocations are slow on CPU and fragment GPU memory. The pool knows shapes, not models: the
-engine passes this rank's KV head count.
+"""The paged KV pool: one K and one V buffer per layer, indexed by token slot (slot = page *
+page_size + offset), allocated once at start-up and reused.
 
 An fp8 pool (--kv-cache-dtype) stores x / scale, saturated to the format's largest value, with
 one K and one V scale per layer (1.0, or the checkpoint's k_scale / v_scale); readers multiply
-by them: `dequantize` for torch, the scales passed to the C, Triton and FlashInfer kernels.
-"""
+by them: `dequantize` for torch, the scales passed to the C, Triton and FlashInfer kernels."""
 
 from __future__ import annotations
 

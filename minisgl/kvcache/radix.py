@@ -1,18 +1,5 @@
-"""Radix-tree prefix cache: requests with a common token prefix share its KV slots.
-
-Tree invariants (tests/test_radix_cache.py asserts them after every step):
-- Every non-root node has a non-empty key (token ids) whose length is a multiple of `page_size`,
-  and an int64 slot tensor of the same length. A node stands for the prefix made of the keys on
-  its path from the root; slot `i` of a node holds the KV of that node's key token `i`.
-- A node sits in its parent's `children` under its first page (`_page_key`), so siblings never
-  share a first page; nodes are split only at page boundaries, so pages are never shared.
-- `lock_ref` counts locks taken on the node or any descendant (a lock walks the whole path up),
-  so parent.lock_ref >= sum of its children's. Tokens of nodes with lock_ref > 0 are protected,
-  the rest evictable: evictable_size + protected_size == tokens held.
-- `_evictable_leaves` is exactly the set of non-root leaves with lock_ref == 0. `_lru_heap` holds
-  a `(last_access, node_id, node)` entry for each of them, plus stale entries (node no longer a
-  candidate, or touched since) that `evict` skips; it is rebuilt when stale entries pile up.
-"""
+"""Radix-tree prefix cache: requests with a common token prefix share its KV slots (the tree's
+invariants are listed above `_Node`; tests/test_radix_cache.py asserts them after every step)."""
 
 from __future__ import annotations
 
@@ -46,6 +33,18 @@ def _common_len(key: list[int], tokens: list[int], start: int, page_size: int) -
     return n - n % page_size
 
 
+# Tree invariants:
+# - Every non-root node has a non-empty key (token ids) whose length is a multiple of
+#   `page_size`, and an int64 slot tensor of the same length. A node stands for the prefix made of
+#   the keys on its path from the root; slot `i` of a node holds the KV of its key token `i`.
+# - A node sits in its parent's `children` under its first page (`_page_key`), so siblings never
+#   share a first page; nodes are split only at page boundaries, so pages are never shared.
+# - `lock_ref` counts locks taken on the node or any descendant (a lock walks the whole path up),
+#   so parent.lock_ref >= sum of its children's. Tokens of nodes with lock_ref > 0 are protected,
+#   the rest evictable: evictable_size + protected_size == tokens held.
+# - `_evictable_leaves` is exactly the set of non-root leaves with lock_ref == 0. `_lru_heap`
+#   holds a `(last_access, node_id, node)` entry for each of them, plus stale entries (node no
+#   longer a candidate, or touched since) that `evict` skips; it is rebuilt when they pile up.
 @dataclass(eq=False, slots=True)  # eq=False: nodes compare and hash by identity
 class _Node:
     key: list[int]

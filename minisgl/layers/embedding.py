@@ -51,9 +51,8 @@ class ParallelLMHead(VocabParallelEmbedding):
     models hold the head twice); tied GGUF blocks are held once, by both."""
 
     # CPU: the logits go into this buffer, grown to the most rows seen and reused every step.
-    # [rows, vocab] fp32 is large (155 MB at 256 rows of a 151k vocabulary), and a fresh one
-    # each step costs page faults twice over: glibc maps blocks over 32 MiB afresh and unmaps
-    # them on free (a tiny model's step: 35 -> 23 ms at 64 rows, RESULTS.md section 12).
+    # [rows, vocab] fp32 is large, and a fresh one each step costs page faults twice over:
+    # glibc maps blocks over 32 MiB afresh and unmaps them on free (RESULTS.md section 12).
     # So the logits are valid until the next step's, as a CUDA graph's static output is.
     _logits_buffer: Tensor | None = None
 

@@ -1,18 +1,10 @@
-"""Tensor-parallel linear layers.
+"""Tensor-parallel linear layers: each holds only this rank's shard and cuts it from the full
+checkpoint tensor as it loads. Column parallel splits the outputs (no communication); row
+parallel splits the inputs and all-reduces.
 
-Each layer owns only this rank's shard of the weight and knows how to cut its shard out of a full
-checkpoint tensor (`weight_loader`), so loading never materializes a whole layer per rank.
-Column parallel: the output dim is split, no communication. Row parallel: the input dim is split,
-partial results are all-reduced.
-
-On CPU in fp32 the engine calls `use_cpu_kernels` once after loading: the weight is repacked into
-the panel layout of minisgl/kernels (read front to back by one kernel call per forward) and the
-original is freed, so the model holds one copy of every weight either way. A GGUF model served
-as blocks loads `QuantTensor`s instead (`quant`: this rank's piece of each part, cut by rows,
-or by columns on block boundaries, minisgl/kernels/weights.py); the kernels multiply by them.
-An FP8 checkpoint on FP8 tensor cores loads `Fp8Tensor`s the same way, and `use_fp8` stacks the
-parts into the one fp8 weight that minisgl/kernels/triton_fp8.py multiplies by.
-"""
+After loading, the weight may change form (docs/architecture.md, "The CPU path"): repacked into
+the CPU kernels' panels (`use_cpu_kernels`), kept as GGUF blocks (`quant`), or stacked into one
+fp8 weight (`use_fp8`). The model holds one copy of every weight either way."""
 
 from __future__ import annotations
 
@@ -90,12 +82,9 @@ class PackedWeight(nn.Module):
 class ColumnParallelLinear(PackedWeight):
     """y = x W^T with W's rows (outputs) split across ranks; several logical weights merge.
 
-    `output_sizes` are the full (unsharded) sizes of the merged parts, e.g. [q, k, v] or
-    [gate, up], named by `part_names` as their checkpoint tensors are (`q_proj`, ...); each part
-    is split evenly, and this rank holds its slice of every part. `shard_sizes` overrides the
-    even split where a part has fewer slices than there are ranks (KV heads scarcer than ranks:
-    neighbouring ranks then hold the same slice).
-    """
+    `output_sizes` are the merged parts' full sizes (e.g. [q, k, v]), named by `part_names` as in
+    the checkpoint; this rank holds its even slice of each, unless `shard_sizes` says otherwise (KV
+    heads scarcer than ranks: neighbouring ranks then hold the same slice)."""
 
     def __init__(
         self,

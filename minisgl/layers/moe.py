@@ -1,14 +1,9 @@
 """Sparse mixture-of-experts block (Qwen3-MoE): a top-k softmax router over SiLU-gated experts.
 
-Experts are tensor parallel over their intermediate dimension, exactly like a dense MLP: every
-rank holds a slice of every expert's gate/up rows and down columns, the router is replicated (so
-every rank routes every token the same way), and the partial outputs are all-reduced once.
-
-Weights are stored fused per layer: `experts.gate_up_proj` [experts, 2 * inter_shard, hidden]
-(gate rows, then up rows) and `experts.down_proj` [experts, hidden, inter_shard], the layout
-transformers 5.x keeps in memory. Hub checkpoints store one tensor per expert and projection
-(`experts.{e}.gate_proj.weight`); both load (`load_expert`, `load_fused`).
-"""
+Experts are tensor parallel over their intermediate dimension like a dense MLP (the router is
+replicated, the partial outputs all-reduced once). Weights are fused per layer as transformers
+5.x keeps them, `gate_up_proj` [experts, 2 * inter_shard, hidden] and `down_proj` [experts,
+hidden, inter_shard]; hub checkpoints' one tensor per expert and projection loads too."""
 
 from __future__ import annotations
 

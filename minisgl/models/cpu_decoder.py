@@ -1,12 +1,9 @@
 """The dense decoder stack as one CPU-kernel call per decode step (minisgl/kernels).
 
-At batch 1 a decode step reads every weight once (~20 ms for SmolLM2-135M in fp32), and walking
-30 layers op by op in Python (a dozen calls per layer) adds several ms on top. For a decode-only
-batch `CpuDecodeStack.forward` hands the whole stack to `mg_decode_layers`, which runs the same
-kernels in the same order as the op-by-op path (so the same numbers), with no Python between
-them. It is built only where that path applies: CPU kernels on, one tp rank, dense MLPs (no
-experts), and attention shapes the decode kernel supports; everything else runs op by op.
-"""
+`mg_decode_layers` runs the op-by-op path's kernels in the same order (so the same numbers) with
+no Python between them, which walking the layers would add to a step (RESULTS.md section 10).
+It is built only where it applies: CPU kernels on, one tp rank, dense MLPs, and attention shapes
+the decode kernel supports; everything else runs op by op."""
 
 from __future__ import annotations
 

@@ -1,23 +1,9 @@
-"""Load HF safetensors checkpoints straight into this rank's shards, one tensor at a time.
-
-A folder with a GGUF file (`GGUF_FILE`: a `--model file.gguf`, the bundled default) loads from it
-instead, under transformers' names for its tensors (and Llama's q/k rows in HF's order, as
-transformers' GGUF loader puts them). With `blocks` (the CPU kernels) its linear and embedding
-weights stay GGUF blocks (`QuantTensor`) where the kernels serve the type, else fp32 rows (one
-log line); without, every tensor is dequantized, as transformers does.
-
-An FP8 checkpoint (`quantization_config.quant_method` fp8, as Qwen's and DeepSeek's FP8 releases)
-has its weights scaled block-wise (`weight_scale_inv` per `weight_block_size` tile), per tensor
-or per channel (`weight_scale`), each scale found in whichever shard holds it. With `keep_fp8`
-(FP8 tensor cores: minisgl/kernels/triton_fp8.py) they load as `Fp8Tensor`s, which the linear
-layers and MoE experts keep; without, every one is dequantized to the model's dtype.
-Activation scales (`input_scale`) go unused (activations are scaled per token as they come), and
-the per-layer KV cache scales (`k_scale`, `v_scale`) go to `model.kv_scales` for an fp8 KV pool.
-
-Every weight the model needs is tracked by the checkpoint tensor name that provides it (hub
-layout: `q_proj`, `experts.3.up_proj`, ...), so a checkpoint that lacks any piece of a merged or
-expert weight fails at load with the missing tensor's name instead of serving garbage.
-"""
+"""Load a checkpoint straight into this rank's shards, one tensor at a time: HF safetensors, or a
+GGUF file under transformers' names (its linear weights kept as blocks for the C kernels where
+they serve the type), or an FP8 checkpoint (weights kept fp8 for FP8 tensor cores, else
+dequantized; its KV scales to `model.kv_scales`). docs/models.md has the details. Every weight
+the model needs is tracked by the checkpoint name that provides it, so a missing piece fails
+the load by name instead of serving garbage."""
 
 from __future__ import annotations
 
