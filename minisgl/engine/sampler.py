@@ -84,28 +84,29 @@ def apply_vocab_mask(logits: Tensor, sb: SamplingBatch) -> Tensor:
     The packed words are read as bytes (little-endian: byte i of word w holds tokens
     32w + 8i .. 32w + 8i + 7) and each byte looks up its 8 biases in a table: one gather and
     one add instead of unpacking bit by bit (RESULTS.md section 8)."""
-    if sb.mask_rows is None or sb.mask_bits is None:
+    if sb.mask is None:
         return logits
-    vocab_size = logits.shape[-1]
-    as_bytes = sb.mask_bits.contiguous().view(torch.uint8).long()  # [k, words * 4]
-    bias = _byte_bias(logits.device)[as_bytes].flatten(1)[:, :vocab_size]  # [k, vocab]
-    return logits.index_put((sb.mask_rows,), logits[sb.mask_rows] + bias)
+    rows, bits = sb.mask
+    as_bytes = bits.contiguous().view(torch.uint8).long()  # [k, words * 4]
+    bias = _byte_bias(logits.device)[as_bytes].flatten(1)[:, : logits.shape[-1]]  # [k, vocab]
+    return logits.index_put((rows,), logits[rows] + bias)
 
 
 def apply_logit_bias(logits: Tensor, sb: SamplingBatch) -> Tensor:
     """The requests' logit_bias added to their rows. Out of place, like the mask."""
-    if sb.bias_rows is None or sb.bias_ids is None or sb.bias_values is None:
+    if sb.bias is None:
         return logits
-    return logits.index_put((sb.bias_rows, sb.bias_ids), sb.bias_values, accumulate=True)
+    rows, ids, values = sb.bias
+    return logits.index_put((rows, ids), values, accumulate=True)
 
 
 def apply_bans(logits: Tensor, sb: SamplingBatch) -> Tensor:
     """min_tokens: -inf for each row's stop tokens, except in a row where nothing else is
     allowed (a structured output whose grammar can only end): the grammar wins, as a row of
     only -inf would draw a token the grammar forbids."""
-    if sb.ban_rows is None or sb.ban_ids is None:
+    if sb.bans is None:
         return logits
-    banned = logits.index_put((sb.ban_rows, sb.ban_ids), logits.new_tensor(float("-inf")))
+    banned = logits.index_put(sb.bans, logits.new_tensor(float("-inf")))
     something_left = banned.amax(dim=-1, keepdim=True) > float("-inf")
     return torch.where(something_left, banned, logits)
 
@@ -117,10 +118,10 @@ def apply_penalties(logits: Tensor, sb: SamplingBatch) -> Tensor:
     Only the tokens a row has seen change: each row's history sorted by (token, output first), the
     first position of each token's run writes its token's new value in one scatter into a copy of
     the logits (a spare column takes the padding). Fixed shapes: nothing waits for the device."""
-    if sb.history_ids is None or sb.history_in_output is None:
+    if sb.history is None:
         return logits
     rows, vocab = logits.shape
-    ids, in_output = sb.history_ids, sb.history_in_output
+    ids, in_output = sb.history
     key = ids * 2 + (~in_output).long()  # a token's output positions sort before its prompt ones
     key, _ = key.sort(dim=1)
     ids, in_output = key // 2, key % 2 == 0

@@ -57,7 +57,7 @@ class _Node:
 
 
 class RadixCache(PrefixCache):
-    """Prefix cache over a radix tree of token ids; see the module docstring for invariants.
+    """Prefix cache over a radix tree of token ids; its invariants are listed above `_Node`.
 
     Handles are tree nodes. A handle stays valid across later splits: the split node keeps its
     identity as the lower half and the new upper half copies its lock_ref.
