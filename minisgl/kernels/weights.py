@@ -8,6 +8,7 @@ inside one comes dequantized). `PackedLinear` is what the C kernels multiply by.
 from __future__ import annotations
 
 import ctypes
+import functools
 import math
 import mmap
 from collections.abc import Sequence
@@ -29,10 +30,9 @@ def huge_page_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
     """A zeroed CPU tensor in memory advised for transparent huge pages (Linux), else plain.
 
     Streaming the weights crosses a 4 KiB page every 1024 floats: with huge pages the TLB
-    misses and the prefetchers' restarts at page boundaries mostly go away (RESULTS.md section
-    10, "Measurements behind the choices"). The memory is a private
-    anonymous mapping: zero-filled, committed page by page as it is first written, and freed
-    when the last tensor viewing it goes away (the tensor keeps the mapping alive)."""
+    misses and the prefetchers' restarts mostly go away (RESULTS.md section 10). The memory is a
+    private anonymous mapping: zero-filled, committed page by page as it is first written, and
+    freed when the last tensor viewing it goes away (the tensor keeps the mapping alive)."""
     num_bytes = math.prod(shape) * dtype.itemsize
     if not hasattr(mmap, "MADV_HUGEPAGE") or num_bytes < HUGE_PAGE_BYTES:
         return torch.zeros(shape, dtype=dtype)
@@ -159,13 +159,13 @@ class PackedLinear:
         segments = tuple((p.qtype, p.shape[0]) for p in parts)
         return PackedLinear(blocks, sum(p.shape[0] for p in parts), parts[0].cols, segments)
 
+    @functools.cached_property
+    def _desc(self) -> WeightDesc:
+        types, rows = zip(*self.segments, strict=True) if self.segments else ((), ())
+        segs = ctypes.c_int64 * MAX_SEGMENTS
+        return WeightDesc(self.panels.data_ptr(), len(types), segs(*types), segs(*rows))
+
     @property
     def desc(self) -> int:
         """The address of its `mg_weight`, built once (the panels outlive it)."""
-        if "_desc" not in self.__dict__:
-            types, rows = zip(*self.segments, strict=True) if self.segments else ((), ())
-            segs = ctypes.c_int64 * MAX_SEGMENTS
-            self.__dict__["_desc"] = WeightDesc(
-                self.panels.data_ptr(), len(types), segs(*types), segs(*rows)
-            )
-        return ctypes.addressof(self.__dict__["_desc"])
+        return ctypes.addressof(self._desc)
