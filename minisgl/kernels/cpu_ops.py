@@ -8,6 +8,7 @@ from __future__ import annotations
 import ctypes
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from minisgl.kernels.cpu_abi import (
@@ -50,14 +51,9 @@ class CpuKernels:
         out_features, in_features = weight.shape
         num_panels = -(-out_features // self.block_n)
         panels = huge_page_zeros((num_panels, in_features, self.block_n), weight.dtype)
-        # [out, in] -> [panels, in, block_n]; the rows past out_features stay zero
-        full, rest = divmod(out_features, self.block_n)
-        if full:
-            panels[:full].copy_(
-                weight[: full * self.block_n].view(full, self.block_n, -1).transpose(1, 2)
-            )
-        if rest:
-            panels[full, :, :rest].copy_(weight[full * self.block_n :].t())
+        # [out, in] -> [panels, in, block_n], the rows past out_features zero
+        padded = F.pad(weight, (0, 0, 0, num_panels * self.block_n - out_features))
+        panels.copy_(padded.view(num_panels, self.block_n, in_features).transpose(1, 2))
         return PackedLinear(panels, out_features, in_features)
 
     def serves_blocks(self, qtype: int) -> bool:
