@@ -111,7 +111,7 @@ def fused_layer_launches() -> list[Launch]:
             x = torch.randn(3, 1024, dtype=dtype)
             w = torch.ones(1024, dtype=dtype)
             tf.rmsnorm(x, w, 1e-6)
-            tf.add_rmsnorm_(x, x.clone(), w, 1e-6)
+            tf.rmsnorm(x, w, 1e-6, x.clone())
             tf.rmsnorm(torch.randn(3, 5120, dtype=dtype), torch.ones(5120, dtype=dtype), 1e-6)
             qkv = torch.randn(3, 32 * 128, dtype=dtype)
             q = qkv[:, : 16 * 128].view(3, 16, 128)

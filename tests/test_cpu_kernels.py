@@ -183,7 +183,6 @@ def test_paged_decode_attention_matches_sdpa(
         page_table=page_table,
         prefix_lens_cpu=prefix.tolist(),
         kv_lens_cpu=kv_lens.tolist(),
-        page_size=page_size,
     )
     num_tokens = positions.numel()
     q = torch.randn(num_tokens, num_heads, head_dim, generator=g)
@@ -318,14 +317,16 @@ def test_sampling_kernel_after_the_grammar_mask_and_penalties():
     for k, tokens in enumerate(allowed.values()):
         for t in tokens:
             bits[k, t // 32] |= 1 << (t % 32)
-    sb.mask_rows = torch.tensor(list(allowed))
-    sb.mask_bits = torch.where(bits >= 2**31, bits - 2**32, bits).to(torch.int32)
+    sb.mask = (
+        torch.tensor(list(allowed)),
+        torch.where(bits >= 2**31, bits - 2**32, bits).to(torch.int32),
+    )
     # repetition, presence and frequency penalties on every row: a prompt of tokens 0..39, an
     # output of 40..59 twice each, then two positions past the row's end
     history = [*range(40), *range(40, 60), *range(40, 60), vocab, vocab]
-    sb.history_ids = torch.tensor([history] * rows)
-    sb.history_in_output = (torch.arange(len(history)) >= 40)[None, :].expand(rows, -1)
-    sb.history_in_output = sb.history_in_output & (sb.history_ids < vocab)
+    history_ids = torch.tensor([history] * rows)
+    in_output = (torch.arange(len(history)) >= 40)[None, :].expand(rows, -1)
+    sb.history = (history_ids, in_output & (history_ids < vocab))
     sb.rows.repetition = torch.full((rows,), 1.3)
     sb.rows.presence, sb.rows.frequency = torch.full((rows,), 0.5), torch.full((rows,), 0.25)
     for seed in range(8):

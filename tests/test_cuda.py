@@ -87,7 +87,6 @@ def _random_case(
         page_table=page_table,
         prefix_lens_cpu=prefix_lens,
         kv_lens_cpu=kv_lens,
-        page_size=page_size,
     )
     q = torch.randn(num_tokens, cfg.num_qo_heads, head_dim, device=device, dtype=dtype)
     k = torch.randn(num_tokens, num_kv_heads, head_dim, device=device, dtype=dtype)

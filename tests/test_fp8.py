@@ -170,12 +170,12 @@ def test_fp8_tensor_cuts_for_tensor_parallelism():
 
     q, scale, dequantized = _quantize(torch.randn(300, 320), "block")
     weight = Fp8Tensor.of_checkpoint(q, scale, (BLOCK, BLOCK))
-    assert torch.equal(weight.rows(130, 100).dequantize(), dequantized[130:230])
+    assert torch.equal(weight.narrow(0, 130, 100).dequantize(), dequantized[130:230])
     for start, num in ((128, 192), (0, 128), (256, 64)):
-        piece = weight.columns(start, num)
+        piece = weight.narrow(1, start, num)
         assert isinstance(piece, Fp8Tensor), (start, num)
         assert torch.equal(piece.dequantize(), dequantized[:, start : start + num])
-    piece = weight.columns(160, 160)  # inside a group: dense
+    piece = weight.narrow(1, 160, 160)  # inside a group: dense
     assert isinstance(piece, torch.Tensor) and torch.equal(piece, dequantized[:, 160:])
     with pytest.raises(ValueError, match="not 128x128 blocks"):
         Fp8Tensor.of_checkpoint(q, scale[:2], (BLOCK, BLOCK))

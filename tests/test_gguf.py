@@ -186,7 +186,7 @@ def test_merged_segments_and_tensor_parallel_cuts() -> None:
         torch.testing.assert_close(
             k.linear(x, packed), want, atol=1e-5 * float(want.abs().max()), rtol=1e-5
         )
-    on_blocks, inside = parts[0].columns(256, 256), parts[0].columns(128, 256)
+    on_blocks, inside = parts[0].narrow(1, 256, 256), parts[0].narrow(1, 128, 256)
     assert on_blocks.qtype == T.Q4_K and inside.qtype == T.F32  # a cut inside: fp32 rows
     for cut, start in ((on_blocks, 256), (inside, 128)):
         assert torch.equal(cut.dequantize(), parts[0].dequantize()[:, start : start + 256])

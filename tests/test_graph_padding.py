@@ -80,9 +80,8 @@ def test_flashinfer_page_lists_follow_the_page_table():
         page_table=page_table,
         prefix_lens_cpu=[8, 3, 12],
         kv_lens_cpu=kv_lens,
-        page_size=page_size,
     )
-    indptr, page_ids, last, seq_lens = paged_kv_lists(batch)
+    indptr, page_ids, last, seq_lens = paged_kv_lists(batch, page_size)
     assert indptr.tolist() == [0, 3, 4, 8]
     assert page_ids.tolist() == [7, 2, 9, 1, 5, 11, 0, 3]
     assert last.tolist() == [1, 4, 1]

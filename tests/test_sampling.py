@@ -81,8 +81,7 @@ def test_penalties_equal_the_dense_formula():
     pos = torch.arange(length)[None, :]
     in_seq = pos < seq_lens[:, None]
     sb = SamplingBatch.build([SamplingParams()] * rows, [0] * rows, [0] * rows, vocab, CPU)
-    sb.history_ids = ids.masked_fill(~in_seq, vocab)
-    sb.history_in_output = in_seq & (pos >= prompt_lens[:, None])
+    sb.history = (ids.masked_fill(~in_seq, vocab), in_seq & (pos >= prompt_lens[:, None]))
     sb.rows.repetition = torch.tensor([1.0, 1.3, 0.7, 2.0, 1.1, 1.5])
     sb.rows.frequency = torch.tensor([0.0, 0.5, -0.3, 1.0, 2.0, 0.1])
     sb.rows.presence = torch.tensor([0.0, 0.25, 1.0, -1.0, 0.0, 2.0])

@@ -61,8 +61,7 @@ def test_sampler_masks_only_the_constrained_rows() -> None:
     allowed = [{5, 17, 31, 32}, {99}]
     params = [SamplingParams(temperature=t, seed=3, logprobs=2) for t in (0.0, 1.0, 0.0, 1.0)]
     sb = SamplingBatch.build(params, [3] * 4, [10] * 4, vocab, CPU)
-    sb.mask_rows = torch.tensor([1, 3])
-    sb.mask_bits = pack(allowed, vocab)
+    sb.mask = (torch.tensor([1, 3]), pack(allowed, vocab))
     masked = apply_vocab_mask(logits, sb)
     assert torch.isinf(masked[1]).sum() == vocab - 4 and torch.isinf(masked[3]).sum() == vocab - 1
     assert torch.equal(masked[0], logits[0]) and torch.equal(masked[2], logits[2])
@@ -213,7 +212,7 @@ def test_xgrammar_bitmask_layout_matches_ours() -> None:
     logits = torch.zeros(1, 70)
     ours = logits.clone()
     sb = SamplingBatch.build([SamplingParams()], [0], [0], 70, CPU)
-    sb.mask_rows, sb.mask_bits = torch.tensor([0]), bits
+    sb.mask = (torch.tensor([0]), bits)
     ours = apply_vocab_mask(ours, sb)
     xgr.apply_token_bitmask_inplace(logits, bits)
     assert torch.equal(torch.isinf(ours), torch.isinf(logits))
@@ -243,7 +242,7 @@ def test_bans_never_empty_a_row() -> None:
     logits[1] = float("-inf")
     logits[1, 5] = 1.0
     sb = SamplingBatch.build([SamplingParams()] * 2, [0, 0], [0, 0], 8, CPU)
-    sb.ban_rows, sb.ban_ids = torch.tensor([0, 1]), torch.tensor([5, 5])
+    sb.bans = (torch.tensor([0, 1]), torch.tensor([5, 5]))
     out = apply_bans(logits, sb)
     assert torch.isinf(out[0, 5]) and int(out[0].argmax()) != 5
     assert torch.equal(out[1], logits[1])

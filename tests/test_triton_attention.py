@@ -100,7 +100,6 @@ def _build(s: Scenario) -> tuple[KVPool, AttentionBatch, torch.Tensor, torch.Ten
         page_table=page_table,
         prefix_lens_cpu=[pre for pre, _ in s.seqs],
         kv_lens_cpu=kv_lens,
-        page_size=s.page_size,
     )
     return pool, batch, q, k, v
 
@@ -218,7 +217,6 @@ def _padded(batch: AttentionBatch, dummy_row: int, dummy_slot: int, pad: int) ->
         page_table=batch.page_table,
         prefix_lens_cpu=[kv - 1 for kv in kv_lens],
         kv_lens_cpu=kv_lens,
-        page_size=batch.page_size,
     )
 
 
@@ -269,7 +267,6 @@ def test_graph_hooks_refresh_from_static_buffers():
         page_table=batch.page_table,
         prefix_lens_cpu=list(batch.kv_lens_cpu),
         kv_lens_cpu=[kv + 1 for kv in batch.kv_lens_cpu],
-        page_size=batch.page_size,
     )
     meta = backend.prepare_graph(longer, capturing=False)
     second = _run(backend, pool, longer, q, k, v, metadata=meta)
@@ -284,7 +281,6 @@ def test_graph_hooks_refresh_from_static_buffers():
         page_table=longer.page_table,
         prefix_lens_cpu=longer.prefix_lens_cpu[:2],
         kv_lens_cpu=longer.kv_lens_cpu[:2],
-        page_size=longer.page_size,
     )
     meta = backend.prepare_graph(small, capturing=True)
     third = _run(backend, pool, small, q[:2], k[:2], v[:2], metadata=meta)

@@ -74,7 +74,7 @@ def _add_history(sb: SamplingBatch, rows: int, g: torch.Generator, device: Compu
     penalties themselves come with the batch, from its params)."""
     ids = torch.randint(0, VOCAB, (rows, HISTORY_LEN), generator=g)
     in_output = (torch.arange(HISTORY_LEN) >= HISTORY_LEN // 2)[None, :].expand(rows, -1)
-    sb.history_ids, sb.history_in_output = ids.to(device.device), in_output.to(device.device)
+    sb.history = (ids.to(device.device), in_output.to(device.device))
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ import torch  # noqa: E402
 from minisgl import LLM, SamplingParams
 from minisgl.core import Req, next_request_id
 from minisgl.engine.batch import ForwardBatch
-from minisgl.kernels.cpu_ops import DECODE_OPS
+from minisgl.kernels.cpu_abi import DECODE_OPS
 
 MS = 1e3
 

@@ -24,7 +24,6 @@ BACKEND_NAMES = ("auto", *_REGISTRY)
 # The CUDA backends in the order "auto" prefers them; each needs the package of its name (looked
 # up, not imported, when "auto" chooses).
 _CUDA_PREFERENCE = ("flashinfer", "triton")
-_HALF_ONLY = {"flashinfer"}  # no fp32 kernels
 
 
 def _installed(package: str) -> bool:
@@ -36,7 +35,8 @@ def resolve_backend_name(name: str, device: torch.device, dtype: torch.dtype) ->
         if device.type != "cuda":
             return "torch"
         half = dtype in (torch.float16, torch.bfloat16)
-        usable = (n for n in _CUDA_PREFERENCE if _installed(n) and (half or n not in _HALF_ONLY))
+        # (FlashInfer has no fp32 kernels)
+        usable = (n for n in _CUDA_PREFERENCE if _installed(n) and (half or n != "flashinfer"))
         return next(usable, "torch")
     if name not in _REGISTRY:
         raise ValueError(

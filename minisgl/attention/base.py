@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
+from torch import Tensor
 
 from minisgl.kvcache.pool import KVPool
 
@@ -41,14 +42,13 @@ class AttentionBatch:
     sequence order; `out_slots` ([tokens]) are where this batch's new K/V go.
     """
 
-    table_rows: torch.Tensor  # int64 [seqs]
-    prefix_lens: torch.Tensor  # int64 [seqs]
-    kv_lens: torch.Tensor  # int64 [seqs]
-    out_slots: torch.Tensor  # int64 [tokens]
-    page_table: torch.Tensor  # int32 [max_rows, max_len], token slots
+    table_rows: Tensor  # int64 [seqs]
+    prefix_lens: Tensor  # int64 [seqs]
+    kv_lens: Tensor  # int64 [seqs]
+    out_slots: Tensor  # int64 [tokens]
+    page_table: Tensor  # int32 [max_rows, max_len], token slots
     prefix_lens_cpu: list[int]
     kv_lens_cpu: list[int]
-    page_size: int = 1  # slot = page * page_size + offset; pages are page_size aligned slots
 
     @property
     def extend_lens_cpu(self) -> list[int]:
@@ -68,12 +68,12 @@ class AttentionBatch:
 _ARRAY_CODES = {torch.int64: "q", torch.int32: "i", torch.float32: "f"}
 
 
-def host_tensor(values: Sequence[Any] | torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def host_tensor(values: Sequence[Any] | Tensor, dtype: torch.dtype) -> Tensor:
     """A 1-D host tensor of `values` as `dtype`. From a list of Python numbers it goes through
-    `array.array` and `torch.frombuffer` (no copy): ~4x faster than `torch.tensor`, which
-    costs ~0.2-0.3 us an element here, several a step for every running request."""
+    `array.array` and `torch.frombuffer` (no copy), well ahead of `torch.tensor`'s per-element
+    cost, paid several times a step for every running request (RESULTS.md section 15)."""
     code = _ARRAY_CODES.get(dtype)
-    if isinstance(values, torch.Tensor) or code is None or not len(values):
+    if isinstance(values, Tensor) or code is None or not len(values):
         return torch.as_tensor(values, dtype=dtype)
     try:
         return torch.frombuffer(array.array(code, values), dtype=dtype)
@@ -81,33 +81,27 @@ def host_tensor(values: Sequence[Any] | torch.Tensor, dtype: torch.dtype) -> tor
         return torch.as_tensor(values, dtype=dtype)
 
 
-def copy_to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor's copy on `device`, queued without making the host wait. On CUDA it goes
-    through pinned memory: a "non-blocking" copy from pageable memory is staged synchronously,
-    and under overlap that can hold the host until the batch in flight finishes (the Triton
-    backend's extend block map did, serialising mixed steps' launches with their execution)."""
+def stage(
+    device: torch.device, dtype: torch.dtype, *values: Sequence[Any] | Tensor
+) -> list[Tensor]:
+    """1-D host values (lists or tensors) on `device` as `dtype`, queued without making the host
+    wait. On CUDA they go in one non-blocking copy through pinned memory: a copy from pageable
+    memory is staged synchronously, and under overlap that can hold the host until the batch in
+    flight finishes; `torch.tensor(values, device="cuda")` even waits for the whole stream."""
+    host = [host_tensor(v, dtype) for v in values]
     if device.type != "cuda":
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
+        return [t.to(device) for t in host]
+    on_device = torch.cat(host).pin_memory().to(device, non_blocking=True)
+    return list(on_device.split([t.numel() for t in host]))
 
 
 class AttentionBackend(ABC):
     """Computes attention for a mixed batch (prefill chunks with cached prefixes, and decodes)
-    directly from the paged KV pool.
-
-    Contract: `prepare` runs once per forward and returns metadata reused by every layer;
-    `forward` first stores the layer's new K/V at `batch.out_slots`, then returns attention
-    output of shape [tokens, heads, head_dim] for q of shape [tokens, heads, head_dim].
-
-    CUDA graphs (decode-only batches): a backend with `supports_graphs` lets the engine capture
-    its `forward` for fixed batch sizes. The engine owns static input buffers (table rows, KV
-    lengths, output slots) sized for the largest graph; before capturing it calls
-    `init_graph_state` once, then `prepare_graph` for each batch size (capturing=True) and
-    captures the forward with the metadata returned. Before every replay it fills its static
-    buffers and calls `prepare_graph` again (capturing=False) with the same tensors: the backend
-    must then refresh, in place, whatever the captured kernels read (never allocate a tensor the
-    graph reads after capture). Padding sequences point at a dummy table row with KV length 1.
-    """
+    directly from the paged KV pool. `prepare` runs once per forward and returns metadata every
+    layer reuses; `forward` stores the layer's new K/V at `batch.out_slots`, then returns the
+    output [tokens, heads, head_dim]. A backend with `supports_graphs` also serves CUDA graphs
+    (docs/architecture.md, "CUDA graphs"): `prepare_graph` over the engine's static buffers
+    refreshes in place whatever the captured kernels read, and never allocates what they read."""
 
     supports_graphs: ClassVar[bool] = False
 
@@ -117,19 +111,22 @@ class AttentionBackend(ABC):
     @abstractmethod
     def forward(
         self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
         layer_id: int,
         scale: float,
         pool: KVPool,
         metadata: Any,
-    ) -> torch.Tensor: ...
+    ) -> Tensor: ...
 
     def init_graph_state(self, max_batch_size: int) -> None:
-        """Allocate buffers that captured graphs read (for up to `max_batch_size` decodes)."""
+        """Allocate buffers that captured graphs read (for up to `max_batch_size` decodes); the
+        engine calls it once, before any `prepare_graph`."""
         raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")
 
     def prepare_graph(self, batch: AttentionBatch, capturing: bool) -> Any:
-        """Metadata for a decode-only batch over the engine's static buffers (see class doc)."""
+        """Metadata for a decode-only batch over the engine's static buffers: for a capture
+        (`capturing`), then before every replay with the same tensors. Padding sequences point at
+        a dummy table row with KV length 1."""
         raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")

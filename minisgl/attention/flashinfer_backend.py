@@ -1,18 +1,10 @@
 """FlashInfer attention on CUDA: paged prefill (with cached prefixes) and paged decode.
 
-FlashInfer reads K/V by page: our pool's `[slots, kv_heads, head_dim]` buffer of a layer is
-viewed as `[pages, page_size, kv_heads, head_dim]` (NHD), and each sequence's page ids are
-`page_table[row, 0::page_size] // page_size`. The new tokens' K/V are stored in the pool first,
-so every sequence (prefill chunk or decode) attends to pages only: one wrapper call per layer.
-
-Per forward: one `plan` (host-side work scheduling; index arrays built on the device, lengths
-from the host) shared by every layer. Decode-only batches use the decode wrapper, with tensor
-cores when the GQA group is large enough to feed them (as SGLang decides); batches with any
-prefill chunk use the prefill wrapper for all sequences (decodes are one-query "prefills").
-
-CUDA graphs: one decode wrapper per captured batch size, in FlashInfer's graph mode over fixed
-index buffers that `prepare_graph` refills (and re-plans) before every replay.
-"""
+A layer's pool buffer is viewed as FlashInfer's NHD pages; new K/V are stored first, so every
+sequence attends to pages only. One `plan` per forward serves every layer: the decode wrapper
+for decode-only batches (tensor cores for large GQA groups, as SGLang decides), else the prefill
+wrapper for all (decodes as one-query prefills). CUDA graphs: one decode wrapper per captured
+size, over fixed index buffers that `prepare_graph` re-plans before every replay."""
 
 from __future__ import annotations
 
@@ -21,13 +13,14 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 
 from minisgl.attention.base import (
     AttentionBackend,
     AttentionBatch,
     AttentionConfig,
-    copy_to_device,
     host_tensor,
+    stage,
 )
 from minisgl.kvcache.pool import KVPool
 
@@ -39,13 +32,11 @@ TENSOR_CORE_MIN_GQA = 4
 PREFILL_KERNEL_BACKEND = "fa2"
 
 
-def paged_kv_lists(
-    batch: AttentionBatch,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def paged_kv_lists(batch: AttentionBatch, page_size: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """FlashInfer's paged-KV description of a batch: (indptr int32 on the host, page ids int32 on
     the device, last page lengths int32 on the host) and the KV lengths (int32, on the host) that
     plan() would otherwise recompute from the first and last. Host tensors are pinned on CUDA."""
-    page_size, device = batch.page_size, batch.table_rows.device
+    device = batch.table_rows.device
     kv_lens = host_tensor(batch.kv_lens_cpu, torch.int32)
     num_pages = (kv_lens + page_size - 1) // page_size
     indptr = F.pad(torch.cumsum(num_pages, 0, dtype=torch.int32), (1, 0))
@@ -55,7 +46,7 @@ def paged_kv_lists(
     # so nothing waits for the host.
     seq = torch.repeat_interleave(num_pages.long())
     first_pos = (torch.arange(seq.numel()) - indptr[seq]) * page_size
-    seq_d, pos_d = copy_to_device(torch.stack([seq, first_pos]), device)
+    seq_d, pos_d = stage(device, torch.int64, seq, first_pos)
     page_ids = (batch.page_table[batch.table_rows[seq_d], pos_d] // page_size).to(torch.int32)
     if device.type == "cuda":
         indptr, last_page_len = indptr.pin_memory(), last_page_len.pin_memory()
@@ -65,7 +56,7 @@ def paged_kv_lists(
 @dataclass
 class FlashInferMetadata:
     wrapper: Any  # the planned prefill or decode wrapper
-    out_slots: torch.Tensor
+    out_slots: Tensor
 
 
 class FlashInferBackend(AttentionBackend):
@@ -92,7 +83,7 @@ class FlashInferBackend(AttentionBackend):
             self.workspace, "NHD", backend=PREFILL_KERNEL_BACKEND
         )
         self._graph_wrappers: dict[int, Any] = {}
-        self._graph_indices: torch.Tensor | None = None
+        self._graph_indices: Tensor | None = None
         # plan() writes its metadata into a pinned host buffer of the wrapper and queues an
         # async copy from it; under overlap the next plan() can come before that copy ran (the
         # batch in flight is queued ahead of it) and would overwrite what it copies. Each plan
@@ -104,12 +95,13 @@ class FlashInferBackend(AttentionBackend):
     # ---- metadata --------------------------------------------------------------------------
 
     def _plan(
-        self, wrapper: Any, batch: AttentionBatch, *qo_indptr: torch.Tensor, **kw: Any
+        self, wrapper: Any, batch: AttentionBatch, *qo_indptr: Tensor, **kw: Any
     ) -> FlashInferMetadata:
         """`wrapper.plan(...)` for `batch` (a prefill wrapper's `qo_indptr` first), after the
         previous plan's host-to-device copy has run."""
         cfg = self.cfg
-        *kv_lists, kv_lens = paged_kv_lists(batch)  # (indptr, page ids, last page lengths)
+        # (indptr, page ids, last page lengths)
+        *kv_lists, kv_lens = paged_kv_lists(batch, cfg.page_size)
         heads = (cfg.num_qo_heads, cfg.num_kv_heads, cfg.head_dim, cfg.page_size)
         self._planned.synchronize()
         wrapper.plan(
@@ -137,14 +129,14 @@ class FlashInferBackend(AttentionBackend):
 
     def forward(
         self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
         layer_id: int,
         scale: float,
         pool: KVPool,
         metadata: FlashInferMetadata,
-    ) -> torch.Tensor:
+    ) -> Tensor:
         # The scale is baked into the plan (one per forward, shared by all layers).
         assert abs(scale - self.cfg.scale) < 1e-6 * self.cfg.scale, (scale, self.cfg.scale)
         pool.store(layer_id, metadata.out_slots, k, v)

@@ -1,12 +1,9 @@
 """Attention in plain torch (SDPA) over the paged pool: the CPU path and the CUDA fallback.
 
-Decodes (one query each) are grouped by KV length into a few padded SDPA calls; prefill chunks
-run one SDPA call per sequence with a causal mask offset by the cached prefix length.
-
-On CPU in fp32 the decodes instead go to one paged-attention kernel call (minisgl/kernels) that
-reads K/V straight from the pool through the page table, with no gather and no padding, and the
-new K/V are stored by one kernel call. The SDPA path stays the reference (and the CUDA path).
-"""
+Decodes (one query each) are grouped by KV length into a few padded SDPA calls; each prefill
+chunk is one SDPA call, causal after its cached prefix. On CPU in fp32 the decodes go instead
+to one paged-attention kernel call (minisgl/kernels) that reads K/V through the page table with
+no gather or padding. The SDPA path stays the reference."""
 
 from __future__ import annotations
 
@@ -15,8 +12,9 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 
-from minisgl.attention.base import AttentionBackend, AttentionBatch, AttentionConfig, copy_to_device
+from minisgl.attention.base import AttentionBackend, AttentionBatch, AttentionConfig, stage
 from minisgl.kernels.cpu import kernels_for
 from minisgl.kernels.cpu_ops import CpuKernels
 from minisgl.kvcache.pool import KVPool
@@ -27,42 +25,38 @@ MIN_DECODE_GROUP_FILL = 0.5
 
 
 @dataclass
-class _Prefill:
-    tokens: slice  # this sequence's query rows in the batch
-    kv_slots: torch.Tensor  # int64 [kv_len]
-    mask: torch.Tensor | None  # bool [q_len, kv_len]; None means plain causal from position 0
+class _Group:
+    """Sequences computed in one SDPA call: one prefill chunk, or decodes of similar KV length
+    (padded to the longest)."""
 
-
-@dataclass
-class _DecodeGroup:
-    """Decodes of similar KV length, computed as one padded SDPA call."""
-
-    token_index: torch.Tensor  # int64 [decodes]: query rows of these decodes
-    kv_slots: torch.Tensor  # int64 [decodes * max_kv_len] (padding points at slot 0)
-    mask: torch.Tensor  # bool [decodes, 1, 1, max_kv_len]
+    token_index: Tensor | slice  # query rows: [seqs * q_len], sequence by sequence
+    num_seqs: int
+    kv_slots: Tensor  # int64 [seqs * kv_len] (padding points at slot 0)
+    # bool, [q_len, kv_len] for a prefill chunk ([seqs, 1, 1, kv_len] for decodes); None: plain
+    # causal from position 0
+    mask: Tensor | None
     # Gather buffers, allocated at the first layer and reused by every layer: a fresh allocation
     # per layer costs more than the copy itself on CPU.
-    k_buf: torch.Tensor | None = None
-    v_buf: torch.Tensor | None = None
+    k_buf: Tensor | None = None
+    v_buf: Tensor | None = None
 
 
 class _KernelDecodes(NamedTuple):
     """Every decode of the batch, for the CPU paged-attention kernel (int64, one per decode), in
     the order `CpuKernels.decode_attention` takes them."""
 
-    token_index: torch.Tensor  # query rows
-    table_rows: torch.Tensor
-    kv_lens: torch.Tensor
-    page_table: torch.Tensor  # int32 [rows, width], contiguous
+    token_index: Tensor  # query rows
+    table_rows: Tensor
+    kv_lens: Tensor
+    page_table: Tensor  # int32 [rows, width], contiguous
 
 
 @dataclass
 class TorchNativeMetadata:
-    out_slots: torch.Tensor
-    prefills: list[_Prefill]
-    # The decodes: for the CPU paged-attention kernel where it applies, else as SDPA groups.
+    out_slots: Tensor
+    # The decodes for the CPU paged-attention kernel where it applies (else they are groups).
     kernel_decodes: _KernelDecodes | None
-    decode_groups: list[_DecodeGroup]
+    groups: list[_Group]
 
 
 class TorchNativeBackend(AttentionBackend):
@@ -80,7 +74,7 @@ class TorchNativeBackend(AttentionBackend):
     def prepare(self, batch: AttentionBatch) -> TorchNativeMetadata:
         device = batch.out_slots.device
         decodes: list[tuple[int, int, int]] = []  # (kv_len, query row, sequence index)
-        prefills: list[_Prefill] = []
+        groups: list[_Group] = []
         token_start = 0
         for i, (prefix_len, kv_len) in enumerate(
             zip(batch.prefix_lens_cpu, batch.kv_lens_cpu, strict=True)
@@ -94,10 +88,10 @@ class TorchNativeBackend(AttentionBackend):
             if prefix_len > 0:
                 q_pos = torch.arange(prefix_len, kv_len, device=device)
                 mask = torch.arange(kv_len, device=device)[None, :] <= q_pos[:, None]
-            row = batch.page_table[batch.table_rows[i], :kv_len].long()
-            prefills.append(_Prefill(tokens, row, mask))
+            slots = batch.page_table[batch.table_rows[i], :kv_len].long()
+            groups.append(_Group(tokens, 1, slots, mask))
         if self._kernels is None or not decodes:
-            return TorchNativeMetadata(batch.out_slots, prefills, None, _group(batch, decodes))
+            return TorchNativeMetadata(batch.out_slots, None, groups + _group(batch, decodes))
         seq_index = torch.tensor([d[2] for d in decodes], dtype=torch.int64)
         kernel_decodes = _KernelDecodes(
             token_index=torch.tensor([d[1] for d in decodes], dtype=torch.int64),
@@ -105,18 +99,18 @@ class TorchNativeBackend(AttentionBackend):
             kv_lens=batch.kv_lens[seq_index].contiguous(),
             page_table=batch.page_table.contiguous(),
         )
-        return TorchNativeMetadata(batch.out_slots, prefills, kernel_decodes, [])
+        return TorchNativeMetadata(batch.out_slots, kernel_decodes, groups)
 
     def forward(
         self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
         layer_id: int,
         scale: float,
         pool: KVPool,
         metadata: TorchNativeMetadata,
-    ) -> torch.Tensor:
+    ) -> Tensor:
         pool.store(layer_id, metadata.out_slots, k, v)
         k_cache, v_cache = pool.k_cache(layer_id), pool.v_cache(layer_id)
         out = torch.empty_like(q)
@@ -124,36 +118,33 @@ class TorchNativeBackend(AttentionBackend):
         if self._kernels is not None and decodes is not None:
             self._kernels.decode_attention(q, *decodes, k_cache, v_cache, out, scale, kv_scales)
         # The SDPA path: prefill chunks always, decodes unless the kernel computed them. SDPA
-        # wants [batch, heads, len, head_dim]; GQA repeats KV heads inside the kernel.
-        for group in metadata.decode_groups:
-            num_decodes = group.token_index.numel()
+        # wants [seqs, heads, len, head_dim]; GQA repeats KV heads inside the kernel.
+        for group in metadata.groups:
             if group.k_buf is None or group.v_buf is None:
                 shape = (group.kv_slots.numel(), *k_cache.shape[1:])
                 group.k_buf, group.v_buf = k_cache.new_empty(shape), v_cache.new_empty(shape)
             torch.index_select(k_cache, 0, group.kv_slots, out=group.k_buf)
             torch.index_select(v_cache, 0, group.kv_slots, out=group.v_buf)
             gk, gv = pool.dequantize(layer_id, group.k_buf, group.v_buf, q.dtype)
-            # [decodes * L, kv_heads, D] -> [decodes, kv_heads, L, D]
-            dk = gk.view(num_decodes, -1, *k_cache.shape[1:]).transpose(1, 2)
-            dv = gv.view(num_decodes, -1, *v_cache.shape[1:]).transpose(1, 2)
-            dq = q[group.token_index].unsqueeze(2)  # [decodes, heads, 1, head_dim]
-            o = F.scaled_dot_product_attention(
-                dq, dk, dv, attn_mask=group.mask, scale=scale, enable_gqa=True
+            # [seqs * len, heads, D] -> [seqs, heads, len, D]
+            gq, gk, gv = (
+                x.unflatten(0, (group.num_seqs, -1)).transpose(1, 2)
+                for x in (q[group.token_index], gk, gv)
             )
-            out[group.token_index] = o.squeeze(2)
-        for p in metadata.prefills:
-            pq = q[p.tokens].transpose(0, 1).unsqueeze(0)  # [1, H, q_len, D]
-            ck, cv = pool.dequantize(layer_id, k_cache[p.kv_slots], v_cache[p.kv_slots], q.dtype)
-            pk = ck.transpose(0, 1).unsqueeze(0)  # [1, KVH, kv_len, D]
-            pv = cv.transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(
-                pq, pk, pv, attn_mask=p.mask, is_causal=p.mask is None, scale=scale, enable_gqa=True
+                gq,
+                gk,
+                gv,
+                attn_mask=group.mask,
+                is_causal=group.mask is None,
+                scale=scale,
+                enable_gqa=True,
             )
-            out[p.tokens] = o.squeeze(0).transpose(0, 1)
+            out[group.token_index] = o.transpose(1, 2).flatten(0, 1)
         return out
 
 
-def _group(batch: AttentionBatch, decodes: list[tuple[int, int, int]]) -> list[_DecodeGroup]:
+def _group(batch: AttentionBatch, decodes: list[tuple[int, int, int]]) -> list[_Group]:
     """Decodes (kv_len, query row, sequence index) as padded SDPA groups, longest first."""
     device = batch.out_slots.device
     groups: list[list[tuple[int, int, int]]] = []
@@ -164,10 +155,13 @@ def _group(batch: AttentionBatch, decodes: list[tuple[int, int, int]]) -> list[_
     result = []
     for members in groups:
         max_kv = members[0][0]
-        seq_index = copy_to_device(torch.tensor([m[2] for m in members]), device)
+        seq_index, token_index = stage(
+            device, torch.int64, [m[2] for m in members], [m[1] for m in members]
+        )
         valid = torch.arange(max_kv, device=device)[None, :] < batch.kv_lens[seq_index, None]
         slots = batch.page_table[batch.table_rows[seq_index], :max_kv].long()
-        token_index = copy_to_device(torch.tensor([m[1] for m in members]), device)
         mask = valid[:, None, None, :]  # [decodes, 1, 1, max_kv]
-        result.append(_DecodeGroup(token_index, slots.masked_fill(~valid, 0).flatten(), mask))
+        result.append(
+            _Group(token_index, len(members), slots.masked_fill(~valid, 0).flatten(), mask)
+        )
     return result

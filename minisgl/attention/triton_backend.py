@@ -1,14 +1,10 @@
-"""Attention with our own Triton kernels: works on any CUDA GPU, and in Triton's interpreter on
-CPU (TRITON_INTERPRET=1, slow: that is how CI checks the kernels).
+"""Attention with our own Triton kernels (kernels/triton_attention.py): any CUDA GPU, and Triton's
+interpreter on CPU (TRITON_INTERPRET=1, slow: how CI checks them). This is the host side: tile
+sizes, launch grids, scratch and the extend kernel's query-block map.
 
-Decode-only batches run the split-KV decode kernel, whose launches depend only on the batch size
-and read every length from device tensors, so the engine can capture them in CUDA graphs. Any
-other batch (prefill chunks, possibly with decodes mixed in) runs the extend kernel, which takes
-every query's K/V, cached prefix and new tokens alike, from the pool through the page table.
-
-This module is the host side: tile sizes, launch grids, scratch and the extend kernel's
-query-block map. See `triton_kernels` for the device code.
-"""
+Decodes run the split-KV decode kernel, whose launches depend only on the batch size (so CUDA
+graphs capture them); prefill chunks run the extend kernel, which reads every query's K/V,
+cached prefix and new tokens alike, through the page table."""
 
 from __future__ import annotations
 
@@ -17,8 +13,9 @@ from dataclasses import dataclass
 
 import torch
 import triton
+from torch import Tensor
 
-from minisgl.attention.base import AttentionBackend, AttentionBatch, AttentionConfig, copy_to_device
+from minisgl.attention.base import AttentionBackend, AttentionBatch, AttentionConfig, stage
 from minisgl.kernels import triton_attention as kernels
 from minisgl.kvcache.pool import KVPool
 
@@ -65,7 +62,7 @@ def extend_block_m(head_dim: int) -> int:
     return EXTEND_BLOCK_M if head_dim <= 128 else EXTEND_BLOCK_M_LARGE_HEAD
 
 
-def extend_block_map(extend_lens: list[int], block_m: int) -> torch.Tensor:
+def extend_block_map(extend_lens: list[int], block_m: int) -> Tensor:
     """Host-side map of query blocks, int32 [seqs + 2 * blocks]: each sequence's first query
     token, then each block's sequence, then each block's first query within its sequence."""
     q_lens = torch.tensor(extend_lens, dtype=torch.int64)
@@ -82,12 +79,12 @@ class TritonDecodeMetadata:
     """Sequences of one query each. Only references the batch's tensors: for CUDA graphs those
     are the engine's static buffers, so replays see the lengths the engine wrote there."""
 
-    table_rows: torch.Tensor
-    kv_lens: torch.Tensor
-    out_slots: torch.Tensor
-    page_table: torch.Tensor
-    part_out: torch.Tensor  # fp32 [>= seqs, heads, MAX_DECODE_SPLITS, head_dim]
-    part_lse: torch.Tensor  # fp32 [>= seqs, heads, MAX_DECODE_SPLITS]
+    table_rows: Tensor
+    kv_lens: Tensor
+    out_slots: Tensor
+    page_table: Tensor
+    part_out: Tensor  # fp32 [>= seqs, heads, MAX_DECODE_SPLITS, head_dim]
+    part_lse: Tensor  # fp32 [>= seqs, heads, MAX_DECODE_SPLITS]
     num_splits: int  # a function of the batch shape only: a captured grid fits every replay
 
 
@@ -98,20 +95,20 @@ class TritonExtendMetadata:
     queries 64-128 rows at a time, takes the rest (the tensors below, from the first
     non-decode sequence on). `out_slots` covers every token: the store is one."""
 
-    table_rows: torch.Tensor
-    prefix_lens: torch.Tensor
-    kv_lens: torch.Tensor
-    out_slots: torch.Tensor
-    page_table: torch.Tensor
-    block_map: torch.Tensor  # extend_block_map(extend lens, BLOCK_M), on the device
+    table_rows: Tensor
+    prefix_lens: Tensor
+    kv_lens: Tensor
+    out_slots: Tensor
+    page_table: Tensor
+    block_map: Tensor  # extend_block_map(extend lens, BLOCK_M), on the device
     decodes: TritonDecodeMetadata | None
 
 
 def decode_attention(
-    q: torch.Tensor,  # [seqs, heads, head_dim], one query per sequence
-    k_cache: torch.Tensor,  # [slots, kv_heads, head_dim]
-    v_cache: torch.Tensor,
-    out: torch.Tensor,  # [seqs, heads, head_dim]
+    q: Tensor,  # [seqs, heads, head_dim], one query per sequence
+    k_cache: Tensor,  # [slots, kv_heads, head_dim]
+    v_cache: Tensor,
+    out: Tensor,  # [seqs, heads, head_dim]
     meta: TritonDecodeMetadata,
     scale: float,
 ) -> None:
@@ -167,10 +164,10 @@ def decode_attention(
 
 
 def extend_attention(
-    q: torch.Tensor,  # [tokens, heads, head_dim]
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    out: torch.Tensor,  # [tokens, heads, head_dim]
+    q: Tensor,  # [tokens, heads, head_dim]
+    k_cache: Tensor,
+    v_cache: Tensor,
+    out: Tensor,  # [tokens, heads, head_dim]
     meta: TritonExtendMetadata,
     scale: float,
 ) -> None:
@@ -240,9 +237,9 @@ class TritonBackend(AttentionBackend):
         # Scratch of the split decode kernel: eager batches grow theirs; captured graphs read
         # the graph scratch (init_graph_state), which is never replaced.
         self._eager_scratch = self._scratch(0)
-        self._graph_scratch: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._graph_scratch: tuple[Tensor, Tensor] | None = None
 
-    def _scratch(self, num_seqs: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _scratch(self, num_seqs: int) -> tuple[Tensor, Tensor]:
         """fp32 partial outputs and log-sum-exps of the split decode kernel."""
         shape = (num_seqs, self.cfg.num_qo_heads, MAX_DECODE_SPLITS)
         return (
@@ -251,7 +248,7 @@ class TritonBackend(AttentionBackend):
         )
 
     def _decodes(
-        self, batch: AttentionBatch, num_seqs: int, scratch: tuple[torch.Tensor, torch.Tensor]
+        self, batch: AttentionBatch, num_seqs: int, scratch: tuple[Tensor, Tensor]
     ) -> TritonDecodeMetadata:
         """The first `num_seqs` sequences of `batch`, each one query."""
         wanted = triton.cdiv(self._target_programs, num_seqs * self.cfg.num_kv_heads)
@@ -281,7 +278,7 @@ class TritonBackend(AttentionBackend):
             kv_lens=batch.kv_lens[num_decodes:],
             out_slots=batch.out_slots,
             page_table=batch.page_table,
-            block_map=copy_to_device(block_map, batch.table_rows.device),
+            block_map=stage(batch.table_rows.device, torch.int32, block_map)[0],
             decodes=decodes,
         )
 
@@ -301,14 +298,14 @@ class TritonBackend(AttentionBackend):
 
     def forward(
         self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
         layer_id: int,
         scale: float,
         pool: KVPool,
         metadata: TritonDecodeMetadata | TritonExtendMetadata,
-    ) -> torch.Tensor:
+    ) -> Tensor:
         pool.store(layer_id, metadata.out_slots, k, v)
         k_cache, v_cache = pool.k_cache(layer_id), pool.v_cache(layer_id)
         if q.stride(-1) != 1:

@@ -1,12 +1,8 @@
 """What the engine needs from the device beyond tensors: a stream, events, host staging, NVTX.
 
 On CPU every piece is a no-op or a plain copy, so the scheduler and the engine have one code
-path; nothing here touches CUDA unless the device is CUDA (nothing CUDA-only at import time).
-
-Why staging: `torch.tensor(values, device="cuda")` copies from pageable memory and then waits
-for the whole stream, which would stall the scheduler behind the batch in flight. Staged
-tensors go host -> pinned buffer -> device with one non-blocking copy in stream order.
-"""
+path; nothing CUDA-only runs at import time. Host values reach the device staged
+(`minisgl.attention.base.stage`), so the scheduler never stalls behind the batch in flight."""
 
 from __future__ import annotations
 
@@ -15,8 +11,9 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
+from torch import Tensor
 
-from minisgl.attention.base import host_tensor
+from minisgl.attention.base import stage
 
 
 class ComputeStream:
@@ -45,18 +42,12 @@ class ComputeStream:
         if self.cuda_stream is not None:
             self.cuda_stream.wait_stream(torch.cuda.current_stream(self.device))
 
-    def stage(
-        self, dtype: torch.dtype, *values: Sequence[Any] | torch.Tensor
-    ) -> list[torch.Tensor]:
-        """Copy 1-D host values (lists or tensors) to the device as `dtype`, in a single
-        non-blocking copy."""
-        host = [host_tensor(v, dtype) for v in values]
-        if not self.is_cuda:
-            return [t.to(self.device) for t in host]
-        on_device = torch.cat(host).pin_memory().to(self.device, non_blocking=True)
-        return list(on_device.split([t.numel() for t in host]))
+    def stage(self, dtype: torch.dtype, *values: Sequence[Any] | Tensor) -> list[Tensor]:
+        """1-D host values (lists or tensors) on the device as `dtype`, in one non-blocking copy
+        queued on the current stream."""
+        return stage(self.device, dtype, *values)
 
-    def to_host_async(self, x: torch.Tensor) -> torch.Tensor:
+    def to_host_async(self, x: Tensor) -> Tensor:
         """Start copying `x` to host memory; read the result only after the event recorded next
         (`record_event`) has passed."""
         if not self.is_cuda:

@@ -1,14 +1,10 @@
 """The engine: model weights, paged KV pool, token/page tables, attention backend and sampler.
 
-One engine per tensor-parallel rank. It knows nothing of requests or queues: the scheduler hands
-it a `ForwardBatch` (which table rows, which positions) and gets a `PendingOutput` back.
-Input ids are read from the device-side token table, and sampled ids are written back there, so
-the next batch can be launched before this one's tokens reach the host (overlap scheduling).
-
-On CUDA, `forward` only launches work on the engine's stream: host metadata goes over in staged
-non-blocking copies, sampled ids come back in a non-blocking copy, and the only wait is in
-`PendingOutput.result()`. Decode-only steps replay CUDA graphs (engine/graph.py).
-"""
+One engine per tensor-parallel rank, knowing nothing of requests: the scheduler hands it a
+`ForwardBatch` (table rows, positions) and gets a `PendingOutput` back. Input ids come from the
+device-side token table and sampled ids go back there, so the next batch can launch before this
+one's tokens reach the host; on CUDA `forward` only queues work on the engine's stream, and the
+only wait is in `PendingOutput.result()`. Decode-only steps replay CUDA graphs (graph.py)."""
 
 from __future__ import annotations
 
@@ -16,6 +12,7 @@ import logging
 import operator
 
 import torch
+from torch import Tensor
 
 from minisgl.attention import create_backend, resolve_backend_name
 from minisgl.attention.base import AttentionBatch, AttentionConfig, host_tensor
@@ -70,62 +67,59 @@ class Engine:
             torch.cuda.set_device(self.device)
         self.stream = ComputeStream(self.device)  # where the forward is queued, and the copies
         self.dtype = resolve_dtype(args.dtype, self.device)
-        self.kv_dtype = KV_CACHE_DTYPES.get(args.kv_cache_dtype, self.dtype)
+        kv_dtype = KV_CACHE_DTYPES.get(args.kv_cache_dtype, self.dtype)
         self.model_path = resolve_model_path_for(args)
         self.model_config = cfg = load_model_config(self.model_path)
         # fails early, with the numbers, if heads don't divide by tp
         num_qo_heads, num_kv_heads = local_head_counts(cfg)
-        self.kv_shape = KVShape(cfg.num_layers, num_kv_heads, cfg.head_dim)
+        kv_shape = KVShape(cfg.num_layers, num_kv_heads, cfg.head_dim)
         self.max_model_len = args.max_model_len or cfg.max_position_embeddings
-        self.page_size = args.page_size
         self.max_prefill_tokens = args.resolved_max_prefill_tokens(self.device.type)
-
         self.backend_name = resolve_backend_name(args.attention_backend, self.device, self.dtype)
         self.model = self._build_model()
         # Table rows are request slots; width covers the longest sequence rounded up to a page.
-        width = -(-(self.max_model_len + 1) // self.page_size) * self.page_size
+        page_size = args.page_size
+        width = -(-(self.max_model_len + 1) // page_size) * page_size
         self.tables = DeviceTables(args.max_running_requests, width, self.stream)
-        attention = AttentionConfig(
-            num_qo_heads, num_kv_heads, cfg.head_dim, self.page_size, width, self.dtype,
-            self.device, self.kv_dtype,
-        )  # fmt: skip
+        heads = (num_qo_heads, num_kv_heads, cfg.head_dim)
+        attention = AttentionConfig(*heads, page_size, width, self.dtype, self.device, kv_dtype)
         self.backend = create_backend(self.backend_name, attention)
         self.sampler = Sampler(self.device)
         graph_bs = self._graph_max_batch_size()
-        fp8 = [m.fp8 for m in self.model.modules() if isinstance(m, (PackedWeight, Experts))]
-        fp8_tensors = [w for f in fp8 if f for w in (f if isinstance(f, tuple) else (f,))]
-        weights = [*self.model.parameters(), *(t for w in fp8_tensors for t in (w.data, w.scale))]
-        weights_bytes = sum(t.numel() * t.element_size() for t in weights)
         prefill_tokens = min(self.max_prefill_tokens, self.max_model_len)
-        needs = MemoryNeeds(
-            self.kv_shape, self.kv_dtype, cfg.vocab_size, weights_bytes, graph_bs, prefill_tokens
-        )
+        needs = MemoryNeeds(kv_shape, kv_dtype, cfg.vocab_size, graph_bs, prefill_tokens)
         with stage("planning the KV cache"):
             self.num_pages = plan_kv_pages(args, needs, self.tables, self._forward_through)
         # One extra page, never handed out: padded graph entries write their K/V there.
         self.kv_pool = KVPool(
-            self.kv_shape, self.num_pages + 1, self.page_size, self.kv_dtype, self.device,
-            self.model.kv_scales,
-        )  # fmt: skip
-        self.tables.point_dummy_row(self.num_pages * self.page_size)
-        self.graphs: GraphRunner | None = None
-        if graph_bs > 0:
-            self.graphs = GraphRunner(self.model, self.backend, self.kv_pool, self.tables, graph_bs)
+            kv_shape, self.num_pages + 1, page_size, kv_dtype, self.device, self.model.kv_scales
+        )
+        self.tables.point_dummy_row(self.num_pages * page_size)
+        self.graphs = (
+            GraphRunner(self.model, self.backend, self.kv_pool, self.tables, graph_bs)
+            if graph_bs
+            else None
+        )
         # The pool's zero fill, the tables and the graph buffers were queued on the default
         # stream, which the engine's stream does not follow by itself.
         self.stream.follow_default_stream()
-        if self.graphs is not None:
-            if self.stream.is_cuda:
-                with stage("capturing CUDA graphs"):
-                    self.graphs.capture()
-            elif self.model.cpu_decode_stack is not None:
-                logger.info("CPU decode steps run padded and op by op (--cuda-graph-max-bs)")
+        if self.graphs is not None and self.stream.is_cuda:
+            with stage("capturing CUDA graphs"):
+                self.graphs.capture()
+        elif self.graphs is not None and self.model.cpu_decode_stack is not None:
+            logger.info("CPU decode steps run padded and op by op (--cuda-graph-max-bs)")
         logger.info(
-            "engine ready: %s on %s (%s), attention %s, %d KV pages x %d tokens (%d tokens of "
-            "%s KV), CUDA graphs up to batch %d", cfg.architecture, self.device, self.dtype,
-            self.backend_name, self.num_pages, self.page_size, self.num_pages * self.page_size,
-            self.kv_dtype, graph_bs if self.stream.is_cuda else 0,
-        )  # fmt: skip
+            "engine ready: %s on %s (%s), attention %s, %d KV pages x %d tokens (%s KV), "
+            "CUDA graphs up to batch %d",
+            cfg.architecture,
+            self.device,
+            self.dtype,
+            self.backend_name,
+            self.num_pages,
+            page_size,
+            kv_dtype,
+            graph_bs if self.stream.is_cuda else 0,
+        )
 
     def _build_model(self) -> CausalLM:
         previous = torch.get_default_dtype()
@@ -155,9 +149,10 @@ class Engine:
             model.use_cpu_kernels(kernels, fused_decode=self.backend_name == "torch")
             logger.info(
                 "CPU kernels on (%d threads, %s weights); decode steps %s",
-                torch.get_num_threads(), "GGUF block" if blocks else "fp32 panel",
+                torch.get_num_threads(),
+                "GGUF block" if blocks else "fp32 panel",
                 "in one fused call" if model.cpu_decode_stack is not None else "op by op",
-            )  # fmt: skip
+            )
         return model.eval()
 
     def _graph_max_batch_size(self) -> int:
@@ -174,13 +169,12 @@ class Engine:
 
     # ---- the forward pass ------------------------------------------------------------------
 
-    @torch.inference_mode()
     def forward(self, batch: ForwardBatch, vocab_mask: VocabMask | None = None) -> PendingOutput:
-        """Launch the model and the sampling of one batch."""
+        """Launch the model and the sampling of one batch (each under inference mode)."""
         return self.sample(batch, self.forward_logits(batch), vocab_mask)
 
     @torch.inference_mode()
-    def forward_logits(self, batch: ForwardBatch) -> torch.Tensor:
+    def forward_logits(self, batch: ForwardBatch) -> Tensor:
         """Launch the model only: logits [sampled rows, vocab], for `sample` to consume. The
         scheduler splits the two when a structured-output mask needs the previous step's tokens
         (docs/architecture.md, "Structured outputs")."""
@@ -199,7 +193,7 @@ class Engine:
 
     @torch.inference_mode()
     def sample(
-        self, batch: ForwardBatch, logits: torch.Tensor, vocab_mask: VocabMask | None = None
+        self, batch: ForwardBatch, logits: Tensor, vocab_mask: VocabMask | None = None
     ) -> PendingOutput:
         """Sample (outside any CUDA graph, so a mask never changes what graphs capture), write
         the tokens into the token table and start their copy to the host."""
@@ -212,7 +206,7 @@ class Engine:
         with self.stream.active():
             return self._sample(batch, self._forward_eager(batch, pool), None).result()
 
-    def _forward_eager(self, batch: ForwardBatch, pool: KVPool) -> torch.Tensor:
+    def _forward_eager(self, batch: ForwardBatch, pool: KVPool) -> Tensor:
         extend = host_tensor(batch.extend_lens, torch.int64)
         prefix = host_tensor(batch.prefix_lens, torch.int64)
         kv_lens = prefix + extend
@@ -237,14 +231,13 @@ class Engine:
             page_table=self.tables.page_table,
             prefix_lens_cpu=batch.prefix_lens,
             kv_lens_cpu=kv_lens.tolist(),
-            page_size=self.page_size,
         )
         ctx = ForwardContext(self.backend, pool, self.backend.prepare(attn))
         with forward_context(ctx):
             return self.model(input_ids, positions_d, logit_d)
 
     def _sample(
-        self, batch: ForwardBatch, logits: torch.Tensor, vocab_mask: VocabMask | None
+        self, batch: ForwardBatch, logits: Tensor, vocab_mask: VocabMask | None
     ) -> PendingOutput:
         num_sampled = len(batch.sampled)
         scores = None

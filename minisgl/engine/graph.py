@@ -1,19 +1,10 @@
-"""CUDA graphs for decode: capture once per padded batch size, replay for decode-only steps.
+"""CUDA graphs for decode: capture once per padded batch size, replay for decode-only steps (one
+launch instead of a few hundred small kernels).
 
-A decode step launches a few hundred small kernels (a dozen per layer); on a GPU their launch
-cost exceeds their run time at small batches. A captured graph replays them with one launch.
-
-Shapes are frozen at capture, so batches are padded up to the next captured size. Padding
-entries point at the dummy table row (position 0, KV length 1), whose only slot is the pool's
-dummy page: they compute garbage nobody reads, and no real request's KV is touched.
-
-The same runner works without capture (CPU, or `capture=False`): it pads the batch and runs the
-forward eagerly over the same static buffers. That is what CI checks on CPU: a padded batch
-gives the tokens of the unpadded one.
-
-Mixed steps (prefill chunks + decodes) always run eagerly: their shapes vary every step, and
-their cost is dominated by the prefill's matmuls, not by launches.
-"""
+Batches are padded to the next captured size; padding entries point at the dummy table row,
+whose only slot is the pool's dummy page, so no request's KV is touched. Without capture (CPU)
+the runner pads and runs eagerly over the same buffers: what CI checks. Mixed steps always run
+eagerly (their shapes vary, and the prefill's matmuls dominate them)."""
 
 from __future__ import annotations
 
@@ -25,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch import Tensor
 
 from minisgl.attention.base import AttentionBackend, AttentionBatch
 from minisgl.attention.context import ForwardContext, forward_context
@@ -35,21 +27,16 @@ from minisgl.kvcache.pool import KVPool
 logger = logging.getLogger(__name__)
 
 # Padded sizes: every small size, then steps that waste at most ~1/8 of a batch.
-_SMALL_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64)
-_LARGE_STEP = 16
+_SIZES_BELOW_128 = (1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112)
+_STEP_FROM_128 = 32
 
 
 def graph_batch_sizes(max_batch_size: int) -> list[int]:
-    sizes = [s for s in _SMALL_SIZES if s < max_batch_size]
-    size = _SMALL_SIZES[-1] + _LARGE_STEP
-    while size < max_batch_size:
-        sizes.append(size)
-        size += _LARGE_STEP if size < 128 else 2 * _LARGE_STEP
-    sizes.append(max_batch_size)
-    return sorted(set(sizes))
+    sizes = [*_SIZES_BELOW_128, *range(128, max_batch_size, _STEP_FROM_128)]
+    return [s for s in sizes if s < max_batch_size] + [max_batch_size]
 
 
-ModelFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+ModelFn = Callable[[Tensor, Tensor, Tensor], Tensor]
 
 
 @dataclass
@@ -68,31 +55,29 @@ class GraphRunner:
             (4, self.max_batch_size), dtype=torch.int64, device=self.stream.device
         )
         self.logit_index = torch.arange(self.max_batch_size, device=self.stream.device)
-        self._graphs: dict[int, tuple[Any, torch.Tensor]] = {}  # size -> (graph, logits)
+        self._graphs: dict[int, tuple[Any, Tensor]] = {}  # size -> (graph, logits)
         if self.backend.supports_graphs:
             self.backend.init_graph_state(self.max_batch_size)
 
-    def padded_size(self, num_seqs: int) -> int | None:
-        index = bisect.bisect_left(self.sizes, num_seqs)
-        return self.sizes[index] if index < len(self.sizes) else None
+    def padded_size(self, num_seqs: int) -> int:
+        return self.sizes[bisect.bisect_left(self.sizes, num_seqs)]
 
     def can_run(self, batch: ForwardBatch) -> bool:
         return batch.is_decode and batch.num_seqs <= self.max_batch_size
 
-    def run(self, batch: ForwardBatch) -> torch.Tensor:
+    def run(self, batch: ForwardBatch) -> Tensor:
         """Logits [num_seqs, vocab] of a decode-only batch (replayed, or padded and eager)."""
-        num_seqs = batch.num_seqs
+        num_seqs, backend = batch.num_seqs, self.backend
         size = self.padded_size(num_seqs)
-        assert size is not None and batch.is_decode
         attn = self._fill(size, batch.table_rows, batch.prefix_lens)
-        if not self.backend.supports_graphs:
-            return self._forward(size, self.backend.prepare(attn))[:num_seqs]
-        metadata = self.backend.prepare_graph(attn, capturing=False)
-        graph = self._graphs.get(size)
-        if graph is None:  # not captured (CPU): the same buffers, eagerly
+        if not backend.supports_graphs:
+            return self._forward(size, backend.prepare(attn))[:num_seqs]
+        metadata = backend.prepare_graph(attn, capturing=False)
+        if size not in self._graphs:  # not captured (CPU): the same buffers, eagerly
             return self._forward(size, metadata)[:num_seqs]
-        graph[0].replay()
-        return graph[1][:num_seqs]
+        graph, logits = self._graphs[size]
+        graph.replay()
+        return logits[:num_seqs]
 
     def _fill(self, size: int, rows: list[int], positions: list[int]) -> AttentionBatch:
         """Write one step's rows and positions into the static buffers, padded to `size` with
@@ -113,10 +98,9 @@ class GraphRunner:
             page_table=self.tables.page_table,
             prefix_lens_cpu=positions,
             kv_lens_cpu=kv_lens,
-            page_size=self.pool.page_size,
         )
 
-    def _forward(self, size: int, metadata: Any) -> torch.Tensor:
+    def _forward(self, size: int, metadata: Any) -> Tensor:
         table_rows, pos = self.table_rows[:size], self.positions[:size]
         input_ids = self.tables.token_table[table_rows, pos].long()
         with forward_context(ForwardContext(self.backend, self.pool, metadata)):

@@ -1,12 +1,9 @@
 """How many KV pages fit: a fixed budget on CPU, what is left of the GPU after everything else.
 
-On CUDA, after the weights are loaded, one warm-up forward at the largest prefill chunk measures
-the activation peak (it also compiles/JITs the attention kernels before the first request). The
-pool then gets `mem_fraction_static` of the device, minus what other processes and our weights
-already hold, minus that peak, minus a reserve for CUDA graphs and the sampler's [batch, vocab]
-temporaries. Every number is logged. All of it runs before the pool exists: the engine builds
-the pool from the number planned here.
-"""
+On CUDA one warm-up forward at the largest prefill chunk measures the activation peak (and
+compiles the attention kernels); the pool gets `mem_fraction_static` of the device less what is
+held already, that peak, and reserves for CUDA graphs and the sampler, every figure logged.
+It all runs before the pool exists: the engine builds it from the number planned here."""
 
 from __future__ import annotations
 
@@ -45,7 +42,6 @@ class MemoryNeeds:
     kv_shape: KVShape
     kv_dtype: torch.dtype  # what the pool stores
     vocab_size: int
-    weights_bytes: int
     graph_max_bs: int  # 0: no CUDA graphs
     prefill_tokens: int  # the largest prefill chunk: what the warm-up forward computes
 
@@ -82,6 +78,7 @@ def _cuda_kv_budget(
     device = tables.stream.device
     torch.cuda.synchronize(device)
     free_after_weights, total = torch.cuda.mem_get_info(device)
+    ours = torch.cuda.memory_allocated(device)  # the weights, and the tables
     vocab_bytes = needs.vocab_size * 4
     graph_max_bs = needs.graph_max_bs
     graph_rows = sum(graph_batch_sizes(graph_max_bs)) + graph_max_bs
@@ -95,10 +92,10 @@ def _cuda_kv_budget(
     }
     budget = free_after_weights - sum(reserves.values())
     logger.info(
-        "GPU memory: total %.2f GiB, weights %.2f GiB, free after weights %.2f GiB, %s -> "
-        "KV cache %.2f GiB",
+        "GPU memory: total %.2f GiB, weights and tables %.2f GiB, free after them %.2f GiB, "
+        "%s -> KV cache %.2f GiB",
         total / GIB,
-        needs.weights_bytes / GIB,
+        ours / GIB,
         free_after_weights / GIB,
         ", ".join(f"{name} {value / GIB:.2f} GiB" for name, value in reserves.items()),
         budget / GIB,

@@ -1,14 +1,10 @@
 """Batched sampling: the logits processors (structured-output mask, logit_bias, min_tokens
 bans, penalties), temperature, top-k / top-p / min-p, seeded draws, logprobs.
 
-The processors return new logits (out of place: the raw ones stay what logprobs report, and
-may be a CUDA graph's static output) and cost nothing for a batch that does not use them.
-
-Randomness is counter-based: the uniform number for (request seed, token position, vocab id) is
-a hash of those three integers. A request's draws therefore depend only on its own seed and
-position: reproducible whatever else is in the batch, identical on every tensor-parallel rank,
-and free of per-request generator objects.
-"""
+The processors work out of place (the raw logits stay what logprobs report) and cost nothing
+for a batch that does not use them. Randomness is counter-based: a uniform is a hash of
+(request seed, position, vocab id), so a request's draws are reproducible whatever else is in
+the batch and identical on every tensor-parallel rank."""
 
 from __future__ import annotations
 
@@ -16,6 +12,7 @@ import functools
 from typing import NamedTuple
 
 import torch
+from torch import Tensor
 
 from minisgl.engine.batch import TokenScores
 from minisgl.engine.sampling_batch import RowInputs, SamplingBatch
@@ -30,7 +27,7 @@ _MASK32 = 0xFFFFFFFF
 _UNIFORM_BITS = 23
 
 
-def _mix32(x: torch.Tensor) -> torch.Tensor:
+def _mix32(x: Tensor) -> Tensor:
     """A 32-bit integer finalizer (lowbias32). x: int64 holding values in [0, 2^32).
 
     int64 products may wrap, which keeps the low 32 bits right: they are all we keep.
@@ -43,20 +40,18 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
 
 
 def seeded_uniform(
-    seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int, kernels: CpuKernels | None = None
-) -> torch.Tensor:
+    seeds: Tensor, positions: Tensor, vocab_size: int, kernels: CpuKernels | None = None
+) -> Tensor:
     """Uniform (0, 1) numbers of shape [rows, vocab] for int64 seeds and positions [rows]; a
     pure function of (seed, position, id). With the CPU kernels one call computes the same bits
-    (the tensor formula costs ~1 ms per row of a 49k vocabulary)."""
+    (the tensor formula makes a dozen int64 [rows, vocab] temporaries)."""
     if kernels is not None:
         return kernels.seeded_uniform(seeds, positions, vocab_size)
     ids = torch.arange(vocab_size, device=seeds.device, dtype=torch.int64)
     return seeded_uniform_at(seeds, positions, ids[None, :])
 
 
-def seeded_uniform_at(
-    seeds: torch.Tensor, positions: torch.Tensor, ids: torch.Tensor
-) -> torch.Tensor:
+def seeded_uniform_at(seeds: Tensor, positions: Tensor, ids: Tensor) -> Tensor:
     """`seeded_uniform(seeds, positions, vocab)[row, ids[row, j]]` for int64 ids [rows or 1, k],
     computed for those ids only."""
     row_key = _mix32((_mix32(seeds & _MASK32) ^ positions) & _MASK32)  # [rows]
@@ -64,7 +59,7 @@ def seeded_uniform_at(
     return _unit_interval(_mix32(h ^ row_key[:, None]))
 
 
-def _unit_interval(h: torch.Tensor) -> torch.Tensor:
+def _unit_interval(h: Tensor) -> Tensor:
     """32-bit hashes (int64) to float32 uniforms strictly inside (0, 1)."""
     return ((h >> (32 - _UNIFORM_BITS)).float() + 0.5) / float(1 << _UNIFORM_BITS)
 
@@ -73,7 +68,7 @@ _BITS_PER_BYTE = 8
 
 
 @functools.cache
-def _byte_bias(device: torch.device) -> torch.Tensor:
+def _byte_bias(device: torch.device) -> Tensor:
     """[256, 8] float32: 0 where bit j of byte value b is set, -inf where it is not. Made on
     the device itself (no host copy), once per device."""
     values = torch.arange(256, device=device)[:, None]
@@ -82,52 +77,51 @@ def _byte_bias(device: torch.device) -> torch.Tensor:
     return torch.zeros(allowed.shape, device=device).masked_fill(~allowed, float("-inf"))
 
 
-def apply_vocab_mask(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
+def apply_vocab_mask(logits: Tensor, sb: SamplingBatch) -> Tensor:
     """-inf for every token a constrained row may not pick. Out of place: the raw logits stay
     what logprobs report (and may be a CUDA graph's static output).
 
     The packed words are read as bytes (little-endian: byte i of word w holds tokens
     32w + 8i .. 32w + 8i + 7) and each byte looks up its 8 biases in a table: one gather and
-    one add, ~30x faster on CPU than unpacking bit by bit."""
-    if sb.mask_rows is None or sb.mask_bits is None:
+    one add instead of unpacking bit by bit (RESULTS.md section 8)."""
+    if sb.mask is None:
         return logits
-    vocab_size = logits.shape[-1]
-    as_bytes = sb.mask_bits.contiguous().view(torch.uint8).long()  # [k, words * 4]
-    bias = _byte_bias(logits.device)[as_bytes].flatten(1)[:, :vocab_size]  # [k, vocab]
-    return logits.index_put((sb.mask_rows,), logits[sb.mask_rows] + bias)
+    rows, bits = sb.mask
+    as_bytes = bits.contiguous().view(torch.uint8).long()  # [k, words * 4]
+    bias = _byte_bias(logits.device)[as_bytes].flatten(1)[:, : logits.shape[-1]]  # [k, vocab]
+    return logits.index_put((rows,), logits[rows] + bias)
 
 
-def apply_logit_bias(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
+def apply_logit_bias(logits: Tensor, sb: SamplingBatch) -> Tensor:
     """The requests' logit_bias added to their rows. Out of place, like the mask."""
-    if sb.bias_rows is None or sb.bias_ids is None or sb.bias_values is None:
+    if sb.bias is None:
         return logits
-    return logits.index_put((sb.bias_rows, sb.bias_ids), sb.bias_values, accumulate=True)
+    rows, ids, values = sb.bias
+    return logits.index_put((rows, ids), values, accumulate=True)
 
 
-def apply_bans(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
+def apply_bans(logits: Tensor, sb: SamplingBatch) -> Tensor:
     """min_tokens: -inf for each row's stop tokens, except in a row where nothing else is
     allowed (a structured output whose grammar can only end): the grammar wins, as a row of
     only -inf would draw a token the grammar forbids."""
-    if sb.ban_rows is None or sb.ban_ids is None:
+    if sb.bans is None:
         return logits
-    banned = logits.index_put((sb.ban_rows, sb.ban_ids), logits.new_tensor(float("-inf")))
+    banned = logits.index_put(sb.bans, logits.new_tensor(float("-inf")))
     something_left = banned.amax(dim=-1, keepdim=True) > float("-inf")
     return torch.where(something_left, banned, logits)
 
 
-def apply_penalties(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
+def apply_penalties(logits: Tensor, sb: SamplingBatch) -> Tensor:
     """Repetition (HF / vLLM: positive logits divided, negative multiplied) on every token of
     prompt or output; then frequency x count and presence for tokens of the output (OpenAI).
 
-    Only the tokens a row has seen change, so the work is on [rows, length] tensors: each row's
-    history sorted by (token, output first), so the first position of each token's run stands
-    for that token and knows its output count. One copy of the logits (with a spare column that
-    positions past a row's end write into) takes every new value in one scatter. Fixed shapes
-    throughout: nothing waits for the device."""
-    if sb.history_ids is None or sb.history_in_output is None:
+    Only the tokens a row has seen change: each row's history sorted by (token, output first), the
+    first position of each token's run writes its token's new value in one scatter into a copy of
+    the logits (a spare column takes the padding). Fixed shapes: nothing waits for the device."""
+    if sb.history is None:
         return logits
     rows, vocab = logits.shape
-    ids, in_output = sb.history_ids, sb.history_in_output
+    ids, in_output = sb.history
     key = ids * 2 + (~in_output).long()  # a token's output positions sort before its prompt ones
     key, _ = key.sort(dim=1)
     ids, in_output = key // 2, key % 2 == 0
@@ -148,20 +142,20 @@ def apply_penalties(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
     return out.scatter_(1, target, values)[:, :vocab]
 
 
-def process_logits(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
+def process_logits(logits: Tensor, sb: SamplingBatch) -> Tensor:
     """All of the above, in vLLM's order: logits processors (the bias first; -inf stays -inf),
     then penalties."""
     logits = apply_vocab_mask(apply_logit_bias(logits, sb), sb)
     return apply_penalties(apply_bans(logits, sb), sb)
 
 
-# On CPU a filtered draw first tries this many candidates: topk over a 150k vocabulary costs
-# ~0.1 ms a row where a full sort costs ~6 ms. Enough whenever the top-p nucleus or the min-p
-# cut ends inside it, which `_cut_inside` checks (free on CPU; on CUDA it would be a sync).
+# On CPU a filtered draw first tries this many candidates: a small topk instead of sorting the
+# vocabulary (RESULTS.md section 11). Enough whenever the top-p nucleus or the min-p cut ends
+# inside it, which `_cut_inside` checks (free on CPU; on CUDA it would be a sync).
 CPU_FIRST_CANDIDATES = 256
 
 
-def _keep(probs: torch.Tensor, rows: RowInputs) -> torch.Tensor:
+def _keep(probs: Tensor, rows: RowInputs) -> Tensor:
     """Which of each row's candidates ([rows, k], most likely first) survive top-k, the top-p
     nucleus and min_p * max prob. The most likely token always does."""
     rank = torch.arange(probs.shape[-1], device=probs.device)[None, :]
@@ -174,7 +168,7 @@ def _keep(probs: torch.Tensor, rows: RowInputs) -> torch.Tensor:
     return ~drop
 
 
-def _cut_inside(probs: torch.Tensor, rows: RowInputs) -> torch.Tensor:
+def _cut_inside(probs: Tensor, rows: RowInputs) -> Tensor:
     """Per row ([rows] bool): whether it drops every token past these candidates ([rows, k],
     the k most likely), so that they are all the candidates it has and its draw is exact."""
     by_top_k = rows.top_k <= probs.shape[-1]
@@ -184,7 +178,7 @@ def _cut_inside(probs: torch.Tensor, rows: RowInputs) -> torch.Tensor:
 
 
 class SampleResult(NamedTuple):
-    token_ids: torch.Tensor  # int64 [rows]
+    token_ids: Tensor  # int64 [rows]
     scores: TokenScores | None  # the chosen tokens' logprobs; None when no row wants them
 
 
@@ -200,7 +194,7 @@ class Sampler:
         self.triton_kernels = triton_kernels("triton_sampling", device)
         self.cpu_kernels = cpu.kernels_for(device, torch.float32)
 
-    def sample(self, logits: torch.Tensor, sb: SamplingBatch) -> SampleResult:
+    def sample(self, logits: Tensor, sb: SamplingBatch) -> SampleResult:
         raw_logits = logits
         logits = process_logits(logits, sb)
         if sb.all_greedy:
@@ -220,23 +214,22 @@ class Sampler:
         scores = None if max_k is None else TokenScores.of(raw_logits, token_ids, max_k)
         return SampleResult(token_ids, scores)
 
-    def argmax(self, logits: torch.Tensor) -> torch.Tensor:
+    def argmax(self, logits: Tensor) -> Tensor:
         """logits.argmax(-1); on CPU the sampling kernel's greedy path (temperature 0 on every
-        row, so no seed or position is read): one vector pass per row over the threads, ~3x
-        torch's at 256 rows of a 151k vocabulary."""
+        row, so no seed or position is read): one vector pass per row over the threads
+        (RESULTS.md section 13)."""
         if self.cpu_kernels is None:
             return logits.argmax(dim=-1)
         greedy = torch.zeros(logits.shape[0], dtype=torch.float32)
         unused = torch.zeros(logits.shape[0], dtype=torch.int64)
         return self.cpu_kernels.sample(logits, greedy, unused, unused)
 
-    def _draw_all(self, logits: torch.Tensor, rows: RowInputs) -> torch.Tensor:
+    def _draw_all(self, logits: Tensor, rows: RowInputs) -> Tensor:
         """Exponential race over the whole vocabulary (greedy where the temperature is 0):
         argmax p_i / E_i with E_i ~ Exp(1) draws i with probability p_i."""
         per_row = (rows.temperatures, rows.seeds, rows.positions)
         # One pass per row, no [rows, vocab] temporaries: the same draw as the formula below (on
-        # CUDA a Triton kernel, on CPU a C kernel; the formula costs ~20 GB of traffic at 256
-        # rows).
+        # CUDA a Triton kernel, on CPU a C kernel; RESULTS.md section 9 for the formula's cost).
         if self.triton_kernels is not None and logits.stride(-1) == 1:
             return self.triton_kernels.sample(logits, *per_row)
         if self.cpu_kernels is not None:
@@ -247,9 +240,7 @@ class Sampler:
         sampled = (probs / -torch.log(u)).argmax(dim=-1)
         return torch.where(rows.temperatures == 0, greedy_ids, sampled)
 
-    def _draw_filtered(
-        self, logits: torch.Tensor, rows: RowInputs, num_candidates: int
-    ) -> torch.Tensor:
+    def _draw_filtered(self, logits: Tensor, rows: RowInputs, num_candidates: int) -> Tensor:
         """The race among each row's surviving candidates (rows with a temperature > 0): the
         same draw as racing over the vocabulary with every dropped token's probability set
         to 0."""
@@ -269,9 +260,7 @@ class Sampler:
         token_ids[rest] = self._race(long, rows.take(rest), logits.shape[-1])
         return token_ids
 
-    def _race(
-        self, candidates: tuple[torch.Tensor, torch.Tensor], rows: RowInputs, vocab_size: int
-    ) -> torch.Tensor:
+    def _race(self, candidates: tuple[Tensor, Tensor], rows: RowInputs, vocab_size: int) -> Tensor:
         """Token ids [rows]: the exponential race among the candidates (probabilities and ids
         [rows, k], most likely first) that top-k, top-p and min-p keep."""
         cand_probs, cand_ids = candidates

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 import torch
+from torch import Tensor
 
 from minisgl.core import SamplingParams
 from minisgl.engine.batch import ForwardBatch, VocabMask
@@ -30,18 +31,18 @@ class RowInputs:
     """Every row's parameters, seed and position: a batch's (`SamplingBatch.rows`) or some
     rows' (`take`)."""
 
-    temperatures: torch.Tensor  # float32 [rows]; 0 rows are greedy
-    top_p: torch.Tensor  # float32 [rows]
-    min_p: torch.Tensor  # float32 [rows]
-    # penalties (float32 [rows]); they apply only where SamplingBatch.history_ids is set
-    repetition: torch.Tensor
-    presence: torch.Tensor
-    frequency: torch.Tensor
-    top_k: torch.Tensor  # int64 [rows]; vocab size when off
-    seeds: torch.Tensor  # int64 [rows]
-    positions: torch.Tensor  # int64 [rows]: position of the token being sampled
+    temperatures: Tensor  # float32 [rows]; 0 rows are greedy
+    top_p: Tensor  # float32 [rows]
+    min_p: Tensor  # float32 [rows]
+    # penalties (float32 [rows]); they apply only where SamplingBatch.history is set
+    repetition: Tensor
+    presence: Tensor
+    frequency: Tensor
+    top_k: Tensor  # int64 [rows]; vocab size when off
+    seeds: Tensor  # int64 [rows]
+    positions: Tensor  # int64 [rows]: position of the token being sampled
 
-    def take(self, rows: torch.Tensor) -> RowInputs:
+    def take(self, rows: Tensor) -> RowInputs:
         """These rows only (an index or a boolean mask)."""
         return RowInputs(*(getattr(self, f.name)[rows] for f in fields(self)))
 
@@ -57,24 +58,21 @@ class SamplingBatch:
     # empty); filter_rows is None when no row filters. Filtered rows draw among their
     # `num_candidates` most likely tokens (the largest top-k among them, the vocabulary when one
     # has none), found with topk instead of sorting the vocabulary.
-    filter_rows: torch.Tensor | None
-    plain_rows: torch.Tensor | None
+    filter_rows: Tensor | None
+    plain_rows: Tensor | None
     num_candidates: int
-    # Each row's tokens so far, prompt then output: int64 [rows, length], the vocabulary size
-    # past a row's end; and which of those positions are output (bool, same shape). None when
-    # no row uses penalties.
-    history_ids: torch.Tensor | None = None
-    history_in_output: torch.Tensor | None = None
-    # logit_bias, flattened over the rows that set one (None when none does)
-    bias_rows: torch.Tensor | None = None  # int64 [entries]
-    bias_ids: torch.Tensor | None = None  # int64 [entries]
-    bias_values: torch.Tensor | None = None  # float32 [entries]
-    # min_tokens: (row, token) pairs that may not be drawn yet (None when none); see apply_bans
-    ban_rows: torch.Tensor | None = None  # int64 [entries]
-    ban_ids: torch.Tensor | None = None  # int64 [entries]
-    # structured outputs (None when no row is constrained)
-    mask_rows: torch.Tensor | None = None  # int64 [k]: the constrained rows
-    mask_bits: torch.Tensor | None = None  # int32 [k, ceil(vocab / 32)]: allowed tokens
+    # The optional parts, each None when no row uses it.
+    # Penalties: each row's tokens so far, prompt then output (int64 [rows, length], the
+    # vocabulary size past a row's end), and which of those positions are output (bool, same).
+    history: tuple[Tensor, Tensor] | None = None
+    # logit_bias, flattened over the rows that set one: rows, token ids (int64 [entries]) and
+    # values (float32 [entries]).
+    bias: tuple[Tensor, Tensor, Tensor] | None = None
+    # min_tokens: the (row, token) pairs that may not be drawn yet (int64 [entries] each).
+    bans: tuple[Tensor, Tensor] | None = None
+    # Structured outputs: the constrained rows (int64 [k]) and their allowed tokens (int32 [k,
+    # ceil(vocab / 32)]).
+    mask: tuple[Tensor, Tensor] | None = None
 
     @property
     def all_greedy(self) -> bool:
@@ -122,12 +120,14 @@ class SamplingBatch:
                 stops = {*p.stop_token_ids, *(() if p.ignore_eos else eos_token_ids)}
                 banned += [(i, t) for t in sorted(stops) if t < vocab_size]
         if banned:
-            sb.ban_rows, sb.ban_ids = stream.stage(torch.int64, *zip(*banned, strict=True))
+            ban_rows, ban_ids = stream.stage(torch.int64, *zip(*banned, strict=True))
+            sb.bans = (ban_rows, ban_ids)
         biased = [(i, t, b) for i, p in enumerate(params) for t, b in p.logit_bias]
         if biased:
             bias_rows, bias_ids, bias_values = zip(*biased, strict=True)
-            sb.bias_rows, sb.bias_ids = stream.stage(torch.int64, bias_rows, bias_ids)
-            (sb.bias_values,) = stream.stage(torch.float32, bias_values)
+            rows_d, ids_d = stream.stage(torch.int64, bias_rows, bias_ids)
+            (values_d,) = stream.stage(torch.float32, bias_values)
+            sb.bias = (rows_d, ids_d, values_d)
         return sb
 
     @staticmethod
@@ -146,10 +146,10 @@ class SamplingBatch:
             params, seeds, next_pos, cfg.vocab_size, stream, output_lens, cfg.eos_token_ids
         )
         if vocab_mask is not None:
-            (sb.mask_rows,) = stream.stage(torch.int64, vocab_mask.rows)
+            (mask_rows,) = stream.stage(torch.int64, vocab_mask.rows)
             # One staged copy of the flattened bits (stage takes 1-D tensors): [k * words]
             (flat_bits,) = stream.stage(torch.int32, vocab_mask.bitmask.reshape(-1))
-            sb.mask_bits = flat_bits.view(vocab_mask.bitmask.shape)
+            sb.mask = (mask_rows, flat_bits.view(vocab_mask.bitmask.shape))
         if any(p.has_penalties for p in params):
             # Each row's tokens so far (prompt, then output), the vocabulary size past its end.
             max_len = max(next_pos)
@@ -159,6 +159,6 @@ class SamplingBatch:
             ids = tables.token_table[rows_d, :max_len].long()  # [rows, max_len]
             pos = torch.arange(max_len, device=stream.device)[None, :]
             in_seq = pos < seq_lens_d[:, None]
-            sb.history_ids = ids.masked_fill(~in_seq, cfg.vocab_size)
-            sb.history_in_output = in_seq & (pos >= prompt_lens_d[:, None])
+            in_output = in_seq & (pos >= prompt_lens_d[:, None])
+            sb.history = (ids.masked_fill(~in_seq, cfg.vocab_size), in_output)
         return sb

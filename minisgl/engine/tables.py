@@ -1,20 +1,10 @@
-"""The device-side page table and token table, written by the scheduler, read by the forward.
+"""The device-side page table (int32 [rows, width]: row r, column p is the KV slot of position p
+of the request in row r) and token table (its token ids: the forward reads input ids there and
+writes sampled ids back, so batch N+1 can launch before the host has seen batch N's tokens).
 
-- page table `[rows, width]` int32: row r, column p is the KV slot of position p of the request
-  in table row r.
-- token table `[rows, width]` int32: the token ids of each request. The engine reads a batch's
-  input ids from it and writes sampled ids back, so batch N+1 can be launched before the host has
-  seen batch N's tokens (overlap scheduling).
-
-The scheduler's writes (a new request's prompt, new pages' slots) are queued on the host and
-applied by the engine at the start of the next forward, in stream order, with one non-blocking
-copy: the scheduler never waits for the device, and a step's writes cost a few torch calls
-whatever the batch size. Under CPU overlap the forward runs on its own thread, so a lock guards
-the queue: a flush takes every queued write or none.
-
-The last row is the dummy row that padded (CUDA-graph) batch entries point at: position 0 maps
-to the pool's dummy page, which no request ever owns.
-"""
+The scheduler's writes are queued on the host (under a lock: CPU overlap flushes from another
+thread) and applied at the next forward in one non-blocking copy. The last row is the dummy
+row that padded graph entries point at (its slots are the pool's dummy page)."""
 
 from __future__ import annotations
 
@@ -22,6 +12,7 @@ import threading
 
 import numpy as np
 import torch
+from torch import Tensor
 
 from minisgl.engine.device import ComputeStream
 
@@ -51,7 +42,7 @@ class DeviceTables:
     def write_tokens(self, row: int, start: int, token_ids: list[int]) -> None:
         self._write(_TOKEN_TABLE, [row], [start], np.asarray(token_ids, np.int64)[None, :])
 
-    def write_slots(self, rows: list[int], starts: list[int], slots: torch.Tensor) -> None:
+    def write_slots(self, rows: list[int], starts: list[int], slots: Tensor) -> None:
         """Positions starts[i] .. starts[i] + k - 1 of row rows[i] get slots[i] ([len(rows), k]):
         one write for a whole step's new pages."""
         self._write(_PAGE_TABLE, rows, starts, slots.numpy())

@@ -1,16 +1,8 @@
-"""Building the CPU kernels' library: the C sources in `csrc/`, compiled once per machine.
-
-`gcc -O3 -march=native -fopenmp` (then without `-march=native` if the compiler rejects it) into
-`$MINISGL_CACHE_DIR/kernels/` (default `~/.cache/minisgl/kernels/`), named by a hash of the
-sources, the compiler and its version, the flags and this CPU (what `-march=native` depends on),
-so an edited source or another CPU gets its own build. Concurrent first uses (tensor-parallel
-ranks, --dp replicas, test workers) take turns on a lock file next to the library, so one of them
-compiles and the others load its result; the compiler writes a private temporary file that is
-renamed into place, so no process ever loads half a library (also where locks do not work).
-The cache folder is created private to the user (mode 0700): a library loaded from it runs with
-the user's rights. A failed build leaves `<library>.failed` with the compiler's message, so the
-next start goes straight to the flags that work instead of paying the failed attempt again.
-"""
+"""Building the CPU kernels' library from `csrc/`, once per machine (docs/architecture.md, "The
+CPU path"): `gcc -O3 -march=native -fopenmp` (without `-march=native` if rejected) into
+`$MINISGL_CACHE_DIR/kernels/` (private to the user), named by a hash of the sources, compiler,
+flags and CPU. Processes starting together take turns on a lock file; the library appears by an
+atomic rename; a failed build leaves `<library>.failed`, so the next start skips those flags."""
 
 from __future__ import annotations
 

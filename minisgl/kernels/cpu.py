@@ -1,40 +1,26 @@
-"""fp32 CPU kernels (the C sources in `csrc/`), built with the system C compiler at first use and
-called through ctypes.
+"""fp32 CPU kernels (the C sources in `csrc/`), built at first use (build.py) and called through
+ctypes: linear layers on packed panels or GGUF blocks, the elementwise ops, decode attention,
+sampling, and a whole decode step in one call (why: RESULTS.md section 10).
 
-Why: at decode batch sizes torch's CPU matmuls stream the weights at about a third of the
-machine's read bandwidth, and a layer's dozen small elementwise ops cost more in dispatch than
-in arithmetic. The kernels pack every linear weight into column panels read front to back
-(one pass over the weights per step, near the read bandwidth at batch 1, near the FMA peak from
-batch ~8) and do RMSNorm (with the residual add), SiLU-and-mul, rotary embedding, the KV store,
-paged decode attention and sampling in one call each, or a whole decode step in one call
-(models/cpu_decoder.py).
-
-The library is built once per machine and source version (build.py, a second or two) and must
-pass a numeric self-check against torch before it is used. With no compiler, or a failed build
-or check, `get()` returns None (logged once) and every caller keeps its torch path.
-`MINISGL_CPU_KERNELS=0` turns the kernels off (A/B comparisons, debugging).
-
-The library links the OpenMP runtime by soname; torch has already loaded its own copy, so the
-kernels run on torch's thread pool, with torch's thread count passed in explicitly.
-"""
+The library must pass a numeric self-check against torch before it serves; with no compiler or
+a failed build or check, `get()` returns None (logged once) and callers keep their torch path.
+`MINISGL_CPU_KERNELS=0` turns the kernels off. They run on torch's OpenMP pool and thread count."""
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import logging
 import os
 
 import torch
 
-from minisgl.kernels import build
+from minisgl.kernels import build, cpu_abi
 from minisgl.kernels.cpu_ops import CpuKernels
 
 logger = logging.getLogger(__name__)
 
 ENABLE_ENV = "MINISGL_CPU_KERNELS"  # "0" turns the kernels off
 INT8_ENV = "MINISGL_INT8_ACTIVATIONS"  # "1": GGUF Q4_0/Q4_1/Q8_0 times int8 activations
-ABI_VERSION = 8  # MG_ABI_VERSION in csrc/common.h
 SELF_CHECK_ATOL = 1e-4
 
 
@@ -55,20 +41,25 @@ def _self_check(kernels: CpuKernels) -> None:
         raise RuntimeError("self-check failed: silu_mul differs")
 
 
+def env_switch(name: str) -> bool | None:
+    """An on/off environment variable: False for 0/false/off/no, True for 1/true/on/yes, None
+    when unset or anything else (auto)."""
+    value = os.environ.get(name, "").strip().lower()
+    if value in ("0", "false", "off", "no"):
+        return False
+    return True if value in ("1", "true", "on", "yes") else None
+
+
 @functools.cache
 def get() -> CpuKernels | None:
     """The kernels, or None when they are turned off or cannot be built here (logged once)."""
-    if os.environ.get(ENABLE_ENV, "1").strip().lower() in ("0", "false", "off", "no"):
+    if env_switch(ENABLE_ENV) is False:
         logger.info("CPU kernels off (%s=0): torch ops only", ENABLE_ENV)
         return None
     try:
-        path = build.build_library()
-        lib = ctypes.CDLL(str(path))
-        if lib.mg_abi_version() != ABI_VERSION:
-            raise RuntimeError(f"{path} has ABI {lib.mg_abi_version()}, expected {ABI_VERSION}")
-        kernels = CpuKernels(lib)
+        kernels = CpuKernels(cpu_abi.load(build.build_library()))
         _self_check(kernels)
-        if os.environ.get(INT8_ENV, "0").strip().lower() in ("1", "true", "on", "yes"):
+        if env_switch(INT8_ENV):
             on = kernels.set_int8_activations(True)
             logger.info("int8 activations for GGUF Q4_0/Q4_1/Q8_0 blocks: %s", on or "no VNNI")
     except Exception as exc:  # noqa: BLE001 (any failure means: fall back to torch)

@@ -1,7 +1,6 @@
 """Typed wrappers over the fp32 CPU kernels' library (csrc/), called through ctypes with raw
-pointers: the C signatures and the structs the fused decode stack reads (the weight layouts are
-in weights.py). `minisgl.kernels.cpu` builds and loads the library (see there for why these
-kernels).
+pointers (the signatures are in cpu_abi.py, the weight layouts in weights.py).
+`minisgl.kernels.cpu` builds and loads the library (see there for why these kernels).
 """
 
 from __future__ import annotations
@@ -9,81 +8,27 @@ from __future__ import annotations
 import ctypes
 
 import torch
+import torch.nn.functional as F
+from torch import Tensor
 
+from minisgl.kernels.cpu_abi import (
+    ATTN_MAX_HEAD_DIM,
+    ATTN_MAX_HEADS,
+    FP8_KV_FORMATS,
+    StackShape,
+    ptr,
+)
 from minisgl.kernels.weights import PackedLinear, huge_page_zeros
 
-# mg_decode_layers' op timers, in the C enum's order (MG_NUM_OPS in csrc/decode.c)
-DECODE_OPS = (
-    "rmsnorm + residual add", "qkv_proj", "q/k head norm", "rope + KV store",
-    "decode attention", "o_proj", "gate_up_proj", "silu_mul", "down_proj",
-)  # fmt: skip
-# decode attention limits (ATTN_MAX_HEADS, ATTN_MAX_HEAD_DIM in csrc/attention.c)
-ATTN_MAX_HEADS = 128
-ATTN_MAX_HEAD_DIM = 256
-# the fp8 KV formats the kernels read and write, as their `fp8` argument (exponent bits)
-FP8_KV_FORMATS = {torch.float8_e4m3fn: 4, torch.float8_e5m2: 5}
 
-
-_P = ctypes.c_void_p
-_I = ctypes.c_int64
-_ATTN = [_P, _I, _P, _P, _P, _P, _I, _P, _P, _P, _I, _I, _I, _I, _I, ctypes.c_float]  # to `scale`
-_SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
-    "mg_abi_version": (ctypes.c_int, []),
-    "mg_block_n": (ctypes.c_int, []),
-    "mg_linear": (None, [_P, _I, _P, _P, _P, _I, _I, _I, _I, ctypes.c_int]),
-    "mg_quant_block_bytes": (_I, [_I]),
-    "mg_set_int8_activations": (ctypes.c_int, [ctypes.c_int]),
-    "mg_embed": (None, [_P, _I, _P, _I, _P, ctypes.c_int]),
-    "mg_rmsnorm": (None, [_P, _I, _I, _P, _I, _P, _P, _I, _I, _I, ctypes.c_float, ctypes.c_int]),
-    "mg_silu_mul": (None, [_P, _I, _P, _I, _I, _I, ctypes.c_int]),
-    "mg_rope": (None, [_P, _I, _I, _P, _I, _I, _I, _I, _P, _P, _P, ctypes.c_int]),
-    "mg_store_kv": (None, [_P, _I, _P, _I, _P, _P, _P, _I, _I]),
-    "mg_decode_attention": (ctypes.c_int, [*_ATTN, ctypes.c_int, ctypes.c_float, ctypes.c_int]),
-    "mg_decode_scratch_floats": (_I, [_P, _I]),
-    "mg_decode_layers": (
-        ctypes.c_int,
-        [_P, _P, _I, _P, _P, _P, _I, _P, _P, _P, _I, ctypes.c_int, _P, _P, _P, ctypes.c_int],
-    ),
-    "mg_num_ops": (ctypes.c_int, []),
-    "mg_seeded_uniform": (None, [_P, _P, _I, _I, _P, ctypes.c_int]),
-    "mg_sample": (None, [_P, _I, _P, _P, _P, _I, _I, _P, ctypes.c_int]),
-}
-
-
-class LayerWeights(ctypes.Structure):
-    """`mg_layer`: one dense decoder layer's weights (`mg_weight`s and norms; NULL where absent)."""
-
-    _fields_ = [
-        (name, ctypes.c_void_p)
-        for name in (
-            "input_norm", "post_norm", "qkv", "qkv_bias", "q_norm", "k_norm", "o", "gate_up",
-            "down",
-        )
-    ]  # fmt: skip
-
-
-class StackShape(ctypes.Structure):
-    """`mg_model`: sizes of a dense decoder stack and its layers' weights."""
-
-    _fields_ = [
-        *[(name, ctypes.c_int64) for name in (
-            "num_layers", "hidden", "heads", "kv_heads", "head_dim", "inter",
-        )],
-        *[(name, ctypes.c_float) for name in ("eps", "head_norm_eps", "scale")],
-        ("cos_cache", ctypes.c_void_p),
-        ("sin_cache", ctypes.c_void_p),
-        ("layers", ctypes.POINTER(LayerWeights)),
-    ]  # fmt: skip
-
-
-def _rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
+def _rows(x: Tensor) -> tuple[Tensor, int]:
     """A 2-D x with contiguous rows (a copy only when they are not) and its row stride."""
     if x.shape[1] > 1 and x.stride(1) != 1:
         x = x.contiguous()
     return x, x.stride(0)
 
 
-def _heads_stride(x: torch.Tensor) -> int | None:
+def _heads_stride(x: Tensor) -> int | None:
     """Token stride of a [tokens, heads, head_dim] view whose heads lie back to back, else None."""
     if x.dim() != 3 or x.stride(2) != 1 or (x.shape[1] > 1 and x.stride(1) != x.shape[2]):
         return None
@@ -96,28 +41,19 @@ class CpuKernels:
     self-check."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
-        for name, (restype, argtypes) in _SIGNATURES.items():
-            fn = getattr(lib, name)
-            fn.restype, fn.argtypes = restype, argtypes
+        """lib: as `cpu_abi.load` returns it."""
         self._lib = lib
         self.block_n = int(lib.mg_block_n())
-        if lib.mg_num_ops() != len(DECODE_OPS):
-            raise RuntimeError("the library's op timers do not match DECODE_OPS")
 
     # ---- linear ----------------------------------------------------------------------------
 
-    def pack(self, weight: torch.Tensor) -> PackedLinear:
+    def pack(self, weight: Tensor) -> PackedLinear:
         out_features, in_features = weight.shape
         num_panels = -(-out_features // self.block_n)
         panels = huge_page_zeros((num_panels, in_features, self.block_n), weight.dtype)
-        # [out, in] -> [panels, in, block_n]; the rows past out_features stay zero
-        full, rest = divmod(out_features, self.block_n)
-        if full:
-            panels[:full].copy_(
-                weight[: full * self.block_n].view(full, self.block_n, -1).transpose(1, 2)
-            )
-        if rest:
-            panels[full, :, :rest].copy_(weight[full * self.block_n :].t())
+        # [out, in] -> [panels, in, block_n], the rows past out_features zero
+        padded = F.pad(weight, (0, 0, 0, num_panels * self.block_n - out_features))
+        panels.copy_(padded.view(num_panels, self.block_n, in_features).transpose(1, 2))
         return PackedLinear(panels, out_features, in_features)
 
     def serves_blocks(self, qtype: int) -> bool:
@@ -129,23 +65,27 @@ class CpuKernels:
         csrc/quant.c). Process-wide; returns whether the int8 path is on now."""
         return bool(self._lib.mg_set_int8_activations(int(on)))
 
-    def embed(self, weight: PackedLinear, ids: torch.Tensor) -> torch.Tensor:
+    def embed(self, weight: PackedLinear, ids: Tensor) -> Tensor:
         """Rows `ids` (int64) of a block weight, dequantized: [len(ids), in_features] fp32."""
         ids = ids.contiguous()
         out = torch.empty(*ids.shape, weight.in_features)
         self._lib.mg_embed(
-            weight.desc, weight.in_features, ids.data_ptr(), ids.numel(), out.data_ptr(),
+            weight.desc,
+            weight.in_features,
+            ids.data_ptr(),
+            ids.numel(),
+            out.data_ptr(),
             torch.get_num_threads(),
-        )  # fmt: skip
+        )
         return out
 
     def linear(
         self,
-        x: torch.Tensor,
+        x: Tensor,
         weight: PackedLinear,
-        bias: torch.Tensor | None = None,
-        out: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+        bias: Tensor | None = None,
+        out: Tensor | None = None,
+    ) -> Tensor:
         """x [..., in] -> [..., out] = x @ W^T + bias; into `out` ([rows, out], contiguous)
         when given."""
         lead = x.shape[:-1]
@@ -155,21 +95,28 @@ class CpuKernels:
         assert y.shape == (num_rows, weight.out_features) and y.is_contiguous()
         if num_rows:
             self._lib.mg_linear(
-                x2.data_ptr(), ldx, weight.desc, None if bias is None else bias.data_ptr(),
-                y.data_ptr(), weight.out_features, num_rows, weight.in_features,
-                weight.out_features, torch.get_num_threads(),
-            )  # fmt: skip
+                x2.data_ptr(),
+                ldx,
+                weight.desc,
+                ptr(bias),
+                y.data_ptr(),
+                weight.out_features,
+                num_rows,
+                weight.in_features,
+                weight.out_features,
+                torch.get_num_threads(),
+            )
         return y.view(*lead, weight.out_features)
 
     # ---- elementwise -----------------------------------------------------------------------
 
     def rmsnorm(
         self,
-        x: torch.Tensor,
-        weight: torch.Tensor,
+        x: Tensor,
+        weight: Tensor,
         eps: float,
-        residual: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+        residual: Tensor | None = None,
+    ) -> Tensor:
         """RMSNorm of x [tokens, hidden]; with `residual` (contiguous, same shape) it normalizes
         x + residual and stores that sum into `residual` (the fused residual add)."""
         x, ldx = _rows(x)
@@ -177,13 +124,22 @@ class CpuKernels:
         out = torch.empty(num_tokens, hidden, dtype=x.dtype)
         assert residual is None or (residual.is_contiguous() and residual.shape == x.shape)
         self._lib.mg_rmsnorm(
-            x.data_ptr(), ldx, 1, None if residual is None else residual.data_ptr(), hidden,
-            weight.data_ptr(), out.data_ptr(), hidden, num_tokens, hidden, eps,
+            x.data_ptr(),
+            ldx,
+            1,
+            ptr(residual),
+            hidden,
+            weight.data_ptr(),
+            out.data_ptr(),
+            hidden,
+            num_tokens,
+            hidden,
+            eps,
             torch.get_num_threads(),
-        )  # fmt: skip
+        )
         return out
 
-    def rmsnorm_heads_(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> bool:
+    def rmsnorm_heads_(self, x: Tensor, weight: Tensor, eps: float) -> bool:
         """RMSNorm of every head of x [tokens, heads, head_dim] in place (Qwen3's q/k norm).
         Returns False, untouched, when x's heads are not laid out back to back."""
         if (ld := _heads_stride(x)) is None:
@@ -191,29 +147,44 @@ class CpuKernels:
         num_tokens, heads, head_dim = x.shape
         ptr = x.data_ptr()
         self._lib.mg_rmsnorm(
-            ptr, ld, heads, None, 0, weight.data_ptr(), ptr, ld, num_tokens, head_dim, eps,
+            ptr,
+            ld,
+            heads,
+            None,
+            0,
+            weight.data_ptr(),
+            ptr,
+            ld,
+            num_tokens,
+            head_dim,
+            eps,
             torch.get_num_threads(),
-        )  # fmt: skip
+        )
         return True
 
-    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+    def silu_mul(self, gate_up: Tensor) -> Tensor:
         """[tokens, 2 * inter] -> silu(gate) * up, [tokens, inter]."""
         gate_up, ld = _rows(gate_up)
         num_tokens, inter = gate_up.shape[0], gate_up.shape[1] // 2
         out = torch.empty(num_tokens, inter, dtype=gate_up.dtype)
         self._lib.mg_silu_mul(
-            gate_up.data_ptr(), ld, out.data_ptr(), inter, num_tokens, inter,
+            gate_up.data_ptr(),
+            ld,
+            out.data_ptr(),
+            inter,
+            num_tokens,
+            inter,
             torch.get_num_threads(),
-        )  # fmt: skip
+        )
         return out
 
     def rope_(
         self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        positions: torch.Tensor,
-        cos_cache: torch.Tensor,
-        sin_cache: torch.Tensor,
+        q: Tensor,
+        k: Tensor,
+        positions: Tensor,
+        cos_cache: Tensor,
+        sin_cache: Tensor,
     ) -> bool:
         """Rotate q [tokens, heads, D] and k [tokens, kv_heads, D] in place by the cos/sin rows
         ([max_pos, D], contiguous) of int64 `positions`. False, untouched, for other layouts."""
@@ -222,32 +193,43 @@ class CpuKernels:
             return False
         positions = positions.contiguous()
         self._lib.mg_rope(
-            q.data_ptr(), ldq, q.shape[1], k.data_ptr(), ldk, k.shape[1], q.shape[0], q.shape[2],
-            positions.data_ptr(), cos_cache.data_ptr(), sin_cache.data_ptr(),
+            q.data_ptr(),
+            ldq,
+            q.shape[1],
+            k.data_ptr(),
+            ldk,
+            k.shape[1],
+            q.shape[0],
+            q.shape[2],
+            positions.data_ptr(),
+            cos_cache.data_ptr(),
+            sin_cache.data_ptr(),
             torch.get_num_threads(),
-        )  # fmt: skip
+        )
         return True
 
-    def seeded_uniform(
-        self, seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int
-    ) -> torch.Tensor:
+    def seeded_uniform(self, seeds: Tensor, positions: Tensor, vocab_size: int) -> Tensor:
         """minisgl.engine.sampler.seeded_uniform, bit for bit: [rows, vocab] uniforms for int64
         seeds and positions [rows]."""
         seeds, positions = seeds.contiguous(), positions.contiguous()
         out = torch.empty(seeds.numel(), vocab_size, dtype=torch.float32)
         self._lib.mg_seeded_uniform(
-            seeds.data_ptr(), positions.data_ptr(), seeds.numel(), vocab_size, out.data_ptr(),
+            seeds.data_ptr(),
+            positions.data_ptr(),
+            seeds.numel(),
+            vocab_size,
+            out.data_ptr(),
             torch.get_num_threads(),
-        )  # fmt: skip
+        )
         return out
 
     def sample(
         self,
-        logits: torch.Tensor,
-        temperatures: torch.Tensor,
-        seeds: torch.Tensor,
-        positions: torch.Tensor,
-    ) -> torch.Tensor:
+        logits: Tensor,
+        temperatures: Tensor,
+        seeds: Tensor,
+        positions: Tensor,
+    ) -> Tensor:
         """Token ids [rows] (int64): argmax of softmax(logits / t) / -log(u) per row, u the seeded
         uniforms, greedy where the temperature is 0 (sampler.sample without filters)."""
         logits, ld = _rows(logits)
@@ -256,20 +238,27 @@ class CpuKernels:
         rows, vocab = logits.shape
         out = torch.empty(rows, dtype=torch.int64)
         self._lib.mg_sample(
-            logits.data_ptr(), ld, temperatures.data_ptr(), seeds.data_ptr(),
-            positions.data_ptr(), rows, vocab, out.data_ptr(), torch.get_num_threads(),
-        )  # fmt: skip
+            logits.data_ptr(),
+            ld,
+            temperatures.data_ptr(),
+            seeds.data_ptr(),
+            positions.data_ptr(),
+            rows,
+            vocab,
+            out.data_ptr(),
+            torch.get_num_threads(),
+        )
         return out
 
     # ---- KV pool and attention -------------------------------------------------------------
 
     def store_kv(
         self,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        slots: torch.Tensor,
+        k: Tensor,
+        v: Tensor,
+        k_cache: Tensor,
+        v_cache: Tensor,
+        slots: Tensor,
     ) -> bool:
         """k_cache[slots] = k and v_cache[slots] = v for k, v [tokens, kv_heads, D] and caches
         [slots, kv_heads, D] (contiguous). False, untouched, for other layouts."""
@@ -278,21 +267,28 @@ class CpuKernels:
             return False
         slots = slots.contiguous()
         self._lib.mg_store_kv(
-            k.data_ptr(), ldk, v.data_ptr(), ldv, k_cache.data_ptr(), v_cache.data_ptr(),
-            slots.data_ptr(), k.shape[0], k.shape[1] * k.shape[2],
-        )  # fmt: skip
+            k.data_ptr(),
+            ldk,
+            v.data_ptr(),
+            ldv,
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+            slots.data_ptr(),
+            k.shape[0],
+            k.shape[1] * k.shape[2],
+        )
         return True
 
     def decode_attention(
         self,
-        q: torch.Tensor,
-        q_rows: torch.Tensor,
-        table_rows: torch.Tensor,
-        kv_lens: torch.Tensor,
-        page_table: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        out: torch.Tensor,
+        q: Tensor,
+        q_rows: Tensor,
+        table_rows: Tensor,
+        kv_lens: Tensor,
+        page_table: Tensor,
+        k_cache: Tensor,
+        v_cache: Tensor,
+        out: Tensor,
         scale: float,
         kv_scales: tuple[float, float] = (1.0, 1.0),
     ) -> None:
@@ -306,12 +302,26 @@ class CpuKernels:
         ldq, ldo = q.stride(0), _heads_stride(out)
         assert ldo is not None and page_table.stride(1) == 1 and k_cache.is_contiguous()
         status = self._lib.mg_decode_attention(
-            q.data_ptr(), ldq, q_rows.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
-            page_table.data_ptr(), page_table.stride(0), table_rows.data_ptr(),
-            kv_lens.data_ptr(), out.data_ptr(), ldo, q_rows.numel(), num_heads,
-            k_cache.shape[1], head_dim, scale * kv_scales[0], FP8_KV_FORMATS.get(k_cache.dtype, 0),
-            kv_scales[1], torch.get_num_threads(),
-        )  # fmt: skip
+            q.data_ptr(),
+            ldq,
+            q_rows.data_ptr(),
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+            page_table.data_ptr(),
+            page_table.stride(0),
+            table_rows.data_ptr(),
+            kv_lens.data_ptr(),
+            out.data_ptr(),
+            ldo,
+            q_rows.numel(),
+            num_heads,
+            k_cache.shape[1],
+            head_dim,
+            scale * kv_scales[0],
+            FP8_KV_FORMATS.get(k_cache.dtype, 0),
+            kv_scales[1],
+            torch.get_num_threads(),
+        )
         if status != 0:
             raise RuntimeError(
                 f"decode attention failed (status {status}): {num_heads} heads, "
@@ -321,15 +331,15 @@ class CpuKernels:
     def decode_layers(
         self,
         stack: StackShape,
-        hidden: torch.Tensor,
-        positions: torch.Tensor,
-        out_slots: torch.Tensor,
-        page_table: torch.Tensor,
-        table_rows: torch.Tensor,
-        kv_lens: torch.Tensor,
-        pool_buffer: torch.Tensor,
-        kv_scales: torch.Tensor,
-        op_seconds: torch.Tensor | None = None,
+        hidden: Tensor,
+        positions: Tensor,
+        out_slots: Tensor,
+        page_table: Tensor,
+        table_rows: Tensor,
+        kv_lens: Tensor,
+        pool_buffer: Tensor,
+        kv_scales: Tensor,
+        op_seconds: Tensor | None = None,
     ) -> None:
         """Run every layer of a dense stack for a decode-only batch (see mg_decode_layers):
         hidden [seqs, hidden] (contiguous) holds the embeddings and receives the last layer's
@@ -340,13 +350,23 @@ class CpuKernels:
         num_seqs, stack_ptr = hidden.shape[0], ctypes.addressof(stack)
         scratch = torch.empty(int(self._lib.mg_decode_scratch_floats(stack_ptr, num_seqs)))
         status = self._lib.mg_decode_layers(
-            stack_ptr, hidden.data_ptr(), num_seqs, positions.data_ptr(),
-            out_slots.data_ptr(), page_table.data_ptr(), page_table.stride(0),
-            table_rows.data_ptr(), kv_lens.data_ptr(), pool_buffer.data_ptr(),
-            pool_buffer.shape[2], FP8_KV_FORMATS.get(pool_buffer.dtype, 0), kv_scales.data_ptr(),
+            stack_ptr,
+            hidden.data_ptr(),
+            num_seqs,
+            positions.data_ptr(),
+            out_slots.data_ptr(),
+            page_table.data_ptr(),
+            page_table.stride(0),
+            table_rows.data_ptr(),
+            kv_lens.data_ptr(),
+            pool_buffer.data_ptr(),
+            pool_buffer.shape[2],
+            FP8_KV_FORMATS.get(pool_buffer.dtype, 0),
+            kv_scales.data_ptr(),
             scratch.data_ptr(),
-            None if op_seconds is None else op_seconds.data_ptr(), torch.get_num_threads(),
-        )  # fmt: skip
+            ptr(op_seconds),
+            torch.get_num_threads(),
+        )
         if status != 0:
             raise ValueError("decode_layers: unsupported attention shape")
 

@@ -1,25 +1,15 @@
-"""Which kernels a layer or the sampler calls: the fused Triton kernels (minisgl/kernels/
-triton_fused.py: norms, rope, activation, KV store; triton_sampling.py: temperature sampling),
-the C kernels (minisgl/kernels/cpu.py), or none (torch ops). Chosen once, when the layer is
-built: its device and dtype are known then and never change.
+"""Which kernels a layer or the sampler calls: the Triton ones (triton_fused.py, triton_sampling.py,
+triton_fp8.py), the C ones (cpu.py), or none (torch ops), chosen when the layer is built.
 
-`MINISGL_FUSED_KERNELS`:
-- unset or `auto`: the Triton kernels on CUDA, when Triton imports (it ships with torch's Linux
-  CUDA wheels); on the CPU the C kernels (fp32) or torch ops;
-- `0`: never (torch ops everywhere: the A/B knob for benchmarks and debugging);
-- `1`: on the CPU too, which only works under Triton's interpreter (TRITON_INTERPRET=1): how
-  tests run a whole model through the kernels without a GPU.
-
-Read once per process; `reset()` re-reads it.
-"""
+`MINISGL_FUSED_KERNELS` (read once; `reset()` re-reads it): unset or `auto`, Triton on CUDA when
+it imports; `0`, never (the A/B knob); `1`, on the CPU too, which only works under Triton's
+interpreter (TRITON_INTERPRET=1: how tests run a whole model through them)."""
 
 from __future__ import annotations
 
 import functools
 import importlib
 import logging
-import os
-from dataclasses import dataclass
 from types import ModuleType
 
 import torch
@@ -30,17 +20,15 @@ from minisgl.kernels.cpu_ops import CpuKernels
 logger = logging.getLogger(__name__)
 
 ENABLE_ENV = "MINISGL_FUSED_KERNELS"
-_OFF = ("0", "false", "off", "no")
-_FORCE = ("1", "true", "on", "yes")
 
 
 @functools.cache
-def _mode() -> str:
-    value = os.environ.get(ENABLE_ENV, "auto").strip().lower()
-    if value in _OFF:
+def _mode() -> bool | None:
+    """False: off; True: on every device; None: auto."""
+    mode = cpu.env_switch(ENABLE_ENV)
+    if mode is False:
         logger.info("fused GPU kernels off (%s=0): torch ops only", ENABLE_ENV)
-        return "off"
-    return "force" if value in _FORCE else "auto"
+    return mode
 
 
 @functools.cache
@@ -56,7 +44,7 @@ def triton_kernels(name: str, device: torch.device) -> ModuleType | None:
     """The Triton kernel module `name` ("triton_fused": the layers', "triton_sampling": the
     sampler's) when it applies on `device`."""
     mode = _mode()
-    return _module(name) if mode == "force" or (mode == "auto" and device.type == "cuda") else None
+    return _module(name) if mode or (mode is None and device.type == "cuda") else None
 
 
 def fp8_linear_kernels(device: torch.device) -> ModuleType | None:
@@ -67,24 +55,16 @@ def fp8_linear_kernels(device: torch.device) -> ModuleType | None:
     return triton_kernels("triton_fp8", device)
 
 
-@dataclass(frozen=True)
-class LayerKernels:
-    """What a layer calls: at most one of the two is set; neither means torch ops."""
-
-    fused: ModuleType | None  # the Triton kernels (triton_fused)
-    cpu: CpuKernels | None  # the C kernels
-
-
 def layer_kernels(
     device: torch.device | None = None, dtype: torch.dtype | None = None
-) -> LayerKernels:
-    """The kernels of a layer computing in `dtype` on `device`; by default where a layer built
-    now puts its parameters (torch's default device and dtype: the engine builds the model
-    under its own)."""
+) -> ModuleType | CpuKernels | None:
+    """The kernels of a layer computing in `dtype` on `device`: the Triton ones (triton_fused)
+    where they apply, else the C kernels, else None (torch ops). Both kinds have the same
+    `rmsnorm`, `silu_mul` and `store_kv`. By default: where a layer built now puts its
+    parameters (torch's default device and dtype: the engine builds the model under its own)."""
     device = torch.get_default_device() if device is None else device
     dtype = torch.get_default_dtype() if dtype is None else dtype
-    fused = triton_kernels("triton_fused", device)
-    return LayerKernels(fused, None if fused is not None else cpu.kernels_for(device, dtype))
+    return triton_kernels("triton_fused", device) or cpu.kernels_for(device, dtype)
 
 
 def reset() -> None:

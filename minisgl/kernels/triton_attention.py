@@ -1,20 +1,10 @@
-"""Triton attention kernels over the paged KV pool: split-KV decode and extend (prefill).
+"""Triton attention kernels over the paged KV pool: split-KV decode and extend (prefill); device
+code only (`triton_backend` sizes the tiles and launches them).
 
-Device code only; `triton_backend` sizes the tiles and launches them.
-
-Both read K/V through the page table: `page_table[row, pos]` is the token slot holding position
-`pos` of the sequence in table row `row`, and `k_cache[slot]` is its [kv_heads, head_dim] keys,
-so each K/V tile is a gather of BLOCK_N rows of head_dim contiguous elements. Page size only
-changes which slots appear, never the kernels.
-
-Softmax runs in base 2: scores are scaled by `scale * log2(e)` and exponentiated with exp2 (one
-multiply cheaper than exp); every log-sum-exp below is in log2 units. Accumulation is fp32 for
-every input dtype. fp32 inputs use IEEE dots (no TF32), so they match the torch reference
-tightly on GPU as well.
-
-Setting TRITON_INTERPRET=1 before this module is imported runs the kernels on CPU tensors
-(Triton decides at decoration time): that is how CI checks them.
-"""
+K/V tiles are gathers through the page table (`page_table[row, pos]` is a token slot), so page
+size never changes the kernels. Softmax runs in base 2 (scores scaled by `scale * log2(e)`, every
+log-sum-exp in log2 units), accumulation in fp32, fp32 inputs with IEEE dots. With
+TRITON_INTERPRET=1 set before import they run on CPU tensors: how CI checks them."""
 
 from __future__ import annotations
 
@@ -57,11 +47,10 @@ def _attend_tile(
     stride_kv_slot,  # K and V caches share their layout
     HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     """One online-softmax step over the keys at positions [n0, min(n0 + BLOCK_N, end))."""
-    offs_d = tl.arange(0, BLOCK_D)
+    offs_d = tl.arange(0, q.shape[1])
     pos = n0 + tl.arange(0, BLOCK_N)
     n_mask = pos < end
     slots = tl.load(pt_row_ptr + pos, mask=n_mask, other=0).to(tl.int64)
@@ -95,17 +84,15 @@ def _attend_range(
     end,
     qk_scale,
     stride_kv_slot,
-    ROWS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """Online softmax over the keys at positions [start, end): (running max, running sum,
-    unnormalized output), all fp32."""
-    m_i = tl.full([ROWS], float("-inf"), tl.float32)
-    l_i = tl.zeros([ROWS], tl.float32)
-    acc = tl.zeros([ROWS, BLOCK_D], tl.float32)
+    """Online softmax over the keys at positions [start, end) for the queries q [rows,
+    BLOCK_D]: (running max, running sum, unnormalized output), all fp32."""
+    m_i = tl.full([q.shape[0]], float("-inf"), tl.float32)
+    l_i = tl.zeros([q.shape[0]], tl.float32)
+    acc = tl.zeros(q.shape, tl.float32)
     if LOOP_AS_WHILE:
         n0 = start
         while n0 < end:
@@ -124,7 +111,6 @@ def _attend_range(
                 stride_kv_slot,
                 HEAD_DIM,
                 BLOCK_N,
-                BLOCK_D,
                 DOT_PRECISION,
             )
             n0 += BLOCK_N
@@ -145,7 +131,6 @@ def _attend_range(
                 stride_kv_slot,
                 HEAD_DIM,
                 BLOCK_N,
-                BLOCK_D,
                 DOT_PRECISION,
             )
     return m_i, l_i, acc
@@ -215,10 +200,8 @@ def decode_split_kernel(
         end,
         qk_scale,
         stride_kv_slot,
-        ROWS=BLOCK_H,
         HEAD_DIM=HEAD_DIM,
         BLOCK_N=BLOCK_N,
-        BLOCK_D=BLOCK_D,
         DOT_PRECISION=DOT_PRECISION,
     )
 
@@ -347,10 +330,8 @@ def extend_kernel(
         end,
         qk_scale,
         stride_kv_slot,
-        ROWS=BLOCK_M,
         HEAD_DIM=HEAD_DIM,
         BLOCK_N=BLOCK_N,
-        BLOCK_D=BLOCK_D,
         DOT_PRECISION=DOT_PRECISION,
     )
     # Position 0 is visible to every row (q_pos >= 0), padded rows included: l_i > 0.

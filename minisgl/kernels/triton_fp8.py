@@ -1,27 +1,17 @@
 """FP8 linear layers: an FP8 checkpoint's weights multiplied as fp8 on the tensor cores.
 
-The weight stays as the checkpoint ships it (float8, `Fp8Tensor` in minisgl/kernels/weights.py:
-one fp32 scale per output row and column group, the checkpoint's 128x128 block scales repeated
-down the rows so tensor parallelism cuts rows anywhere). Activations are quantized per token and
-column group inside the GEMM (block-wise "w8a8" FP8, as DeepSeek-V3 trained it and SGLang and
-vLLM serve it): each K step loads a [BLOCK_M, group] tile of x, scales each row by its own
-absolute max onto the fp8 range, multiplies the two fp8 tiles and rescales the fp32 partial
-product by both scales. Quantizing in place costs one pass over the x tile per N tile, and saves
-a kernel launch and an fp8 copy of x per layer.
-
-A decode step reads half the weight bytes of bf16 (the reason to keep them fp8); the tile sizes
-below are a first guess, not tuned on a GPU yet.
-
-Importing this module imports triton: `minisgl.kernels.gpu.fp8_linear_kernels` loads it where
-FP8 tensor cores exist (compute capability 8.9+). Under TRITON_INTERPRET=1 it runs on CPU
-tensors, which is how tests/test_fp8.py checks it (and a whole FP8 model) without a GPU.
-"""
+The weight stays as shipped (`Fp8Tensor`: a scale per row and column group). Activations are
+quantized per token and group inside the GEMM (block-wise w8a8, as SGLang and vLLM serve it):
+each K step scales an x tile's rows onto the fp8 range, multiplies, and rescales the fp32
+product by both scales (docs/models.md, "Quantization"). Tile sizes are not tuned on a GPU yet.
+Loaded where FP8 tensor cores exist (8.9+); tests run it under TRITON_INTERPRET=1."""
 
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
+from torch import Tensor
 
 from minisgl.kernels.weights import Fp8Tensor
 
@@ -49,9 +39,21 @@ def quantize_rows(x, dtype: tl.constexpr):
 
 @triton.jit
 def _fp8_linear(
-    x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, x_stride, w_stride, s_stride, y_stride,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr,
-):  # fmt: skip
+    x_ptr,
+    w_ptr,
+    s_ptr,
+    y_ptr,
+    M,
+    N,
+    K,
+    x_stride,
+    w_stride,
+    s_stride,
+    y_stride,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    GROUP: tl.constexpr,
+):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -72,7 +74,7 @@ def _fp8_linear(
     )
 
 
-def fp8_linear(x: torch.Tensor, w: Fp8Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def fp8_linear(x: Tensor, w: Fp8Tensor, bias: Tensor | None = None) -> Tensor:
     """x [..., in] (any float dtype) times `w` [out, in] transposed, plus bias: [..., out] in
     x's dtype."""
     rows = x.reshape(-1, x.shape[-1])
@@ -84,9 +86,22 @@ def fp8_linear(x: torch.Tensor, w: Fp8Tensor, bias: torch.Tensor | None = None) 
         block_n = 64 if m <= 64 else 128
         grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
         _fp8_linear[grid](
-            rows, w.data, w.scale, y, m, n, k, rows.stride(0), w.data.stride(0),
-            w.scale.stride(0), y.stride(0), BLOCK_M=block_m, BLOCK_N=block_n, GROUP=w.group,
-            num_warps=4, num_stages=3,
-        )  # fmt: skip
+            rows,
+            w.data,
+            w.scale,
+            y,
+            m,
+            n,
+            k,
+            rows.stride(0),
+            w.data.stride(0),
+            w.scale.stride(0),
+            y.stride(0),
+            BLOCK_M=block_m,
+            BLOCK_N=block_n,
+            GROUP=w.group,
+            num_warps=4,
+            num_stages=3,
+        )
     y = y.view(*x.shape[:-1], n)
     return y if bias is None else y + bias

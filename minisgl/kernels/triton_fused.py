@@ -1,30 +1,17 @@
-"""Fused elementwise kernels for the GPU decoder layer, in Triton.
+"""Fused elementwise kernels for the GPU decoder layer, in Triton: `rmsnorm` (with the residual
+add), `qk_norm_rope` (Qwen3's per-head q/k norm and rope, all heads of a token), `silu_mul` and
+`store_kv`, each one pass instead of a dozen small torch kernels (docs/architecture.md, "Fused
+layer kernels").
 
-Why: a decode step of a small model is a long chain of tiny kernels. Written as torch ops, one
-layer of Qwen3 launches ~60 of them (an RMSNorm alone is nine: add, upcast, square, mean, add eps,
-rsqrt, scale, downcast, weight), and even replayed from a CUDA graph each costs a few
-microseconds of GPU time however little data it touches: ~1,700 kernels per step for a 28-layer
-model, several milliseconds at any batch size. These kernels do each group in one pass:
-
-- `rmsnorm` / `add_rmsnorm_`: the residual add and the norm (two per layer);
-- `qk_norm_rope`: Qwen3's per-head q/k norm and the rotary embedding, for all heads of a token;
-- `silu_mul`: the MLP's activation;
-- `store_kv`: a layer's new K and V into the paged pool.
-
-They round exactly where the torch reference does (layers/norm.py, layers/rope.py, layers/
-linear.py's MLP): in 16-bit dtypes every intermediate the reference materialises in that dtype is
-rounded to it here too, so outputs match the torch path up to the order of a mean's summation.
-
-Importing this module imports triton: `minisgl.kernels.gpu.triton_kernels` imports it lazily.
-Under TRITON_INTERPRET=1 (set before triton is imported) they run on CPU tensors, which is how
-CI checks them against the torch reference (tests/test_fused_kernels.py).
-"""
+They round where the torch reference does (16-bit intermediates included), so outputs match it
+up to a mean's summation order. Imported lazily; tests run them under TRITON_INTERPRET=1."""
 
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
+from torch import Tensor
 
 # Rows wider than this many elements take 8 warps (an RMSNorm over hidden 4096+).
 WIDE_ROW = 4096
@@ -84,15 +71,13 @@ def _rmsnorm_kernel(
     tl.store(out_ptr + row * out_row_stride + cols, out.to(dtype), mask=mask)
 
 
-def _rows(x: torch.Tensor) -> torch.Tensor:
+def _rows(x: Tensor) -> Tensor:
     """x as 2-D rows with unit column stride (a view when it already is one)."""
     x2 = x.reshape(-1, x.shape[-1])
     return x2 if x2.stride(-1) == 1 else x2.contiguous()
 
 
-def rmsnorm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
-) -> torch.Tensor:
+def rmsnorm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None) -> Tensor:
     """RMSNorm over the last dim of x (any leading shape): a new tensor of x's dtype. With
     `residual` (2-D rows with unit column stride, x's shape) it normalizes x + residual and
     stores that sum into `residual` (the fused residual add)."""
@@ -121,13 +106,6 @@ def rmsnorm(
     return out.view(x.shape)
 
 
-def add_rmsnorm_(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
-) -> torch.Tensor:
-    """residual <- x + residual (in place); returns RMSNorm(residual) as a new tensor."""
-    return rmsnorm(x, weight, eps, residual)
-
-
 # ---- per-head q/k norm + rotary embedding --------------------------------------------------------
 
 
@@ -142,24 +120,24 @@ def _norm_rope_heads(
     head_stride,
     eps,
     HEAD_DIM: tl.constexpr,
-    HALF: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
     HAS_NORM: tl.constexpr,
 ):
+    half = HEAD_DIM // 2
     heads = tl.arange(0, BLOCK_H)[:, None]
     d = tl.arange(0, BLOCK_D)[None, :]
-    mask = (heads < num_heads) & (d < HALF)
+    mask = (heads < num_heads) & (d < half)
     lo_ptr = in_ptr + heads * head_stride + d
     x1 = tl.load(lo_ptr, mask=mask, other=0.0)
-    x2 = tl.load(lo_ptr + HALF, mask=mask, other=0.0)
+    x2 = tl.load(lo_ptr + half, mask=mask, other=0.0)
     dtype = out_ptr.dtype.element_ty
     a = x1.to(tl.float32)
     b = x2.to(tl.float32)
     if HAS_NORM:
         inv_rms = tl.rsqrt((tl.sum(a * a, axis=1) + tl.sum(b * b, axis=1)) / HEAD_DIM + eps)
-        w1 = tl.load(weight_ptr + d, mask=d < HALF, other=0.0).to(tl.float32)
-        w2 = tl.load(weight_ptr + HALF + d, mask=d < HALF, other=0.0).to(tl.float32)
+        w1 = tl.load(weight_ptr + d, mask=d < half, other=0.0).to(tl.float32)
+        w2 = tl.load(weight_ptr + half + d, mask=d < half, other=0.0).to(tl.float32)
         a = _round(w1 * _round(a * inv_rms[:, None], dtype), dtype)
         b = _round(w2 * _round(b * inv_rms[:, None], dtype), dtype)
     # x * cos + rotate_half(x) * sin, rotate_half(x) = [-x2, x1]; each product and the sum are
@@ -168,7 +146,7 @@ def _norm_rope_heads(
     hi = _round(_round(b * cos, dtype) + _round(a * sin, dtype), dtype)
     out_lo = out_ptr + heads * HEAD_DIM + d
     tl.store(out_lo, lo.to(dtype), mask=mask)
-    tl.store(out_lo + HALF, hi.to(dtype), mask=mask)
+    tl.store(out_lo + half, hi.to(dtype), mask=mask)
 
 
 @triton.jit
@@ -191,7 +169,6 @@ def _qk_norm_rope_kernel(
     num_kv_heads,
     eps,
     HEAD_DIM: tl.constexpr,
-    HALF: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_HQ: tl.constexpr,
     BLOCK_HK: tl.constexpr,
@@ -199,11 +176,12 @@ def _qk_norm_rope_kernel(
 ):
     token = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions_ptr + token).to(tl.int64)
+    half = HEAD_DIM // 2
     d = tl.arange(0, BLOCK_D)[None, :]
     # The cache holds cat([freqs, freqs]): both halves of a row share the first half's values.
     dtype = q_out_ptr.dtype.element_ty
-    cos = tl.load(cos_ptr + pos * cos_stride + d, mask=d < HALF, other=0.0)
-    sin = tl.load(sin_ptr + pos * cos_stride + d, mask=d < HALF, other=0.0)
+    cos = tl.load(cos_ptr + pos * cos_stride + d, mask=d < half, other=0.0)
+    sin = tl.load(sin_ptr + pos * cos_stride + d, mask=d < half, other=0.0)
     cos = _round(cos.to(tl.float32), dtype)
     sin = _round(sin.to(tl.float32), dtype)
     _norm_rope_heads(
@@ -216,7 +194,6 @@ def _qk_norm_rope_kernel(
         q_head_stride,
         eps,
         HEAD_DIM,
-        HALF,
         BLOCK_HQ,
         BLOCK_D,
         HAS_NORM,
@@ -231,7 +208,6 @@ def _qk_norm_rope_kernel(
         k_head_stride,
         eps,
         HEAD_DIM,
-        HALF,
         BLOCK_HK,
         BLOCK_D,
         HAS_NORM,
@@ -239,15 +215,15 @@ def _qk_norm_rope_kernel(
 
 
 def qk_norm_rope(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    positions: torch.Tensor,
-    cos_cache: torch.Tensor,
-    sin_cache: torch.Tensor,
-    q_weight: torch.Tensor | None,
-    k_weight: torch.Tensor | None,
+    q: Tensor,
+    k: Tensor,
+    positions: Tensor,
+    cos_cache: Tensor,
+    sin_cache: Tensor,
+    q_weight: Tensor | None,
+    k_weight: Tensor | None,
     eps: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[Tensor, Tensor]:
     """(rope(norm(q)), rope(norm(k))) as new contiguous tensors; no norm when the weights are
     None. q: [tokens, heads, head_dim], k: [tokens, kv_heads, head_dim], each head's values
     contiguous (views into the fused qkv projection are fine); positions: [tokens];
@@ -278,7 +254,6 @@ def qk_norm_rope(
             num_kv_heads,
             eps,
             HEAD_DIM=head_dim,
-            HALF=half,
             BLOCK_D=triton.next_power_of_2(half),
             BLOCK_HQ=triton.next_power_of_2(num_q_heads),
             BLOCK_HK=triton.next_power_of_2(num_kv_heads),
@@ -307,7 +282,7 @@ def _silu_mul_kernel(gate_up_ptr, out_ptr, gate_up_row_stride, num_cols, BLOCK: 
     tl.store(out_ptr + row * num_cols + cols, out.to(gate.dtype), mask=mask)
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+def silu_mul(gate_up: Tensor) -> Tensor:
     """silu(gate) * up for gate_up = [gate | up] along the last dim: [rows, 2 * n] -> [rows, n]."""
     x = _rows(gate_up)
     num_rows, width = x.shape
@@ -346,11 +321,11 @@ def _store_kv_kernel(
 
 
 def store_kv(
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slots: torch.Tensor,
+    k: Tensor,
+    v: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    slots: Tensor,
 ) -> bool:
     """k_cache[slots] = k and v_cache[slots] = v in one kernel. k, v: [tokens, kv_heads,
     head_dim]; caches: contiguous [slots, kv_heads, head_dim]. False (nothing written) when a

@@ -1,26 +1,17 @@
-"""Fused MoE on CUDA in Triton: pairs sorted by expert, grouped GEMMs, SiLU-and-mul fused.
+"""Fused MoE in Triton: routed (token, slot) pairs sorted by expert, then two grouped GEMMs.
 
-Top-k routing gives `tokens * top_k` (token, slot) pairs; pair p belongs to token p // top_k.
-
-1. `align_pairs_by_expert` sorts the pairs by expert and pads each expert's run to a multiple of
-   BLOCK_M, so every program instance multiplies rows of a single expert. Torch ops with static
-   shapes and no host sync (the grid is sized by an upper bound; blocks past the end exit at once),
-   so the whole layer can be captured in a CUDA graph.
-2. Gate/up pass: h[p] = silu(x[t] W_gate^T) * (x[t] W_up^T); both halves accumulate in the same
-   sweep over x, and the activation is applied in the epilogue (no [pairs, 2 * inter] buffer).
-3. Down pass: y[p] = w[p] * (h[p] W_down^T), scaled by the routing weight in fp32.
-4. out[t] = sum of the token's top_k rows of y (torch).
-
-Importing this module imports triton: callers import it lazily (CUDA only). Under
-TRITON_INTERPRET=1 (set before this module is imported) the same kernels run on CPU tensors,
-which is how the tests check them against `moe_torch` on machines without a GPU.
-"""
+`align_pairs_by_expert` pads each expert's run to a multiple of BLOCK_M with static shapes and
+no host sync (so CUDA graphs capture the layer); the gate/up pass accumulates both halves in one
+sweep and applies SiLU-and-mul in its epilogue; the down pass scales by the routing weight; the
+token's top_k rows are summed in torch. Importing it imports triton (callers import it lazily);
+under TRITON_INTERPRET=1 the tests check it against `moe_torch` on CPU tensors."""
 
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
+from torch import Tensor
 
 from minisgl.kernels.triton_fp8 import quantize_rows
 from minisgl.kernels.weights import FP8_GROUP
@@ -38,8 +29,8 @@ NUM_STAGES = 3
 
 
 def align_pairs_by_expert(
-    topk_ids: torch.Tensor, num_experts: int, block_m: int
-) -> tuple[torch.Tensor, torch.Tensor]:
+    topk_ids: Tensor, num_experts: int, block_m: int
+) -> tuple[Tensor, Tensor]:
     """Sort routed pairs by expert, each expert's run padded to a multiple of block_m.
 
     Returns (sorted_pair_ids [padded_len] int32, block_experts [padded_len // block_m] int32):
@@ -148,13 +139,13 @@ def _grouped_gemm_kernel(
 
 
 def fused_moe(
-    x: torch.Tensor,
-    gate_up: torch.Tensor,
-    down: torch.Tensor,
-    topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor,
-    scales: tuple[torch.Tensor, torch.Tensor] | None = None,
-) -> torch.Tensor:
+    x: Tensor,
+    gate_up: Tensor,
+    down: Tensor,
+    topk_weights: Tensor,
+    topk_ids: Tensor,
+    scales: tuple[Tensor, Tensor] | None = None,
+) -> Tensor:
     """Same contract as `moe_torch`: x [tokens, hidden]; gate_up [experts, 2 * inter, hidden];
     down [experts, hidden, inter]; topk_weights / topk_ids [tokens, top_k]. With `scales`
     (gate_up's and down's, [experts, rows, ceil(cols / FP8_GROUP)]) the weights are fp8 (an FP8
@@ -171,7 +162,7 @@ def fused_moe(
     sorted_pair_ids, block_experts = align_pairs_by_expert(topk_ids, num_experts, block_m)
     pair_weights = topk_weights.flatten().to(torch.float32).contiguous()
 
-    def grouped_gemm(a: torch.Tensor, w: torch.Tensor, n: int, is_gate_up: bool) -> torch.Tensor:
+    def grouped_gemm(a: Tensor, w: Tensor, n: int, is_gate_up: bool) -> Tensor:
         """One pass of the kernel over the sorted pairs: [pairs, n]."""
         out = torch.empty(num_pairs, n, dtype=x.dtype, device=x.device)
         assert a.stride(1) == 1 and w.stride(2) == 1, "the kernel assumes a unit stride along K"
@@ -180,14 +171,33 @@ def fused_moe(
         scale = pair_weights if scales is None else scales[0 if is_gate_up else 1]
         grid = (block_experts.numel(), triton.cdiv(n, BLOCK_N))
         _grouped_gemm_kernel[grid](
-            a, w, out, scale, pair_weights, sorted_pair_ids, block_experts,
-            num_pairs, num_experts, top_k, n, a.shape[1],
-            a.stride(0), w.stride(0), w.stride(1), out.stride(0),
-            scale.stride(0), scale.stride(1) if scales else 0, GATE_UP=is_gate_up, FP8=bool(scales),
+            a,
+            w,
+            out,
+            scale,
+            pair_weights,
+            sorted_pair_ids,
+            block_experts,
+            num_pairs,
+            num_experts,
+            top_k,
+            n,
+            a.shape[1],
+            a.stride(0),
+            w.stride(0),
+            w.stride(1),
+            out.stride(0),
+            scale.stride(0),
+            scale.stride(1) if scales else 0,
+            GATE_UP=is_gate_up,
+            FP8=bool(scales),
             INPUT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
-            BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=block_k,
-            num_warps=NUM_WARPS, num_stages=NUM_STAGES,
-        )  # fmt: skip
+            BLOCK_M=block_m,
+            BLOCK_N=BLOCK_N,
+            BLOCK_K=block_k,
+            num_warps=NUM_WARPS,
+            num_stages=NUM_STAGES,
+        )
         return out
 
     h = grouped_gemm(x, gate_up, inter, is_gate_up=True)  # silu(x W_gate^T) * (x W_up^T)

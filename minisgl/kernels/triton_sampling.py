@@ -1,26 +1,17 @@
-"""Temperature sampling in one Triton kernel: the GPU twin of csrc/sampling.c's `mg_sample`.
+"""Temperature sampling in one Triton kernel: the GPU twin of csrc/sampling.c's `mg_sample`, one
+program per row reading its logits once (as torch ops the draw is ~30 passes over [rows, vocab]:
+RESULTS.md section 9).
 
-Why: written as torch ops (minisgl/engine/sampler.py's `_draw_all`), a draw over a 150k
-vocabulary builds its seeded uniforms from ~26 int64 elementwise kernels over [rows, vocab]
-(each temporary 311 MB at 256 rows), then a softmax, a log, a division and an argmax: ~15-20 GB
-of memory traffic per step. Here one program per row reads its logits once and keeps the best
-score in registers.
-
-The draw is sampler.py's exponential race, argmax_i p_i / E_i with E_i = -log(u_i), in log form:
-argmax_i logits_i / t - log(-log(u_i)). The softmax's max and sum are the same for every token of
-a row, so they drop out: one pass instead of three. u_i are sampler.py's seeded uniforms bit for
-bit (the same lowbias32 hashes, in uint32 arithmetic); rows with temperature 0 take the argmax of
-their logits. Ties go to the lowest id, as torch.argmax.
-
-Importing this module imports triton: `minisgl.kernels.gpu.triton_kernels` imports it
-lazily. Under TRITON_INTERPRET=1 it runs on CPU tensors (tests/test_triton_sampling.py).
-"""
+It is sampler.py's exponential race in log form, argmax_i logits_i / t - log(-log(u_i)), with
+sampler.py's seeded uniforms bit for bit; temperature 0 takes the argmax, ties go to the lowest
+id. Imported lazily (it imports triton); tests run it under TRITON_INTERPRET=1."""
 
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
+from torch import Tensor
 
 # Vocabulary entries a program handles per iteration (~37 iterations for Qwen3's 151,936).
 BLOCK = 4096
@@ -103,22 +94,38 @@ def _sample_kernel(
         start = 0
         while start < vocab_size:
             best, best_id = _race_block(
-                row_logits, start, vocab_size, key, greedy, inv_t, best, best_id,
-                UNIFORM_SHIFT, UNIFORM_SCALE, BLOCK,
-            )  # fmt: skip
+                row_logits,
+                start,
+                vocab_size,
+                key,
+                greedy,
+                inv_t,
+                best,
+                best_id,
+                UNIFORM_SHIFT,
+                UNIFORM_SCALE,
+                BLOCK,
+            )
             start += BLOCK
     else:
         for start in range(0, vocab_size, BLOCK):
             best, best_id = _race_block(
-                row_logits, start, vocab_size, key, greedy, inv_t, best, best_id,
-                UNIFORM_SHIFT, UNIFORM_SCALE, BLOCK,
-            )  # fmt: skip
+                row_logits,
+                start,
+                vocab_size,
+                key,
+                greedy,
+                inv_t,
+                best,
+                best_id,
+                UNIFORM_SHIFT,
+                UNIFORM_SCALE,
+                BLOCK,
+            )
     tl.store(out_ptr + row, best_id.to(tl.int64))
 
 
-def sample(
-    logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor
-) -> torch.Tensor:
+def sample(logits: Tensor, temperatures: Tensor, seeds: Tensor, positions: Tensor) -> Tensor:
     """Token ids (int64 [rows]) drawn from logits ([rows, vocab], unit stride along the
     vocabulary; any float dtype) at float32 temperatures [rows] (0: greedy), with the seeded
     uniforms of int64 seeds and positions [rows]."""

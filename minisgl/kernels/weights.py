@@ -1,19 +1,14 @@
 """How the kernels hold a linear weight: fp32 column panels or GGUF blocks (CPU), fp8 (GPU).
 
-A `QuantTensor` is one checkpoint tensor [rows, cols] as a GGUF file stores it (llama.cpp's
-quantized formats): each row is cols / block elements blocks of `gguf.GGML_QUANT_SIZES` bytes.
-Cutting rows (column-parallel tp, merged projections) is exact; cutting columns (row-parallel
-tp) is exact on block boundaries, and a cut inside a block dequantizes that piece to fp32 rows
-(type F32). `PackedLinear.of_blocks` lays the parts of a merged weight back to back for
-csrc/quant.c, which multiplies by the blocks; the loader dequantizes the types it does not serve.
-
-An `Fp8Tensor` is an FP8 checkpoint's weight with one scale per row and column group, which
-minisgl/kernels/triton_fp8.py multiplies by; cuts follow the same rules.
-"""
+A `QuantTensor` is a checkpoint tensor as a GGUF file stores it (rows of llama.cpp blocks); an
+`Fp8Tensor` an FP8 checkpoint's weight with a scale per row and column group. Both cut as
+`torch.Tensor.narrow` does: rows exactly, columns exactly on block or group boundaries (a cut
+inside one comes dequantized). `PackedLinear` is what the C kernels multiply by."""
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import math
 import mmap
 from collections.abc import Sequence
@@ -23,6 +18,7 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
+from torch import Tensor
 
 HUGE_PAGE_BYTES = 2 << 20  # x86-64 / arm64 transparent huge page size
 MAX_SEGMENTS = 4  # MG_MAX_SEGMENTS in csrc/common.h: block types in one merged weight
@@ -30,14 +26,13 @@ F32 = 0  # gguf.GGMLQuantizationType.F32: plain fp32 rows
 FP8_GROUP = 128  # columns per scale of a per-row or per-tensor FP8 weight (any width works)
 
 
-def huge_page_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+def huge_page_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
     """A zeroed CPU tensor in memory advised for transparent huge pages (Linux), else plain.
 
     Streaming the weights crosses a 4 KiB page every 1024 floats: with huge pages the TLB
-    misses and the prefetchers' restarts at page boundaries mostly go away (the panel kernel read
-    the SmolLM2 weights ~1.4x faster in a same-process A/B here). The memory is a private
-    anonymous mapping: zero-filled, committed page by page as it is first written, and freed
-    when the last tensor viewing it goes away (the tensor keeps the mapping alive)."""
+    misses and the prefetchers' restarts mostly go away (RESULTS.md section 10). The memory is a
+    private anonymous mapping: zero-filled, committed page by page as it is first written, and
+    freed when the last tensor viewing it goes away (the tensor keeps the mapping alive)."""
     num_bytes = math.prod(shape) * dtype.itemsize
     if not hasattr(mmap, "MADV_HUGEPAGE") or num_bytes < HUGE_PAGE_BYTES:
         return torch.zeros(shape, dtype=dtype)
@@ -53,7 +48,7 @@ def huge_page_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
 @dataclass(frozen=True)
 class QuantTensor:
     qtype: int  # gguf.GGMLQuantizationType
-    data: torch.Tensor  # uint8 [rows, row bytes]
+    data: Tensor  # uint8 [rows, row bytes]
     cols: int
 
     @property
@@ -61,20 +56,20 @@ class QuantTensor:
         return self.data.shape[0], self.cols
 
     @staticmethod
-    def of_float(t: torch.Tensor) -> QuantTensor:
+    def of_float(t: Tensor) -> QuantTensor:
         return QuantTensor(F32, t.float().contiguous().view(torch.uint8), t.shape[1])
 
-    def rows(self, start: int, num: int) -> QuantTensor:
-        return QuantTensor(self.qtype, self.data.narrow(0, start, num), self.cols)
-
-    def columns(self, start: int, num: int) -> QuantTensor:
+    def narrow(self, dim: int, start: int, length: int) -> QuantTensor:
+        """Rows or columns, as `torch.Tensor.narrow`."""
+        if dim % 2 == 0:
+            return QuantTensor(self.qtype, self.data.narrow(0, start, length), self.cols)
         block, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(self.qtype)]
-        if start % block or num % block:
-            return QuantTensor.of_float(self.dequantize().narrow(1, start, num))
-        cut = self.data.narrow(1, start // block * block_bytes, num // block * block_bytes)
-        return QuantTensor(self.qtype, cut, num)
+        if start % block or length % block:
+            return QuantTensor.of_float(self.dequantize().narrow(1, start, length))
+        cut = self.data.narrow(1, start // block * block_bytes, length // block * block_bytes)
+        return QuantTensor(self.qtype, cut, length)
 
-    def dequantize(self) -> torch.Tensor:
+    def dequantize(self) -> Tensor:
         """fp32 [rows, cols], as gguf (and transformers' GGUF loader) dequantizes."""
         rows = np.ascontiguousarray(self.data.numpy())
         return torch.from_numpy(np.array(dequantize(rows, GGMLQuantizationType(self.qtype))))
@@ -82,8 +77,8 @@ class QuantTensor:
 
 @dataclass(frozen=True)
 class Fp8Tensor:
-    data: torch.Tensor  # float8 [rows, cols]
-    scale: torch.Tensor  # fp32 [rows, ceil(cols / group)]: w = data * scale, group by group
+    data: Tensor  # float8 [rows, cols]
+    scale: Tensor  # fp32 [rows, ceil(cols / group)]: w = data * scale, group by group
     group: int  # columns per scale
 
     @property
@@ -91,7 +86,7 @@ class Fp8Tensor:
         return self.data.shape
 
     @staticmethod
-    def of_checkpoint(w: torch.Tensor, scale: torch.Tensor, block: Sequence[int]) -> Fp8Tensor:
+    def of_checkpoint(w: Tensor, scale: Tensor, block: Sequence[int]) -> Fp8Tensor:
         """`scale` as checkpoints store it: [ceil(rows / bn), ceil(cols / bk)] for (bn, bk)
         blocks (`weight_scale_inv`), [rows, 1] per row or one per tensor (`weight_scale`)."""
         (rows, cols), (bn, bk) = w.shape, block
@@ -102,19 +97,18 @@ class Fp8Tensor:
         by_row = scale.float().reshape(-1, 1).expand(rows, -(-cols // FP8_GROUP)).contiguous()
         return Fp8Tensor(w, by_row, FP8_GROUP)
 
-    def rows(self, start: int, num: int) -> Fp8Tensor:
-        return Fp8Tensor(
-            self.data.narrow(0, start, num), self.scale.narrow(0, start, num), self.group
-        )
+    def narrow(self, dim: int, start: int, length: int) -> Fp8Tensor | Tensor:
+        """Rows or columns, as `torch.Tensor.narrow`: columns exact on group boundaries, else
+        this piece dequantized (fp32)."""
+        if dim % 2 == 0:
+            scale = self.scale.narrow(0, start, length)
+            return Fp8Tensor(self.data.narrow(0, start, length), scale, self.group)
+        if start % self.group or (length % self.group and start + length < self.data.shape[1]):
+            return self.dequantize().narrow(1, start, length)
+        scale = self.scale.narrow(1, start // self.group, -(-length // self.group))
+        return Fp8Tensor(self.data.narrow(1, start, length), scale, self.group)
 
-    def columns(self, start: int, num: int) -> Fp8Tensor | torch.Tensor:
-        """Exact on group boundaries; else this piece dequantized (fp32)."""
-        if start % self.group or (num % self.group and start + num < self.data.shape[1]):
-            return self.dequantize().narrow(1, start, num)
-        scale = self.scale.narrow(1, start // self.group, -(-num // self.group))
-        return Fp8Tensor(self.data.narrow(1, start, num), scale, self.group)
-
-    def dequantize(self) -> torch.Tensor:
+    def dequantize(self) -> Tensor:
         scale = self.scale.repeat_interleave(self.group, 1)[:, : self.data.shape[1]]
         return self.data.float() * scale
 
@@ -125,11 +119,23 @@ class Fp8Tensor:
         return Fp8Tensor(data.to(device), scale.to(device), parts[0].group)
 
 
+# A checkpoint tensor as the loader hands it to a layer: plain, GGUF blocks or fp8.
+Weight = Tensor | QuantTensor | Fp8Tensor
+
+
+def dense(t: Weight) -> Tensor:
+    """A checkpoint tensor as a plain one (blocks and fp8 dequantized)."""
+    return t if isinstance(t, Tensor) else t.dequantize()
+
+
 class WeightDesc(ctypes.Structure):
     """`mg_weight` (csrc/common.h): fp32 panels (no segments), or runs of GGUF block rows."""
 
-    _fields_ = [("data", ctypes.c_void_p), ("num_segments", ctypes.c_int64),
-                *[(name, ctypes.c_int64 * MAX_SEGMENTS) for name in ("types", "rows")]]  # fmt: skip
+    _fields_ = [
+        ("data", ctypes.c_void_p),
+        ("num_segments", ctypes.c_int64),
+        *[(name, ctypes.c_int64 * MAX_SEGMENTS) for name in ("types", "rows")],
+    ]
 
 
 @dataclass(frozen=True)
@@ -138,7 +144,7 @@ class PackedLinear:
     past `out_features` zero; or, with `segments` ((GGUF type, rows) each), GGUF block rows back
     to back (uint8). What `CpuKernels.linear` multiplies by, through `desc`."""
 
-    panels: torch.Tensor
+    panels: Tensor
     out_features: int
     in_features: int
     segments: tuple[tuple[int, int], ...] = ()
@@ -153,13 +159,13 @@ class PackedLinear:
         segments = tuple((p.qtype, p.shape[0]) for p in parts)
         return PackedLinear(blocks, sum(p.shape[0] for p in parts), parts[0].cols, segments)
 
+    @functools.cached_property
+    def _desc(self) -> WeightDesc:
+        types, rows = zip(*self.segments, strict=True) if self.segments else ((), ())
+        segs = ctypes.c_int64 * MAX_SEGMENTS
+        return WeightDesc(self.panels.data_ptr(), len(types), segs(*types), segs(*rows))
+
     @property
     def desc(self) -> int:
         """The address of its `mg_weight`, built once (the panels outlive it)."""
-        if "_desc" not in self.__dict__:
-            types, rows = zip(*self.segments, strict=True) if self.segments else ((), ())
-            segs = ctypes.c_int64 * MAX_SEGMENTS
-            self.__dict__["_desc"] = WeightDesc(
-                self.panels.data_ptr(), len(types), segs(*types), segs(*rows)
-            )
-        return ctypes.addressof(self.__dict__["_desc"])
+        return ctypes.addressof(self._desc)

@@ -13,13 +13,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import torch
+from torch import Tensor
 
 
 @dataclass(frozen=True)
 class MatchResult:
     handle: Any  # opaque: give it back to lock/unlock
-    slot_indices: torch.Tensor  # int64 [matched_len], slots of the matched prefix in order
+    slot_indices: Tensor  # int64 [matched_len], slots of the matched prefix in order
 
     @property
     def matched_len(self) -> int:
@@ -53,7 +53,7 @@ class PrefixCache(ABC):
         """Undo one `lock`."""
 
     @abstractmethod
-    def insert(self, token_ids: Sequence[int], slot_indices: torch.Tensor) -> int:
+    def insert(self, token_ids: Sequence[int], slot_indices: Tensor) -> int:
         """Offer a computed sequence; len(token_ids) == len(slot_indices), page-aligned.
 
         Returns `n`: the cache did not take `slot_indices[:n]` (it already held that prefix, or
@@ -63,12 +63,12 @@ class PrefixCache(ABC):
         """
 
     @abstractmethod
-    def evict(self, num_tokens: int) -> torch.Tensor:
+    def evict(self, num_tokens: int) -> Tensor:
         """Drop unlocked entries, least recently used leaves first, until at least `num_tokens`
         slots are released or nothing evictable remains. Returns the released slots (int64)."""
 
     @abstractmethod
-    def reset(self) -> torch.Tensor:
+    def reset(self) -> Tensor:
         """Drop everything (no entry may be locked). Returns all slots the cache held."""
 
     @property

@@ -1,22 +1,20 @@
-"""The paged KV pool: one K and one V buffer per layer, indexed by token slot.
-
-slot = page * page_size + offset. Buffers are allocated once at start-up and reused: fresh
-allocations are slow on CPU and fragment GPU memory. The pool knows shapes, not models: the
-engine passes this rank's KV head count.
+"""The paged KV pool: one K and one V buffer per layer, indexed by token slot (slot = page *
+page_size + offset), allocated once at start-up and reused.
 
 An fp8 pool (--kv-cache-dtype) stores x / scale, saturated to the format's largest value, with
 one K and one V scale per layer (1.0, or the checkpoint's k_scale / v_scale); readers multiply
-by them: `dequantize` for torch, the scales passed to the C, Triton and FlashInfer kernels.
-"""
+by them: `dequantize` for torch, the scales passed to the C, Triton and FlashInfer kernels."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+from torch import Tensor
 
-from minisgl.kernels.cpu_ops import FP8_KV_FORMATS, huge_page_zeros
+from minisgl.kernels.cpu_abi import FP8_KV_FORMATS
 from minisgl.kernels.gpu import layer_kernels
+from minisgl.kernels.weights import huge_page_zeros
 
 # --kv-cache-dtype: vLLM's and SGLang's names ("auto": the model's dtype)
 KV_CACHE_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
@@ -42,7 +40,7 @@ class KVPool:
         page_size: int,
         dtype: torch.dtype,
         device: torch.device,
-        scales: torch.Tensor | None = None,
+        scales: Tensor | None = None,
     ) -> None:
         """dtype: what the pool stores; scales: fp8's, [layers, 2 (k, v)] (default 1.0)."""
         self.shape = shape
@@ -62,16 +60,15 @@ class KVPool:
         kept = scales if self.fp8 and scales is not None else torch.ones(shape.num_layers, 2)
         self.scales = kept.float().cpu()
         self.layer_scales: list[tuple[float, float]] = [(k, v) for k, v in self.scales.tolist()]
-        kernels = layer_kernels(device, dtype)  # both have the same store_kv; fp8: torch's
-        self._store_kernels = None if self.fp8 else kernels.fused or kernels.cpu
+        self._store_kernels = None if self.fp8 else layer_kernels(device, dtype)  # fp8: torch's
 
-    def k_cache(self, layer_id: int) -> torch.Tensor:
+    def k_cache(self, layer_id: int) -> Tensor:
         return self.buffer[layer_id, 0]
 
-    def v_cache(self, layer_id: int) -> torch.Tensor:
+    def v_cache(self, layer_id: int) -> Tensor:
         return self.buffer[layer_id, 1]
 
-    def store(self, layer_id: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    def store(self, layer_id: int, slots: Tensor, k: Tensor, v: Tensor) -> None:
         """Write this batch's new K/V ([tokens, kv_heads, head_dim]) at `slots` ([tokens]): both
         in one kernel where one applies (Triton on CUDA, the C kernels for fp32 on CPU; each
         declines layouts it does not take), else two index copies."""
@@ -81,15 +78,17 @@ class KVPool:
             return
         if self.fp8:  # quantized, then copied as bytes (torch has no fp8 index_copy_ on CPU)
             top, scales = torch.finfo(k_cache.dtype).max, self.layer_scales[layer_id]
-            k, v = ((x.float() / s).clamp_(-top, top).to(k_cache.dtype).view(torch.uint8)
-                    for x, s in zip((k, v), scales, strict=True))  # fmt: skip
+            k, v = (
+                (x.float() / s).clamp_(-top, top).to(k_cache.dtype).view(torch.uint8)
+                for x, s in zip((k, v), scales, strict=True)
+            )
             k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
         k_cache.index_copy_(0, slots, k)
         v_cache.index_copy_(0, slots, v)
 
     def dequantize(
-        self, layer_id: int, k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self, layer_id: int, k: Tensor, v: Tensor, dtype: torch.dtype
+    ) -> tuple[Tensor, Tensor]:
         """K and V read from this layer's caches, in `dtype` (fp8 times the layer's scales)."""
         if not self.fp8:
             return k, v

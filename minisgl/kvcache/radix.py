@@ -1,18 +1,5 @@
-"""Radix-tree prefix cache: requests with a common token prefix share its KV slots.
-
-Tree invariants (tests/test_radix_cache.py asserts them after every step):
-- Every non-root node has a non-empty key (token ids) whose length is a multiple of `page_size`,
-  and an int64 slot tensor of the same length. A node stands for the prefix made of the keys on
-  its path from the root; slot `i` of a node holds the KV of that node's key token `i`.
-- A node sits in its parent's `children` under its first page (`_page_key`), so siblings never
-  share a first page; nodes are split only at page boundaries, so pages are never shared.
-- `lock_ref` counts locks taken on the node or any descendant (a lock walks the whole path up),
-  so parent.lock_ref >= sum of its children's. Tokens of nodes with lock_ref > 0 are protected,
-  the rest evictable: evictable_size + protected_size == tokens held.
-- `_evictable_leaves` is exactly the set of non-root leaves with lock_ref == 0. `_lru_heap` holds
-  a `(last_access, node_id, node)` entry for each of them, plus stale entries (node no longer a
-  candidate, or touched since) that `evict` skips; it is rebuilt when stale entries pile up.
-"""
+"""Radix-tree prefix cache: requests with a common token prefix share its KV slots (the tree's
+invariants are listed above `_Node`; tests/test_radix_cache.py asserts them after every step)."""
 
 from __future__ import annotations
 
@@ -23,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch import Tensor
 
 from minisgl.kvcache.base import MatchResult, PrefixCache
 
@@ -32,7 +20,7 @@ _HEAP_MAX_ENTRIES_PER_LEAF = 2
 _HEAP_MIN_REBUILD_LEN = 64
 
 
-def _empty_slots() -> torch.Tensor:
+def _empty_slots() -> Tensor:
     return torch.empty(0, dtype=torch.int64)
 
 
@@ -45,10 +33,22 @@ def _common_len(key: list[int], tokens: list[int], start: int, page_size: int) -
     return n - n % page_size
 
 
+# Tree invariants:
+# - Every non-root node has a non-empty key (token ids) whose length is a multiple of
+#   `page_size`, and an int64 slot tensor of the same length. A node stands for the prefix made of
+#   the keys on its path from the root; slot `i` of a node holds the KV of its key token `i`.
+# - A node sits in its parent's `children` under its first page (`_page_key`), so siblings never
+#   share a first page; nodes are split only at page boundaries, so pages are never shared.
+# - `lock_ref` counts locks taken on the node or any descendant (a lock walks the whole path up),
+#   so parent.lock_ref >= sum of its children's. Tokens of nodes with lock_ref > 0 are protected,
+#   the rest evictable: evictable_size + protected_size == tokens held.
+# - `_evictable_leaves` is exactly the set of non-root leaves with lock_ref == 0. `_lru_heap`
+#   holds a `(last_access, node_id, node)` entry for each of them, plus stale entries (node no
+#   longer a candidate, or touched since) that `evict` skips; it is rebuilt when they pile up.
 @dataclass(eq=False, slots=True)  # eq=False: nodes compare and hash by identity
 class _Node:
     key: list[int]
-    slot_indices: torch.Tensor
+    slot_indices: Tensor
     parent: _Node | None  # None for the root and for evicted (detached) nodes
     node_id: int  # unique heap tie-breaker (nodes themselves are not orderable)
     last_access: int  # logical clock, not wall time: deterministic LRU
@@ -57,7 +57,7 @@ class _Node:
 
 
 class RadixCache(PrefixCache):
-    """Prefix cache over a radix tree of token ids; see the module docstring for invariants.
+    """Prefix cache over a radix tree of token ids; its invariants are listed above `_Node`.
 
     Handles are tree nodes. A handle stays valid across later splits: the split node keeps its
     identity as the lower half and the new upper half copies its lock_ref.
@@ -103,7 +103,7 @@ class RadixCache(PrefixCache):
                 self.protected_size -= len(node.key)
                 self._refresh_candidate(node)
 
-    def insert(self, token_ids: Sequence[int], slot_indices: torch.Tensor) -> int:
+    def insert(self, token_ids: Sequence[int], slot_indices: Tensor) -> int:
         tokens = list(token_ids)
         assert len(tokens) == len(slot_indices), (
             f"insert: {len(tokens)} token ids but {len(slot_indices)} slot indices"
@@ -123,8 +123,8 @@ class RadixCache(PrefixCache):
             self._refresh_candidate(node)  # it has a child now, so it is no longer a candidate
         return prefix_len
 
-    def evict(self, num_tokens: int) -> torch.Tensor:
-        released: list[torch.Tensor] = []
+    def evict(self, num_tokens: int) -> Tensor:
+        released: list[Tensor] = []
         released_len = 0
         while released_len < num_tokens and self._evictable_leaves:
             last_access, _, node = heapq.heappop(self._lru_heap)
@@ -141,7 +141,7 @@ class RadixCache(PrefixCache):
             self._refresh_candidate(parent)  # may have just become an unlocked leaf
         return torch.cat(released) if released else _empty_slots()
 
-    def reset(self) -> torch.Tensor:
+    def reset(self) -> Tensor:
         assert self.protected_size == 0, "reset while a prefix is locked"
         slots = [node.slot_indices for node in self._iter_nodes()]
         self._clear()
@@ -149,13 +149,13 @@ class RadixCache(PrefixCache):
 
     # ---- tree mechanics ---------------------------------------------------------------------
 
-    def _walk(self, tokens: list[int]) -> tuple[_Node, list[torch.Tensor]]:
+    def _walk(self, tokens: list[int]) -> tuple[_Node, list[Tensor]]:
         """Descend along page-aligned `tokens`, splitting the last node if the match ends inside
         it, and touch every node on the way. Returns the deepest matched node (the root if
         nothing matched) and the matched slot tensors in path order."""
         self._clock += 1
         node, pos = self._root, 0
-        chunks: list[torch.Tensor] = []
+        chunks: list[Tensor] = []
         while pos < len(tokens):
             child = node.children.get(self._page_key(tokens, pos))
             if child is None:
@@ -241,5 +241,5 @@ class RadixCache(PrefixCache):
 class NaiveCache(RadixCache):
     """No reuse (`--cache-type naive`): a tree that takes nothing offered, so matches nothing."""
 
-    def insert(self, token_ids: Sequence[int], slot_indices: torch.Tensor) -> int:
+    def insert(self, token_ids: Sequence[int], slot_indices: Tensor) -> int:
         return len(token_ids)

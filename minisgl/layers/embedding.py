@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import nn
+from torch import Tensor, nn
 
 from minisgl.distributed import all_gather_last_dim, all_reduce, get_tp_info
-from minisgl.kernels.weights import Fp8Tensor, QuantTensor, huge_page_zeros
-from minisgl.layers.linear import PackedWeight
+from minisgl.kernels.weights import QuantTensor, Weight, dense, huge_page_zeros
+from minisgl.layers.linear import PackedWeight, frozen
 
 
 class VocabParallelEmbedding(PackedWeight):
@@ -21,25 +21,22 @@ class VocabParallelEmbedding(PackedWeight):
         # Round up so every rank holds the same number of rows; padded rows stay zero.
         self.shard_vocab = (vocab_size + tp.size - 1) // tp.size
         self.vocab_start = tp.rank * self.shard_vocab
-        self.weight = nn.Parameter(torch.zeros(self.shard_vocab, hidden_size), requires_grad=False)
+        self.weight = frozen(torch.zeros(self.shard_vocab, hidden_size))
 
-    def load_weight(
-        self, param: nn.Parameter, full: torch.Tensor | QuantTensor | Fp8Tensor
-    ) -> None:
+    def load_weight(self, param: nn.Parameter, full: Weight) -> None:
         rows = max(0, min(self.shard_vocab, full.shape[0] - self.vocab_start))
-        if isinstance(full, QuantTensor) and rows == self.shard_vocab:
-            self.quant = {0: full.rows(self.vocab_start, rows)}
-            return
-        if not isinstance(full, torch.Tensor):  # padded rows: a shard the blocks do not fill
-            full = full.dequantize()
-        param.data[:rows].copy_(full.narrow(0, self.vocab_start, rows))
+        piece = full.narrow(0, self.vocab_start, rows)
+        if isinstance(piece, QuantTensor) and rows == self.shard_vocab:
+            self.quant = {0: piece}
+        else:  # fp8, and blocks that leave padded rows, dequantized
+            param.data[:rows].copy_(dense(piece))
 
-    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
+    def _lookup(self, ids: Tensor) -> Tensor:
         if self.packed is not None and self.packed.segments and self._kernels is not None:
             return self._kernels.embed(self.packed, ids)
         return F.embedding(ids, self.weight)
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: Tensor) -> Tensor:
         if get_tp_info().size == 1:
             return self._lookup(input_ids)
         local = input_ids - self.vocab_start
@@ -54,20 +51,19 @@ class ParallelLMHead(VocabParallelEmbedding):
     models hold the head twice); tied GGUF blocks are held once, by both."""
 
     # CPU: the logits go into this buffer, grown to the most rows seen and reused every step.
-    # [rows, vocab] fp32 is large (155 MB at 256 rows of a 151k vocabulary), and a fresh one
-    # each step costs page faults twice over: glibc maps blocks over 32 MiB afresh and unmaps
-    # them on free (a tiny model's step: 35 -> 23 ms at 64 rows, RESULTS.md section 12).
+    # [rows, vocab] fp32 is large, and a fresh one each step costs page faults twice over:
+    # glibc maps blocks over 32 MiB afresh and unmaps them on free (RESULTS.md section 12).
     # So the logits are valid until the next step's, as a CUDA graph's static output is.
-    _logits_buffer: torch.Tensor | None = None
+    _logits_buffer: Tensor | None = None
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: Tensor) -> Tensor:
         out = None
         if self.packed is not None:
             rows = hidden.reshape(-1, hidden.shape[-1]).shape[0]
             out = self._logits_out(rows, self.packed.out_features, hidden.dtype)
         return all_gather_last_dim(self.matmul(hidden, None, out))[..., : self.vocab_size]
 
-    def _logits_out(self, rows: int, vocab: int, dtype: torch.dtype) -> torch.Tensor:
+    def _logits_out(self, rows: int, vocab: int, dtype: torch.dtype) -> Tensor:
         buffer = self._logits_buffer
         if buffer is None or buffer.shape[0] < rows or buffer.dtype != dtype:
             grown = 0 if buffer is None else 2 * buffer.shape[0]  # batches ramp up a row at a time

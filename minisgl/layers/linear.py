@@ -1,18 +1,10 @@
-"""Tensor-parallel linear layers.
+"""Tensor-parallel linear layers: each holds only this rank's shard and cuts it from the full
+checkpoint tensor as it loads. Column parallel splits the outputs (no communication); row
+parallel splits the inputs and all-reduces.
 
-Each layer owns only this rank's shard of the weight and knows how to cut its shard out of a full
-checkpoint tensor (`weight_loader`), so loading never materializes a whole layer per rank.
-Column parallel: the output dim is split, no communication. Row parallel: the input dim is split,
-partial results are all-reduced.
-
-On CPU in fp32 the engine calls `use_cpu_kernels` once after loading: the weight is repacked into
-the panel layout of minisgl/kernels (read front to back by one kernel call per forward) and the
-original is freed, so the model holds one copy of every weight either way. A GGUF model served
-as blocks loads `QuantTensor`s instead (`quant`: this rank's piece of each part, cut by rows,
-or by columns on block boundaries, minisgl/kernels/weights.py); the kernels multiply by them.
-An FP8 checkpoint on FP8 tensor cores loads `Fp8Tensor`s the same way, and `use_fp8` stacks the
-parts into the one fp8 weight that minisgl/kernels/triton_fp8.py multiplies by.
-"""
+After loading, the weight may change form (docs/architecture.md, "The CPU path"): repacked into
+the CPU kernels' panels (`use_cpu_kernels`), kept as GGUF blocks (`quant`), or stacked into one
+fp8 weight (`use_fp8`). The model holds one copy of every weight either way."""
 
 from __future__ import annotations
 
@@ -20,17 +12,22 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
-from torch import nn
+from torch import Tensor, nn
 
 from minisgl.distributed import all_reduce, divide, get_tp_info
 from minisgl.kernels.cpu_ops import CpuKernels
-from minisgl.kernels.weights import Fp8Tensor, PackedLinear, QuantTensor
+from minisgl.kernels.weights import Fp8Tensor, PackedLinear, QuantTensor, Weight
+
+
+def frozen(t: Tensor) -> nn.Parameter:
+    """`t` as a parameter that no gradient touches (the loader fills it)."""
+    return nn.Parameter(t, requires_grad=False)
 
 
 def freed(param: nn.Parameter) -> nn.Parameter:
     """An empty stand-in for a weight now held elsewhere (packed, fp8): it keeps the parameter's
     name, and nothing reads it after loading."""
-    return nn.Parameter(param.data.new_empty(0), requires_grad=False)
+    return frozen(param.data.new_empty(0))
 
 
 class PackedWeight(nn.Module):
@@ -42,7 +39,7 @@ class PackedWeight(nn.Module):
     packed: PackedLinear | None = None  # the weight in the kernels' layout, once repacked
     quant: dict[int, QuantTensor | Fp8Tensor] | None = None  # loaded in its place, by part
     fp8: Fp8Tensor | None = None  # the weight as fp8, multiplied by `_fp8_linear`
-    _fp8_linear: Callable[..., torch.Tensor] | None = None
+    _fp8_linear: Callable[..., Tensor] | None = None
 
     def use_cpu_kernels(self, kernels: CpuKernels, keep_weight: bool = False) -> None:
         """Repack the loaded weight for `kernels` (call after loading) and free the original
@@ -57,7 +54,7 @@ class PackedWeight(nn.Module):
         if not keep_weight:
             self.weight = freed(self.weight)
 
-    def use_fp8(self, fp8_linear: Callable[..., torch.Tensor]) -> None:
+    def use_fp8(self, fp8_linear: Callable[..., Tensor]) -> None:
         """Multiply by the FP8 parts loaded in place of the weight (after loading)."""
         parts = [p for _, p in sorted((self.quant or {}).items()) if isinstance(p, Fp8Tensor)]
         if len(parts) != (len(self.part_names) if isinstance(self, ColumnParallelLinear) else 1):
@@ -65,9 +62,15 @@ class PackedWeight(nn.Module):
         self.fp8 = Fp8Tensor.cat(parts, self.weight.device)
         self.quant, self._fp8_linear, self.weight = None, fp8_linear, freed(self.weight)
 
-    def matmul(
-        self, x: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor | None = None
-    ) -> torch.Tensor:
+    def _place(self, piece: Weight, part: int, dest: Tensor) -> None:
+        """This rank's piece of a checkpoint tensor (of merged part `part`): copied into `dest`,
+        or kept as blocks or fp8 (`quant`; an fp8 cut inside a group comes dense)."""
+        if isinstance(piece, Tensor):
+            dest.copy_(piece)
+        else:
+            self.quant = {**(self.quant or {}), part: piece}
+
+    def matmul(self, x: Tensor, bias: Tensor | None, out: Tensor | None = None) -> Tensor:
         """x W^T + bias; with the kernels, into `out` when given ([rows, out], contiguous)."""
         if self._kernels is not None and self.packed is not None:
             return self._kernels.linear(x, self.packed, bias, out)
@@ -79,12 +82,9 @@ class PackedWeight(nn.Module):
 class ColumnParallelLinear(PackedWeight):
     """y = x W^T with W's rows (outputs) split across ranks; several logical weights merge.
 
-    `output_sizes` are the full (unsharded) sizes of the merged parts, e.g. [q, k, v] or
-    [gate, up], named by `part_names` as their checkpoint tensors are (`q_proj`, ...); each part
-    is split evenly, and this rank holds its slice of every part. `shard_sizes` overrides the
-    even split where a part has fewer slices than there are ranks (KV heads scarcer than ranks:
-    neighbouring ranks then hold the same slice).
-    """
+    `output_sizes` are the merged parts' full sizes (e.g. [q, k, v]), named by `part_names` as in
+    the checkpoint; this rank holds its even slice of each, unless `shard_sizes` says otherwise (KV
+    heads scarcer than ranks: neighbouring ranks then hold the same slice)."""
 
     def __init__(
         self,
@@ -102,25 +102,20 @@ class ColumnParallelLinear(PackedWeight):
         ]
         self.part_names = part_names
         out = sum(self.shard_sizes)
-        self.weight = nn.Parameter(torch.empty(out, input_size), requires_grad=False)
-        self.bias = nn.Parameter(torch.empty(out), requires_grad=False) if bias else None
+        self.weight = frozen(torch.empty(out, input_size))
+        self.bias = frozen(torch.empty(out)) if bias else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: Tensor) -> Tensor:
         return self.matmul(x, self.bias)
 
-    def load_part(
-        self, param: nn.Parameter, full: torch.Tensor | QuantTensor | Fp8Tensor, part: str
-    ) -> None:
+    def load_part(self, param: nn.Parameter, full: Weight, part: str) -> None:
         """Copy this rank's slice of checkpoint tensor `full` (the whole of one part)."""
         index = self.part_names.index(part)
         shard = self.shard_sizes[index]
         tp = get_tp_info()
         start = tp.rank * (self.full_sizes[index] // shard) // tp.size * shard
-        if not isinstance(full, torch.Tensor):
-            self.quant = {**(self.quant or {}), index: full.rows(start, shard)}
-            return
-        piece = full.narrow(0, start, shard)
-        param.data.narrow(0, sum(self.shard_sizes[:index]), shard).copy_(piece)
+        dest = param.data.narrow(0, sum(self.shard_sizes[:index]), shard)
+        self._place(full.narrow(0, start, shard), index, dest)
 
 
 class RowParallelLinear(PackedWeight):
@@ -130,25 +125,15 @@ class RowParallelLinear(PackedWeight):
         super().__init__()
         tp = get_tp_info()
         self.input_shard = divide(input_size, tp.size, "input size")
-        self.weight = nn.Parameter(torch.empty(output_size, self.input_shard), requires_grad=False)
+        self.weight = frozen(torch.empty(output_size, self.input_shard))
         # The bias is added once, after the reduction, so it is held whole on every rank.
-        self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False) if bias else None
+        self.bias = frozen(torch.empty(output_size)) if bias else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: Tensor) -> Tensor:
         y = all_reduce(self.matmul(x, None))
         return y if self.bias is None else y + self.bias
 
-    def load_weight(
-        self, param: nn.Parameter, full: torch.Tensor | QuantTensor | Fp8Tensor
-    ) -> None:
-        start = get_tp_info().rank * self.input_shard
-        if not isinstance(full, torch.Tensor):  # blocks; an fp8 cut inside a group comes dense
-            full = full.columns(start, self.input_shard)
-            if not isinstance(full, torch.Tensor):
-                self.quant = {0: full}
-                return
-            param.data.copy_(full)
-        elif param is self.bias:
-            param.data.copy_(full)
-        else:
-            param.data.copy_(full.narrow(1, start, self.input_shard))
+    def load_weight(self, param: nn.Parameter, full: Weight) -> None:
+        if param is not self.bias:  # (held whole)
+            full = full.narrow(1, get_tp_info().rank * self.input_shard, self.input_shard)
+        self._place(full, 0, param.data)

@@ -1,14 +1,9 @@
 """Sparse mixture-of-experts block (Qwen3-MoE): a top-k softmax router over SiLU-gated experts.
 
-Experts are tensor parallel over their intermediate dimension, exactly like a dense MLP: every
-rank holds a slice of every expert's gate/up rows and down columns, the router is replicated (so
-every rank routes every token the same way), and the partial outputs are all-reduced once.
-
-Weights are stored fused per layer: `experts.gate_up_proj` [experts, 2 * inter_shard, hidden]
-(gate rows, then up rows) and `experts.down_proj` [experts, hidden, inter_shard], the layout
-transformers 5.x keeps in memory. Hub checkpoints store one tensor per expert and projection
-(`experts.{e}.gate_proj.weight`); both load (`load_expert`, `load_fused`).
-"""
+Experts are tensor parallel over their intermediate dimension like a dense MLP (the router is
+replicated, the partial outputs all-reduced once). Weights are fused per layer as transformers
+5.x keeps them, `gate_up_proj` [experts, 2 * inter_shard, hidden] and `down_proj` [experts,
+hidden, inter_shard]; hub checkpoints' one tensor per expert and projection loads too."""
 
 from __future__ import annotations
 
@@ -16,12 +11,12 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch import nn
+from torch import Tensor, nn
 
 from minisgl.distributed import all_reduce, divide, get_tp_info
 from minisgl.kernels.gpu import triton_kernels
-from minisgl.kernels.weights import FP8_GROUP, Fp8Tensor
-from minisgl.layers.linear import freed
+from minisgl.kernels.weights import FP8_GROUP, Fp8Tensor, dense
+from minisgl.layers.linear import freed, frozen
 
 # The per-expert projections of the hub layout, in the order they sit in `gate_up_proj` / alone.
 GATE_UP_PIECES = ("gate_proj", "up_proj")
@@ -61,9 +56,9 @@ class TopKRouter(nn.Module):
         super().__init__()
         self.top_k = cfg.top_k
         self.norm_topk_prob = cfg.norm_topk_prob
-        self.weight = nn.Parameter(torch.empty(cfg.num_experts, hidden_size), requires_grad=False)
+        self.weight = frozen(torch.empty(cfg.num_experts, hidden_size))
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """x: [tokens, hidden] -> (weights [tokens, top_k] fp32, expert ids [tokens, top_k])."""
         probs = torch.softmax(F.linear(x, self.weight), dim=-1, dtype=torch.float32)
         weights, expert_ids = torch.topk(probs, self.top_k, dim=-1)
@@ -87,18 +82,18 @@ class Experts(nn.Module):
         )
         shape_gate_up = (cfg.num_experts, 2 * self.inter_shard, hidden_size)
         shape_down = (cfg.num_experts, hidden_size, self.inter_shard)
-        self.gate_up_proj = nn.Parameter(torch.empty(shape_gate_up), requires_grad=False)
-        self.down_proj = nn.Parameter(torch.empty(shape_down), requires_grad=False)
+        self.gate_up_proj = frozen(torch.empty(shape_gate_up))
+        self.down_proj = frozen(torch.empty(shape_down))
         # The Triton kernel where the fused layer kernels apply (CUDA, Triton importable, not
         # MINISGL_FUSED_KERNELS=0: kernels/gpu.py); else moe_torch.
         self.use_triton = (
             self.down_proj.is_cuda
             and triton_kernels("triton_fused", self.down_proj.device) is not None
         )
-        self._fp8_pieces: dict[tuple[int, str], Fp8Tensor | torch.Tensor] = {}
+        self._fp8_pieces: dict[tuple[int, str], Fp8Tensor | Tensor] = {}
 
     def load_piece(
-        self, name: str, full: torch.Tensor | Fp8Tensor, piece: str, expert: int | None
+        self, name: str, full: Tensor | Fp8Tensor, piece: str, expert: int | None
     ) -> None:
         """Copy this rank's slice of one projection (`piece`): of one expert (the hub layout,
         `experts.{expert}.{piece}.weight`), or of every expert at once (expert None; stacked
@@ -110,18 +105,17 @@ class Experts(nn.Module):
             )
         experts = slice(None) if expert is None else expert
         stacked = (self.num_experts,) if expert is None else ()
-        shard, down = self.inter_shard, piece == DOWN_PIECE
-        start = get_tp_info().rank * shard
-        hidden, inter = self.down_proj.shape[1], slice(start, start + shard)
+        shard, down, hidden = self.inter_shard, piece == DOWN_PIECE, self.down_proj.shape[1]
         rows, cols = (hidden, self.full_inter) if down else (self.full_inter, hidden)
         _check_shape(name, full, (*stacked, rows, cols))
+        # this rank's slice of the intermediate dim: down_proj's columns, gate/up's rows
+        cut = full.narrow(-1 if down else -2, get_tp_info().rank * shard, shard)
         if isinstance(full, Fp8Tensor):  # one expert's: the loader makes only 2-D ones
-            cut = full.columns(start, shard) if down else full.rows(start, shard)
             self._fp8_pieces[expert or 0, piece] = cut
         else:
-            self._write(experts, piece, full[..., inter] if down else full[..., inter, :])
+            self._write(experts, piece, dense(cut))
 
-    def _write(self, experts: int | slice, piece: str, cut: torch.Tensor) -> None:
+    def _write(self, experts: int | slice, piece: str, cut: Tensor) -> None:
         """This rank's slice of one projection into the weights, of one expert or all."""
         if piece == DOWN_PIECE:
             self.down_proj.data[experts].copy_(cut)
@@ -136,18 +130,20 @@ class Experts(nn.Module):
         fp8 = {k: p for k, p in pieces.items() if isinstance(p, Fp8Tensor) and p.group == FP8_GROUP}
         if not pieces or len(fp8) < len(pieces):
             for (expert, piece), p in pieces.items():
-                self._write(expert, piece, p if isinstance(p, torch.Tensor) else p.dequantize())
+                self._write(expert, piece, dense(p))
             return False
         gate_up = [fp8[e, p] for e in range(num) for p in GATE_UP_PIECES]
         self.fp8 = tuple(
             Fp8Tensor(w.data.unflatten(0, (num, -1)), w.scale.unflatten(0, (num, -1)), FP8_GROUP)
-            for w in (Fp8Tensor.cat(ws, self.down_proj.device)
-                      for ws in (gate_up, [fp8[e, DOWN_PIECE] for e in range(num)]))
-        )  # fmt: skip
+            for w in (
+                Fp8Tensor.cat(ws, self.down_proj.device)
+                for ws in (gate_up, [fp8[e, DOWN_PIECE] for e in range(num)])
+            )
+        )
         self.gate_up_proj, self.down_proj = freed(self.gate_up_proj), freed(self.down_proj)
         return True
 
-    def load_fused(self, name: str, full: torch.Tensor, param: nn.Parameter) -> None:
+    def load_fused(self, name: str, full: Tensor, param: nn.Parameter) -> None:
         """Copy this rank's slice of a fused tensor (transformers 5.x in-memory layout)."""
         if param is self.down_proj:
             self.load_piece(name, full, DOWN_PIECE, None)
@@ -156,9 +152,7 @@ class Experts(nn.Module):
         for piece, part in zip(GATE_UP_PIECES, full.split(self.full_inter, dim=1), strict=True):
             self.load_piece(name, part, piece, None)
 
-    def forward(
-        self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
-    ) -> torch.Tensor:
+    def forward(self, x: Tensor, topk_weights: Tensor, topk_ids: Tensor) -> Tensor:
         if self.fp8 is not None or self.use_triton:
             from minisgl.kernels.triton_moe import fused_moe
 
@@ -170,7 +164,7 @@ class Experts(nn.Module):
         return moe_torch(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids)
 
 
-def _check_shape(name: str, tensor: torch.Tensor | Fp8Tensor, expected: tuple[int, ...]) -> None:
+def _check_shape(name: str, tensor: Tensor | Fp8Tensor, expected: tuple[int, ...]) -> None:
     if tuple(tensor.shape) != expected:
         raise ValueError(
             f"weight '{name}': checkpoint shape {tuple(tensor.shape)}, expected {expected} "
@@ -179,12 +173,12 @@ def _check_shape(name: str, tensor: torch.Tensor | Fp8Tensor, expected: tuple[in
 
 
 def moe_torch(
-    x: torch.Tensor,
-    gate_up: torch.Tensor,
-    down: torch.Tensor,
-    topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor,
-) -> torch.Tensor:
+    x: Tensor,
+    gate_up: Tensor,
+    down: Tensor,
+    topk_weights: Tensor,
+    topk_ids: Tensor,
+) -> Tensor:
     """Reference path (CPU): loop over the experts that received tokens.
 
     x [tokens, hidden]; gate_up [experts, 2 * inter, hidden]; down [experts, hidden, inter];
@@ -217,6 +211,6 @@ class SparseMoeBlock(nn.Module):
         self.gate = TopKRouter(hidden_size, cfg)  # HF name: mlp.gate.weight
         self.experts = Experts(hidden_size, cfg)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: Tensor) -> Tensor:
         topk_weights, topk_ids = self.gate(x)
         return all_reduce(self.experts(x, topk_weights, topk_ids))

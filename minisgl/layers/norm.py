@@ -4,48 +4,42 @@ fp32 through the CPU kernels, elsewhere in torch ops (`_reference`, what both mu
 from __future__ import annotations
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
+from minisgl.kernels.cpu_ops import CpuKernels
 from minisgl.kernels.gpu import layer_kernels
+from minisgl.layers.linear import frozen
 
 
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
+        self.weight = frozen(torch.ones(size))
         self.kernels = layer_kernels(self.weight.device, self.weight.dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        fused, kernels = self.kernels.fused, self.kernels.cpu
-        if fused is not None:
-            return fused.rmsnorm(x, self.weight, self.eps)
-        if kernels is not None and x.dim() == 2:
-            return kernels.rmsnorm(x, self.weight, self.eps)
+    def forward(self, x: Tensor) -> Tensor:
+        if self.kernels is not None and x.dim() == 2:
+            return self.kernels.rmsnorm(x, self.weight, self.eps)
         return self._reference(x)
 
-    def forward_residual(
-        self, x: torch.Tensor, residual: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward_residual(self, x: Tensor, residual: Tensor) -> tuple[Tensor, Tensor]:
         """(norm(x + residual), x + residual): a pre-norm decoder's residual add and norm in
         one pass. `residual` may be updated in place and returned: callers hand it over."""
-        fused, kernels = self.kernels.fused, self.kernels.cpu
-        if fused is not None and residual.dim() == 2 and residual.stride(-1) == 1:
-            return fused.add_rmsnorm_(x, residual, self.weight, self.eps), residual
-        if kernels is not None and x.dim() == 2 and residual.is_contiguous():
-            return kernels.rmsnorm(x, self.weight, self.eps, residual), residual
+        if self.kernels is not None and x.dim() == 2 and residual.is_contiguous():
+            return self.kernels.rmsnorm(x, self.weight, self.eps, residual), residual
         residual = x + residual
         return self._reference(residual), residual
 
-    def forward_heads_(self, x: torch.Tensor) -> torch.Tensor:
+    def forward_heads_(self, x: Tensor) -> Tensor:
         """Normalize every head of x [tokens, heads, head_dim] (Qwen3's q/k norm), in place
-        where the kernels apply; returns the result either way."""
-        kernels = self.kernels.cpu
-        if kernels is not None and kernels.rmsnorm_heads_(x, self.weight, self.eps):
+        where the C kernels apply; returns the result either way."""
+        kernels = self.kernels
+        if isinstance(kernels, CpuKernels) and kernels.rmsnorm_heads_(x, self.weight, self.eps):
             return x
         return self._reference(x)
 
-    def _reference(self, x: torch.Tensor) -> torch.Tensor:
+    def _reference(self, x: Tensor) -> Tensor:
         # Compute in fp32 like the HF reference, then return in the input dtype.
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)

@@ -7,8 +7,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
+from minisgl.kernels.cpu_ops import CpuKernels
 from minisgl.kernels.gpu import layer_kernels
 
 
@@ -21,7 +22,7 @@ class RopeConfig:
     params: dict[str, Any] = field(default_factory=dict)  # the rest of rope_scaling
 
 
-def _llama3_inv_freq(inv_freq: torch.Tensor, p: dict) -> torch.Tensor:
+def _llama3_inv_freq(inv_freq: Tensor, p: dict) -> Tensor:
     factor = p["factor"]
     low, high = p.get("low_freq_factor", 1.0), p.get("high_freq_factor", 4.0)
     old_ctx = p["original_max_position_embeddings"]
@@ -33,7 +34,7 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, p: dict) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
-def _yarn_inv_freq(base: float, dim: int, p: dict, max_pos: int) -> tuple[torch.Tensor, float]:
+def _yarn_inv_freq(base: float, dim: int, p: dict, max_pos: int) -> tuple[Tensor, float]:
     factor = p["factor"]
     orig_max = p.get("original_max_position_embeddings") or max_pos
 
@@ -78,20 +79,20 @@ class RotaryEmbedding(nn.Module):
         # [max_positions, head_dim / 2]
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
         emb = torch.cat([freqs, freqs], dim=-1)  # [max_positions, head_dim]
-        self.cos_cache: torch.Tensor
-        self.sin_cache: torch.Tensor
+        self.cos_cache: Tensor
+        self.sin_cache: Tensor
         self.register_buffer("cos_cache", emb.cos() * scale, persistent=False)
         self.register_buffer("sin_cache", emb.sin() * scale, persistent=False)
-        # q and k come in the model's dtype (the default one while it is built): the caches
-        # stay fp32.
-        self.kernels = layer_kernels(self.cos_cache.device)
+        # The C kernels' rotation, where they apply to q and k, which come in the model's dtype
+        # (the default one while it is built: the caches stay fp32). The Triton kernels rotate
+        # in the attention layer instead (qk_norm_rope).
+        kernels = layer_kernels(self.cos_cache.device)
+        self.kernels = kernels if isinstance(kernels, CpuKernels) else None
 
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, positions: Tensor, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
         """q: [tokens, heads, head_dim], k: [tokens, kv_heads, head_dim]. On CPU in fp32 they
         are rotated in place (one kernel call) and returned."""
-        kernels = self.kernels.cpu
+        kernels = self.kernels
         if kernels is not None and kernels.rope_(q, k, positions, self.cos_cache, self.sin_cache):
             return q, k
         cos = self.cos_cache[positions].unsqueeze(1).to(q.dtype)  # [tokens, 1, head_dim]
@@ -99,7 +100,7 @@ class RotaryEmbedding(nn.Module):
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos + rotated * sin

@@ -1,22 +1,20 @@
 """The dense decoder stack as one CPU-kernel call per decode step (minisgl/kernels).
 
-At batch 1 a decode step reads every weight once (~20 ms for SmolLM2-135M in fp32), and walking
-30 layers op by op in Python (a dozen calls per layer) adds several ms on top. For a decode-only
-batch `CpuDecodeStack.forward` hands the whole stack to `mg_decode_layers`, which runs the same
-kernels in the same order as the op-by-op path (so the same numbers), with no Python between
-them. It is built only where that path applies: CPU kernels on, one tp rank, dense MLPs (no
-experts), and attention shapes the decode kernel supports; everything else runs op by op.
-"""
+`mg_decode_layers` runs the op-by-op path's kernels in the same order (so the same numbers) with
+no Python between them, which walking the layers would add to a step (RESULTS.md section 10).
+It is built only where it applies: CPU kernels on, one tp rank, dense MLPs, and attention shapes
+the decode kernel supports; everything else runs op by op."""
 
 from __future__ import annotations
 
 import ctypes
 from typing import TYPE_CHECKING, cast
 
-import torch
+from torch import Tensor
 
 from minisgl.distributed import get_tp_info
-from minisgl.kernels.cpu_ops import CpuKernels, LayerWeights, PackedLinear, StackShape
+from minisgl.kernels.cpu_abi import LayerWeights, StackShape, ptr
+from minisgl.kernels.cpu_ops import CpuKernels
 from minisgl.kvcache.pool import KVPool
 from minisgl.layers.moe import SparseMoeBlock
 
@@ -24,25 +22,19 @@ if TYPE_CHECKING:  # llama.py builds the stack: only its types here
     from minisgl.models.llama import CausalLM, DecoderLayer
 
 
-def _ptr(t: torch.Tensor | PackedLinear | None) -> int | None:
-    if t is None:
-        return None
-    return t.desc if isinstance(t, PackedLinear) else t.data_ptr()
-
-
 class CpuDecodeStack:
     def __init__(
-        self, model: CausalLM, kernels: CpuKernels, shape: StackShape, keep: list[object]
+        self, model: CausalLM, kernels: CpuKernels, shape: StackShape, layers: ctypes.Array
     ) -> None:
         # the model's own modules around the stack (profile_decode.py times them)
         self.embed, self.norm = model.model.embed_tokens, model.model.norm
         self.lm_head = model.lm_head
         self.kernels = kernels
         self.shape = shape
-        self._keep = keep  # the ctypes array and tensors the struct points into
+        self._layers = layers  # what `shape.layers` points into (the tensors are the model's)
         # float64 [len(DECODE_OPS)]: when set, each step adds its per-op wall time here
         # (benchmark/offline/profile_decode.py).
-        self.op_seconds: torch.Tensor | None = None
+        self.op_seconds: Tensor | None = None
 
     @staticmethod
     def build(model: CausalLM, kernels: CpuKernels) -> CpuDecodeStack | None:
@@ -68,7 +60,7 @@ class CpuDecodeStack:
             q_norm, k_norm = (None if n is None else n.weight for n in (attn.q_norm, attn.k_norm))
             # in mg_layer's order (LayerWeights)
             ptrs = (in_norm, post_norm, qkv, attn.qkv_proj.bias, q_norm, k_norm, o, gate_up, down)
-            weights.append(LayerWeights(*map(_ptr, ptrs)))
+            weights.append(LayerWeights(*map(ptr, ptrs)))
         array = (LayerWeights * len(weights))(*weights)
         rope = attn0.rope
         shape = StackShape(
@@ -79,30 +71,38 @@ class CpuDecodeStack:
             attn0.head_dim,
             cfg.intermediate_size,
             cfg.rms_norm_eps,
-            attn0.q_norm.eps if attn0.q_norm is not None else cfg.rms_norm_eps,
+            cfg.rms_norm_eps,  # the q/k norms' (config.json has one)
             attn0.scale,
             rope.cos_cache.data_ptr(),
             rope.sin_cache.data_ptr(),
             ctypes.cast(array, ctypes.POINTER(LayerWeights)),
         )
-        return CpuDecodeStack(model, kernels, shape, [array, rope.cos_cache, rope.sin_cache])
+        return CpuDecodeStack(model, kernels, shape, array)
 
     def forward(
         self,
-        token_table: torch.Tensor,
-        page_table: torch.Tensor,
-        table_rows: torch.Tensor,
-        positions: torch.Tensor,
+        token_table: Tensor,
+        page_table: Tensor,
+        table_rows: Tensor,
+        positions: Tensor,
         pool: KVPool,
-    ) -> torch.Tensor:
+    ) -> Tensor:
         """The model's forward for a decode-only batch: sequence i computes the token at
         positions[i] of table row table_rows[i] (int64 [seqs]) and samples. Writes each token's
         K/V to that position's slot of the pool; returns logits [seqs, vocab] in fp32."""
         hidden = self.embed(token_table[table_rows, positions].long()).contiguous()
         out_slots = page_table[table_rows, positions].long()
         self.kernels.decode_layers(
-            self.shape, hidden, positions, out_slots, page_table, table_rows, positions + 1,
-            pool.buffer, pool.scales, self.op_seconds,
-        )  # fmt: skip
+            self.shape,
+            hidden,
+            positions,
+            out_slots,
+            page_table,
+            table_rows,
+            positions + 1,
+            pool.buffer,
+            pool.scales,
+            self.op_seconds,
+        )
         # decode_layers leaves the input of the final norm in `hidden`
         return self.lm_head.compute_logits(self.norm(hidden)).float()

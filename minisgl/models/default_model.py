@@ -64,8 +64,10 @@ def write_gguf_index(gguf_file: Path, folder: Path) -> None:
     from gguf import GGUFReader
 
     reader = GGUFReader(gguf_file)
-    tensors = [[t.name, int(t.tensor_type), [int(n) for n in t.shape], int(t.data_offset)]
-               for t in reader.tensors]  # fmt: skip
+    tensors = [
+        [t.name, int(t.tensor_type), [int(n) for n in t.shape], int(t.data_offset)]
+        for t in reader.tensors
+    ]
     arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
     (folder / GGUF_INDEX).write_text(json.dumps({"architecture": arch, "tensors": tensors}))
 

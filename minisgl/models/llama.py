@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import nn
+from torch import Tensor, nn
 
 from minisgl.attention.context import get_forward_context
 from minisgl.distributed import divide, get_tp_info
 from minisgl.kernels.cpu_ops import CpuKernels
-from minisgl.kernels.gpu import layer_kernels
+from minisgl.kernels.gpu import layer_kernels, triton_kernels
 from minisgl.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from minisgl.layers.linear import ColumnParallelLinear, RowParallelLinear
 from minisgl.layers.moe import SparseMoeBlock
@@ -42,9 +42,8 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int, rope: RotaryEmbedding) -> None:
         super().__init__()
         self.layer_id = layer_id
-        self.head_dim = cfg.head_dim
+        head_dim = self.head_dim = cfg.head_dim
         self.num_heads, self.num_kv_heads = local_head_counts(cfg)
-        head_dim = cfg.head_dim
         self.qkv_proj = ColumnParallelLinear(
             cfg.hidden_size,
             [cfg.num_heads * head_dim, cfg.num_kv_heads * head_dim, cfg.num_kv_heads * head_dim],
@@ -53,18 +52,17 @@ class Attention(nn.Module):
             shard_sizes=[self.num_heads * head_dim, *[self.num_kv_heads * head_dim] * 2],
         )
         self.o_proj = RowParallelLinear(cfg.num_heads * head_dim, cfg.hidden_size, bias=False)
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.q_norm = RMSNorm(head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.rope = rope
-        self.scale = cfg.head_dim**-0.5
-        self.fused = layer_kernels().fused  # norm and rope of every head in one kernel
+        self.scale = head_dim**-0.5
+        # norm and rope of every head in one kernel
+        self.fused = triton_kernels("triton_fused", torch.get_default_device())
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(self, positions: Tensor, hidden: Tensor) -> Tensor:
         num_tokens = hidden.shape[0]
-        q, k, v = self.qkv_proj(hidden).split(self.qkv_proj.shard_sizes, dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(hidden).split(self.qkv_proj.shard_sizes, dim=-1)
+        q, k, v = (x.view(num_tokens, -1, self.head_dim) for x in qkv)  # [tokens, heads, D]
         if self.fused is not None:
             q_weight = k_weight = None
             eps = 0.0
@@ -93,13 +91,12 @@ class MLP(nn.Module):
             part_names=["gate_proj", "up_proj"],
         )
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias)
-        kernels = layer_kernels()
-        self._silu_mul_kernels = kernels.fused or kernels.cpu  # both have the same silu_mul
+        self.kernels = layer_kernels()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: Tensor) -> Tensor:
         gate_up = self.gate_up_proj(x)
-        if self._silu_mul_kernels is not None:
-            return self.down_proj(self._silu_mul_kernels.silu_mul(gate_up))
+        if self.kernels is not None:
+            return self.down_proj(self.kernels.silu_mul(gate_up))
         gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
@@ -115,8 +112,8 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg) if moe is None else SparseMoeBlock(cfg.hidden_size, moe)
 
     def forward(
-        self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self, positions: Tensor, hidden: Tensor, residual: Tensor | None
+    ) -> tuple[Tensor, Tensor]:
         """Pre-norm residual stream, carried as (this layer's output, the residual before it):
         the next norm adds them in the same pass (`forward_residual`). The sums are the HF
         model's `hidden + attn(norm(hidden))`, in the same order and dtype."""
@@ -154,20 +151,14 @@ class CausalLM(nn.Module):
         # An FP8 checkpoint's KV cache scales, [layers, 2 (k, v)] (the loader sets them).
         self.kv_scales = torch.ones(cfg.num_layers, 2, device="cpu")
 
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, logit_indices: torch.Tensor
-    ) -> torch.Tensor:
+    def forward(self, input_ids: Tensor, positions: Tensor, logit_indices: Tensor) -> Tensor:
         """input_ids, positions: [tokens]; returns logits [len(logit_indices), vocab] in fp32."""
         hidden = self.model.embed_tokens(input_ids)
-        residual: torch.Tensor | None = None
+        residual: Tensor | None = None
         for layer in self.model.layers:
             hidden, residual = layer(positions, hidden, residual)
-        if residual is None:  # a model with no layers has no residual to add
-            hidden = self.model.norm(hidden[logit_indices])
-        else:
-            hidden, _ = self.model.norm.forward_residual(
-                hidden[logit_indices], residual[logit_indices]
-            )
+        assert residual is not None  # (config.json has layers)
+        hidden, _ = self.model.norm.forward_residual(hidden[logit_indices], residual[logit_indices])
         return self.lm_head.compute_logits(hidden).float()
 
     def use_cpu_kernels(self, kernels: CpuKernels, fused_decode: bool = True) -> None:

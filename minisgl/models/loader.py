@@ -1,23 +1,9 @@
-"""Load HF safetensors checkpoints straight into this rank's shards, one tensor at a time.
-
-A folder with a GGUF file (`GGUF_FILE`: a `--model file.gguf`, the bundled default) loads from it
-instead, under transformers' names for its tensors (and Llama's q/k rows in HF's order, as
-transformers' GGUF loader puts them). With `blocks` (the CPU kernels) its linear and embedding
-weights stay GGUF blocks (`QuantTensor`) where the kernels serve the type, else fp32 rows (one
-log line); without, every tensor is dequantized, as transformers does.
-
-An FP8 checkpoint (`quantization_config.quant_method` fp8, as Qwen's and DeepSeek's FP8 releases)
-has its weights scaled block-wise (`weight_scale_inv` per `weight_block_size` tile), per tensor
-or per channel (`weight_scale`), each scale found in whichever shard holds it. With `keep_fp8`
-(FP8 tensor cores: minisgl/kernels/triton_fp8.py) they load as `Fp8Tensor`s, which the linear
-layers and MoE experts keep; without, every one is dequantized to the model's dtype.
-Activation scales (`input_scale`) go unused (activations are scaled per token as they come), and
-the per-layer KV cache scales (`k_scale`, `v_scale`) go to `model.kv_scales` for an fp8 KV pool.
-
-Every weight the model needs is tracked by the checkpoint tensor name that provides it (hub
-layout: `q_proj`, `experts.3.up_proj`, ...), so a checkpoint that lacks any piece of a merged or
-expert weight fails at load with the missing tensor's name instead of serving garbage.
-"""
+"""Load a checkpoint straight into this rank's shards, one tensor at a time: HF safetensors, or a
+GGUF file under transformers' names (its linear weights kept as blocks for the C kernels where
+they serve the type), or an FP8 checkpoint (weights kept fp8 for FP8 tensor cores, else
+dequantized; its KV scales to `model.kv_scales`). docs/models.md has the details. Every weight
+the model needs is tracked by the checkpoint name that provides it, so a missing piece fails
+the load by name instead of serving garbage."""
 
 from __future__ import annotations
 
@@ -32,11 +18,11 @@ from pathlib import Path
 import numpy as np
 import torch
 from safetensors import safe_open
-from torch import nn
+from torch import Tensor, nn
 
 from minisgl.config import ServerArgs
 from minisgl.kernels.cpu_ops import CpuKernels
-from minisgl.kernels.weights import Fp8Tensor, QuantTensor
+from minisgl.kernels.weights import Fp8Tensor, QuantTensor, Weight, dense
 from minisgl.layers.embedding import VocabParallelEmbedding
 from minisgl.layers.linear import ColumnParallelLinear, RowParallelLinear
 from minisgl.layers.moe import DOWN_PIECE, EXPERT_PIECES, GATE_UP_PIECES, Experts
@@ -83,9 +69,6 @@ def expected_checkpoint_names(model: nn.Module) -> set[str]:
     return names | ({n for n, _ in model.named_parameters()} - claimed)
 
 
-Weight = torch.Tensor | QuantTensor | Fp8Tensor
-
-
 def _safetensors(model_dir: Path, keep_fp8: bool) -> Iterator[tuple[str, Weight]]:
     quant = json.loads((model_dir / "config.json").read_text()).get("quantization_config") or {}
     method, fmt = quant.get("quant_method", "fp8"), quant.get("format")
@@ -112,7 +95,7 @@ def _safetensors(model_dir: Path, keep_fp8: bool) -> Iterator[tuple[str, Weight]
         logger.info("FP8 checkpoint: %d weights %s", num_fp8, how)
 
 
-def _fp8(name: str, w: torch.Tensor, where: dict, block: Sequence[int]) -> Fp8Tensor:
+def _fp8(name: str, w: Tensor, where: dict, block: Sequence[int]) -> Fp8Tensor:
     scale_name = next((f"{name}_scale{s}" for s in ("_inv", "") if f"{name}_scale{s}" in where), "")
     if not scale_name or w.dim() != 2:
         raise ValueError(f"FP8 weight '{name}' has no weight_scale_inv or weight_scale, or not 2-D")
@@ -145,11 +128,13 @@ def _gguf(
             heads = cfg.num_heads if ".attn_q." in gguf_name else cfg.num_kv_heads
             data = data.view(heads, -1, 2, data.shape[1]).transpose(1, 2).reshape(data.shape)
         weight = QuantTensor(qtype, data, shape[0])
-        if blocks is not None and len(shape) == 2 and not blocks.serves_blocks(qtype):
+        if blocks is None or len(shape) == 1:
+            yield name, weight.dequantize().view(*reversed(shape))
+        elif blocks.serves_blocks(qtype):
+            yield name, weight
+        else:
             dequantized.add(gguf.GGMLQuantizationType(qtype).name)
-            weight = QuantTensor.of_float(weight.dequantize())
-        dense = blocks is None or len(shape) == 1
-        yield name, weight.dequantize().view(*reversed(shape)) if dense else weight
+            yield name, QuantTensor.of_float(weight.dequantize())
     if dequantized:
         shown = ", ".join(sorted(dequantized))
         logger.info("GGUF %s weights are dequantized to fp32 at load (not served as blocks)", shown)
@@ -189,7 +174,7 @@ def load_weights(
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue  # tied: the embedding already provides it
         if kv_scale := _KV_SCALE_RE.search(name):
-            model.kv_scales[int(kv_scale[1]), "kv".index(kv_scale[2])] = float(_dense(tensor))
+            model.kv_scales[int(kv_scale[1]), "kv".index(kv_scale[2])] = float(dense(tensor))
             continue
         loaded |= _load_one(name, tensor, params, modules, merged)
     missing = sorted(expected_checkpoint_names(model) - loaded)
@@ -202,10 +187,6 @@ def load_weights(
         raise ValueError(f"checkpoint {model_dir} lacks weights: {shown}{more}{hint}")
 
 
-def _dense(t: Weight) -> torch.Tensor:
-    return t if isinstance(t, torch.Tensor) else t.dequantize()
-
-
 def _load_one(
     name: str,
     tensor: Weight,
@@ -216,7 +197,7 @@ def _load_one(
     """Copy one checkpoint tensor into place; returns the checkpoint names it accounts for."""
     expert = _EXPERT_RE.match(name)
     if expert and isinstance(experts := modules.get(expert.group(1)), Experts):
-        piece = tensor if isinstance(tensor, Fp8Tensor) else _dense(tensor)
+        piece = tensor if isinstance(tensor, Fp8Tensor) else dense(tensor)
         experts.load_piece(name, piece, expert.group(3), int(expert.group(2)))
         return {name}
     prefix, _, kind = name.rpartition(".")
@@ -228,13 +209,13 @@ def _load_one(
         raise ValueError(f"unexpected weight '{name}' in checkpoint")
     module, param = modules[prefix], params[name]
     if isinstance(module, Experts):  # fused layout: one tensor holds every expert's piece
-        module.load_fused(name, _dense(tensor), param)
+        module.load_fused(name, dense(tensor), param)
         pieces = GATE_UP_PIECES if kind == "gate_up_proj" else (DOWN_PIECE,)
         return {f"{prefix}.{e}.{p}.weight" for e in range(module.num_experts) for p in pieces}
     if isinstance(module, (RowParallelLinear, VocabParallelEmbedding)):
         module.load_weight(param, tensor)
         return {name}
-    if param.shape != (tensor := _dense(tensor)).shape:
+    if param.shape != (tensor := dense(tensor)).shape:
         raise ValueError(
             f"weight '{name}': checkpoint {tuple(tensor.shape)}, model {tuple(param.shape)}"
         )

@@ -1,0 +1,96 @@
+"""The CPU kernels' C interface as ctypes sees it: each function's signature, the structs the
+fused decode stack reads, and the constants shared with csrc/ (kept in step by hand; `load`
+checks the ABI version and the op count)."""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from minisgl.kernels.weights import PackedLinear
+
+ABI_VERSION = 8  # MG_ABI_VERSION in csrc/common.h
+# mg_decode_layers' op timers, in the C enum's order (MG_NUM_OPS in csrc/decode.c)
+DECODE_OPS = (
+    "rmsnorm + residual add",
+    "qkv_proj",
+    "q/k head norm",
+    "rope + KV store",
+    "decode attention",
+    "o_proj",
+    "gate_up_proj",
+    "silu_mul",
+    "down_proj",
+)
+# decode attention limits (ATTN_MAX_HEADS, ATTN_MAX_HEAD_DIM in csrc/attention.c)
+ATTN_MAX_HEADS = 128
+ATTN_MAX_HEAD_DIM = 256
+# the fp8 KV formats the kernels read and write, as their `fp8` argument (exponent bits)
+FP8_KV_FORMATS = {torch.float8_e4m3fn: 4, torch.float8_e5m2: 5}
+
+# Argument and return types as `struct` format characters: P a pointer, q int64, i int, f float
+# ("" returns nothing).
+_CTYPES = {"P": ctypes.c_void_p, "q": ctypes.c_int64, "i": ctypes.c_int, "f": ctypes.c_float}
+_SIGNATURES = {  # name: (return type, argument types)
+    "mg_abi_version": ("i", ""),
+    "mg_block_n": ("i", ""),
+    "mg_linear": ("", "PqPPPqqqqi"),
+    "mg_quant_block_bytes": ("q", "q"),
+    "mg_set_int8_activations": ("i", "i"),
+    "mg_embed": ("", "PqPqPi"),
+    "mg_rmsnorm": ("", "PqqPqPPqqqfi"),
+    "mg_silu_mul": ("", "PqPqqqi"),
+    "mg_rope": ("", "PqqPqqqqPPPi"),
+    "mg_store_kv": ("", "PqPqPPPqq"),
+    "mg_decode_attention": ("i", "PqPPPPqPPPqqqqqfifi"),
+    "mg_decode_scratch_floats": ("q", "Pq"),
+    "mg_decode_layers": ("i", "PPqPPPqPPPqiPPPi"),
+    "mg_num_ops": ("i", ""),
+    "mg_seeded_uniform": ("", "PPqqPi"),
+    "mg_sample": ("", "PqPPPqqPi"),
+}
+
+
+def load(path: Path) -> ctypes.CDLL:
+    """The library at `path` with every signature set; raises when it is not this ABI."""
+    lib = ctypes.CDLL(str(path))
+    for name, (restype, argtypes) in _SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = _CTYPES.get(restype), [_CTYPES[c] for c in argtypes]
+    if lib.mg_abi_version() != ABI_VERSION:
+        raise RuntimeError(f"{path} has ABI {lib.mg_abi_version()}, expected {ABI_VERSION}")
+    if lib.mg_num_ops() != len(DECODE_OPS):
+        raise RuntimeError("the library's op timers do not match DECODE_OPS")
+    return lib
+
+
+def ptr(x: Tensor | PackedLinear | None) -> int | None:
+    """What a pointer argument gets: a tensor's data, a packed weight's `mg_weight`, or NULL."""
+    if x is None:
+        return None
+    return x.desc if isinstance(x, PackedLinear) else x.data_ptr()
+
+
+class LayerWeights(ctypes.Structure):
+    """`mg_layer`: one dense decoder layer's weights (`mg_weight`s and norms; NULL where absent)."""
+
+    _fields_ = [
+        (name, ctypes.c_void_p)
+        for name in "input_norm post_norm qkv qkv_bias q_norm k_norm o gate_up down".split()
+    ]
+
+
+class StackShape(ctypes.Structure):
+    """`mg_model`: sizes of a dense decoder stack and its layers' weights."""
+
+    _fields_ = [
+        *[(name, ctypes.c_int64) for name in "num_layers hidden heads kv_heads head_dim".split()],
+        ("inter", ctypes.c_int64),
+        *[(name, ctypes.c_float) for name in ("eps", "head_norm_eps", "scale")],
+        ("cos_cache", ctypes.c_void_p),
+        ("sin_cache", ctypes.c_void_p),
+        ("layers", ctypes.POINTER(LayerWeights)),
+    ]
