@@ -13,7 +13,7 @@ import math
 import operator
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from minisgl.limits import (
     DEFAULT_MAX_TOKENS,
@@ -31,6 +31,10 @@ from minisgl.limits import (
     MAX_USER_CHARS,
     InvalidRequestError,
 )
+
+if TYPE_CHECKING:
+    from minisgl.grammar import GrammarState
+    from minisgl.scheduler.speculative import NgramDrafter
 
 # Seeds are folded into 31 bits: the sampler's counter-based hash works on 32-bit lanes.
 SEED_MASK = (1 << 31) - 1
@@ -322,16 +326,16 @@ class Req:
     seed: int = 0  # the request's sampling seed (drawn by the scheduler when the client gave none)
     # KV ownership, managed by the scheduler's cache manager
     page_ids: list[int] = field(default_factory=list)  # pages backing positions, in order
-    cache_handle: Any = None  # locked prefix-cache node of the matched prefix
+    cache_handle: object = None  # the prefix cache's (opaque) handle of the locked matched prefix
     cache_matched_len: int = 0  # tokens whose pages belong to the prefix cache, not this request
     # structured output: the compiled grammar as sent by the API server (serialized; None: the
     # scheduler compiles sampling_params.constraint itself), then the live matcher state
     grammar_json: str | None = None
-    grammar: Any = None
+    grammar: GrammarState | None = None
     # speculative decoding: the draft tokens this step verifies (after device_len) and the
-    # request's drafter (minisgl.scheduler.speculative)
+    # request's drafter
     drafts: list[int] = field(default_factory=list)
-    drafter: Any = None
+    drafter: NgramDrafter | None = None
     num_retractions: int = 0
     finish_reason: FinishReason | None = None
     arrival_time: float = 0.0
@@ -359,17 +363,53 @@ class Req:
         return self.device_len - self.cached_len
 
 
+def finish_reason(
+    params: SamplingParams,
+    last: int | str,
+    num_outputs: int,
+    room_len: int = 1,
+    eos_token_ids: tuple[int, ...] = (),
+) -> FinishReason | None:
+    """Whether a request's output ends at `last`, and why: the one rule for finishing, asked by
+    the scheduler for every sampled token (`last` the token, `room_len` the positions left in
+    the context) and by the detokenizer, in the server and in the offline `LLM`, for a stop
+    string its text shows (`last` that string). `num_outputs`: output tokens so far.
+
+    STOP: a stop string, a stop token id or an EOS (unless ignore_eos); LENGTH: max_tokens
+    reached or the context full; None: it goes on.
+    """
+    if (
+        isinstance(last, str)
+        or last in params.stop_token_ids
+        or (last in eos_token_ids and not params.ignore_eos)
+    ):
+        return FinishReason.STOP
+    if num_outputs >= params.max_tokens or room_len <= 0:
+        return FinishReason.LENGTH
+    return None
+
+
 @dataclass(slots=True)  # not frozen: one is made per running request per step (4x cheaper)
 class ReqOutput:
-    """What the scheduler reports for one request after a step: new tokens, maybe the end."""
+    """One request's progress after a step, from the scheduler (new tokens, maybe its end) through
+    the detokenizer (their text; a stop string that ended it) to the API server."""
 
     rid: str
-    new_token_ids: tuple[int, ...]
+    token_ids: tuple[int, ...]  # new tokens whose text shows
     finish_reason: FinishReason | None = None
-    new_logprobs: tuple[TokenLogprob, ...] = ()
-    prompt_len: int = 0
+    # of token_ids, then of the final token that ended the output (matched_stop), if any
+    logprobs: tuple[TokenLogprob, ...] = ()
     num_cached_prompt_tokens: int = 0
     # With the request's first output: prompt tokens 1.. scored (sampling_params.prompt_logprobs)
     prompt_logprobs: tuple[TokenLogprob, ...] = ()
+    # What ended a STOP finish: the EOS or stop token id that was sampled last (counted as
+    # generated, never shown in the text or token_ids), or the stop string; None otherwise.
+    matched_stop: int | str | None = None
+    text: str = ""  # the detokenizer's: new text, safe to show (no partial character)
     error: str | None = None
     internal_error: bool = False  # the error is the server's (a failed step), not the request's
+
+    @property
+    def num_new_tokens(self) -> int:
+        """New tokens generated, a hidden final EOS or stop token included (for usage)."""
+        return len(self.token_ids) + isinstance(self.matched_stop, int)

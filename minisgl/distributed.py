@@ -25,6 +25,10 @@ FOLLOWER_CONTROL_TIMEOUT_S = 365 * 24 * 3600.0
 LOOPBACK_HOST = "127.0.0.1"
 
 
+class TPRankError(RuntimeError):
+    """A tensor-parallel rank died, hung or failed: the tp group is no longer usable."""
+
+
 @dataclass(frozen=True)
 class TPInfo:
     rank: int = 0

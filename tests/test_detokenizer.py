@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from minisgl.chat.template import apply_chat_template
-from minisgl.core import FinishReason, ReqOutput, SamplingParams, TokenLogprob
+from minisgl.core import FinishReason, ReqOutput, SamplingParams, TokenLogprob, finish_reason
 from minisgl.tokenizer import IncrementalDetokenizer, load_tokenizer
 from minisgl.tokenizer.detokenizer import RequestDetokenizer, stop_reason
 from tests.conftest import qwen3_tokenizer_dir
@@ -159,16 +159,17 @@ def test_stop_inside_multibyte_text(tokenizer):
 
 
 def _outputs(ids: list[int], finish: FinishReason | None, rid: str = "r") -> list[ReqOutput]:
-    """One output per token, as the scheduler sends them; the last carries `finish`."""
-    return [
-        ReqOutput(
-            rid,
-            (token_id,),
-            finish_reason=finish if i == len(ids) - 1 else None,
-            new_logprobs=(TokenLogprob(token_id, -1.0, ()),),
-        )
-        for i, token_id in enumerate(ids)
+    """One output per token, as the scheduler sends them; the last carries `finish` (a STOP's
+    token, an EOS or stop token id, as what matched, not shown)."""
+    outputs = [
+        ReqOutput(rid, (token_id,), logprobs=(TokenLogprob(token_id, -1.0, ()),))
+        for token_id in ids
     ]
+    last = outputs[-1]
+    last.finish_reason = finish
+    if finish == FinishReason.STOP:
+        last.token_ids, last.matched_stop = (), ids[-1]
+    return outputs
 
 
 @pytest.mark.parametrize("incremental", [True, False])
@@ -176,32 +177,35 @@ def test_final_eos_is_counted_but_not_shown(tokenizer, incremental):
     ids = tokenizer.encode("Hi there", add_special_tokens=False)
     eos = tokenizer.eos_token_id
     params = SamplingParams(skip_special_tokens=False)  # even as text, the final EOS is hidden
-    detok = RequestDetokenizer(tokenizer, _prompt(tokenizer), params, (eos,), incremental)
-    deltas = [detok.add(out) for out in _outputs([*ids, eos], FinishReason.STOP)]
-    assert all(d is not None for d in deltas) and detok.done
-    assert "".join(d.text for d in deltas) == "Hi there"  # type: ignore[union-attr]
-    last = deltas[-1]
+    assert finish_reason(params, eos, len(ids) + 1, eos_token_ids=(eos,)) == FinishReason.STOP
+    detok = RequestDetokenizer(tokenizer, _prompt(tokenizer), params, incremental)
+    outputs = _outputs([*ids, eos], FinishReason.STOP)
+    assert all([detok.add(out) for out in outputs]) and detok.done
+    assert "".join(out.text for out in outputs) == "Hi there"
+    last = outputs[-1]
     # ...but it was generated: its logprob is reported (lm-eval's scoring reads it)
-    assert last is not None and last.token_ids == () and len(last.logprobs) == 1
+    assert last.token_ids == () and len(last.logprobs) == 1 and last.num_new_tokens == 1
     assert last.logprobs[0].token_id == eos
     assert last.finish_reason == FinishReason.STOP and last.matched_stop == eos
     assert stop_reason(params, last.matched_stop) is None  # vLLM: EOS is no stop_reason
     # ignore_eos: an EOS that ends nothing is an ordinary token
-    kept = RequestDetokenizer(
-        tokenizer, _prompt(tokenizer), SamplingParams(ignore_eos=True), (eos,), incremental
-    )
-    ending = [kept.add(out) for out in _outputs([*ids, eos], FinishReason.LENGTH)][-1]
-    assert ending is not None and ending.token_ids == (eos,) and ending.matched_stop is None
+    kept_params = SamplingParams(ignore_eos=True)
+    assert finish_reason(kept_params, eos, len(ids) + 1, eos_token_ids=(eos,)) is None
+    kept = RequestDetokenizer(tokenizer, _prompt(tokenizer), kept_params, incremental)
+    ending = _outputs([*ids, eos], FinishReason.LENGTH)
+    assert all([kept.add(out) for out in ending])
+    assert ending[-1].token_ids == (eos,) and ending[-1].matched_stop is None
 
 
 def test_stop_token_id_is_matched_and_hidden(tokenizer):
     ids = tokenizer.encode("one two three", add_special_tokens=False)
     params = SamplingParams(stop_token_ids=(ids[-1],))
-    detok = RequestDetokenizer(tokenizer, _prompt(tokenizer), params, (tokenizer.eos_token_id,))
-    deltas = [detok.add(out) for out in _outputs(ids, FinishReason.STOP)]
-    text = "".join(d.text for d in deltas if d is not None)
-    assert text == tokenizer.decode(ids[:-1])
-    assert deltas[-1] is not None and deltas[-1].matched_stop == ids[-1]
+    assert finish_reason(params, ids[-1], len(ids)) == FinishReason.STOP
+    detok = RequestDetokenizer(tokenizer, _prompt(tokenizer), params)
+    outputs = _outputs(ids, FinishReason.STOP)
+    assert all([detok.add(out) for out in outputs])
+    assert "".join(out.text for out in outputs) == tokenizer.decode(ids[:-1])
+    assert outputs[-1].matched_stop == ids[-1]
     assert stop_reason(params, ids[-1]) == ids[-1]
 
 
@@ -210,41 +214,41 @@ def test_stop_string_ends_it_and_drops_what_follows(tokenizer):
     the scheduler still sends for it, up to its own end, are dropped."""
     ids = tokenizer.encode("The answer is 42. END and then more", add_special_tokens=False)
     params = SamplingParams(stop=("END",))
-    detok = RequestDetokenizer(tokenizer, _prompt(tokenizer), params, (tokenizer.eos_token_id,))
+    detok = RequestDetokenizer(tokenizer, _prompt(tokenizer), params)
     outputs = _outputs(ids, FinishReason.ABORT)
-    deltas = [detok.add(out) for out in outputs]
-    ended = [i for i, d in enumerate(deltas) if d is not None and d.finish_reason is not None]
-    assert len(ended) == 1  # exactly one terminal event
-    first = deltas[ended[0]]
-    assert first is not None and first.abort and first.matched_stop == "END"
+    shown, to_abort = [], []
+    for out in outputs:
+        if detok.add(out):
+            shown.append(out)
+            if out.finish_reason is not None and not detok.done:  # the scheduler still runs it
+                to_abort.append(out)
+    ended = [out for out in shown if out.finish_reason is not None]
+    assert len(ended) == 1 and ended[0] is shown[-1]  # exactly one terminal event, the last
+    first = ended[0]
+    assert to_abort == [first] and first.matched_stop == "END"
     assert first.finish_reason == FinishReason.STOP
-    shown = "".join(d.text for d in deltas if d is not None)
-    assert shown == "The answer is 42. "
-    assert all(d is None for d in deltas[ended[0] + 1 :]) and detok.done
+    assert "".join(out.text for out in shown) == "The answer is 42. "
+    assert len(shown) < len(outputs) and detok.done  # the rest dropped, up to the scheduler's end
     assert stop_reason(params, "END") == "END"
 
 
 def test_stop_string_in_the_final_output_needs_no_abort(tokenizer):
     ids = tokenizer.encode("stop here", add_special_tokens=False)
     params = SamplingParams(stop=("here",))
-    detok = RequestDetokenizer(tokenizer, _prompt(tokenizer), params, ())
+    detok = RequestDetokenizer(tokenizer, _prompt(tokenizer), params)
     out = ReqOutput("r", tuple(ids), finish_reason=FinishReason.LENGTH)
-    delta = detok.add(out)
-    assert delta is not None and not delta.abort and detok.done
-    assert (delta.finish_reason, delta.matched_stop, delta.text) == (
-        FinishReason.STOP,
-        "here",
-        "stop ",
-    )
+    assert detok.add(out) and detok.done  # done: the scheduler ended it, nothing to abort
+    assert (out.finish_reason, out.matched_stop, out.text) == (FinishReason.STOP, "here", "stop ")
 
 
 def test_offline_text_is_decoded_once_at_the_end(tokenizer):
     text = SAMPLE_TEXTS[1]
     ids = tokenizer.encode(text, add_special_tokens=False)
-    detok = RequestDetokenizer(tokenizer, _prompt(tokenizer), SamplingParams(), (), False)
-    deltas = [detok.add(out) for out in _outputs(ids, FinishReason.LENGTH)]
-    assert [d.text for d in deltas[:-1] if d is not None] == [""] * (len(ids) - 1)
-    assert deltas[-1] is not None and deltas[-1].text == tokenizer.decode(ids)
+    detok = RequestDetokenizer(tokenizer, _prompt(tokenizer), SamplingParams(), False)
+    outputs = _outputs(ids, FinishReason.LENGTH)
+    assert all([detok.add(out) for out in outputs])
+    assert [out.text for out in outputs[:-1]] == [""] * (len(ids) - 1)
+    assert outputs[-1].text == tokenizer.decode(ids)
 
 
 # ---- chat templates ------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""The detokenizer process: token ids -> text deltas, stop strings, and the hidden final eos
+"""The detokenizer process: each output's token ids -> text, and stop strings
 (minisgl.tokenizer.detokenizer.RequestDetokenizer, one per request).
 
 When a stop string appears it reports finish_reason "stop" to the API server right away and
@@ -21,10 +21,6 @@ from minisgl.tokenizer.detokenizer import RequestDetokenizer
 logger = logging.getLogger(__name__)
 
 IDLE_POLL_TIMEOUT_S = 0.1
-# DetokenizedOutput's fields: the scheduler's ReqOutput's as they are, the TextDelta's, and
-# num_new_tokens (every token generated, a hidden final eos included).
-PASSED_ON = ("rid", "num_cached_prompt_tokens", "error", "internal_error", "prompt_logprobs")
-TEXT_FIELDS = ("text", "token_ids", "logprobs", "finish_reason", "matched_stop")
 
 
 class DetokenizerWorker:
@@ -35,31 +31,29 @@ class DetokenizerWorker:
         self._to_scheduler = msg.MessageQueue("push", endpoints.scheduler_in)
         self._requests: dict[str, RequestDetokenizer] = {}
 
-    def _process(self, output: ReqOutput) -> msg.DetokenizedOutput | None:
+    def _process(self, output: ReqOutput) -> bool:
+        """Fill in the output's text; False: drop it (after a stop string ended its request)."""
         if (request := self._requests.get(output.rid)) is None:
             logger.debug("detokenizer: output for unknown request %s dropped", output.rid)
-            return None
-        delta = request.add(output)
+            return False
+        shown = request.add(output)
         if request.done:
             del self._requests[output.rid]
-        if delta is None:
-            return None
-        if delta.abort:
+        elif shown and output.finish_reason is not None:  # a stop string, before the scheduler
             self._to_scheduler.put(msg.AbortRequest(output.rid))
-        fields = {name: getattr(output, name) for name in PASSED_ON}
-        fields |= {name: getattr(delta, name) for name in TEXT_FIELDS}
-        return msg.DetokenizedOutput(num_new_tokens=len(output.new_token_ids), **fields)
+        return shown
 
     def run_once(self, timeout_s: float = IDLE_POLL_TIMEOUT_S) -> None:
-        results: list[msg.DetokenizedOutput] = []
+        results: list[ReqOutput] = []
         for message in self._inbox.get_all(timeout_s):
-            if isinstance(message, msg.DetokenizeInit):
-                init = (message.prompt_tail_ids, message.sampling_params, message.eos_token_ids)
-                self._requests[message.rid] = RequestDetokenizer(self._tokenizer, *init)
-            else:  # a BatchTokenOutput: nothing else is sent to detokenizer_in
-                results += [r for r in map(self._process, message.outputs) if r is not None]
+            if isinstance(message, msg.TokenizedRequest):
+                params = message.sampling_params
+                detok = RequestDetokenizer(self._tokenizer, message.input_ids, params)
+                self._requests[message.rid] = detok
+            else:  # a step's outputs: nothing else is sent to detokenizer_in
+                results += filter(self._process, message)
         if results:
-            self._to_api.put(msg.BatchDetokenizedOutput(tuple(results)))
+            self._to_api.put(tuple(results))
 
     def close(self) -> None:
         for queue in (self._inbox, self._to_api, self._to_scheduler):

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from minisgl.core import Req
-from minisgl.engine.batch import VocabMask
+from minisgl.engine.batch import ForwardBatch, VocabMask
 from minisgl.grammar import GrammarCompiler, GrammarState, build_vocab_mask
 
 
@@ -52,8 +52,8 @@ class GrammarMasks:
         return build_vocab_mask([r.grammar for r in sampled], self._vocab_size)
 
     @staticmethod
-    def must_wait(previous: list[Req], sampled: list[Req]) -> bool:
-        """Whether a constrained request sampled now has its previous token still in flight
-        (sampled by `previous`, the batch not processed yet)."""
-        in_flight = {id(r) for r in previous if r.grammar is not None}
-        return any(id(r) in in_flight for r in sampled if r.grammar is not None)
+    def must_wait(previous: ForwardBatch, batch: ForwardBatch) -> bool:
+        """Whether a constrained request sampled in `batch` has its previous token still in
+        flight (sampled in `previous`, not processed yet)."""
+        in_flight = {id(r) for r in previous.rows if r.grammar is not None}
+        return any(id(r) in in_flight for r in batch.rows if r.grammar is not None)

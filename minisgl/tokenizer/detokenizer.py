@@ -15,20 +15,18 @@ Stop strings are matched on the decoded text. Text that could still be the start
 is held back until it can't (or until `flush`), so a stop string never leaks into any delta, even
 when it spans several tokens.
 
-`RequestDetokenizer` is one request's whole output rule, for the server's detokenizer process and
-the offline `LLM` alike: the text above, plus the final EOS or stop token that ends the request
-without showing in its text, and what matched.
+`RequestDetokenizer` is one request's text, for the server's detokenizer process and the offline
+`LLM` alike: the text above, and the stop string that ends it (minisgl.core.finish_reason).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import cast
 
 from transformers import PreTrainedTokenizerBase
 
-from minisgl.core import FinishReason, ReqOutput, SamplingParams, TokenLogprob
+from minisgl.core import ReqOutput, SamplingParams, finish_reason
 
 # How many prompt tokens seed the decoding window (vLLM uses the same number).
 PROMPT_CONTEXT_TOKENS = 5
@@ -80,16 +78,16 @@ class IncrementalDetokenizer:
         self.stop_str: str | None = None  # the stop string that ended the text, if any
         self._min_tokens = min_tokens
         self._include_stop = include_stop
-        self._num_tokens = 0  # output tokens added so far
+        self.num_tokens = 0  # output tokens added so far
 
     def add(self, token_ids: Sequence[int]) -> str:
         """Feed new output tokens; return the text that is now safe to show."""
         if self.stopped or not token_ids:
             return ""
         self._ids.extend(int(t) for t in token_ids)
-        self._num_tokens += len(token_ids)
+        self.num_tokens += len(token_ids)
         # Before min_tokens, release everything unmatched: stops count only in later text.
-        return self._release(final=False, match=self._num_tokens >= self._min_tokens)
+        return self._release(final=False, match=self.num_tokens >= self._min_tokens)
 
     def flush(self) -> str:
         """The request ended for another reason: return everything still held back."""
@@ -125,22 +123,10 @@ class IncrementalDetokenizer:
         return out
 
 
-@dataclass(frozen=True)
-class TextDelta:
-    """What one scheduler output adds to a request's text."""
-
-    text: str  # safe to show: no partial character, no stop string
-    token_ids: tuple[int, ...]  # the new tokens whose text shows (a hidden final one is not)
-    logprobs: tuple[TokenLogprob, ...]  # theirs, and the hidden final token's
-    finish_reason: FinishReason | None
-    # What ended a STOP finish: the stop string, or the final token's id (EOS or a stop token).
-    matched_stop: int | str | None = None
-    abort: bool = False  # a stop string ended it before the scheduler did: abort it there
-
-
 class RequestDetokenizer:
-    """One request's outputs -> text deltas, its stop strings (min_tokens and
-    include_stop_str_in_output included) and its hidden final EOS / stop token.
+    """One request's outputs -> their text, with its stop strings (min_tokens and
+    include_stop_str_in_output included): for the server's detokenizer process and the offline
+    `LLM` alike.
 
     `incremental=False` (offline) decodes the text once, at the end, when no stop string needs
     it earlier: decoding every token costs tens of microseconds, a fair share of a fast step.
@@ -151,12 +137,8 @@ class RequestDetokenizer:
         tokenizer: PreTrainedTokenizerBase,
         prompt_ids: Sequence[int],
         params: SamplingParams,
-        eos_token_ids: Sequence[int],
         incremental: bool = True,
     ) -> None:
-        eos_ids = () if params.ignore_eos else tuple(eos_token_ids)
-        # A final token with one of these ids adds no text.
-        self._hidden_final_ids = frozenset((*params.stop_token_ids, *eos_ids))
         self._tokenizer = tokenizer
         self._params = params
         self._incremental = incremental or bool(params.stop)
@@ -171,26 +153,20 @@ class RequestDetokenizer:
         self._shown_ids: list[int] = []  # for the one decode at the end (not incremental)
         self.done = False  # the scheduler sent its last output for this request
 
-    def add(self, output: ReqOutput) -> TextDelta | None:
-        """None: an output the scheduler sent before the abort a stop string asked for."""
-        finish = output.finish_reason
-        self.done = finish is not None
+    def add(self, output: ReqOutput) -> bool:
+        """Fill in `output.text`. A stop string in it ends the request (finish_reason STOP,
+        matched_stop the string): while not `done`, the caller aborts it in the scheduler.
+        False: an output the scheduler sent after that (drop it)."""
+        self.done = output.finish_reason is not None
         if self._text.stopped:  # by a stop string, in an earlier output
-            return None
-        token_ids = list(output.new_token_ids)
-        matched: int | str | None = None
-        # Stopped by EOS / a stop token id: that token counts as generated but shows no text.
-        if finish == FinishReason.STOP and token_ids and token_ids[-1] in self._hidden_final_ids:
-            matched = token_ids.pop()
-        text = self._decode(token_ids, final=self.done)
-        abort = self._text.stopped and finish is None
-        # The hidden token keeps its logprob: scoring (lm-eval's echo + max_tokens 1) reads the
-        # generated token's entry whatever it is.
-        num_scored = len(token_ids) + (matched is not None and not self._text.stopped)
-        if self._text.stopped:
-            finish, matched = FinishReason.STOP, self._text.stop_str
-        logprobs = output.new_logprobs[:num_scored]
-        return TextDelta(text, tuple(token_ids), logprobs, finish, matched, abort)
+            return False
+        output.text = self._decode(list(output.token_ids), final=self.done)
+        if (stop_str := self._text.stop_str) is not None:
+            reason = finish_reason(self._params, stop_str, self._text.num_tokens)
+            output.finish_reason, output.matched_stop = reason, stop_str
+            # A final EOS the scheduler saw in the same output never came: no logprob of it.
+            output.logprobs = output.logprobs[: len(output.token_ids)]
+        return True
 
     def _decode(self, token_ids: list[int], final: bool) -> str:
         if not self._incremental:
