@@ -94,10 +94,6 @@ def broadcast_from_primary(x: torch.Tensor) -> torch.Tensor:
 _CONTROL_GROUP: dist.ProcessGroup | None = None
 
 
-def global_tp_rank(node_rank: int, local_rank: int, tp_size: int, nnodes: int) -> int:
-    return node_rank * ranks_per_node(tp_size, nnodes) + local_rank
-
-
 def ranks_per_node(tp_size: int, nnodes: int) -> int:
     if tp_size % nnodes != 0:
         raise ValueError(f"tp size ({tp_size}) is not divisible by the number of nodes ({nnodes})")

@@ -1,5 +1,5 @@
 """IncrementalDetokenizer: multi-byte characters, stop strings, hold-back, equality with decode;
-RequestDetokenizer: one request's outputs, its hidden final token and what matched."""
+one request's outputs, its hidden final token and what matched."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 from minisgl.chat.template import apply_chat_template
 from minisgl.core import FinishReason, ReqOutput, SamplingParams, TokenLogprob, finish_reason
 from minisgl.tokenizer import IncrementalDetokenizer, load_tokenizer
-from minisgl.tokenizer.detokenizer import RequestDetokenizer, stop_reason
+from minisgl.tokenizer.detokenizer import stop_reason
 from tests.conftest import qwen3_tokenizer_dir
 
 REPLACEMENT_CHAR = "\ufffd"
@@ -71,14 +71,18 @@ def test_special_tokens_skipped(tokenizer):
     ids = tokenizer.encode("Hi there", add_special_tokens=False) + [eos_id]
     detok = IncrementalDetokenizer(tokenizer, _prompt(tokenizer))
     assert "".join(_stream(detok, ids)) + detok.flush() == "Hi there"
-    keep = IncrementalDetokenizer(tokenizer, _prompt(tokenizer), skip_special_tokens=False)
+    keep = IncrementalDetokenizer(
+        tokenizer, _prompt(tokenizer), SamplingParams(skip_special_tokens=False)
+    )
     assert ("".join(_stream(keep, ids)) + keep.flush()).endswith(tokenizer.eos_token)
 
 
 def test_stop_spanning_tokens(tokenizer):
     text = "The answer is forty-two. END OF STORY and more text"
     ids = tokenizer.encode(text, add_special_tokens=False)
-    detok = IncrementalDetokenizer(tokenizer, _prompt(tokenizer), stop=["END OF STORY"])
+    detok = IncrementalDetokenizer(
+        tokenizer, _prompt(tokenizer), SamplingParams(stop=["END OF STORY"])
+    )
     deltas = []
     for token_id in ids:
         deltas.append(detok.add([token_id]))
@@ -96,7 +100,9 @@ def test_stop_string_kept_when_asked(tokenizer):
     text = "The answer is forty-two. END OF STORY and more text"
     ids = tokenizer.encode(text, add_special_tokens=False)
     detok = IncrementalDetokenizer(
-        tokenizer, _prompt(tokenizer), stop=["END OF STORY", "nothing"], include_stop=True
+        tokenizer,
+        _prompt(tokenizer),
+        SamplingParams(stop=["END OF STORY", "nothing"], include_stop_str_in_output=True),
     )
     joined = "".join(_stream(detok, ids)) + detok.flush()
     assert detok.stopped and detok.stop_str == "END OF STORY"
@@ -105,7 +111,7 @@ def test_stop_string_kept_when_asked(tokenizer):
 
 def test_stop_at_the_very_start(tokenizer):
     ids = tokenizer.encode("STOP right here", add_special_tokens=False)
-    detok = IncrementalDetokenizer(tokenizer, _prompt(tokenizer), stop=["STOP"])
+    detok = IncrementalDetokenizer(tokenizer, _prompt(tokenizer), SamplingParams(stop=["STOP"]))
     deltas = _stream(detok, ids)
     assert detok.stopped
     assert "".join(deltas) == "" == detok.text
@@ -113,7 +119,9 @@ def test_stop_at_the_very_start(tokenizer):
 
 def test_earliest_of_several_stops_wins(tokenizer):
     ids = tokenizer.encode("one two three four", add_special_tokens=False)
-    detok = IncrementalDetokenizer(tokenizer, _prompt(tokenizer), stop=["four", "two"])
+    detok = IncrementalDetokenizer(
+        tokenizer, _prompt(tokenizer), SamplingParams(stop=["four", "two"])
+    )
     joined = "".join(_stream(detok, ids))
     assert detok.stopped and detok.stop_str == "two" and joined == "one "
 
@@ -124,17 +132,24 @@ def test_min_tokens_defers_stop_strings(tokenizer):
     ids = tokenizer.encode(text, add_special_tokens=False)
     first_len = len(tokenizer.encode("stop here,", add_special_tokens=False))
     detok = IncrementalDetokenizer(
-        tokenizer, _prompt(tokenizer), stop=["stop"], min_tokens=first_len
+        tokenizer, _prompt(tokenizer), SamplingParams(stop=["stop"], min_tokens=first_len)
     )
     joined = "".join(_stream(detok, ids))
     assert detok.stopped and joined == "stop here, then "
-    assert IncrementalDetokenizer(tokenizer, _prompt(tokenizer), stop=["stop"]).add(ids) == ""
+    assert (
+        IncrementalDetokenizer(tokenizer, _prompt(tokenizer), SamplingParams(stop=["stop"])).add(
+            ids
+        )
+        == ""
+    )
 
 
 def test_hold_back_released_on_flush(tokenizer):
     # "END O" could be the start of the stop string: held back until the request ends.
     ids = tokenizer.encode("Almost the END O", add_special_tokens=False)
-    detok = IncrementalDetokenizer(tokenizer, _prompt(tokenizer), stop=["END OF STORY"])
+    detok = IncrementalDetokenizer(
+        tokenizer, _prompt(tokenizer), SamplingParams(stop=["END OF STORY"])
+    )
     streamed = "".join(_stream(detok, ids))
     assert streamed == "Almost the "
     assert detok.flush() == "END O"
@@ -143,14 +158,14 @@ def test_hold_back_released_on_flush(tokenizer):
 
 def test_hold_back_released_when_text_diverges(tokenizer):
     ids = tokenizer.encode("an ENDless road", add_special_tokens=False)
-    detok = IncrementalDetokenizer(tokenizer, _prompt(tokenizer), stop=["END."])
+    detok = IncrementalDetokenizer(tokenizer, _prompt(tokenizer), SamplingParams(stop=["END."]))
     joined = "".join(_stream(detok, ids)) + detok.flush()
     assert joined == "an ENDless road" and not detok.stopped
 
 
 def test_stop_inside_multibyte_text(tokenizer):
     ids = tokenizer.encode("你好，世界！再见", add_special_tokens=False)
-    detok = IncrementalDetokenizer(tokenizer, _prompt(tokenizer), stop=["世界"])
+    detok = IncrementalDetokenizer(tokenizer, _prompt(tokenizer), SamplingParams(stop=["世界"]))
     joined = "".join(_stream(detok, ids))
     assert detok.stopped and joined == "你好，"
 
@@ -178,9 +193,9 @@ def test_final_eos_is_counted_but_not_shown(tokenizer, incremental):
     eos = tokenizer.eos_token_id
     params = SamplingParams(skip_special_tokens=False)  # even as text, the final EOS is hidden
     assert finish_reason(params, eos, len(ids) + 1, eos_token_ids=(eos,)) == FinishReason.STOP
-    detok = RequestDetokenizer(tokenizer, _prompt(tokenizer), params, incremental)
+    detok = IncrementalDetokenizer(tokenizer, _prompt(tokenizer), params, incremental)
     outputs = _outputs([*ids, eos], FinishReason.STOP)
-    assert all([detok.add(out) for out in outputs]) and detok.done
+    assert all([detok.add_output(out) for out in outputs]) and detok.done
     assert "".join(out.text for out in outputs) == "Hi there"
     last = outputs[-1]
     # ...but it was generated: its logprob is reported (lm-eval's scoring reads it)
@@ -191,9 +206,9 @@ def test_final_eos_is_counted_but_not_shown(tokenizer, incremental):
     # ignore_eos: an EOS that ends nothing is an ordinary token
     kept_params = SamplingParams(ignore_eos=True)
     assert finish_reason(kept_params, eos, len(ids) + 1, eos_token_ids=(eos,)) is None
-    kept = RequestDetokenizer(tokenizer, _prompt(tokenizer), kept_params, incremental)
+    kept = IncrementalDetokenizer(tokenizer, _prompt(tokenizer), kept_params, incremental)
     ending = _outputs([*ids, eos], FinishReason.LENGTH)
-    assert all([kept.add(out) for out in ending])
+    assert all([kept.add_output(out) for out in ending])
     assert ending[-1].token_ids == (eos,) and ending[-1].matched_stop is None
 
 
@@ -201,9 +216,9 @@ def test_stop_token_id_is_matched_and_hidden(tokenizer):
     ids = tokenizer.encode("one two three", add_special_tokens=False)
     params = SamplingParams(stop_token_ids=(ids[-1],))
     assert finish_reason(params, ids[-1], len(ids)) == FinishReason.STOP
-    detok = RequestDetokenizer(tokenizer, _prompt(tokenizer), params)
+    detok = IncrementalDetokenizer(tokenizer, _prompt(tokenizer), params)
     outputs = _outputs(ids, FinishReason.STOP)
-    assert all([detok.add(out) for out in outputs])
+    assert all([detok.add_output(out) for out in outputs])
     assert "".join(out.text for out in outputs) == tokenizer.decode(ids[:-1])
     assert outputs[-1].matched_stop == ids[-1]
     assert stop_reason(params, ids[-1]) == ids[-1]
@@ -214,11 +229,11 @@ def test_stop_string_ends_it_and_drops_what_follows(tokenizer):
     the scheduler still sends for it, up to its own end, are dropped."""
     ids = tokenizer.encode("The answer is 42. END and then more", add_special_tokens=False)
     params = SamplingParams(stop=("END",))
-    detok = RequestDetokenizer(tokenizer, _prompt(tokenizer), params)
+    detok = IncrementalDetokenizer(tokenizer, _prompt(tokenizer), params)
     outputs = _outputs(ids, FinishReason.ABORT)
     shown, to_abort = [], []
     for out in outputs:
-        if detok.add(out):
+        if detok.add_output(out):
             shown.append(out)
             if out.finish_reason is not None and not detok.done:  # the scheduler still runs it
                 to_abort.append(out)
@@ -235,18 +250,18 @@ def test_stop_string_ends_it_and_drops_what_follows(tokenizer):
 def test_stop_string_in_the_final_output_needs_no_abort(tokenizer):
     ids = tokenizer.encode("stop here", add_special_tokens=False)
     params = SamplingParams(stop=("here",))
-    detok = RequestDetokenizer(tokenizer, _prompt(tokenizer), params)
+    detok = IncrementalDetokenizer(tokenizer, _prompt(tokenizer), params)
     out = ReqOutput("r", tuple(ids), finish_reason=FinishReason.LENGTH)
-    assert detok.add(out) and detok.done  # done: the scheduler ended it, nothing to abort
+    assert detok.add_output(out) and detok.done  # done: the scheduler ended it, nothing to abort
     assert (out.finish_reason, out.matched_stop, out.text) == (FinishReason.STOP, "here", "stop ")
 
 
 def test_offline_text_is_decoded_once_at_the_end(tokenizer):
     text = SAMPLE_TEXTS[1]
     ids = tokenizer.encode(text, add_special_tokens=False)
-    detok = RequestDetokenizer(tokenizer, _prompt(tokenizer), SamplingParams(), False)
+    detok = IncrementalDetokenizer(tokenizer, _prompt(tokenizer), SamplingParams(), False)
     outputs = _outputs(ids, FinishReason.LENGTH)
-    assert all([detok.add(out) for out in outputs])
+    assert all([detok.add_output(out) for out in outputs])
     assert [out.text for out in outputs[:-1]] == [""] * (len(ids) - 1)
     assert outputs[-1].text == tokenizer.decode(ids)
 

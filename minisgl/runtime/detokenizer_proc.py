@@ -1,5 +1,5 @@
 """The detokenizer process: each output's token ids -> text, and stop strings
-(minisgl.tokenizer.detokenizer.RequestDetokenizer, one per request).
+(minisgl.tokenizer.IncrementalDetokenizer, one per request).
 
 When a stop string appears it reports finish_reason "stop" to the API server right away and
 asks the scheduler to abort the request (freeing its KV pages); whatever the scheduler still
@@ -15,8 +15,7 @@ from transformers import PreTrainedTokenizerBase
 
 from minisgl.core import ReqOutput
 from minisgl.runtime import messages as msg
-from minisgl.tokenizer import load_tokenizer
-from minisgl.tokenizer.detokenizer import RequestDetokenizer
+from minisgl.tokenizer import IncrementalDetokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -29,14 +28,14 @@ class DetokenizerWorker:
         self._inbox = msg.MessageQueue("pull", endpoints.detokenizer_in)
         self._to_api = msg.MessageQueue("push", endpoints.api_in)
         self._to_scheduler = msg.MessageQueue("push", endpoints.scheduler_in)
-        self._requests: dict[str, RequestDetokenizer] = {}
+        self._requests: dict[str, IncrementalDetokenizer] = {}
 
     def _process(self, output: ReqOutput) -> bool:
         """Fill in the output's text; False: drop it (after a stop string ended its request)."""
         if (request := self._requests.get(output.rid)) is None:
             logger.debug("detokenizer: output for unknown request %s dropped", output.rid)
             return False
-        shown = request.add(output)
+        shown = request.add_output(output)
         if request.done:
             del self._requests[output.rid]
         elif shown and output.finish_reason is not None:  # a stop string, before the scheduler
@@ -48,7 +47,7 @@ class DetokenizerWorker:
         for message in self._inbox.get_all(timeout_s):
             if isinstance(message, msg.TokenizedRequest):
                 params = message.sampling_params
-                detok = RequestDetokenizer(self._tokenizer, message.input_ids, params)
+                detok = IncrementalDetokenizer(self._tokenizer, message.input_ids, params)
                 self._requests[message.rid] = detok
             else:  # a step's outputs: nothing else is sent to detokenizer_in
                 results += filter(self._process, message)

@@ -29,11 +29,6 @@ class ForwardThread:
     def submit(self, fn: Callable[..., _T], *args: Any) -> _T | Future[_T]:
         return fn(*args) if self._executor is None else self._executor.submit(fn, *args)
 
-    def wait(self) -> None:
-        """Return once every task submitted so far has run."""
-        if self._executor is not None:  # tasks run in order: once this no-op has, all before it
-            self._executor.submit(lambda: None).result()
-
     def shutdown(self) -> None:
         if self._executor is not None:
             self._executor.shutdown(wait=True)
@@ -58,7 +53,6 @@ def build_batch(
     for req in decodes:  # each samples (DecodeManager schedules none past max_tokens)
         req.cached_len += 1
         req.device_len += 1
-        req.num_sampled += 1
     scored_only: list[Req] = []  # max_tokens 0: the prompt ends here, nothing to sample
     for req, num_tokens in chunks:
         req.cached_len += num_tokens
@@ -68,7 +62,6 @@ def build_batch(
         elif params.max_tokens > 0:  # sample the next token
             sampling.append(params)
             req.device_len += 1
-            req.num_sampled += 1
         else:
             sampling.append(None)
             scored_only.append(req)

@@ -46,7 +46,7 @@ class DecodeManager:
             for r in running
             if r.finish_reason is None
             and r.device_len - r.cached_len == 1
-            and r.num_sampled < r.sampling_params.max_tokens
+            and r.device_len - r.prompt_len < r.sampling_params.max_tokens  # sampled, in flight too
         ]
         if self._speculator is not None and self._speculator.propose(reqs):
             if self.cache.reserve(reqs, [r.device_len + len(r.drafts) for r in reqs]):

@@ -175,7 +175,7 @@ class Scheduler:
             assert decodes is not None
         chunks, admitted = self.prefill.schedule(self.running)
         for req in admitted:
-            if req.num_retractions == 0 and req.num_sampled == 0:
+            if req.num_retractions == 0:
                 req.num_cached_prompt_tokens = req.cached_len
                 self.counters.first_admission(req)
         self.running += admitted
@@ -295,7 +295,9 @@ class Scheduler:
             self.tp.fail(RuntimeError(f"a failed step cannot be recovered from: {error}"))
         deferred = [] if self.inflight is None else self.inflight.release_after
         self.inflight = None
-        self.forward_thread.wait()  # no forward may write KV into the pages given back here
+        # No forward may write KV into the pages given back here: the thread runs tasks in
+        # order, so once this no-op has run, every forward before it has finished.
+        resolved(self.forward_thread.submit(lambda: None))
         self.engine.stream.synchronize()
         waiting = {id(req) for req in self.prefill.waiting}
         for req in [r for r in self.live.values() if id(r) not in waiting]:

@@ -152,7 +152,7 @@ class NgramSpeculator:
             room = min(
                 self.max_drafts,
                 budget,
-                req.sampling_params.max_tokens - req.num_sampled - 1,
+                req.sampling_params.max_tokens - (req.device_len - req.prompt_len) - 1,
                 self._max_len - req.device_len - 1,
             )
             if req.grammar is not None or room <= 0:
@@ -177,7 +177,6 @@ class NgramSpeculator:
             if j > 0:  # drafts[j - 1] was right: its KV is the request's, and the token after it
                 req.cached_len += 1
                 req.device_len += 1
-                req.num_sampled += 1
             take([req], [token_id], [logprob])
             if req.finished or j == len(drafts) or token_id != drafts[j]:
                 break

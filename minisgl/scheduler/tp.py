@@ -37,7 +37,6 @@ from minisgl.distributed import (
     control_group,
     destroy_distributed,
     free_loopback_addr,
-    global_tp_rank,
     init_distributed,
     ranks_per_node,
     reset_tp_info,
@@ -276,12 +275,10 @@ def run_follower_node(args: ServerArgs) -> None:
     if args.dist_init_addr is None:
         raise ValueError("dist_init_addr: node 0's 'host:port' is required")
     local_size = ranks_per_node(args.tp_size, args.nnodes)
-    ranks = [
-        global_tp_rank(args.node_rank, i, args.tp_size, args.nnodes) for i in range(local_size)
-    ]
-    followers = spawn_followers(args, ranks[1:])
+    first = args.node_rank * local_size  # this node's first rank
+    followers = spawn_followers(args, range(first + 1, first + local_size))
     try:
-        run_rank(args, ranks[0])
+        run_rank(args, first)
     finally:
         stop_followers(followers)
     failed = [child for child in followers.members if child.process.exitcode != 0]
