@@ -111,11 +111,10 @@ class Constraint:
 
 def logit_bias_pairs(bias: Any) -> tuple[tuple[int, float], ...]:
     """logit_bias as sorted (token id, bias) pairs; InvalidRequestError for anything else."""
-    items = bias.items() if isinstance(bias, dict) else bias
     not_a_map = "must map token ids to biases"
-    _check(isinstance(items, (tuple, list)) or isinstance(bias, dict), "logit_bias", not_a_map)
+    _check(isinstance(bias, (dict, tuple, list)), "logit_bias", not_a_map)
     pairs = []
-    for entry in items:
+    for entry in bias.items() if isinstance(bias, dict) else bias:
         _check(isinstance(entry, (tuple, list)) and len(entry) == 2, "logit_bias", not_a_map)
         key, value = entry
         digits = isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 12

@@ -149,12 +149,13 @@ class TPGroup:
         except Exception as exc:
             self.fail(exc, "rank 0 could not send to the other ranks")
 
-    def fail(self, exc: Exception, where: str = "rank 0") -> NoReturn:
-        """Break the group over `exc`, blamed on a follower that died, if one did."""
+    def fail(self, exc: Exception | None = None, where: str = "rank 0") -> NoReturn:
+        """Break the group for good: over `exc`, blamed on a follower that died, if one did."""
         if isinstance(exc, TPRankError):
             raise exc
         failure = self.followers.failure(wait_s=DEATH_GRACE_S)
-        self._break(failure or f"{where}: {type(exc).__name__}: {exc}", exc)
+        self._broken = failure or f"{where}: {type(exc).__name__}: {exc}"
+        raise TPRankError(f"tensor-parallel group broken: {self._broken}") from exc
 
     def check_health(self) -> None:
         """Raise TPRankError if a rank on this node has died (the idle server calls this: with no
@@ -163,12 +164,8 @@ class TPGroup:
             raise RuntimeError("the tp group is shut down")
         if self._broken is not None:
             raise TPRankError(f"tensor-parallel group broken: {self._broken}")
-        if (failure := self.followers.failure()) is not None:
-            self._break(failure)
-
-    def _break(self, failure: str, cause: BaseException | None = None) -> NoReturn:
-        self._broken = failure
-        raise TPRankError(f"tensor-parallel group broken: {failure}") from cause
+        if self.followers.failure() is not None:
+            self.fail()
 
     def stop(self) -> None:
         """Tell the followers to leave their loop (queued calls are dropped: nobody waits)."""
