@@ -142,7 +142,8 @@ class Scheduler:
             self._apply(inbox)
             with nvtx_range("schedule", self._is_cuda):
                 batch = self._schedule()
-            previous, self.inflight = self.inflight, batch
+            previous = self.inflight
+            self.inflight = batch if self.overlap else None  # requests' releases wait for it
             if batch is not None:
                 if previous is not None and self.masks.must_wait(previous, batch):
                     # Its grammar masks need batch N's tokens: forward, process N (that advances
@@ -157,7 +158,7 @@ class Scheduler:
                     mask = self.masks.mask(batch.rows)
                     batch.pending = self.forward_thread.submit(self.engine.forward, batch, mask)
             if not self.overlap:
-                previous, self.inflight = batch, None
+                previous = batch
             if previous is not None:
                 self._process(previous)
         except Exception as exc:
