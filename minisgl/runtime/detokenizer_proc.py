@@ -11,8 +11,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from transformers import PreTrainedTokenizerBase
-
 from minisgl.core import ReqOutput
 from minisgl.runtime import messages as msg
 from minisgl.tokenizer import IncrementalDetokenizer, load_tokenizer
@@ -22,50 +20,41 @@ logger = logging.getLogger(__name__)
 IDLE_POLL_TIMEOUT_S = 0.1
 
 
-class DetokenizerWorker:
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, endpoints: msg.Endpoints) -> None:
-        self._tokenizer = tokenizer
-        self._inbox = msg.MessageQueue("pull", endpoints.detokenizer_in)
-        self._to_api = msg.MessageQueue("push", endpoints.api_in)
-        self._to_scheduler = msg.MessageQueue("push", endpoints.scheduler_in)
-        self._requests: dict[str, IncrementalDetokenizer] = {}
-
-    def _process(self, output: ReqOutput) -> bool:
-        """Fill in the output's text; False: drop it (after a stop string ended its request)."""
-        if (request := self._requests.get(output.rid)) is None:
-            logger.debug("detokenizer: output for unknown request %s dropped", output.rid)
-            return False
-        shown = request.add_output(output)
-        if request.done:
-            del self._requests[output.rid]
-        elif shown and output.finish_reason is not None:  # a stop string, before the scheduler
-            self._to_scheduler.put(msg.AbortRequest(output.rid))
-        return shown
-
-    def run_once(self, timeout_s: float = IDLE_POLL_TIMEOUT_S) -> None:
-        results: list[ReqOutput] = []
-        for message in self._inbox.get_all(timeout_s):
-            if isinstance(message, msg.TokenizedRequest):
-                params = message.sampling_params
-                detok = IncrementalDetokenizer(self._tokenizer, message.input_ids, params)
-                self._requests[message.rid] = detok
-            else:  # a step's outputs: nothing else is sent to detokenizer_in
-                results += filter(self._process, message)
-        if results:
-            self._to_api.put(tuple(results))
-
-    def close(self) -> None:
-        for queue in (self._inbox, self._to_api, self._to_scheduler):
-            queue.close()
-
-
 def run_detokenizer_process(
     tokenizer_path: str, endpoints: msg.Endpoints, report_ready: Callable[[], None]
 ) -> None:
-    worker = DetokenizerWorker(load_tokenizer(tokenizer_path), endpoints)
+    tokenizer = load_tokenizer(tokenizer_path)
+    inbox = msg.MessageQueue("pull", endpoints.detokenizer_in)
+    to_api = msg.MessageQueue("push", endpoints.api_in)
+    to_scheduler = msg.MessageQueue("push", endpoints.scheduler_in)
+    requests: dict[str, IncrementalDetokenizer] = {}
+
+    def shown(output: ReqOutput) -> bool:
+        """Fill in the output's text; False: drop it (after a stop string ended its request)."""
+        if (request := requests.get(output.rid)) is None:
+            logger.debug("detokenizer: output for unknown request %s dropped", output.rid)
+            return False
+        keep = request.add_output(output)
+        if request.done:
+            del requests[output.rid]
+        elif keep and output.finish_reason is not None:  # a stop string, before the scheduler
+            to_scheduler.put(msg.AbortRequest(output.rid))
+        return keep
+
     report_ready()
     try:
         while True:
-            worker.run_once()
+            results: list[ReqOutput] = []
+            for message in inbox.get_all(IDLE_POLL_TIMEOUT_S):
+                if isinstance(message, msg.TokenizedRequest):
+                    params = message.sampling_params
+                    requests[message.rid] = IncrementalDetokenizer(
+                        tokenizer, message.input_ids, params
+                    )
+                else:  # a step's outputs: nothing else is sent to detokenizer_in
+                    results += filter(shown, message)
+            if results:
+                to_api.put(tuple(results))
     finally:
-        worker.close()
+        for queue in (inbox, to_api, to_scheduler):
+            queue.close()
