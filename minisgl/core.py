@@ -1,8 +1,6 @@
-"""The shared vocabulary: sampling parameters, requests and their results.
-
-Every layer of minisgl (offline API, scheduler, server) speaks in these types. Invariants are
-checked where objects are built, so a bad value fails at the edge with a message naming the field.
-"""
+"""The shared vocabulary: sampling parameters, requests and their results. Every layer (offline
+API, scheduler, server) speaks in these types; invariants are checked where objects are built,
+so a bad value fails at the edge with a message naming the field."""
 
 from __future__ import annotations
 
@@ -13,7 +11,7 @@ import math
 import operator
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from minisgl.limits import (
     DEFAULT_MAX_TOKENS,
@@ -31,6 +29,10 @@ from minisgl.limits import (
     MAX_USER_CHARS,
     InvalidRequestError,
 )
+
+if TYPE_CHECKING:
+    from minisgl.grammar import GrammarState
+    from minisgl.scheduler.speculative import NgramDrafter
 
 # Seeds are folded into 31 bits: the sampler's counter-based hash works on 32-bit lanes.
 SEED_MASK = (1 << 31) - 1
@@ -57,13 +59,6 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def _index_or_none(value: Any) -> int | None:
-    try:
-        return operator.index(value)
-    except TypeError:
-        return None
-
-
 def _is_int64(value: Any) -> bool:
     return _is_int(value) and INT64_MIN <= value <= INT64_MAX
 
@@ -83,10 +78,9 @@ class Constraint:
     the grammar accepts (minisgl.grammar compiles it; the sampler masks the logits).
 
     kind: "json_schema" (value: the schema as JSON text), "json_object" (any JSON object; value
-    unused), "regex", "ebnf" (GBNF, rule `root`) or "structural_tag" (xgrammar's, as JSON
-    text: tool calls in free text). `start_after` holds token ids that must
-    end the output before the grammar applies (a reasoning model's `</think>`); empty: from the
-    first token.
+    unused), "regex", "ebnf" (GBNF, rule `root`) or "structural_tag" (xgrammar's, as JSON text:
+    tool calls in free text). `start_after`: token ids that must end the output before the
+    grammar applies (a reasoning model's `</think>`); empty: from the first token.
     """
 
     kind: str
@@ -117,11 +111,10 @@ class Constraint:
 
 def logit_bias_pairs(bias: Any) -> tuple[tuple[int, float], ...]:
     """logit_bias as sorted (token id, bias) pairs; InvalidRequestError for anything else."""
-    items = bias.items() if isinstance(bias, dict) else bias
     not_a_map = "must map token ids to biases"
-    _check(isinstance(items, (tuple, list)) or isinstance(bias, dict), "logit_bias", not_a_map)
+    _check(isinstance(bias, (dict, tuple, list)), "logit_bias", not_a_map)
     pairs = []
-    for entry in items:
+    for entry in bias.items() if isinstance(bias, dict) else bias:
         _check(isinstance(entry, (tuple, list)) and len(entry) == 2, "logit_bias", not_a_map)
         key, value = entry
         digits = isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 12
@@ -237,9 +230,11 @@ class SamplingParams:
         object.__setattr__(self, "stop", tuple(stop or ()))
         stop_ids = self.stop_token_ids or ()
         _check(isinstance(stop_ids, (list, tuple)), "stop_token_ids", "must be a list of ints")
-        # operator.index: numpy / torch integer scalars are fine, floats and bools are not.
-        as_ints = tuple(None if isinstance(t, bool) else _index_or_none(t) for t in stop_ids)
-        _check(None not in as_ints, "stop_token_ids", "must be a list of ints")
+        try:  # numpy / torch integer scalars are fine, floats and bools are not
+            as_ints = tuple(operator.index(t) for t in stop_ids if not isinstance(t, bool))
+        except TypeError:
+            as_ints = ()
+        _check(len(as_ints) == len(stop_ids), "stop_token_ids", "must be a list of ints")
         object.__setattr__(self, "stop_token_ids", as_ints)
         message = f"must be in [0, {MAX_LOGPROBS}]"
         _check(_logprobs_count(self.prompt_logprobs), "prompt_logprobs", message)
@@ -300,7 +295,8 @@ class Req:
       prompt_len     tokens given by the client (after retraction: the original prompt)
       cached_len     tokens whose KV is written in the pool (radix hits included)
       device_len     tokens known on the device: prompt + every sampled token, including the one
-                     an in-flight batch is producing right now (overlap scheduling)
+                     an in-flight batch is producing right now (overlap scheduling), so
+                     device_len - prompt_len tokens have been scheduled for sampling
     Invariant: cached_len <= device_len.
     """
 
@@ -317,21 +313,19 @@ class Req:
     table_row: int = -1
     cached_len: int = 0
     device_len: int = 0
-    num_sampled: int = 0  # tokens scheduled for sampling, in-flight included
     num_cached_prompt_tokens: int = 0  # prefix-cache hit at first admission, for usage reporting
     seed: int = 0  # the request's sampling seed (drawn by the scheduler when the client gave none)
     # KV ownership, managed by the scheduler's cache manager
     page_ids: list[int] = field(default_factory=list)  # pages backing positions, in order
-    cache_handle: Any = None  # locked prefix-cache node of the matched prefix
+    cache_handle: object = None  # the prefix cache's (opaque) handle of the locked matched prefix
     cache_matched_len: int = 0  # tokens whose pages belong to the prefix cache, not this request
     # structured output: the compiled grammar as sent by the API server (serialized; None: the
     # scheduler compiles sampling_params.constraint itself), then the live matcher state
     grammar_json: str | None = None
-    grammar: Any = None
-    # speculative decoding: the draft tokens this step verifies (after device_len) and the
-    # request's drafter (minisgl.scheduler.speculative)
+    grammar: GrammarState | None = None
+    # speculative decoding: the draft tokens this step verifies (after device_len), the drafter
     drafts: list[int] = field(default_factory=list)
-    drafter: Any = None
+    drafter: NgramDrafter | None = None
     num_retractions: int = 0
     finish_reason: FinishReason | None = None
     arrival_time: float = 0.0
@@ -359,17 +353,46 @@ class Req:
         return self.device_len - self.cached_len
 
 
+def finish_reason(
+    params: SamplingParams,
+    last: int | str,
+    num_outputs: int,
+    room_len: int = 1,
+    eos_token_ids: tuple[int, ...] = (),
+) -> FinishReason | None:
+    """The one rule for when a request ends: STOP at a stop string, a stop token id or an EOS
+    (unless ignore_eos), LENGTH at max_tokens or a full context, else None. The scheduler asks
+    for every sampled token (`last`; `room_len`: positions left in the context), the detokenizer
+    (server and offline `LLM`) for a stop string its text shows (`last`)."""
+    eos = last in eos_token_ids and not params.ignore_eos
+    if isinstance(last, str) or last in params.stop_token_ids or eos:
+        return FinishReason.STOP
+    if num_outputs >= params.max_tokens or room_len <= 0:
+        return FinishReason.LENGTH
+    return None
+
+
 @dataclass(slots=True)  # not frozen: one is made per running request per step (4x cheaper)
 class ReqOutput:
-    """What the scheduler reports for one request after a step: new tokens, maybe the end."""
+    """A request's progress in a step: new tokens and maybe its end (the scheduler's), their text
+    and a stop string that ended it (the detokenizer's), as the API server gets it."""
 
     rid: str
-    new_token_ids: tuple[int, ...]
+    token_ids: tuple[int, ...]  # new tokens whose text shows
     finish_reason: FinishReason | None = None
-    new_logprobs: tuple[TokenLogprob, ...] = ()
-    prompt_len: int = 0
+    # of token_ids, then of the final token that ended the output (matched_stop), if any
+    logprobs: tuple[TokenLogprob, ...] = ()
     num_cached_prompt_tokens: int = 0
     # With the request's first output: prompt tokens 1.. scored (sampling_params.prompt_logprobs)
     prompt_logprobs: tuple[TokenLogprob, ...] = ()
+    # What ended a STOP finish: the EOS or stop token id sampled last (generated, never shown),
+    # or the stop string
+    matched_stop: int | str | None = None
+    text: str = ""  # the detokenizer's: new text, safe to show (no partial character)
     error: str | None = None
     internal_error: bool = False  # the error is the server's (a failed step), not the request's
+
+    @property
+    def num_new_tokens(self) -> int:
+        """New tokens generated, a hidden final EOS or stop token included (for usage)."""
+        return len(self.token_ids) + isinstance(self.matched_stop, int)

@@ -25,6 +25,10 @@ FOLLOWER_CONTROL_TIMEOUT_S = 365 * 24 * 3600.0
 LOOPBACK_HOST = "127.0.0.1"
 
 
+class TPRankError(RuntimeError):
+    """A tensor-parallel rank died, hung or failed: the tp group is no longer usable."""
+
+
 @dataclass(frozen=True)
 class TPInfo:
     rank: int = 0
@@ -88,10 +92,6 @@ def broadcast_from_primary(x: torch.Tensor) -> torch.Tensor:
 # ---- process groups ----------------------------------------------------------------------------
 
 _CONTROL_GROUP: dist.ProcessGroup | None = None
-
-
-def global_tp_rank(node_rank: int, local_rank: int, tp_size: int, nnodes: int) -> int:
-    return node_rank * ranks_per_node(tp_size, nnodes) + local_rank
 
 
 def ranks_per_node(tp_size: int, nnodes: int) -> int:

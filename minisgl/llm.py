@@ -15,8 +15,8 @@ from minisgl.chat.template import apply_chat_template, load_chat_template
 from minisgl.config import ServerArgs
 from minisgl.core import Req, SamplingParams, TokenLogprob, next_request_id
 from minisgl.scheduler.tp import make_scheduler
-from minisgl.tokenizer import load_tokenizer
-from minisgl.tokenizer.detokenizer import RequestDetokenizer, stop_reason
+from minisgl.tokenizer import IncrementalDetokenizer, load_tokenizer
+from minisgl.tokenizer.detokenizer import stop_reason
 
 Prompt = str | list[int]
 
@@ -41,7 +41,8 @@ class LLM:
         self.args = ServerArgs.from_kwargs(model=model, **options)
         self.scheduler = make_scheduler(self.args)
         try:
-            self.tokenizer = load_tokenizer(self.args.tokenizer or self.scheduler.model_path)
+            model_path = str(self.scheduler.engine.model_path)
+            self.tokenizer = load_tokenizer(self.args.tokenizer or model_path)
             path = self.args.chat_template
             self.chat_template = load_chat_template(path) if path else None
         except BaseException:
@@ -60,14 +61,40 @@ class LLM:
         else:
             prompt_list = list(prompts)  # type: ignore[arg-type]
         params = self._params_per_prompt(sampling_params, len(prompt_list))
-        reqs, outputs = [], []
+        pending: dict[str, tuple[Req, RequestOutput, IncrementalDetokenizer]] = {}
         for prompt, sp in zip(prompt_list, params, strict=True):
             ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
             req = Req(next_request_id(), ids, sp)
             self.scheduler.validate(req)  # all-or-nothing: a bad prompt leaves nothing queued
-            reqs.append(req)
-            outputs.append(RequestOutput(prompt if isinstance(prompt, str) else None, ids))
-        return self._run(reqs, outputs, use_tqdm)
+            out = RequestOutput(prompt if isinstance(prompt, str) else None, ids)
+            pending[req.rid] = (req, out, IncrementalDetokenizer(self.tokenizer, ids, sp, False))
+        outputs = [out for _, out, _ in pending.values()]
+        for req, _, _ in pending.values():
+            self.scheduler.add_request(req)
+        bar = tqdm(total=len(pending), disable=not use_tqdm, desc="generate")
+        while pending:
+            for result in self.scheduler.step():
+                if result.rid not in pending:
+                    continue  # output after a stop string ended it here
+                req, out, detok = pending[result.rid]
+                out.token_ids.extend(result.token_ids)
+                if isinstance(result.matched_stop, int):  # a final EOS included, as vLLM
+                    out.token_ids.append(result.matched_stop)
+                out.logprobs.extend(result.logprobs)
+                if result.prompt_logprobs:
+                    out.prompt_logprobs = [None, *result.prompt_logprobs]
+                out.num_cached_tokens = result.num_cached_prompt_tokens
+                detok.add_output(result)
+                out.text += result.text
+                if result.finish_reason is not None:
+                    if not detok.done:  # a stop string ended it first: the scheduler frees it
+                        self.scheduler.abort_request(result.rid)
+                    out.finish_reason = result.finish_reason.value
+                    out.stop_reason = stop_reason(req.sampling_params, result.matched_stop)
+                    del pending[result.rid]
+                    bar.update(1)
+        bar.close()
+        return outputs
 
     def chat(
         self,
@@ -101,40 +128,6 @@ class LLM:
         if len(params) != num:
             raise ValueError(f"sampling_params: {len(params)} given for {num} prompts")
         return params
-
-    def _run(
-        self, reqs: list[Req], outputs: list[RequestOutput], use_tqdm: bool
-    ) -> list[RequestOutput]:
-        eos_token_ids = self.scheduler.eos_token_ids
-        pending: dict[str, tuple[Req, RequestOutput, RequestDetokenizer]] = {}
-        for req, out in zip(reqs, outputs, strict=True):
-            params = req.sampling_params
-            detok = RequestDetokenizer(self.tokenizer, req.input_ids, params, eos_token_ids, False)
-            pending[req.rid] = (req, out, detok)
-            self.scheduler.add_request(req)
-        bar = tqdm(total=len(reqs), disable=not use_tqdm, desc="generate")
-        while pending:
-            for result in self.scheduler.step():
-                if result.rid not in pending:
-                    continue  # output after a stop string ended it here
-                req, out, detok = pending[result.rid]
-                out.token_ids.extend(result.new_token_ids)  # a final EOS included, as vLLM
-                out.logprobs.extend(result.new_logprobs)
-                if result.prompt_logprobs:
-                    out.prompt_logprobs = [None, *result.prompt_logprobs]
-                out.num_cached_tokens = result.num_cached_prompt_tokens
-                delta = detok.add(result)
-                assert delta is not None  # only None after a stop string, no longer pending
-                out.text += delta.text
-                if delta.abort:  # a stop string: end it here, the scheduler frees it
-                    self.scheduler.abort_request(result.rid)
-                if delta.finish_reason is not None:
-                    out.finish_reason = delta.finish_reason.value
-                    out.stop_reason = stop_reason(req.sampling_params, delta.matched_stop)
-                    del pending[result.rid]
-                    bar.update(1)
-        bar.close()
-        return outputs
 
     def check_page_accounting(self) -> None:
         """Assert every KV page is free, cached or owned by a live request (tests call this)."""

@@ -36,9 +36,8 @@ from minisgl.api.errors import ChoiceFailed, RequestError, shape_error
 from minisgl.api.pipeline import Choice, Event
 from minisgl.api.sse import stream_frames
 from minisgl.chat import ChatDelta
-from minisgl.core import SamplingParams
+from minisgl.core import ReqOutput, SamplingParams
 from minisgl.limits import InvalidRequestError
-from minisgl.runtime.messages import DetokenizedOutput
 from tests.server_utils import ServerProcess, require_default_model, running_server, wait_idle
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -657,7 +656,7 @@ def test_a_stream_that_fails_ends_with_error_and_response_failed():
     choice = Choice(0, 0, "resp_1-0-0", None)
 
     async def outputs():
-        yield Event(choice, DetokenizedOutput(choice.rid, "Hel", (1,), 1), ChatDelta(content="Hel"))
+        yield Event(choice, ReqOutput(choice.rid, (1,), text="Hel"), ChatDelta(content="Hel"))
         raise ChoiceFailed("the request failed in the scheduler")
 
     run = SimpleNamespace(

@@ -12,10 +12,6 @@ import pytest
 from minisgl.core import FinishReason, ReqOutput, SamplingParams, TokenLogprob
 from minisgl.runtime.messages import (
     AbortRequest,
-    BatchDetokenizedOutput,
-    BatchTokenOutput,
-    DetokenizedOutput,
-    DetokenizeInit,
     Endpoints,
     MessageQueue,
     StatsReply,
@@ -39,24 +35,19 @@ STATS = SchedulerStats(
 MESSAGES = [
     TokenizedRequest(rid="r1", input_ids=(1, 2, 3), sampling_params=PARAMS),
     AbortRequest(rid="r1"),
-    DetokenizeInit(rid="r1", prompt_tail_ids=(2, 3), sampling_params=PARAMS, eos_token_ids=(2,)),
-    BatchTokenOutput(
-        outputs=(
-            ReqOutput(rid="r1", new_token_ids=(4,), new_logprobs=(LOGPROB,), prompt_len=3),
-            ReqOutput(rid="r2", new_token_ids=(), finish_reason=FinishReason.ERROR, error="x"),
-        )
+    (  # a step's outputs, from the scheduler
+        ReqOutput(rid="r1", token_ids=(4,), logprobs=(LOGPROB,)),
+        ReqOutput(rid="r2", token_ids=(), finish_reason=FinishReason.ERROR, error="x"),
     ),
-    BatchDetokenizedOutput(
-        outputs=(
-            DetokenizedOutput(
-                rid="r1",
-                text="héllo 😀",
-                token_ids=(4, 5),
-                num_new_tokens=3,
-                logprobs=(LOGPROB,),
-                finish_reason=FinishReason.STOP,
-            ),
-        )
+    (  # and from the detokenizer, their text in
+        ReqOutput(
+            rid="r1",
+            token_ids=(4, 5),
+            finish_reason=FinishReason.STOP,
+            logprobs=(LOGPROB, LOGPROB),
+            matched_stop=2,
+            text="héllo 😀",
+        ),
     ),
     StatsRequest(request_id=42),
     StatsReply(
@@ -66,7 +57,7 @@ MESSAGES = [
         eos_token_ids=(2,),
         kv_capacity_tokens=64,
         stats=STATS,
-    ),  # fmt: skip
+    ),
 ]
 
 
@@ -76,7 +67,7 @@ def test_round_trip(message):
 
 
 def test_enum_and_nested_types_survive():
-    out = decode(encode(MESSAGES[3])).outputs[1]
+    out = decode(encode(MESSAGES[2]))[1]
     assert out.finish_reason is FinishReason.ERROR
     assert isinstance(decode(encode(MESSAGES[0])).sampling_params, SamplingParams)
     stats = decode(encode(MESSAGES[-1])).stats
@@ -134,7 +125,7 @@ def test_async_queue():
     async def main() -> object:
         pull = MessageQueue("pull", endpoints.api_in, asyncio=True)
         sender = threading.Thread(
-            target=lambda: MessageQueue("push", endpoints.api_in).put(MESSAGES[5])
+            target=lambda: MessageQueue("push", endpoints.api_in).put(MESSAGES[4])
         )
         sender.start()
         message = await asyncio.wait_for(pull.aget(), timeout=5.0)
@@ -143,6 +134,6 @@ def test_async_queue():
         return message
 
     try:
-        assert asyncio.run(main()) == MESSAGES[5]
+        assert asyncio.run(main()) == MESSAGES[4]
     finally:
         endpoints.remove()

@@ -1,5 +1,5 @@
 """IncrementalDetokenizer: multi-byte characters, stop strings, hold-back, equality with decode;
-RequestDetokenizer: one request's outputs, its hidden final token and what matched."""
+one request's outputs, its hidden final token and what matched."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 from minisgl.chat.template import apply_chat_template
-from minisgl.core import FinishReason, ReqOutput, SamplingParams, TokenLogprob
+from minisgl.core import FinishReason, ReqOutput, SamplingParams, TokenLogprob, finish_reason
 from minisgl.tokenizer import IncrementalDetokenizer, load_tokenizer
-from minisgl.tokenizer.detokenizer import RequestDetokenizer, stop_reason
+from minisgl.tokenizer.detokenizer import stop_reason
 from tests.conftest import qwen3_tokenizer_dir
 
 REPLACEMENT_CHAR = "\ufffd"
@@ -71,14 +71,18 @@ def test_special_tokens_skipped(tokenizer):
     ids = tokenizer.encode("Hi there", add_special_tokens=False) + [eos_id]
     detok = IncrementalDetokenizer(tokenizer, _prompt(tokenizer))
     assert "".join(_stream(detok, ids)) + detok.flush() == "Hi there"
-    keep = IncrementalDetokenizer(tokenizer, _prompt(tokenizer), skip_special_tokens=False)
+    keep = IncrementalDetokenizer(
+        tokenizer, _prompt(tokenizer), SamplingParams(skip_special_tokens=False)
+    )
     assert ("".join(_stream(keep, ids)) + keep.flush()).endswith(tokenizer.eos_token)
 
 
 def test_stop_spanning_tokens(tokenizer):
     text = "The answer is forty-two. END OF STORY and more text"
     ids = tokenizer.encode(text, add_special_tokens=False)
-    detok = IncrementalDetokenizer(tokenizer, _prompt(tokenizer), stop=["END OF STORY"])
+    detok = IncrementalDetokenizer(
+        tokenizer, _prompt(tokenizer), SamplingParams(stop=["END OF STORY"])
+    )
     deltas = []
     for token_id in ids:
         deltas.append(detok.add([token_id]))
@@ -96,7 +100,9 @@ def test_stop_string_kept_when_asked(tokenizer):
     text = "The answer is forty-two. END OF STORY and more text"
     ids = tokenizer.encode(text, add_special_tokens=False)
     detok = IncrementalDetokenizer(
-        tokenizer, _prompt(tokenizer), stop=["END OF STORY", "nothing"], include_stop=True
+        tokenizer,
+        _prompt(tokenizer),
+        SamplingParams(stop=["END OF STORY", "nothing"], include_stop_str_in_output=True),
     )
     joined = "".join(_stream(detok, ids)) + detok.flush()
     assert detok.stopped and detok.stop_str == "END OF STORY"
@@ -105,7 +111,7 @@ def test_stop_string_kept_when_asked(tokenizer):
 
 def test_stop_at_the_very_start(tokenizer):
     ids = tokenizer.encode("STOP right here", add_special_tokens=False)
-    detok = IncrementalDetokenizer(tokenizer, _prompt(tokenizer), stop=["STOP"])
+    detok = IncrementalDetokenizer(tokenizer, _prompt(tokenizer), SamplingParams(stop=["STOP"]))
     deltas = _stream(detok, ids)
     assert detok.stopped
     assert "".join(deltas) == "" == detok.text
@@ -113,7 +119,9 @@ def test_stop_at_the_very_start(tokenizer):
 
 def test_earliest_of_several_stops_wins(tokenizer):
     ids = tokenizer.encode("one two three four", add_special_tokens=False)
-    detok = IncrementalDetokenizer(tokenizer, _prompt(tokenizer), stop=["four", "two"])
+    detok = IncrementalDetokenizer(
+        tokenizer, _prompt(tokenizer), SamplingParams(stop=["four", "two"])
+    )
     joined = "".join(_stream(detok, ids))
     assert detok.stopped and detok.stop_str == "two" and joined == "one "
 
@@ -124,17 +132,24 @@ def test_min_tokens_defers_stop_strings(tokenizer):
     ids = tokenizer.encode(text, add_special_tokens=False)
     first_len = len(tokenizer.encode("stop here,", add_special_tokens=False))
     detok = IncrementalDetokenizer(
-        tokenizer, _prompt(tokenizer), stop=["stop"], min_tokens=first_len
+        tokenizer, _prompt(tokenizer), SamplingParams(stop=["stop"], min_tokens=first_len)
     )
     joined = "".join(_stream(detok, ids))
     assert detok.stopped and joined == "stop here, then "
-    assert IncrementalDetokenizer(tokenizer, _prompt(tokenizer), stop=["stop"]).add(ids) == ""
+    assert (
+        IncrementalDetokenizer(tokenizer, _prompt(tokenizer), SamplingParams(stop=["stop"])).add(
+            ids
+        )
+        == ""
+    )
 
 
 def test_hold_back_released_on_flush(tokenizer):
     # "END O" could be the start of the stop string: held back until the request ends.
     ids = tokenizer.encode("Almost the END O", add_special_tokens=False)
-    detok = IncrementalDetokenizer(tokenizer, _prompt(tokenizer), stop=["END OF STORY"])
+    detok = IncrementalDetokenizer(
+        tokenizer, _prompt(tokenizer), SamplingParams(stop=["END OF STORY"])
+    )
     streamed = "".join(_stream(detok, ids))
     assert streamed == "Almost the "
     assert detok.flush() == "END O"
@@ -143,14 +158,14 @@ def test_hold_back_released_on_flush(tokenizer):
 
 def test_hold_back_released_when_text_diverges(tokenizer):
     ids = tokenizer.encode("an ENDless road", add_special_tokens=False)
-    detok = IncrementalDetokenizer(tokenizer, _prompt(tokenizer), stop=["END."])
+    detok = IncrementalDetokenizer(tokenizer, _prompt(tokenizer), SamplingParams(stop=["END."]))
     joined = "".join(_stream(detok, ids)) + detok.flush()
     assert joined == "an ENDless road" and not detok.stopped
 
 
 def test_stop_inside_multibyte_text(tokenizer):
     ids = tokenizer.encode("你好，世界！再见", add_special_tokens=False)
-    detok = IncrementalDetokenizer(tokenizer, _prompt(tokenizer), stop=["世界"])
+    detok = IncrementalDetokenizer(tokenizer, _prompt(tokenizer), SamplingParams(stop=["世界"]))
     joined = "".join(_stream(detok, ids))
     assert detok.stopped and joined == "你好，"
 
@@ -159,16 +174,17 @@ def test_stop_inside_multibyte_text(tokenizer):
 
 
 def _outputs(ids: list[int], finish: FinishReason | None, rid: str = "r") -> list[ReqOutput]:
-    """One output per token, as the scheduler sends them; the last carries `finish`."""
-    return [
-        ReqOutput(
-            rid,
-            (token_id,),
-            finish_reason=finish if i == len(ids) - 1 else None,
-            new_logprobs=(TokenLogprob(token_id, -1.0, ()),),
-        )
-        for i, token_id in enumerate(ids)
+    """One output per token, as the scheduler sends them; the last carries `finish` (a STOP's
+    token, an EOS or stop token id, as what matched, not shown)."""
+    outputs = [
+        ReqOutput(rid, (token_id,), logprobs=(TokenLogprob(token_id, -1.0, ()),))
+        for token_id in ids
     ]
+    last = outputs[-1]
+    last.finish_reason = finish
+    if finish == FinishReason.STOP:
+        last.token_ids, last.matched_stop = (), ids[-1]
+    return outputs
 
 
 @pytest.mark.parametrize("incremental", [True, False])
@@ -176,32 +192,35 @@ def test_final_eos_is_counted_but_not_shown(tokenizer, incremental):
     ids = tokenizer.encode("Hi there", add_special_tokens=False)
     eos = tokenizer.eos_token_id
     params = SamplingParams(skip_special_tokens=False)  # even as text, the final EOS is hidden
-    detok = RequestDetokenizer(tokenizer, _prompt(tokenizer), params, (eos,), incremental)
-    deltas = [detok.add(out) for out in _outputs([*ids, eos], FinishReason.STOP)]
-    assert all(d is not None for d in deltas) and detok.done
-    assert "".join(d.text for d in deltas) == "Hi there"  # type: ignore[union-attr]
-    last = deltas[-1]
+    assert finish_reason(params, eos, len(ids) + 1, eos_token_ids=(eos,)) == FinishReason.STOP
+    detok = IncrementalDetokenizer(tokenizer, _prompt(tokenizer), params, incremental)
+    outputs = _outputs([*ids, eos], FinishReason.STOP)
+    assert all([detok.add_output(out) for out in outputs]) and detok.done
+    assert "".join(out.text for out in outputs) == "Hi there"
+    last = outputs[-1]
     # ...but it was generated: its logprob is reported (lm-eval's scoring reads it)
-    assert last is not None and last.token_ids == () and len(last.logprobs) == 1
+    assert last.token_ids == () and len(last.logprobs) == 1 and last.num_new_tokens == 1
     assert last.logprobs[0].token_id == eos
     assert last.finish_reason == FinishReason.STOP and last.matched_stop == eos
     assert stop_reason(params, last.matched_stop) is None  # vLLM: EOS is no stop_reason
     # ignore_eos: an EOS that ends nothing is an ordinary token
-    kept = RequestDetokenizer(
-        tokenizer, _prompt(tokenizer), SamplingParams(ignore_eos=True), (eos,), incremental
-    )
-    ending = [kept.add(out) for out in _outputs([*ids, eos], FinishReason.LENGTH)][-1]
-    assert ending is not None and ending.token_ids == (eos,) and ending.matched_stop is None
+    kept_params = SamplingParams(ignore_eos=True)
+    assert finish_reason(kept_params, eos, len(ids) + 1, eos_token_ids=(eos,)) is None
+    kept = IncrementalDetokenizer(tokenizer, _prompt(tokenizer), kept_params, incremental)
+    ending = _outputs([*ids, eos], FinishReason.LENGTH)
+    assert all([kept.add_output(out) for out in ending])
+    assert ending[-1].token_ids == (eos,) and ending[-1].matched_stop is None
 
 
 def test_stop_token_id_is_matched_and_hidden(tokenizer):
     ids = tokenizer.encode("one two three", add_special_tokens=False)
     params = SamplingParams(stop_token_ids=(ids[-1],))
-    detok = RequestDetokenizer(tokenizer, _prompt(tokenizer), params, (tokenizer.eos_token_id,))
-    deltas = [detok.add(out) for out in _outputs(ids, FinishReason.STOP)]
-    text = "".join(d.text for d in deltas if d is not None)
-    assert text == tokenizer.decode(ids[:-1])
-    assert deltas[-1] is not None and deltas[-1].matched_stop == ids[-1]
+    assert finish_reason(params, ids[-1], len(ids)) == FinishReason.STOP
+    detok = IncrementalDetokenizer(tokenizer, _prompt(tokenizer), params)
+    outputs = _outputs(ids, FinishReason.STOP)
+    assert all([detok.add_output(out) for out in outputs])
+    assert "".join(out.text for out in outputs) == tokenizer.decode(ids[:-1])
+    assert outputs[-1].matched_stop == ids[-1]
     assert stop_reason(params, ids[-1]) == ids[-1]
 
 
@@ -210,41 +229,41 @@ def test_stop_string_ends_it_and_drops_what_follows(tokenizer):
     the scheduler still sends for it, up to its own end, are dropped."""
     ids = tokenizer.encode("The answer is 42. END and then more", add_special_tokens=False)
     params = SamplingParams(stop=("END",))
-    detok = RequestDetokenizer(tokenizer, _prompt(tokenizer), params, (tokenizer.eos_token_id,))
+    detok = IncrementalDetokenizer(tokenizer, _prompt(tokenizer), params)
     outputs = _outputs(ids, FinishReason.ABORT)
-    deltas = [detok.add(out) for out in outputs]
-    ended = [i for i, d in enumerate(deltas) if d is not None and d.finish_reason is not None]
-    assert len(ended) == 1  # exactly one terminal event
-    first = deltas[ended[0]]
-    assert first is not None and first.abort and first.matched_stop == "END"
+    shown, to_abort = [], []
+    for out in outputs:
+        if detok.add_output(out):
+            shown.append(out)
+            if out.finish_reason is not None and not detok.done:  # the scheduler still runs it
+                to_abort.append(out)
+    ended = [out for out in shown if out.finish_reason is not None]
+    assert len(ended) == 1 and ended[0] is shown[-1]  # exactly one terminal event, the last
+    first = ended[0]
+    assert to_abort == [first] and first.matched_stop == "END"
     assert first.finish_reason == FinishReason.STOP
-    shown = "".join(d.text for d in deltas if d is not None)
-    assert shown == "The answer is 42. "
-    assert all(d is None for d in deltas[ended[0] + 1 :]) and detok.done
+    assert "".join(out.text for out in shown) == "The answer is 42. "
+    assert len(shown) < len(outputs) and detok.done  # the rest dropped, up to the scheduler's end
     assert stop_reason(params, "END") == "END"
 
 
 def test_stop_string_in_the_final_output_needs_no_abort(tokenizer):
     ids = tokenizer.encode("stop here", add_special_tokens=False)
     params = SamplingParams(stop=("here",))
-    detok = RequestDetokenizer(tokenizer, _prompt(tokenizer), params, ())
+    detok = IncrementalDetokenizer(tokenizer, _prompt(tokenizer), params)
     out = ReqOutput("r", tuple(ids), finish_reason=FinishReason.LENGTH)
-    delta = detok.add(out)
-    assert delta is not None and not delta.abort and detok.done
-    assert (delta.finish_reason, delta.matched_stop, delta.text) == (
-        FinishReason.STOP,
-        "here",
-        "stop ",
-    )
+    assert detok.add_output(out) and detok.done  # done: the scheduler ended it, nothing to abort
+    assert (out.finish_reason, out.matched_stop, out.text) == (FinishReason.STOP, "here", "stop ")
 
 
 def test_offline_text_is_decoded_once_at_the_end(tokenizer):
     text = SAMPLE_TEXTS[1]
     ids = tokenizer.encode(text, add_special_tokens=False)
-    detok = RequestDetokenizer(tokenizer, _prompt(tokenizer), SamplingParams(), (), False)
-    deltas = [detok.add(out) for out in _outputs(ids, FinishReason.LENGTH)]
-    assert [d.text for d in deltas[:-1] if d is not None] == [""] * (len(ids) - 1)
-    assert deltas[-1] is not None and deltas[-1].text == tokenizer.decode(ids)
+    detok = IncrementalDetokenizer(tokenizer, _prompt(tokenizer), SamplingParams(), False)
+    outputs = _outputs(ids, FinishReason.LENGTH)
+    assert all([detok.add_output(out) for out in outputs])
+    assert [out.text for out in outputs[:-1]] == [""] * (len(ids) - 1)
+    assert outputs[-1].text == tokenizer.decode(ids)
 
 
 # ---- chat templates ------------------------------------------------------------------------

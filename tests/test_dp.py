@@ -102,7 +102,7 @@ def test_placements_split_gpus_and_cores(monkeypatch):
 
 
 def test_tp_ranks_split_the_cores_of_their_replica(monkeypatch):
-    from minisgl.scheduler.tp_ranks import cpu_threads_per_rank
+    from minisgl.scheduler.tp import cpu_threads_per_rank
 
     monkeypatch.setattr(os, "sched_getaffinity", lambda _: {4, 5, 6, 7}, raising=False)
     assert cpu_threads_per_rank(ServerArgs(device="cpu", tp_size=2)) == 2

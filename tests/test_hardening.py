@@ -45,8 +45,8 @@ from minisgl.limits import (
     resolve_max_tokens,
 )
 from minisgl.runtime.engine_client import EngineClient
-from minisgl.runtime.messages import BatchTokenOutput, Endpoints, MessageQueue, TokenizedRequest
-from minisgl.runtime.scheduler_proc import MAX_FAILED_STEPS_IN_A_ROW, SchedulerLoop
+from minisgl.runtime.messages import Endpoints, MessageQueue, TokenizedRequest
+from minisgl.scheduler.process import MAX_FAILED_STEPS_IN_A_ROW, SchedulerLoop
 from minisgl.scheduler.scheduler import Scheduler
 from minisgl.tokenizer import load_tokenizer
 from tests.conftest import QWEN3_VOCAB
@@ -191,8 +191,8 @@ def test_scheduler_loop_survives_a_failed_step(tiny_qwen3, monkeypatch):
         for _ in range(200):
             loop.run_once(idle_timeout_s=0.05)
             while (message := detokenizer.get(timeout_s=0.0)) is not None:
-                if isinstance(message, BatchTokenOutput):
-                    outputs += [o for o in message.outputs if o.rid == rid]
+                if isinstance(message, tuple):  # a step's outputs
+                    outputs += [o for o in message if o.rid == rid]
             if outputs and outputs[-1].finish_reason is not None:
                 return outputs
         raise AssertionError(f"{rid} did not finish")
@@ -203,7 +203,7 @@ def test_scheduler_loop_survives_a_failed_step(tiny_qwen3, monkeypatch):
         assert "RuntimeError: injected" in (failed.error or "")
         second = run("second")
         assert second[-1].finish_reason == FinishReason.LENGTH
-        assert sum(len(o.new_token_ids) for o in second) == 4
+        assert sum(len(o.token_ids) for o in second) == 4
         sched.check_page_accounting()
         # Failed steps with no good one between them: the last of the limit ends the loop.
         failures["left"] = MAX_FAILED_STEPS_IN_A_ROW
@@ -299,10 +299,10 @@ def test_failed_submit_leaves_no_route():
             params = SamplingParams(max_tokens=2)
             object.__setattr__(params, "top_k", 2**64)  # slip past validation on purpose
             with pytest.raises((OverflowError, TypeError)):  # msgpack: too big for int64
-                engine.submit(TokenizedRequest("r1", (1, 2), params), 0, asyncio.Queue())
+                engine.submit(TokenizedRequest("r1", (1, 2), params), asyncio.Queue())
             assert engine.num_active_requests == 0
             request = TokenizedRequest("r2", (1, 2), SamplingParams(max_tokens=2))
-            engine.submit(request, 0, asyncio.Queue())
+            engine.submit(request, asyncio.Queue())
             assert engine.num_active_requests == 1
         finally:
             await engine.close()

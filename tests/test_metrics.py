@@ -15,8 +15,8 @@ from minisgl.api.metrics import ServerMetrics
 from minisgl.core import FinishReason
 from minisgl.engine.gpu_probe import GPU_SAMPLE_INTERVAL_S, GpuProbe, GpuSample, make_gpu_probe
 from minisgl.runtime.messages import StatsReply, decode, encode
-from minisgl.runtime.scheduler_proc import build_stats_reply
 from minisgl.scheduler.counters import HistogramCounts, ThroughputWindow
+from minisgl.scheduler.process import build_stats_reply
 from minisgl.stats import (
     BATCH_SIZE_BUCKETS,
     QUEUE_TIME_BUCKETS_S,
@@ -34,16 +34,24 @@ SCHEDULER_METRICS = {
     "prompt_tokens": ("counter", "Prompt tokens of admitted requests", "prompt_tokens_total"),
     "generation_tokens": ("counter", "Tokens generated", "generation_tokens_total"),
     "cached_prompt_tokens": (
-        "counter", "Prompt tokens served from the prefix cache", "cached_prompt_tokens_total"
+        "counter",
+        "Prompt tokens served from the prefix cache",
+        "cached_prompt_tokens_total",
     ),
     "prefix_cache_queries": (
-        "counter", "Prompt tokens looked up in the prefix cache", "prompt_tokens_total"
+        "counter",
+        "Prompt tokens looked up in the prefix cache",
+        "prompt_tokens_total",
     ),
     "prefix_cache_hits": (
-        "counter", "Prompt tokens found in the prefix cache", "cached_prompt_tokens_total"
+        "counter",
+        "Prompt tokens found in the prefix cache",
+        "cached_prompt_tokens_total",
     ),
     "prefill_tokens": (
-        "counter", "Prompt tokens computed (prefix-cache hits excluded)", "prefill_tokens_total"
+        "counter",
+        "Prompt tokens computed (prefix-cache hits excluded)",
+        "prefill_tokens_total",
     ),
     "num_retractions": (
         "counter",
@@ -56,10 +64,14 @@ SCHEDULER_METRICS = {
         "spec_verify_steps_total",
     ),
     "spec_decode_num_draft_tokens": (
-        "counter", "Speculative decoding: draft tokens proposed", "spec_draft_tokens_total"
+        "counter",
+        "Speculative decoding: draft tokens proposed",
+        "spec_draft_tokens_total",
     ),
     "spec_decode_num_accepted_tokens": (
-        "counter", "Speculative decoding: draft tokens accepted", "spec_accepted_tokens_total"
+        "counter",
+        "Speculative decoding: draft tokens accepted",
+        "spec_accepted_tokens_total",
     ),
     "spec_accept_length": (
         "gauge",
@@ -77,26 +89,38 @@ SCHEDULER_METRICS = {
         "gen_throughput_tokens_per_s",
     ),
     "gpu_utilization_ratio": (
-        "gauge", "Fraction of time a kernel ran on the GPU (NVML)", "gpu_utilization_ratio"
+        "gauge",
+        "Fraction of time a kernel ran on the GPU (NVML)",
+        "gpu_utilization_ratio",
     ),
     "gpu_memory_used_bytes": (
-        "gauge", "GPU memory in use on the device (all processes)", "gpu_memory_used_bytes"
+        "gauge",
+        "GPU memory in use on the device (all processes)",
+        "gpu_memory_used_bytes",
     ),
     "gpu_memory_total_bytes": ("gauge", "GPU memory of the device", "gpu_memory_total_bytes"),
     "queue_time_seconds": (
-        "histogram", "Time from arrival at the scheduler to first admission", "queue_time_s"
+        "histogram",
+        "Time from arrival at the scheduler to first admission",
+        "queue_time_s",
     ),
     "iteration_num_reqs": (
-        "histogram", "Requests in one forward step (decodes and prefill chunks)", "batch_size"
+        "histogram",
+        "Requests in one forward step (decodes and prefill chunks)",
+        "batch_size",
     ),
     "iteration_tokens": ("histogram", "Tokens computed in one forward step", "batch_tokens"),
     "queue_time_by_priority_seconds": (
-        "histogram", "Queue time by request priority", "queue_time_by_priority_s"
+        "histogram",
+        "Queue time by request priority",
+        "queue_time_by_priority_s",
     ),
     "queue_time_by_tenant_seconds": (
-        "histogram", "Queue time by tenant (user, else API key)", "queue_time_by_tenant_s"
+        "histogram",
+        "Queue time by tenant (user, else API key)",
+        "queue_time_by_tenant_s",
     ),
-}  # fmt: skip
+}
 # The labelled ones: one series per label value (bounded: minisgl.stats).
 METRIC_LABELS = {
     "queue_time_by_priority_seconds": "priority",

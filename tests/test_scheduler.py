@@ -197,7 +197,7 @@ def test_abort_at_every_stage(sched):
         assert outputs[rid][-1].finish_reason == FinishReason.ABORT
     for rid in ("r3", "r4"):
         assert outputs[rid][-1].finish_reason == FinishReason.LENGTH
-        assert sum(len(o.new_token_ids) for o in outputs[rid]) == 20
+        assert sum(len(o.token_ids) for o in outputs[rid]) == 20
     assert_all_pages_back(sched)
 
 
@@ -213,7 +213,7 @@ def test_a_failed_step_fails_its_requests_and_the_rest_run_on(sched, monkeypatch
     requests then produce exactly the tokens an undisturbed run gives."""
     reference = _req("reference", 60)
     sched.add_request(reference)
-    expected = [t for o in drive(sched)["reference"] for t in o.new_token_ids]
+    expected = [t for o in drive(sched)["reference"] for t in o.token_ids]
     assert_all_pages_back(sched)
     reqs = [_req(f"f{i}", 60) for i in range(6)]  # one prompt: a shared prefix; some wait
     for r in reqs:
@@ -244,14 +244,14 @@ def test_a_failed_step_fails_its_requests_and_the_rest_run_on(sched, monkeypatch
             break
     else:
         raise AssertionError("the injected fault never surfaced")
-    waiting = {r.rid for r in sched.waiting}
+    waiting = {r.rid for r in sched.prefill.waiting}
     assert sched.running and waiting
     failed = sched.fail_running("internal error: injected")
     # every request not waiting fails: the running ones and (admit) the one caught between
     assert {o.rid for o in failed} == {r.rid for r in reqs} - waiting
     assert all(o.finish_reason == FinishReason.ERROR for o in failed)
     assert all(o.internal_error and o.error == "internal error: injected" for o in failed)
-    assert not sched.running and {r.rid for r in sched.waiting} == waiting
+    assert not sched.running and {r.rid for r in sched.prefill.waiting} == waiting
     assert sched.cache.prefix_cache.total_size == 0  # nothing computed in the failed step stays
     for o in failed:
         outputs.setdefault(o.rid, []).append(o)
@@ -261,22 +261,22 @@ def test_a_failed_step_fails_its_requests_and_the_rest_run_on(sched, monkeypatch
     finished = [r.rid for r in reqs if outputs[r.rid][-1].finish_reason == FinishReason.LENGTH]
     assert set(finished) == waiting
     for rid in finished:
-        assert [t for o in outputs[rid] for t in o.new_token_ids] == expected
+        assert [t for o in outputs[rid] for t in o.token_ids] == expected
     assert_all_pages_back(sched)
 
 
 def test_no_token_after_a_stop(sched, tiny_qwen3):
     probe = _req("probe", 30, max_tokens=8)
     sched.add_request(probe)
-    tokens = [t for o in drive(sched)["probe"] for t in o.new_token_ids]
+    tokens = [t for o in drive(sched)["probe"] for t in o.token_ids]
     stop_at = 4
     stop_token = tokens[stop_at]
     first = tokens.index(stop_token)
     req = _req("stopper", 30, max_tokens=8, stop_token_ids=(stop_token,))
     sched.add_request(req)
     outputs = drive(sched)
-    got = [t for o in outputs["stopper"] for t in o.new_token_ids]
-    assert got == tokens[: first + 1]
+    got = [t for o in outputs["stopper"] for t in o.token_ids]
+    assert got + [outputs["stopper"][-1].matched_stop] == tokens[: first + 1]  # the stop: hidden
     assert outputs["stopper"][-1].finish_reason == FinishReason.STOP
     assert_one_terminal(outputs, ["stopper"])
     assert_all_pages_back(sched)
@@ -324,10 +324,15 @@ def test_a_step_that_crosses_pages_for_everyone_writes_the_page_table_once(tiny_
     page_size, num_reqs = 4, 6
     s = Scheduler(
         ServerArgs(
-            model=str(tiny_qwen3), dtype="float32", num_pages=200, page_size=page_size,
-            max_running_requests=num_reqs, overlap="off", cache_type="naive",
+            model=str(tiny_qwen3),
+            dtype="float32",
+            num_pages=200,
+            page_size=page_size,
+            max_running_requests=num_reqs,
+            overlap="off",
+            cache_type="naive",
         )
-    )  # fmt: skip
+    )
     writes: list[int] = []
     write_slots = s.engine.tables.write_slots
 
@@ -410,10 +415,14 @@ def test_prompt_logprobs_do_not_depend_on_knobs(tiny_qwen3, name):
     and exact page books."""
     prompts = workload()
     params = [
-        SamplingParams(temperature=0, max_tokens=0 if i % 4 == 3 else NEW_TOKENS,
-                       ignore_eos=True, prompt_logprobs=i % 3)
+        SamplingParams(
+            temperature=0,
+            max_tokens=0 if i % 4 == 3 else NEW_TOKENS,
+            ignore_eos=True,
+            prompt_logprobs=i % 3,
+        )
         for i in range(len(prompts))
-    ]  # fmt: skip
+    ]
 
     def run(**options):
         llm = LLM(str(tiny_qwen3), **{"num_pages": 2048, "max_running_requests": 16, **options})

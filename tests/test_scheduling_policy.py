@@ -30,9 +30,13 @@ NEW_TOKENS = 4
 @pytest.fixture(scope="module")
 def base(tiny_qwen3) -> ServerArgs:
     return ServerArgs(
-        model=str(tiny_qwen3), dtype="float32", num_pages=400, max_running_requests=NUM_ROWS,
-        max_prefill_tokens=64, overlap="off",
-    )  # fmt: skip
+        model=str(tiny_qwen3),
+        dtype="float32",
+        num_pages=400,
+        max_running_requests=NUM_ROWS,
+        max_prefill_tokens=64,
+        overlap="off",
+    )
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +89,7 @@ def first_token_order(sched: Scheduler, reqs: list[Req]) -> list[str]:
     while sched.has_work():
         for out in sched.step():
             outputs.setdefault(out.rid, []).append(out)
-            if out.new_token_ids and out.rid not in order:
+            if out.token_ids and out.rid not in order:
                 order.append(out.rid)
     assert_one_terminal(outputs, [r.rid for r in reqs])
     assert_all_pages_back(sched)
@@ -103,7 +107,7 @@ PRIORITIES = {"a": 0, "b": 5, "c": 1, "d": 5, "e": 3}
         ({"enable_priority_scheduling": True, "schedule_low_priority_values_first": True}, "acebd"),
     ],
     ids=["off", "larger_first", "smaller_first"],
-)  # fmt: skip
+)
 def test_priority_orders_the_queue(make, flags, expected):
     sched = make(max_running_requests=1, **flags)
     reqs = [req(rid, 100 * i, p) for i, (rid, p) in enumerate(PRIORITIES.items())]
@@ -115,7 +119,7 @@ def run_all(sched: Scheduler, reqs: list[Req]) -> dict[str, list[int]]:
         sched.add_request(r)
     outputs = drive(sched)
     assert_one_terminal(outputs, [r.rid for r in reqs])
-    return {rid: [t for o in outs for t in o.new_token_ids] for rid, outs in outputs.items()}
+    return {rid: [t for o in outs for t in o.token_ids] for rid, outs in outputs.items()}
 
 
 @pytest.mark.parametrize("overlap", ["off", "on"])
@@ -143,14 +147,14 @@ def test_a_high_priority_request_preempts_and_outputs_stay_the_same(make, overla
     sched.add_request(high)
     for out in sched.step():
         outputs.setdefault(out.rid, []).append(out)
-    assert high in sched.running and low[1] in sched.waiting  # the newest low one gave way
+    assert high in sched.running and low[1] in sched.prefill.waiting  # the newest low one gave way
     assert low[1].num_retractions == 1 and sched.stats().num_retractions_total == 1
     assert sched.cache.prefix_cache.total_size >= 40  # its computed prefix was kept
     sched.check_page_accounting()
     for rid, outs in drive(sched).items():
         outputs.setdefault(rid, []).extend(outs)
     assert_one_terminal(outputs, ["low0", "low1", "high"])
-    got = {rid: [t for o in outs for t in o.new_token_ids] for rid, outs in outputs.items()}
+    got = {rid: [t for o in outs for t in o.token_ids] for rid, outs in outputs.items()}
     assert got == want
     assert low[1].num_cached_prompt_tokens == 0  # usage counts its first admission only
     assert_all_pages_back(sched)
@@ -195,8 +199,10 @@ def test_a_tenant_back_from_idle_banks_no_credit(make):
     counters = sched.prefill.policy.counters
     run_all(sched, [req("B0", 0, user="B")])
     # A0 long (A's counter far above B's), then A1 and A2 short.
-    a_reqs = [req(f"A{i}", 100 * (i + 1), user="A", max_tokens=24 if i == 0 else NEW_TOKENS)
-              for i in range(3)]  # fmt: skip
+    a_reqs = [
+        req(f"A{i}", 100 * (i + 1), user="A", max_tokens=24 if i == 0 else NEW_TOKENS)
+        for i in range(3)
+    ]
     for r in a_reqs:
         sched.add_request(r)
     while not a_reqs[1].output_ids:  # A0 done, A1 running, A2 waiting
@@ -271,8 +277,9 @@ def test_server_priority_and_tenants():
         for bad in ("high", 1.5, True):
             reply = httpx.post(chat, json={**body, "priority": bad}, headers=headers)
             assert reply.status_code == 400 and "priority" in reply.text, reply.text
-        reply = httpx.post(srv.url + "/generate", headers=headers,
-                           json={"text": "Hi", "priority": "x"})  # fmt: skip
+        reply = httpx.post(
+            srv.url + "/generate", headers=headers, json={"text": "Hi", "priority": "x"}
+        )
         assert reply.status_code == 400
         assert httpx.post(chat, json={**body, "user": "alice"}, headers=headers).is_success
         anthropic = {**body, "metadata": {"user_id": "bob"}}
@@ -288,9 +295,14 @@ def test_server_priority_and_tenants():
                 kwargs={"json": long_body, "headers": headers, "timeout": 120},
             )
         ]
-        threads += [threading.Thread(target=httpx.post, args=(chat,),
-                                     kwargs={"json": {**body, "priority": p}, "headers": headers,
-                                             "timeout": 120}) for p in (3, 3, 0)]  # fmt: skip
+        threads += [
+            threading.Thread(
+                target=httpx.post,
+                args=(chat,),
+                kwargs={"json": {**body, "priority": p}, "headers": headers, "timeout": 120},
+            )
+            for p in (3, 3, 0)
+        ]
 
         def load_when(ready) -> dict:
             deadline_s = time.monotonic() + LOAD_WAIT_S

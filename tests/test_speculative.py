@@ -185,7 +185,7 @@ def test_seeded_sampling_logprobs_and_stops_are_unchanged(tiny_qwen3):
             frequency_penalty=0.1,
             logit_bias=dict.fromkeys(often, 10.0),
             stop_token_ids=(often[2],) if i % 3 == 0 else (),  # stops inside verify steps
-        )  # fmt: skip
+        )
         for i in range(len(prompts))
     ]
     plain, llm = run(tiny_qwen3, prompts, params)

@@ -87,7 +87,7 @@ def test_tp2_matches_tp1(tiny_models, arch: str, page_size: int) -> None:
     model = tiny_models[arch]
     reference = _reference(model, page_size=page_size)
     llm = LLM(str(model), tp_size=2, page_size=page_size, **OPTIONS)
-    pids = llm.scheduler.follower_pids  # type: ignore[attr-defined]
+    pids = llm.scheduler.tp.follower_pids  # type: ignore[union-attr]
     try:
         # The fused CPU decode step is for one rank only (no all-reduce inside): op by op here.
         assert llm.scheduler.engine.model.cpu_decode_stack is None  # type: ignore[attr-defined]
@@ -124,7 +124,7 @@ def test_tp2_matches_tp1(tiny_models, arch: str, page_size: int) -> None:
 def test_tp2_with_one_kv_head(kv1_model: Path) -> None:
     reference = _reference(kv1_model)
     with LLM(str(kv1_model), tp_size=2, **OPTIONS) as llm:
-        pids = llm.scheduler.follower_pids  # type: ignore[attr-defined]
+        pids = llm.scheduler.tp.follower_pids  # type: ignore[union-attr]
         attn: Any = llm.scheduler.engine.model.model.layers[0].self_attn
         assert (attn.num_heads, attn.num_kv_heads) == (2, 1)
         _assert_same(_run(llm), reference)
@@ -142,7 +142,7 @@ def test_heads_not_divisible_is_a_clear_error(tiny_qwen3: Path) -> None:
 
 def test_killed_follower_raises_within_seconds(tiny_qwen3: Path) -> None:
     llm = LLM(str(tiny_qwen3), tp_size=2, **OPTIONS)
-    pids = llm.scheduler.follower_pids  # type: ignore[attr-defined]
+    pids = llm.scheduler.tp.follower_pids  # type: ignore[union-attr]
     try:
         llm.generate([PROMPTS[0]], GREEDY)
         long_run = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
@@ -185,13 +185,26 @@ def test_two_nodes_on_loopback(tiny_qwen3: Path) -> None:
     addr = free_loopback_addr()
     # Node 1 gets only the group flags: scheduling options come from rank 0.
     node1 = subprocess.Popen(
-        [sys.executable, "-m", "minisgl.scheduler.tp", "--model", str(tiny_qwen3), "--tp", "2",
-         "--nnodes", "2", "--node-rank", "1", "--dist-init-addr", addr],
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "minisgl.scheduler.tp",
+            "--model",
+            str(tiny_qwen3),
+            "--tp",
+            "2",
+            "--nnodes",
+            "2",
+            "--node-rank",
+            "1",
+            "--dist-init-addr",
+            addr,
+        ],
+    )
     try:
         llm = LLM(str(tiny_qwen3), tp_size=2, nnodes=2, node_rank=0, dist_init_addr=addr, **OPTIONS)
         with llm:
-            assert llm.scheduler.follower_pids == []  # type: ignore[attr-defined]
+            assert llm.scheduler.tp.follower_pids == []  # type: ignore[union-attr]
             _assert_same(_run(llm), reference)
             llm.check_page_accounting()
         assert node1.wait(timeout=SUBPROCESS_TIMEOUT_S) == 0

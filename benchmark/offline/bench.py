@@ -233,9 +233,9 @@ def step_scheduler(llm: LLM, workload: Workload, use_tqdm: bool) -> tuple[float,
         for out in outputs:
             if out.error is not None:
                 raise RuntimeError(f"{out.rid}: {out.error}")
-            if out.new_token_ids and out.rid not in first_token_s:
+            if out.num_new_tokens and out.rid not in first_token_s:
                 first_token_s[out.rid] = now - start
-            num_output_tokens += len(out.new_token_ids)
+            num_output_tokens += out.num_new_tokens
             if out.finish_reason is not None and out.rid in pending:
                 pending.discard(out.rid)
                 bar.update(1)

@@ -191,7 +191,7 @@ def batch1_decode_tok_s(llm: LLM, prompt_len: int, output_len: int, vocab_size: 
         stamps: list[float] = []
         while llm.scheduler.has_work():
             for out in llm.scheduler.step():
-                stamps += [time.perf_counter()] * len(out.new_token_ids)
+                stamps += [time.perf_counter()] * out.num_new_tokens
         if len(stamps) != output_len:
             raise RuntimeError(f"batch-1 run produced {len(stamps)} tokens, wanted {output_len}")
         best = max(best, (output_len - 1) / (stamps[-1] - stamps[0]))

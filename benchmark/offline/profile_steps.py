@@ -87,7 +87,7 @@ def report(llm: LLM, workload: Workload, own: argparse.Namespace, label: str) ->
         for out in scheduler.step():
             if out.error is not None:
                 raise RuntimeError(f"{out.rid}: {out.error}")
-            tokens += len(out.new_token_ids)
+            tokens += out.num_new_tokens
             if out.finish_reason is not None:
                 pending.discard(out.rid)
         return tokens

@@ -36,12 +36,12 @@ from minisgl.chat import (
 )
 from minisgl.chat.requests import constraint_from_fields
 from minisgl.config import ServerArgs
-from minisgl.core import Constraint, FinishReason, SamplingParams, TokenLogprob
+from minisgl.core import Constraint, FinishReason, ReqOutput, SamplingParams, TokenLogprob
 from minisgl.grammar import GrammarWorker
 from minisgl.limits import InvalidRequestError, ModelLimits, check_prompt_size
 from minisgl.models.names import accepted_model_names
 from minisgl.runtime.engine_client import EngineClient
-from minisgl.runtime.messages import DetokenizedOutput, TokenizedRequest
+from minisgl.runtime.messages import TokenizedRequest
 
 # Token id -> text is asked for every token when logprobs are on: cache the common ones.
 TOKEN_TEXT_CACHE_SIZE = 1 << 16
@@ -184,7 +184,7 @@ class Choice:
     num_tokens: int = 0  # generated, a hidden final EOS included (usage counts it)
     num_cached_prompt_tokens: int = 0
     finish_reason: FinishReason | None = None
-    matched_stop: int | str | None = None  # DetokenizedOutput.matched_stop of the finish
+    matched_stop: int | str | None = None  # ReqOutput.matched_stop of the finish
     error: str | None = None
     last_token_time_s: float | None = None
 
@@ -192,7 +192,7 @@ class Choice:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
-    def parse(self, output: DetokenizedOutput) -> ChatDelta:
+    def parse(self, output: ReqOutput) -> ChatDelta:
         """The output as the reply's delta (chat: reasoning and tool calls split off)."""
         if self.parser is None:
             return ChatDelta(content=output.text)
@@ -205,7 +205,7 @@ class Event:
     """One output of one choice, as a dialect renders it; `delta`: the output parsed (chat)."""
 
     choice: Choice
-    output: DetokenizedOutput
+    output: ReqOutput
     delta: ChatDelta
 
 
@@ -261,7 +261,7 @@ class Run:
                 p, j = divmod(choice.index, self.req.n)  # prompt p's choice j
                 ids, params = tuple(self.prompts[p]), self.params[p][j]
                 request = TokenizedRequest(choice.rid, ids, params, self.prepared.grammar_json)
-                self.ctx.engine.submit(request, choice.index, self._queue)
+                self.ctx.engine.submit(request, self._queue)
         except BaseException:
             self.close()
             raise
@@ -287,18 +287,19 @@ class Run:
     async def events(self) -> AsyncIterator[Event]:
         """Every output as it arrives, its choice updated; raises ChoiceFailed at the first
         choice that fails, ClientDisconnected, or the RequestError that ended the run."""
+        by_rid = {choice.rid: choice for choice in self.choices}
         while not all(choice.finished for choice in self.choices):
-            item = await self._queue.get()
-            if isinstance(item, Exception):  # the client left, timed out, the backend stopped
-                raise item
-            # Otherwise a RoutedOutput: nothing else goes on the queue.
-            choice, output = self.choices[item.index], item.output
+            output = await self._queue.get()
+            if isinstance(output, Exception):  # the client left, timed out, the backend stopped
+                raise output
+            # Otherwise a ReqOutput: nothing else goes on the queue.
+            choice = by_rid[output.rid]
             self._update(choice, output)
             if output.finish_reason == FinishReason.ERROR:
                 raise ChoiceFailed(output.error or "request failed", output.internal_error)
             yield Event(choice, output, choice.parse(output))
 
-    def _update(self, choice: Choice, output: DetokenizedOutput) -> None:
+    def _update(self, choice: Choice, output: ReqOutput) -> None:
         now_s = time.perf_counter()
         metrics = self.ctx.metrics
         if output.num_new_tokens > 0:

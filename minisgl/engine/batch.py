@@ -14,21 +14,25 @@ from __future__ import annotations
 import functools
 import itertools
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from minisgl.attention.base import host_tensor
-from minisgl.core import SamplingParams, TokenLogprob
+from minisgl.core import Req, SamplingParams, TokenLogprob
 from minisgl.engine.tables import DeviceTables
 
 
-@dataclass(frozen=True)
+@dataclass(eq=False)
 class ForwardBatch:
     """One step's work, as plain host data. Sequence i computes positions
     [prefix_lens[i], prefix_lens[i] + extend_lens[i]) of table row table_rows[i]; when
-    sampling[i] is set it also samples the token at the next position."""
+    sampling[i] is set it also samples the token at the next position.
+
+    The fields after prompt_logprobs are the scheduler's bookkeeping (scheduler/batch.py),
+    which no engine code reads."""
 
     table_rows: list[int]
     prefix_lens: list[int]
@@ -39,6 +43,13 @@ class ForwardBatch:
     # Per sequence: top alternatives for the prompt logprobs of this chunk's positions (each
     # scores the prompt token after it), None where not wanted. None: no sequence wants them.
     prompt_logprobs: list[int | None] | None = None
+    reqs: list[Req] = field(default_factory=list)  # per sequence, its request
+    # max_tokens 0 (prompt logprobs only): requests whose prompt this batch completes
+    scored_only: list[Req] = field(default_factory=list)
+    with_drafts: bool = False  # speculative decoding: a request samples 1 + len(drafts) rows
+    pending: PendingOutput | Future[PendingOutput] | None = None  # once launched
+    # Requests that finished while this batch was in flight: their KV goes back once it is done
+    release_after: list[Req] = field(default_factory=list)
 
     @property
     def num_seqs(self) -> int:
@@ -71,6 +82,13 @@ class ForwardBatch:
         if all(self.sampling):
             return list(range(self.num_seqs))
         return [i for i, p in enumerate(self.sampling) if p is not None]
+
+    @functools.cached_property
+    def rows(self) -> list[Req]:
+        """Per sampled sequence (`sampled`), its request."""
+        if len(self.sampled) == len(self.reqs):
+            return self.reqs
+        return [self.reqs[i] for i in self.sampled]
 
     @functools.cached_property
     def sampled_positions(self) -> list[int]:

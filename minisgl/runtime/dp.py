@@ -15,7 +15,7 @@ a single server does.
 
 Placement: each replica gets its own `--tp` GPUs on CUDA (CUDA_VISIBLE_DEVICES), its own cores
 on CPU (CPU affinity, by which torch sizes its thread pool and tp its ranks:
-minisgl.scheduler.tp_ranks.cpu_threads_per_rank).
+minisgl.scheduler.tp.cpu_threads_per_rank).
 """
 
 from __future__ import annotations

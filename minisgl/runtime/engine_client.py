@@ -1,9 +1,9 @@
 """The API server's side of the IPC: send requests, route results to per-request queues.
 
-One asyncio task reads the detokenizer's socket and dispatches each output to the queue of the
-request group it belongs to; handlers only ever await their own queue. When the backend goes
-away (a drain that ran out of time, or a process that died), every open request still ends:
-as aborted, or with a BackendUnavailable on its queue.
+One asyncio task reads the detokenizer's socket and puts each output (a `ReqOutput`, its text
+filled in) on the queue its request id was submitted with; handlers only ever await their own.
+When the backend goes away (a drain that ran out of time, or a process that died), every open
+request still ends: as aborted, or with a BackendUnavailable on its queue.
 """
 
 from __future__ import annotations
@@ -12,10 +12,9 @@ import asyncio
 import itertools
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
-from minisgl.core import FinishReason
+from minisgl.core import FinishReason, ReqOutput
 from minisgl.runtime import messages as msg
 
 logger = logging.getLogger(__name__)
@@ -30,19 +29,13 @@ class BackendUnavailable(Exception):
     its one argument is the message."""
 
 
-@dataclass
-class RoutedOutput:
-    index: int  # choice index inside the request group
-    output: msg.DetokenizedOutput
-
-
 class EngineClient:
     def __init__(self, endpoints: msg.Endpoints) -> None:
         # Sends go through plain sockets: with no high-water mark they never block the loop.
         self._to_scheduler = msg.MessageQueue("push", endpoints.scheduler_in)
         self._to_scheduler_ctl = msg.MessageQueue("push", endpoints.scheduler_ctl)
         self._inbox = msg.MessageQueue("pull", endpoints.api_in, asyncio=True)
-        self._routes: dict[str, tuple[asyncio.Queue, int]] = {}
+        self._routes: dict[str, asyncio.Queue] = {}  # by request id
         # Control replies (stats, cache flush) by request id: one counter for both kinds.
         self._waiters: dict[int, asyncio.Future[Any]] = {}
         self._request_ids = itertools.count()
@@ -69,13 +62,13 @@ class EngineClient:
                 logger.exception("api server: could not handle a message from the backend")
 
     def _dispatch(self, message: Any) -> None:
-        if isinstance(message, msg.BatchDetokenizedOutput):
+        if isinstance(message, tuple):  # a step's outputs
             self.last_output_s = asyncio.get_running_loop().time()
-            for output in message.outputs:
+            for output in message:
                 done = output.finish_reason is not None
                 route = self._routes.pop(output.rid, None) if done else self._routes.get(output.rid)
                 if route is not None:  # None: aborted by us, the client is gone
-                    route[0].put_nowait(RoutedOutput(route[1], output))
+                    route.put_nowait(output)
         else:  # a StatsReply or FlushCacheReply: nothing else is sent to api_in
             if isinstance(message, msg.StatsReply):
                 self.last_stats = message
@@ -83,13 +76,13 @@ class EngineClient:
             if waiter is not None and not waiter.done():
                 waiter.set_result(message)
 
-    def submit(self, request: msg.TokenizedRequest, index: int, queue: asyncio.Queue) -> None:
-        """Start one sequence; its outputs arrive on `queue` tagged with `index`.
-        The route exists only once the send succeeded, so a failed send leaves nothing behind."""
+    def submit(self, request: msg.TokenizedRequest, queue: asyncio.Queue) -> None:
+        """Start one sequence; its outputs arrive on `queue`. The route exists only once the send
+        succeeded, so a failed send leaves nothing behind."""
         if self._closed_message is not None:
             raise BackendUnavailable(self._closed_message)
         self._to_scheduler.put(request)
-        self._routes[request.rid] = (queue, index)
+        self._routes[request.rid] = queue
 
     def abort_all(self, error: str | None = None) -> None:
         """Shutdown: end every open request now so no handler waits on a scheduler that is about
@@ -97,13 +90,10 @@ class EngineClient:
         of time); with it, BackendUnavailable(error) goes on each one's queue (the backend
         died, BACKEND_STOPPED)."""
         self._closed_message = error or SHUTTING_DOWN
-        for rid, (queue, index) in list(self._routes.items()):
+        for rid, queue in list(self._routes.items()):
             self.abort(rid)
-            if error is not None:
-                queue.put_nowait(BackendUnavailable(error))
-            else:
-                ended = msg.DetokenizedOutput(rid, "", (), 0, finish_reason=FinishReason.ABORT)
-                queue.put_nowait(RoutedOutput(index, ended))
+            ended = ReqOutput(rid, (), FinishReason.ABORT)
+            queue.put_nowait(ended if error is None else BackendUnavailable(error))
 
     def abort(self, rid: str) -> None:
         if self._routes.pop(rid, None) is not None:

@@ -1,7 +1,7 @@
 """Launching a server: scheduler, detokenizer and API server, each in its own process.
 
     launcher (this process: starts, watches, stops)
-      |- scheduler     model + KV pool; steps batches              minisgl.runtime.scheduler_proc
+      |- scheduler     model + KV pool; steps batches              minisgl.scheduler.process
       |- detokenizer   token ids -> text, stop strings             minisgl.runtime.detokenizer_proc
       |- api server    FastAPI + uvicorn, tokenizes prompts        minisgl.api.app
 
@@ -47,7 +47,7 @@ STARTUP_TIMEOUT_S = 3600.0
 STOP_GRACE_S = 10.0
 CHILD_FAILED_EXIT_CODE = 1
 API_CHILD = "api"
-SCHEDULER_TARGET = "minisgl.runtime.scheduler_proc:run_scheduler_process"
+SCHEDULER_TARGET = "minisgl.scheduler.process:run_scheduler_process"
 DETOKENIZER_TARGET = "minisgl.runtime.detokenizer_proc:run_detokenizer_process"
 API_TARGET = "minisgl.api.app:run_api_server"
 WILDCARD_HOSTS = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}

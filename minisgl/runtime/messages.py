@@ -5,9 +5,10 @@ Process layout (tp=1):
     API server --TokenizedRequest/AbortRequest-->  scheduler       (scheduler_in, PULL)
     API server --FlushCacheRequest-------------->  scheduler       (scheduler_in)
     API server --StatsRequest------------------->  scheduler ctl   (scheduler_ctl, PULL)
-    scheduler  --DetokenizeInit/BatchTokenOutput-> detokenizer     (detokenizer_in, PULL)
+    scheduler  --TokenizedRequest (prompt tail)->  detokenizer     (detokenizer_in, PULL)
+    scheduler  --a step's ReqOutputs (a tuple)-->  detokenizer     (detokenizer_in)
     detokenizer --AbortRequest (stop string)----->  scheduler       (scheduler_in)
-    detokenizer --BatchDetokenizedOutput--------->  API server      (api_in, PULL)
+    detokenizer --the same ReqOutputs, texts in-->  API server      (api_in, PULL)
     scheduler (ctl) --FlushCacheReply/StatsReply->  API server      (api_in)
 
 Every receiver binds its PULL socket; senders connect (MessageQueue does it). The codec is
@@ -40,7 +41,8 @@ from minisgl.stats import HistogramSnapshot, SchedulerStats
 
 @dataclass(frozen=True)
 class TokenizedRequest:
-    """A new request for the scheduler: the prompt is already token ids."""
+    """A new request for the scheduler, the prompt already token ids; the scheduler forwards it
+    to the detokenizer, the prompt cut to the tail that seeds the decoding window."""
 
     rid: str
     input_ids: tuple[int, ...]
@@ -55,48 +57,6 @@ class AbortRequest:
     """Stop a request (client gone, or a stop string seen); its KV pages are freed."""
 
     rid: str
-
-
-@dataclass(frozen=True)
-class DetokenizeInit:
-    """Sent by the scheduler ahead of a request's first output, on the same socket, so the
-    detokenizer always knows a request before its tokens arrive."""
-
-    rid: str
-    prompt_tail_ids: tuple[int, ...]  # the last few prompt tokens seed the decoding window
-    sampling_params: SamplingParams
-    eos_token_ids: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class BatchTokenOutput:
-    """One scheduler step's results."""
-
-    outputs: tuple[ReqOutput, ...]
-
-
-@dataclass(frozen=True)
-class DetokenizedOutput:
-    """One request's progress as text, for the API server."""
-
-    rid: str
-    text: str  # new text, safe to show (no partial characters, no stop string)
-    token_ids: tuple[int, ...]  # new tokens whose text is shown (a final eos is not)
-    num_new_tokens: int  # new tokens generated, a hidden final eos included (for usage)
-    logprobs: tuple[TokenLogprob, ...] = ()
-    finish_reason: FinishReason | None = None
-    num_cached_prompt_tokens: int = 0
-    error: str | None = None
-    internal_error: bool = False  # ReqOutput.internal_error: a 500, not a 400
-    prompt_logprobs: tuple[TokenLogprob, ...] = ()  # ReqOutput.prompt_logprobs, passed on
-    # What ended a STOP finish: the stop string, or the final token's id (EOS or a stop token);
-    # None otherwise.
-    matched_stop: int | str | None = None
-
-
-@dataclass(frozen=True)
-class BatchDetokenizedOutput:
-    outputs: tuple[DetokenizedOutput, ...]
 
 
 @dataclass(frozen=True)
@@ -147,10 +107,6 @@ _TAGS: dict[type, int] = {
     ReqOutput: 3,
     TokenizedRequest: 10,
     AbortRequest: 11,
-    DetokenizeInit: 12,
-    BatchTokenOutput: 13,
-    DetokenizedOutput: 14,
-    BatchDetokenizedOutput: 15,
     StatsRequest: 16,
     StatsReply: 17,
     Constraint: 4,

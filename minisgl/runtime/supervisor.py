@@ -1,6 +1,6 @@
 """One supervisor for every child process minisgl starts: the server's scheduler, detokenizer and
 API processes (minisgl.runtime.launch), the tensor-parallel ranks 1..N-1
-(minisgl.scheduler.tp_ranks) and the SGLang Model Gateway (minisgl.runtime.gateway).
+(minisgl.scheduler.tp) and the SGLang Model Gateway (minisgl.runtime.gateway).
 
 A Python child is "spawn"ed (torch state does not survive fork safely) into `child_main`, which
 reports to its parent over a pipe: "started" once our code runs, "ready" once it serves, or

@@ -1,14 +1,14 @@
-"""One step's batch: the scheduled (request, tokens to compute) items become the engine's
-`ForwardBatch`, and a `Launched` record of whose results it will bring back."""
+"""One step's batch: the scheduled requests become the engine's `ForwardBatch` (which carries the
+scheduler's bookkeeping too), and the thread its forward runs on."""
 
 from __future__ import annotations
 
-from concurrent.futures import Future
-from dataclasses import dataclass, field
-from typing import TypeVar
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, TypeVar
 
 from minisgl.core import Req, SamplingParams
-from minisgl.engine.batch import ForwardBatch, ForwardOutput, PendingOutput
+from minisgl.engine.batch import ForwardBatch
 
 _T = TypeVar("_T")
 
@@ -18,49 +18,41 @@ def resolved(value: _T | Future[_T]) -> _T:
     return value.result() if isinstance(value, Future) else value
 
 
-@dataclass
-class Launched:
-    reqs: list[Req]
-    sampled: list[Req]  # the requests that sample a token in this batch, in output order
-    # max_tokens 0 (prompt logprobs only): requests whose prompt this batch completes
-    scored_only: list[Req]
-    with_drafts: bool = False  # speculative decoding: a request samples 1 + len(drafts) rows
-    pending: PendingOutput | Future[PendingOutput] | None = None  # set once sampling launched
-    release_after: list[Req] = field(default_factory=list)
+class ForwardThread:
+    """Where a batch's forward runs: on one worker thread under CPU overlap, so that the host
+    schedules the next batch meanwhile (tasks run in submission order), else right here (a CUDA
+    launch returns at once anyway)."""
 
-    @property
-    def rows(self) -> list[Req]:
-        """Per sampled row, its request."""
-        if not self.with_drafts:
-            return self.sampled
-        return [req for req in self.sampled for _ in range(1 + len(req.drafts))]
+    def __init__(self, threaded: bool) -> None:
+        self._executor = ThreadPoolExecutor(1, "minisgl-forward") if threaded else None
 
-    def result(self) -> ForwardOutput:
-        assert self.pending is not None
-        return resolved(self.pending).result()
+    def submit(self, fn: Callable[..., _T], *args: Any) -> _T | Future[_T]:
+        return fn(*args) if self._executor is None else self._executor.submit(fn, *args)
+
+    def shutdown(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
 
 
 def build_batch(
     decodes: list[Req], chunks: list[tuple[Req, int]], with_drafts: bool = False
-) -> tuple[ForwardBatch, Launched]:
+) -> ForwardBatch:
     """Advance each request by its tokens (a decode by one, a prefill chunk by its own;
     `cached_len`, and `device_len` by the token it will sample) and describe the work for the
     engine. `with_drafts`: some decodes have drafts (speculative decoding); they advance by those
     verified, when the results are in. Runs every step: the decodes in bulk, no tuple each."""
     reqs = decodes + [req for req, _ in chunks]
     prefix_lens = [req.cached_len for req in reqs]
-    # scores_prompt, with the usual case (no prompt logprobs wanted) first
-    prompt_logprobs = [r.sampling_params.prompt_logprobs for r in reqs]
-    scoring = prompt_logprobs.count(None) != len(reqs)
-    if scoring:
-        scored = zip(prompt_logprobs, reqs, strict=True)
-        prompt_logprobs = [k if r.scores_prompt else None for k, r in scored]
+    wanted = [r.sampling_params.prompt_logprobs for r in reqs]
+    prompt_logprobs: list[int | None] | None = None  # the usual case: no prompt scored
+    if wanted.count(None) != len(reqs):
+        prompt_logprobs = [
+            k if r.scores_prompt else None for k, r in zip(wanted, reqs, strict=True)
+        ]
     sampling: list[SamplingParams | None] = [req.sampling_params for req in decodes]
     for req in decodes:  # each samples (DecodeManager schedules none past max_tokens)
         req.cached_len += 1
         req.device_len += 1
-        req.num_sampled += 1
-    sampled = decodes.copy()
     scored_only: list[Req] = []  # max_tokens 0: the prompt ends here, nothing to sample
     for req, num_tokens in chunks:
         req.cached_len += num_tokens
@@ -69,38 +61,44 @@ def build_batch(
             sampling.append(None)
         elif params.max_tokens > 0:  # sample the next token
             sampling.append(params)
-            sampled.append(req)
             req.device_len += 1
-            req.num_sampled += 1
         else:
             sampling.append(None)
             scored_only.append(req)
-    extend_lens = [1] * len(decodes) + [n for _, n in chunks]
-    fb = ForwardBatch(
-        [req.table_row for req in reqs], prefix_lens, extend_lens, sampling,
-        [req.seed for req in reqs], [req.prompt_len for req in reqs],
-        prompt_logprobs if scoring else None,
-    )  # fmt: skip
-    launched = Launched(reqs, sampled, scored_only, with_drafts)
-    if with_drafts:
-        fb, launched.reqs = _with_drafts(fb, reqs)
-    return fb, launched
+    batch = ForwardBatch(
+        [req.table_row for req in reqs],
+        prefix_lens,
+        [1] * len(decodes) + [n for _, n in chunks],
+        sampling,
+        [req.seed for req in reqs],
+        [req.prompt_len for req in reqs],
+        prompt_logprobs,
+        reqs,
+        scored_only,
+    )
+    return _with_drafts(batch) if with_drafts else batch
 
 
-def _with_drafts(fb: ForwardBatch, reqs: list[Req]) -> tuple[ForwardBatch, list[Req]]:
+def _with_drafts(batch: ForwardBatch) -> ForwardBatch:
     """The batch with each request that has k drafts (a decode) as k + 1 one-token sequences of
     its row, at consecutive positions, each sampling: its last token, then its drafts (in the
     token table after it). All K/V of a layer is written before its attention runs, so each
     attends to the ones before it as one sequence would; and a batch of decodes keeps the shape
-    CUDA graphs and the CPU's fused decode step run. Also returns the request of each sequence."""
-    seqs = [(i, j) for i, req in enumerate(reqs) for j in range(1 + len(req.drafts))]
+    CUDA graphs and the CPU's fused decode step run."""
+    seqs = [(i, j) for i, req in enumerate(batch.reqs) for j in range(1 + len(req.drafts))]
 
     def each(values: list[_T]) -> list[_T]:
         return [values[i] for i, _ in seqs]
 
-    scores = None if fb.prompt_logprobs is None else each(fb.prompt_logprobs)
-    flat = ForwardBatch(
-        each(fb.table_rows), [fb.prefix_lens[i] + j for i, j in seqs], each(fb.extend_lens),
-        each(fb.sampling), each(fb.seeds), each(fb.prompt_lens), scores,
-    )  # fmt: skip
-    return flat, each(reqs)
+    return ForwardBatch(
+        each(batch.table_rows),
+        [batch.prefix_lens[i] + j for i, j in seqs],
+        each(batch.extend_lens),
+        each(batch.sampling),
+        each(batch.seeds),
+        each(batch.prompt_lens),
+        None if batch.prompt_logprobs is None else each(batch.prompt_logprobs),
+        each(batch.reqs),
+        batch.scored_only,
+        with_drafts=True,
+    )

@@ -25,16 +25,12 @@ if TYPE_CHECKING:
     from minisgl.core import Req
 
 
-@dataclass
 class HistogramCounts:
     """A histogram the scheduler fills in; cheap enough to observe every step."""
 
-    bounds: tuple[float, ...]
-    counts: list[int] = field(init=False)
-    sum: float = 0.0  # of the observed values
-
-    def __post_init__(self) -> None:
-        self.counts = [0] * (len(self.bounds) + 1)
+    def __init__(self, bounds: tuple[float, ...] = QUEUE_TIME_BUCKETS_S) -> None:
+        self.bounds, self.counts = bounds, [0] * (len(bounds) + 1)
+        self.sum = 0.0  # of the observed values
 
     def observe(self, value: float) -> None:
         # bisect_left: a value equal to a bound belongs to that bound's bucket (le = "<=").
@@ -53,7 +49,7 @@ def _observe(series: dict[str, HistogramCounts], label: str, value: float) -> No
     """Into the series of `label`, or OTHER_LABEL's once MAX_LABEL_VALUES labels exist."""
     if label not in series and len(series) >= MAX_LABEL_VALUES:
         label = OTHER_LABEL
-    series.setdefault(label, HistogramCounts(QUEUE_TIME_BUCKETS_S)).observe(value)
+    series.setdefault(label, HistogramCounts()).observe(value)
 
 
 @dataclass

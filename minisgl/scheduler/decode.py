@@ -19,10 +19,6 @@ from minisgl.scheduler.speculative import NgramSpeculator
 logger = logging.getLogger(__name__)
 
 
-class NeedDrain(Exception):
-    """Scheduling must see the in-flight batch's results first (retraction)."""
-
-
 class DecodeManager:
     def __init__(
         self,
@@ -33,30 +29,25 @@ class DecodeManager:
         self.cache = cache
         self._prefill = prefill  # where retracted requests go (the waiting queue's front)
         self._speculator = speculator
-        self.running: list[Req] = []  # admitted, in admission order
         self.num_retractions = 0
 
-    def decodable(self) -> list[Req]:
+    def schedule(self, running: list[Req], inflight: bool) -> list[Req] | None:
+        """The requests of `running` that decode a token this step, retracting the newest ones
+        (out of `running`) if KV runs out. None: a retraction is needed while a batch is in
+        flight, which may still use the victim's pages: process that batch, then ask again."""
+        while (victim := self._prefill.victim(running)) is not None:
+            if inflight:  # priority: a waiting request of a higher class takes its place
+                return None
+            self._retract(running, victim)
         # Req.finished and Req.remaining_prefill_len spelled out: this runs for every running
         # request every step.
-        return [
+        reqs = [
             r
-            for r in self.running
+            for r in running
             if r.finish_reason is None
             and r.device_len - r.cached_len == 1
-            and r.num_sampled < r.sampling_params.max_tokens
+            and r.device_len - r.prompt_len < r.sampling_params.max_tokens  # sampled, in flight too
         ]
-
-    def schedule(self, inflight: bool) -> list[Req]:
-        """The requests that decode a token this step, retracting the newest ones if KV runs
-        out.
-
-        Raises NeedDrain when a retraction is needed while a batch is in flight: that batch may
-        still use the victim's pages.
-        """
-        while (victim := self._prefill.victim(self.running)) is not None:
-            self._retract(victim, inflight)  # priority: for a waiting request of a higher class
-        reqs = self.decodable()
         if self._speculator is not None and self._speculator.propose(reqs):
             if self.cache.reserve(reqs, [r.device_len + len(r.drafts) for r in reqs]):
                 return reqs
@@ -78,22 +69,23 @@ class DecodeManager:
             if req.table_row < 0:  # retracted while making room for an older request
                 continue
             while not self.cache.reserve([req], [req.device_len]):
-                if not inflight and len(self.running) == 1:
+                if inflight:
+                    return None
+                if len(running) == 1:
                     raise RuntimeError("KV pool too small for one request (admission let it in)")
-                self._retract(min(reversed(self.running), key=rank), inflight)
+                self._retract(running, min(reversed(running), key=rank))
                 if req.table_row < 0:  # it was the newest and got retracted itself
                     break
             else:
                 items.append(req)
         return items
 
-    def _retract(self, victim: Req, inflight: bool) -> None:
-        if inflight:
-            raise NeedDrain
-        self.running.remove(victim)
+    def _retract(self, running: list[Req], victim: Req) -> None:
+        """Back to the queue's front (it was admitted before anything still waiting)."""
+        running.remove(victim)
         self.cache.release(victim)
         victim.device_len = len(victim.all_ids)
         victim.num_retractions += 1
         self.num_retractions += 1
-        self._prefill.requeue_front(victim)
+        self._prefill.waiting.insert(0, victim)
         logger.debug("retracted %s at %d tokens", victim.rid, victim.device_len)

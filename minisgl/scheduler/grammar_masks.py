@@ -12,31 +12,27 @@ from __future__ import annotations
 from typing import Any
 
 from minisgl.core import Req
-from minisgl.engine.batch import VocabMask
+from minisgl.engine.batch import ForwardBatch, VocabMask
 from minisgl.grammar import GrammarCompiler, GrammarState, build_vocab_mask
+from minisgl.tokenizer import load_tokenizer
 
 
 class GrammarMasks:
     def __init__(self, tokenizer_path: str, vocab_size: int, eos_token_ids: tuple[int, ...]):
-        self._tokenizer_path = tokenizer_path
         self._vocab_size = vocab_size
-        self._eos_token_ids = eos_token_ids
-        self._compiler: GrammarCompiler | None = None  # made at the first constrained request
+        # Made at the first constrained request (it reads the whole vocabulary: slow); errors
+        # name the request's `constraint`.
+        self._new_compiler = lambda: GrammarCompiler(
+            load_tokenizer(tokenizer_path), vocab_size, eos_token_ids, param="constraint"
+        )
+        self._compiler: GrammarCompiler | None = None
 
     def compiled(self, req: Req) -> Any:
         """The request's compiled grammar (None when it has no constraint); a bad constraint
         raises here. Cached: the second call for a request costs a lookup."""
         if (constraint := req.sampling_params.constraint) is None:
             return None
-        if self._compiler is None:
-            # Once per process: reads the tokenizer's vocabulary (~0.5-1.5 s). Errors name the
-            # request's `constraint`.
-            from transformers import AutoTokenizer
-
-            tokenizer = AutoTokenizer.from_pretrained(self._tokenizer_path, local_files_only=True)
-            self._compiler = GrammarCompiler(
-                tokenizer, self._vocab_size, self._eos_token_ids, param="constraint"
-            )
+        self._compiler = self._compiler or self._new_compiler()
         return self._compiler.load(constraint, req.grammar_json)
 
     def attach(self, req: Req) -> None:
@@ -48,12 +44,12 @@ class GrammarMasks:
 
     def mask(self, sampled: list[Req]) -> VocabMask | None:
         """The mask of a batch's sampled requests (in sampling order); None: none constrained."""
-        # A finished request's grammar is None (Outputs clears it).
+        # A finished request's grammar is None (the scheduler clears it).
         return build_vocab_mask([r.grammar for r in sampled], self._vocab_size)
 
     @staticmethod
-    def must_wait(previous: list[Req], sampled: list[Req]) -> bool:
-        """Whether a constrained request sampled now has its previous token still in flight
-        (sampled by `previous`, the batch not processed yet)."""
-        in_flight = {id(r) for r in previous if r.grammar is not None}
-        return any(id(r) in in_flight for r in sampled if r.grammar is not None)
+    def must_wait(previous: ForwardBatch, batch: ForwardBatch) -> bool:
+        """Whether a constrained request sampled in `batch` has its previous token still in
+        flight (sampled in `previous`, not processed yet)."""
+        in_flight = {id(r) for r in previous.rows if r.grammar is not None}
+        return any(id(r) in in_flight for r in batch.rows if r.grammar is not None)

@@ -10,8 +10,6 @@ rare overflow).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 from minisgl.config import ServerArgs
 from minisgl.core import Req
 from minisgl.scheduler.cache_manager import CacheManager
@@ -25,25 +23,6 @@ SHARED_PREFIX_PROBE_LEN = 32
 PROMPT_LOGPROBS_STEP_TOKENS = 512
 
 
-@dataclass
-class PrefillPlan:
-    """This step's prefill work: (request, tokens to compute) pairs and who was admitted."""
-
-    budget: int  # prompt tokens this step may still compute
-    score_budget: int = PROMPT_LOGPROBS_STEP_TOKENS  # of those, prompt positions it may score
-    items: list[tuple[Req, int]] = field(default_factory=list)
-    admitted: list[Req] = field(default_factory=list)
-
-    def chunk_len(self, req: Req) -> int:
-        budget = min(self.budget, self.score_budget) if req.scores_prompt else self.budget
-        return min(req.remaining_prefill_len, budget)
-
-    def add(self, req: Req, chunk: int) -> None:
-        self.items.append((req, chunk))
-        self.budget -= chunk
-        self.score_budget -= chunk if req.scores_prompt else 0
-
-
 class PrefillManager:
     def __init__(self, cache: CacheManager, args: ServerArgs, max_prefill_tokens: int) -> None:
         self.cache = cache
@@ -54,49 +33,54 @@ class PrefillManager:
         self.policy = SchedulePolicy(args, cache.prefix_cache)
         self.waiting: list[Req] = []  # in queue order (the policy's last tie-break)
 
-    def add(self, req: Req) -> None:
-        self.waiting.append(req)
-
-    def requeue_front(self, req: Req) -> None:
-        """A retracted request goes first: it was admitted before anything still waiting."""
-        self.waiting.insert(0, req)
-
     def victim(self, running: list[Req]) -> Req | None:
         """Priority scheduling: a running request to retract so that the first waiting request,
         which has no row or too few pages, starts now (one of a lower class), or None."""
         if not self.policy.priority or not self.waiting:
             return None
         head = next(self.policy.order(self.waiting, running))
-        return None if self._can_admit(head, running) else self.policy.victim(head, running)
+        return None if self._can_admit(head, len(running)) else self.policy.victim(head, running)
 
-    def remove(self, rid: str) -> Req | None:
-        req = next((r for r in self.waiting if r.rid == rid), None)
-        if req is not None:
-            self.waiting.remove(req)
-        return req
+    def schedule(self, running: list[Req]) -> tuple[list[tuple[Req, int]], list[Req]]:
+        """This step's prefill work as (request, tokens to compute) pairs: chunks of the prompts
+        under way in `running`, then of new admissions; and those admitted (the caller runs
+        them)."""
+        chunks: list[tuple[Req, int]] = []
+        admitted: list[Req] = []
+        budget = self.max_prefill_tokens  # prompt tokens this step may still compute
+        score_budget = PROMPT_LOGPROBS_STEP_TOKENS  # of those, prompt positions it may score
 
-    def schedule(self, running: list[Req]) -> PrefillPlan:
-        """Chunks for running prefills, then new admissions (appended to `running`)."""
-        plan = PrefillPlan(self.max_prefill_tokens)
+        def chunk_len(req: Req) -> int:
+            return min(
+                req.remaining_prefill_len,
+                min(budget, score_budget) if req.scores_prompt else budget,
+            )
+
+        def add(req: Req, chunk: int) -> None:
+            nonlocal budget, score_budget
+            chunks.append((req, chunk))
+            budget -= chunk
+            score_budget -= chunk if req.scores_prompt else 0
+
         # Prompts under way: a cheap filter first, as most running requests decode.
         for req in [r for r in running if r.device_len - r.cached_len > 1]:
-            if plan.budget <= 0:
+            if budget <= 0:
                 break
             if req.finished:
                 continue
-            chunk = plan.chunk_len(req)
+            chunk = chunk_len(req)
             if chunk == 0:  # a scored prompt, with this step's scoring budget spent
                 continue
             if not self.cache.reserve([req], [req.cached_len + chunk]):
                 break
-            plan.add(req, chunk)
+            add(req, chunk)
         # Requests whose prompt starts like one admitted in this same step wait one step: by then
         # the first one's prefix is in the radix tree and they compute only their own suffix.
         admitted_keys: set[tuple[int, ...]] = set()
         for req in self.policy.order(self.waiting, running):
-            if plan.budget <= 0 or not self._can_admit(req, running):
+            if budget <= 0 or not self._can_admit(req, len(running) + len(admitted)):
                 break
-            if req.scores_prompt and plan.score_budget <= 0:
+            if req.scores_prompt and score_budget <= 0:
                 break
             key = self._prefix_key(req)
             if key is not None and key in admitted_keys:
@@ -104,19 +88,17 @@ class PrefillManager:
             self.cache.admit(req)
             if key is not None and req.cached_len < len(key):
                 admitted_keys.add(key)
-            running.append(req)
-            chunk = plan.chunk_len(req)
+            chunk = chunk_len(req)
             if not self.cache.reserve([req], [req.cached_len + chunk]):
                 # The estimate was optimistic (its cached prefix got locked): undo, retry later.
-                running.pop()
                 self.cache.release(req)
                 break
             self.waiting.remove(req)
             if req.num_retractions == 0:
                 self.policy.charge(req, INPUT_TOKEN_WEIGHT * req.prompt_len)
-            plan.admitted.append(req)
-            plan.add(req, chunk)
-        return plan
+            admitted.append(req)
+            add(req, chunk)
+        return chunks, admitted
 
     def _prefix_key(self, req: Req) -> tuple[int, ...] | None:
         """The first tokens of a prompt, to spot requests sharing a prefix in one step."""
@@ -124,9 +106,9 @@ class PrefillManager:
             return None
         return tuple(req.input_ids[:SHARED_PREFIX_PROBE_LEN])
 
-    def _can_admit(self, req: Req, running: list[Req]) -> bool:
-        if len(running) >= self.max_running_requests or not self.cache.rows.num_free:
+    def _can_admit(self, req: Req, num_running: int) -> bool:
+        if num_running >= self.max_running_requests or not self.cache.rows.num_free:
             return False
         need_tokens = min(req.prompt_len + len(req.output_ids), self.max_prefill_tokens)
-        need_pages = -(-need_tokens // self.page_size) + len(running)
-        return self.cache.num_available_pages >= need_pages or not running
+        need_pages = -(-need_tokens // self.page_size) + num_running
+        return self.cache.num_available_pages >= need_pages or not num_running

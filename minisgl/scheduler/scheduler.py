@@ -1,43 +1,54 @@
-"""The scheduler: one step = schedule a batch, launch it, process results (nano-vllm's beats).
+"""The scheduler: one step = schedule a batch, launch it, process the previous batch's results.
 
-The parts: `PrefillManager` (queue, admission, prompt chunks), `DecodeManager` (running
-requests, retraction), `CacheManager` (KV pages, the prefix cache and table rows),
-`OverlapLoop` (the batch in flight, the forward thread, deferred releases), `GrammarMasks`
-(structured outputs), `Outputs` (events and live requests), `SchedulerCounters` (for
-/metrics) and `fail_admitted` (failure recovery). This class composes them: requests in,
-scheduling a step's batch, and its results into the requests.
+The parts: `PrefillManager` (queue, admission, prompt chunks), `DecodeManager` (who decodes,
+retraction), `CacheManager` (KV pages, the prefix cache and table rows), `GrammarMasks`
+(structured outputs), `NgramSpeculator` (drafts) and `SchedulerCounters` (for /metrics). This
+class owns the running requests and the batch in flight; calls made between steps (requests,
+aborts, a cache flush) wait in its inbox, which the next step applies first, on every tp rank
+alike (minisgl.scheduler.tp broadcasts it).
 """
 
 from __future__ import annotations
 
+import logging
 import random
 from collections import Counter
+from typing import TYPE_CHECKING
 
 import torch
 
 from minisgl.config import ServerArgs
-from minisgl.core import SEED_MASK, FinishReason, Req, ReqOutput, TokenLogprob
+from minisgl.core import SEED_MASK, FinishReason, Req, ReqOutput, TokenLogprob, finish_reason
 from minisgl.engine.batch import ForwardBatch
 from minisgl.engine.device import nvtx_range
 from minisgl.engine.engine import Engine
 from minisgl.limits import ModelLimits, check_request
-from minisgl.scheduler.batch import Launched, build_batch
+from minisgl.runtime.messages import AbortRequest, FlushCacheRequest
+from minisgl.scheduler.batch import ForwardThread, build_batch, resolved
 from minisgl.scheduler.cache_manager import CacheManager
 from minisgl.scheduler.counters import SchedulerCounters
-from minisgl.scheduler.decode import DecodeManager, NeedDrain
+from minisgl.scheduler.decode import DecodeManager
 from minisgl.scheduler.grammar_masks import GrammarMasks
-from minisgl.scheduler.outputs import Outputs
-from minisgl.scheduler.overlap import OverlapLoop
 from minisgl.scheduler.policy import OUTPUT_TOKEN_WEIGHT
 from minisgl.scheduler.prefill import PrefillManager
-from minisgl.scheduler.recovery import fail_admitted
 from minisgl.scheduler.speculative import NgramSpeculator
 from minisgl.stats import SchedulerStats
 
+if TYPE_CHECKING:
+    from minisgl.scheduler.tp import TPGroup
+
+logger = logging.getLogger(__name__)
+
+# A call made between steps, in the order made: a request to add, one to abort, a cache flush.
+Inbox = list[Req | AbortRequest | FlushCacheRequest]
+
 
 class Scheduler:
-    def __init__(self, args: ServerArgs, engine: Engine | None = None) -> None:
+    def __init__(
+        self, args: ServerArgs, engine: Engine | None = None, tp: TPGroup | None = None
+    ) -> None:
         self.args = args
+        self.tp = tp  # rank 0 of a tp group: each step's inbox goes to every rank
         self.engine = engine or Engine(args)
         self.max_model_len = self.engine.max_model_len
         self.vocab_size = self.engine.model_config.vocab_size
@@ -52,106 +63,156 @@ class Scheduler:
         if args.speculative_algorithm is not None:
             self.speculator = NgramSpeculator(args, self.cache, self.counters, self.max_model_len)
         self.decode = DecodeManager(self.cache, self.prefill, self.speculator)
-        tokenizer_path = args.tokenizer or self.model_path
+        tokenizer_path = args.tokenizer or str(self.engine.model_path)
         self.masks = GrammarMasks(tokenizer_path, self.vocab_size, self.eos_token_ids)
-        self.outputs = Outputs()
-        overlap = args.overlap_enabled(self.engine.device.type)
-        self.loop = OverlapLoop(self.engine, overlap, self.cache, self.masks, self._process)
+        self.overlap = args.overlap_enabled(self.engine.device.type)
+        self.forward_thread = ForwardThread(self.overlap and not self.engine.stream.is_cuda)
+        self.running: list[Req] = []  # admitted, in admission order
+        self.inflight: ForwardBatch | None = None  # launched, results not processed (overlap)
+        self.events: list[ReqOutput] = []  # this step's: one per new token, one terminal each
+        # Every request added and not ended, by rid: after a failed step, any of them that is
+        # neither waiting nor running (caught between the two) still gets its terminal event.
+        self.live: dict[str, Req] = {}
+        self._inbox: Inbox = []
         self._rng = random.Random(args.seed)
         self._is_cuda = self.engine.stream.is_cuda  # NVTX ranges there
 
-    @property
-    def model_path(self) -> str:
-        return str(self.engine.model_path)
-
-    @property
-    def running(self) -> list[Req]:
-        return self.decode.running
-
-    @property
-    def waiting(self) -> list[Req]:
-        return list(self.prefill.waiting)
-
-    # ---- requests in ---------------------------------------------------------------------------
+    # ---- calls between steps: queued, applied at the next step --------------------------------
 
     def validate(self, req: Req) -> None:
         """Raise ValueError for a request that could never run: checked before queueing."""
         capacity_tokens = self.cache.num_total_pages * self.page_size
         limits = ModelLimits(self.max_model_len, self.vocab_size, capacity_tokens)
         check_request(req.input_ids, req.sampling_params, limits)
-        self.masks.compiled(req)  # a bad constraint fails here (cached for add_request)
+        self.masks.compiled(req)  # a bad constraint fails here (cached for the step's attach)
 
     def add_request(self, req: Req) -> None:
         self.validate(req)
-        seed = req.sampling_params.seed
-        req.seed = (self._rng.getrandbits(31) if seed is None else seed) & SEED_MASK
-        if not req.eos_token_ids:
-            req.eos_token_ids = self.eos_token_ids
-        self.masks.attach(req)
-        self.prefill.add(req)
-        self.outputs.live[req.rid] = req
+        self._inbox.append(req)
 
     def abort_request(self, rid: str) -> None:
-        if (waiting := self.prefill.remove(rid)) is not None:
-            self.outputs.end(waiting, FinishReason.ABORT)
-            return
-        for req in self.running:
-            if req.rid == rid and not req.finished:
-                self.outputs.end(req, FinishReason.ABORT)
-                self._release(req)
-                return
+        self._inbox.append(AbortRequest(rid))
 
-    # ---- the loop ------------------------------------------------------------------------------
+    def flush_cache(self) -> None:
+        """Empty the prefix cache, on every rank (only while idle: cached pages may be in use)."""
+        if self.has_work():
+            raise RuntimeError("flush_cache needs an idle scheduler")
+        self._inbox.append(FlushCacheRequest(-1))
+        self.step()
+
+    def _apply(self, inbox: Inbox | None) -> None:
+        """The calls made since the last step (a tp follower's: rank 0's, as broadcast)."""
+        if inbox is None:
+            inbox, self._inbox = self._inbox, []
+            if self.tp is not None:
+                self.tp.broadcast(inbox)
+        for message in inbox:
+            if isinstance(message, Req):
+                seed = message.sampling_params.seed
+                message.seed = (self._rng.getrandbits(31) if seed is None else seed) & SEED_MASK
+                message.eos_token_ids = message.eos_token_ids or self.eos_token_ids
+                self.masks.attach(message)
+                self.prefill.waiting.append(message)
+                self.live[message.rid] = message
+            elif isinstance(message, FlushCacheRequest):
+                self.cache.flush()
+            elif (req := self.live.get(message.rid)) is not None:  # not ended yet
+                self._end(req, FinishReason.ABORT)
+                if req in self.prefill.waiting:
+                    self.prefill.waiting.remove(req)
+                else:
+                    self._release(req)
+
+    # ---- the step -----------------------------------------------------------------------------
 
     def has_work(self) -> bool:
-        return bool(self.prefill.waiting or self.running or self.loop.inflight or self.outputs)
+        return bool(self._inbox or self.prefill.waiting or self.running or self.inflight)
 
     @torch.inference_mode()
-    def step(self) -> list[ReqOutput]:
-        with nvtx_range("schedule", self._is_cuda):
-            batch = self._schedule()
-        self.loop.run(batch)
-        return self.outputs.take()
+    def step(self, inbox: Inbox | None = None) -> list[ReqOutput]:
+        """Apply the inbox, schedule a batch and launch it, then process the batch before it.
 
-    def _schedule(self) -> tuple[ForwardBatch, Launched] | None:
-        while True:
-            try:
-                decodes = self.decode.schedule(inflight=self.loop.inflight is not None)
-                break
-            except NeedDrain:
-                self.loop.drain()
-        plan = self.prefill.schedule(self.running)
-        for req in plan.admitted:
-            if req.num_retractions == 0 and req.num_sampled == 0:
+        With overlap, batch N+1 is launched before batch N's results are read, so the host's
+        work (scheduling N+1, processing N) runs while the device computes: scheduling needs
+        nothing from N's results, as building N already advanced its requests' lengths (a
+        request that N ends only wastes its row in N+1, and keeps its KV until N+1 is done).
+        Without overlap each batch is processed right after its launch.
+        """
+        try:
+            self._apply(inbox)
+            with nvtx_range("schedule", self._is_cuda):
+                batch = self._schedule()
+            previous = self.inflight
+            self.inflight = batch if self.overlap else None  # requests' releases wait for it
+            if batch is not None:
+                if previous is not None and self.masks.must_wait(previous, batch):
+                    # Its grammar masks need batch N's tokens: forward, process N (that advances
+                    # the grammars), then sample (SGLang's order).
+                    logits = self.forward_thread.submit(self.engine.forward_logits, batch)
+                    self._process(previous)
+                    previous, mask = None, self.masks.mask(batch.rows)
+                    batch.pending = self.forward_thread.submit(
+                        lambda: self.engine.sample(batch, resolved(logits), mask)
+                    )
+                else:
+                    mask = self.masks.mask(batch.rows)
+                    batch.pending = self.forward_thread.submit(self.engine.forward, batch, mask)
+            if not self.overlap:
+                previous = batch
+            if previous is not None:
+                self._process(previous)
+        except Exception as exc:
+            if self.tp is None:
+                raise
+            self.tp.fail(exc)  # the ranks may disagree now: the group cannot go on
+        events, self.events = self.events, []
+        return events
+
+    def _schedule(self) -> ForwardBatch | None:
+        decodes = self.decode.schedule(self.running, inflight=self.inflight is not None)
+        if decodes is None:  # a retraction must wait for the batch in flight: process it now
+            self._drain()
+            decodes = self.decode.schedule(self.running, inflight=False)
+            assert decodes is not None
+        chunks, admitted = self.prefill.schedule(self.running)
+        for req in admitted:
+            if req.num_retractions == 0:
                 req.num_cached_prompt_tokens = req.cached_len
                 self.counters.first_admission(req)
-        if not decodes and not plan.items:
+        self.running += admitted
+        if not decodes and not chunks:
             return None
         num_drafts = sum(len(req.drafts) for req in decodes) if self.speculator is not None else 0
-        self.counters.step(len(decodes), plan.items, num_drafts)
-        batch = build_batch(decodes, plan.items, with_drafts=num_drafts > 0)
-        for req, num_tokens in plan.items:
+        self.counters.step(len(decodes), chunks, num_drafts)
+        batch = build_batch(decodes, chunks, with_drafts=num_drafts > 0)
+        for req, num_tokens in chunks:
             if num_tokens > 1:  # a prefill chunk: share its prefix right away
                 self.cache.cache_prefix(req)
         return batch
 
-    def _process(self, launched: Launched) -> None:
+    def _drain(self) -> None:
+        batch, self.inflight = self.inflight, None
+        if batch is not None:
+            self._process(batch)
+
+    def _process(self, batch: ForwardBatch) -> None:
         """A launched batch's results into its requests (its tokens, finishes and releases)."""
-        result = launched.result()
+        assert batch.pending is not None
+        result = resolved(batch.pending).result()
         with nvtx_range("process", self._is_cuda):
             for index, scored in result.prompt_logprobs.items():
-                launched.reqs[index].prompt_logprobs.extend(scored)
-            for req in launched.scored_only:
+                batch.reqs[index].prompt_logprobs.extend(scored)
+            for req in batch.scored_only:
                 if not req.finished:
-                    self.outputs.end(req, FinishReason.LENGTH)
+                    self._end(req, FinishReason.LENGTH)
                     self._release(req)
-            if self.speculator is not None and launched.with_drafts:
+            if self.speculator is not None and batch.with_drafts:
                 rows = zip(result.token_ids, result.logprobs, strict=True)
-                for req in launched.sampled:
+                for req in dict.fromkeys(batch.rows):  # each request once, in order
                     self.speculator.verify(req, rows, self._take)
             else:
-                self._take(launched.sampled, result.token_ids, result.logprobs)
-            for req in launched.release_after:
+                self._take(batch.rows, result.token_ids, result.logprobs)
+            for req in batch.release_after:
                 self.cache.release(req)
 
     def _take(
@@ -160,7 +221,7 @@ class Scheduler:
         """Sampled tokens into their requests (output, grammar, events), token_ids[i] into
         reqs[i], in order; a request they end is released, and takes no more. One loop over a
         step's tokens, on locals: this is the host's largest cost per running request."""
-        events, max_model_len = self.outputs.events, self.max_model_len
+        events, max_model_len = self.events, self.max_model_len
         policy = self.prefill.policy  # charges output tokens to tenants under fairness
         num_taken = 0
         for req, token_id, logprob in zip(reqs, token_ids, logprobs, strict=True):
@@ -176,39 +237,84 @@ class Scheduler:
             if policy.fairness:
                 policy.charge(req, OUTPUT_TOKEN_WEIGHT)
             num_outputs = len(output_ids)
-            reason = None
-            if token_id in params.stop_token_ids or (
-                token_id in req.eos_token_ids and not params.ignore_eos
-            ):
-                reason = FinishReason.STOP
-            elif num_outputs >= params.max_tokens or req.prompt_len + num_outputs >= max_model_len:
-                reason = FinishReason.LENGTH
+            room_len = max_model_len - req.prompt_len - num_outputs
+            reason = finish_reason(params, token_id, num_outputs, room_len, req.eos_token_ids)
+            stop = reason is FinishReason.STOP  # an EOS or stop token: it ends, never shows
             events.append(
                 ReqOutput(
-                    req.rid, (token_id,), reason, () if logprob is None else (logprob,),
-                    req.prompt_len, req.num_cached_prompt_tokens,
+                    req.rid,
+                    () if stop else (token_id,),
+                    reason,
+                    () if logprob is None else (logprob,),
+                    req.num_cached_prompt_tokens,
                     tuple(req.prompt_logprobs) if num_outputs == 1 else (),
+                    token_id if stop else None,
                 )
-            )  # fmt: skip
+            )
             if reason is not None:
                 req.finish_reason, req.grammar = reason, None
+                del self.live[req.rid]
                 self._release(req)
         self.counters.generation_tokens_total += num_taken
 
+    def _end(self, req: Req, reason: FinishReason, error: str | None = None) -> None:
+        """The end of a request without a new token: aborted, failed (`error`, the server's),
+        or done scoring its prompt (max_tokens 0: it ends here with its prompt logprobs)."""
+        req.finish_reason, req.grammar = reason, None
+        del self.live[req.rid]
+        only_scored = reason == FinishReason.LENGTH and not req.output_ids
+        prompt_logprobs = tuple(req.prompt_logprobs) if only_scored else ()
+        self.events.append(
+            ReqOutput(
+                req.rid,
+                (),
+                reason,
+                num_cached_prompt_tokens=req.num_cached_prompt_tokens,
+                prompt_logprobs=prompt_logprobs,
+                error=error,
+                internal_error=error is not None,
+            )
+        )
+
     def _release(self, req: Req) -> None:
-        """Drop a finished request; its KV waits for the in-flight batch if that batch uses it."""
+        """Drop a finished request; its KV waits for the batch in flight if that batch uses it,
+        so that nothing in flight reads a row or page handed to someone else."""
         self.running.remove(req)
-        self.loop.release(req)
+        if self.inflight is not None and req in self.inflight.reqs:
+            self.inflight.release_after.append(req)
+        else:
+            self.cache.release(req)
 
     def fail_running(self, error: str) -> list[ReqOutput]:
-        """After `step()` raised: end every admitted request with `error` and start over from a
-        known state (scheduler/recovery.py). Raises when the state cannot be trusted: a device
-        error (CUDA's are sticky) or pages that do not add up."""
-        fail_admitted(self, error)
+        """After `step()` raised (a bug, a device out of memory): end every live request that is
+        not waiting with `error` and take back all they hold, so one bad batch does not take the
+        server down; waiting requests keep their place, what finished before stands. Nothing of
+        theirs is cached (their KV may be incomplete) and the prefix cache is emptied (a failed
+        chunk may have shared pages there before their KV was written). Raises when the state
+        cannot be trusted: a tp group (the ranks may disagree), pages that do not add up."""
+        if self.tp is not None:
+            self.tp.fail(RuntimeError(f"a failed step cannot be recovered from: {error}"))
+        deferred = [] if self.inflight is None else self.inflight.release_after
+        self.inflight = None
+        # No forward may write KV into the pages given back here: the thread runs tasks in
+        # order, so once this no-op has run, every forward before it has finished.
+        resolved(self.forward_thread.submit(lambda: None))
+        self.engine.stream.synchronize()
+        waiting = {id(req) for req in self.prefill.waiting}
+        for req in [r for r in self.live.values() if id(r) not in waiting]:
+            self._end(req, FinishReason.ERROR, error)
+            if req in self.running:
+                self.running.remove(req)
+            if req.table_row >= 0:  # it holds a row and pages
+                self.cache.discard(req)
+        for req in deferred:
+            self.cache.discard(req)
+        self.cache.flush()
         self.check_page_accounting()
-        return self.outputs.take()
+        events, self.events = self.events, []
+        return events
 
-    # ---- introspection -------------------------------------------------------------------------
+    # ---- introspection and shutdown -----------------------------------------------------------
 
     def stats(self) -> SchedulerStats:
         total = self.cache.num_total_pages
@@ -228,16 +334,23 @@ class Scheduler:
             **self.counters.snapshot(),
         )
 
-    def check_health(self) -> None:
-        """Single process: nothing can die behind our back (TPScheduler checks its ranks)."""
-
     def check_page_accounting(self) -> None:
-        self.cache.check_page_accounting([*self.running, *self.loop.deferred_releases])
-
-    def flush_cache(self) -> None:
-        if self.running or self.loop.inflight:
-            raise RuntimeError("flush_cache needs an idle scheduler")
-        self.cache.flush()
+        deferred = [] if self.inflight is None else self.inflight.release_after
+        self.cache.check_page_accounting([*self.running, *deferred])
 
     def shutdown(self) -> None:
-        self.loop.shutdown()
+        """Process the batch in flight and stop the forward thread; as rank 0 of a tp group,
+        stop the other ranks first and leave the group last (idempotent, never hangs on a dead
+        rank)."""
+        if self.tp is not None:
+            self.tp.stop()
+        try:
+            self._drain()
+            self.forward_thread.shutdown()
+        except Exception:
+            if self.tp is None:
+                raise
+            logger.warning("tp shutdown: the batch in flight needed a rank that is gone")
+        finally:
+            if self.tp is not None:
+                self.tp.close()

@@ -38,8 +38,8 @@ MAX_BACKOFF_STEPS = 64
 # than a row's share of the step, R / (KNEE_ROWS + R). A request drafts while its recent
 # acceptance (an exponential average, weight ACCEPT_AVERAGE_WEIGHT per verify) is above that;
 # below it, the average creeps back up by 1/PROBE_STEPS of its distance to 1 per step without
-# drafts, so the request tries again once in a while. On this repository's CPU (SmolLM2-135M) a
-# decode step cost 35.7 ms and each further row 4.3 ms (benchmark/RESULTS.md, section 16).
+# drafts, so the request tries again once in a while. KNEE_ROWS is this repository's CPU's
+# (benchmark/RESULTS.md, section 16).
 KNEE_ROWS = 8
 ACCEPT_AVERAGE_WEIGHT = 0.5
 PROBE_STEPS = 32
@@ -47,10 +47,9 @@ PROBE_STEPS = 32
 # Rows (decodes plus drafts) a step's drafts may bring its batch to: a batch of this many
 # decoding requests drafts nothing. Past the point where a decode step stops being bound by
 # reading the weights, a draft row costs about what a decoded token does, and a rejected one is
-# pure loss: on this repository's CPU (SmolLM2-135M, fp32 or 4-bit) drafts stopped paying at
-# about 16 requests, where a draft row costs ~85% of a decoded token (benchmark/RESULTS.md,
-# sections 16, 16b and 27). Not measured on a GPU yet, where the point lies far higher: there
-# the cap stays at its first value (by the engine stream's device: "cpu" or "cuda").
+# pure loss: where that point lies on this repository's CPU is measured in benchmark/RESULTS.md,
+# sections 16, 16b and 27. Not measured on a GPU yet, where it lies far higher: there the cap
+# stays at its first value (by the engine stream's device: "cpu" or "cuda").
 MAX_VERIFY_ROWS = {"cpu": 16, "cuda": 32}
 
 # (its token, its logprob) per sampled row
@@ -153,7 +152,7 @@ class NgramSpeculator:
             room = min(
                 self.max_drafts,
                 budget,
-                req.sampling_params.max_tokens - req.num_sampled - 1,
+                req.sampling_params.max_tokens - (req.device_len - req.prompt_len) - 1,
                 self._max_len - req.device_len - 1,
             )
             if req.grammar is not None or room <= 0:
@@ -178,11 +177,10 @@ class NgramSpeculator:
             if j > 0:  # drafts[j - 1] was right: its KV is the request's, and the token after it
                 req.cached_len += 1
                 req.device_len += 1
-                req.num_sampled += 1
             take([req], [token_id], [logprob])
             if req.finished or j == len(drafts) or token_id != drafts[j]:
                 break
-        if not drafts:
+        if not drafts or req.drafter is None:
             return
         accepted = j  # the drafts before where it stopped
         self._counters.spec_verify_steps_total += 1

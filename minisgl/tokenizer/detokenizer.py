@@ -15,20 +15,18 @@ Stop strings are matched on the decoded text. Text that could still be the start
 is held back until it can't (or until `flush`), so a stop string never leaks into any delta, even
 when it spans several tokens.
 
-`RequestDetokenizer` is one request's whole output rule, for the server's detokenizer process and
-the offline `LLM` alike: the text above, plus the final EOS or stop token that ends the request
-without showing in its text, and what matched.
+The same class serves the server's detokenizer process and the offline `LLM`: a request's outputs
+in, their text filled in, and the stop string that ends it (minisgl.core.finish_reason).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import cast
 
 from transformers import PreTrainedTokenizerBase
 
-from minisgl.core import FinishReason, ReqOutput, SamplingParams, TokenLogprob
+from minisgl.core import ReqOutput, SamplingParams, finish_reason
 
 # How many prompt tokens seed the decoding window (vLLM uses the same number).
 PROMPT_CONTEXT_TOKENS = 5
@@ -54,50 +52,77 @@ def partial_match_len(text: str, tags: Sequence[str]) -> int:
 
 
 class IncrementalDetokenizer:
-    """Turns a growing list of output token ids into text deltas, stopping at stop strings."""
+    """One request's output tokens -> text deltas, stopping at its stop strings (min_tokens and
+    include_stop_str_in_output included): for the server's detokenizer process and the offline
+    `LLM` alike (`add_output`), or fed token ids directly (`add`, `flush`).
+
+    `incremental=False` (offline) decodes the text once, at the end, when no stop string needs
+    it earlier: decoding every token is a fair share of a fast step's host time.
+    """
 
     def __init__(
         self,
         tokenizer: PreTrainedTokenizerBase,
         prompt_ids: Sequence[int],
-        stop: Sequence[str] = (),
-        skip_special_tokens: bool = True,
-        min_tokens: int = 0,
-        include_stop: bool = False,
+        params: SamplingParams = SamplingParams(),
+        incremental: bool = True,
     ) -> None:
-        """min_tokens: the text of the first min_tokens output tokens is shown as it comes and
-        never matched against the stop strings (vLLM's min_tokens). include_stop: the text ends
-        with the stop string that ended it, instead of just before it."""
         self._tokenizer = tokenizer
-        self._skip_special_tokens = skip_special_tokens
+        self._params = params
+        self._incremental = incremental or bool(params.stop)
         self._ids: list[int] = [int(t) for t in prompt_ids[-PROMPT_CONTEXT_TOKENS:]]
         self._prefix_offset = 0
-        self._read_offset = len(self._ids)
-        self._stops = tuple(s for s in stop if s)
+        self._read_offset = len(self._ids)  # (not incremental: where the output starts)
         self._held = ""  # decoded but not yet emitted: it could be the start of a stop string
         self.text = ""  # everything emitted so far
-        self.stopped = False
         self.stop_str: str | None = None  # the stop string that ended the text, if any
-        self._min_tokens = min_tokens
-        self._include_stop = include_stop
-        self._num_tokens = 0  # output tokens added so far
+        self.num_tokens = 0  # output tokens added so far
+        self.done = False  # the scheduler sent its last output for this request
+
+    @property
+    def stopped(self) -> bool:
+        return self.stop_str is not None
+
+    def add_output(self, output: ReqOutput) -> bool:
+        """Fill in `output.text`. A stop string in it ends the request (finish_reason STOP,
+        matched_stop the string): while not `done`, the caller aborts it in the scheduler.
+        False: an output the scheduler sent after that (drop it)."""
+        self.done = output.finish_reason is not None
+        if self.stopped:  # by a stop string, in an earlier output
+            return False
+        if self._incremental:
+            output.text = self.add(output.token_ids) + (self.flush() if self.done else "")
+        else:
+            self._ids += output.token_ids
+            skip = self._params.skip_special_tokens
+            shown = self._ids[self._read_offset :]
+            output.text = (
+                str(self._tokenizer.decode(shown, skip_special_tokens=skip)) if self.done else ""
+            )
+        if self.stop_str is not None:
+            reason = finish_reason(self._params, self.stop_str, self.num_tokens)
+            output.finish_reason, output.matched_stop = reason, self.stop_str
+            # A final EOS the scheduler saw in the same output never came: no logprob of it.
+            output.logprobs = output.logprobs[: len(output.token_ids)]
+        return True
 
     def add(self, token_ids: Sequence[int]) -> str:
         """Feed new output tokens; return the text that is now safe to show."""
         if self.stopped or not token_ids:
             return ""
         self._ids.extend(int(t) for t in token_ids)
-        self._num_tokens += len(token_ids)
+        self.num_tokens += len(token_ids)
         # Before min_tokens, release everything unmatched: stops count only in later text.
-        return self._release(final=False, match=self._num_tokens >= self._min_tokens)
+        return self._release(final=False, match=self.num_tokens >= self._params.min_tokens)
 
     def flush(self) -> str:
         """The request ended for another reason: return everything still held back."""
         return "" if self.stopped else self._release(final=True)
 
     def _decode(self, ids: list[int]) -> str:
+        skip = self._params.skip_special_tokens
         text = self._tokenizer.decode(
-            ids, skip_special_tokens=self._skip_special_tokens, clean_up_tokenization_spaces=False
+            ids, skip_special_tokens=skip, clean_up_tokenization_spaces=False
         )
         return cast(str, text)
 
@@ -112,95 +137,18 @@ class IncrementalDetokenizer:
         return new_text[len(prefix_text) :]
 
     def _release(self, final: bool, match: bool = True) -> str:
-        held = self._held + self._decode_new(final)
+        held, stops = self._held + self._decode_new(final), self._params.stop
         # Emitted text never holds a stop string: it was held back.
-        stop_at, stop_str = find_first(held, self._stops) if match else (-1, None)
+        stop_at, stop_str = find_first(held, stops) if match else (-1, None)
         if stop_str is not None:
-            out = held[: stop_at + (len(stop_str) if self._include_stop else 0)]
-            self.stopped, self.stop_str, self._held = True, stop_str, ""
+            include = self._params.include_stop_str_in_output
+            out = held[: stop_at + (len(stop_str) if include else 0)]
+            self.stop_str, self._held = stop_str, ""
         else:
-            keep_len = partial_match_len(held, self._stops) if match and not final else 0
+            keep_len = partial_match_len(held, stops) if match and not final else 0
             out, self._held = held[: len(held) - keep_len], held[len(held) - keep_len :]
         self.text += out
         return out
-
-
-@dataclass(frozen=True)
-class TextDelta:
-    """What one scheduler output adds to a request's text."""
-
-    text: str  # safe to show: no partial character, no stop string
-    token_ids: tuple[int, ...]  # the new tokens whose text shows (a hidden final one is not)
-    logprobs: tuple[TokenLogprob, ...]  # theirs, and the hidden final token's
-    finish_reason: FinishReason | None
-    # What ended a STOP finish: the stop string, or the final token's id (EOS or a stop token).
-    matched_stop: int | str | None = None
-    abort: bool = False  # a stop string ended it before the scheduler did: abort it there
-
-
-class RequestDetokenizer:
-    """One request's outputs -> text deltas, its stop strings (min_tokens and
-    include_stop_str_in_output included) and its hidden final EOS / stop token.
-
-    `incremental=False` (offline) decodes the text once, at the end, when no stop string needs
-    it earlier: decoding every token costs tens of microseconds, a fair share of a fast step.
-    """
-
-    def __init__(
-        self,
-        tokenizer: PreTrainedTokenizerBase,
-        prompt_ids: Sequence[int],
-        params: SamplingParams,
-        eos_token_ids: Sequence[int],
-        incremental: bool = True,
-    ) -> None:
-        eos_ids = () if params.ignore_eos else tuple(eos_token_ids)
-        # A final token with one of these ids adds no text.
-        self._hidden_final_ids = frozenset((*params.stop_token_ids, *eos_ids))
-        self._tokenizer = tokenizer
-        self._params = params
-        self._incremental = incremental or bool(params.stop)
-        self._text = IncrementalDetokenizer(
-            tokenizer,
-            prompt_ids,
-            params.stop,
-            params.skip_special_tokens,
-            params.min_tokens,
-            params.include_stop_str_in_output,
-        )
-        self._shown_ids: list[int] = []  # for the one decode at the end (not incremental)
-        self.done = False  # the scheduler sent its last output for this request
-
-    def add(self, output: ReqOutput) -> TextDelta | None:
-        """None: an output the scheduler sent before the abort a stop string asked for."""
-        finish = output.finish_reason
-        self.done = finish is not None
-        if self._text.stopped:  # by a stop string, in an earlier output
-            return None
-        token_ids = list(output.new_token_ids)
-        matched: int | str | None = None
-        # Stopped by EOS / a stop token id: that token counts as generated but shows no text.
-        if finish == FinishReason.STOP and token_ids and token_ids[-1] in self._hidden_final_ids:
-            matched = token_ids.pop()
-        text = self._decode(token_ids, final=self.done)
-        abort = self._text.stopped and finish is None
-        # The hidden token keeps its logprob: scoring (lm-eval's echo + max_tokens 1) reads the
-        # generated token's entry whatever it is.
-        num_scored = len(token_ids) + (matched is not None and not self._text.stopped)
-        if self._text.stopped:
-            finish, matched = FinishReason.STOP, self._text.stop_str
-        logprobs = output.new_logprobs[:num_scored]
-        return TextDelta(text, tuple(token_ids), logprobs, finish, matched, abort)
-
-    def _decode(self, token_ids: list[int], final: bool) -> str:
-        if not self._incremental:
-            self._shown_ids += token_ids
-            if not final:
-                return ""
-            skip = self._params.skip_special_tokens
-            return str(self._tokenizer.decode(self._shown_ids, skip_special_tokens=skip))
-        text = self._text.add(token_ids)
-        return text + self._text.flush() if final else text
 
 
 def stop_reason(params: SamplingParams, matched_stop: int | str | None) -> int | str | None:

@@ -51,9 +51,9 @@ from minisgl.api.request import SAMPLING_NAMES, ApiRequest, WireModel, new_id, s
 from minisgl.api.sse import WireEvent, respond
 from minisgl.chat.requests import CONSTRAINT_FIELDS
 from minisgl.config import ServerArgs
-from minisgl.core import FinishReason, SamplingParams, TokenLogprob
+from minisgl.core import FinishReason, ReqOutput, SamplingParams, TokenLogprob
 from minisgl.limits import DEFAULT_GENERATE_MAX_NEW_TOKENS, MAX_LOGPROBS, InvalidRequestError
-from minisgl.runtime.engine_client import BackendUnavailable, RoutedOutput
+from minisgl.runtime.engine_client import BackendUnavailable
 from minisgl.runtime.messages import TokenizedRequest
 
 ALIASES = {
@@ -280,12 +280,12 @@ async def _engine_answers(ctx: ServingContext, timeout_s: float) -> bool:
     queue: asyncio.Queue = asyncio.Queue()
     try:
         if not ctx.engine.num_active_requests:
-            ctx.engine.submit(TokenizedRequest(rid, HEALTH_PROMPT, HEALTH_PARAMS), 0, queue)
+            ctx.engine.submit(TokenizedRequest(rid, HEALTH_PROMPT, HEALTH_PARAMS), queue)
         while loop.time() - sent_s < timeout_s:
             with contextlib.suppress(asyncio.TimeoutError):
                 item = await asyncio.wait_for(queue.get(), HEALTH_GENERATE_POLL_S)
                 failed = (FinishReason.ERROR, FinishReason.ABORT)  # proves nothing
-                return isinstance(item, RoutedOutput) and item.output.finish_reason not in failed
+                return isinstance(item, ReqOutput) and item.finish_reason not in failed
             if ctx.engine.last_output_s > sent_s:
                 return True
         return False

@@ -3,9 +3,8 @@
 Loop: when idle, block on the input socket (with a timeout, to refresh stats and notice
 shutdown); when busy, only drain what is already waiting, so decoding never waits for input.
 
-Tensor parallelism: this process is rank 0. With tp_size > 1 the scheduler is a TPScheduler
-(minisgl.scheduler.tp, a Scheduler subclass), which spawns ranks 1..N-1 and broadcasts each step's
-add_request/abort_request calls to them, so this loop does not change.
+Tensor parallelism: this process is rank 0 (minisgl.scheduler.tp): its scheduler broadcasts each
+step's inbox, the messages this loop hands it, to ranks 1..N-1, so this loop does not change.
 """
 
 from __future__ import annotations
@@ -15,17 +14,16 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from minisgl.config import ServerArgs
 from minisgl.core import FinishReason, Req, ReqOutput
 from minisgl.engine.gpu_probe import GpuProbe, make_gpu_probe
 from minisgl.runtime import messages as msg
 from minisgl.scheduler.counters import ThroughputWindow
+from minisgl.scheduler.scheduler import Scheduler
+from minisgl.scheduler.tp import make_scheduler
 from minisgl.tokenizer.detokenizer import PROMPT_CONTEXT_TOKENS
-
-if TYPE_CHECKING:
-    from minisgl.scheduler.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 
@@ -111,32 +109,33 @@ class SchedulerLoop:
             refusal = "requests are running or waiting; the cache was not flushed" if busy else ""
             self._to_api.put(msg.FlushCacheReply(message.request_id, not busy, refusal))
             return None
-        # Otherwise a TokenizedRequest: nothing else is sent to scheduler_in.
-        rid, input_ids, params = message.rid, message.input_ids, message.sampling_params
-        eos_ids = tuple(self.scheduler.eos_token_ids)
-        # Ahead of any output, on the same socket: the detokenizer learns of the request first.
-        tail_ids = input_ids[-PROMPT_CONTEXT_TOKENS:]
-        self._to_detokenizer.put(msg.DetokenizeInit(rid, tail_ids, params, eos_ids))
+        # Otherwise a TokenizedRequest: nothing else is sent to scheduler_in. Ahead of any
+        # output, on the same socket, the detokenizer learns of it (the prompt's tail is enough).
+        tail_ids = message.input_ids[-PROMPT_CONTEXT_TOKENS:]
+        self._to_detokenizer.put(
+            dataclasses.replace(message, input_ids=tail_ids, grammar_json=None)
+        )
         try:
-            req = Req(rid, list(input_ids), params, eos_ids, grammar_json=message.grammar_json)
+            input_ids, grammar_json = list(message.input_ids), message.grammar_json
+            req = Req(message.rid, input_ids, message.sampling_params, grammar_json=grammar_json)
             req.arrival_time = time.monotonic()
             self.scheduler.add_request(req)
         except Exception as exc:  # one bad request must not stop the loop everyone depends on
             if not isinstance(exc, ValueError):
-                logger.exception("scheduler: request %s failed to queue", rid)
-            return ReqOutput(rid, (), FinishReason.ERROR, prompt_len=len(input_ids), error=str(exc))
+                logger.exception("scheduler: request %s failed to queue", message.rid)
+            return ReqOutput(message.rid, (), FinishReason.ERROR, error=str(exc))
         return None
 
     def run_once(self, idle_timeout_s: float = IDLE_POLL_TIMEOUT_S) -> None:
         busy = self.scheduler.has_work()
         messages = self._inbox.get_all(0.0 if busy else idle_timeout_s)
         outputs = [out for out in map(self._handle, messages) if out is not None]
-        if messages or self.scheduler.has_work():
+        if self.scheduler.has_work():
             outputs.extend(self._step())
-        else:
-            self.scheduler.check_health()  # idle: a dead tp rank shows up here, not in a step
+        elif self.scheduler.tp is not None:  # idle: a dead tp rank shows up here, not in a step
+            self.scheduler.tp.check_health()
         if outputs:
-            self._to_detokenizer.put(msg.BatchTokenOutput(tuple(outputs)))
+            self._to_detokenizer.put(tuple(outputs))
         # After going idle, publish at once: clients poll the gauges for "back to zero".
         self._refresh_stats(force=busy and not self.scheduler.has_work())
 
@@ -170,10 +169,6 @@ class SchedulerLoop:
 def run_scheduler_process(
     args: ServerArgs, endpoints: msg.Endpoints, report_ready: Callable[[], None]
 ) -> None:
-    # Heavy (torch): imported in this child only. With tp_size > 1, TPScheduler (a Scheduler) runs
-    # rank 0 here, spawns ranks 1..N-1 and broadcasts each step's requests and aborts to them.
-    from minisgl.scheduler.tp import make_scheduler
-
     scheduler = make_scheduler(args)
     device = scheduler.engine.device
     loop = SchedulerLoop(scheduler, endpoints, make_gpu_probe(device.type, device.index))
