@@ -156,7 +156,7 @@ class SchedulerStats:
     batch_tokens: HistogramSnapshot = _histogram(
         "iteration_tokens", "Tokens computed in one forward step", BATCH_TOKENS_BUCKETS
     )
-    # The scheduler process's own numbers (minisgl.runtime.scheduler_proc); offline, the defaults.
+    # The scheduler process's own numbers (minisgl.scheduler.process); offline, the defaults.
     gen_throughput_tokens_per_s: float = _gauge(
         "gen_throughput", "Generated tokens per second over the last few seconds", default=0.0
     )
