@@ -51,25 +51,15 @@ def _check(ok: bool, field_name: str, message: str) -> None:
         raise InvalidRequestError(field_name, message)
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _is_int64(value: Any) -> bool:
-    return _is_int(value) and INT64_MIN <= value <= INT64_MAX
-
-
-def _short_text(value: Any) -> bool:
-    return value is None or (isinstance(value, str) and len(value) <= MAX_USER_CHARS)
+def _is_int(value: Any, low: int = INT64_MIN, high: int = INT64_MAX) -> bool:
+    """An integer (not a bool) in [low, high]: by default, one that travels as int64."""
+    return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
 
 
 def _in_range(value: Any, low: float, high: float) -> bool:
     """A finite number in [low, high] (NaN and infinities fail every comparison here)."""
-    return _is_number(value) and math.isfinite(value) and low <= value <= high
+    is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    return is_number and math.isfinite(value) and low <= value <= high
 
 
 @dataclass(frozen=True)
@@ -98,7 +88,7 @@ class Constraint:
         )
         object.__setattr__(self, "start_after", tuple(self.start_after))
         _check(
-            all(_is_int(t) and 0 <= t <= MAX_TOKEN_ID for t in self.start_after),
+            all(_is_int(t, 0, MAX_TOKEN_ID) for t in self.start_after),
             "constraint",
             "start_after must be token ids",
         )
@@ -120,7 +110,7 @@ def logit_bias_pairs(bias: Any) -> tuple[tuple[int, float], ...]:
         digits = isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 12
         token_id = int(key) if digits else key  # int() of thousands of digits raises
         _check(
-            _is_int(token_id) and 0 <= token_id <= MAX_TOKEN_ID,
+            _is_int(token_id, 0, MAX_TOKEN_ID),
             "logit_bias",
             f"keys must be token ids (integers in [0, {MAX_TOKEN_ID}]), got {str(key)[:24]!r}",
         )
@@ -140,7 +130,7 @@ def logit_bias_pairs(bias: Any) -> tuple[tuple[int, float], ...]:
 
 
 def _logprobs_count(value: Any) -> bool:
-    return value is None or (_is_int(value) and 0 <= value <= MAX_LOGPROBS)
+    return value is None or _is_int(value, 0, MAX_LOGPROBS)
 
 
 # The rules of SamplingParams' fields that need nothing but the field itself, checked in order.
@@ -149,7 +139,7 @@ _FIELD_RULES: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("top_p", lambda v: _in_range(v, 0, 1) and v > 0, "must be in (0, 1]"),
     (
         "top_k",
-        lambda v: _is_int(v) and -1 <= v <= INT32_MAX,
+        lambda v: _is_int(v, -1, INT32_MAX),
         "must be -1 or 0 (off) or a positive integer (at most the vocabulary size)",
     ),
     ("min_p", lambda v: _in_range(v, 0, 1), "must be in [0, 1]"),
@@ -160,12 +150,17 @@ _FIELD_RULES: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ),
     ("presence_penalty", lambda v: _in_range(v, -2, 2), "must be in [-2, 2]"),
     ("frequency_penalty", lambda v: _in_range(v, -2, 2), "must be in [-2, 2]"),
-    ("seed", lambda v: v is None or _is_int64(v), "must be a 64-bit signed integer"),
-    ("priority", _is_int64, "must be a 64-bit signed integer"),
-    ("user", _short_text, f"must be text of at most {MAX_USER_CHARS} characters"),
-    ("ignore_eos", lambda v: isinstance(v, bool), "must be a boolean"),
-    ("skip_special_tokens", lambda v: isinstance(v, bool), "must be a boolean"),
-    ("include_stop_str_in_output", lambda v: isinstance(v, bool), "must be a boolean"),
+    ("seed", lambda v: v is None or _is_int(v), "must be a 64-bit signed integer"),
+    ("priority", _is_int, "must be a 64-bit signed integer"),
+    (
+        "user",
+        lambda v: v is None or (isinstance(v, str) and len(v) <= MAX_USER_CHARS),
+        f"must be text of at most {MAX_USER_CHARS} characters",
+    ),
+    *(
+        (name, lambda v: isinstance(v, bool), "must be a boolean")
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output")
+    ),
     ("logprobs", _logprobs_count, f"must be in [0, {MAX_LOGPROBS}]"),
     ("constraint", lambda v: v is None or isinstance(v, Constraint), "must be a Constraint"),
     # stop and stop_token_ids: tuples by now (SamplingParams.__post_init__)
@@ -178,7 +173,7 @@ _FIELD_RULES: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("stop_token_ids", lambda v: len(v) <= MAX_STOP_TOKEN_IDS, f"at most {MAX_STOP_TOKEN_IDS} ids"),
     (
         "stop_token_ids",
-        lambda v: all(_is_int(t) and 0 <= t <= MAX_TOKEN_ID for t in v),
+        lambda v: all(_is_int(t, 0, MAX_TOKEN_ID) for t in v),
         f"must be token ids in [0, {MAX_TOKEN_ID}]",
     ),
 )
@@ -240,12 +235,12 @@ class SamplingParams:
         _check(_logprobs_count(self.prompt_logprobs), "prompt_logprobs", message)
         min_tokens = 0 if self.prompt_logprobs is not None else 1  # 0: only score the prompt
         _check(
-            _is_int(self.max_tokens) and min_tokens <= self.max_tokens <= INT32_MAX,
+            _is_int(self.max_tokens, min_tokens, INT32_MAX),
             "max_tokens",
             f"must be an integer in [{min_tokens}, {INT32_MAX}]",
         )
         _check(
-            _is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
+            _is_int(self.min_tokens, 0, self.max_tokens),
             "min_tokens",
             "must be an integer from 0 to max_tokens",
         )

@@ -5,7 +5,7 @@ dialects, the JSON checks and the flags' defaults read it here, and docs/server.
 it (tests/test_limits.py keeps the two equal). The rules below the table need the model
 (vocabulary, context length, KV pool): the server checks them before a request reaches the
 scheduler, to answer 400 naming the field, and the scheduler checks them again
-(`Scheduler.validate`) for the offline `LLM`: one function, two callers.
+(`Scheduler.add_request`) for the offline `LLM`: one function, two callers.
 """
 
 from __future__ import annotations

@@ -65,18 +65,17 @@ class LLM:
         for prompt, sp in zip(prompt_list, params, strict=True):
             ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
             req = Req(next_request_id(), ids, sp)
-            self.scheduler.validate(req)  # all-or-nothing: a bad prompt leaves nothing queued
             out = RequestOutput(prompt if isinstance(prompt, str) else None, ids)
             pending[req.rid] = (req, out, IncrementalDetokenizer(self.tokenizer, ids, sp, False))
         outputs = [out for _, out, _ in pending.values()]
-        for req, _, _ in pending.values():
-            self.scheduler.add_request(req)
+        # All or nothing: a bad prompt leaves nothing queued.
+        self.scheduler.add_request(*(req for req, _, _ in pending.values()))
         bar = tqdm(total=len(pending), disable=not use_tqdm, desc="generate")
         while pending:
             for result in self.scheduler.step():
-                if result.rid not in pending:
+                if (entry := pending.get(result.rid)) is None:
                     continue  # output after a stop string ended it here
-                req, out, detok = pending[result.rid]
+                req, out, detok = entry
                 out.token_ids.extend(result.token_ids)
                 if isinstance(result.matched_stop, int):  # a final EOS included, as vLLM
                     out.token_ids.append(result.matched_stop)

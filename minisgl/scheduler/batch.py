@@ -39,17 +39,26 @@ def build_batch(
 ) -> ForwardBatch:
     """Advance each request by its tokens (a decode by one, a prefill chunk by its own;
     `cached_len`, and `device_len` by the token it will sample) and describe the work for the
-    engine. `with_drafts`: some decodes have drafts (speculative decoding); they advance by those
-    verified, when the results are in. Runs every step: the decodes in bulk, no tuple each."""
-    reqs = decodes + [req for req, _ in chunks]
-    prefix_lens = [req.cached_len for req in reqs]
+    engine. `with_drafts`: a decode with k drafts (speculative decoding) is k + 1 one-token
+    sequences of its row, each sampling: its last token, then its drafts (in the token table
+    after it); it advances by those verified, when the results are in."""
+    # Runs every step: the decodes in bulk, no tuple each. Draft sequences sit at consecutive
+    # positions: all K/V of a layer is written before its attention runs, so each attends to
+    # the ones before it as one sequence would, and a batch of decodes keeps the shape CUDA
+    # graphs and the CPU's fused decode step run.
+    decode_seqs, prefix_lens = decodes, [req.cached_len for req in decodes]
+    if with_drafts:
+        decode_seqs = [req for req in decodes for _ in range(1 + len(req.drafts))]
+        prefix_lens = [req.cached_len + j for req in decodes for j in range(1 + len(req.drafts))]
+    reqs = decode_seqs + [req for req, _ in chunks]
+    prefix_lens += [req.cached_len for req, _ in chunks]
     wanted = [r.sampling_params.prompt_logprobs for r in reqs]
     prompt_logprobs: list[int | None] | None = None  # the usual case: no prompt scored
     if wanted.count(None) != len(reqs):
         prompt_logprobs = [
             k if r.scores_prompt else None for k, r in zip(wanted, reqs, strict=True)
         ]
-    sampling: list[SamplingParams | None] = [req.sampling_params for req in decodes]
+    sampling: list[SamplingParams | None] = [req.sampling_params for req in decode_seqs]
     for req in decodes:  # each samples (DecodeManager schedules none past max_tokens)
         req.cached_len += 1
         req.device_len += 1
@@ -65,40 +74,15 @@ def build_batch(
         else:
             sampling.append(None)
             scored_only.append(req)
-    batch = ForwardBatch(
+    return ForwardBatch(
         [req.table_row for req in reqs],
         prefix_lens,
-        [1] * len(decodes) + [n for _, n in chunks],
+        [1] * len(decode_seqs) + [n for _, n in chunks],
         sampling,
         [req.seed for req in reqs],
         [req.prompt_len for req in reqs],
         prompt_logprobs,
         reqs,
         scored_only,
-    )
-    return _with_drafts(batch) if with_drafts else batch
-
-
-def _with_drafts(batch: ForwardBatch) -> ForwardBatch:
-    """The batch with each request that has k drafts (a decode) as k + 1 one-token sequences of
-    its row, at consecutive positions, each sampling: its last token, then its drafts (in the
-    token table after it). All K/V of a layer is written before its attention runs, so each
-    attends to the ones before it as one sequence would; and a batch of decodes keeps the shape
-    CUDA graphs and the CPU's fused decode step run."""
-    seqs = [(i, j) for i, req in enumerate(batch.reqs) for j in range(1 + len(req.drafts))]
-
-    def each(values: list[_T]) -> list[_T]:
-        return [values[i] for i, _ in seqs]
-
-    return ForwardBatch(
-        each(batch.table_rows),
-        [batch.prefix_lens[i] + j for i, j in seqs],
-        each(batch.extend_lens),
-        each(batch.sampling),
-        each(batch.seeds),
-        each(batch.prompt_lens),
-        None if batch.prompt_logprobs is None else each(batch.prompt_logprobs),
-        each(batch.reqs),
-        batch.scored_only,
-        with_drafts=True,
+        with_drafts,
     )

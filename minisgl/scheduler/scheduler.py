@@ -57,6 +57,8 @@ class Scheduler:
         self.cache = CacheManager(
             self.engine.num_pages, self.page_size, args.cache_type, self.engine.tables
         )
+        kv_capacity_tokens = self.cache.num_total_pages * self.page_size
+        self.limits = ModelLimits(self.max_model_len, self.vocab_size, kv_capacity_tokens)
         self.prefill = PrefillManager(self.cache, args, self.engine.max_prefill_tokens)
         self.counters = SchedulerCounters()
         self.speculator = None
@@ -79,16 +81,13 @@ class Scheduler:
 
     # ---- calls between steps: queued, applied at the next step --------------------------------
 
-    def validate(self, req: Req) -> None:
-        """Raise ValueError for a request that could never run: checked before queueing."""
-        capacity_tokens = self.cache.num_total_pages * self.page_size
-        limits = ModelLimits(self.max_model_len, self.vocab_size, capacity_tokens)
-        check_request(req.input_ids, req.sampling_params, limits)
-        self.masks.compiled(req)  # a bad constraint fails here (cached for the step's attach)
-
-    def add_request(self, req: Req) -> None:
-        self.validate(req)
-        self._inbox.append(req)
+    def add_request(self, *reqs: Req) -> None:
+        """Queue requests for the next step: all of them, or none (ValueError) if one could never
+        run. A bad constraint fails here too (compiled once, cached for the step's attach)."""
+        for req in reqs:
+            check_request(req.input_ids, req.sampling_params, self.limits)
+            self.masks.compiled(req)
+        self._inbox += reqs
 
     def abort_request(self, rid: str) -> None:
         self._inbox.append(AbortRequest(rid))
@@ -118,10 +117,6 @@ class Scheduler:
                 self.cache.flush()
             elif (req := self.live.get(message.rid)) is not None:  # not ended yet
                 self._end(req, FinishReason.ABORT)
-                if req in self.prefill.waiting:
-                    self.prefill.waiting.remove(req)
-                else:
-                    self._release(req)
 
     # ---- the step -----------------------------------------------------------------------------
 
@@ -205,7 +200,6 @@ class Scheduler:
             for req in batch.scored_only:
                 if not req.finished:
                     self._end(req, FinishReason.LENGTH)
-                    self._release(req)
             if self.speculator is not None and batch.with_drafts:
                 rows = zip(result.token_ids, result.logprobs, strict=True)
                 for req in dict.fromkeys(batch.rows):  # each request once, in order
@@ -252,16 +246,13 @@ class Scheduler:
                 )
             )
             if reason is not None:
-                req.finish_reason, req.grammar = reason, None
-                del self.live[req.rid]
-                self._release(req)
+                self._finish(req, reason)
         self.counters.generation_tokens_total += num_taken
 
     def _end(self, req: Req, reason: FinishReason, error: str | None = None) -> None:
-        """The end of a request without a new token: aborted, failed (`error`, the server's),
-        or done scoring its prompt (max_tokens 0: it ends here with its prompt logprobs)."""
-        req.finish_reason, req.grammar = reason, None
-        del self.live[req.rid]
+        """The end of a request without a new token: aborted, done scoring its prompt
+        (max_tokens 0: it ends here with its prompt logprobs), or failed (`error`, the server's:
+        `fail_running` takes back what it holds)."""
         only_scored = reason == FinishReason.LENGTH and not req.output_ids
         prompt_logprobs = tuple(req.prompt_logprobs) if only_scored else ()
         self.events.append(
@@ -275,10 +266,19 @@ class Scheduler:
                 internal_error=error is not None,
             )
         )
+        self._finish(req, reason, release=error is None)
 
-    def _release(self, req: Req) -> None:
-        """Drop a finished request; its KV waits for the batch in flight if that batch uses it,
-        so that nothing in flight reads a row or page handed to someone else."""
+    def _finish(self, req: Req, reason: FinishReason, release: bool = True) -> None:
+        """`req` ends: it leaves the queue or the running batch and gives back what it holds.
+        Its KV waits for the batch in flight if that batch uses it, so that nothing in flight
+        reads a row or page handed to someone else."""
+        req.finish_reason, req.grammar = reason, None
+        del self.live[req.rid]
+        if not release:
+            return
+        if req.table_row < 0:  # still waiting (an abort): only admission gives a row
+            self.prefill.waiting.remove(req)
+            return
         self.running.remove(req)
         if self.inflight is not None and req in self.inflight.reqs:
             self.inflight.release_after.append(req)
