@@ -14,6 +14,7 @@ from minisgl import LLM, SamplingParams
 from minisgl.api.metrics import ServerMetrics
 from minisgl.core import FinishReason
 from minisgl.engine.gpu_probe import GPU_SAMPLE_INTERVAL_S, GpuProbe, GpuSample, make_gpu_probe
+from minisgl.limits import ModelLimits
 from minisgl.runtime.messages import StatsReply, decode, encode
 from minisgl.scheduler.counters import HistogramCounts, ThroughputWindow
 from minisgl.scheduler.process import build_stats_reply
@@ -289,10 +290,8 @@ def test_build_stats_reply_adds_the_process_numbers():
     scheduler_stats = stats(num_running_reqs=1, prompt_tokens_total=5, num_total_pages=4)
     scheduler = SimpleNamespace(
         stats=lambda: scheduler_stats,
-        max_model_len=64,
-        vocab_size=32,
+        limits=ModelLimits(max_model_len=64, vocab_size=32, kv_capacity_tokens=4 * 16),
         eos_token_ids=[2],
-        page_size=16,
     )
     gpu = SimpleNamespace(sample=lambda now_s: GpuSample(0.5, 3 * GIB, 8 * GIB))
     reply = build_stats_reply(scheduler, ThroughputWindow(), gpu)  # type: ignore[arg-type]

@@ -78,7 +78,7 @@ def decode_window(
     steps run under it afterwards (not timed)."""
     scheduler = llm.scheduler
     rng = random.Random(batch_size)
-    vocab = scheduler.vocab_size
+    vocab = scheduler.limits.vocab_size
     params = SamplingParams(
         max_tokens=args.warmup_steps + 2 * args.steps + 64, temperature=0.0, ignore_eos=True
     )

@@ -49,9 +49,9 @@ def build_stats_reply(
         gen_throughput_tokens_per_s=gen_throughput.update(now_s, stats.generation_tokens_total),
         **(dataclasses.asdict(gpu) if gpu is not None else {}),
     )
-    kv_capacity_tokens = stats.num_total_pages * scheduler.page_size
-    model = (scheduler.max_model_len, scheduler.vocab_size, tuple(scheduler.eos_token_ids))
-    return msg.StatsReply(-1, *model, kv_capacity_tokens, stats)
+    limits, eos_token_ids = scheduler.limits, tuple(scheduler.eos_token_ids)
+    model = (limits.max_model_len, limits.vocab_size, eos_token_ids, limits.kv_capacity_tokens)
+    return msg.StatsReply(-1, *model, stats)
 
 
 class SchedulerLoop:

@@ -49,26 +49,25 @@ class Scheduler:
     ) -> None:
         self.args = args
         self.tp = tp  # rank 0 of a tp group: each step's inbox goes to every rank
-        self.engine = engine or Engine(args)
-        self.max_model_len = self.engine.max_model_len
-        self.vocab_size = self.engine.model_config.vocab_size
-        self.eos_token_ids = self.engine.model_config.eos_token_ids
-        self.page_size = args.page_size
-        self.cache = CacheManager(
-            self.engine.num_pages, self.page_size, args.cache_type, self.engine.tables
+        self.engine = engine = engine or Engine(args)
+        self.eos_token_ids = engine.model_config.eos_token_ids
+        vocab_size, kv_capacity_tokens = (
+            engine.model_config.vocab_size,
+            engine.num_pages * args.page_size,
         )
-        kv_capacity_tokens = self.cache.num_total_pages * self.page_size
-        self.limits = ModelLimits(self.max_model_len, self.vocab_size, kv_capacity_tokens)
-        self.prefill = PrefillManager(self.cache, args, self.engine.max_prefill_tokens)
+        self.limits = ModelLimits(engine.max_model_len, vocab_size, kv_capacity_tokens)
+        self.cache = CacheManager(engine.num_pages, args.page_size, args.cache_type, engine.tables)
+        self.prefill = PrefillManager(self.cache, args, engine.max_prefill_tokens)
         self.counters = SchedulerCounters()
         self.speculator = None
         if args.speculative_algorithm is not None:
-            self.speculator = NgramSpeculator(args, self.cache, self.counters, self.max_model_len)
+            self.speculator = NgramSpeculator(args, self.cache, self.counters, engine.max_model_len)
         self.decode = DecodeManager(self.cache, self.prefill, self.speculator)
-        tokenizer_path = args.tokenizer or str(self.engine.model_path)
-        self.masks = GrammarMasks(tokenizer_path, self.vocab_size, self.eos_token_ids)
-        self.overlap = args.overlap_enabled(self.engine.device.type)
-        self.forward_thread = ForwardThread(self.overlap and not self.engine.stream.is_cuda)
+        tokenizer_path = args.tokenizer or str(engine.model_path)
+        self.masks = GrammarMasks(tokenizer_path, vocab_size, self.eos_token_ids)
+        self.overlap = args.overlap_enabled(engine.device.type)
+        self._is_cuda = engine.stream.is_cuda  # NVTX ranges there; CUDA launches return at once
+        self.forward_thread = ForwardThread(self.overlap and not self._is_cuda)
         self.running: list[Req] = []  # admitted, in admission order
         self.inflight: ForwardBatch | None = None  # launched, results not processed (overlap)
         self.events: list[ReqOutput] = []  # this step's: one per new token, one terminal each
@@ -77,7 +76,6 @@ class Scheduler:
         self.live: dict[str, Req] = {}
         self._inbox: Inbox = []
         self._rng = random.Random(args.seed)
-        self._is_cuda = self.engine.stream.is_cuda  # NVTX ranges there
 
     # ---- calls between steps: queued, applied at the next step --------------------------------
 
@@ -215,7 +213,7 @@ class Scheduler:
         """Sampled tokens into their requests (output, grammar, events), token_ids[i] into
         reqs[i], in order; a request they end is released, and takes no more. One loop over a
         step's tokens, on locals: this is the host's largest cost per running request."""
-        events, max_model_len = self.events, self.max_model_len
+        events, max_model_len = self.events, self.limits.max_model_len
         policy = self.prefill.policy  # charges output tokens to tenants under fairness
         num_taken = 0
         for req, token_id, logprob in zip(reqs, token_ids, logprobs, strict=True):
