@@ -259,7 +259,7 @@ def test_a_stream_that_fails_ends_with_an_error_event(caplog):
     """After the 200 went out, a bug or a RequestError still ends the stream properly."""
 
     async def events(error: Exception):
-        yield None, {"part": "first"}
+        yield {"part": "first"}
         raise error
 
     async def collect(error: Exception) -> list[str]:

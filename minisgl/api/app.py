@@ -283,7 +283,7 @@ def run_api_server(
         log_level="debug" if debug else "warning",
         access_log=debug,
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
-        timeout_keep_alive=KEEP_ALIVE_S,
+        timeout_keep_alive=int(KEEP_ALIVE_S),
         http=_Protocol,
         backlog=ACCEPT_BACKLOG,
     )

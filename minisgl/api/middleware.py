@@ -43,19 +43,11 @@ class Lifecycle:
     num_open_requests: int = 0  # requests in progress, probes excluded
 
 
-async def _send_error(scope: Scope, send: Send, error: RequestError) -> None:
-    await error.response(scope.get("path", ""))(scope, _no_receive, send)
-
-
-async def _refuse(scope: Scope, send: Send, refusal: RequestError) -> None:
+async def _refuse(scope: Scope, receive: Receive, send: Send, refusal: RequestError) -> None:
     """Answer a request refused before the app sees it."""
     if refusal.status_code != HTTPStatus.UNAUTHORIZED:  # its body may still be arriving
         refusal.headers = {**refusal.headers, "Connection": "close"}
-    await _send_error(scope, send, refusal)
-
-
-async def _no_receive() -> Message:
-    return {"type": "http.disconnect"}
+    await refusal.response(scope["path"])(scope, receive, send)
 
 
 # Called once per answered request: (route template, method, status code).
@@ -103,8 +95,7 @@ class Gate:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
+            return await self.app(scope, receive, send)
         status = 0  # 0 until the response starts
 
         async def tracking_send(message: Message) -> None:
@@ -113,41 +104,36 @@ class Gate:
                 status = int(message["status"])
             await send(message)
 
+        method, path = scope["method"], scope["path"]
         try:
             await self._admit(scope, receive, tracking_send)
         except Exception:
             request_id = new_id("req")
-            logger.exception(
-                "request %s (%s %s) failed", request_id, scope.get("method"), scope.get("path")
-            )
+            logger.exception("request %s (%s %s) failed", request_id, method, path)
             if not status:
                 message = f"internal error (request id {request_id})"
                 headers = {"X-Request-Id": request_id}
                 error = RequestError(HTTPStatus.INTERNAL_SERVER_ERROR, message, headers=headers)
-                await _send_error(scope, send, error)
-                status = error.status_code
+                await error.response(path)(scope, receive, tracking_send)
         finally:
             if self.observe is not None and status:
-                method = scope.get("method", "")
                 label = method if method in HTTP_METHODS else "other"
                 self.observe(route_template(scope), label, status)
 
     async def _admit(self, scope: Scope, receive: Receive, send: Send) -> None:
-        path = scope.get("path", "")
+        path = scope["path"]
         if self.lifecycle.draining and path != METRICS_PATH:
-            await _refuse(scope, send, RequestError(HTTPStatus.SERVICE_UNAVAILABLE, SHUTTING_DOWN))
-            return
+            draining = RequestError(HTTPStatus.SERVICE_UNAVAILABLE, SHUTTING_DOWN)
+            return await _refuse(scope, receive, send, draining)
         if path in PROBE_PATHS:
-            await self.app(scope, receive, send)
-            return
+            return await self.app(scope, receive, send)
         self.lifecycle.num_open_requests += 1
         try:
             headers = dict(scope["headers"])
             # The body, or why the request is refused.
             body = self._header_refusal(headers) or await self._read_body(headers, receive)
             if isinstance(body, RequestError):
-                await _refuse(scope, send, body)
-                return
+                return await _refuse(scope, receive, send, body)
             pending = [body]
 
             async def replay() -> Message:

@@ -100,49 +100,6 @@ class ServingContext:
         return decode_one
 
 
-@dataclass
-class Prepared:
-    """A request's prompts as token ids, with what the template and constraint made of them."""
-
-    prompt_ids: list[list[int]]
-    chat: PreparedChat | None
-    constraint: Constraint | None
-    constraint_param: str  # the request field the constraint came from
-    grammar_json: str | None = None  # the constraint compiled and serialized for the scheduler
-
-
-def _prepare(ctx: ServingContext, req: ApiRequest) -> Prepared:
-    """On the tokenizer thread. Raises InvalidRequestError, or ValueError about the messages."""
-    if isinstance(req.prompt, ChatPrompt):
-        chat = prepare_chat(ctx.tokenizer, ctx.chat, req.prompt, req.constraint_fields)
-        return Prepared([chat.prompt_ids], chat, chat.constraint, chat.constraint_param or "")
-    param, constraint = constraint_from_fields(req.constraint_fields) or ("", None)
-    prompts = [
-        list(ctx.tokenizer(item)["input_ids"]) if isinstance(item, str) else list(item)
-        for item in req.prompt
-    ]
-    return Prepared(prompts, None, constraint, param)
-
-
-async def prepare(ctx: ServingContext, req: ApiRequest) -> Prepared:
-    """The prompts, their constraint (compiled after the tokenizer thread's part, so that
-    thread keeps serving others meanwhile) and parsers; a 400 for any broken rule, named as this
-    dialect's clients spell the field."""
-    try:
-        check_prompt_size(*prompt_texts(req.prompt), ctx.limits, req.prompt_param)
-        prepared = await ctx.on_tokenizer_thread(_prepare, ctx, req)
-        if prepared.constraint is not None:
-            grammar = ctx.grammar.serialize(prepared.constraint, prepared.constraint_param)
-            prepared.grammar_json = await grammar
-        return prepared
-    except InvalidRequestError as exc:
-        raise req.invalid(exc) from None
-    except ValueError as exc:  # about the messages
-        param = req.wire("messages")
-        message = f"{param}: {exc}" if param != "messages" else str(exc)
-        raise RequestError(HTTPStatus.BAD_REQUEST, message, param=param) from None
-
-
 def admit(ctx: ServingContext, req: ApiRequest) -> None:
     """Before any work: the model, and the sequences one request starts (prompts x n)."""
     ctx.check_model(req.model)
@@ -214,11 +171,14 @@ class Run:
     into one queue. Submitted all or none; `close` aborts whatever is unfinished (the client
     left, a timeout, an error) and stops watching the client."""
 
-    def __init__(self, ctx: ServingContext, req: ApiRequest, request_id: str) -> None:
-        self.ctx = ctx
+    def __init__(self, http_request: Request, req: ApiRequest, request_id: str = "") -> None:
+        self.ctx: ServingContext = http_request.app.state.ctx
         self.req = req
         self.id = request_id
-        self.prepared: Prepared  # by `prepare`
+        self._http_request = http_request
+        self.prompts: list[list[int]] = []  # token ids, by `tokenize`
+        self.chat: PreparedChat | None = None  # a chat's parsers, by `tokenize`
+        self.grammar_json: str | None = None  # the constraint compiled for the scheduler
         self.params: list[list[SamplingParams]] = []
         self.choices: list[Choice] = []
         self._queue: asyncio.Queue = asyncio.Queue()
@@ -226,46 +186,73 @@ class Run:
         # What `close` cancels: the client watcher, the timeout.
         self._pending: list[asyncio.Task | asyncio.TimerHandle] = []
 
-    @property
-    def prompts(self) -> list[list[int]]:
-        return self.prepared.prompt_ids
-
-    async def start(self, http_request: Request) -> Run:
+    async def start(self) -> Run:
         """Admit, prepare and submit every choice (or none)."""
-        await self.prepare(http_request)
-        self.submit(http_request)
+        await self.prepare()
+        self.submit()
         return self
 
-    async def prepare(self, http_request: Request) -> None:
+    async def prepare(self) -> None:
         """Admission, prompts, constraint and every choice's SamplingParams (a 400 or 503 if a
         rule breaks); nothing is sent yet."""
         ctx, req = self.ctx, self.req
         admit(ctx, req)  # a 503 comes before any tokenizing
-        self.prepared = prepared = await prepare(ctx, req)
-        defaults = {**ctx.sampling_defaults, "user": api_key_tenant(http_request.headers)}
+        constraint = await self.tokenize()
+        defaults = {**ctx.sampling_defaults, "user": api_key_tenant(self._http_request.headers)}
         self.params = [
-            choice_params(req, p, ids, ctx.limits, defaults, prepared.constraint)
-            for p, ids in enumerate(prepared.prompt_ids)
+            choice_params(req, p, ids, ctx.limits, defaults, constraint)
+            for p, ids in enumerate(self.prompts)
         ]
-        chat = prepared.chat
+        chat = self.chat
         self.choices = [
             Choice(p * req.n + j, p, f"{self.id}-{p}-{j}", chat.new_parser() if chat else None)
-            for p in range(len(self.params))
+            for p in range(len(self.prompts))
             for j in range(req.n)
         ]
 
-    def submit(self, http_request: Request) -> None:
+    async def tokenize(self) -> Constraint | None:
+        """The prompts as token ids, a chat's parsers, and the request's constraint (compiled
+        after the tokenizer thread's part, so that thread keeps serving others meanwhile); a 400
+        for any broken rule, named as this dialect's clients spell the field."""
+        ctx, req = self.ctx, self.req
+        try:
+            check_prompt_size(*prompt_texts(req.prompt), ctx.limits, req.prompt_param)
+            param, constraint = await ctx.on_tokenizer_thread(self._tokenize)
+            if constraint is not None:
+                self.grammar_json = await ctx.grammar.serialize(constraint, param)
+            return constraint
+        except InvalidRequestError as exc:
+            raise req.invalid(exc) from None
+        except ValueError as exc:  # about the messages
+            param = req.wire("messages")
+            message = f"{param}: {exc}" if param != "messages" else str(exc)
+            raise RequestError(HTTPStatus.BAD_REQUEST, message, param=param) from None
+
+    def _tokenize(self) -> tuple[str, Constraint | None]:
+        """On the tokenizer thread: (the field the constraint came from, the constraint)."""
+        tokenizer, prompt, fields = self.ctx.tokenizer, self.req.prompt, self.req.constraint_fields
+        if isinstance(prompt, ChatPrompt):
+            self.chat = chat = prepare_chat(tokenizer, self.ctx.chat, prompt, fields)
+            self.prompts = [chat.prompt_ids]
+            return chat.constraint_param or "", chat.constraint
+        self.prompts = [
+            list(tokenizer(item)["input_ids"]) if isinstance(item, str) else list(item)
+            for item in prompt
+        ]
+        return constraint_from_fields(fields) or ("", None)
+
+    def submit(self) -> None:
         check_capacity(self.ctx, len(self.choices))  # it may have filled while we tokenized
         try:
             for choice in self.choices:
                 p, j = divmod(choice.index, self.req.n)  # prompt p's choice j
                 ids, params = tuple(self.prompts[p]), self.params[p][j]
-                request = TokenizedRequest(choice.rid, ids, params, self.prepared.grammar_json)
+                request = TokenizedRequest(choice.rid, ids, params, self.grammar_json)
                 self.ctx.engine.submit(request, choice.index, self._queue)
         except BaseException:
             self.close()
             raise
-        self._pending.append(asyncio.create_task(self._watch_disconnect(http_request)))
+        self._pending.append(asyncio.create_task(self._watch_disconnect()))
         if (timeout_s := self.ctx.args.request_timeout_s) is not None:
             timed_out = RequestError(
                 HTTPStatus.GATEWAY_TIMEOUT,
@@ -276,10 +263,10 @@ class Run:
             put = self._queue.put_nowait
             self._pending.append(asyncio.get_running_loop().call_later(timeout_s, put, timed_out))
 
-    async def _watch_disconnect(self, http_request: Request) -> None:
+    async def _watch_disconnect(self) -> None:
         # The body is already read, so the next ASGI message is the disconnect (or the end).
         while True:
-            message = await http_request.receive()
+            message = await self._http_request.receive()
             if message["type"] == "http.disconnect":
                 self._queue.put_nowait(ClientDisconnected())  # the handler wakes up, aborts
                 return

@@ -16,7 +16,7 @@ import dataclasses
 import hashlib
 import json
 import uuid
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,6 +26,7 @@ from minisgl.chat import ChatPrompt
 from minisgl.core import Constraint, SamplingParams
 from minisgl.limits import InvalidRequestError, ModelLimits, check_request, resolve_max_tokens
 
+JsonObject = dict[str, Any]  # a JSON object: a request body, a reply, an event
 SAMPLING_NAMES = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 KEY_TENANT_HASH_CHARS = 12  # an API key's tenant: a hash prefix, never the key itself
 
@@ -44,9 +45,30 @@ def new_id(prefix: str, sep: str = "-") -> str:
     return f"{prefix}{sep}{uuid.uuid4().hex}"
 
 
-def function_call(call_id: str, name: str, arguments: str) -> dict[str, Any]:
+def function_call(call_id: str, name: str, arguments: str) -> JsonObject:
     """A tool call as chat messages carry it (`tool_calls` entries)."""
     return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def text_content(
+    content: Any, where: str, param: str, text_types: Collection[str] = ("text",)
+) -> str:
+    """Text, or a list of text parts (of `text_types`; a refusal part's text is its "refusal"),
+    as one string: the Responses and Anthropic APIs' content. Anything else is a 400 naming
+    `param`."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise InvalidRequestError(param, f"{where}: content must be text or a list of text parts")
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, Mapping) else None
+        text = part.get("refusal" if kind == "refusal" else "text") if kind in text_types else None
+        if not isinstance(text, str):
+            message = f"must be a text part, not {kind!r}: the model reads text"
+            raise InvalidRequestError(param, f"{where}.content[{j}]: {message}")
+        texts.append(text)
+    return "".join(texts)
 
 
 def find_invalid_text(data: Any) -> str | None:
@@ -99,7 +121,7 @@ class SamplingWire(WireModel):
     frequency_penalty: float | None = None
     seed: int | None = None
     stop_token_ids: list[int] | None = None
-    logit_bias: dict[str, Any] | None = None  # token id (as text) -> bias in [-100, 100]
+    logit_bias: JsonObject | None = None  # token id (as text) -> bias in [-100, 100]
     min_tokens: int | None = None  # no EOS, stop token or stop string before this many
     ignore_eos: bool = False
     priority: int | None = None  # --enable-priority-scheduling: larger goes sooner
@@ -110,12 +132,12 @@ class ChatWire(SamplingWire):
     minisgl.chat.requests)."""
 
     tools: list[Any] | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template_kwargs: JsonObject | None = None
 
 
 def sampling_of(
     body: BaseModel, aliases: Mapping[str, str], **elsewhere: Any
-) -> tuple[dict[str, Any], dict[str, str]]:
+) -> tuple[JsonObject, dict[str, str]]:
     """(the SamplingParams fields `body` sets, by their names; what each is called on the wire).
 
     `aliases` maps a wire field to the internal name it stands for (a SamplingParams field, or

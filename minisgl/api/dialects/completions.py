@@ -14,13 +14,19 @@ from fastapi import APIRouter, Request
 from pydantic import model_validator
 from starlette.responses import Response
 
-from minisgl.api.dialects.openai import OpenAISampling, chunk, finish_text, fold, header, usage_dict
+from minisgl.api.dialects.openai import (
+    OpenAISampling,
+    choice_chunk,
+    chunk,
+    fold,
+    header,
+    usage_dict,
+)
 from minisgl.api.pipeline import Run, ServingContext
-from minisgl.api.request import ApiRequest, new_id, sampling_of
-from minisgl.api.sse import WireEvent, respond
+from minisgl.api.request import ApiRequest, JsonObject, new_id, sampling_of
+from minisgl.api.sse import respond
 from minisgl.core import TokenLogprob
 from minisgl.limits import DEFAULT_MAX_TOKENS, InvalidRequestError
-from minisgl.tokenizer.detokenizer import stop_reason
 
 LOGPROB_KEYS = ("tokens", "token_logprobs", "top_logprobs", "text_offset")
 
@@ -63,7 +69,7 @@ def _top(ctx: ServingContext, lp: TokenLogprob) -> dict[str, float]:
 
 def _completion_logprobs(
     ctx: ServingContext, logprobs: Sequence[TokenLogprob], offset: int
-) -> dict[str, Any]:
+) -> JsonObject:
     """The legacy completions format, text offsets counted from `offset`."""
     tokens = [ctx.token_text(lp.token_id) for lp in logprobs]
     return {
@@ -76,7 +82,7 @@ def _completion_logprobs(
 
 def _echo_logprobs(
     ctx: ServingContext, prompt_ids: Sequence[int], scored: Sequence[TokenLogprob]
-) -> dict[str, Any]:
+) -> JsonObject:
     """The prompt's part of echo + logprobs: every prompt token, the first with a null logprob
     and top_logprobs (nothing comes before it), offsets from 0."""
     tokens = [ctx.token_text(tid) for tid in prompt_ids]
@@ -98,7 +104,7 @@ def _echo_texts(ctx: ServingContext, run: Run) -> list[str]:
     ]
 
 
-async def completion_events(run: Run, body: CompletionRequest) -> AsyncIterator[WireEvent]:
+async def completion_events(run: Run, body: CompletionRequest) -> AsyncIterator[JsonObject]:
     ctx = run.ctx
     base = header(run, body, "text_completion")
     echoed = await ctx.on_tokenizer_thread(_echo_texts, ctx, run) if body.echo else []
@@ -112,29 +118,25 @@ async def completion_events(run: Run, body: CompletionRequest) -> AsyncIterator[
     waiting = {c.index for c in run.choices} if body.echo and body.logprobs is not None else set()
     if body.echo and not waiting:
         for choice in run.choices:
-            text = echoed[choice.prompt_index]
-            yield chunk(base, choice.index, None, None, text=text, logprobs=None)
+            yield chunk(base, choice.index, text=echoed[choice.prompt_index], logprobs=None)
     async for event in run.events():
         choice, output = event.choice, event.output
         if choice.index in waiting:
             waiting.discard(choice.index)
             scored = _echo_logprobs(ctx, run.prompts[choice.prompt_index], output.prompt_logprobs)
             offsets[choice.index] = sum(map(len, scored["tokens"]))
-            text = echoed[choice.prompt_index]
-            yield chunk(base, choice.index, None, None, text=text, logprobs=scored)
+            yield chunk(base, choice.index, text=echoed[choice.prompt_index], logprobs=scored)
         logprobs = None
         if body.logprobs is not None and output.logprobs:
             logprobs = _completion_logprobs(ctx, output.logprobs, offsets[choice.index])
             offsets[choice.index] += sum(map(len, logprobs["tokens"]))
-        finish = finish_text(output.finish_reason)
-        if output.text or finish is not None or logprobs is not None:
-            stop = stop_reason(run.params[0][0], output.matched_stop)
-            yield chunk(base, choice.index, finish, stop, text=output.text, logprobs=logprobs)
+        if output.text or output.finish_reason is not None or logprobs is not None:
+            yield choice_chunk(run, base, event, text=output.text, logprobs=logprobs)
     if body.stream_usage or not body.stream:
-        yield None, {**base, "choices": [], "usage": usage_dict(run)}
+        yield {**base, "choices": [], "usage": usage_dict(run)}
 
 
-def fold_completion(chunks: list[dict[str, Any]], with_logprobs: bool) -> dict[str, Any]:
+def fold_completion(chunks: list[JsonObject], with_logprobs: bool) -> JsonObject:
     """The chunks of a completions stream as one text_completion (the non-streaming reply)."""
     reply, choices = fold(chunks, "text_completion")
     for choice in choices:
@@ -148,6 +150,6 @@ router = APIRouter()
 
 @router.post("/v1/completions")
 async def create_completion(body: CompletionRequest, request: Request) -> Response:
-    run = await Run(request.app.state.ctx, body.to_api(), new_id("cmpl")).start(request)
+    run = await Run(request, body.to_api(), new_id("cmpl")).start()
     fold = functools.partial(fold_completion, with_logprobs=body.logprobs is not None)
     return await respond(run, completion_events(run, body), body.stream, fold)

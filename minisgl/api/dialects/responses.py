@@ -39,8 +39,8 @@ from minisgl.api.dialects.responses_items import (
 )
 from minisgl.api.errors import RequestError
 from minisgl.api.pipeline import Run
-from minisgl.api.request import ApiRequest, ChatWire, new_id, sampling_of
-from minisgl.api.sse import EventBuffer, WireEvent, respond, sse_event
+from minisgl.api.request import ApiRequest, ChatWire, JsonObject, new_id, sampling_of
+from minisgl.api.sse import EventBuffer, respond
 from minisgl.chat import ChatPrompt, ReplyBlocks, with_reasoning_effort
 from minisgl.core import FinishReason
 from minisgl.limits import (
@@ -70,10 +70,10 @@ class ResponsesRequest(ChatWire):
     max_output_tokens: int | None = None
     top_logprobs: int = 0
     include: list[str] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tool_choice: str | JsonObject | None = None
     parallel_tool_calls: bool = True
-    text: dict[str, Any] | None = None
-    reasoning: dict[str, Any] | None = None
+    text: JsonObject | None = None
+    reasoning: JsonObject | None = None
     store: bool = True
     metadata: dict[str, str] = Field(default_factory=dict)
     user: str | None = None
@@ -99,7 +99,7 @@ class ResponsesRequest(ChatWire):
     def effort(self) -> str | None:
         return (self.reasoning or {}).get("effort")
 
-    def to_api(self, history: list[dict[str, Any]]) -> tuple[ApiRequest, list[dict[str, Any]]]:
+    def to_api(self, history: list[JsonObject]) -> tuple[ApiRequest, list[JsonObject]]:
         """The request to run, and the conversation without instructions (what a later
         `previous_response_id` continues: `history` is the earlier turns')."""
         turns = [*history, *input_messages(self.input)]
@@ -119,9 +119,9 @@ class ResponsesRequest(ChatWire):
 
 @dataclass(frozen=True)
 class StoredResponse:
-    response: dict[str, Any]  # the response object, as the client received it
-    conversation: list[dict[str, Any]]  # chat messages, this response's reply included
-    input_items: list[dict[str, Any]]  # this request's input, as GET .../input_items lists it
+    response: JsonObject  # the response object, as the client received it
+    conversation: list[JsonObject]  # chat messages, this response's reply included
+    input_items: list[JsonObject]  # this request's input, as GET .../input_items lists it
     size_chars: int
 
 
@@ -139,7 +139,7 @@ class ResponseStore:
     def size_chars(self) -> int:
         return sum(entry.size_chars for entry in self._entries.values())
 
-    def put(self, response: dict[str, Any], conversation: list[Any], items: list[Any]) -> None:
+    def put(self, response: JsonObject, conversation: list[Any], items: list[Any]) -> None:
         size = sum(len(json.dumps(part)) for part in (response, conversation, items))
         if size > self.max_chars:
             return  # larger than the whole store: keeping it would evict everything else
@@ -170,7 +170,7 @@ class Turn:
         self.blocks = ReplyBlocks(self.output)
         params = run.params[0][0]  # with the model's sampling defaults applied
         fmt = (body.text or {}).get("format")
-        self._fields: dict[str, Any] = {
+        self._fields: JsonObject = {
             "id": run.id,
             "object": "response",
             "created_at": int(time.time()),
@@ -191,7 +191,7 @@ class Turn:
         finish = self._run.choices[0].finish_reason
         return "incomplete" if finish == FinishReason.LENGTH else "completed"
 
-    def response(self, status: str, error: dict[str, Any] | None = None) -> dict[str, Any]:
+    def response(self, status: str, error: JsonObject | None = None) -> JsonObject:
         usage = None
         if status not in ("in_progress", "failed"):
             prompt, completion, cached = self._run.usage()
@@ -213,7 +213,7 @@ class Turn:
             "usage": usage,
         }
 
-    async def wire_events(self, store: ResponseStore) -> AsyncIterator[WireEvent]:
+    async def wire_events(self, store: ResponseStore) -> AsyncIterator[JsonObject]:
         self.events.emit("response.created", response=self.response("in_progress"))
         self.events.emit("response.in_progress", response=self.response("in_progress"))
         for wire_event in self.events.take():
@@ -234,7 +234,7 @@ class Turn:
         for wire_event in self.events.take():
             yield wire_event
 
-    def error_frames(self, body: dict[str, Any]) -> list[str]:
+    def error_events(self, body: JsonObject) -> list[JsonObject]:
         """A stream that fails: the error event, then response.failed (no [DONE] here)."""
         error = body["error"]
         param = error.get("param")
@@ -244,7 +244,7 @@ class Turn:
         code = "invalid_prompt" if client_error else "server_error"
         failure = {"code": code, "message": error["message"]}
         self.events.emit("response.failed", response=self.response("failed", failure))
-        return [sse_event(event, kind) for kind, event in self.events.take()]
+        return self.events.take()
 
 
 def stored(store: ResponseStore, response_id: str, param: str = "response_id") -> StoredResponse:
@@ -256,7 +256,7 @@ def stored(store: ResponseStore, response_id: str, param: str = "response_id") -
     return entry
 
 
-def _last_response(events: list[dict[str, Any]]) -> dict[str, Any]:
+def _last_response(events: list[JsonObject]) -> JsonObject:
     return events[-1]["response"]  # the stream's last event holds the whole response
 
 
@@ -270,19 +270,19 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
     if body.previous_response_id is not None:
         history = stored(store, body.previous_response_id, "previous_response_id").conversation
     api, conversation = body.to_api(history)
-    run = await Run(request.app.state.ctx, api, new_id("resp", "_")).start(request)
+    run = await Run(request, api, new_id("resp", "_")).start()
     turn = Turn(body, run, conversation)
     events = turn.wire_events(store)
-    return await respond(run, events, body.stream, _last_response, turn.error_frames)
+    return await respond(run, events, body.stream, _last_response, turn.error_events)
 
 
 @router.get("/v1/responses/{response_id}")
-async def retrieve_response(response_id: str, request: Request) -> dict[str, Any]:
+async def retrieve_response(response_id: str, request: Request) -> JsonObject:
     return stored(request.app.state.responses, response_id).response
 
 
 @router.delete("/v1/responses/{response_id}")
-async def delete_response(response_id: str, request: Request) -> dict[str, Any]:
+async def delete_response(response_id: str, request: Request) -> JsonObject:
     store: ResponseStore = request.app.state.responses
     stored(store, response_id)  # a 404 if there is none
     store.delete(response_id)
@@ -291,7 +291,7 @@ async def delete_response(response_id: str, request: Request) -> dict[str, Any]:
 
 def list_input_items(
     store: ResponseStore, response_id: str, limit: int, order: str, after: str | None
-) -> dict[str, Any]:
+) -> JsonObject:
     """The request's input items, newest first unless order is "asc", `limit` at a time, from
     after the item `after`."""
     items = stored(store, response_id).input_items
@@ -318,5 +318,5 @@ async def get_input_items(
     limit: int = Query(20, ge=1, le=MAX_LISTED_ITEMS),
     order: Literal["asc", "desc"] = "desc",
     after: str | None = None,
-) -> dict[str, Any]:
+) -> JsonObject:
     return list_input_items(request.app.state.responses, response_id, limit, order, after)

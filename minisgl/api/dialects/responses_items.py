@@ -14,16 +14,17 @@ Images and files in the input and built-in tools are a 400 naming the field.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping
 from typing import Any
 
 from minisgl.api.dialects.openai import new_call_id
-from minisgl.api.request import function_call, new_id
+from minisgl.api.request import JsonObject, function_call, new_id, text_content
 from minisgl.chat import CALL, REASONING
 from minisgl.chat.tool_parsers import ToolCallDelta
 from minisgl.limits import InvalidRequestError
 
-TEXT_PART_TYPES = frozenset({"input_text", "output_text", "text", "summary_text", "reasoning_text"})
+TEXT_PART_TYPES = ("input_text", "output_text", "text", "summary_text", "reasoning_text", "refusal")
 # A function_call item's fields, in function_call's order.
 FUNCTION_CALL_KEYS = ("call_id", "name", "arguments")
 # A message item's roles: chat's, and developer (a system message).
@@ -41,26 +42,6 @@ def _fail(where: str, message: str, param: str = "input") -> InvalidRequestError
     return InvalidRequestError(param, f"{where}: {message}")
 
 
-def content_text(content: Any, where: str) -> str:
-    """Text content: a string, or a list of text parts (input_text, output_text, ...)."""
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise _fail(where, "content must be text or a list of text parts")
-    texts = []
-    for j, part in enumerate(content):
-        kind = part.get("type") if isinstance(part, Mapping) else None
-        if kind == "refusal" and isinstance(part.get("refusal"), str):
-            texts.append(part["refusal"])
-        elif kind in TEXT_PART_TYPES and isinstance(part.get("text"), str):
-            texts.append(part["text"])
-        elif kind in ("input_image", "input_file", "input_audio"):
-            raise _fail(f"{where}.content[{j}]", f"{kind} is not supported: the model reads text")
-        else:
-            raise _fail(f"{where}.content[{j}]", "must be a text part {'type', 'text'}")
-    return "".join(texts)
-
-
 def _text_field(item: Mapping[str, Any], key: str, where: str) -> str:
     value = item.get(key)
     if not isinstance(value, str):
@@ -68,11 +49,11 @@ def _text_field(item: Mapping[str, Any], key: str, where: str) -> str:
     return value
 
 
-def input_messages(value: str | list[Any]) -> list[dict[str, Any]]:
+def input_messages(value: str | list[Any]) -> list[JsonObject]:
     """`input` -> chat messages."""
     if isinstance(value, str):
         return [{"role": "user", "content": value}]
-    messages: list[dict[str, Any]] = []
+    messages: list[JsonObject] = []
     reasoning: str | None = None  # a reasoning item, waiting for the assistant turn it belongs to
     previous_kind = None
     for i, item in enumerate(value):
@@ -80,12 +61,12 @@ def input_messages(value: str | list[Any]) -> list[dict[str, Any]]:
         if not isinstance(item, Mapping):
             raise _fail(where, "must be an object")
         kind = item.get("type", "message")
-        message: dict[str, Any] | None = None
+        message: JsonObject | None = None
         if kind == "message":
             role = item.get("role")
             if role not in MESSAGE_ROLES:
                 raise _fail(where, "role must be user, system, developer or assistant")
-            content = content_text(item.get("content"), where)
+            content = text_content(item.get("content"), where, "input", TEXT_PART_TYPES)
             message = {"role": "system" if role == "developer" else role, "content": content}
         elif kind == "function_call":
             call = function_call(*(_text_field(item, key, where) for key in FUNCTION_CALL_KEYS))
@@ -96,10 +77,11 @@ def input_messages(value: str | list[Any]) -> list[dict[str, Any]]:
                 message = {"role": "assistant", "content": "", "tool_calls": [call]}
         elif kind == "function_call_output":
             call_id = _text_field(item, "call_id", where)
-            content = content_text(item.get("output"), where)
+            content = text_content(item.get("output"), where, "input", TEXT_PART_TYPES)
             message = {"role": "tool", "tool_call_id": call_id, "content": content}
         elif kind == "reasoning":
-            reasoning = content_text(item.get("content") or item.get("summary") or [], where)
+            given = item.get("content") or item.get("summary") or []
+            reasoning = text_content(given, where, "input", TEXT_PART_TYPES)
         else:
             raise _fail(where, f"item type {kind!r} is not supported ({', '.join(ITEM_KINDS)})")
         if message is not None:
@@ -112,7 +94,7 @@ def input_messages(value: str | list[Any]) -> list[dict[str, Any]]:
     return messages
 
 
-def _text_part(part: Mapping[str, Any], role: str) -> dict[str, Any]:
+def _text_part(part: Mapping[str, Any], role: str) -> JsonObject:
     """A text part as OpenAI types it: input_text, or output_text for the assistant (which
     carries annotations); a refusal as it is."""
     if part.get("type") == "refusal":
@@ -122,7 +104,7 @@ def _text_part(part: Mapping[str, Any], role: str) -> dict[str, Any]:
     return {"type": "input_text", "text": part["text"]}
 
 
-def input_items(value: str | list[Any]) -> list[dict[str, Any]]:
+def input_items(value: str | list[Any]) -> list[JsonObject]:
     """`input` (already checked by `input_messages`) as the items GET
     /v1/responses/{id}/input_items lists: OpenAI's shapes, each with an id."""
     given: list[Any] = [{"role": "user", "content": value}] if isinstance(value, str) else value
@@ -144,7 +126,7 @@ def input_items(value: str | list[Any]) -> list[dict[str, Any]]:
     return items
 
 
-def _chat_tool(i: int, tool: Any) -> dict[str, Any]:
+def _chat_tool(i: int, tool: Any) -> JsonObject:
     kind = tool.get("type") if isinstance(tool, Mapping) else None
     if kind != "function":
         message = f"tools[{i}]: only function tools are supported, not {kind!r}"
@@ -155,12 +137,12 @@ def _chat_tool(i: int, tool: Any) -> dict[str, Any]:
     return {"type": "function", "function": function}
 
 
-def chat_tools(tools: list[Any] | None) -> list[dict[str, Any]] | None:
+def chat_tools(tools: list[Any] | None) -> list[JsonObject] | None:
     """Flat function tools -> chat's {"type": "function", "function": {...}}."""
     return None if tools is None else [_chat_tool(i, tool) for i, tool in enumerate(tools)]
 
 
-def chat_tool_choice(choice: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
+def chat_tool_choice(choice: str | JsonObject | None) -> str | JsonObject | None:
     if isinstance(choice, Mapping):
         if choice.get("type") == "function" and isinstance(choice.get("name"), str):
             return {"type": "function", "function": {"name": choice["name"]}}
@@ -169,7 +151,7 @@ def chat_tool_choice(choice: str | dict[str, Any] | None) -> str | dict[str, Any
     return choice
 
 
-def response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
+def response_format(text: JsonObject | None) -> JsonObject | None:
     """`text.format` -> chat's `response_format` (json_schema's fields move under one key)."""
     if (fmt := (text or {}).get("format")) is None:
         return None
@@ -181,35 +163,47 @@ def response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
     return {"type": "json_schema", "json_schema": inner}
 
 
+# A text block's item and its one content part (a call's item has no parts).
+_TEXT_ITEMS = {
+    REASONING: ({"type": "reasoning", "summary": []}, {"type": "reasoning_text", "text": ""}),
+    "text": (
+        {"type": "message", "role": "assistant"},
+        {"type": "output_text", "text": "", "annotations": [], "logprobs": []},
+    ),
+}
+
+
 class OutputItems:
     """The reply's blocks as output items, and the stream events that build them
     (a minisgl.chat.output.BlockSink)."""
 
     def __init__(self, emit: Any) -> None:
-        self.items: list[dict[str, Any]] = []
+        self.items: list[JsonObject] = []
         self._emit = emit
 
-    def _at(self, part: bool = True) -> dict[str, Any]:
+    def _at(self, part: bool = True) -> JsonObject:
         """Where an event about the open item (and its one content part) points."""
         where = {"item_id": self.items[-1]["id"], "output_index": len(self.items) - 1}
         return {**where, "content_index": 0} if part else where
 
     def open(self, kind: str, call: ToolCallDelta | None) -> None:
-        item: dict[str, Any] = {"type": "message", "role": "assistant", "content": []}
         if call is not None:
-            call_id, name = new_call_id(), call.name or ""
-            item = {"type": "function_call", "call_id": call_id, "name": name, "arguments": ""}
-        elif kind == REASONING:
-            item = {"type": "reasoning", "summary": [], "content": []}
+            name, part = call.name or "", None
+            item = {
+                "type": "function_call",
+                "call_id": new_call_id(),
+                "name": name,
+                "arguments": "",
+            }
+        else:
+            head, part = copy.deepcopy(_TEXT_ITEMS[kind])
+            item = {**head, "content": [part]}
         # Every kind: an id with its type's prefix (as input items get), in progress until closed.
         item = {"id": new_id(ITEM_ID_PREFIXES[item["type"]], "_"), **item, "status": "in_progress"}
         self.items.append(item)
-        self._emit("response.output_item.added", output_index=len(self.items) - 1, item=item)
-        if call is None:
-            part: dict[str, Any] = {"type": "reasoning_text", "text": ""}
-            if kind != REASONING:
-                part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-            item["content"].append(part)
+        added = {**item, "content": []} if part else item  # its part is added next
+        self._emit("response.output_item.added", output_index=len(self.items) - 1, item=added)
+        if part:
             self._emit("response.content_part.added", **self._at(), part=part)
 
     def write(self, kind: str, text: str, logprobs: list[Any]) -> None:
@@ -234,18 +228,15 @@ class OutputItems:
             self._emit("response.function_call_arguments.done", **self._at(False), **done)
         else:
             part = item["content"][0]
-            if item["type"] == "message":
-                done = {"text": part["text"], "logprobs": part["logprobs"]}
-                self._emit("response.output_text.done", **self._at(), **done)
-            else:
-                self._emit("response.reasoning_text.done", **self._at(), text=part["text"])
+            done = {key: part[key] for key in ("text", "logprobs") if key in part}
+            self._emit(f"response.{part['type']}.done", **self._at(), **done)
             self._emit("response.content_part.done", **self._at(), part=part)
         item["status"] = status
         self._emit("response.output_item.done", output_index=len(self.items) - 1, item=item)
 
-    def assistant_message(self) -> dict[str, Any]:
+    def assistant_message(self) -> JsonObject:
         """The reply as a chat message: what a later turn's conversation holds."""
-        message: dict[str, Any] = {"role": "assistant", "content": ""}
+        message: JsonObject = {"role": "assistant", "content": ""}
         calls = []
         for item in self.items:
             if item["type"] == "message":

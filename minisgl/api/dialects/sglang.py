@@ -47,8 +47,15 @@ from starlette.responses import JSONResponse, Response
 from minisgl.api.dialects.openai import OpenAISampling
 from minisgl.api.errors import RequestError
 from minisgl.api.pipeline import Choice, Run, ServingContext
-from minisgl.api.request import SAMPLING_NAMES, ApiRequest, WireModel, new_id, sampling_of
-from minisgl.api.sse import WireEvent, respond
+from minisgl.api.request import (
+    SAMPLING_NAMES,
+    ApiRequest,
+    JsonObject,
+    WireModel,
+    new_id,
+    sampling_of,
+)
+from minisgl.api.sse import respond
 from minisgl.chat.requests import CONSTRAINT_FIELDS
 from minisgl.config import ServerArgs
 from minisgl.core import FinishReason, SamplingParams, TokenLogprob
@@ -99,7 +106,7 @@ class SGLangSampling(OpenAISampling):
 class GenerateRequest(WireModel):
     text: str | list[str] | None = None
     input_ids: list[int] | list[list[int]] | None = None
-    sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
+    sampling_params: JsonObject | list[JsonObject] | None = None
     stream: bool = False
     return_logprob: bool = False
     top_logprobs_num: int = Field(default=0, ge=0, le=MAX_LOGPROBS)
@@ -164,7 +171,7 @@ class GenerateRequest(WireModel):
         return ApiRequest(prompts, shared, wire_names, rows[0].n, None, constraint_fields)
 
 
-def _finish_reason(choice: Choice, max_new_tokens: int) -> dict[str, Any] | None:
+def _finish_reason(choice: Choice, max_new_tokens: int) -> JsonObject | None:
     if (reason := choice.finish_reason) is None:
         return None
     if reason == FinishReason.LENGTH:
@@ -182,11 +189,11 @@ def _triples(entries: list[TokenLogprob]) -> tuple[list[list[Any]], list[list[li
     return chosen, top
 
 
-def _item(run: Run, body: GenerateRequest, choice: Choice, start_s: float) -> dict[str, Any]:
+def _item(run: Run, body: GenerateRequest, choice: Choice, start_s: float) -> JsonObject:
     """One sequence as SGLang reports it, so far (its text and ids are cumulative)."""
     prompt = run.prompts[choice.prompt_index]
     rid = body.rid[choice.prompt_index] if isinstance(body.rid, list) else body.rid
-    meta: dict[str, Any] = {
+    meta: JsonObject = {
         "id": rid or choice.rid,
         "finish_reason": _finish_reason(choice, run.params[choice.prompt_index][0].max_tokens),
         "prompt_tokens": len(prompt),
@@ -209,15 +216,15 @@ def _item(run: Run, body: GenerateRequest, choice: Choice, start_s: float) -> di
     return {"text": choice.text, "output_ids": list(choice.token_ids), "meta_info": meta, **index}
 
 
-async def generate_events(run: Run, body: GenerateRequest) -> AsyncIterator[WireEvent]:
+async def generate_events(run: Run, body: GenerateRequest) -> AsyncIterator[JsonObject]:
     start_s = time.perf_counter()
     async for event in run.events():
         # Each item is cumulative: a reply needs only each sequence's last.
         if body.stream or event.choice.finished:
-            yield None, _item(run, body, event.choice, start_s)
+            yield _item(run, body, event.choice, start_s)
 
 
-def fold_generate(items: list[dict[str, Any]]) -> dict[str, Any] | list[Any]:
+def fold_generate(items: list[JsonObject]) -> JsonObject | list[Any]:
     last = {item.get("index", 0): item for item in items}
     ordered = [last[i] for i in sorted(last)]
     return ordered if "index" in ordered[0] else ordered[0]  # the items of a list reply say so
@@ -228,13 +235,13 @@ router = APIRouter()
 
 @router.api_route("/generate", methods=["POST", "PUT"])
 async def generate(body: GenerateRequest, request: Request) -> Response:
-    run = Run(request.app.state.ctx, body.to_api(), new_id("generate"))
-    await run.prepare(request)
+    run = Run(request, body.to_api(), new_id("generate"))
+    await run.prepare()
     shortest = min(len(ids) for ids in run.prompts)
     if body.return_logprob and body.logprob_start_len >= max(shortest, 1):
         message = f"must be below the prompt's length ({shortest} tokens)"
         raise InvalidRequestError("logprob_start_len", message)
-    run.submit(request)
+    run.submit()
     return await respond(run, generate_events(run, body), body.stream, fold_generate)
 
 
@@ -247,10 +254,10 @@ def _reported_path(given: str | None, resolved: str) -> str:
     return given
 
 
-def model_info(args: ServerArgs, model_path: str, tokenizer_path: str) -> dict[str, Any]:
+def model_info(args: ServerArgs, model_path: str, tokenizer_path: str) -> JsonObject:
     """GET /model_info: the checkpoint, fixed for the server's life. `model_path` and
     `tokenizer_path` are the resolved local folders the server loads from."""
-    config: dict[str, Any] = {}
+    config: JsonObject = {}
     with contextlib.suppress(OSError, ValueError):  # the scheduler reports a broken config
         config = json.loads((Path(model_path) / CONFIG_FILE).read_text())
     return {
@@ -295,7 +302,7 @@ async def _engine_answers(ctx: ServingContext, timeout_s: float) -> bool:
         ctx.engine.abort(rid)  # a no-op once it finished, or if it was never sent
 
 
-def _server_info(request: Request) -> dict[str, Any]:
+def _server_info(request: Request) -> JsonObject:
     ctx, info = request.app.state.ctx, request.app.state.model_info
     return {
         **{key: info[key] for key in ("model_path", "tokenizer_path", "is_generation")},
@@ -311,7 +318,7 @@ def _server_info(request: Request) -> dict[str, Any]:
     }
 
 
-def _model_info(request: Request) -> dict[str, Any]:
+def _model_info(request: Request) -> JsonObject:
     return request.app.state.model_info
 
 

@@ -15,8 +15,8 @@ from typing import Any, cast
 from fastapi import APIRouter, Request
 from pydantic import Field, model_validator
 
-from minisgl.api.pipeline import ServingContext, prepare
-from minisgl.api.request import ApiRequest, WireModel
+from minisgl.api.pipeline import Run, ServingContext
+from minisgl.api.request import ApiRequest, JsonObject, WireModel
 from minisgl.chat import ChatPrompt
 from minisgl.limits import (
     MAX_DETOKENIZE_IDS,
@@ -33,7 +33,7 @@ class TokenizeRequest(WireModel):
     add_special_tokens: bool = True  # prompt only: the template writes a chat's own
     return_token_strs: bool = False
     tools: list[Any] | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template_kwargs: JsonObject | None = None
 
     @model_validator(mode="after")
     def _one_input(self) -> TokenizeRequest:
@@ -51,7 +51,7 @@ router = APIRouter()
 
 
 @router.post("/tokenize")
-async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
+async def tokenize(body: TokenizeRequest, request: Request) -> JsonObject:
     ctx: ServingContext = request.app.state.ctx
     ctx.check_model(body.model)
     if body.prompt is not None:
@@ -65,7 +65,9 @@ async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
         chat = ChatPrompt(
             body.messages, body.tools, choice, template_kwargs=body.chat_template_kwargs
         )
-        ids = (await prepare(ctx, ApiRequest(chat, {}))).prompt_ids[0]
+        run = Run(request, ApiRequest(chat, {}))
+        await run.tokenize()
+        ids = run.prompts[0]
     token_strs = None
     if body.return_token_strs:  # a million of them take seconds: not on the event loop
         token_strs = await ctx.on_tokenizer_thread(lambda: [ctx.token_text(i) for i in ids])
@@ -78,7 +80,7 @@ async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
 
 
 @router.post("/detokenize")
-async def detokenize(body: DetokenizeRequest, request: Request) -> dict[str, Any]:
+async def detokenize(body: DetokenizeRequest, request: Request) -> JsonObject:
     ctx: ServingContext = request.app.state.ctx
     ctx.check_model(body.model)
     check_token_ids(body.tokens, ctx.limits, "tokens")
@@ -87,7 +89,7 @@ async def detokenize(body: DetokenizeRequest, request: Request) -> dict[str, Any
 
 
 @router.get("/tokenizer_info")
-async def tokenizer_info(request: Request) -> dict[str, Any]:
+async def tokenizer_info(request: Request) -> JsonObject:
     ctx: ServingContext = request.app.state.ctx
     tok = ctx.tokenizer
     special = {name: getattr(tok, name) for name in ("bos_token", "eos_token", "pad_token")}
