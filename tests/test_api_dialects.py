@@ -665,7 +665,7 @@ def test_a_stream_that_fails_ends_with_error_and_response_failed():
     run = SimpleNamespace(
         id="resp_1",
         ctx=SimpleNamespace(served_model_name=MODEL),
-        params=[[SamplingParams()]],
+        params=[SamplingParams()],
         events=outputs,
         close=lambda: None,
     )

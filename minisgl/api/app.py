@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import uvicorn
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
 from starlette.responses import Response
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
@@ -123,29 +123,30 @@ def create_app(
         engine = EngineClient(endpoints)
         info = await _wait_for_scheduler(engine)
         longest_token_chars = max(map(len, tokenizer.get_vocab()))
-        app.state.ctx = ServingContext(
-            args=args,
-            tokenizer=tokenizer,
-            engine=engine,
-            metrics=metrics,
-            served_model_name=served_model_name(args),
-            limits=ModelLimits(
+        chat = ChatSettings.resolve(
+            tokenizer,
+            args.chat_template,
+            args.chat_template_kwargs,
+            args.reasoning_parser,
+            args.tool_call_parser,
+        )
+        app.state.ctx = ctx = ServingContext(
+            args,
+            tokenizer,
+            engine,
+            metrics,
+            served_model_name(args),
+            ModelLimits(
                 info.max_model_len, info.vocab_size, info.kv_capacity_tokens, longest_token_chars
             ),
-            chat=ChatSettings.resolve(
-                tokenizer,
-                args.chat_template,
-                args.chat_template_kwargs,
-                args.reasoning_parser,
-                args.tool_call_parser,
-            ),
-            eos_token_ids=tuple(info.eos_token_ids),
-            sampling_defaults=load_sampling_defaults(Path(model_path), args.sampling_defaults),
+            chat,
+            tuple(info.eos_token_ids),
+            load_sampling_defaults(Path(model_path), args.sampling_defaults),
         )
         try:
             yield
         finally:
-            app.state.ctx.tokenizer_thread.shutdown(wait=False, cancel_futures=True)
+            ctx.tokenizer_thread.shutdown(wait=False, cancel_futures=True)
             await engine.close()
 
     # An exception with no handler there: the Gate (minisgl.api.middleware) logs it once and
@@ -164,15 +165,14 @@ def create_app(
         app.router.routes.extend(dialect.router.routes)
 
     @app.get("/health")
-    async def health(request: Request) -> Response:
-        reply = await request.app.state.ctx.engine.stats(HEALTH_TIMEOUT_S)
+    async def health() -> Response:
+        reply = await app.state.ctx.engine.stats(HEALTH_TIMEOUT_S)
         return Response(status_code=200 if reply is not None else HTTPStatus.SERVICE_UNAVAILABLE)
 
     @app.get("/metrics")
-    async def prometheus_metrics(request: Request) -> Response:
-        ctx = request.app.state.ctx
-        await ctx.engine.stats(METRICS_STATS_TIMEOUT_S)  # refreshes engine.last_stats
-        return Response(ctx.metrics.render(), media_type="text/plain; version=0.0.4")
+    async def prometheus_metrics() -> Response:
+        await app.state.ctx.engine.stats(METRICS_STATS_TIMEOUT_S)  # refreshes engine.last_stats
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4")
 
     return app
 
@@ -189,7 +189,7 @@ class _Server(uvicorn.Server):
         self, config: uvicorn.Config, app: FastAPI, drain_s: float, report_ready: Callable[[], None]
     ) -> None:
         super().__init__(config)
-        self._app = app
+        self._state = app.state
         self._drain_s = drain_s
         self._report_ready = report_ready
         self.loop: asyncio.AbstractEventLoop | None = None  # set once serving
@@ -224,19 +224,19 @@ class _Server(uvicorn.Server):
             self._task = asyncio.create_task(self._shut_down(), name="minisgl-shutdown")
 
     async def _wait_idle(self, timeout_s: float) -> None:
-        lifecycle, loop = self._app.state.lifecycle, asyncio.get_running_loop()
-        deadline_s = loop.time() + timeout_s
-        while lifecycle.num_open_requests > 0 and loop.time() < deadline_s and not self._hurry:
+        deadline_s = time.monotonic() + timeout_s
+        lifecycle = self._state.lifecycle
+        while lifecycle.num_open_requests and time.monotonic() < deadline_s and not self._hurry:
             await asyncio.sleep(DRAIN_POLL_S)
 
     async def _shut_down(self) -> None:
-        lifecycle = self._app.state.lifecycle
+        lifecycle = self._state.lifecycle
         lifecycle.draining = True
         if not self._hurry:
             message = "shutting down: %d open request(s) get up to %g s to finish"
             logger.info(message, lifecycle.num_open_requests, self._drain_s)
             await self._wait_idle(self._drain_s)
-        self._app.state.ctx.engine.abort_all(self._error)
+        self._state.ctx.engine.abort_all(self._error)
         self._hurry = False
         await self._wait_idle(GRACEFUL_SHUTDOWN_S)  # the aborted ones send their last chunks
         self.should_exit = True

@@ -43,13 +43,6 @@ class Lifecycle:
     num_open_requests: int = 0  # requests in progress, probes excluded
 
 
-async def _refuse(scope: Scope, receive: Receive, send: Send, refusal: RequestError) -> None:
-    """Answer a request refused before the app sees it."""
-    if refusal.status_code != HTTPStatus.UNAUTHORIZED:  # its body may still be arriving
-        refusal.headers = {**refusal.headers, "Connection": "close"}
-    await refusal.response(scope["path"])(scope, receive, send)
-
-
 # Called once per answered request: (route template, method, status code).
 ResponseObserver = Callable[[str, str, int], None]
 UNMATCHED_ROUTE = "unmatched"
@@ -59,10 +52,8 @@ def route_template(scope: Scope) -> str:
     """The route a request went to, as its template (`/v1/responses/{response_id}`), so that
     a metric's labels stay few; a request refused before routing (401, 413, 503) is matched
     here. UNMATCHED_ROUTE for paths no route serves."""
-    router = getattr(scope.get("app"), "router", None)
-    matching = (r for r in getattr(router, "routes", ()) if r.matches(scope)[0] == Match.FULL)
-    route = scope.get("route") or next(matching, None)
-    return str(getattr(route, "path", None) or UNMATCHED_ROUTE)
+    matching = (r for r in scope["app"].router.routes if r.matches(scope)[0] == Match.FULL)
+    return getattr(scope.get("route") or next(matching, None), "path", UNMATCHED_ROUTE)
 
 
 @dataclass
@@ -122,18 +113,16 @@ class Gate:
 
     async def _admit(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope["path"]
-        if self.lifecycle.draining and path != METRICS_PATH:
-            draining = RequestError(HTTPStatus.SERVICE_UNAVAILABLE, SHUTTING_DOWN)
-            return await _refuse(scope, receive, send, draining)
-        if path in PROBE_PATHS:
+        if path in PROBE_PATHS and (path == METRICS_PATH or not self.lifecycle.draining):
             return await self.app(scope, receive, send)
         self.lifecycle.num_open_requests += 1
         try:
-            headers = dict(scope["headers"])
-            # The body, or why the request is refused.
-            body = self._header_refusal(headers) or await self._read_body(headers, receive)
-            if isinstance(body, RequestError):
-                return await _refuse(scope, receive, send, body)
+            body = await self._read_body(scope, receive)
+        except RequestError as refusal:
+            if refusal.status_code != HTTPStatus.UNAUTHORIZED:  # its body may still be arriving
+                refusal.headers = {**refusal.headers, "Connection": "close"}
+            await refusal.response(path)(scope, receive, send)
+        else:
             pending = [body]
 
             async def replay() -> Message:
@@ -143,40 +132,40 @@ class Gate:
         finally:
             self.lifecycle.num_open_requests -= 1
 
-    def _header_refusal(self, headers: dict[bytes, bytes]) -> RequestError | None:
+    async def _read_body(self, scope: Scope, receive: Receive) -> Message:
+        """The whole body as one message, checked (`check_json`, on a thread: a 32 MiB body
+        takes ~0.7 s, and other requests' streams keep flowing); a RequestError says why the
+        request is refused."""
+        headers = dict(scope["headers"])
+        if self.lifecycle.draining:
+            raise RequestError(HTTPStatus.SERVICE_UNAVAILABLE, SHUTTING_DOWN)
         if not self._allowed(headers):
             message = "Invalid or missing API key."
-            return RequestError(HTTPStatus.UNAUTHORIZED, message, err_type="authentication_error")
+            raise RequestError(HTTPStatus.UNAUTHORIZED, message, err_type="authentication_error")
         if b"content-length" in headers and b"transfer-encoding" in headers:  # RFC 9112 6.3
             message = "A request may not carry both Content-Length and Transfer-Encoding."
-            return RequestError(HTTPStatus.BAD_REQUEST, message)
-        return None
-
-    async def _read_body(
-        self, headers: dict[bytes, bytes], receive: Receive
-    ) -> Message | RequestError:
-        """The whole body as one message, checked (`check_json`, on a thread: a 32 MiB body
-        takes ~0.7 s, and other requests' streams keep flowing); or why it is refused."""
-        too_large = f"Request body too large: the limit is {self.max_body_bytes} bytes."
-        declared = headers.get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
-            return RequestError(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, too_large)
+            raise RequestError(HTTPStatus.BAD_REQUEST, message)
+        message = f"Request body too large: the limit is {self.max_body_bytes} bytes."
+        too_large = RequestError(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, message)
+        declared = headers.get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > self.max_body_bytes:
+            raise too_large
         body = bytearray()
         while True:
             try:
-                message = await asyncio.wait_for(receive(), CLIENT_TIMEOUT_S)
+                received = await asyncio.wait_for(receive(), CLIENT_TIMEOUT_S)
             except TimeoutError:
                 stalled = f"The request body stopped arriving for {CLIENT_TIMEOUT_S:g} s."
-                return RequestError(HTTPStatus.REQUEST_TIMEOUT, stalled)
-            if message["type"] != "http.request":
-                return message  # the client left before sending it all: the app sees it
-            body += message.get("body", b"")
+                raise RequestError(HTTPStatus.REQUEST_TIMEOUT, stalled) from None
+            if received["type"] != "http.request":
+                return received  # the client left before sending it all: the app sees it
+            body += received.get("body", b"")
             if len(body) > self.max_body_bytes:
-                return RequestError(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, too_large)
-            if not message.get("more_body", False):
+                raise too_large
+            if not received.get("more_body", False):
                 break
         try:
             data = await asyncio.to_thread(check_json, bytes(body)) if body else b""
         except InvalidRequestError as exc:
-            return RequestError(HTTPStatus.BAD_REQUEST, str(exc))
+            raise RequestError(HTTPStatus.BAD_REQUEST, str(exc)) from None
         return {"type": "http.request", "body": data, "more_body": False}

@@ -62,6 +62,11 @@ class ServingContext:
     metrics: ServerMetrics
     served_model_name: str
     limits: ModelLimits
+    chat: ChatSettings
+    eos_token_ids: tuple[int, ...]
+    # For the sampling fields a request leaves unset (--sampling-defaults model): the checkpoint's
+    # generation_config.json values; empty means the OpenAI API's defaults.
+    sampling_defaults: dict[str, float | int]
     # Tokenizing a long prompt takes milliseconds to seconds: done on these threads, not on the
     # event loop, so streams of other requests keep flowing, and on more than one, so a huge
     # prompt does not hold up the others. Concurrent use is safe: no call changes the tokenizer's
@@ -69,11 +74,6 @@ class ServingContext:
     tokenizer_thread: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(TOKENIZER_THREADS, "minisgl-tokenize")
     )
-    chat: ChatSettings = field(default_factory=ChatSettings)
-    eos_token_ids: tuple[int, ...] = ()
-    # For the sampling fields a request leaves unset (--sampling-defaults model): the checkpoint's
-    # generation_config.json values; empty means the OpenAI API's defaults.
-    sampling_defaults: dict[str, float | int] = field(default_factory=dict)
 
     async def on_tokenizer_thread(self, fn: Callable[..., _T], *args: Any) -> _T:
         return await asyncio.get_running_loop().run_in_executor(self.tokenizer_thread, fn, *args)
@@ -98,32 +98,6 @@ class ServingContext:
             return cast(str, self.tokenizer.decode([token_id], skip_special_tokens=False))
 
         return decode_one
-
-
-def admit(ctx: ServingContext, req: ApiRequest) -> None:
-    """Before any work: the model, and the sequences one request starts (prompts x n)."""
-    ctx.check_model(req.model)
-    num_sequences, most = req.num_prompts * req.n, ctx.args.max_sequences_per_request
-    if num_sequences > most:
-        raise RequestError(
-            HTTPStatus.BAD_REQUEST,
-            f"this request asks for {num_sequences} sequences ({req.num_prompts} prompts x "
-            f"n={req.n}); the server allows at most {most}",
-            param="n" if req.n > most else req.prompt_param,
-        )
-    check_capacity(ctx, num_sequences)
-
-
-def check_capacity(ctx: ServingContext, num_sequences: int) -> None:
-    """503 when the queue of waiting sequences would overflow (--max-queued-requests)."""
-    in_flight_bound = ctx.args.max_running_requests + ctx.args.max_queued_requests
-    if ctx.engine.num_active_requests + num_sequences > in_flight_bound:
-        raise RequestError(
-            HTTPStatus.SERVICE_UNAVAILABLE,
-            "The server is overloaded: its request queue is full. Please retry later.",
-            err_type="server_overloaded",
-            headers={"Retry-After": str(QUEUE_FULL_RETRY_AFTER_S)},
-        )
 
 
 @dataclass
@@ -179,7 +153,7 @@ class Run:
         self.prompts: list[list[int]] = []  # token ids, by `tokenize`
         self.chat: PreparedChat | None = None  # a chat's parsers, by `tokenize`
         self.grammar_json: str | None = None  # the constraint compiled for the scheduler
-        self.params: list[list[SamplingParams]] = []
+        self.params: list[SamplingParams] = []  # one per choice
         self.choices: list[Choice] = []
         self._queue: asyncio.Queue = asyncio.Queue()
         self._arrival_time_s = time.perf_counter()
@@ -196,12 +170,23 @@ class Run:
         """Admission, prompts, constraint and every choice's SamplingParams (a 400 or 503 if a
         rule breaks); nothing is sent yet."""
         ctx, req = self.ctx, self.req
-        admit(ctx, req)  # a 503 comes before any tokenizing
+        # Before any work: the model, and the sequences one request starts (prompts x n).
+        ctx.check_model(req.model)
+        num_prompts = 1 if isinstance(req.prompt, ChatPrompt) else len(req.prompt)
+        if (num_sequences := num_prompts * req.n) > (most := ctx.args.max_sequences_per_request):
+            raise RequestError(
+                HTTPStatus.BAD_REQUEST,
+                f"this request asks for {num_sequences} sequences ({num_prompts} prompts x "
+                f"n={req.n}); the server allows at most {most}",
+                param="n" if req.n > most else req.prompt_param,
+            )
+        self._check_capacity(num_sequences)  # a 503 comes before any tokenizing
         constraint = await self.tokenize()
         defaults = {**ctx.sampling_defaults, "user": api_key_tenant(self._http_request.headers)}
         self.params = [
-            choice_params(req, p, ids, ctx.limits, defaults, constraint)
+            params
             for p, ids in enumerate(self.prompts)
+            for params in choice_params(req, p, ids, ctx.limits, defaults, constraint)
         ]
         chat = self.chat
         self.choices = [
@@ -241,12 +226,24 @@ class Run:
         ]
         return constraint_from_fields(fields) or ("", None)
 
+    def _check_capacity(self, num_sequences: int) -> None:
+        """503 when the queue of waiting sequences would overflow (--max-queued-requests)."""
+        args = self.ctx.args
+        if self.ctx.engine.num_active_requests + num_sequences > (
+            args.max_running_requests + args.max_queued_requests
+        ):
+            raise RequestError(
+                HTTPStatus.SERVICE_UNAVAILABLE,
+                "The server is overloaded: its request queue is full. Please retry later.",
+                err_type="server_overloaded",
+                headers={"Retry-After": str(QUEUE_FULL_RETRY_AFTER_S)},
+            )
+
     def submit(self) -> None:
-        check_capacity(self.ctx, len(self.choices))  # it may have filled while we tokenized
+        self._check_capacity(len(self.choices))  # it may have filled while we tokenized
         try:
-            for choice in self.choices:
-                p, j = divmod(choice.index, self.req.n)  # prompt p's choice j
-                ids, params = tuple(self.prompts[p]), self.params[p][j]
+            for choice, params in zip(self.choices, self.params, strict=True):
+                ids = tuple(self.prompts[choice.prompt_index])
                 request = TokenizedRequest(choice.rid, ids, params, self.grammar_json)
                 self.ctx.engine.submit(request, choice.index, self._queue)
         except BaseException:

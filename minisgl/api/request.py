@@ -176,10 +176,6 @@ class ApiRequest:
         return self.wire_names.get(name, name)
 
     @property
-    def num_prompts(self) -> int:
-        return 1 if isinstance(self.prompt, ChatPrompt) else len(self.prompt)
-
-    @property
     def prompt_param(self) -> str:
         return self.wire("messages" if isinstance(self.prompt, ChatPrompt) else "prompt")
 

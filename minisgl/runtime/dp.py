@@ -46,12 +46,10 @@ class Placement:
     cuda_visible_devices: str | None = None  # None: CPU, or leave the GPUs as they are
     cpus: frozenset[int] | None = None  # None: every core the launcher may use
 
-    def describe(self) -> str:
+    def __str__(self) -> str:
         if self.cuda_visible_devices is not None:
             return f"GPUs {self.cuda_visible_devices}"
-        if self.cpus is not None:
-            return f"cores {','.join(map(str, sorted(self.cpus)))}"
-        return "every core"
+        return f"cores {sorted(self.cpus)}" if self.cpus is not None else "every core"
 
     @contextlib.contextmanager
     def for_new_processes(self) -> Iterator[None]:
@@ -121,23 +119,20 @@ class DataParallelStack(StopRequests):
         for replica in self._replicas:
             replica.request_stop()
 
-    def _check(self) -> None:
-        """--nnodes, --dist-init-addr and --device cuda:N with --dp: refused when parsing."""
+    def start(self) -> None:
+        # --nnodes, --dist-init-addr and --device cuda:N with --dp: refused when parsing.
         if self.dp.use_router and not gateway_installed():
             raise StartupError(
                 f"--dp {self.dp.dp_size} puts the SGLang Model Gateway in front of the replicas, "
                 f"but sglang-router is not installed: {INSTALL_HINT}; or pass --no-router to "
                 "start the replicas alone"
             )
-
-    def start(self) -> None:
-        self._check()
         for index, placement in enumerate(plan_placements(self.args, self.dp.dp_size)):
             replica = ServerStack(self.args.replace(port=self.args.port + 1 + index), index)
             self._replicas.append(replica)
             with placement.for_new_processes():
                 replica.start()
-            logger.info("replica %d: %s on %s", index, replica.url, placement.describe())
+            logger.info("replica %d: %s on %s", index, replica.url, placement)
 
     def wait_ready(self) -> None:
         for replica in self._replicas:  # they load in parallel; this only waits for each

@@ -63,35 +63,24 @@ class CompletionRequest(OpenAISampling):
         return ApiRequest(prompts, sampling, wire_names, self.n, self.model, self.constraint_fields)
 
 
-def _top(ctx: ServingContext, lp: TokenLogprob) -> dict[str, float]:
-    return {ctx.token_text(tid): tlp for tid, tlp in lp.top}
-
-
-def _completion_logprobs(
-    ctx: ServingContext, logprobs: Sequence[TokenLogprob], offset: int
+def _legacy_logprobs(
+    ctx: ServingContext,
+    token_ids: Sequence[int],
+    scored: Sequence[TokenLogprob | None],
+    offset: int,
 ) -> JsonObject:
-    """The legacy completions format, text offsets counted from `offset`."""
-    tokens = [ctx.token_text(lp.token_id) for lp in logprobs]
+    """The legacy completions format of `token_ids`, text offsets counted from `offset`; a token
+    `scored` leaves None or short of (a prompt's first, the rest of an aborted one) gets nulls."""
+    tokens = [ctx.token_text(tid) for tid in token_ids]
+    scored = [*scored, *[None] * (len(tokens) - len(scored))]
     return {
         "tokens": tokens,
-        "token_logprobs": [lp.logprob for lp in logprobs],
-        "top_logprobs": [_top(ctx, lp) for lp in logprobs],
+        "token_logprobs": [None if lp is None else lp.logprob for lp in scored],
+        "top_logprobs": [
+            None if lp is None else {ctx.token_text(tid): tlp for tid, tlp in lp.top}
+            for lp in scored
+        ],
         "text_offset": list(itertools.accumulate(map(len, tokens), initial=offset))[:-1],
-    }
-
-
-def _echo_logprobs(
-    ctx: ServingContext, prompt_ids: Sequence[int], scored: Sequence[TokenLogprob]
-) -> JsonObject:
-    """The prompt's part of echo + logprobs: every prompt token, the first with a null logprob
-    and top_logprobs (nothing comes before it), offsets from 0."""
-    tokens = [ctx.token_text(tid) for tid in prompt_ids]
-    missing = [None] * (len(tokens) - 1 - len(scored))  # none arrived: the request was aborted
-    return {
-        "tokens": tokens,
-        "token_logprobs": [None, *(lp.logprob for lp in scored), *missing],
-        "top_logprobs": [None, *(_top(ctx, lp) for lp in scored), *missing],
-        "text_offset": list(itertools.accumulate(map(len, tokens[:-1]), initial=0)),
     }
 
 
@@ -123,12 +112,16 @@ async def completion_events(run: Run, body: CompletionRequest) -> AsyncIterator[
         choice, output = event.choice, event.output
         if choice.index in waiting:
             waiting.discard(choice.index)
-            scored = _echo_logprobs(ctx, run.prompts[choice.prompt_index], output.prompt_logprobs)
-            offsets[choice.index] = sum(map(len, scored["tokens"]))
-            yield chunk(base, choice.index, text=echoed[choice.prompt_index], logprobs=scored)
+            # The prompt's first token has no logprob: nothing comes before it.
+            prompt = run.prompts[choice.prompt_index]
+            scored_prompt = _legacy_logprobs(ctx, prompt, [None, *output.prompt_logprobs], 0)
+            offsets[choice.index] = sum(map(len, scored_prompt["tokens"]))
+            text = echoed[choice.prompt_index]
+            yield chunk(base, choice.index, text=text, logprobs=scored_prompt)
         logprobs = None
         if body.logprobs is not None and output.logprobs:
-            logprobs = _completion_logprobs(ctx, output.logprobs, offsets[choice.index])
+            ids = [lp.token_id for lp in output.logprobs]
+            logprobs = _legacy_logprobs(ctx, ids, output.logprobs, offsets[choice.index])
             offsets[choice.index] += sum(map(len, logprobs["tokens"]))
         if output.text or output.finish_reason is not None or logprobs is not None:
             yield choice_chunk(run, base, event, text=output.text, logprobs=logprobs)

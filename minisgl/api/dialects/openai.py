@@ -110,12 +110,6 @@ class ChatCompletionRequest(OpenAISampling, ChatWire):
         return ApiRequest(prompt, sampling, wire_names, self.n, self.model, self.constraint_fields)
 
 
-def finish_text(reason: FinishReason | None, num_calls: int = 0) -> str | None:
-    if reason == FinishReason.STOP and num_calls > 0:
-        return "tool_calls"
-    return None if reason is None else reason.value
-
-
 def usage_dict(run: Run, reasoning_tokens: int | None = None) -> JsonObject:
     """reasoning_tokens: part of completion_tokens (chat); None leaves the details out."""
     prompt_tokens, completion_tokens, cached_tokens = run.usage()
@@ -185,9 +179,10 @@ def choice_chunk(
     run: Run, base: JsonObject, event: Event, num_calls: int = 0, **part: Any
 ) -> JsonObject:
     """The chunk of one output, finish_reason and stop_reason set at its end."""
-    output = event.output
-    if (finish := finish_text(output.finish_reason, num_calls)) is not None:
-        part["stop_reason"] = stop_reason(run.params[0][0], output.matched_stop)
+    finish = None
+    if (reason := event.output.finish_reason) is not None:
+        finish = "tool_calls" if reason == FinishReason.STOP and num_calls else reason.value
+        part["stop_reason"] = stop_reason(run.params[0], event.output.matched_stop)
     return chunk(base, event.choice.index, finish, **part)
 
 

@@ -168,7 +168,7 @@ class Turn:
         self.events = EventBuffer(numbered=True)
         self.output = OutputItems(self.events.emit)
         self.blocks = ReplyBlocks(self.output)
-        params = run.params[0][0]  # with the model's sampling defaults applied
+        params = run.params[0]  # with the model's sampling defaults applied
         fmt = (body.text or {}).get("format")
         self._fields: JsonObject = {
             "id": run.id,

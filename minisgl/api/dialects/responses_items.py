@@ -36,6 +36,7 @@ ITEM_ID_PREFIXES = {
     "reasoning": "rs",
 }
 ITEM_KINDS = tuple(ITEM_ID_PREFIXES)
+FUNCTION_KEYS = ("name", "description", "parameters")
 
 
 def _fail(where: str, message: str, param: str = "input") -> InvalidRequestError:
@@ -126,20 +127,18 @@ def input_items(value: str | list[Any]) -> list[JsonObject]:
     return items
 
 
-def _chat_tool(i: int, tool: Any) -> JsonObject:
-    kind = tool.get("type") if isinstance(tool, Mapping) else None
-    if kind != "function":
-        message = f"tools[{i}]: only function tools are supported, not {kind!r}"
-        raise InvalidRequestError("tools", message)
-    function = {k: tool[k] for k in ("name", "description", "parameters") if k in tool}
-    if function.get("parameters") is None:
-        function.pop("parameters", None)  # OpenAI allows null: no parameters
-    return {"type": "function", "function": function}
-
-
 def chat_tools(tools: list[Any] | None) -> list[JsonObject] | None:
     """Flat function tools -> chat's {"type": "function", "function": {...}}."""
-    return None if tools is None else [_chat_tool(i, tool) for i, tool in enumerate(tools)]
+    chat = []
+    for i, tool in enumerate(tools or ()):
+        kind = tool.get("type") if isinstance(tool, Mapping) else None
+        if kind != "function":
+            message = f"tools[{i}]: only function tools are supported, not {kind!r}"
+            raise InvalidRequestError("tools", message)
+        # null parameters (OpenAI allows it): none
+        function = {k: tool[k] for k in FUNCTION_KEYS if tool.get(k) is not None}
+        chat.append({"type": "function", "function": function})
+    return None if tools is None else chat
 
 
 def chat_tool_choice(choice: str | JsonObject | None) -> str | JsonObject | None:

@@ -42,7 +42,7 @@ from typing import Any, cast
 from fastapi import APIRouter, Request
 from fastapi.exceptions import RequestValidationError
 from pydantic import Field, ValidationError, model_validator
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
 from minisgl.api.dialects.openai import OpenAISampling
 from minisgl.api.errors import RequestError
@@ -69,11 +69,10 @@ ALIASES = {
     "sampling_seed": "seed",
     "no_stop_trim": "include_stop_str_in_output",
 }
-_SGLANG_NAMES = {name: wire for wire, name in ALIASES.items()}
 # Every rule on a sampling field is reported under `sampling_params.<SGLang's name>`.
 WIRE_NAMES = {
-    **{name: f"sampling_params.{_SGLANG_NAMES.get(name, name)}" for name in SAMPLING_NAMES},
-    **{name: f"sampling_params.{name}" for name in CONSTRAINT_FIELDS},
+    **{name: f"sampling_params.{name}" for name in (*SAMPLING_NAMES, *CONSTRAINT_FIELDS)},
+    **{name: f"sampling_params.{wire}" for wire, name in ALIASES.items()},
     "logprobs": "top_logprobs_num",
     "prompt_logprobs": "top_logprobs_num",
 }
@@ -195,7 +194,7 @@ def _item(run: Run, body: GenerateRequest, choice: Choice, start_s: float) -> Js
     rid = body.rid[choice.prompt_index] if isinstance(body.rid, list) else body.rid
     meta: JsonObject = {
         "id": rid or choice.rid,
-        "finish_reason": _finish_reason(choice, run.params[choice.prompt_index][0].max_tokens),
+        "finish_reason": _finish_reason(choice, run.params[choice.index].max_tokens),
         "prompt_tokens": len(prompt),
         "completion_tokens": choice.num_tokens,
         "cached_tokens": choice.num_cached_prompt_tokens,
@@ -204,13 +203,11 @@ def _item(run: Run, body: GenerateRequest, choice: Choice, start_s: float) -> Js
         meta["e2e_latency"] = time.perf_counter() - start_s
     if body.return_logprob:
         meta["output_token_logprobs"], meta["output_top_logprobs"] = _triples(choice.logprobs)
-        start = body.logprob_start_len
-        meta["input_token_logprobs"], meta["input_top_logprobs"] = [], []
-        if start >= 0:
-            scored, scored_top = _triples(choice.prompt_logprobs)
-            # The first prompt token has no logprob: nothing comes before it.
-            meta["input_token_logprobs"] = [[None, prompt[0], None], *scored][start:]
-            meta["input_top_logprobs"] = [None, *scored_top][start:]
+        scored, scored_top = _triples(choice.prompt_logprobs)
+        # The first prompt token has no logprob: nothing comes before it. -1: the output's only.
+        start = body.logprob_start_len if body.logprob_start_len >= 0 else len(prompt)
+        meta["input_token_logprobs"] = [[None, prompt[0], None], *scored][start:]
+        meta["input_top_logprobs"] = [None, *scored_top][start:]
     # In a list reply (a batch, or n > 1) each item says which sequence it is.
     index = {"index": choice.index} if body.is_batch or run.req.n > 1 else {}
     return {"text": choice.text, "output_ids": list(choice.token_ids), "meta_info": meta, **index}
@@ -328,7 +325,7 @@ for path, handler in (("server_info", _server_info), ("model_info", _model_info)
 
 
 @router.get("/get_load")
-async def get_load(request: Request) -> Response:
+async def get_load(request: Request) -> list[JsonObject]:
     ctx = request.app.state.ctx
     if (reply := await ctx.engine.stats(LOAD_STATS_TIMEOUT_S)) is None:
         raise RequestError(HTTPStatus.SERVICE_UNAVAILABLE, SCHEDULER_SILENT)
@@ -342,7 +339,7 @@ async def get_load(request: Request) -> Response:
         # do not count); prompts still waiting are not counted.
         "num_tokens": (stats.num_total_pages - stats.num_free_pages) * ctx.args.page_size,
     }
-    return JSONResponse([load])
+    return [load]
 
 
 @router.api_route("/flush_cache", methods=["GET", "POST"])
