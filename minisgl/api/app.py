@@ -70,8 +70,9 @@ class _Protocol(H11Protocol):
     def connection_made(self, transport: Any) -> None:
         super().connection_made(transport)
         self.opened_s = self.loop.time()
-        timeout = self.timeout_keep_alive_handler
-        self.timeout_keep_alive_task = self.loop.call_later(CLIENT_TIMEOUT_S, timeout)
+        self.timeout_keep_alive_task = self.loop.call_later(
+            CLIENT_TIMEOUT_S, self.timeout_keep_alive_handler
+        )
         if len(self.connections) > self.max_connections:
             # idle: no request yet (cycle None), or its last one answered; not already closing
             idle = [
@@ -156,8 +157,9 @@ def create_app(
     app.state.model_info = sglang.model_info(args, str(model_path), str(tokenizer_path))
     app.state.responses = responses.ResponseStore()
     metrics = ServerMetrics(lambda: app.state.ctx.engine.last_stats)  # read once serving
-    limit = args.max_request_body_bytes
-    app.add_middleware(Gate, app.state.lifecycle, args.api_key, limit, metrics.count_response)
+    app.add_middleware(
+        Gate, app.state.lifecycle, args.api_key, args.max_request_body_bytes, metrics.count_response
+    )
 
     # The dialects' routes join the app's own (include_router would nest them behind one
     # route, which the middleware's per-route counter could not see through).
@@ -233,8 +235,11 @@ class _Server(uvicorn.Server):
         lifecycle = self._state.lifecycle
         lifecycle.draining = True
         if not self._hurry:
-            message = "shutting down: %d open request(s) get up to %g s to finish"
-            logger.info(message, lifecycle.num_open_requests, self._drain_s)
+            logger.info(
+                "shutting down: %d open request(s) get up to %g s to finish",
+                lifecycle.num_open_requests,
+                self._drain_s,
+            )
             await self._wait_idle(self._drain_s)
         self._state.ctx.engine.abort_all(self._error)
         self._hurry = False

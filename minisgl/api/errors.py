@@ -34,18 +34,20 @@ class RequestError(Exception):
     def __post_init__(self) -> None:
         super().__init__(self.message)
         if not self.err_type:
-            client_error = self.status_code < HTTPStatus.INTERNAL_SERVER_ERROR
-            self.err_type = "invalid_request_error" if client_error else "server_error"
+            self.err_type = (
+                "invalid_request_error"
+                if self.status_code < HTTPStatus.INTERNAL_SERVER_ERROR
+                else "server_error"
+            )
 
     def body(self, with_code: bool = True) -> JsonObject:
         """OpenAI's error body; `code` carries the HTTP status (as vLLM and SGLang send it)."""
-        code = self.status_code if with_code else None
         return {
             "error": {
                 "message": self.message,
                 "type": self.err_type,
                 "param": self.param,
-                "code": code,
+                "code": self.status_code if with_code else None,
             }
         }
 
@@ -53,8 +55,11 @@ class RequestError(Exception):
         """This error as the endpoint at `path` answers errors: in the shape its dialect
         registered for a prefix of it (ERROR_SHAPES), else in OpenAI's."""
         shape = next((s for prefix, s in ERROR_SHAPES.items() if path.startswith(prefix)), None)
-        body = shape(self.status_code, self.message) if shape else self.body()
-        return JSONResponse(body, status_code=self.status_code, headers=self.headers)
+        return JSONResponse(
+            shape(self.status_code, self.message) if shape else self.body(),
+            status_code=self.status_code,
+            headers=self.headers,
+        )
 
 
 class ClientDisconnected(Exception):
@@ -66,8 +71,9 @@ class ChoiceFailed(RequestError):
     (a 500 when the server failed the request, a step that raised; else a 400)."""
 
     def __init__(self, message: str, internal: bool = False) -> None:
-        status = HTTPStatus.INTERNAL_SERVER_ERROR if internal else HTTPStatus.BAD_REQUEST
-        super().__init__(status, message)
+        super().__init__(
+            HTTPStatus.INTERNAL_SERVER_ERROR if internal else HTTPStatus.BAD_REQUEST, message
+        )
 
 
 # A dialect that answers errors in its own shape registers it for its path prefix; everything

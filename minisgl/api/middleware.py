@@ -103,13 +103,15 @@ class Gate:
             logger.exception("request %s (%s %s) failed", request_id, method, path)
             if not status:
                 message = f"internal error (request id {request_id})"
-                headers = {"X-Request-Id": request_id}
-                error = RequestError(HTTPStatus.INTERNAL_SERVER_ERROR, message, headers=headers)
+                error = RequestError(
+                    HTTPStatus.INTERNAL_SERVER_ERROR, message, headers={"X-Request-Id": request_id}
+                )
                 await error.response(path)(scope, receive, tracking_send)
         finally:
             if self.observe is not None and status:
-                label = method if method in HTTP_METHODS else "other"
-                self.observe(route_template(scope), label, status)
+                self.observe(
+                    route_template(scope), method if method in HTTP_METHODS else "other", status
+                )
 
     async def _admit(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope["path"]
@@ -140,13 +142,20 @@ class Gate:
         if self.lifecycle.draining:
             raise RequestError(HTTPStatus.SERVICE_UNAVAILABLE, SHUTTING_DOWN)
         if not self._allowed(headers):
-            message = "Invalid or missing API key."
-            raise RequestError(HTTPStatus.UNAUTHORIZED, message, err_type="authentication_error")
+            raise RequestError(
+                HTTPStatus.UNAUTHORIZED,
+                "Invalid or missing API key.",
+                err_type="authentication_error",
+            )
         if b"content-length" in headers and b"transfer-encoding" in headers:  # RFC 9112 6.3
-            message = "A request may not carry both Content-Length and Transfer-Encoding."
-            raise RequestError(HTTPStatus.BAD_REQUEST, message)
-        message = f"Request body too large: the limit is {self.max_body_bytes} bytes."
-        too_large = RequestError(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, message)
+            raise RequestError(
+                HTTPStatus.BAD_REQUEST,
+                "A request may not carry both Content-Length and Transfer-Encoding.",
+            )
+        too_large = RequestError(
+            HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
+            f"Request body too large: the limit is {self.max_body_bytes} bytes.",
+        )
         declared = headers.get(b"content-length", b"")
         if declared.isdigit() and int(declared) > self.max_body_bytes:
             raise too_large
@@ -155,8 +164,10 @@ class Gate:
             try:
                 received = await asyncio.wait_for(receive(), CLIENT_TIMEOUT_S)
             except TimeoutError:
-                stalled = f"The request body stopped arriving for {CLIENT_TIMEOUT_S:g} s."
-                raise RequestError(HTTPStatus.REQUEST_TIMEOUT, stalled) from None
+                raise RequestError(
+                    HTTPStatus.REQUEST_TIMEOUT,
+                    f"The request body stopped arriving for {CLIENT_TIMEOUT_S:g} s.",
+                ) from None
             if received["type"] != "http.request":
                 return received  # the client left before sending it all: the app sees it
             body += received.get("body", b"")

@@ -82,14 +82,19 @@ class ServingContext:
     def grammar(self) -> GrammarWorker:
         """Compiles constraints in a worker process, off the tokenizer thread, so the scheduler
         never compiles on its loop and a hostile one costs a 400, not the server."""
-        timeout_s = self.args.grammar_compile_timeout_s
-        return GrammarWorker(self.tokenizer, self.limits.vocab_size, self.eos_token_ids, timeout_s)
+        return GrammarWorker(
+            self.tokenizer,
+            self.limits.vocab_size,
+            self.eos_token_ids,
+            self.args.grammar_compile_timeout_s,
+        )
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model not in accepted_model_names(self.args):
             served = f"this server serves `{self.served_model_name}`"
-            message = f"The model `{model}` does not exist: {served}."
-            raise RequestError(HTTPStatus.NOT_FOUND, message, "model")
+            raise RequestError(
+                HTTPStatus.NOT_FOUND, f"The model `{model}` does not exist: {served}.", "model"
+            )
 
     @functools.cached_property
     def token_text(self) -> Callable[[int], str]:
@@ -210,8 +215,11 @@ class Run:
             raise req.invalid(exc) from None
         except ValueError as exc:  # about the messages
             param = req.wire("messages")
-            message = f"{param}: {exc}" if param != "messages" else str(exc)
-            raise RequestError(HTTPStatus.BAD_REQUEST, message, param=param) from None
+            raise RequestError(
+                HTTPStatus.BAD_REQUEST,
+                f"{param}: {exc}" if param != "messages" else str(exc),
+                param=param,
+            ) from None
 
     def _tokenize(self) -> tuple[str, Constraint | None]:
         """On the tokenizer thread: (the field the constraint came from, the constraint)."""
@@ -257,16 +265,15 @@ class Run:
                 "and was aborted.",
                 err_type="timeout_error",
             )
-            put = self._queue.put_nowait
-            self._pending.append(asyncio.get_running_loop().call_later(timeout_s, put, timed_out))
+            self._pending.append(
+                asyncio.get_running_loop().call_later(timeout_s, self._queue.put_nowait, timed_out)
+            )
 
     async def _watch_disconnect(self) -> None:
         # The body is already read, so the next ASGI message is the disconnect (or the end).
-        while True:
-            message = await self._http_request.receive()
-            if message["type"] == "http.disconnect":
-                self._queue.put_nowait(ClientDisconnected())  # the handler wakes up, aborts
-                return
+        while (await self._http_request.receive())["type"] != "http.disconnect":
+            pass
+        self._queue.put_nowait(ClientDisconnected())  # the handler wakes up, aborts
 
     async def events(self) -> AsyncIterator[Event]:
         """Every output as it arrives, its choice updated; raises ChoiceFailed at the first

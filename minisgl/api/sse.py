@@ -86,8 +86,11 @@ async def respond(
 ) -> Response:
     """A stream of the events, or their fold: the reply of a non-streaming request."""
     if stream:
-        frames = stream_frames(run, events, error_events)
-        return StreamingResponse(frames, media_type="text/event-stream", headers=SSE_HEADERS)
+        return StreamingResponse(
+            stream_frames(run, events, error_events),
+            media_type="text/event-stream",
+            headers=SSE_HEADERS,
+        )
     try:
         payloads = [payload async for payload in events]
     except ClientDisconnected:

@@ -147,10 +147,8 @@ def run_until_stopped(stack: ServerStack | DataParallelStack) -> int:
     """Start `stack` (a server, or the replicas of --dp), serve until SIGTERM / Ctrl-C or a
     failure, always shut it down; the return value is the process exit code."""
     setup_logging(stack.args.log_level)
-    previous = {
-        sig: signal.signal(sig, lambda *_: stack.request_stop())
-        for sig in (signal.SIGINT, signal.SIGTERM)
-    }
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stack.request_stop())
     exit_code = CHILD_FAILED_EXIT_CODE
     try:
         stack.start()
@@ -164,6 +162,4 @@ def run_until_stopped(stack: ServerStack | DataParallelStack) -> int:
             logger.error("server failed to start: %s", exc)
     finally:
         stack.shutdown(backend_failed=exit_code != 0)
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
     return exit_code

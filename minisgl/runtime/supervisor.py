@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import importlib
 import logging
 import multiprocessing as mp
 import os
+import pkgutil
 import shutil
 import signal
 import sys
@@ -122,9 +122,7 @@ def child_main(
     _report(conn, "started")
     exit_code = 0
     try:
-        module_name, _, function_name = target.partition(":")
-        function = getattr(importlib.import_module(module_name), function_name)
-        function(*args, lambda: _report(conn, "ready"))
+        pkgutil.resolve_name(target)(*args, lambda: _report(conn, "ready"))
     except SystemExit as exc:
         exit_code = exc.code if isinstance(exc.code, int) else 0
     except ChildStartupError as exc:  # expected (port taken, ...): the message says it all

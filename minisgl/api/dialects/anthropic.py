@@ -61,8 +61,10 @@ ERROR_TYPES = {
 
 
 def anthropic_error(status_code: Any, message: str) -> JsonObject:
-    kind = ERROR_TYPES.get(status_code, "api_error")
-    return {"type": "error", "error": {"type": kind, "message": message}}
+    return {
+        "type": "error",
+        "error": {"type": ERROR_TYPES.get(status_code, "api_error"), "message": message},
+    }
 
 
 ERROR_SHAPES[PATH_PREFIX] = anthropic_error
@@ -90,8 +92,11 @@ class MessagesRequest(ChatWire):
             not (self.tool_choice or {}).get("disable_parallel_tool_use"),
             kwargs or None,
         )
-        user = (self.metadata or {}).get("user_id")  # the tenant (--tenant-fairness)
-        return ApiRequest(prompt, *sampling_of(self, ALIASES, user=user), model=self.model)
+        return ApiRequest(
+            prompt,
+            *sampling_of(self, ALIASES, user=(self.metadata or {}).get("user_id")),
+            model=self.model,
+        )
 
 
 class CountTokensRequest(MessagesRequest):
@@ -117,11 +122,10 @@ def _tool_result(block: Mapping[str, Any], where: str) -> JsonObject:
     call_id = block.get("tool_use_id")
     if not isinstance(call_id, str):
         raise _fail(where, "a tool_result block needs a tool_use_id")
-    content = block.get("content", "")
     return {
         "role": "tool",
         "tool_call_id": call_id,
-        "content": text_content(content, where, "messages"),
+        "content": text_content(block.get("content", ""), where, "messages"),
     }
 
 
@@ -188,8 +192,9 @@ def chat_tool_choice(choice: JsonObject | None) -> str | JsonObject | None:
         return TOOL_CHOICES[kind]
     if kind == "tool" and isinstance(choice.get("name"), str):
         return {"type": "function", "function": {"name": choice["name"]}}
-    message = "must be {'type': 'auto' | 'any' | 'none'} or {'type': 'tool', 'name'}"
-    raise InvalidRequestError("tool_choice", message)
+    raise InvalidRequestError(
+        "tool_choice", "must be {'type': 'auto' | 'any' | 'none'} or {'type': 'tool', 'name'}"
+    )
 
 
 def tool_input(arguments: str) -> JsonObject:
@@ -212,12 +217,10 @@ _EMPTY_BLOCKS = {
 }
 
 
-class BlockEvents:
+class BlockEvents(EventBuffer):
     """The reply's blocks as Anthropic's stream events (a minisgl.chat.output.BlockSink)."""
 
-    def __init__(self) -> None:
-        self.events = EventBuffer()
-        self._index = -1
+    _index = -1
 
     def open(self, kind: str, call: ToolCallDelta | None) -> None:
         self._index += 1
@@ -225,16 +228,17 @@ class BlockEvents:
         if call is not None:
             block = {"type": "tool_use", "id": new_id("toolu", "_"), "name": call.name or ""}
             block["input"] = {}
-        self.events.emit("content_block_start", index=self._index, content_block=block)
+        self.emit("content_block_start", index=self._index, content_block=block)
 
     def write(self, kind: str, text: str, logprobs: list[Any]) -> None:
         delta_type, key = _DELTAS[kind]
         if text or kind != CALL:
-            delta = {"type": delta_type, key: text}
-            self.events.emit("content_block_delta", index=self._index, delta=delta)
+            self.emit(
+                "content_block_delta", index=self._index, delta={"type": delta_type, key: text}
+            )
 
     def close(self, status: str) -> None:
-        self.events.emit("content_block_stop", index=self._index)
+        self.emit("content_block_stop", index=self._index)
 
 
 def stop_reason(choice: Choice, num_calls: int, stops: list[str]) -> tuple[str, str | None]:
@@ -251,15 +255,23 @@ def stop_reason(choice: Choice, num_calls: int, stops: list[str]) -> tuple[str, 
 async def message_events(run: Run, body: MessagesRequest) -> AsyncIterator[JsonObject]:
     sink = BlockEvents()
     blocks = ReplyBlocks(sink)
-    start = {"id": run.id, "type": "message", "role": "assistant"}
-    start |= {"model": body.model or run.ctx.served_model_name, "content": []}
-    usage = {"input_tokens": len(run.prompts[0]), "output_tokens": 0}
-    start |= {"stop_reason": None, "stop_sequence": None, "usage": usage}
-    sink.events.emit("message_start", message=start)
-    sink.events.emit("ping")
+    sink.emit(
+        "message_start",
+        message={
+            "id": run.id,
+            "type": "message",
+            "role": "assistant",
+            "model": body.model or run.ctx.served_model_name,
+            "content": [],
+            "stop_reason": None,
+            "stop_sequence": None,
+            "usage": {"input_tokens": len(run.prompts[0]), "output_tokens": 0},
+        },
+    )
+    sink.emit("ping")
     async for event in run.events():
         blocks.feed(event.delta)
-        for wire_event in sink.events.take():
+        for wire_event in sink.take():
             yield wire_event
     blocks.finish()
     reason, sequence = stop_reason(run.choices[0], blocks.num_calls, body.stop_sequences or [])
@@ -271,10 +283,11 @@ async def message_events(run: Run, body: MessagesRequest) -> AsyncIterator[JsonO
         "cache_read_input_tokens": cached,
         "output_tokens": completion,
     }
-    stop = {"stop_reason": reason, "stop_sequence": sequence}
-    sink.events.emit("message_delta", delta=stop, usage=usage)
-    sink.events.emit("message_stop")
-    for wire_event in sink.events.take():
+    sink.emit(
+        "message_delta", delta={"stop_reason": reason, "stop_sequence": sequence}, usage=usage
+    )
+    sink.emit("message_stop")
+    for wire_event in sink.take():
         yield wire_event
 
 

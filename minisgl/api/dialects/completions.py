@@ -113,11 +113,13 @@ async def completion_events(run: Run, body: CompletionRequest) -> AsyncIterator[
         if choice.index in waiting:
             waiting.discard(choice.index)
             # The prompt's first token has no logprob: nothing comes before it.
-            prompt = run.prompts[choice.prompt_index]
-            scored_prompt = _legacy_logprobs(ctx, prompt, [None, *output.prompt_logprobs], 0)
+            scored_prompt = _legacy_logprobs(
+                ctx, run.prompts[choice.prompt_index], [None, *output.prompt_logprobs], 0
+            )
             offsets[choice.index] = sum(map(len, scored_prompt["tokens"]))
-            text = echoed[choice.prompt_index]
-            yield chunk(base, choice.index, text=text, logprobs=scored_prompt)
+            yield chunk(
+                base, choice.index, text=echoed[choice.prompt_index], logprobs=scored_prompt
+            )
         logprobs = None
         if body.logprobs is not None and output.logprobs:
             ids = [lp.token_id for lp in output.logprobs]
@@ -144,5 +146,9 @@ router = APIRouter()
 @router.post("/v1/completions")
 async def create_completion(body: CompletionRequest, request: Request) -> Response:
     run = await Run(request, body.to_api(), new_id("cmpl")).start()
-    fold = functools.partial(fold_completion, with_logprobs=body.logprobs is not None)
-    return await respond(run, completion_events(run, body), body.stream, fold)
+    return await respond(
+        run,
+        completion_events(run, body),
+        body.stream,
+        functools.partial(fold_completion, with_logprobs=body.logprobs is not None),
+    )

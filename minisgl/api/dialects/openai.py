@@ -105,8 +105,9 @@ class ChatCompletionRequest(OpenAISampling, ChatWire):
         sampling, wire_names = sampling_of(self, CHAT_ALIASES)
         sampling["logprobs"] = (self.top_logprobs or 0) if self.logprobs else None
         kwargs = with_reasoning_effort(self.chat_template_kwargs, self.reasoning_effort)
-        same_names = {name: getattr(self, name) for name in PROMPT_FIELDS}
-        prompt = ChatPrompt(**same_names, template_kwargs=kwargs)
+        prompt = ChatPrompt(
+            **{name: getattr(self, name) for name in PROMPT_FIELDS}, template_kwargs=kwargs
+        )
         return ApiRequest(prompt, sampling, wire_names, self.n, self.model, self.constraint_fields)
 
 
@@ -162,8 +163,12 @@ def _delta_dict(delta: ChatDelta) -> JsonObject:
 
 
 def header(run: Run, body: OpenAISampling, kind: str) -> JsonObject:
-    model = body.model or run.ctx.served_model_name
-    head = {"id": run.id, "object": kind, "created": int(time.time()), "model": model}
+    head = {
+        "id": run.id,
+        "object": kind,
+        "created": int(time.time()),
+        "model": body.model or run.ctx.served_model_name,
+    }
     if body.stream_usage:
         head["usage"] = None  # OpenAI sends usage null on every chunk but the last
     return head
@@ -171,8 +176,7 @@ def header(run: Run, body: OpenAISampling, kind: str) -> JsonObject:
 
 def chunk(base: JsonObject, index: int, finish: str | None = None, **part: Any) -> dict:
     """A chunk of one choice; a finished one also says what stopped it (vLLM's stop_reason)."""
-    choice = {"index": index, **part, "finish_reason": finish}
-    return {**base, "choices": [choice]}
+    return {**base, "choices": [{"index": index, **part, "finish_reason": finish}]}
 
 
 def choice_chunk(
@@ -239,8 +243,11 @@ def fold(chunks: list[JsonObject], kind: str) -> tuple[JsonObject, list[JsonObje
     for sent in chunks:
         for part in sent["choices"]:
             accumulate(choices.setdefault(part["index"], {"stop_reason": None}), part)
-    head = {key: chunks[0][key] for key in ("id", "created", "model")}
-    reply = {**head, "object": kind, "usage": chunks[-1]["usage"]}
+    reply = {
+        **{key: chunks[0][key] for key in ("id", "created", "model")},
+        "object": kind,
+        "usage": chunks[-1]["usage"],
+    }
     return reply, [choices[i] for i in sorted(choices)]
 
 
@@ -268,8 +275,12 @@ router = APIRouter()
 async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
     run = await Run(request, body.to_api(), new_id("chatcmpl")).start()
     assert run.chat is not None
-    fold = functools.partial(fold_chat, with_reasoning=run.chat.reasoning_parser is not None)
-    return await respond(run, chat_events(run, body), body.stream, fold)
+    return await respond(
+        run,
+        chat_events(run, body),
+        body.stream,
+        functools.partial(fold_chat, with_reasoning=run.chat.reasoning_parser is not None),
+    )
 
 
 def _model_card(ctx: ServingContext) -> JsonObject:

@@ -40,7 +40,7 @@ from minisgl.api.dialects.responses_items import (
 from minisgl.api.errors import RequestError
 from minisgl.api.pipeline import Run
 from minisgl.api.request import ApiRequest, ChatWire, JsonObject, new_id, sampling_of
-from minisgl.api.sse import EventBuffer, respond
+from minisgl.api.sse import respond
 from minisgl.chat import ChatPrompt, ReplyBlocks, with_reasoning_effort
 from minisgl.core import FinishReason
 from minisgl.limits import (
@@ -84,11 +84,13 @@ class ResponsesRequest(ChatWire):
     @model_validator(mode="after")
     def _refuse_unsupported(self) -> ResponsesRequest:
         if self.background:
-            message = "is not supported: a response runs while its request is open"
-            raise InvalidRequestError("background", message)
+            raise InvalidRequestError(
+                "background", "is not supported: a response runs while its request is open"
+            )
         if self.truncation not in (None, "disabled"):
-            message = "only 'disabled' is supported (a prompt that is too long is a 400)"
-            raise InvalidRequestError("truncation", message)
+            raise InvalidRequestError(
+                "truncation", "only 'disabled' is supported (a prompt that is too long is a 400)"
+            )
         return self
 
     @property
@@ -165,8 +167,7 @@ class Turn:
         self._body = body
         self._run = run
         self._conversation = conversation
-        self.events = EventBuffer(numbered=True)
-        self.output = OutputItems(self.events.emit)
+        self.output = OutputItems()
         self.blocks = ReplyBlocks(self.output)
         params = run.params[0]  # with the model's sampling defaults applied
         fmt = (body.text or {}).get("format")
@@ -188,71 +189,87 @@ class Turn:
 
     @property
     def status(self) -> str:
-        finish = self._run.choices[0].finish_reason
-        return "incomplete" if finish == FinishReason.LENGTH else "completed"
+        return (
+            "incomplete"
+            if self._run.choices[0].finish_reason == FinishReason.LENGTH
+            else "completed"
+        )
 
     def response(self, status: str, error: JsonObject | None = None) -> JsonObject:
         usage = None
         if status not in ("in_progress", "failed"):
             prompt, completion, cached = self._run.usage()
-            written = prompt - cached  # the radix cache keeps every prompt token it lacked
             usage = {
                 "input_tokens": prompt,
-                "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": written},
+                # The radix cache keeps every prompt token it lacked.
+                "input_tokens_details": {
+                    "cached_tokens": cached,
+                    "cache_write_tokens": prompt - cached,
+                },
                 "output_tokens": completion,
                 "output_tokens_details": {"reasoning_tokens": self._run.reasoning_tokens},
                 "total_tokens": prompt + completion,
             }
-        incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
         return {
             **self._fields,
             "status": status,
             "error": error,
-            "incomplete_details": incomplete,
+            "incomplete_details": {"reason": "max_output_tokens"}
+            if status == "incomplete"
+            else None,
             "output": self.output.items,
             "usage": usage,
         }
 
     async def wire_events(self, store: ResponseStore) -> AsyncIterator[JsonObject]:
-        self.events.emit("response.created", response=self.response("in_progress"))
-        self.events.emit("response.in_progress", response=self.response("in_progress"))
-        for wire_event in self.events.take():
+        self.output.emit("response.created", response=self.response("in_progress"))
+        self.output.emit("response.in_progress", response=self.response("in_progress"))
+        for wire_event in self.output.take():
             yield wire_event
         async for event in self._run.events():
             logprobs = []
             if self._body.wants_logprobs:
                 logprobs = chat_logprobs(self._run.ctx, event.output.logprobs)["content"]
             self.blocks.feed(event.delta, logprobs)
-            for wire_event in self.events.take():
+            for wire_event in self.output.take():
                 yield wire_event
         self.blocks.finish(self.status)
         response = self.response(self.status)
         if self._body.store:
-            conversation = [*self._conversation, self.output.assistant_message()]
-            store.put(response, conversation, input_items(self._body.input))
-        self.events.emit(f"response.{self.status}", response=response)
-        for wire_event in self.events.take():
+            store.put(
+                response,
+                [*self._conversation, self.output.assistant_message()],
+                input_items(self._body.input),
+            )
+        self.output.emit(f"response.{self.status}", response=response)
+        for wire_event in self.output.take():
             yield wire_event
 
     def error_events(self, body: JsonObject) -> list[JsonObject]:
         """A stream that fails: the error event, then response.failed (no [DONE] here)."""
         error = body["error"]
-        param = error.get("param")
-        self.events.emit("error", code=error["type"], message=error["message"], param=param)
+        self.output.emit(
+            "error", code=error["type"], message=error["message"], param=error.get("param")
+        )
         status = error.get("code")
         client_error = isinstance(status, int) and status < HTTPStatus.INTERNAL_SERVER_ERROR
         code = "invalid_prompt" if client_error else "server_error"
-        failure = {"code": code, "message": error["message"]}
-        self.events.emit("response.failed", response=self.response("failed", failure))
-        return self.events.take()
+        self.output.emit(
+            "response.failed",
+            response=self.response("failed", {"code": code, "message": error["message"]}),
+        )
+        return self.output.take()
 
 
 def stored(store: ResponseStore, response_id: str, param: str = "response_id") -> StoredResponse:
     """The stored response; a 404 when there is none."""
     if (entry := store.get(response_id)) is None:
         kept = "responses are kept in this server's memory while it runs, when store is true"
-        message = f"{param}: no stored response {response_id!r} ({kept})"
-        raise RequestError(HTTPStatus.NOT_FOUND, message, param=param)
+        raise RequestError(
+            HTTPStatus.NOT_FOUND,
+            f"{param}: no stored response {response_id!r} ({kept})",
+            param=param,
+        )
     return entry
 
 
@@ -272,8 +289,9 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
     api, conversation = body.to_api(history)
     run = await Run(request, api, new_id("resp", "_")).start()
     turn = Turn(body, run, conversation)
-    events = turn.wire_events(store)
-    return await respond(run, events, body.stream, _last_response, turn.error_events)
+    return await respond(
+        run, turn.wire_events(store), body.stream, _last_response, turn.error_events
+    )
 
 
 @router.get("/v1/responses/{response_id}")

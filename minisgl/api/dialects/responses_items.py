@@ -20,6 +20,7 @@ from typing import Any
 
 from minisgl.api.dialects.openai import new_call_id
 from minisgl.api.request import JsonObject, function_call, new_id, text_content
+from minisgl.api.sse import EventBuffer
 from minisgl.chat import CALL, REASONING
 from minisgl.chat.tool_parsers import ToolCallDelta
 from minisgl.limits import InvalidRequestError
@@ -133,8 +134,9 @@ def chat_tools(tools: list[Any] | None) -> list[JsonObject] | None:
     for i, tool in enumerate(tools or ()):
         kind = tool.get("type") if isinstance(tool, Mapping) else None
         if kind != "function":
-            message = f"tools[{i}]: only function tools are supported, not {kind!r}"
-            raise InvalidRequestError("tools", message)
+            raise InvalidRequestError(
+                "tools", f"tools[{i}]: only function tools are supported, not {kind!r}"
+            )
         # null parameters (OpenAI allows it): none
         function = {k: tool[k] for k in FUNCTION_KEYS if tool.get(k) is not None}
         chat.append({"type": "function", "function": function})
@@ -145,8 +147,9 @@ def chat_tool_choice(choice: str | JsonObject | None) -> str | JsonObject | None
     if isinstance(choice, Mapping):
         if choice.get("type") == "function" and isinstance(choice.get("name"), str):
             return {"type": "function", "function": {"name": choice["name"]}}
-        message = "must be 'none', 'auto', 'required' or {'type': 'function', 'name'}"
-        raise InvalidRequestError("tool_choice", message)
+        raise InvalidRequestError(
+            "tool_choice", "must be 'none', 'auto', 'required' or {'type': 'function', 'name'}"
+        )
     return choice
 
 
@@ -158,12 +161,14 @@ def response_format(text: JsonObject | None) -> JsonObject | None:
         raise InvalidRequestError("text.format", "must be an object with a type")
     if fmt.get("type") != "json_schema":
         return dict(fmt)
-    inner = {k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt}
-    return {"type": "json_schema", "json_schema": inner}
+    return {
+        "type": "json_schema",
+        "json_schema": {k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt},
+    }
 
 
 # A text block's item and its one content part (a call's item has no parts).
-_TEXT_ITEMS = {
+_TEXT_ITEMS: dict[str, tuple[JsonObject, JsonObject]] = {
     REASONING: ({"type": "reasoning", "summary": []}, {"type": "reasoning_text", "text": ""}),
     "text": (
         {"type": "message", "role": "assistant"},
@@ -172,13 +177,13 @@ _TEXT_ITEMS = {
 }
 
 
-class OutputItems:
-    """The reply's blocks as output items, and the stream events that build them
+class OutputItems(EventBuffer):
+    """The reply's blocks as output items, and the stream events that build them, numbered
     (a minisgl.chat.output.BlockSink)."""
 
-    def __init__(self, emit: Any) -> None:
+    def __init__(self) -> None:
+        super().__init__(numbered=True)
         self.items: list[JsonObject] = []
-        self._emit = emit
 
     def _at(self, part: bool = True) -> JsonObject:
         """Where an event about the open item (and its one content part) points."""
@@ -186,52 +191,49 @@ class OutputItems:
         return {**where, "content_index": 0} if part else where
 
     def open(self, kind: str, call: ToolCallDelta | None) -> None:
+        part = None
         if call is not None:
-            name, part = call.name or "", None
-            item = {
-                "type": "function_call",
-                "call_id": new_call_id(),
-                "name": name,
-                "arguments": "",
-            }
+            name = call.name or ""
+            item: JsonObject = {"type": "function_call", "call_id": new_call_id(), "name": name}
+            item["arguments"] = ""
         else:
             head, part = copy.deepcopy(_TEXT_ITEMS[kind])
-            item = {**head, "content": [part]}
+            item = {**head, "content": []}
         # Every kind: an id with its type's prefix (as input items get), in progress until closed.
         item = {"id": new_id(ITEM_ID_PREFIXES[item["type"]], "_"), **item, "status": "in_progress"}
         self.items.append(item)
-        added = {**item, "content": []} if part else item  # its part is added next
-        self._emit("response.output_item.added", output_index=len(self.items) - 1, item=added)
-        if part:
-            self._emit("response.content_part.added", **self._at(), part=part)
+        self.emit("response.output_item.added", output_index=len(self.items) - 1, item=item)
+        if part is not None:
+            item["content"].append(part)
+            self.emit("response.content_part.added", **self._at(), part=part)
 
     def write(self, kind: str, text: str, logprobs: list[Any]) -> None:
         item = self.items[-1]
         if kind == CALL:
             item["arguments"] += text
             if text:
-                self._emit("response.function_call_arguments.delta", **self._at(False), delta=text)
+                self.emit("response.function_call_arguments.delta", **self._at(False), delta=text)
             return
         part = item["content"][0]
         part["text"] += text
         if kind == REASONING:
-            self._emit("response.reasoning_text.delta", **self._at(), delta=text)
+            self.emit("response.reasoning_text.delta", **self._at(), delta=text)
         else:
             part["logprobs"] += logprobs
-            self._emit("response.output_text.delta", **self._at(), delta=text, logprobs=logprobs)
+            self.emit("response.output_text.delta", **self._at(), delta=text, logprobs=logprobs)
 
     def close(self, status: str) -> None:
         item = self.items[-1]
         if item["type"] == "function_call":
             done = {"name": item["name"], "arguments": item["arguments"]}  # name: OpenAI's SDK 3
-            self._emit("response.function_call_arguments.done", **self._at(False), **done)
+            self.emit("response.function_call_arguments.done", **self._at(False), **done)
         else:
             part = item["content"][0]
             done = {key: part[key] for key in ("text", "logprobs") if key in part}
-            self._emit(f"response.{part['type']}.done", **self._at(), **done)
-            self._emit("response.content_part.done", **self._at(), part=part)
+            self.emit(f"response.{part['type']}.done", **self._at(), **done)
+            self.emit("response.content_part.done", **self._at(), part=part)
         item["status"] = status
-        self._emit("response.output_item.done", output_index=len(self.items) - 1, item=item)
+        self.emit("response.output_item.done", output_index=len(self.items) - 1, item=item)
 
     def assistant_message(self) -> JsonObject:
         """The reply as a chat message: what a later turn's conversation holds."""

@@ -141,8 +141,9 @@ class GenerateRequest(WireModel):
         try:
             return [SGLangSampling.model_validate(row) for row in rows]
         except ValidationError as exc:  # reported as the body's own errors are
-            errors = [{**e, "loc": ("sampling_params", *e["loc"])} for e in exc.errors()]
-            raise RequestValidationError(errors) from None
+            raise RequestValidationError(
+                [{**e, "loc": ("sampling_params", *e["loc"])} for e in exc.errors()]
+            ) from None
 
     def to_api(self) -> ApiRequest:
         if not (prompts := self.prompts()):
@@ -166,8 +167,14 @@ class GenerateRequest(WireModel):
             fields["prompt_logprobs"] = self.top_logprobs_num if scored else prefill_only
             sampling.append(fields)
         wire_names = {**WIRE_NAMES, "prompt": "text" if self.text is not None else "input_ids"}
-        shared = sampling if isinstance(self.sampling_params, list) else sampling[0]
-        return ApiRequest(prompts, shared, wire_names, rows[0].n, None, constraint_fields)
+        return ApiRequest(
+            prompts,
+            sampling if isinstance(self.sampling_params, list) else sampling[0],
+            wire_names,
+            rows[0].n,
+            None,
+            constraint_fields,
+        )
 
 
 def _finish_reason(choice: Choice, max_new_tokens: int) -> JsonObject | None:
@@ -184,16 +191,15 @@ def _triples(entries: list[TokenLogprob]) -> tuple[list[list[Any]], list[list[li
     """SGLang's logprob layout: [logprob, token id, text (null: not asked)] per token, and the
     top alternatives of each as a list of such triples."""
     chosen = [[lp.logprob, lp.token_id, None] for lp in entries]
-    top = [[[tlp, tid, None] for tid, tlp in lp.top] for lp in entries]
-    return chosen, top
+    return chosen, [[[tlp, tid, None] for tid, tlp in lp.top] for lp in entries]
 
 
 def _item(run: Run, body: GenerateRequest, choice: Choice, start_s: float) -> JsonObject:
     """One sequence as SGLang reports it, so far (its text and ids are cumulative)."""
     prompt = run.prompts[choice.prompt_index]
-    rid = body.rid[choice.prompt_index] if isinstance(body.rid, list) else body.rid
     meta: JsonObject = {
-        "id": rid or choice.rid,
+        "id": (body.rid[choice.prompt_index] if isinstance(body.rid, list) else body.rid)
+        or choice.rid,
         "finish_reason": _finish_reason(choice, run.params[choice.index].max_tokens),
         "prompt_tokens": len(prompt),
         "completion_tokens": choice.num_tokens,
@@ -209,8 +215,12 @@ def _item(run: Run, body: GenerateRequest, choice: Choice, start_s: float) -> Js
         meta["input_token_logprobs"] = [[None, prompt[0], None], *scored][start:]
         meta["input_top_logprobs"] = [None, *scored_top][start:]
     # In a list reply (a batch, or n > 1) each item says which sequence it is.
-    index = {"index": choice.index} if body.is_batch or run.req.n > 1 else {}
-    return {"text": choice.text, "output_ids": list(choice.token_ids), "meta_info": meta, **index}
+    return {
+        "text": choice.text,
+        "output_ids": list(choice.token_ids),
+        "meta_info": meta,
+        **({"index": choice.index} if body.is_batch or run.req.n > 1 else {}),
+    }
 
 
 async def generate_events(run: Run, body: GenerateRequest) -> AsyncIterator[JsonObject]:
@@ -236,8 +246,9 @@ async def generate(body: GenerateRequest, request: Request) -> Response:
     await run.prepare()
     shortest = min(len(ids) for ids in run.prompts)
     if body.return_logprob and body.logprob_start_len >= max(shortest, 1):
-        message = f"must be below the prompt's length ({shortest} tokens)"
-        raise InvalidRequestError("logprob_start_len", message)
+        raise InvalidRequestError(
+            "logprob_start_len", f"must be below the prompt's length ({shortest} tokens)"
+        )
     run.submit()
     return await respond(run, generate_events(run, body), body.stream, fold_generate)
 
@@ -330,16 +341,17 @@ async def get_load(request: Request) -> list[JsonObject]:
     if (reply := await ctx.engine.stats(LOAD_STATS_TIMEOUT_S)) is None:
         raise RequestError(HTTPStatus.SERVICE_UNAVAILABLE, SCHEDULER_SILENT)
     stats = reply.stats
-    load = {
-        "dp_rank": 0,  # the server's one rank (replicas are separate workers)
-        "num_reqs": stats.num_running_reqs + stats.num_queue_reqs,
-        "num_waiting_reqs": stats.num_queue_reqs,
-        "num_waiting_reqs_by_priority": stats.num_queue_reqs_by_priority,
-        # KV tokens held by running requests (cached prefixes nobody uses are free to evict and
-        # do not count); prompts still waiting are not counted.
-        "num_tokens": (stats.num_total_pages - stats.num_free_pages) * ctx.args.page_size,
-    }
-    return [load]
+    return [
+        {
+            "dp_rank": 0,  # the server's one rank (replicas are separate workers)
+            "num_reqs": stats.num_running_reqs + stats.num_queue_reqs,
+            "num_waiting_reqs": stats.num_queue_reqs,
+            "num_waiting_reqs_by_priority": stats.num_queue_reqs_by_priority,
+            # KV tokens held by running requests (cached prefixes nobody uses are free to evict and
+            # do not count); prompts still waiting are not counted.
+            "num_tokens": (stats.num_total_pages - stats.num_free_pages) * ctx.args.page_size,
+        }
+    ]
 
 
 @router.api_route("/flush_cache", methods=["GET", "POST"])
@@ -354,5 +366,8 @@ async def flush_cache(request: Request) -> Response:
 
 @router.get("/health_generate")
 async def health_generate(request: Request) -> Response:
-    ok = await _engine_answers(request.app.state.ctx, HEALTH_GENERATE_TIMEOUT_S)
-    return Response(status_code=200 if ok else HTTPStatus.SERVICE_UNAVAILABLE)
+    return Response(
+        status_code=200
+        if (await _engine_answers(request.app.state.ctx, HEALTH_GENERATE_TIMEOUT_S))
+        else HTTPStatus.SERVICE_UNAVAILABLE
+    )

@@ -56,14 +56,17 @@ async def tokenize(body: TokenizeRequest, request: Request) -> JsonObject:
     ctx.check_model(body.model)
     if body.prompt is not None:
         check_prompt_size([body.prompt], 0, ctx.limits, "prompt")
-        special = body.add_special_tokens
-        encode = functools.partial(ctx.tokenizer.encode, body.prompt, add_special_tokens=special)
+        encode = functools.partial(
+            ctx.tokenizer.encode, body.prompt, add_special_tokens=body.add_special_tokens
+        )
         ids = [int(t) for t in await ctx.on_tokenizer_thread(encode)]
     else:
         # Any tool choice but "none" renders the tools; "required" needs no --tool-call-parser.
-        choice = None if body.tools is None else "required"
         chat = ChatPrompt(
-            body.messages, body.tools, choice, template_kwargs=body.chat_template_kwargs
+            body.messages,
+            body.tools,
+            None if body.tools is None else "required",
+            template_kwargs=body.chat_template_kwargs,
         )
         run = Run(request, ApiRequest(chat, {}))
         await run.tokenize()
@@ -84,8 +87,7 @@ async def detokenize(body: DetokenizeRequest, request: Request) -> JsonObject:
     ctx: ServingContext = request.app.state.ctx
     ctx.check_model(body.model)
     check_token_ids(body.tokens, ctx.limits, "tokens")
-    text = await ctx.on_tokenizer_thread(ctx.tokenizer.decode, body.tokens)
-    return {"prompt": cast(str, text)}
+    return {"prompt": cast(str, await ctx.on_tokenizer_thread(ctx.tokenizer.decode, body.tokens))}
 
 
 @router.get("/tokenizer_info")
@@ -93,5 +95,8 @@ async def tokenizer_info(request: Request) -> JsonObject:
     ctx: ServingContext = request.app.state.ctx
     tok = ctx.tokenizer
     special = {name: getattr(tok, name) for name in ("bos_token", "eos_token", "pad_token")}
-    template = ctx.chat.chat_template or getattr(tok, "chat_template", None)
-    return {"tokenizer_class": type(tok).__name__, "chat_template": template, **special}
+    return {
+        "tokenizer_class": type(tok).__name__,
+        "chat_template": ctx.chat.chat_template or getattr(tok, "chat_template", None),
+        **special,
+    }
