@@ -1,12 +1,7 @@
-"""Prometheus metrics for /metrics.
-
-Token counters, load gauges and per-step histograms are the scheduler's own numbers (its
-`stats()`, fetched over IPC when /metrics is scraped); request latency histograms and requests
-finished by reason are measured in the API server, where requests start and end.
-
-Names follow vLLM and SGLang where one of them has the same quantity (docs/server.md lists the
-equivalents), with the `minisgl:` prefix.
-"""
+"""Prometheus metrics for /metrics: the scheduler's own numbers (its stats, fetched when
+/metrics is scraped) and the request latencies and finish reasons the API server measures.
+Names follow vLLM and SGLang where they have the same quantity (docs/server.md#metrics), with
+the `minisgl:` prefix."""
 
 from __future__ import annotations
 

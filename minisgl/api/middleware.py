@@ -1,11 +1,5 @@
-"""Pure ASGI middleware (not BaseHTTPMiddleware, so streaming and disconnects pass through
-untouched), one `Gate` in front of the app:
-
-    shutting down -> 503 for new requests; --api-key on every path but the probes -> 401;
-    bodies over --max-request-body-bytes -> 413, before anything parses them; counts the open
-    requests; any exception escaping a handler -> one log line, an OpenAI-shaped 500; every
-    answer's status, by route, to the server's counter
-"""
+"""The `Gate`: pure ASGI middleware in front of the app (not BaseHTTPMiddleware, so streams and
+disconnects pass through untouched)."""
 
 from __future__ import annotations
 
@@ -58,18 +52,12 @@ def route_template(scope: Scope) -> str:
 
 @dataclass
 class Gate:
-    """Every HTTP request passes here before the app sees it, in order: a server shutting down
-    answers 503 (but /metrics); every path but the probes needs `Authorization: Bearer KEY` or
-    `x-api-key: KEY` (Anthropic's SDK header) when --api-key is set (the docs pages and the
-    OpenAPI schema too, as in SGLang); a body over the limit is 413 (a declared Content-Length
-    over it without reading it). The body is read here and replayed; later receives (the
-    disconnect) pass through. Requests in progress, probes excluded, are counted.
-
-    It is also the last line of defence: whatever a handler raises, the client gets a 500 in
-    OpenAI's shape carrying a request id, the log gets the traceback once under that id, and
-    the exception goes no further (Starlette's own error middleware would log it a second time
-    and uvicorn would drop the connection). Every answer's status, refusals included, goes to
-    `observe` (the server's per-route counter)."""
+    """Every HTTP request passes here first: while shutting down a 503 (but /metrics); with
+    --api-key every path but the probes needs `Authorization: Bearer KEY` or `x-api-key: KEY`
+    (401); a body over the limit is a 413, a stalled one a 408, before anything parses it. The
+    body is read here and replayed. Open requests (probes excluded) are counted; whatever a
+    handler raises is logged once and answered with a 500 carrying a request id; every answer's
+    status goes to `observe`."""
 
     app: ASGIApp
     lifecycle: Lifecycle

@@ -1,12 +1,7 @@
 """The one generation pipeline every dialect runs: admission (model, fan-out, capacity) ->
-prompt (template, tokens, constraint, on the tokenizer thread) -> params (one SamplingParams per
-choice) -> a `Run` of choices in flight -> events.
-
-A dialect turns a Run's outputs into its wire events; `respond` sends them as a stream, or folds
-them into the one reply of a non-streaming request, so the two cannot disagree. Whatever ends a
-stream early (timeout, a failed choice, the backend stopping, a bug) reaches the client as an
-error event in the dialect's shape, never as a cut connection.
-"""
+prompt (template, tokens, constraint, on the tokenizer thread) -> one SamplingParams per
+choice -> a `Run` of choices in flight -> events, which a dialect renders and
+minisgl.api.sse sends or folds."""
 
 from __future__ import annotations
 

@@ -1,14 +1,9 @@
 """The internal request every dialect's body becomes, and the rules that make it SamplingParams.
 
-A dialect (minisgl.api.dialects) validates its own wire shape with a `WireModel`: strict JSON
-types (no "3" or true for an integer, no NaN or Infinity), text that is valid Unicode anywhere in
-the body, an explicit null meaning the default, unknown fields ignored (as vLLM and SGLang do).
-Its fields named like `SamplingParams`' fields, and those its alias table maps to one, become
-`ApiRequest.sampling`; the value rules are SamplingParams' own and the model's are
-minisgl.limits', so a new sampling field needs a typed attribute and nothing else. The same alias
-table names the field in a 400: a rule broken on `max_tokens` names `max_output_tokens` on the
-Responses API, `sampling_params.max_new_tokens` on SGLang's /generate.
-"""
+A dialect validates its wire shape with a `WireModel` (strict JSON types, valid Unicode, null
+means the default, unknown fields ignored). Fields named like SamplingParams' own, or mapped to
+one by the dialect's alias table, become `ApiRequest.sampling`; the same table names the
+field in a 400 (`max_output_tokens` on the Responses API for a rule on `max_tokens`)."""
 
 from __future__ import annotations
 

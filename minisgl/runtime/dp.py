@@ -1,22 +1,8 @@
-"""`python -m minisgl.server --dp N`: N replicas of the server behind the SGLang Model Gateway.
-
-    launcher (this process: starts, watches, stops)
-      |- replica 0     a whole server (a ServerStack: scheduler [+ tp ranks], detokenizer, API)
-      |                on --port + 1, on its own GPUs or cores (`plan_placements`, below)
-      |- ...
-      |- replica N-1   on --port + N
-      |- gateway       sglang-router on --port (minisgl.runtime.gateway)
-
-The gateway starts once every replica serves, and learns the model from their /server_info and
-/model_info (minisgl.api.dialects.sglang). A replica that dies is reported, its other processes
-are stopped and it leaves the gateway's rotation; the rest keep serving. SIGTERM / Ctrl-C: the
-gateway first (it lets in-flight requests finish), then every replica at once, each draining as
-a single server does.
-
-Placement: each replica gets its own `--tp` GPUs on CUDA (CUDA_VISIBLE_DEVICES), its own cores
-on CPU (CPU affinity, by which torch sizes its thread pool and tp its ranks:
-minisgl.scheduler.tp_ranks.cpu_threads_per_rank).
-"""
+"""`python -m minisgl.server --dp N`: N whole servers (replicas, on --port + 1 ...) behind the
+SGLang Model Gateway on --port, each on its own GPUs (CUDA_VISIBLE_DEVICES) or cores (CPU
+affinity). A replica that dies is stopped and leaves the gateway's rotation; the rest keep
+serving. SIGTERM / Ctrl-C stop the gateway first, then every replica at once, each draining.
+docs/scaling.md is the reference."""
 
 from __future__ import annotations
 

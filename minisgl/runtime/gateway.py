@@ -1,12 +1,7 @@
-"""The SGLang Model Gateway (PyPI `sglang-router`, command `smg`) as a child of `--dp`.
-
-It runs as `python -m sglang_router.launch_router` (what `smg launch` runs) with this Python, so
-it comes from the same environment. Its control plane (`/workers`, opened by the API key when
-one is set) says when it has registered the replicas, and takes a dead one out of rotation.
-Its graceful stop is Ctrl-C (SIGINT): it refuses new requests and lets in-flight ones finish;
-SIGTERM ends it at once, and it gets SIGTERM when the launcher dies (set up by
-minisgl.runtime.supervisor.prepare_exec_child).
-"""
+"""The SGLang Model Gateway (PyPI `sglang-router`) as a child of `--dp`, run with this Python.
+Its control plane (`/workers`) says when it has registered the replicas and takes a dead one
+out of rotation. SIGINT is its graceful stop (in-flight requests finish); SIGTERM ends it at
+once, and it gets SIGTERM when the launcher dies (supervisor.prepare_exec_child)."""
 
 from __future__ import annotations
 

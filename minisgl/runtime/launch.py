@@ -1,15 +1,7 @@
-"""Launching a server: scheduler, detokenizer and API server, each in its own process.
-
-    launcher (this process: starts, watches, stops)
-      |- scheduler     model + KV pool; steps batches              minisgl.runtime.scheduler_proc
-      |- detokenizer   token ids -> text, stop strings             minisgl.runtime.detokenizer_proc
-      |- api server    FastAPI + uvicorn, tokenizes prompts        minisgl.api.app
-
-All three start at once (the API server pings the scheduler until the model is loaded), as
-children of minisgl.runtime.supervisor. The launcher logs one line once every child reports
-ready; if any child dies it stops the others and exits non-zero; SIGTERM / Ctrl-C stop
-everything and remove the private socket folder.
-"""
+"""Launching a server: the scheduler, detokenizer and API server, each in its own process (a
+child of minisgl.runtime.supervisor), all started at once. The launcher logs one line once
+every child is ready; if any child dies it stops the others and exits non-zero; SIGTERM /
+Ctrl-C drain the API server, stop everything and remove the private socket folder."""
 
 from __future__ import annotations
 

@@ -1,23 +1,8 @@
 """Anthropic's Messages API, as vLLM and llama.cpp serve it: POST /v1/messages and
-/v1/messages/count_tokens. Errors under /v1/messages have Anthropic's shape.
-
-A request runs as a chat:
-- `system` (text or text blocks) -> a leading system message; each message's content blocks:
-  `text` -> its text; an assistant's `tool_use` -> `tool_calls` (input as JSON text) and
-  `thinking` -> `reasoning_content`; a user's `tool_result` -> a `tool` message (before the
-  user's text, where Anthropic puts results).
-- `tools` (`name`, `description`, `input_schema`) -> function tools; `tool_choice` auto / any /
-  tool / none -> auto / required / a named function / none, `disable_parallel_tool_use` ->
-  `parallel_tool_calls: false`; `stop_sequences` -> `stop`; `thinking` enabled / disabled ->
-  the template's `enable_thinking` (Qwen3's switch; `budget_tokens` is not enforced).
-- The sampling extras of vLLM (min_p, penalties, seed, ...) pass through.
-Images, documents, server tools (web search, code execution, ...) are a 400 naming the field.
-
-The reply's blocks (minisgl.chat.ReplyBlocks) become `thinking`, `text` and `tool_use` content
-blocks in the order the model wrote them; a stream sends Anthropic's events (message_start, each
-block's content_block_start / _delta / _stop, message_delta with the stop reason and usage,
-message_stop), and the non-streaming reply is their fold (`fold_message`).
-"""
+/v1/messages/count_tokens, errors in Anthropic's shape under /v1/messages. A request runs as a
+chat; the reply's blocks become `thinking`, `text` and `tool_use` content blocks streamed as
+Anthropic's events, whose fold (`fold_message`) is the non-streaming reply.
+docs/server.md#anthropics-messages-api is the reference."""
 
 from __future__ import annotations
 

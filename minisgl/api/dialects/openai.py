@@ -1,11 +1,6 @@
-"""OpenAI's chat completions (POST /v1/chat/completions), /v1/models, and what OpenAI's
-text completions (minisgl.api.dialects.completions) share with them: the sampling fields, usage,
-the chunks and their fold.
-
-Each choice's reply goes through its own parser (minisgl.chat), so reasoning, content and tool
-calls split the same way streamed or not: a non-streaming reply is the fold of the chunks a
-stream sends (`accumulate`).
-"""
+"""OpenAI's chat completions (POST /v1/chat/completions), /v1/models, and what text
+completions (minisgl.api.dialects.completions) share with them: the sampling fields, usage,
+the chunks, and their fold (`accumulate`), which is the non-streaming reply."""
 
 from __future__ import annotations
 

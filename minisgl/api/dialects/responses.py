@@ -1,18 +1,8 @@
 """OpenAI's Responses API: POST /v1/responses, GET and DELETE /v1/responses/{id}, GET
-/v1/responses/{id}/input_items.
-
-A request runs as a chat (minisgl.api.dialects.responses_items translates its input). The
-reply's blocks (minisgl.chat.ReplyBlocks) become output items in the order the model wrote
-them: a `reasoning` item, a `message` with one `output_text` part, `function_call` items. A
-stream sends OpenAI's events (response.created, response.in_progress, each item's added /
-delta / done events, then response.completed or response.incomplete), every event numbered;
-the last one carries the whole response, which is the non-streaming reply. With `store`
-(OpenAI's default) the response is kept in this process's memory for GET and for a later
-request's `previous_response_id`, bounded by count and size (oldest first).
-
-vLLM's and SGLang's sampling extras (top_k, min_p, penalties, seed, stop, ...) pass through.
-`background`, `truncation: "auto"` and what responses_items refuses are a 400 naming the field.
-"""
+/v1/responses/{id}/input_items. A request runs as a chat; its output items stream as OpenAI's
+numbered events, the last of which carries the whole response (the non-streaming reply).
+Stored responses live in this process's memory, bounded by count and size, for GET and a
+later `previous_response_id`. docs/server.md#openais-responses-api is the reference."""
 
 from __future__ import annotations
 

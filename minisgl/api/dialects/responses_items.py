@@ -1,16 +1,7 @@
-"""The Responses API's items: its input as the chat messages, tools and constraint the pipeline
-runs, and as the typed items GET /v1/responses/{id}/input_items lists; its output items, built
-from a reply's blocks (`OutputItems`).
-
-- `instructions` -> a leading system message (not carried over by `previous_response_id`, as
-  OpenAI does it); `input` text -> a user message; input items -> chat messages: `message`
-  (roles user, system, developer -> system, assistant; text parts), `function_call` -> an
-  assistant message's `tool_calls`, `function_call_output` -> a `tool` message, `reasoning` ->
-  the next assistant message's `reasoning_content`.
-- `tools` (flat function tools) and `tool_choice` -> chat's nested forms; `text.format` -> a
-  `response_format` constraint.
-Images and files in the input and built-in tools are a 400 naming the field.
-"""
+"""The Responses API's items: `input` as the chat messages, tools and constraint the pipeline
+runs, and as the typed items GET /v1/responses/{id}/input_items lists; the reply's blocks as
+output items (`OutputItems`). What cannot be translated (images, files, built-in tools) is a
+400 naming the field. docs/server.md#openais-responses-api lists the mapping."""
 
 from __future__ import annotations
 

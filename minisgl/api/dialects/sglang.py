@@ -1,31 +1,8 @@
-"""SGLang's native API: POST /generate, and the worker endpoints that make a minisgl server a
-first-class worker of the SGLang Model Gateway (`pip install sglang-router`, command `smg`) and
-of tools written for SGLang (`sglang.bench_serving --backend sglang`).
-
-/generate (SGLang's GenerateReqInput, the parts minisgl serves):
-- `text` (a string or a list) or `input_ids` (a list of ids or a list of lists): one prompt or a
-  batch; `sampling_params`: an object (or one per prompt) with SGLang's names: `max_new_tokens`
-  (default 128), `min_new_tokens`, `sampling_seed`, `no_stop_trim`, `n`, the constraints
-  `json_schema`, `regex`, `ebnf`, and the sampling fields OpenAI's endpoints take;
-- `stream`, `return_logprob`, `top_logprobs_num`, `logprob_start_len` (-1: output only; k >= 0:
-  also the prompt's from position k), `rid` (the meta_info id: one, or one per prompt).
-The reply, per sequence: `{"text", "output_ids", "meta_info"}` (a list of them for a batch or
-n > 1); meta_info: `id`, `finish_reason` (null, `{"type": "stop", "matched": ...}`, `{"type":
-"length", "length": max_new_tokens}` or `{"type": "abort", ...}`), `prompt_tokens`,
-`completion_tokens`, `cached_tokens`, `e2e_latency` (seconds, at the end), and with logprobs
-`output_token_logprobs` ([logprob, id, null] per token), `output_top_logprobs`,
-`input_token_logprobs`, `input_top_logprobs`. A stream's events are cumulative (SGLang's
-default: each carries the text and ids so far), ending with `data: [DONE]`.
-
-What the gateway (sglang-router 0.3.x) reads when it registers a worker: GET /server_info (or
-/get_server_info): `served_model_name` becomes the worker's model id, `model_path` is where the
-gateway loads the tokenizer from, `tp_size`, `dp_size` become labels; GET /model_info (or
-/get_model_info): `model_type`, `architectures`, `tokenizer_path`; GET /get_load: one entry per
-data-parallel rank (a minisgl server is one) with the tokens it holds (the power_of_two policy);
-GET /health_generate: SGLang's deep health check (the engine still produces tokens); GET/POST
-/flush_cache: empty the prefix cache when idle. Field names and meanings follow SGLang's
-http_server.py; only what minisgl can state truthfully is there (never the API key).
-"""
+"""SGLang's native API: POST /generate, and the worker endpoints (/server_info, /model_info,
+/get_load, /flush_cache, /health_generate) that make a minisgl server a worker of the SGLang
+Model Gateway and of tools written for SGLang. Field names and meanings follow SGLang's
+http_server.py, stating only what minisgl can state truthfully (never the API key); the
+reference is docs/server.md#sglangs-generate and docs/scaling.md#what-the-gateway-reads."""
 
 from __future__ import annotations
 

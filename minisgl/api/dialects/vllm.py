@@ -1,11 +1,6 @@
-"""vLLM's (and SGLang's) POST /tokenize and /detokenize, and vLLM's GET /tokenizer_info.
-
-/tokenize takes a `prompt` (tokenized as /v1/completions does it) or chat `messages` (with
-`tools` and `chat_template_kwargs`: rendered as /v1/chat/completions does it, ready for the
-reply), so a client counts exactly the tokens a request would cost. /detokenize turns ids back
-into text. /tokenizer_info gives the special tokens and the chat template: with /tokenize,
-what lm-evaluation-harness's remote tokenizer needs.
-"""
+"""vLLM's (and SGLang's) POST /tokenize and /detokenize, and vLLM's GET /tokenizer_info: a
+prompt or chat messages counted exactly as a request would cost them, ids back to text, the
+special tokens and chat template (what lm-evaluation-harness's remote tokenizer needs)."""
 
 from __future__ import annotations
 
