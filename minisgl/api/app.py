@@ -31,7 +31,7 @@ from minisgl.limits import CLIENT_TIMEOUT_S, KEEP_ALIVE_S, ModelLimits
 from minisgl.models.model_config import load_sampling_defaults
 from minisgl.models.names import served_model_name
 from minisgl.runtime.engine_client import BACKEND_STOPPED, EngineClient
-from minisgl.runtime.messages import Endpoints, StatsReply
+from minisgl.runtime.messages import Endpoints
 from minisgl.runtime.supervisor import BACKEND_FAILED_SIGNAL, ChildStartupError
 from minisgl.tokenizer import load_tokenizer
 
@@ -41,8 +41,7 @@ logger = logging.getLogger(__name__)
 HEALTH_TIMEOUT_S = 1.5
 # /metrics: how long to wait for fresh scheduler stats before serving the last known ones.
 METRICS_STATS_TIMEOUT_S = 1.0
-# Startup: ping the scheduler until it has loaded the model; give up after this long.
-SCHEDULER_HANDSHAKE_TIMEOUT_S = 3600.0
+# Startup: how long each ping waits for the scheduler to answer.
 SCHEDULER_PING_INTERVAL_S = 1.0
 # After the drain (or the abort that ends it) handlers get this long to send their last bytes
 # before uvicorn closes the connections.
@@ -106,13 +105,6 @@ class _NotAgainSoon(logging.Filter):
         return True
 
 
-async def _wait_for_scheduler(engine: EngineClient) -> StatsReply:
-    for _ in range(int(SCHEDULER_HANDSHAKE_TIMEOUT_S / SCHEDULER_PING_INTERVAL_S)):
-        if (reply := await engine.stats(SCHEDULER_PING_INTERVAL_S)) is not None:  # else: waited
-            return reply
-    raise TimeoutError(f"scheduler did not answer within {SCHEDULER_HANDSHAKE_TIMEOUT_S} s")
-
-
 def create_app(
     args: ServerArgs, endpoints: Endpoints, tokenizer_path: str | Path, model_path: str | Path
 ) -> FastAPI:
@@ -122,7 +114,9 @@ def create_app(
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         tokenizer = await asyncio.to_thread(load_tokenizer, tokenizer_path)
         engine = EngineClient(endpoints)
-        info = await _wait_for_scheduler(engine)
+        # Until the scheduler has loaded the model (the launcher bounds how long that takes).
+        while (info := await engine.stats(SCHEDULER_PING_INTERVAL_S)) is None:
+            pass
         longest_token_chars = max(map(len, tokenizer.get_vocab()))
         chat = ChatSettings.resolve(
             tokenizer,
@@ -194,14 +188,15 @@ class _Server(uvicorn.Server):
         self._state = app.state
         self._drain_s = drain_s
         self._report_ready = report_ready
-        self.loop: asyncio.AbstractEventLoop | None = None  # set once serving
         self._hurry = False
         self._error: str | None = None  # set: the backend stopped, open requests fail with it
         self._task: asyncio.Task | None = None
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets)  # the process exits if the app's startup failed
-        self.loop = asyncio.get_running_loop()
+        # Serving: these signals go to the event loop (before, uvicorn's handler stops at once).
+        for sig in (signal.SIGTERM, BACKEND_FAILED_SIGNAL):
+            asyncio.get_running_loop().add_signal_handler(sig, self._on_signal, sig)
         self._report_ready()
 
     @contextlib.contextmanager
@@ -210,12 +205,6 @@ class _Server(uvicorn.Server):
         signal.signal(signal.SIGTERM, self.handle_exit)
         signal.signal(BACKEND_FAILED_SIGNAL, self.handle_exit)
         yield
-
-    def handle_exit(self, sig: int, frame: Any) -> None:
-        if self.loop is None:  # not serving yet: stop right away
-            super().handle_exit(sig, frame)
-        else:  # in the signal handler: hand over to the event loop
-            self.loop.call_soon_threadsafe(self._on_signal, sig)
 
     def _on_signal(self, sig: int) -> None:
         if sig == BACKEND_FAILED_SIGNAL:

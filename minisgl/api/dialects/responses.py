@@ -127,17 +127,15 @@ class ResponseStore:
     max_chars: int = MAX_STORED_CHARS
     _entries: OrderedDict[str, StoredResponse] = field(default_factory=OrderedDict, init=False)
 
-    @property
-    def size_chars(self) -> int:
-        return sum(entry.size_chars for entry in self._entries.values())
-
     def put(self, response: JsonObject, conversation: list[Any], items: list[Any]) -> None:
         size = sum(len(json.dumps(part)) for part in (response, conversation, items))
         if size > self.max_chars:
             return  # larger than the whole store: keeping it would evict everything else
         self.delete(response["id"])
         self._entries[response["id"]] = StoredResponse(response, conversation, items, size)
-        while len(self._entries) > self.max_entries or self.size_chars > self.max_chars:
+        while len(self._entries) > self.max_entries or (
+            sum(entry.size_chars for entry in self._entries.values()) > self.max_chars
+        ):
             self._entries.popitem(last=False)
 
     def get(self, response_id: str) -> StoredResponse | None:
@@ -149,16 +147,16 @@ class ResponseStore:
         self._entries.pop(response_id, None)
 
 
-class Turn:
-    """One request's response: its fixed fields, then its output, usage and events as they
-    come. Every event is a snapshot: what it shows (an item, a part) keeps changing after."""
+class Turn(OutputItems):
+    """One request's response: its fixed fields, then its output items, usage and events as
+    they come. Every event is a snapshot: what it shows (an item, a part) keeps changing after."""
 
     def __init__(self, body: ResponsesRequest, run: Run, conversation: list[Any]) -> None:
+        super().__init__()
         self._body = body
         self._run = run
         self._conversation = conversation
-        self.output = OutputItems()
-        self.blocks = ReplyBlocks(self.output)
+        self.blocks = ReplyBlocks(self)
         params = run.params[0]  # with the model's sampling defaults applied
         fmt = (body.text or {}).get("format")
         self._fields: JsonObject = {
@@ -207,48 +205,46 @@ class Turn:
             "incomplete_details": {"reason": "max_output_tokens"}
             if status == "incomplete"
             else None,
-            "output": self.output.items,
+            "output": self.items,
             "usage": usage,
         }
 
     async def wire_events(self, store: ResponseStore) -> AsyncIterator[JsonObject]:
-        self.output.emit("response.created", response=self.response("in_progress"))
-        self.output.emit("response.in_progress", response=self.response("in_progress"))
-        for wire_event in self.output.take():
+        self.emit("response.created", response=self.response("in_progress"))
+        self.emit("response.in_progress", response=self.response("in_progress"))
+        for wire_event in self.take():
             yield wire_event
         async for event in self._run.events():
             logprobs = []
             if self._body.wants_logprobs:
                 logprobs = chat_logprobs(self._run.ctx, event.output.logprobs)["content"]
             self.blocks.feed(event.delta, logprobs)
-            for wire_event in self.output.take():
+            for wire_event in self.take():
                 yield wire_event
         self.blocks.finish(self.status)
         response = self.response(self.status)
         if self._body.store:
             store.put(
                 response,
-                [*self._conversation, self.output.assistant_message()],
+                [*self._conversation, self.assistant_message()],
                 input_items(self._body.input),
             )
-        self.output.emit(f"response.{self.status}", response=response)
-        for wire_event in self.output.take():
+        self.emit(f"response.{self.status}", response=response)
+        for wire_event in self.take():
             yield wire_event
 
     def error_events(self, body: JsonObject) -> list[JsonObject]:
         """A stream that fails: the error event, then response.failed (no [DONE] here)."""
         error = body["error"]
-        self.output.emit(
-            "error", code=error["type"], message=error["message"], param=error.get("param")
-        )
+        self.emit("error", code=error["type"], message=error["message"], param=error.get("param"))
         status = error.get("code")
         client_error = isinstance(status, int) and status < HTTPStatus.INTERNAL_SERVER_ERROR
         code = "invalid_prompt" if client_error else "server_error"
-        self.output.emit(
+        self.emit(
             "response.failed",
             response=self.response("failed", {"code": code, "message": error["message"]}),
         )
-        return self.output.take()
+        return self.take()
 
 
 def stored(store: ResponseStore, response_id: str, param: str = "response_id") -> StoredResponse:

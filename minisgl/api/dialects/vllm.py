@@ -54,7 +54,7 @@ async def tokenize(body: TokenizeRequest, request: Request) -> JsonObject:
         encode = functools.partial(
             ctx.tokenizer.encode, body.prompt, add_special_tokens=body.add_special_tokens
         )
-        ids = [int(t) for t in await ctx.on_tokenizer_thread(encode)]
+        ids = await ctx.on_tokenizer_thread(encode)
     else:
         # Any tool choice but "none" renders the tools; "required" needs no --tool-call-parser.
         chat = ChatPrompt(
