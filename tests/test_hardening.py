@@ -139,7 +139,7 @@ def _guarded_app(lifecycle: Lifecycle, max_body_bytes: int = 1000) -> Starlette:
 
     routes = [Route("/boom", boom), Route("/echo", echo, methods=["POST"]), Route("/metrics", echo)]
     app = Starlette(routes=routes)
-    app.add_middleware(Gate, lifecycle, None, max_body_bytes)
+    app.add_middleware(Gate, lifecycle, None, max_body_bytes, lambda *_: None)
     return app
 
 

@@ -41,25 +41,14 @@ def _family(metric: Metric, name: str, doc: str, value: Any) -> MetricFamily:
     return family
 
 
-class _SchedulerStatsCollector(Collector):
-    """Exposes the latest StatsReply's SchedulerStats: every field with a Metric, as it says."""
+class ServerMetrics(Collector):
+    """The API server's own metrics, and a collector of the latest StatsReply's
+    SchedulerStats: every field with a Metric, as it says."""
 
-    def __init__(self, latest: Callable[[], StatsReply | None]) -> None:
-        self._latest = latest
-
-    def collect(self) -> Iterator[MetricFamily]:
-        stats = getattr(self._latest(), "stats", None)  # None before the scheduler's first reply
-        for exported in EXPORTED_FIELDS:
-            metric, value = exported.metadata[METRIC], getattr(stats, exported.name, None)
-            if value is not None:  # GPU gauges: CUDA only
-                for name, doc in metric.names:
-                    yield _family(metric, PREFIX + name, doc, value)
-
-
-class ServerMetrics:
     def __init__(self, latest_stats: Callable[[], StatsReply | None]) -> None:
+        self._latest_stats = latest_stats
         self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(_SchedulerStatsCollector(latest_stats))
+        self.registry.register(self)
         counter = functools.partial(Counter, registry=self.registry)
         histogram = functools.partial(Histogram, registry=self.registry)
         self.aborted_requests = counter(
@@ -92,6 +81,15 @@ class ServerMetrics:
             "Time from request arrival to its last token",
             buckets=E2E_BUCKETS_S,
         )
+
+    def collect(self) -> Iterator[MetricFamily]:
+        # None before the scheduler's first reply
+        stats = getattr(self._latest_stats(), "stats", None)
+        for exported in EXPORTED_FIELDS:
+            metric, value = exported.metadata[METRIC], getattr(stats, exported.name, None)
+            if value is not None:  # GPU gauges: CUDA only
+                for name, doc in metric.names:
+                    yield _family(metric, PREFIX + name, doc, value)
 
     def request_finished(self, reason: FinishReason) -> None:
         """One sequence (one choice of a request) ended."""

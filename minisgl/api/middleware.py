@@ -63,7 +63,7 @@ class Gate:
     lifecycle: Lifecycle
     api_key: str | None = field(repr=False)  # a secret: kept out of any repr
     max_body_bytes: int
-    observe: ResponseObserver | None = None
+    observe: ResponseObserver
 
     def _allowed(self, headers: dict[bytes, bytes]) -> bool:
         if not self.api_key:
@@ -96,7 +96,7 @@ class Gate:
                 )
                 await error.response(path)(scope, receive, tracking_send)
         finally:
-            if self.observe is not None and status:
+            if status:
                 self.observe(
                     route_template(scope), method if method in HTTP_METHODS else "other", status
                 )

@@ -161,11 +161,11 @@ class ApiRequest:
     the client's field, for a 400's param."""
 
     prompt: ChatPrompt | list[str] | list[list[int]]
-    sampling: Mapping[str, Any] | list[Mapping[str, Any]]
+    sampling: JsonObject | list[JsonObject]
     wire_names: Mapping[str, str] = field(default_factory=dict)
     n: int = 1
     model: str | None = None
-    constraint_fields: Mapping[str, Any] = field(default_factory=dict)
+    constraint_fields: JsonObject = field(default_factory=dict)
 
     def wire(self, name: str) -> str:
         return self.wire_names.get(name, name)
@@ -184,7 +184,7 @@ def choice_params(
     prompt_index: int,
     prompt_ids: list[int],
     limits: ModelLimits,
-    defaults: Mapping[str, Any],
+    defaults: JsonObject,
     constraint: Constraint | None,
 ) -> list[SamplingParams]:
     """One SamplingParams per choice of this prompt, every rule checked (a 400 if one breaks).

@@ -77,7 +77,7 @@ class ServerStack(StopRequests):
         try:
             with stage("finding the model files"):  # converts the default once
                 model_path = str(resolve_model_path_for(self.args))
-        except (FileNotFoundError, OSError, ValueError) as exc:
+        except (OSError, ValueError) as exc:  # FileNotFoundError included
             raise StartupError(str(exc)) from None
         tokenizer_path = self.args.tokenizer or model_path
         self.endpoints = endpoints = Endpoints.create()

@@ -209,8 +209,7 @@ class Children:
                     child.error = payload
             if child.error is not None:
                 return f"{child.name}: {child.error}"
-            if not child.process.is_alive():
-                child.process.join(timeout=EXIT_CODE_WAIT_S)  # for the exit code
+            if not child.process.is_alive():  # reaped: its exit code is known
                 when = "unexpectedly" if child.ready else "during startup"
                 hint = "" if child.started else self.not_started_hint
                 return f"{child.name} exited {when} ({describe_exit(child.process.exitcode)}){hint}"

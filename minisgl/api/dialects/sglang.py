@@ -11,7 +11,7 @@ import contextlib
 import importlib.metadata
 import json
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator
 from http import HTTPStatus
 from pathlib import Path
 from typing import Any, cast
@@ -133,7 +133,7 @@ class GenerateRequest(WireModel):
             raise InvalidRequestError("sampling_params", "every prompt needs the same constraint")
         logprobs = self.top_logprobs_num if self.return_logprob else None
         scored = self.return_logprob and self.logprob_start_len >= 0
-        sampling: list[Mapping[str, Any]] = []
+        sampling: list[JsonObject] = []
         for row in rows:
             fields, _ = sampling_of(row, ALIASES, priority=self.priority)
             fields["max_tokens"] = row.max_new_tokens  # SGLang's name decides
