@@ -224,8 +224,7 @@ class Run:
             self.prompts = [chat.prompt_ids]
             return chat.constraint_param or "", chat.constraint
         self.prompts = [
-            list(tokenizer(item)["input_ids"]) if isinstance(item, str) else list(item)
-            for item in prompt
+            tokenizer(item)["input_ids"] if isinstance(item, str) else item for item in prompt
         ]
         return constraint_from_fields(fields) or ("", None)
 

@@ -48,7 +48,7 @@ class OpenAISampling(SamplingWire):
     stop: str | list[str] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False  # vLLM: the stop string stays in the text
-    n: int = Field(default=1, ge=1, le=MAX_CHOICES_PER_REQUEST)
+    n: int = Field(1, ge=1, le=MAX_CHOICES_PER_REQUEST)
     stream_options: StreamOptions | None = None
     user: str | None = None
     # Structured outputs (minisgl.chat.requests): at most one of these per request.

@@ -15,7 +15,7 @@ from http import HTTPStatus
 from typing import Any, Literal
 
 from fastapi import APIRouter, Query, Request
-from pydantic import Field, model_validator
+from pydantic import model_validator
 from starlette.responses import Response
 
 from minisgl.api.dialects.openai import chat_logprobs
@@ -65,7 +65,7 @@ class ResponsesRequest(ChatWire):
     text: JsonObject | None = None
     reasoning: JsonObject | None = None
     store: bool = True
-    metadata: dict[str, str] = Field(default_factory=dict)
+    metadata: dict[str, str] = {}  # pydantic copies it for each request
     user: str | None = None
     truncation: str | None = None
     background: bool = False

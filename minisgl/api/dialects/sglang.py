@@ -85,8 +85,8 @@ class GenerateRequest(WireModel):
     sampling_params: JsonObject | list[JsonObject] | None = None
     stream: bool = False
     return_logprob: bool = False
-    top_logprobs_num: int = Field(default=0, ge=0, le=MAX_LOGPROBS)
-    logprob_start_len: int = Field(default=-1, ge=-1)  # -1: output only
+    top_logprobs_num: int = Field(0, ge=0, le=MAX_LOGPROBS)
+    logprob_start_len: int = Field(-1, ge=-1)  # -1: output only
     rid: str | list[str] | None = None  # one id, or one per prompt of a batch
     priority: int | None = None  # SGLang's place for it (sampling_params.priority works too)
 
@@ -100,9 +100,9 @@ class GenerateRequest(WireModel):
 
     @property
     def is_batch(self) -> bool:
-        if self.text is not None:
-            return isinstance(self.text, list)
-        return bool(self.input_ids) and isinstance(self.input_ids[0], list)  # type: ignore[index]
+        """A list of texts, or of id lists (exactly one of text and input_ids is set)."""
+        ids = self.input_ids
+        return isinstance(self.text, list) or bool(ids) and isinstance(ids[0], list)  # type: ignore[index]
 
     def prompts(self) -> list[str] | list[list[int]]:
         given = self.text if self.text is not None else self.input_ids
