@@ -66,6 +66,18 @@ def text_content(
     return "".join(texts)
 
 
+def chat_tool_choice(choice: Any, named: str, plain: Mapping[str, str], expected: str) -> Any:
+    """`tool_choice` in chat's form: a string as it is, {"type": named, "name"} the named
+    function, {"type": t} for t in `plain` that string; anything else a 400 (`expected`)."""
+    if not isinstance(choice, Mapping):
+        return choice
+    if (kind := choice.get("type")) in plain:
+        return plain[kind]
+    if kind == named and isinstance(choice.get("name"), str):
+        return {"type": "function", "function": {"name": choice["name"]}}
+    raise InvalidRequestError("tool_choice", f"must be {expected}")
+
+
 def find_invalid_text(data: Any) -> str | None:
     """The top-level field of a JSON value holding a string that is not valid Unicode (a lone
     surrogate such as "\\ud800", which JSON escapes allow): such text cannot be encoded for

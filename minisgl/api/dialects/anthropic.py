@@ -19,6 +19,7 @@ from minisgl.api.request import (
     ApiRequest,
     ChatWire,
     JsonObject,
+    chat_tool_choice,
     function_call,
     new_id,
     sampling_of,
@@ -73,7 +74,7 @@ class MessagesRequest(ChatWire):
         prompt = ChatPrompt(
             system + chat_messages(self.messages),
             chat_tools(self.tools),
-            chat_tool_choice(self.tool_choice),
+            chat_tool_choice(self.tool_choice, "tool", TOOL_CHOICES, EXPECTED_TOOL_CHOICE),
             not (self.tool_choice or {}).get("disable_parallel_tool_use"),
             kwargs or None,
         )
@@ -165,21 +166,9 @@ def chat_tools(tools: list[Any] | None) -> list[JsonObject] | None:
     return None if tools is None else chat
 
 
-# Anthropic's tool_choice types -> chat's (a named tool: below).
+# Anthropic's tool_choice types -> chat's (a named tool: {"type": "tool", "name"}).
 TOOL_CHOICES = {"auto": "auto", "none": "none", "any": "required"}
-
-
-def chat_tool_choice(choice: JsonObject | None) -> str | JsonObject | None:
-    if choice is None:
-        return None
-    kind = choice.get("type")
-    if kind in TOOL_CHOICES:
-        return TOOL_CHOICES[kind]
-    if kind == "tool" and isinstance(choice.get("name"), str):
-        return {"type": "function", "function": {"name": choice["name"]}}
-    raise InvalidRequestError(
-        "tool_choice", "must be {'type': 'auto' | 'any' | 'none'} or {'type': 'tool', 'name'}"
-    )
+EXPECTED_TOOL_CHOICE = "{'type': 'auto' | 'any' | 'none'} or {'type': 'tool', 'name'}"
 
 
 def tool_input(arguments: str) -> JsonObject:

@@ -21,7 +21,6 @@ from starlette.responses import Response
 from minisgl.api.dialects.openai import chat_logprobs
 from minisgl.api.dialects.responses_items import (
     OutputItems,
-    chat_tool_choice,
     chat_tools,
     input_items,
     input_messages,
@@ -29,7 +28,14 @@ from minisgl.api.dialects.responses_items import (
 )
 from minisgl.api.errors import RequestError
 from minisgl.api.pipeline import Run
-from minisgl.api.request import ApiRequest, ChatWire, JsonObject, new_id, sampling_of
+from minisgl.api.request import (
+    ApiRequest,
+    ChatWire,
+    JsonObject,
+    chat_tool_choice,
+    new_id,
+    sampling_of,
+)
 from minisgl.api.sse import respond
 from minisgl.chat import ChatPrompt, ReplyBlocks, with_reasoning_effort
 from minisgl.core import FinishReason
@@ -47,6 +53,7 @@ ALIASES = {
     "text.format": "response_format",
 }
 # The response's fields that are the request's, as it sent them.
+EXPECTED_TOOL_CHOICE = "'none', 'auto', 'required' or {'type': 'function', 'name'}"
 ECHOED_FIELDS = (
     *("instructions", "max_output_tokens", "parallel_tool_calls", "previous_response_id"),
     *("metadata", "store", "top_logprobs", "user"),
@@ -101,7 +108,7 @@ class ResponsesRequest(ChatWire):
         prompt = ChatPrompt(
             system + turns,
             chat_tools(self.tools),
-            chat_tool_choice(self.tool_choice),
+            chat_tool_choice(self.tool_choice, "function", {}, EXPECTED_TOOL_CHOICE),
             self.parallel_tool_calls,
             with_reasoning_effort(self.chat_template_kwargs, self.effort),
         )

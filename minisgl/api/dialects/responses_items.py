@@ -134,16 +134,6 @@ def chat_tools(tools: list[Any] | None) -> list[JsonObject] | None:
     return None if tools is None else chat
 
 
-def chat_tool_choice(choice: str | JsonObject | None) -> str | JsonObject | None:
-    if isinstance(choice, Mapping):
-        if choice.get("type") == "function" and isinstance(choice.get("name"), str):
-            return {"type": "function", "function": {"name": choice["name"]}}
-        raise InvalidRequestError(
-            "tool_choice", "must be 'none', 'auto', 'required' or {'type': 'function', 'name'}"
-        )
-    return choice
-
-
 def response_format(text: JsonObject | None) -> JsonObject | None:
     """`text.format` -> chat's `response_format` (json_schema's fields move under one key)."""
     if (fmt := (text or {}).get("format")) is None:
