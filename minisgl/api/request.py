@@ -71,7 +71,7 @@ def chat_tool_choice(choice: Any, named: str, plain: Mapping[str, str], expected
     function, {"type": t} for t in `plain` that string; anything else a 400 (`expected`)."""
     if not isinstance(choice, Mapping):
         return choice
-    if (kind := choice.get("type")) in plain:
+    if (kind := choice.get("type", "")) in plain:
         return plain[kind]
     if kind == named and isinstance(choice.get("name"), str):
         return {"type": "function", "function": {"name": choice["name"]}}
