@@ -52,32 +52,32 @@ class ServerMetrics(Collector):
         counter = functools.partial(Counter, registry=self.registry)
         histogram = functools.partial(Histogram, registry=self.registry)
         self.aborted_requests = counter(
-            PREFIX + "aborted_requests", "Requests aborted (client disconnected or shutdown)"
+            f"{PREFIX}aborted_requests", "Requests aborted (client disconnected or shutdown)"
         )
         self.request_success = counter(
-            PREFIX + "request_success",
+            f"{PREFIX}request_success",
             "Sequences finished, by finish reason (vLLM's name; abort and error included)",
             labelnames=("finished_reason",),
         )
         for reason in FinishReason:  # every series exists from the start, at zero
             self.request_success.labels(reason.value)
         self.time_to_first_token_s = histogram(
-            PREFIX + "time_to_first_token_seconds",
+            f"{PREFIX}time_to_first_token_seconds",
             "Time from request arrival to its first output token",
             buckets=TTFT_BUCKETS_S,
         )
         self.inter_token_latency_s = histogram(
-            PREFIX + "inter_token_latency_seconds",
+            f"{PREFIX}inter_token_latency_seconds",
             "Time between consecutive output tokens of a request",
             buckets=ITL_BUCKETS_S,
         )
         self.http_requests = counter(
-            PREFIX + "http_requests",
+            f"{PREFIX}http_requests",
             "HTTP requests answered, by route template, method and status code",
             labelnames=("handler", "method", "status"),
         )
         self.e2e_request_latency_s = histogram(
-            PREFIX + "e2e_request_latency_seconds",
+            f"{PREFIX}e2e_request_latency_seconds",
             "Time from request arrival to its last token",
             buckets=E2E_BUCKETS_S,
         )
@@ -89,7 +89,7 @@ class ServerMetrics(Collector):
             metric, value = exported.metadata[METRIC], getattr(stats, exported.name, None)
             if value is not None:  # GPU gauges: CUDA only
                 for name, doc in metric.names:
-                    yield _family(metric, PREFIX + name, doc, value)
+                    yield _family(metric, f"{PREFIX}{name}", doc, value)
 
     def request_finished(self, reason: FinishReason) -> None:
         """One sequence (one choice of a request) ended."""

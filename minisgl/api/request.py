@@ -30,9 +30,9 @@ def api_key_tenant(headers: Mapping[str, str]) -> str | None:
     """The tenant of a request that names no user: the API key it presents (`x-api-key` or a
     Bearer token, as the server's Gate checks it), as `key-` and a short hash."""
     key = headers.get("x-api-key") or headers.get("authorization", "").removeprefix("Bearer ")
-    if not key:
-        return None
-    return "key-" + hashlib.sha256(key.encode()).hexdigest()[:KEY_TENANT_HASH_CHARS]
+    return (
+        f"key-{hashlib.sha256(key.encode()).hexdigest()[:KEY_TENANT_HASH_CHARS]}" if key else None
+    )
 
 
 def new_id(prefix: str, sep: str = "-") -> str:

@@ -87,9 +87,9 @@ class ServerStack(StopRequests):
         suffix = "" if self.replica is None else str(self.replica)
         spawn, args = self.children.spawn, self.args
         logger.info("starting the scheduler, detokenizer and API processes")
-        spawn("sched" + suffix, SCHEDULER_TARGET, args, endpoints)
-        spawn("detok" + suffix, DETOKENIZER_TARGET, tokenizer_path, endpoints)
-        spawn("api" + suffix, API_TARGET, args, endpoints, tokenizer_path, model_path)
+        spawn(f"sched{suffix}", SCHEDULER_TARGET, args, endpoints)
+        spawn(f"detok{suffix}", DETOKENIZER_TARGET, tokenizer_path, endpoints)
+        spawn(f"api{suffix}", API_TARGET, args, endpoints, tokenizer_path, model_path)
 
     def wait_ready(self, timeout_s: float = STARTUP_TIMEOUT_S) -> None:
         self.children.wait(lambda child: child.ready, timeout_s, lambda: self.stop_requested)

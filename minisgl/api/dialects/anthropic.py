@@ -299,7 +299,7 @@ async def create_message(body: MessagesRequest, request: Request) -> Response:
     return await respond(run, message_events(run, body), body.stream, fold_message, error_events)
 
 
-@router.post(PATH_PREFIX + "/count_tokens")
+@router.post(f"{PATH_PREFIX}/count_tokens")
 async def count_tokens(body: CountTokensRequest, request: Request) -> JsonObject:
     request.app.state.ctx.check_model(body.model)
     run = Run(request, body.to_api())
