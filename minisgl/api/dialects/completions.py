@@ -11,7 +11,6 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any, cast
 
 from fastapi import APIRouter, Request
-from pydantic import model_validator
 from starlette.responses import Response
 
 from minisgl.api.dialects.openai import (
@@ -40,15 +39,11 @@ class CompletionRequest(OpenAISampling):
     suffix: str | None = None
     best_of: int | None = None
 
-    @model_validator(mode="after")
-    def _refuse_unsupported(self) -> CompletionRequest:
+    def to_api(self) -> ApiRequest:
         if self.suffix:
             raise InvalidRequestError("suffix", "is not supported")
         if self.best_of is not None and self.best_of != self.n:
             raise InvalidRequestError("best_of", "is not supported (other than equal to n)")
-        return self
-
-    def to_api(self) -> ApiRequest:
         prompt = self.prompt
         if not prompt:
             raise InvalidRequestError("prompt", "must not be empty")

@@ -90,13 +90,9 @@ class ChatCompletionRequest(OpenAISampling, ChatWire):
     # hybrid model's thinking off (Qwen3's enable_thinking=false) unless the request sets it.
     reasoning_effort: str | None = None
 
-    @model_validator(mode="after")
-    def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
+    def to_api(self) -> ApiRequest:
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequestError("top_logprobs", "needs logprobs set to true")
-        return self
-
-    def to_api(self) -> ApiRequest:
         sampling, wire_names = sampling_of(self, CHAT_ALIASES)
         sampling["logprobs"] = (self.top_logprobs or 0) if self.logprobs else None
         kwargs = with_reasoning_effort(self.chat_template_kwargs, self.reasoning_effort)

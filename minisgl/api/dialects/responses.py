@@ -15,7 +15,6 @@ from http import HTTPStatus
 from typing import Any, Literal
 
 from fastapi import APIRouter, Query, Request
-from pydantic import model_validator
 from starlette.responses import Response
 
 from minisgl.api.dialects.openai import chat_logprobs
@@ -78,18 +77,6 @@ class ResponsesRequest(ChatWire):
     background: bool = False
     stop: str | list[str] | None = None  # an extra, as vLLM's
 
-    @model_validator(mode="after")
-    def _refuse_unsupported(self) -> ResponsesRequest:
-        if self.background:
-            raise InvalidRequestError(
-                "background", "is not supported: a response runs while its request is open"
-            )
-        if self.truncation not in (None, "disabled"):
-            raise InvalidRequestError(
-                "truncation", "only 'disabled' is supported (a prompt that is too long is a 400)"
-            )
-        return self
-
     @property
     def wants_logprobs(self) -> bool:
         return "message.output_text.logprobs" in (self.include or ()) or bool(self.top_logprobs)
@@ -98,10 +85,21 @@ class ResponsesRequest(ChatWire):
     def effort(self) -> str | None:
         return (self.reasoning or {}).get("effort")
 
-    def to_api(self, history: list[JsonObject]) -> tuple[ApiRequest, list[JsonObject]]:
+    def to_api(self, store: ResponseStore) -> tuple[ApiRequest, list[JsonObject]]:
         """The request to run, and the conversation without instructions (what a later
-        `previous_response_id` continues: `history` is the earlier turns')."""
-        turns = [*history, *input_messages(self.input)]
+        `previous_response_id` continues; the earlier turns come from `store`)."""
+        if self.background:
+            raise InvalidRequestError(
+                "background", "is not supported: a response runs while its request is open"
+            )
+        if self.truncation not in (None, "disabled"):
+            raise InvalidRequestError(
+                "truncation", "only 'disabled' is supported (a prompt that is too long is a 400)"
+            )
+        turns = input_messages(self.input)
+        if self.previous_response_id is not None:
+            previous = stored(store, self.previous_response_id, "previous_response_id")
+            turns = [*previous.conversation, *turns]
         system = [{"role": "system", "content": self.instructions}] if self.instructions else []
         sampling, wire_names = sampling_of(self, ALIASES)
         sampling["logprobs"] = self.top_logprobs if self.wants_logprobs else None
@@ -276,10 +274,7 @@ router = APIRouter()
 @router.post("/v1/responses")
 async def create_response(body: ResponsesRequest, request: Request) -> Response:
     store: ResponseStore = request.app.state.responses
-    history = []
-    if body.previous_response_id is not None:
-        history = stored(store, body.previous_response_id, "previous_response_id").conversation
-    api, conversation = body.to_api(history)
+    api, conversation = body.to_api(store)
     run = await Run(request, api, new_id("resp", "_")).start()
     turn = Turn(body, run, conversation)
     return await respond(

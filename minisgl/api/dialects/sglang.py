@@ -18,7 +18,7 @@ from typing import Any, cast
 
 from fastapi import APIRouter, Request
 from fastapi.exceptions import RequestValidationError
-from pydantic import Field, ValidationError, model_validator
+from pydantic import Field, ValidationError
 from starlette.responses import Response
 
 from minisgl.api.dialects.openai import OpenAISampling
@@ -90,14 +90,6 @@ class GenerateRequest(WireModel):
     rid: str | list[str] | None = None  # one id, or one per prompt of a batch
     priority: int | None = None  # SGLang's place for it (sampling_params.priority works too)
 
-    @model_validator(mode="after")
-    def _one_prompt_field(self) -> GenerateRequest:
-        if (self.text is None) == (self.input_ids is None):
-            raise InvalidRequestError("text", "give exactly one of text and input_ids")
-        if isinstance(self.rid, list) and len(self.rid) != len(self.prompts()):
-            raise InvalidRequestError("rid", "a list of ids needs one id per prompt")
-        return self
-
     @property
     def is_batch(self) -> bool:
         """A list of texts, or of id lists (exactly one of text and input_ids is set)."""
@@ -123,8 +115,12 @@ class GenerateRequest(WireModel):
             ) from None
 
     def to_api(self) -> ApiRequest:
+        if (self.text is None) == (self.input_ids is None):
+            raise InvalidRequestError("text", "give exactly one of text and input_ids")
         if not (prompts := self.prompts()):
             raise InvalidRequestError("text", "must not be empty")
+        if isinstance(self.rid, list) and len(self.rid) != len(prompts):
+            raise InvalidRequestError("rid", "a list of ids needs one id per prompt")
         rows = self._sampling(len(prompts))
         if any(row.n != rows[0].n for row in rows):
             raise InvalidRequestError("sampling_params.n", "must be the same for every prompt")
