@@ -267,12 +267,12 @@ async def message_events(run: Run, body: MessagesRequest) -> AsyncIterator[JsonO
 
 def fold_message(events: list[JsonObject]) -> JsonObject:
     """A message stream's events as the one message of a non-streaming reply."""
-    message = dict(events[0]["message"])
+    message = events[0]["message"]  # the events are this fold's own copies
     blocks: list[JsonObject] = []
     for event in events:
         kind = event["type"]
         if kind == "content_block_start":
-            blocks.append(dict(event["content_block"]))
+            blocks.append(event["content_block"])
         elif kind == "content_block_delta":  # a call's arguments gather under partial_json
             key = _DELTA_KEYS[event["delta"]["type"]]
             block = blocks[event["index"]]

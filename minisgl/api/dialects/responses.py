@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import Any, Literal
@@ -163,7 +163,6 @@ class Turn(OutputItems):
         self._conversation = conversation
         self.blocks = ReplyBlocks(self)
         params = run.params[0]  # with the model's sampling defaults applied
-        fmt = (body.text or {}).get("format")
         self._fields: JsonObject = {
             "id": run.id,
             "object": "response",
@@ -172,7 +171,8 @@ class Turn(OutputItems):
             "model": body.model or run.ctx.served_model_name,
             "reasoning": {"effort": body.effort, "summary": None},
             "temperature": params.temperature,
-            "text": {"format": dict(fmt) if isinstance(fmt, Mapping) else {"type": "text"}},
+            # text.format: checked by to_api (an object, or absent)
+            "text": {"format": (body.text or {}).get("format") or {"type": "text"}},
             "tool_choice": body.tool_choice or "auto",
             "tools": body.tools or [],
             "top_p": params.top_p,
