@@ -119,7 +119,7 @@ class ServerStack(StopRequests):
         os.kill(api.pid, BACKEND_FAILED_SIGNAL if backend_failed else signal.SIGTERM)
         num_stops_seen = self.num_stop_requests
         while api.is_alive() and time.monotonic() < deadline_s:
-            wait([api.sentinel, *(w.sentinel for w in workers)], timeout=WATCH_INTERVAL_S)
+            wait([p.sentinel for p in processes], timeout=WATCH_INTERVAL_S)
             if not backend_failed and not all(w.is_alive() for w in workers):
                 backend_failed = True
                 os.kill(api.pid, BACKEND_FAILED_SIGNAL)

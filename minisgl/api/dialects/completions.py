@@ -92,29 +92,27 @@ async def completion_events(run: Run, body: CompletionRequest) -> AsyncIterator[
     ctx = run.ctx
     base = header(run, body, "text_completion")
     echoed = await ctx.on_tokenizer_thread(_echo_texts, ctx, run) if body.echo else []
-    # text_offset of each choice's next token. Under echo with logprobs the prompt's tokens
-    # come first, their offsets summed over their texts as vLLM does, so the output continues
-    # from that sum (which differs from the echoed text's length where one character spans
-    # several tokens, each shown alone as U+FFFD): offsets never go back.
-    offsets = dict.fromkeys((c.index for c in run.choices), 0)
+    # text_offset of each choice's next token, from its first output on. Under echo with
+    # logprobs the prompt's tokens come first, their offsets summed over their texts as vLLM
+    # does, so the output continues from that sum (which differs from the echoed text's length
+    # where one character spans several tokens, each shown alone as U+FFFD).
+    offsets: dict[int, int] = {}
     # echo: the prompt goes first; with logprobs it waits for the choice's first output, which
     # brings the prompt's logprobs.
-    waiting = {c.index for c in run.choices} if body.echo and body.logprobs is not None else set()
-    if body.echo and not waiting:
+    scored_echo = body.echo and body.logprobs is not None
+    if body.echo and not scored_echo:
         for choice in run.choices:
             yield chunk(base, choice.index, text=echoed[choice.prompt_index], logprobs=None)
     async for event in run.events():
         choice, output = event.choice, event.output
-        if choice.index in waiting:
-            waiting.discard(choice.index)
-            # The prompt's first token has no logprob: nothing comes before it.
-            scored_prompt = _legacy_logprobs(
-                ctx, run.prompts[choice.prompt_index], [None, *output.prompt_logprobs], 0
-            )
-            offsets[choice.index] = sum(map(len, scored_prompt["tokens"]))
-            yield chunk(
-                base, choice.index, text=echoed[choice.prompt_index], logprobs=scored_prompt
-            )
+        if choice.index not in offsets:
+            offsets[choice.index] = 0
+            if scored_echo:
+                prompt = run.prompts[choice.prompt_index]
+                scored = _legacy_logprobs(ctx, prompt, [None, *output.prompt_logprobs], 0)
+                offsets[choice.index] = sum(map(len, scored["tokens"]))
+                text = echoed[choice.prompt_index]
+                yield chunk(base, choice.index, text=text, logprobs=scored)
         logprobs = None
         if body.logprobs is not None and output.logprobs:
             ids = [lp.token_id for lp in output.logprobs]
