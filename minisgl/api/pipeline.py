@@ -231,9 +231,8 @@ class Run:
     def _check_capacity(self, num_sequences: int) -> None:
         """503 when the queue of waiting sequences would overflow (--max-queued-requests)."""
         args = self.ctx.args
-        if self.ctx.engine.num_active_requests + num_sequences > (
-            args.max_running_requests + args.max_queued_requests
-        ):
+        in_flight_bound = args.max_running_requests + args.max_queued_requests
+        if self.ctx.engine.num_active_requests + num_sequences > in_flight_bound:
             raise RequestError(
                 HTTPStatus.SERVICE_UNAVAILABLE,
                 "The server is overloaded: its request queue is full. Please retry later.",

@@ -80,8 +80,10 @@ def plan_placements(args: ServerArgs, dp_size: int) -> list[Placement]:
                 f"--dp {dp_size} --tp {per_replica} needs {dp_size * per_replica} GPUs; "
                 f"{len(gpus)} visible"
             )
-        groups = [gpus[i * per_replica : (i + 1) * per_replica] for i in range(dp_size)]
-        return [Placement(cuda_visible_devices=",".join(group)) for group in groups]
+        return [
+            Placement(",".join(gpus[i * per_replica : (i + 1) * per_replica]))
+            for i in range(dp_size)
+        ]
     if not hasattr(os, "sched_getaffinity"):  # no CPU affinity here (macOS): share every core
         return [Placement() for _ in range(dp_size)]
     cpus = sorted(os.sched_getaffinity(0))

@@ -78,11 +78,8 @@ class MessagesRequest(ChatWire):
             not (self.tool_choice or {}).get("disable_parallel_tool_use"),
             kwargs or None,
         )
-        return ApiRequest(
-            prompt,
-            *sampling_of(self, ALIASES, user=(self.metadata or {}).get("user_id")),
-            model=self.model,
-        )
+        user = (self.metadata or {}).get("user_id")  # the tenant (--tenant-fairness)
+        return ApiRequest(prompt, *sampling_of(self, ALIASES, user=user), model=self.model)
 
 
 class CountTokensRequest(MessagesRequest):

@@ -4,7 +4,6 @@ the chunks, and their fold (`accumulate`), which is the non-streaming reply."""
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import time
 import uuid
@@ -32,8 +31,6 @@ from minisgl.core import FinishReason, TokenLogprob
 from minisgl.limits import MAX_CHOICES_PER_REQUEST, InvalidRequestError
 from minisgl.tokenizer.detokenizer import stop_reason
 
-# ChatPrompt's fields but template_kwargs: a chat completion request has them by the same names.
-PROMPT_FIELDS = tuple(f.name for f in dataclasses.fields(ChatPrompt) if f.name != "template_kwargs")
 CHAT_ALIASES = {"max_completion_tokens": "max_tokens", "top_logprobs": "logprobs"}
 
 
@@ -97,7 +94,12 @@ class ChatCompletionRequest(OpenAISampling, ChatWire):
         sampling["logprobs"] = (self.top_logprobs or 0) if self.logprobs else None
         kwargs = with_reasoning_effort(self.chat_template_kwargs, self.reasoning_effort)
         prompt = ChatPrompt(
-            **{name: getattr(self, name) for name in PROMPT_FIELDS}, template_kwargs=kwargs
+            self.messages,
+            self.tools,
+            self.tool_choice,
+            self.parallel_tool_calls,
+            kwargs,
+            self.separate_reasoning,
         )
         return ApiRequest(prompt, sampling, wire_names, self.n, self.model, self.constraint_fields)
 

@@ -140,14 +140,8 @@ class GenerateRequest(WireModel):
             fields["prompt_logprobs"] = self.top_logprobs_num if scored else prefill_only
             sampling.append(fields)
         wire_names = {**WIRE_NAMES, "prompt": "text" if self.text is not None else "input_ids"}
-        return ApiRequest(
-            prompts,
-            sampling if isinstance(self.sampling_params, list) else sampling[0],
-            wire_names,
-            rows[0].n,
-            None,
-            constraint_fields,
-        )
+        shared = sampling if isinstance(self.sampling_params, list) else sampling[0]
+        return ApiRequest(prompts, shared, wire_names, rows[0].n, None, constraint_fields)
 
 
 def _finish_reason(choice: Choice, max_new_tokens: int) -> JsonObject | None:
@@ -170,9 +164,9 @@ def _triples(entries: list[TokenLogprob]) -> tuple[list[list[Any]], list[list[li
 def _item(run: Run, body: GenerateRequest, choice: Choice, start_s: float) -> JsonObject:
     """One sequence as SGLang reports it, so far (its text and ids are cumulative)."""
     prompt = run.prompts[choice.prompt_index]
+    rid = body.rid[choice.prompt_index] if isinstance(body.rid, list) else body.rid
     meta: JsonObject = {
-        "id": (body.rid[choice.prompt_index] if isinstance(body.rid, list) else body.rid)
-        or choice.rid,
+        "id": rid or choice.rid,
         "finish_reason": _finish_reason(choice, run.params[choice.index].max_tokens),
         "prompt_tokens": len(prompt),
         "completion_tokens": choice.num_tokens,
