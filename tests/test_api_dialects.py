@@ -24,7 +24,7 @@ from openai.types.responses import Response, ResponseItemList, ResponseStreamEve
 from pydantic import TypeAdapter
 from transformers import AutoTokenizer
 
-from minisgl.api.dialects.anthropic import _error_frames, tool_input
+from minisgl.api.dialects.anthropic import error_events, tool_input
 from minisgl.api.dialects.responses import (
     ResponsesRequest,
     ResponseStore,
@@ -32,9 +32,9 @@ from minisgl.api.dialects.responses import (
     list_input_items,
 )
 from minisgl.api.dialects.responses_items import input_items, input_messages
-from minisgl.api.errors import ChoiceFailed, RequestError, shape_error
+from minisgl.api.errors import ChoiceFailed, RequestError
 from minisgl.api.pipeline import Choice, Event
-from minisgl.api.sse import stream_frames
+from minisgl.api.sse import sse_event, stream_frames
 from minisgl.chat import ChatDelta
 from minisgl.core import ReqOutput, SamplingParams
 from minisgl.limits import InvalidRequestError
@@ -479,10 +479,12 @@ def test_messages_errors_have_anthropics_shape(
 
 def test_anthropic_error_shapes_in_process():
     body = {"error": {"message": "no", "type": "x", "param": None, "code": 401}}
-    assert shape_error("/v1/chat/completions", body, 401) is body
-    shaped = shape_error("/v1/messages", body, 401)
+    error = RequestError(401, "no", err_type="x")
+    assert json.loads(error.response("/v1/chat/completions").body) == body
+    shaped = json.loads(error.response("/v1/messages").body)
     assert shaped == {"type": "error", "error": {"type": "authentication_error", "message": "no"}}
-    [event] = _error_frames({"error": {"message": "boom", "code": None}})
+    [error] = error_events({"error": {"message": "boom", "code": None}})
+    event = sse_event(error, named=True)
     assert event.startswith("event: error\n")
     assert json.loads(event.split("data: ")[1])["error"] == {"type": "api_error", "message": "boom"}
     assert tool_input('{"a": 1}') == {"a": 1} and tool_input("") == {}
@@ -662,7 +664,7 @@ def test_a_stream_that_fails_ends_with_error_and_response_failed():
     run = SimpleNamespace(
         id="resp_1",
         ctx=SimpleNamespace(served_model_name=MODEL),
-        params=[[SamplingParams()]],
+        params=[SamplingParams()],
         events=outputs,
         close=lambda: None,
     )
@@ -670,7 +672,7 @@ def test_a_stream_that_fails_ends_with_error_and_response_failed():
     turn = Turn(body, run, [])  # type: ignore[arg-type]
 
     async def read() -> list[str]:
-        frames = stream_frames(run, turn.wire_events(store), turn.error_frames)  # type: ignore[arg-type]
+        frames = stream_frames(run, turn.wire_events(store), turn.error_events)  # type: ignore[arg-type]
         return [frame async for frame in frames]
 
     blocks = asyncio.run(read())

@@ -139,7 +139,7 @@ def _guarded_app(lifecycle: Lifecycle, max_body_bytes: int = 1000) -> Starlette:
 
     routes = [Route("/boom", boom), Route("/echo", echo, methods=["POST"]), Route("/metrics", echo)]
     app = Starlette(routes=routes)
-    app.add_middleware(Gate, lifecycle, None, max_body_bytes)
+    app.add_middleware(Gate, lifecycle, None, max_body_bytes, lambda *_: None)
     return app
 
 
@@ -259,7 +259,7 @@ def test_a_stream_that_fails_ends_with_an_error_event(caplog):
     """After the 200 went out, a bug or a RequestError still ends the stream properly."""
 
     async def events(error: Exception):
-        yield None, {"part": "first"}
+        yield {"part": "first"}
         raise error
 
     async def collect(error: Exception) -> list[str]:

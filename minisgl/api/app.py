@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import uvicorn
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
 from starlette.responses import Response
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
@@ -31,7 +31,7 @@ from minisgl.limits import CLIENT_TIMEOUT_S, KEEP_ALIVE_S, ModelLimits
 from minisgl.models.model_config import load_sampling_defaults
 from minisgl.models.names import served_model_name
 from minisgl.runtime.engine_client import BACKEND_STOPPED, EngineClient
-from minisgl.runtime.messages import Endpoints, StatsReply
+from minisgl.runtime.messages import Endpoints
 from minisgl.runtime.supervisor import BACKEND_FAILED_SIGNAL, ChildStartupError
 from minisgl.tokenizer import load_tokenizer
 
@@ -41,8 +41,7 @@ logger = logging.getLogger(__name__)
 HEALTH_TIMEOUT_S = 1.5
 # /metrics: how long to wait for fresh scheduler stats before serving the last known ones.
 METRICS_STATS_TIMEOUT_S = 1.0
-# Startup: ping the scheduler until it has loaded the model; give up after this long.
-SCHEDULER_HANDSHAKE_TIMEOUT_S = 3600.0
+# Startup: how long each ping waits for the scheduler to answer.
 SCHEDULER_PING_INTERVAL_S = 1.0
 # After the drain (or the abort that ends it) handlers get this long to send their last bytes
 # before uvicorn closes the connections.
@@ -70,8 +69,9 @@ class _Protocol(H11Protocol):
     def connection_made(self, transport: Any) -> None:
         super().connection_made(transport)
         self.opened_s = self.loop.time()
-        timeout = self.timeout_keep_alive_handler
-        self.timeout_keep_alive_task = self.loop.call_later(CLIENT_TIMEOUT_S, timeout)
+        self.timeout_keep_alive_task = self.loop.call_later(
+            CLIENT_TIMEOUT_S, self.timeout_keep_alive_handler
+        )
         if len(self.connections) > self.max_connections:
             # idle: no request yet (cycle None), or its last one answered; not already closing
             idle = [
@@ -105,13 +105,6 @@ class _NotAgainSoon(logging.Filter):
         return True
 
 
-async def _wait_for_scheduler(engine: EngineClient) -> StatsReply:
-    for _ in range(int(SCHEDULER_HANDSHAKE_TIMEOUT_S / SCHEDULER_PING_INTERVAL_S)):
-        if (reply := await engine.stats(SCHEDULER_PING_INTERVAL_S)) is not None:  # else: waited
-            return reply
-    raise TimeoutError(f"scheduler did not answer within {SCHEDULER_HANDSHAKE_TIMEOUT_S} s")
-
-
 def create_app(
     args: ServerArgs, endpoints: Endpoints, tokenizer_path: str | Path, model_path: str | Path
 ) -> FastAPI:
@@ -121,31 +114,34 @@ def create_app(
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         tokenizer = await asyncio.to_thread(load_tokenizer, tokenizer_path)
         engine = EngineClient(endpoints)
-        info = await _wait_for_scheduler(engine)
+        # Until the scheduler has loaded the model (the launcher bounds how long that takes).
+        while (info := await engine.stats(SCHEDULER_PING_INTERVAL_S)) is None:
+            pass
         longest_token_chars = max(map(len, tokenizer.get_vocab()))
-        app.state.ctx = ServingContext(
-            args=args,
-            tokenizer=tokenizer,
-            engine=engine,
-            metrics=metrics,
-            served_model_name=served_model_name(args),
-            limits=ModelLimits(
+        chat = ChatSettings.resolve(
+            tokenizer,
+            args.chat_template,
+            args.chat_template_kwargs,
+            args.reasoning_parser,
+            args.tool_call_parser,
+        )
+        app.state.ctx = ctx = ServingContext(
+            args,
+            tokenizer,
+            engine,
+            metrics,
+            served_model_name(args),
+            ModelLimits(
                 info.max_model_len, info.vocab_size, info.kv_capacity_tokens, longest_token_chars
             ),
-            chat=ChatSettings.resolve(
-                tokenizer,
-                args.chat_template,
-                args.chat_template_kwargs,
-                args.reasoning_parser,
-                args.tool_call_parser,
-            ),
-            eos_token_ids=tuple(info.eos_token_ids),
-            sampling_defaults=load_sampling_defaults(Path(model_path), args.sampling_defaults),
+            chat,
+            tuple(info.eos_token_ids),
+            load_sampling_defaults(Path(model_path), args.sampling_defaults),
         )
         try:
             yield
         finally:
-            app.state.ctx.tokenizer_thread.shutdown(wait=False, cancel_futures=True)
+            ctx.tokenizer_thread.shutdown(wait=False, cancel_futures=True)
             await engine.close()
 
     # An exception with no handler there: the Gate (minisgl.api.middleware) logs it once and
@@ -155,8 +151,9 @@ def create_app(
     app.state.model_info = sglang.model_info(args, str(model_path), str(tokenizer_path))
     app.state.responses = responses.ResponseStore()
     metrics = ServerMetrics(lambda: app.state.ctx.engine.last_stats)  # read once serving
-    limit = args.max_request_body_bytes
-    app.add_middleware(Gate, app.state.lifecycle, args.api_key, limit, metrics.count_response)
+    app.add_middleware(
+        Gate, app.state.lifecycle, args.api_key, args.max_request_body_bytes, metrics.count_response
+    )
 
     # The dialects' routes join the app's own (include_router would nest them behind one
     # route, which the middleware's per-route counter could not see through).
@@ -164,15 +161,14 @@ def create_app(
         app.router.routes.extend(dialect.router.routes)
 
     @app.get("/health")
-    async def health(request: Request) -> Response:
-        reply = await request.app.state.ctx.engine.stats(HEALTH_TIMEOUT_S)
+    async def health() -> Response:
+        reply = await app.state.ctx.engine.stats(HEALTH_TIMEOUT_S)
         return Response(status_code=200 if reply is not None else HTTPStatus.SERVICE_UNAVAILABLE)
 
     @app.get("/metrics")
-    async def prometheus_metrics(request: Request) -> Response:
-        ctx = request.app.state.ctx
-        await ctx.engine.stats(METRICS_STATS_TIMEOUT_S)  # refreshes engine.last_stats
-        return Response(ctx.metrics.render(), media_type="text/plain; version=0.0.4")
+    async def prometheus_metrics() -> Response:
+        await app.state.ctx.engine.stats(METRICS_STATS_TIMEOUT_S)  # refreshes engine.last_stats
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4")
 
     return app
 
@@ -189,17 +185,18 @@ class _Server(uvicorn.Server):
         self, config: uvicorn.Config, app: FastAPI, drain_s: float, report_ready: Callable[[], None]
     ) -> None:
         super().__init__(config)
-        self._app = app
+        self._state = app.state
         self._drain_s = drain_s
         self._report_ready = report_ready
-        self.loop: asyncio.AbstractEventLoop | None = None  # set once serving
         self._hurry = False
         self._error: str | None = None  # set: the backend stopped, open requests fail with it
         self._task: asyncio.Task | None = None
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets)  # the process exits if the app's startup failed
-        self.loop = asyncio.get_running_loop()
+        # Serving: these signals go to the event loop (before, uvicorn's handler stops at once).
+        for sig in (signal.SIGTERM, BACKEND_FAILED_SIGNAL):
+            asyncio.get_running_loop().add_signal_handler(sig, self._on_signal, sig)
         self._report_ready()
 
     @contextlib.contextmanager
@@ -208,12 +205,6 @@ class _Server(uvicorn.Server):
         signal.signal(signal.SIGTERM, self.handle_exit)
         signal.signal(BACKEND_FAILED_SIGNAL, self.handle_exit)
         yield
-
-    def handle_exit(self, sig: int, frame: Any) -> None:
-        if self.loop is None:  # not serving yet: stop right away
-            super().handle_exit(sig, frame)
-        else:  # in the signal handler: hand over to the event loop
-            self.loop.call_soon_threadsafe(self._on_signal, sig)
 
     def _on_signal(self, sig: int) -> None:
         if sig == BACKEND_FAILED_SIGNAL:
@@ -224,19 +215,22 @@ class _Server(uvicorn.Server):
             self._task = asyncio.create_task(self._shut_down(), name="minisgl-shutdown")
 
     async def _wait_idle(self, timeout_s: float) -> None:
-        lifecycle, loop = self._app.state.lifecycle, asyncio.get_running_loop()
-        deadline_s = loop.time() + timeout_s
-        while lifecycle.num_open_requests > 0 and loop.time() < deadline_s and not self._hurry:
+        deadline_s = time.monotonic() + timeout_s
+        lifecycle = self._state.lifecycle
+        while lifecycle.num_open_requests and time.monotonic() < deadline_s and not self._hurry:
             await asyncio.sleep(DRAIN_POLL_S)
 
     async def _shut_down(self) -> None:
-        lifecycle = self._app.state.lifecycle
+        lifecycle = self._state.lifecycle
         lifecycle.draining = True
         if not self._hurry:
-            message = "shutting down: %d open request(s) get up to %g s to finish"
-            logger.info(message, lifecycle.num_open_requests, self._drain_s)
+            logger.info(
+                "shutting down: %d open request(s) get up to %g s to finish",
+                lifecycle.num_open_requests,
+                self._drain_s,
+            )
             await self._wait_idle(self._drain_s)
-        self._app.state.ctx.engine.abort_all(self._error)
+        self._state.ctx.engine.abort_all(self._error)
         self._hurry = False
         await self._wait_idle(GRACEFUL_SHUTDOWN_S)  # the aborted ones send their last chunks
         self.should_exit = True
@@ -283,7 +277,7 @@ def run_api_server(
         log_level="debug" if debug else "warning",
         access_log=debug,
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
-        timeout_keep_alive=KEEP_ALIVE_S,
+        timeout_keep_alive=int(KEEP_ALIVE_S),
         http=_Protocol,
         backlog=ACCEPT_BACKLOG,
     )

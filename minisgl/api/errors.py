@@ -13,15 +13,11 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
+from minisgl.api.request import JsonObject
 from minisgl.limits import InvalidRequestError
 from minisgl.runtime.engine_client import BackendUnavailable
 
 logger = logging.getLogger(__name__)
-
-
-def error_dict(message: str, err_type: str, param: str | None, code: Any) -> dict[str, Any]:
-    """OpenAI's error body; `code` carries the HTTP status (as vLLM and SGLang send it)."""
-    return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
 
 
 @dataclass(eq=False)  # compared and hashed as the exception it is
@@ -38,16 +34,32 @@ class RequestError(Exception):
     def __post_init__(self) -> None:
         super().__init__(self.message)
         if not self.err_type:
-            client_error = self.status_code < HTTPStatus.INTERNAL_SERVER_ERROR
-            self.err_type = "invalid_request_error" if client_error else "server_error"
+            self.err_type = (
+                "invalid_request_error"
+                if self.status_code < HTTPStatus.INTERNAL_SERVER_ERROR
+                else "server_error"
+            )
 
-    def body(self) -> dict[str, Any]:
-        return error_dict(self.message, self.err_type, self.param, self.status_code)
+    def body(self, with_code: bool = True) -> JsonObject:
+        """OpenAI's error body; `code` carries the HTTP status (as vLLM and SGLang send it)."""
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.err_type,
+                "param": self.param,
+                "code": self.status_code if with_code else None,
+            }
+        }
 
     def response(self, path: str) -> JSONResponse:
-        """This error as the endpoint at `path` answers errors."""
-        body = shape_error(path, self.body(), self.status_code)
-        return JSONResponse(body, status_code=self.status_code, headers=self.headers)
+        """This error as the endpoint at `path` answers errors: in the shape its dialect
+        registered for a prefix of it (ERROR_SHAPES), else in OpenAI's."""
+        shape = next((s for prefix, s in ERROR_SHAPES.items() if path.startswith(prefix)), None)
+        return JSONResponse(
+            shape(self.status_code, self.message) if shape else self.body(),
+            status_code=self.status_code,
+            headers=self.headers,
+        )
 
 
 class ClientDisconnected(Exception):
@@ -59,34 +71,27 @@ class ChoiceFailed(RequestError):
     (a 500 when the server failed the request, a step that raised; else a 400)."""
 
     def __init__(self, message: str, internal: bool = False) -> None:
-        status = HTTPStatus.INTERNAL_SERVER_ERROR if internal else HTTPStatus.BAD_REQUEST
-        super().__init__(status, message)
+        super().__init__(
+            HTTPStatus.INTERNAL_SERVER_ERROR if internal else HTTPStatus.BAD_REQUEST, message
+        )
 
 
 # A dialect that answers errors in its own shape registers it for its path prefix; everything
 # else, the middleware's refusals included, answers in OpenAI's.
-ErrorShape = Callable[[int, str], dict[str, Any]]
+ErrorShape = Callable[[int, str], JsonObject]
 ERROR_SHAPES: dict[str, ErrorShape] = {}
 
 
-def shape_error(path: str, body: dict[str, Any], status_code: int) -> dict[str, Any]:
-    """An OpenAI-shaped error body as the endpoint at `path` answers errors."""
-    for prefix, shape in ERROR_SHAPES.items():
-        if path.startswith(prefix):
-            return shape(status_code, str(body.get("error", {}).get("message", "")))
-    return body
-
-
 def _validation_error(exc: RequestValidationError) -> RequestError:
-    first = exc.errors()[0] if exc.errors() else {}
-    loc = [str(part) for part in first.get("loc", ()) if part not in ("body", "query")]
+    first = exc.errors()[0]
+    loc = [str(part) for part in first["loc"] if part not in ("body", "query")]
     rule = (first.get("ctx") or {}).get("error")
-    if first.get("type") == "json_invalid":
+    if first["type"] == "json_invalid":
         return RequestError(HTTPStatus.BAD_REQUEST, "Request body is not valid JSON.")
     if isinstance(rule, InvalidRequestError):  # raised by one of our own validators
         return RequestError(HTTPStatus.BAD_REQUEST, str(rule), param=rule.param)
     where = ".".join(loc) or "body"
-    message = f"{where}: {first.get('msg', 'invalid value')}"
+    message = f"{where}: {first['msg']}"
     return RequestError(HTTPStatus.BAD_REQUEST, message, param=loc[0] if loc else None)
 
 
@@ -120,12 +125,12 @@ async def error_response(request: Request, exc: Exception) -> JSONResponse:
 EXCEPTION_HANDLERS: dict[int | type[Exception], Any] = dict.fromkeys(_ANSWERS, error_response)
 
 
-def stream_error_body(exc: BaseException, request_id: str) -> dict[str, Any]:
+def stream_error_body(exc: BaseException, request_id: str) -> JsonObject:
     """The error event that ends a stream early; a bug is logged (with the request id it
     names) and reported as a 500."""
     # The request's own failure (not the server's) carries no code.
     if isinstance(exc, ChoiceFailed) and exc.status_code < HTTPStatus.INTERNAL_SERVER_ERROR:
-        return error_dict(str(exc), exc.err_type, None, None)
+        return exc.body(with_code=False)
     if (error := as_request_error(exc)) is not None:
         return error.body()
     logger.exception("request %s failed while streaming", request_id, exc_info=exc)

@@ -1,12 +1,7 @@
-"""Prometheus metrics for /metrics.
-
-Token counters, load gauges and per-step histograms are the scheduler's own numbers (its
-`stats()`, fetched over IPC when /metrics is scraped); request latency histograms and requests
-finished by reason are measured in the API server, where requests start and end.
-
-Names follow vLLM and SGLang where one of them has the same quantity (docs/server.md lists the
-equivalents), with the `minisgl:` prefix.
-"""
+"""Prometheus metrics for /metrics: the scheduler's own numbers (its stats, fetched when
+/metrics is scraped) and the request latencies and finish reasons the API server measures.
+Names follow vLLM and SGLang where they have the same quantity (docs/server.md#metrics), with
+the `minisgl:` prefix."""
 
 from __future__ import annotations
 
@@ -46,57 +41,55 @@ def _family(metric: Metric, name: str, doc: str, value: Any) -> MetricFamily:
     return family
 
 
-class _SchedulerStatsCollector(Collector):
-    """Exposes the latest StatsReply's SchedulerStats: every field with a Metric, as it says."""
+class ServerMetrics(Collector):
+    """The API server's own metrics, and a collector of the latest StatsReply's
+    SchedulerStats: every field with a Metric, as it says."""
 
-    def __init__(self, latest: Callable[[], StatsReply | None]) -> None:
-        self._latest = latest
-
-    def collect(self) -> Iterator[MetricFamily]:
-        stats = getattr(self._latest(), "stats", None)  # None before the scheduler's first reply
-        for exported in EXPORTED_FIELDS:
-            metric, value = exported.metadata[METRIC], getattr(stats, exported.name, None)
-            if value is not None:  # GPU gauges: CUDA only
-                for name, doc in metric.names:
-                    yield _family(metric, PREFIX + name, doc, value)
-
-
-class ServerMetrics:
     def __init__(self, latest_stats: Callable[[], StatsReply | None]) -> None:
+        self._latest_stats = latest_stats
         self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(_SchedulerStatsCollector(latest_stats))
+        self.registry.register(self)
         counter = functools.partial(Counter, registry=self.registry)
         histogram = functools.partial(Histogram, registry=self.registry)
         self.aborted_requests = counter(
-            PREFIX + "aborted_requests", "Requests aborted (client disconnected or shutdown)"
+            f"{PREFIX}aborted_requests", "Requests aborted (client disconnected or shutdown)"
         )
         self.request_success = counter(
-            PREFIX + "request_success",
+            f"{PREFIX}request_success",
             "Sequences finished, by finish reason (vLLM's name; abort and error included)",
             labelnames=("finished_reason",),
         )
         for reason in FinishReason:  # every series exists from the start, at zero
             self.request_success.labels(reason.value)
         self.time_to_first_token_s = histogram(
-            PREFIX + "time_to_first_token_seconds",
+            f"{PREFIX}time_to_first_token_seconds",
             "Time from request arrival to its first output token",
             buckets=TTFT_BUCKETS_S,
         )
         self.inter_token_latency_s = histogram(
-            PREFIX + "inter_token_latency_seconds",
+            f"{PREFIX}inter_token_latency_seconds",
             "Time between consecutive output tokens of a request",
             buckets=ITL_BUCKETS_S,
         )
         self.http_requests = counter(
-            PREFIX + "http_requests",
+            f"{PREFIX}http_requests",
             "HTTP requests answered, by route template, method and status code",
             labelnames=("handler", "method", "status"),
         )
         self.e2e_request_latency_s = histogram(
-            PREFIX + "e2e_request_latency_seconds",
+            f"{PREFIX}e2e_request_latency_seconds",
             "Time from request arrival to its last token",
             buckets=E2E_BUCKETS_S,
         )
+
+    def collect(self) -> Iterator[MetricFamily]:
+        # None before the scheduler's first reply
+        stats = getattr(self._latest_stats(), "stats", None)
+        for exported in EXPORTED_FIELDS:
+            metric, value = exported.metadata[METRIC], getattr(stats, exported.name, None)
+            if value is not None:  # GPU gauges: CUDA only
+                for name, doc in metric.names:
+                    yield _family(metric, f"{PREFIX}{name}", doc, value)
 
     def request_finished(self, reason: FinishReason) -> None:
         """One sequence (one choice of a request) ended."""

@@ -1,11 +1,5 @@
-"""Pure ASGI middleware (not BaseHTTPMiddleware, so streaming and disconnects pass through
-untouched), one `Gate` in front of the app:
-
-    shutting down -> 503 for new requests; --api-key on every path but the probes -> 401;
-    bodies over --max-request-body-bytes -> 413, before anything parses them; counts the open
-    requests; any exception escaping a handler -> one log line, an OpenAI-shaped 500; every
-    answer's status, by route, to the server's counter
-"""
+"""The `Gate`: pure ASGI middleware in front of the app (not BaseHTTPMiddleware, so streams and
+disconnects pass through untouched)."""
 
 from __future__ import annotations
 
@@ -43,21 +37,6 @@ class Lifecycle:
     num_open_requests: int = 0  # requests in progress, probes excluded
 
 
-async def _send_error(scope: Scope, send: Send, error: RequestError) -> None:
-    await error.response(scope.get("path", ""))(scope, _no_receive, send)
-
-
-async def _refuse(scope: Scope, send: Send, refusal: RequestError) -> None:
-    """Answer a request refused before the app sees it."""
-    if refusal.status_code != HTTPStatus.UNAUTHORIZED:  # its body may still be arriving
-        refusal.headers = {**refusal.headers, "Connection": "close"}
-    await _send_error(scope, send, refusal)
-
-
-async def _no_receive() -> Message:
-    return {"type": "http.disconnect"}
-
-
 # Called once per answered request: (route template, method, status code).
 ResponseObserver = Callable[[str, str, int], None]
 UNMATCHED_ROUTE = "unmatched"
@@ -67,32 +46,24 @@ def route_template(scope: Scope) -> str:
     """The route a request went to, as its template (`/v1/responses/{response_id}`), so that
     a metric's labels stay few; a request refused before routing (401, 413, 503) is matched
     here. UNMATCHED_ROUTE for paths no route serves."""
-    router = getattr(scope.get("app"), "router", None)
-    matching = (r for r in getattr(router, "routes", ()) if r.matches(scope)[0] == Match.FULL)
-    route = scope.get("route") or next(matching, None)
-    return str(getattr(route, "path", None) or UNMATCHED_ROUTE)
+    matching = (r for r in scope["app"].router.routes if r.matches(scope)[0] == Match.FULL)
+    return getattr(scope.get("route") or next(matching, None), "path", UNMATCHED_ROUTE)
 
 
 @dataclass
 class Gate:
-    """Every HTTP request passes here before the app sees it, in order: a server shutting down
-    answers 503 (but /metrics); every path but the probes needs `Authorization: Bearer KEY` or
-    `x-api-key: KEY` (Anthropic's SDK header) when --api-key is set (the docs pages and the
-    OpenAPI schema too, as in SGLang); a body over the limit is 413 (a declared Content-Length
-    over it without reading it). The body is read here and replayed; later receives (the
-    disconnect) pass through. Requests in progress, probes excluded, are counted.
-
-    It is also the last line of defence: whatever a handler raises, the client gets a 500 in
-    OpenAI's shape carrying a request id, the log gets the traceback once under that id, and
-    the exception goes no further (Starlette's own error middleware would log it a second time
-    and uvicorn would drop the connection). Every answer's status, refusals included, goes to
-    `observe` (the server's per-route counter)."""
+    """Every HTTP request passes here first: while shutting down a 503 (but /metrics); with
+    --api-key every path but the probes needs `Authorization: Bearer KEY` or `x-api-key: KEY`
+    (401); a body over the limit is a 413, a stalled one a 408, before anything parses it. The
+    body is read here and replayed. Open requests (probes excluded) are counted; whatever a
+    handler raises is logged once and answered with a 500 carrying a request id; every answer's
+    status goes to `observe`."""
 
     app: ASGIApp
     lifecycle: Lifecycle
     api_key: str | None = field(repr=False)  # a secret: kept out of any repr
     max_body_bytes: int
-    observe: ResponseObserver | None = None
+    observe: ResponseObserver
 
     def _allowed(self, headers: dict[bytes, bytes]) -> bool:
         if not self.api_key:
@@ -103,8 +74,7 @@ class Gate:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
+            return await self.app(scope, receive, send)
         status = 0  # 0 until the response starts
 
         async def tracking_send(message: Message) -> None:
@@ -113,41 +83,36 @@ class Gate:
                 status = int(message["status"])
             await send(message)
 
+        method, path = scope["method"], scope["path"]
         try:
             await self._admit(scope, receive, tracking_send)
         except Exception:
             request_id = new_id("req")
-            logger.exception(
-                "request %s (%s %s) failed", request_id, scope.get("method"), scope.get("path")
-            )
+            logger.exception("request %s (%s %s) failed", request_id, method, path)
             if not status:
                 message = f"internal error (request id {request_id})"
-                headers = {"X-Request-Id": request_id}
-                error = RequestError(HTTPStatus.INTERNAL_SERVER_ERROR, message, headers=headers)
-                await _send_error(scope, send, error)
-                status = error.status_code
+                error = RequestError(
+                    HTTPStatus.INTERNAL_SERVER_ERROR, message, headers={"X-Request-Id": request_id}
+                )
+                await error.response(path)(scope, receive, tracking_send)
         finally:
-            if self.observe is not None and status:
-                method = scope.get("method", "")
-                label = method if method in HTTP_METHODS else "other"
-                self.observe(route_template(scope), label, status)
+            if status:
+                self.observe(
+                    route_template(scope), method if method in HTTP_METHODS else "other", status
+                )
 
     async def _admit(self, scope: Scope, receive: Receive, send: Send) -> None:
-        path = scope.get("path", "")
-        if self.lifecycle.draining and path != METRICS_PATH:
-            await _refuse(scope, send, RequestError(HTTPStatus.SERVICE_UNAVAILABLE, SHUTTING_DOWN))
-            return
-        if path in PROBE_PATHS:
-            await self.app(scope, receive, send)
-            return
+        path = scope["path"]
+        if path in PROBE_PATHS and (path == METRICS_PATH or not self.lifecycle.draining):
+            return await self.app(scope, receive, send)
         self.lifecycle.num_open_requests += 1
         try:
-            headers = dict(scope["headers"])
-            # The body, or why the request is refused.
-            body = self._header_refusal(headers) or await self._read_body(headers, receive)
-            if isinstance(body, RequestError):
-                await _refuse(scope, send, body)
-                return
+            body = await self._read_body(scope, receive)
+        except RequestError as refusal:
+            if refusal.status_code != HTTPStatus.UNAUTHORIZED:  # its body may still be arriving
+                refusal.headers = {**refusal.headers, "Connection": "close"}
+            await refusal.response(path)(scope, receive, send)
+        else:
             pending = [body]
 
             async def replay() -> Message:
@@ -157,40 +122,49 @@ class Gate:
         finally:
             self.lifecycle.num_open_requests -= 1
 
-    def _header_refusal(self, headers: dict[bytes, bytes]) -> RequestError | None:
-        if not self._allowed(headers):
-            message = "Invalid or missing API key."
-            return RequestError(HTTPStatus.UNAUTHORIZED, message, err_type="authentication_error")
-        if b"content-length" in headers and b"transfer-encoding" in headers:  # RFC 9112 6.3
-            message = "A request may not carry both Content-Length and Transfer-Encoding."
-            return RequestError(HTTPStatus.BAD_REQUEST, message)
-        return None
-
-    async def _read_body(
-        self, headers: dict[bytes, bytes], receive: Receive
-    ) -> Message | RequestError:
+    async def _read_body(self, scope: Scope, receive: Receive) -> Message:
         """The whole body as one message, checked (`check_json`, on a thread: a 32 MiB body
-        takes ~0.7 s, and other requests' streams keep flowing); or why it is refused."""
-        too_large = f"Request body too large: the limit is {self.max_body_bytes} bytes."
-        declared = headers.get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
-            return RequestError(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, too_large)
+        takes ~0.7 s, and other requests' streams keep flowing); a RequestError says why the
+        request is refused."""
+        headers = dict(scope["headers"])
+        if self.lifecycle.draining:
+            raise RequestError(HTTPStatus.SERVICE_UNAVAILABLE, SHUTTING_DOWN)
+        if not self._allowed(headers):
+            raise RequestError(
+                HTTPStatus.UNAUTHORIZED,
+                "Invalid or missing API key.",
+                err_type="authentication_error",
+            )
+        if b"content-length" in headers and b"transfer-encoding" in headers:  # RFC 9112 6.3
+            raise RequestError(
+                HTTPStatus.BAD_REQUEST,
+                "A request may not carry both Content-Length and Transfer-Encoding.",
+            )
+        too_large = RequestError(
+            HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
+            f"Request body too large: the limit is {self.max_body_bytes} bytes.",
+        )
+        declared = headers.get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > self.max_body_bytes:
+            raise too_large
         body = bytearray()
         while True:
             try:
-                message = await asyncio.wait_for(receive(), CLIENT_TIMEOUT_S)
+                received = await asyncio.wait_for(receive(), CLIENT_TIMEOUT_S)
             except TimeoutError:
-                stalled = f"The request body stopped arriving for {CLIENT_TIMEOUT_S:g} s."
-                return RequestError(HTTPStatus.REQUEST_TIMEOUT, stalled)
-            if message["type"] != "http.request":
-                return message  # the client left before sending it all: the app sees it
-            body += message.get("body", b"")
+                raise RequestError(
+                    HTTPStatus.REQUEST_TIMEOUT,
+                    f"The request body stopped arriving for {CLIENT_TIMEOUT_S:g} s.",
+                ) from None
+            if received["type"] != "http.request":
+                return received  # the client left before sending it all: the app sees it
+            body += received.get("body", b"")
             if len(body) > self.max_body_bytes:
-                return RequestError(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, too_large)
-            if not message.get("more_body", False):
+                raise too_large
+            if not received.get("more_body", False):
                 break
         try:
             data = await asyncio.to_thread(check_json, bytes(body)) if body else b""
         except InvalidRequestError as exc:
-            return RequestError(HTTPStatus.BAD_REQUEST, str(exc))
+            raise RequestError(HTTPStatus.BAD_REQUEST, str(exc)) from None
         return {"type": "http.request", "body": data, "more_body": False}

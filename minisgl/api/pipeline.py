@@ -1,12 +1,7 @@
 """The one generation pipeline every dialect runs: admission (model, fan-out, capacity) ->
-prompt (template, tokens, constraint, on the tokenizer thread) -> params (one SamplingParams per
-choice) -> a `Run` of choices in flight -> events.
-
-A dialect turns a Run's outputs into its wire events; `respond` sends them as a stream, or folds
-them into the one reply of a non-streaming request, so the two cannot disagree. Whatever ends a
-stream early (timeout, a failed choice, the backend stopping, a bug) reaches the client as an
-error event in the dialect's shape, never as a cut connection.
-"""
+prompt (template, tokens, constraint, on the tokenizer thread) -> one SamplingParams per
+choice -> a `Run` of choices in flight -> events, which a dialect renders and
+minisgl.api.sse sends or folds."""
 
 from __future__ import annotations
 
@@ -62,6 +57,11 @@ class ServingContext:
     metrics: ServerMetrics
     served_model_name: str
     limits: ModelLimits
+    chat: ChatSettings
+    eos_token_ids: tuple[int, ...]
+    # For the sampling fields a request leaves unset (--sampling-defaults model): the checkpoint's
+    # generation_config.json values; empty means the OpenAI API's defaults.
+    sampling_defaults: dict[str, float | int]
     # Tokenizing a long prompt takes milliseconds to seconds: done on these threads, not on the
     # event loop, so streams of other requests keep flowing, and on more than one, so a huge
     # prompt does not hold up the others. Concurrent use is safe: no call changes the tokenizer's
@@ -69,11 +69,6 @@ class ServingContext:
     tokenizer_thread: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(TOKENIZER_THREADS, "minisgl-tokenize")
     )
-    chat: ChatSettings = field(default_factory=ChatSettings)
-    eos_token_ids: tuple[int, ...] = ()
-    # For the sampling fields a request leaves unset (--sampling-defaults model): the checkpoint's
-    # generation_config.json values; empty means the OpenAI API's defaults.
-    sampling_defaults: dict[str, float | int] = field(default_factory=dict)
 
     async def on_tokenizer_thread(self, fn: Callable[..., _T], *args: Any) -> _T:
         return await asyncio.get_running_loop().run_in_executor(self.tokenizer_thread, fn, *args)
@@ -82,14 +77,19 @@ class ServingContext:
     def grammar(self) -> GrammarWorker:
         """Compiles constraints in a worker process, off the tokenizer thread, so the scheduler
         never compiles on its loop and a hostile one costs a 400, not the server."""
-        timeout_s = self.args.grammar_compile_timeout_s
-        return GrammarWorker(self.tokenizer, self.limits.vocab_size, self.eos_token_ids, timeout_s)
+        return GrammarWorker(
+            self.tokenizer,
+            self.limits.vocab_size,
+            self.eos_token_ids,
+            self.args.grammar_compile_timeout_s,
+        )
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model not in accepted_model_names(self.args):
             served = f"this server serves `{self.served_model_name}`"
-            message = f"The model `{model}` does not exist: {served}."
-            raise RequestError(HTTPStatus.NOT_FOUND, message, "model")
+            raise RequestError(
+                HTTPStatus.NOT_FOUND, f"The model `{model}` does not exist: {served}.", "model"
+            )
 
     @functools.cached_property
     def token_text(self) -> Callable[[int], str]:
@@ -98,75 +98,6 @@ class ServingContext:
             return cast(str, self.tokenizer.decode([token_id], skip_special_tokens=False))
 
         return decode_one
-
-
-@dataclass
-class Prepared:
-    """A request's prompts as token ids, with what the template and constraint made of them."""
-
-    prompt_ids: list[list[int]]
-    chat: PreparedChat | None
-    constraint: Constraint | None
-    constraint_param: str  # the request field the constraint came from
-    grammar_json: str | None = None  # the constraint compiled and serialized for the scheduler
-
-
-def _prepare(ctx: ServingContext, req: ApiRequest) -> Prepared:
-    """On the tokenizer thread. Raises InvalidRequestError, or ValueError about the messages."""
-    if isinstance(req.prompt, ChatPrompt):
-        chat = prepare_chat(ctx.tokenizer, ctx.chat, req.prompt, req.constraint_fields)
-        return Prepared([chat.prompt_ids], chat, chat.constraint, chat.constraint_param or "")
-    param, constraint = constraint_from_fields(req.constraint_fields) or ("", None)
-    prompts = [
-        list(ctx.tokenizer(item)["input_ids"]) if isinstance(item, str) else list(item)
-        for item in req.prompt
-    ]
-    return Prepared(prompts, None, constraint, param)
-
-
-async def prepare(ctx: ServingContext, req: ApiRequest) -> Prepared:
-    """The prompts, their constraint (compiled after the tokenizer thread's part, so that
-    thread keeps serving others meanwhile) and parsers; a 400 for any broken rule, named as this
-    dialect's clients spell the field."""
-    try:
-        check_prompt_size(*prompt_texts(req.prompt), ctx.limits, req.prompt_param)
-        prepared = await ctx.on_tokenizer_thread(_prepare, ctx, req)
-        if prepared.constraint is not None:
-            grammar = ctx.grammar.serialize(prepared.constraint, prepared.constraint_param)
-            prepared.grammar_json = await grammar
-        return prepared
-    except InvalidRequestError as exc:
-        raise req.invalid(exc) from None
-    except ValueError as exc:  # about the messages
-        param = req.wire("messages")
-        message = f"{param}: {exc}" if param != "messages" else str(exc)
-        raise RequestError(HTTPStatus.BAD_REQUEST, message, param=param) from None
-
-
-def admit(ctx: ServingContext, req: ApiRequest) -> None:
-    """Before any work: the model, and the sequences one request starts (prompts x n)."""
-    ctx.check_model(req.model)
-    num_sequences, most = req.num_prompts * req.n, ctx.args.max_sequences_per_request
-    if num_sequences > most:
-        raise RequestError(
-            HTTPStatus.BAD_REQUEST,
-            f"this request asks for {num_sequences} sequences ({req.num_prompts} prompts x "
-            f"n={req.n}); the server allows at most {most}",
-            param="n" if req.n > most else req.prompt_param,
-        )
-    check_capacity(ctx, num_sequences)
-
-
-def check_capacity(ctx: ServingContext, num_sequences: int) -> None:
-    """503 when the queue of waiting sequences would overflow (--max-queued-requests)."""
-    in_flight_bound = ctx.args.max_running_requests + ctx.args.max_queued_requests
-    if ctx.engine.num_active_requests + num_sequences > in_flight_bound:
-        raise RequestError(
-            HTTPStatus.SERVICE_UNAVAILABLE,
-            "The server is overloaded: its request queue is full. Please retry later.",
-            err_type="server_overloaded",
-            headers={"Retry-After": str(QUEUE_FULL_RETRY_AFTER_S)},
-        )
 
 
 @dataclass
@@ -214,58 +145,112 @@ class Run:
     into one queue. Submitted all or none; `close` aborts whatever is unfinished (the client
     left, a timeout, an error) and stops watching the client."""
 
-    def __init__(self, ctx: ServingContext, req: ApiRequest, request_id: str) -> None:
-        self.ctx = ctx
+    def __init__(self, http_request: Request, req: ApiRequest, request_id: str = "") -> None:
+        self.ctx: ServingContext = http_request.app.state.ctx
         self.req = req
         self.id = request_id
-        self.prepared: Prepared  # by `prepare`
-        self.params: list[list[SamplingParams]] = []
+        self._http_request = http_request
+        self.prompts: list[list[int]] = []  # token ids, by `tokenize`
+        self.chat: PreparedChat | None = None  # a chat's parsers, by `tokenize`
+        self.grammar_json: str | None = None  # the constraint compiled for the scheduler
+        self.params: list[SamplingParams] = []  # one per choice
         self.choices: list[Choice] = []
         self._queue: asyncio.Queue = asyncio.Queue()
         self._arrival_time_s = time.perf_counter()
         # What `close` cancels: the client watcher, the timeout.
         self._pending: list[asyncio.Task | asyncio.TimerHandle] = []
 
-    @property
-    def prompts(self) -> list[list[int]]:
-        return self.prepared.prompt_ids
-
-    async def start(self, http_request: Request) -> Run:
+    async def start(self) -> Run:
         """Admit, prepare and submit every choice (or none)."""
-        await self.prepare(http_request)
-        self.submit(http_request)
+        await self.prepare()
+        self.submit()
         return self
 
-    async def prepare(self, http_request: Request) -> None:
+    async def prepare(self) -> None:
         """Admission, prompts, constraint and every choice's SamplingParams (a 400 or 503 if a
         rule breaks); nothing is sent yet."""
         ctx, req = self.ctx, self.req
-        admit(ctx, req)  # a 503 comes before any tokenizing
-        self.prepared = prepared = await prepare(ctx, req)
-        defaults = {**ctx.sampling_defaults, "user": api_key_tenant(http_request.headers)}
+        # Before any work: the model, and the sequences one request starts (prompts x n).
+        ctx.check_model(req.model)
+        num_prompts = 1 if isinstance(req.prompt, ChatPrompt) else len(req.prompt)
+        if (num_sequences := num_prompts * req.n) > (most := ctx.args.max_sequences_per_request):
+            raise RequestError(
+                HTTPStatus.BAD_REQUEST,
+                f"this request asks for {num_sequences} sequences ({num_prompts} prompts x "
+                f"n={req.n}); the server allows at most {most}",
+                param="n" if req.n > most else req.prompt_param,
+            )
+        self._check_capacity(num_sequences)  # a 503 comes before any tokenizing
+        constraint = await self.tokenize()
+        defaults = {**ctx.sampling_defaults, "user": api_key_tenant(self._http_request.headers)}
         self.params = [
-            choice_params(req, p, ids, ctx.limits, defaults, prepared.constraint)
-            for p, ids in enumerate(prepared.prompt_ids)
+            params
+            for p, ids in enumerate(self.prompts)
+            for params in choice_params(req, p, ids, ctx.limits, defaults, constraint)
         ]
-        chat = prepared.chat
+        chat = self.chat
         self.choices = [
             Choice(p * req.n + j, p, f"{self.id}-{p}-{j}", chat.new_parser() if chat else None)
-            for p in range(len(self.params))
+            for p in range(len(self.prompts))
             for j in range(req.n)
         ]
 
-    def submit(self, http_request: Request) -> None:
-        check_capacity(self.ctx, len(self.choices))  # it may have filled while we tokenized
+    async def tokenize(self) -> Constraint | None:
+        """The prompts as token ids, a chat's parsers, and the request's constraint (compiled
+        after the tokenizer thread's part, so that thread keeps serving others meanwhile); a 400
+        for any broken rule, named as this dialect's clients spell the field."""
+        ctx, req = self.ctx, self.req
         try:
-            for choice in self.choices:
-                p, j = divmod(choice.index, self.req.n)  # prompt p's choice j
-                ids, params = tuple(self.prompts[p]), self.params[p][j]
-                request = TokenizedRequest(choice.rid, ids, params, self.prepared.grammar_json)
+            check_prompt_size(*prompt_texts(req.prompt), ctx.limits, req.prompt_param)
+            param, constraint = await ctx.on_tokenizer_thread(self._tokenize)
+            if constraint is not None:
+                self.grammar_json = await ctx.grammar.serialize(constraint, param)
+            return constraint
+        except InvalidRequestError as exc:
+            raise req.invalid(exc) from None
+        except ValueError as exc:  # about the messages
+            param = req.wire("messages")
+            raise RequestError(
+                HTTPStatus.BAD_REQUEST,
+                f"{param}: {exc}" if param != "messages" else str(exc),
+                param=param,
+            ) from None
+
+    def _tokenize(self) -> tuple[str, Constraint | None]:
+        """On the tokenizer thread: (the field the constraint came from, the constraint)."""
+        tokenizer, prompt, fields = self.ctx.tokenizer, self.req.prompt, self.req.constraint_fields
+        if isinstance(prompt, ChatPrompt):
+            self.chat = chat = prepare_chat(tokenizer, self.ctx.chat, prompt, fields)
+            self.prompts = [chat.prompt_ids]
+            return chat.constraint_param or "", chat.constraint
+        self.prompts = [
+            tokenizer(item)["input_ids"] if isinstance(item, str) else item for item in prompt
+        ]
+        return constraint_from_fields(fields) or ("", None)
+
+    def _check_capacity(self, num_sequences: int) -> None:
+        """503 when the queue of waiting sequences would overflow (--max-queued-requests)."""
+        args = self.ctx.args
+        in_flight_bound = args.max_running_requests + args.max_queued_requests
+        if self.ctx.engine.num_active_requests + num_sequences > in_flight_bound:
+            raise RequestError(
+                HTTPStatus.SERVICE_UNAVAILABLE,
+                "The server is overloaded: its request queue is full. Please retry later.",
+                err_type="server_overloaded",
+                headers={"Retry-After": str(QUEUE_FULL_RETRY_AFTER_S)},
+            )
+
+    def submit(self) -> None:
+        self._check_capacity(len(self.choices))  # it may have filled while we tokenized
+        try:
+            for choice, params in zip(self.choices, self.params, strict=True):
+                ids = tuple(self.prompts[choice.prompt_index])
+                request = TokenizedRequest(choice.rid, ids, params, self.grammar_json)
                 self.ctx.engine.submit(request, self._queue)
         except BaseException:
             self.close()
             raise
-        self._pending.append(asyncio.create_task(self._watch_disconnect(http_request)))
+        self._pending.append(asyncio.create_task(self._watch_disconnect()))
         if (timeout_s := self.ctx.args.request_timeout_s) is not None:
             timed_out = RequestError(
                 HTTPStatus.GATEWAY_TIMEOUT,
@@ -273,16 +258,15 @@ class Run:
                 "and was aborted.",
                 err_type="timeout_error",
             )
-            put = self._queue.put_nowait
-            self._pending.append(asyncio.get_running_loop().call_later(timeout_s, put, timed_out))
+            self._pending.append(
+                asyncio.get_running_loop().call_later(timeout_s, self._queue.put_nowait, timed_out)
+            )
 
-    async def _watch_disconnect(self, http_request: Request) -> None:
+    async def _watch_disconnect(self) -> None:
         # The body is already read, so the next ASGI message is the disconnect (or the end).
-        while True:
-            message = await http_request.receive()
-            if message["type"] == "http.disconnect":
-                self._queue.put_nowait(ClientDisconnected())  # the handler wakes up, aborts
-                return
+        while (await self._http_request.receive())["type"] != "http.disconnect":
+            pass
+        self._queue.put_nowait(ClientDisconnected())  # the handler wakes up, aborts
 
     async def events(self) -> AsyncIterator[Event]:
         """Every output as it arrives, its choice updated; raises ChoiceFailed at the first

@@ -1,14 +1,9 @@
 """The internal request every dialect's body becomes, and the rules that make it SamplingParams.
 
-A dialect (minisgl.api.dialects) validates its own wire shape with a `WireModel`: strict JSON
-types (no "3" or true for an integer, no NaN or Infinity), text that is valid Unicode anywhere in
-the body, an explicit null meaning the default, unknown fields ignored (as vLLM and SGLang do).
-Its fields named like `SamplingParams`' fields, and those its alias table maps to one, become
-`ApiRequest.sampling`; the value rules are SamplingParams' own and the model's are
-minisgl.limits', so a new sampling field needs a typed attribute and nothing else. The same alias
-table names the field in a 400: a rule broken on `max_tokens` names `max_output_tokens` on the
-Responses API, `sampling_params.max_new_tokens` on SGLang's /generate.
-"""
+A dialect validates its wire shape with a `WireModel` (strict JSON types, valid Unicode, null
+means the default, unknown fields ignored). Fields named like SamplingParams' own, or mapped to
+one by the dialect's alias table, become `ApiRequest.sampling`; the same table names the
+field in a 400 (`max_output_tokens` on the Responses API for a rule on `max_tokens`)."""
 
 from __future__ import annotations
 
@@ -16,7 +11,7 @@ import dataclasses
 import hashlib
 import json
 import uuid
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,6 +21,7 @@ from minisgl.chat import ChatPrompt
 from minisgl.core import Constraint, SamplingParams
 from minisgl.limits import InvalidRequestError, ModelLimits, check_request, resolve_max_tokens
 
+JsonObject = dict[str, Any]  # a JSON object: a request body, a reply, an event
 SAMPLING_NAMES = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 KEY_TENANT_HASH_CHARS = 12  # an API key's tenant: a hash prefix, never the key itself
 
@@ -34,9 +30,9 @@ def api_key_tenant(headers: Mapping[str, str]) -> str | None:
     """The tenant of a request that names no user: the API key it presents (`x-api-key` or a
     Bearer token, as the server's Gate checks it), as `key-` and a short hash."""
     key = headers.get("x-api-key") or headers.get("authorization", "").removeprefix("Bearer ")
-    if not key:
-        return None
-    return "key-" + hashlib.sha256(key.encode()).hexdigest()[:KEY_TENANT_HASH_CHARS]
+    return (
+        f"key-{hashlib.sha256(key.encode()).hexdigest()[:KEY_TENANT_HASH_CHARS]}" if key else None
+    )
 
 
 def new_id(prefix: str, sep: str = "-") -> str:
@@ -44,9 +40,42 @@ def new_id(prefix: str, sep: str = "-") -> str:
     return f"{prefix}{sep}{uuid.uuid4().hex}"
 
 
-def function_call(call_id: str, name: str, arguments: str) -> dict[str, Any]:
+def function_call(call_id: str, name: str, arguments: str) -> JsonObject:
     """A tool call as chat messages carry it (`tool_calls` entries)."""
     return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def text_content(
+    content: Any, where: str, param: str, text_types: Collection[str] = ("text",)
+) -> str:
+    """Text, or a list of text parts (of `text_types`; a refusal part's text is its "refusal"),
+    as one string: the Responses and Anthropic APIs' content. Anything else is a 400 naming
+    `param`."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise InvalidRequestError(param, f"{where}: content must be text or a list of text parts")
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, Mapping) else None
+        text = part.get("refusal" if kind == "refusal" else "text") if kind in text_types else None
+        if not isinstance(text, str):
+            message = f"must be a text part, not {kind!r}: the model reads text"
+            raise InvalidRequestError(param, f"{where}.content[{j}]: {message}")
+        texts.append(text)
+    return "".join(texts)
+
+
+def chat_tool_choice(choice: Any, named: str, plain: Mapping[str, str], expected: str) -> Any:
+    """`tool_choice` in chat's form: a string as it is, {"type": named, "name"} the named
+    function, {"type": t} for t in `plain` that string; anything else a 400 (`expected`)."""
+    if not isinstance(choice, Mapping):
+        return choice
+    if (kind := choice.get("type", "")) in plain:
+        return plain[kind]
+    if kind == named and isinstance(choice.get("name"), str):
+        return {"type": "function", "function": {"name": choice["name"]}}
+    raise InvalidRequestError("tool_choice", f"must be {expected}")
 
 
 def find_invalid_text(data: Any) -> str | None:
@@ -99,7 +128,7 @@ class SamplingWire(WireModel):
     frequency_penalty: float | None = None
     seed: int | None = None
     stop_token_ids: list[int] | None = None
-    logit_bias: dict[str, Any] | None = None  # token id (as text) -> bias in [-100, 100]
+    logit_bias: JsonObject | None = None  # token id (as text) -> bias in [-100, 100]
     min_tokens: int | None = None  # no EOS, stop token or stop string before this many
     ignore_eos: bool = False
     priority: int | None = None  # --enable-priority-scheduling: larger goes sooner
@@ -110,12 +139,12 @@ class ChatWire(SamplingWire):
     minisgl.chat.requests)."""
 
     tools: list[Any] | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template_kwargs: JsonObject | None = None
 
 
 def sampling_of(
     body: BaseModel, aliases: Mapping[str, str], **elsewhere: Any
-) -> tuple[dict[str, Any], dict[str, str]]:
+) -> tuple[JsonObject, dict[str, str]]:
     """(the SamplingParams fields `body` sets, by their names; what each is called on the wire).
 
     `aliases` maps a wire field to the internal name it stands for (a SamplingParams field, or
@@ -144,18 +173,14 @@ class ApiRequest:
     the client's field, for a 400's param."""
 
     prompt: ChatPrompt | list[str] | list[list[int]]
-    sampling: Mapping[str, Any] | list[Mapping[str, Any]]
+    sampling: JsonObject | list[JsonObject]
     wire_names: Mapping[str, str] = field(default_factory=dict)
     n: int = 1
     model: str | None = None
-    constraint_fields: Mapping[str, Any] = field(default_factory=dict)
+    constraint_fields: JsonObject = field(default_factory=dict)
 
     def wire(self, name: str) -> str:
         return self.wire_names.get(name, name)
-
-    @property
-    def num_prompts(self) -> int:
-        return 1 if isinstance(self.prompt, ChatPrompt) else len(self.prompt)
 
     @property
     def prompt_param(self) -> str:
@@ -171,7 +196,7 @@ def choice_params(
     prompt_index: int,
     prompt_ids: list[int],
     limits: ModelLimits,
-    defaults: Mapping[str, Any],
+    defaults: JsonObject,
     constraint: Constraint | None,
 ) -> list[SamplingParams]:
     """One SamplingParams per choice of this prompt, every rule checked (a 400 if one breaks).

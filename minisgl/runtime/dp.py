@@ -1,22 +1,8 @@
-"""`python -m minisgl.server --dp N`: N replicas of the server behind the SGLang Model Gateway.
-
-    launcher (this process: starts, watches, stops)
-      |- replica 0     a whole server (a ServerStack: scheduler [+ tp ranks], detokenizer, API)
-      |                on --port + 1, on its own GPUs or cores (`plan_placements`, below)
-      |- ...
-      |- replica N-1   on --port + N
-      |- gateway       sglang-router on --port (minisgl.runtime.gateway)
-
-The gateway starts once every replica serves, and learns the model from their /server_info and
-/model_info (minisgl.api.dialects.sglang). A replica that dies is reported, its other processes
-are stopped and it leaves the gateway's rotation; the rest keep serving. SIGTERM / Ctrl-C: the
-gateway first (it lets in-flight requests finish), then every replica at once, each draining as
-a single server does.
-
-Placement: each replica gets its own `--tp` GPUs on CUDA (CUDA_VISIBLE_DEVICES), its own cores
-on CPU (CPU affinity, by which torch sizes its thread pool and tp its ranks:
-minisgl.scheduler.tp.cpu_threads_per_rank).
-"""
+"""`python -m minisgl.server --dp N`: N whole servers (replicas, on --port + 1 ...) behind the
+SGLang Model Gateway on --port, each on its own GPUs (CUDA_VISIBLE_DEVICES) or cores (CPU
+affinity). A replica that dies is stopped and leaves the gateway's rotation; the rest keep
+serving. SIGTERM / Ctrl-C stop the gateway first, then every replica at once, each draining.
+docs/scaling.md is the reference."""
 
 from __future__ import annotations
 
@@ -46,12 +32,10 @@ class Placement:
     cuda_visible_devices: str | None = None  # None: CPU, or leave the GPUs as they are
     cpus: frozenset[int] | None = None  # None: every core the launcher may use
 
-    def describe(self) -> str:
+    def __str__(self) -> str:
         if self.cuda_visible_devices is not None:
             return f"GPUs {self.cuda_visible_devices}"
-        if self.cpus is not None:
-            return f"cores {','.join(map(str, sorted(self.cpus)))}"
-        return "every core"
+        return f"cores {sorted(self.cpus)}" if self.cpus is not None else "every core"
 
     @contextlib.contextmanager
     def for_new_processes(self) -> Iterator[None]:
@@ -96,8 +80,10 @@ def plan_placements(args: ServerArgs, dp_size: int) -> list[Placement]:
                 f"--dp {dp_size} --tp {per_replica} needs {dp_size * per_replica} GPUs; "
                 f"{len(gpus)} visible"
             )
-        groups = [gpus[i * per_replica : (i + 1) * per_replica] for i in range(dp_size)]
-        return [Placement(cuda_visible_devices=",".join(group)) for group in groups]
+        return [
+            Placement(",".join(gpus[i * per_replica : (i + 1) * per_replica]))
+            for i in range(dp_size)
+        ]
     if not hasattr(os, "sched_getaffinity"):  # no CPU affinity here (macOS): share every core
         return [Placement() for _ in range(dp_size)]
     cpus = sorted(os.sched_getaffinity(0))
@@ -121,23 +107,20 @@ class DataParallelStack(StopRequests):
         for replica in self._replicas:
             replica.request_stop()
 
-    def _check(self) -> None:
-        """--nnodes, --dist-init-addr and --device cuda:N with --dp: refused when parsing."""
+    def start(self) -> None:
+        # --nnodes, --dist-init-addr and --device cuda:N with --dp: refused when parsing.
         if self.dp.use_router and not gateway_installed():
             raise StartupError(
                 f"--dp {self.dp.dp_size} puts the SGLang Model Gateway in front of the replicas, "
                 f"but sglang-router is not installed: {INSTALL_HINT}; or pass --no-router to "
                 "start the replicas alone"
             )
-
-    def start(self) -> None:
-        self._check()
         for index, placement in enumerate(plan_placements(self.args, self.dp.dp_size)):
             replica = ServerStack(self.args.replace(port=self.args.port + 1 + index), index)
             self._replicas.append(replica)
             with placement.for_new_processes():
                 replica.start()
-            logger.info("replica %d: %s on %s", index, replica.url, placement.describe())
+            logger.info("replica %d: %s on %s", index, replica.url, placement)
 
     def wait_ready(self) -> None:
         for replica in self._replicas:  # they load in parallel; this only waits for each

@@ -1,12 +1,7 @@
-"""The SGLang Model Gateway (PyPI `sglang-router`, command `smg`) as a child of `--dp`.
-
-It runs as `python -m sglang_router.launch_router` (what `smg launch` runs) with this Python, so
-it comes from the same environment. Its control plane (`/workers`, opened by the API key when
-one is set) says when it has registered the replicas, and takes a dead one out of rotation.
-Its graceful stop is Ctrl-C (SIGINT): it refuses new requests and lets in-flight ones finish;
-SIGTERM ends it at once, and it gets SIGTERM when the launcher dies (set up by
-minisgl.runtime.supervisor.prepare_exec_child).
-"""
+"""The SGLang Model Gateway (PyPI `sglang-router`) as a child of `--dp`, run with this Python.
+Its control plane (`/workers`) says when it has registered the replicas and takes a dead one
+out of rotation. SIGINT is its graceful stop (in-flight requests finish); SIGTERM ends it at
+once, and it gets SIGTERM when the launcher dies (supervisor.prepare_exec_child)."""
 
 from __future__ import annotations
 
@@ -71,7 +66,7 @@ class Gateway:
         self.url = http_url(args.host, args.port)
         self._host = WILDCARD_HOSTS.get(args.host, args.host)  # where its control plane answers
         self._command = gateway_command(args, dp, worker_urls)
-        self._worker_urls = set(worker_urls)
+        self._urls = set(worker_urls)
         self._args = args
         self._process: subprocess.Popen | None = None
 
@@ -84,7 +79,7 @@ class Gateway:
         """Start it and wait until it lists every worker as healthy."""
         self._process = subprocess.Popen(self._command, preexec_fn=prepare_exec_child)
         deadline_s = time.monotonic() + READY_TIMEOUT_S
-        while not self._sees_every_worker():
+        while not {w.get("url") for w in self._workers() if w.get("is_healthy")} >= self._urls:
             if stop_requested():
                 raise StartupError("stopped during startup")
             if self.exit_code is not None:
@@ -115,10 +110,6 @@ class Gateway:
     def _workers(self) -> list[dict[str, Any]]:
         workers = self._control("/workers").get("workers")
         return [w for w in workers if isinstance(w, dict)] if isinstance(workers, list) else []
-
-    def _sees_every_worker(self) -> bool:
-        healthy = {w.get("url") for w in self._workers() if w.get("is_healthy")}
-        return healthy >= self._worker_urls
 
     def remove_worker(self, url: str) -> None:
         """Best effort: out of rotation now, rather than when its health check notices (which

@@ -1,25 +1,15 @@
-"""Launching a server: scheduler, detokenizer and API server, each in its own process.
-
-    launcher (this process: starts, watches, stops)
-      |- scheduler     model + KV pool; steps batches              minisgl.scheduler.process
-      |- detokenizer   token ids -> text, stop strings             minisgl.runtime.detokenizer_proc
-      |- api server    FastAPI + uvicorn, tokenizes prompts        minisgl.api.app
-
-All three start at once (the API server pings the scheduler until the model is loaded), as
-children of minisgl.runtime.supervisor. The launcher logs one line once every child reports
-ready; if any child dies it stops the others and exits non-zero; SIGTERM / Ctrl-C stop
-everything and remove the private socket folder.
-"""
+"""Launching a server: the scheduler, detokenizer and API server, each in its own process (a
+child of minisgl.runtime.supervisor), all started at once. The launcher logs one line once
+every child is ready; if any child dies it stops the others and exits non-zero; SIGTERM /
+Ctrl-C drain the API server, stop everything and remove the private socket folder."""
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import signal
 import time
 from multiprocessing.connection import wait
-from multiprocessing.process import BaseProcess
 from typing import TYPE_CHECKING
 
 from minisgl.config import ServerArgs
@@ -46,7 +36,6 @@ STARTUP_TIMEOUT_S = 3600.0
 # of its drain, --shutdown-timeout).
 STOP_GRACE_S = 10.0
 CHILD_FAILED_EXIT_CODE = 1
-API_CHILD = "api"
 SCHEDULER_TARGET = "minisgl.scheduler.process:run_scheduler_process"
 DETOKENIZER_TARGET = "minisgl.runtime.detokenizer_proc:run_detokenizer_process"
 API_TARGET = "minisgl.api.app:run_api_server"
@@ -59,14 +48,10 @@ def http_url(host: str, port: int) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
-def _send_signal(process: BaseProcess, sig: int) -> None:
-    if process.pid is not None:
-        with contextlib.suppress(ProcessLookupError):  # it exited meanwhile
-            os.kill(process.pid, sig)
-
-
 class StopRequests:
-    """How many times SIGTERM / Ctrl-C asked a stack (`run_until_stopped` drives one) to stop."""
+    """How many times SIGTERM / Ctrl-C asked a stack (`run_until_stopped` drives one) to stop.
+    `request_stop` is safe in a signal handler: the wait loops notice within WATCH_INTERVAL_S;
+    a second call while the API server drains makes it abort what is left at once."""
 
     num_stop_requests = 0
 
@@ -75,8 +60,6 @@ class StopRequests:
         return self.num_stop_requests > 0
 
     def request_stop(self) -> None:
-        """Safe to call from a signal handler: the wait loops notice within WATCH_INTERVAL_S.
-        A second call while the API server drains makes it abort what is left at once."""
         self.num_stop_requests += 1
 
 
@@ -87,8 +70,6 @@ class ServerStack(StopRequests):
         self.args = args
         self.replica = replica  # its index with --dp (minisgl.runtime.dp)
         self.url = http_url(args.host, args.port)
-        # With --dp, children are named per replica: sched0, api1, ...
-        self._name_suffix = "" if replica is None else str(replica)
         self.endpoints: Endpoints | None = None
         self.children = Children()
 
@@ -96,17 +77,19 @@ class ServerStack(StopRequests):
         try:
             with stage("finding the model files"):  # converts the default once
                 model_path = str(resolve_model_path_for(self.args))
-        except (FileNotFoundError, OSError, ValueError) as exc:
+        except (OSError, ValueError) as exc:  # FileNotFoundError included
             raise StartupError(str(exc)) from None
         tokenizer_path = self.args.tokenizer or model_path
         self.endpoints = endpoints = Endpoints.create()
         self.children = Children(log_level=self.args.log_level, cleanup_dir=endpoints.root)
         # Targets by name: the launcher itself never imports torch, transformers or FastAPI.
-        spawn, suffix, args = self.children.spawn, self._name_suffix, self.args
+        # With --dp, children are named per replica: sched0, api1, ...
+        suffix = "" if self.replica is None else str(self.replica)
+        spawn, args = self.children.spawn, self.args
         logger.info("starting the scheduler, detokenizer and API processes")
-        spawn("sched" + suffix, SCHEDULER_TARGET, args, endpoints)
-        spawn("detok" + suffix, DETOKENIZER_TARGET, tokenizer_path, endpoints)
-        spawn(API_CHILD + suffix, API_TARGET, args, endpoints, tokenizer_path, model_path)
+        spawn(f"sched{suffix}", SCHEDULER_TARGET, args, endpoints)
+        spawn(f"detok{suffix}", DETOKENIZER_TARGET, tokenizer_path, endpoints)
+        spawn(f"api{suffix}", API_TARGET, args, endpoints, tokenizer_path, model_path)
 
     def wait_ready(self, timeout_s: float = STARTUP_TIMEOUT_S) -> None:
         self.children.wait(lambda child: child.ready, timeout_s, lambda: self.stop_requested)
@@ -126,20 +109,20 @@ class ServerStack(StopRequests):
     def _stop_api_server(self, backend_failed: bool) -> None:
         """SIGTERM (drain) or BACKEND_FAILED_SIGNAL to the API server; wait for it to exit.
         While it drains, a worker dying or another stop request cuts the drain short."""
-        api_name = API_CHILD + self._name_suffix
-        api = next((c.process for c in self.children.members if c.name == api_name), None)
-        if api is None or not api.is_alive():
+        processes = [c.process for c in self.children.members]
+        if len(processes) < 3 or not processes[-1].is_alive():  # the API server starts last
             return
+        *workers, api = processes
+        assert api.pid is not None
         drain_s = 0.0 if backend_failed else self.args.shutdown_timeout_s
         deadline_s = time.monotonic() + drain_s + STOP_GRACE_S
-        _send_signal(api, BACKEND_FAILED_SIGNAL if backend_failed else signal.SIGTERM)
-        workers = [c.process for c in self.children.members if c.process is not api]
+        os.kill(api.pid, BACKEND_FAILED_SIGNAL if backend_failed else signal.SIGTERM)
         num_stops_seen = self.num_stop_requests
         while api.is_alive() and time.monotonic() < deadline_s:
-            wait([api.sentinel, *(w.sentinel for w in workers)], timeout=WATCH_INTERVAL_S)
-            if not backend_failed and any(not w.is_alive() for w in workers):
+            wait([p.sentinel for p in processes], timeout=WATCH_INTERVAL_S)
+            if not backend_failed and not all(w.is_alive() for w in workers):
                 backend_failed = True
-                _send_signal(api, BACKEND_FAILED_SIGNAL)
+                os.kill(api.pid, BACKEND_FAILED_SIGNAL)
             if self.num_stop_requests > num_stops_seen:  # asked again: stop waiting
                 num_stops_seen = self.num_stop_requests
                 api.terminate()
@@ -156,10 +139,8 @@ def run_until_stopped(stack: ServerStack | DataParallelStack) -> int:
     """Start `stack` (a server, or the replicas of --dp), serve until SIGTERM / Ctrl-C or a
     failure, always shut it down; the return value is the process exit code."""
     setup_logging(stack.args.log_level)
-    previous = {
-        sig: signal.signal(sig, lambda *_: stack.request_stop())
-        for sig in (signal.SIGINT, signal.SIGTERM)
-    }
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stack.request_stop())
     exit_code = CHILD_FAILED_EXIT_CODE
     try:
         stack.start()
@@ -173,6 +154,4 @@ def run_until_stopped(stack: ServerStack | DataParallelStack) -> int:
             logger.error("server failed to start: %s", exc)
     finally:
         stack.shutdown(backend_failed=exit_code != 0)
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
     return exit_code

@@ -1,28 +1,18 @@
-"""One supervisor for every child process minisgl starts: the server's scheduler, detokenizer and
-API processes (minisgl.runtime.launch), the tensor-parallel ranks 1..N-1
-(minisgl.scheduler.tp) and the SGLang Model Gateway (minisgl.runtime.gateway).
-
-A Python child is "spawn"ed (torch state does not survive fork safely) into `child_main`, which
-reports to its parent over a pipe: "started" once our code runs, "ready" once it serves, or
-"error" with the reason it failed. Children ignore Ctrl-C (the parent orders the shutdown), exit
-cleanly on SIGTERM, and exit on their own when the parent disappears (e.g. SIGKILL), so no
-process is ever left behind; a program that is not Python (the gateway) gets SIGTERM then from
-the kernel instead (Linux). The parent side, `Children`, reads the reports, tells why a child
-is gone in words, and stops them all: SIGTERM, wait, SIGKILL.
-
-This module sits at the bottom of the package: it depends on the standard library only, so the
-server's launcher and the tp ranks in minisgl.scheduler (offline `LLM` too) both use it without
-pulling the runtime (or anything heavy) in.
-"""
+"""One supervisor for every child process minisgl starts (the server's processes, tp ranks
+1..N-1, the gateway). A Python child is "spawn"ed into `child_main` and reports "started",
+"ready" or "error" over a pipe; it ignores Ctrl-C, exits on SIGTERM, and exits on its own if
+the parent disappears, so no process is left behind. `Children` reads the reports, says why a
+child is gone, and stops them all. Standard library only: the launcher, the tp ranks and the
+offline `LLM` use it without pulling anything heavy in."""
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
-import importlib
 import logging
 import multiprocessing as mp
 import os
+import pkgutil
 import shutil
 import signal
 import sys
@@ -122,9 +112,7 @@ def child_main(
     _report(conn, "started")
     exit_code = 0
     try:
-        module_name, _, function_name = target.partition(":")
-        function = getattr(importlib.import_module(module_name), function_name)
-        function(*args, lambda: _report(conn, "ready"))
+        pkgutil.resolve_name(target)(*args, lambda: _report(conn, "ready"))
     except SystemExit as exc:
         exit_code = exc.code if isinstance(exc.code, int) else 0
     except ChildStartupError as exc:  # expected (port taken, ...): the message says it all
@@ -221,8 +209,7 @@ class Children:
                     child.error = payload
             if child.error is not None:
                 return f"{child.name}: {child.error}"
-            if not child.process.is_alive():
-                child.process.join(timeout=EXIT_CODE_WAIT_S)  # for the exit code
+            if not child.process.is_alive():  # reaped: its exit code is known
                 when = "unexpectedly" if child.ready else "during startup"
                 hint = "" if child.started else self.not_started_hint
                 return f"{child.name} exited {when} ({describe_exit(child.process.exitcode)}){hint}"

@@ -1,23 +1,8 @@
 """Anthropic's Messages API, as vLLM and llama.cpp serve it: POST /v1/messages and
-/v1/messages/count_tokens. Errors under /v1/messages have Anthropic's shape.
-
-A request runs as a chat:
-- `system` (text or text blocks) -> a leading system message; each message's content blocks:
-  `text` -> its text; an assistant's `tool_use` -> `tool_calls` (input as JSON text) and
-  `thinking` -> `reasoning_content`; a user's `tool_result` -> a `tool` message (before the
-  user's text, where Anthropic puts results).
-- `tools` (`name`, `description`, `input_schema`) -> function tools; `tool_choice` auto / any /
-  tool / none -> auto / required / a named function / none, `disable_parallel_tool_use` ->
-  `parallel_tool_calls: false`; `stop_sequences` -> `stop`; `thinking` enabled / disabled ->
-  the template's `enable_thinking` (Qwen3's switch; `budget_tokens` is not enforced).
-- The sampling extras of vLLM (min_p, penalties, seed, ...) pass through.
-Images, documents, server tools (web search, code execution, ...) are a 400 naming the field.
-
-The reply's blocks (minisgl.chat.ReplyBlocks) become `thinking`, `text` and `tool_use` content
-blocks in the order the model wrote them; a stream sends Anthropic's events (message_start, each
-block's content_block_start / _delta / _stop, message_delta with the stop reason and usage,
-message_stop), and the non-streaming reply is their fold (`fold_message`).
-"""
+/v1/messages/count_tokens, errors in Anthropic's shape under /v1/messages. A request runs as a
+chat; the reply's blocks become `thinking`, `text` and `tool_use` content blocks streamed as
+Anthropic's events, whose fold (`fold_message`) is the non-streaming reply.
+docs/server.md#anthropics-messages-api is the reference."""
 
 from __future__ import annotations
 
@@ -29,9 +14,18 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from minisgl.api.errors import ERROR_SHAPES
-from minisgl.api.pipeline import Choice, Run, prepare
-from minisgl.api.request import ApiRequest, ChatWire, function_call, new_id, sampling_of
-from minisgl.api.sse import EventBuffer, WireEvent, respond, sse_event
+from minisgl.api.pipeline import Choice, Run
+from minisgl.api.request import (
+    ApiRequest,
+    ChatWire,
+    JsonObject,
+    chat_tool_choice,
+    function_call,
+    new_id,
+    sampling_of,
+    text_content,
+)
+from minisgl.api.sse import EventBuffer, respond
 from minisgl.chat import CALL, REASONING, ChatPrompt, ReplyBlocks, jsontext
 from minisgl.chat.tool_parsers import ToolCallDelta
 from minisgl.core import FinishReason
@@ -52,9 +46,11 @@ ERROR_TYPES = {
 }
 
 
-def anthropic_error(status_code: Any, message: str) -> dict[str, Any]:
-    kind = ERROR_TYPES.get(status_code, "api_error")
-    return {"type": "error", "error": {"type": kind, "message": message}}
+def anthropic_error(status_code: Any, message: str) -> JsonObject:
+    return {
+        "type": "error",
+        "error": {"type": ERROR_TYPES.get(status_code, "api_error"), "message": message},
+    }
 
 
 ERROR_SHAPES[PATH_PREFIX] = anthropic_error
@@ -65,21 +61,20 @@ class MessagesRequest(ChatWire):
     max_tokens: int  # required, as Anthropic has it
     system: str | list[Any] | None = None
     stop_sequences: list[str] | None = None
-    tool_choice: dict[str, Any] | None = None
-    thinking: dict[str, Any] | None = None
-    metadata: dict[str, Any] | None = None
+    tool_choice: JsonObject | None = None
+    thinking: JsonObject | None = None
+    metadata: JsonObject | None = None
 
     def to_api(self) -> ApiRequest:
-        text = blocks_text(self.system or "", "system", param="system")
+        text = text_content(self.system or "", "system", "system")
         system = [{"role": "system", "content": text}] if text else []
         kwargs = dict(self.chat_template_kwargs or {})
-        thinking = (self.thinking or {}).get("type")
-        if thinking in ("enabled", "disabled") and "enable_thinking" not in kwargs:
-            kwargs["enable_thinking"] = thinking == "enabled"
+        if (thinking := (self.thinking or {}).get("type")) in ("enabled", "disabled"):
+            kwargs.setdefault("enable_thinking", thinking == "enabled")
         prompt = ChatPrompt(
             system + chat_messages(self.messages),
             chat_tools(self.tools),
-            chat_tool_choice(self.tool_choice),
+            chat_tool_choice(self.tool_choice, "tool", TOOL_CHOICES, EXPECTED_TOOL_CHOICE),
             not (self.tool_choice or {}).get("disable_parallel_tool_use"),
             kwargs or None,
         )
@@ -97,21 +92,7 @@ def _fail(where: str, message: str, param: str = "messages") -> InvalidRequestEr
     return InvalidRequestError(param, f"{where}: {message}")
 
 
-def blocks_text(content: Any, where: str, param: str = "messages") -> str:
-    """Text, or a list of text blocks, as one string."""
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise _fail(where, "content must be text or a list of content blocks", param)
-    for j, block in enumerate(content):
-        if not isinstance(block, Mapping) or block.get("type") != "text":
-            raise _fail(f"{where}.content[{j}]", "must be a text block here", param)
-        if not isinstance(block.get("text"), str):
-            raise _fail(f"{where}.content[{j}]", "text must be a string", param)
-    return "".join(block["text"] for block in content)
-
-
-def _tool_call(block: Mapping[str, Any], where: str) -> dict[str, Any]:
+def _tool_call(block: Mapping[str, Any], where: str) -> JsonObject:
     name, call_id, arguments = block.get("name"), block.get("id"), block.get("input", {})
     if not isinstance(name, str) or not isinstance(call_id, str):
         raise _fail(where, "a tool_use block needs an id and a name")
@@ -120,19 +101,22 @@ def _tool_call(block: Mapping[str, Any], where: str) -> dict[str, Any]:
     return function_call(call_id, name, json.dumps(arguments, ensure_ascii=False))
 
 
-def _tool_result(block: Mapping[str, Any], where: str) -> dict[str, Any]:
+def _tool_result(block: Mapping[str, Any], where: str) -> JsonObject:
     call_id = block.get("tool_use_id")
     if not isinstance(call_id, str):
         raise _fail(where, "a tool_result block needs a tool_use_id")
-    content = block.get("content", "")
-    return {"role": "tool", "tool_call_id": call_id, "content": blocks_text(content, where)}
+    return {
+        "role": "tool",
+        "tool_call_id": call_id,
+        "content": text_content(block.get("content", ""), where, "messages"),
+    }
 
 
-def chat_messages(messages: list[Any]) -> list[dict[str, Any]]:
+def chat_messages(messages: list[Any]) -> list[JsonObject]:
     """Anthropic messages -> chat messages."""
     if not messages:
         raise InvalidRequestError("messages", "must hold at least one message")
-    out: list[dict[str, Any]] = []
+    out: list[JsonObject] = []
     for i, message in enumerate(messages):
         where = f"messages[{i}]"
         if not isinstance(message, Mapping) or message.get("role") not in ("user", "assistant"):
@@ -142,67 +126,49 @@ def chat_messages(messages: list[Any]) -> list[dict[str, Any]]:
             content = [{"type": "text", "text": content}]
         if not isinstance(content, list):
             raise _fail(where, "content must be text or a list of content blocks")
-        texts: list[str] = []
-        calls: list[dict[str, Any]] = []
-        reasoning: list[str] = []
+        entry: JsonObject = {"role": role, "content": ""}
         for j, block in enumerate(content):
             at = f"{where}.content[{j}]"
             kind = block.get("type") if isinstance(block, Mapping) else None
             if kind == "text" and isinstance(block.get("text"), str):
-                texts.append(block["text"])
+                entry["content"] += block["text"]
             elif kind == "tool_use" and role == "assistant":
-                calls.append(_tool_call(block, at))
+                entry.setdefault("tool_calls", []).append(_tool_call(block, at))
             elif kind == "tool_result" and role == "user":
                 out.append(_tool_result(block, at))
             elif kind == "thinking" and role == "assistant":
-                reasoning.append(str(block.get("thinking", "")))
-            elif kind == "redacted_thinking" and role == "assistant":
-                continue  # encrypted by Anthropic's models; nothing a local model can read
+                thought = str(block.get("thinking", ""))
+                entry["reasoning_content"] = entry.get("reasoning_content", "") + thought
             elif kind in ("image", "document"):
                 raise _fail(at, f"{kind} blocks are not supported: the model reads text")
-            else:
+            # redacted_thinking: encrypted by Anthropic's models; nothing a local model can read
+            elif kind != "redacted_thinking" or role != "assistant":
                 raise _fail(at, f"a {kind!r} block is not supported in a {role} message")
-        if role == "user" and not texts and out and out[-1]["role"] == "tool":
+        if role == "user" and not entry["content"] and out and out[-1]["role"] == "tool":
             continue  # only tool results: they are the turn
-        entry: dict[str, Any] = {"role": role, "content": "".join(texts)}
-        if reasoning:
-            entry["reasoning_content"] = "".join(reasoning)
-        if calls:
-            entry["tool_calls"] = calls
         out.append(entry)
     return out
 
 
-def _chat_tool(i: int, tool: Any) -> dict[str, Any]:
-    kind = tool.get("type", "custom") if isinstance(tool, Mapping) else None
-    if kind != "custom":
-        raise InvalidRequestError("tools", f"tools[{i}]: {kind!r} tools are not supported")
-    function = {k: tool[k] for k in ("name", "description") if k in tool}  # no name: a 400 later
-    function["parameters"] = tool.get("input_schema", {"type": "object", "properties": {}})
-    return {"type": "function", "function": function}
+def chat_tools(tools: list[Any] | None) -> list[JsonObject] | None:
+    """Anthropic's tools -> chat's function tools."""
+    chat = []
+    for i, tool in enumerate(tools or ()):
+        kind = tool.get("type", "custom") if isinstance(tool, Mapping) else None
+        if kind != "custom":
+            raise InvalidRequestError("tools", f"tools[{i}]: {kind!r} tools are not supported")
+        function = {k: tool[k] for k in ("name", "description") if k in tool}  # no name: a 400
+        function["parameters"] = tool.get("input_schema", {"type": "object", "properties": {}})
+        chat.append({"type": "function", "function": function})
+    return None if tools is None else chat
 
 
-def chat_tools(tools: list[Any] | None) -> list[dict[str, Any]] | None:
-    return None if tools is None else [_chat_tool(i, tool) for i, tool in enumerate(tools)]
-
-
-# Anthropic's tool_choice types -> chat's (a named tool: below).
+# Anthropic's tool_choice types -> chat's (a named tool: {"type": "tool", "name"}).
 TOOL_CHOICES = {"auto": "auto", "none": "none", "any": "required"}
+EXPECTED_TOOL_CHOICE = "{'type': 'auto' | 'any' | 'none'} or {'type': 'tool', 'name'}"
 
 
-def chat_tool_choice(choice: dict[str, Any] | None) -> str | dict[str, Any] | None:
-    if choice is None:
-        return None
-    kind = choice.get("type")
-    if kind in TOOL_CHOICES:
-        return TOOL_CHOICES[kind]
-    if kind == "tool" and isinstance(choice.get("name"), str):
-        return {"type": "function", "function": {"name": choice["name"]}}
-    message = "must be {'type': 'auto' | 'any' | 'none'} or {'type': 'tool', 'name'}"
-    raise InvalidRequestError("tool_choice", message)
-
-
-def tool_input(arguments: str) -> dict[str, Any]:
+def tool_input(arguments: str) -> JsonObject:
     """A call's arguments as the object Anthropic's `input` is; text that is not a JSON object
     (a model's broken call) is kept whole under `_raw_arguments` rather than lost."""
     value = jsontext.loads_object(arguments) if arguments.strip() else {}
@@ -222,29 +188,28 @@ _EMPTY_BLOCKS = {
 }
 
 
-class BlockEvents:
+class BlockEvents(EventBuffer):
     """The reply's blocks as Anthropic's stream events (a minisgl.chat.output.BlockSink)."""
 
-    def __init__(self) -> None:
-        self.events = EventBuffer()
-        self._index = -1
+    _index = -1
 
     def open(self, kind: str, call: ToolCallDelta | None) -> None:
         self._index += 1
-        block: dict[str, Any] = _EMPTY_BLOCKS.get(kind, {})  # copied by the emit
+        block: JsonObject = _EMPTY_BLOCKS.get(kind, {})  # copied by the emit
         if call is not None:
             block = {"type": "tool_use", "id": new_id("toolu", "_"), "name": call.name or ""}
             block["input"] = {}
-        self.events.emit("content_block_start", index=self._index, content_block=block)
+        self.emit("content_block_start", index=self._index, content_block=block)
 
     def write(self, kind: str, text: str, logprobs: list[Any]) -> None:
         delta_type, key = _DELTAS[kind]
         if text or kind != CALL:
-            delta = {"type": delta_type, key: text}
-            self.events.emit("content_block_delta", index=self._index, delta=delta)
+            self.emit(
+                "content_block_delta", index=self._index, delta={"type": delta_type, key: text}
+            )
 
     def close(self, status: str) -> None:
-        self.events.emit("content_block_stop", index=self._index)
+        self.emit("content_block_stop", index=self._index)
 
 
 def stop_reason(choice: Choice, num_calls: int, stops: list[str]) -> tuple[str, str | None]:
@@ -258,18 +223,26 @@ def stop_reason(choice: Choice, num_calls: int, stops: list[str]) -> tuple[str, 
     return "end_turn", None
 
 
-async def message_events(run: Run, body: MessagesRequest) -> AsyncIterator[WireEvent]:
+async def message_events(run: Run, body: MessagesRequest) -> AsyncIterator[JsonObject]:
     sink = BlockEvents()
     blocks = ReplyBlocks(sink)
-    model = body.model or run.ctx.served_model_name
-    usage = {"input_tokens": len(run.prompts[0]), "output_tokens": 0}
-    start: dict[str, Any] = {"id": run.id, "type": "message", "role": "assistant", "model": model}
-    start |= {"content": [], "stop_reason": None, "stop_sequence": None, "usage": usage}
-    sink.events.emit("message_start", message=start)
-    sink.events.emit("ping")
+    sink.emit(
+        "message_start",
+        message={
+            "id": run.id,
+            "type": "message",
+            "role": "assistant",
+            "model": body.model or run.ctx.served_model_name,
+            "content": [],
+            "stop_reason": None,
+            "stop_sequence": None,
+            "usage": {"input_tokens": len(run.prompts[0]), "output_tokens": 0},
+        },
+    )
+    sink.emit("ping")
     async for event in run.events():
         blocks.feed(event.delta)
-        for wire_event in sink.events.take():
+        for wire_event in sink.take():
             yield wire_event
     blocks.finish()
     reason, sequence = stop_reason(run.choices[0], blocks.num_calls, body.stop_sequences or [])
@@ -281,21 +254,22 @@ async def message_events(run: Run, body: MessagesRequest) -> AsyncIterator[WireE
         "cache_read_input_tokens": cached,
         "output_tokens": completion,
     }
-    stop = {"stop_reason": reason, "stop_sequence": sequence}
-    sink.events.emit("message_delta", delta=stop, usage=usage)
-    sink.events.emit("message_stop")
-    for wire_event in sink.events.take():
+    sink.emit(
+        "message_delta", delta={"stop_reason": reason, "stop_sequence": sequence}, usage=usage
+    )
+    sink.emit("message_stop")
+    for wire_event in sink.take():
         yield wire_event
 
 
-def fold_message(events: list[dict[str, Any]]) -> dict[str, Any]:
+def fold_message(events: list[JsonObject]) -> JsonObject:
     """A message stream's events as the one message of a non-streaming reply."""
-    message = dict(events[0]["message"])
-    blocks: list[dict[str, Any]] = []
+    message = events[0]["message"]  # the events are this fold's own copies
+    blocks: list[JsonObject] = []
     for event in events:
         kind = event["type"]
         if kind == "content_block_start":
-            blocks.append(dict(event["content_block"]))
+            blocks.append(event["content_block"])
         elif kind == "content_block_delta":  # a call's arguments gather under partial_json
             key = _DELTA_KEYS[event["delta"]["type"]]
             block = blocks[event["index"]]
@@ -308,10 +282,9 @@ def fold_message(events: list[dict[str, Any]]) -> dict[str, Any]:
     return {**message, "content": blocks}
 
 
-def _error_frames(body: dict[str, Any]) -> list[str]:
+def error_events(body: JsonObject) -> list[JsonObject]:
     """A stream that fails ends with Anthropic's error event."""
-    error = anthropic_error(body["error"].get("code"), body["error"]["message"])
-    return [sse_event(error, "error")]
+    return [anthropic_error(body["error"].get("code"), body["error"]["message"])]
 
 
 router = APIRouter()
@@ -319,13 +292,13 @@ router = APIRouter()
 
 @router.post(PATH_PREFIX)
 async def create_message(body: MessagesRequest, request: Request) -> Response:
-    run = await Run(request.app.state.ctx, body.to_api(), new_id("msg", "_")).start(request)
-    return await respond(run, message_events(run, body), body.stream, fold_message, _error_frames)
+    run = await Run(request, body.to_api(), new_id("msg", "_")).start()
+    return await respond(run, message_events(run, body), body.stream, fold_message, error_events)
 
 
-@router.post(PATH_PREFIX + "/count_tokens")
-async def count_tokens(body: CountTokensRequest, request: Request) -> dict[str, Any]:
-    ctx = request.app.state.ctx
-    ctx.check_model(body.model)
-    prepared = await prepare(ctx, body.to_api())
-    return {"input_tokens": len(prepared.prompt_ids[0])}
+@router.post(f"{PATH_PREFIX}/count_tokens")
+async def count_tokens(body: CountTokensRequest, request: Request) -> JsonObject:
+    request.app.state.ctx.check_model(body.model)
+    run = Run(request, body.to_api())
+    await run.tokenize()
+    return {"input_tokens": len(run.prompts[0])}

@@ -11,16 +11,21 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any, cast
 
 from fastapi import APIRouter, Request
-from pydantic import model_validator
 from starlette.responses import Response
 
-from minisgl.api.dialects.openai import OpenAISampling, chunk, finish_text, fold, header, usage_dict
+from minisgl.api.dialects.openai import (
+    OpenAISampling,
+    choice_chunk,
+    chunk,
+    fold,
+    header,
+    usage_dict,
+)
 from minisgl.api.pipeline import Run, ServingContext
-from minisgl.api.request import ApiRequest, new_id, sampling_of
-from minisgl.api.sse import WireEvent, respond
+from minisgl.api.request import ApiRequest, JsonObject, new_id, sampling_of
+from minisgl.api.sse import respond
 from minisgl.core import TokenLogprob
 from minisgl.limits import DEFAULT_MAX_TOKENS, InvalidRequestError
-from minisgl.tokenizer.detokenizer import stop_reason
 
 LOGPROB_KEYS = ("tokens", "token_logprobs", "top_logprobs", "text_offset")
 
@@ -34,15 +39,11 @@ class CompletionRequest(OpenAISampling):
     suffix: str | None = None
     best_of: int | None = None
 
-    @model_validator(mode="after")
-    def _refuse_unsupported(self) -> CompletionRequest:
+    def to_api(self) -> ApiRequest:
         if self.suffix:
             raise InvalidRequestError("suffix", "is not supported")
         if self.best_of is not None and self.best_of != self.n:
             raise InvalidRequestError("best_of", "is not supported (other than equal to n)")
-        return self
-
-    def to_api(self) -> ApiRequest:
         prompt = self.prompt
         if not prompt:
             raise InvalidRequestError("prompt", "must not be empty")
@@ -57,35 +58,24 @@ class CompletionRequest(OpenAISampling):
         return ApiRequest(prompts, sampling, wire_names, self.n, self.model, self.constraint_fields)
 
 
-def _top(ctx: ServingContext, lp: TokenLogprob) -> dict[str, float]:
-    return {ctx.token_text(tid): tlp for tid, tlp in lp.top}
-
-
-def _completion_logprobs(
-    ctx: ServingContext, logprobs: Sequence[TokenLogprob], offset: int
-) -> dict[str, Any]:
-    """The legacy completions format, text offsets counted from `offset`."""
-    tokens = [ctx.token_text(lp.token_id) for lp in logprobs]
+def _legacy_logprobs(
+    ctx: ServingContext,
+    token_ids: Sequence[int],
+    scored: Sequence[TokenLogprob | None],
+    offset: int,
+) -> JsonObject:
+    """The legacy completions format of `token_ids`, text offsets counted from `offset`; a token
+    `scored` leaves None or short of (a prompt's first, the rest of an aborted one) gets nulls."""
+    tokens = [ctx.token_text(tid) for tid in token_ids]
+    scored = [*scored, *[None] * (len(tokens) - len(scored))]
     return {
         "tokens": tokens,
-        "token_logprobs": [lp.logprob for lp in logprobs],
-        "top_logprobs": [_top(ctx, lp) for lp in logprobs],
+        "token_logprobs": [None if lp is None else lp.logprob for lp in scored],
+        "top_logprobs": [
+            None if lp is None else {ctx.token_text(tid): tlp for tid, tlp in lp.top}
+            for lp in scored
+        ],
         "text_offset": list(itertools.accumulate(map(len, tokens), initial=offset))[:-1],
-    }
-
-
-def _echo_logprobs(
-    ctx: ServingContext, prompt_ids: Sequence[int], scored: Sequence[TokenLogprob]
-) -> dict[str, Any]:
-    """The prompt's part of echo + logprobs: every prompt token, the first with a null logprob
-    and top_logprobs (nothing comes before it), offsets from 0."""
-    tokens = [ctx.token_text(tid) for tid in prompt_ids]
-    missing = [None] * (len(tokens) - 1 - len(scored))  # none arrived: the request was aborted
-    return {
-        "tokens": tokens,
-        "token_logprobs": [None, *(lp.logprob for lp in scored), *missing],
-        "top_logprobs": [None, *(_top(ctx, lp) for lp in scored), *missing],
-        "text_offset": list(itertools.accumulate(map(len, tokens[:-1]), initial=0)),
     }
 
 
@@ -98,43 +88,43 @@ def _echo_texts(ctx: ServingContext, run: Run) -> list[str]:
     ]
 
 
-async def completion_events(run: Run, body: CompletionRequest) -> AsyncIterator[WireEvent]:
+async def completion_events(run: Run, body: CompletionRequest) -> AsyncIterator[JsonObject]:
     ctx = run.ctx
     base = header(run, body, "text_completion")
     echoed = await ctx.on_tokenizer_thread(_echo_texts, ctx, run) if body.echo else []
-    # text_offset of each choice's next token. Under echo with logprobs the prompt's tokens
-    # come first, their offsets summed over their texts as vLLM does, so the output continues
-    # from that sum (which differs from the echoed text's length where one character spans
-    # several tokens, each shown alone as U+FFFD): offsets never go back.
-    offsets = dict.fromkeys((c.index for c in run.choices), 0)
+    # text_offset of each choice's next token, from its first output on. Under echo with
+    # logprobs the prompt's tokens come first, their offsets summed over their texts as vLLM
+    # does, so the output continues from that sum (which differs from the echoed text's length
+    # where one character spans several tokens, each shown alone as U+FFFD).
+    offsets: dict[int, int] = {}
     # echo: the prompt goes first; with logprobs it waits for the choice's first output, which
     # brings the prompt's logprobs.
-    waiting = {c.index for c in run.choices} if body.echo and body.logprobs is not None else set()
-    if body.echo and not waiting:
+    scored_echo = body.echo and body.logprobs is not None
+    if body.echo and not scored_echo:
         for choice in run.choices:
-            text = echoed[choice.prompt_index]
-            yield chunk(base, choice.index, None, None, text=text, logprobs=None)
+            yield chunk(base, choice.index, text=echoed[choice.prompt_index], logprobs=None)
     async for event in run.events():
         choice, output = event.choice, event.output
-        if choice.index in waiting:
-            waiting.discard(choice.index)
-            scored = _echo_logprobs(ctx, run.prompts[choice.prompt_index], output.prompt_logprobs)
-            offsets[choice.index] = sum(map(len, scored["tokens"]))
-            text = echoed[choice.prompt_index]
-            yield chunk(base, choice.index, None, None, text=text, logprobs=scored)
+        if choice.index not in offsets:
+            offsets[choice.index] = 0
+            if scored_echo:
+                prompt = run.prompts[choice.prompt_index]
+                scored = _legacy_logprobs(ctx, prompt, [None, *output.prompt_logprobs], 0)
+                offsets[choice.index] = sum(map(len, scored["tokens"]))
+                text = echoed[choice.prompt_index]
+                yield chunk(base, choice.index, text=text, logprobs=scored)
         logprobs = None
         if body.logprobs is not None and output.logprobs:
-            logprobs = _completion_logprobs(ctx, output.logprobs, offsets[choice.index])
+            ids = [lp.token_id for lp in output.logprobs]
+            logprobs = _legacy_logprobs(ctx, ids, output.logprobs, offsets[choice.index])
             offsets[choice.index] += sum(map(len, logprobs["tokens"]))
-        finish = finish_text(output.finish_reason)
-        if output.text or finish is not None or logprobs is not None:
-            stop = stop_reason(run.params[0][0], output.matched_stop)
-            yield chunk(base, choice.index, finish, stop, text=output.text, logprobs=logprobs)
+        if output.text or output.finish_reason is not None or logprobs is not None:
+            yield choice_chunk(run, base, event, text=output.text, logprobs=logprobs)
     if body.stream_usage or not body.stream:
-        yield None, {**base, "choices": [], "usage": usage_dict(run)}
+        yield {**base, "choices": [], "usage": usage_dict(run)}
 
 
-def fold_completion(chunks: list[dict[str, Any]], with_logprobs: bool) -> dict[str, Any]:
+def fold_completion(chunks: list[JsonObject], with_logprobs: bool) -> JsonObject:
     """The chunks of a completions stream as one text_completion (the non-streaming reply)."""
     reply, choices = fold(chunks, "text_completion")
     for choice in choices:
@@ -148,6 +138,10 @@ router = APIRouter()
 
 @router.post("/v1/completions")
 async def create_completion(body: CompletionRequest, request: Request) -> Response:
-    run = await Run(request.app.state.ctx, body.to_api(), new_id("cmpl")).start(request)
-    fold = functools.partial(fold_completion, with_logprobs=body.logprobs is not None)
-    return await respond(run, completion_events(run, body), body.stream, fold)
+    run = await Run(request, body.to_api(), new_id("cmpl")).start()
+    return await respond(
+        run,
+        completion_events(run, body),
+        body.stream,
+        functools.partial(fold_completion, with_logprobs=body.logprobs is not None),
+    )

@@ -1,15 +1,9 @@
-"""OpenAI's chat completions (POST /v1/chat/completions), /v1/models, and what OpenAI's
-text completions (minisgl.api.dialects.completions) share with them: the sampling fields, usage,
-the chunks and their fold.
-
-Each choice's reply goes through its own parser (minisgl.chat), so reasoning, content and tool
-calls split the same way streamed or not: a non-streaming reply is the fold of the chunks a
-stream sends (`accumulate`).
-"""
+"""OpenAI's chat completions (POST /v1/chat/completions), /v1/models, and what text
+completions (minisgl.api.dialects.completions) share with them: the sampling fields, usage,
+the chunks, and their fold (`accumulate`), which is the non-streaming reply."""
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import time
 import uuid
@@ -20,17 +14,23 @@ from fastapi import APIRouter, Request
 from pydantic import Field, model_validator
 from starlette.responses import Response
 
-from minisgl.api.pipeline import Run, ServingContext
-from minisgl.api.request import ApiRequest, ChatWire, SamplingWire, WireModel, new_id, sampling_of
-from minisgl.api.sse import WireEvent, respond
+from minisgl.api.pipeline import Event, Run, ServingContext
+from minisgl.api.request import (
+    ApiRequest,
+    ChatWire,
+    JsonObject,
+    SamplingWire,
+    WireModel,
+    new_id,
+    sampling_of,
+)
+from minisgl.api.sse import respond
 from minisgl.chat import ChatDelta, ChatPrompt, with_reasoning_effort
 from minisgl.chat.requests import CONSTRAINT_FIELDS
 from minisgl.core import FinishReason, TokenLogprob
 from minisgl.limits import MAX_CHOICES_PER_REQUEST, InvalidRequestError
 from minisgl.tokenizer.detokenizer import stop_reason
 
-# ChatPrompt's fields but template_kwargs: a chat completion request has them by the same names.
-PROMPT_FIELDS = tuple(f.name for f in dataclasses.fields(ChatPrompt) if f.name != "template_kwargs")
 CHAT_ALIASES = {"max_completion_tokens": "max_tokens", "top_logprobs": "logprobs"}
 
 
@@ -45,19 +45,19 @@ class OpenAISampling(SamplingWire):
     stop: str | list[str] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False  # vLLM: the stop string stays in the text
-    n: int = Field(default=1, ge=1, le=MAX_CHOICES_PER_REQUEST)
+    n: int = Field(1, ge=1, le=MAX_CHOICES_PER_REQUEST)
     stream_options: StreamOptions | None = None
     user: str | None = None
     # Structured outputs (minisgl.chat.requests): at most one of these per request.
-    response_format: dict[str, Any] | None = None
+    response_format: JsonObject | None = None
     regex: str | None = None  # SGLang
     ebnf: str | None = None  # SGLang
-    json_schema: str | dict[str, Any] | None = None  # SGLang: a JSON schema (text or object)
-    guided_json: str | dict[str, Any] | None = None  # vLLM's older names
+    json_schema: str | JsonObject | None = None  # SGLang: a JSON schema (text or object)
+    guided_json: str | JsonObject | None = None  # vLLM's older names
     guided_regex: str | None = None
     guided_grammar: str | None = None
     guided_choice: list[str] | None = None
-    structured_outputs: dict[str, Any] | None = None  # vLLM: {json|regex|grammar|choice}
+    structured_outputs: JsonObject | None = None  # vLLM: {json|regex|grammar|choice}
 
     @model_validator(mode="after")
     def _stream_options_need_a_stream(self) -> OpenAISampling:
@@ -66,7 +66,7 @@ class OpenAISampling(SamplingWire):
         return self
 
     @property
-    def constraint_fields(self) -> dict[str, Any]:
+    def constraint_fields(self) -> JsonObject:
         return {name: getattr(self, name) for name in CONSTRAINT_FIELDS}
 
     @property
@@ -80,38 +80,34 @@ class ChatCompletionRequest(OpenAISampling, ChatWire):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tool_choice: str | JsonObject | None = None
     parallel_tool_calls: bool = True
     separate_reasoning: bool = True  # SGLang: false keeps the reasoning inside the content
     # OpenAI's: reaches the template as `reasoning_effort` (as in vLLM); "none" also turns a
     # hybrid model's thinking off (Qwen3's enable_thinking=false) unless the request sets it.
     reasoning_effort: str | None = None
 
-    @model_validator(mode="after")
-    def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
+    def to_api(self) -> ApiRequest:
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequestError("top_logprobs", "needs logprobs set to true")
-        return self
-
-    def to_api(self) -> ApiRequest:
         sampling, wire_names = sampling_of(self, CHAT_ALIASES)
         sampling["logprobs"] = (self.top_logprobs or 0) if self.logprobs else None
         kwargs = with_reasoning_effort(self.chat_template_kwargs, self.reasoning_effort)
-        same_names = {name: getattr(self, name) for name in PROMPT_FIELDS}
-        prompt = ChatPrompt(**same_names, template_kwargs=kwargs)
+        prompt = ChatPrompt(
+            self.messages,
+            self.tools,
+            self.tool_choice,
+            self.parallel_tool_calls,
+            kwargs,
+            self.separate_reasoning,
+        )
         return ApiRequest(prompt, sampling, wire_names, self.n, self.model, self.constraint_fields)
 
 
-def finish_text(reason: FinishReason | None, num_calls: int = 0) -> str | None:
-    if reason == FinishReason.STOP and num_calls > 0:
-        return "tool_calls"
-    return None if reason is None else reason.value
-
-
-def usage_dict(run: Run, reasoning_tokens: int | None = None) -> dict[str, Any]:
+def usage_dict(run: Run, reasoning_tokens: int | None = None) -> JsonObject:
     """reasoning_tokens: part of completion_tokens (chat); None leaves the details out."""
     prompt_tokens, completion_tokens, cached_tokens = run.usage()
-    usage: dict[str, Any] = {
+    usage: JsonObject = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
@@ -122,12 +118,12 @@ def usage_dict(run: Run, reasoning_tokens: int | None = None) -> dict[str, Any]:
     return usage
 
 
-def chat_logprobs(ctx: ServingContext, logprobs: Sequence[TokenLogprob]) -> dict[str, Any]:
-    def entry(token_id: int, logprob: float) -> dict[str, Any]:
+def chat_logprobs(ctx: ServingContext, logprobs: Sequence[TokenLogprob]) -> JsonObject:
+    def entry(token_id: int, logprob: float) -> JsonObject:
         text = ctx.token_text(token_id)
         return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
 
-    def with_top(lp: TokenLogprob) -> dict[str, Any]:  # lp.top: (token id, logprob) pairs
+    def with_top(lp: TokenLogprob) -> JsonObject:  # lp.top: (token id, logprob) pairs
         return {**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(*top) for top in lp.top]}
 
     return {"content": [with_top(lp) for lp in logprobs]}
@@ -139,44 +135,55 @@ def new_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
-def _delta_dict(delta: ChatDelta) -> dict[str, Any]:
-    out: dict[str, Any] = {}
+def _delta_dict(delta: ChatDelta) -> JsonObject:
+    out: JsonObject = {}
     if delta.reasoning:
         out["reasoning_content"] = out["reasoning"] = delta.reasoning
     if delta.content:
         out["content"] = delta.content
-    if delta.tool_calls:
-        # One entry per call in a chunk (as OpenAI sends them): a call's name and the first
-        # of its arguments can arrive in one step; clients reading tool_calls[0] see both.
-        calls: dict[int, dict[str, Any]] = {}
-        for call in delta.tool_calls:
-            function = {"arguments": call.arguments}
-            if call.name is not None:  # a call's first delta: who is called
-                function = {"name": call.name, **function}
-                calls[call.index] = {"index": call.index, "id": new_call_id(), "type": "function"}
-            accumulate(calls.setdefault(call.index, {"index": call.index}), {"function": function})
-        out["tool_calls"] = [calls[i] for i in sorted(calls)]
+    # One entry per call in a chunk (as OpenAI sends them): a call's name and the first of its
+    # arguments can arrive in one step; clients reading tool_calls[0] see both.
+    calls: dict[int, JsonObject] = {}
+    for call in delta.tool_calls:
+        entry = calls.setdefault(call.index, {"index": call.index, "function": {"arguments": ""}})
+        if call.name is not None:  # a call's first delta: who is called
+            entry |= {"id": new_call_id(), "type": "function"}
+            entry["function"]["name"] = call.name
+        entry["function"]["arguments"] += call.arguments
+    if calls:
+        out["tool_calls"] = list(calls.values())
     return out
 
 
-def header(run: Run, body: OpenAISampling, kind: str) -> dict[str, Any]:
-    model = body.model or run.ctx.served_model_name
-    head = {"id": run.id, "object": kind, "created": int(time.time()), "model": model}
+def header(run: Run, body: OpenAISampling, kind: str) -> JsonObject:
+    head = {
+        "id": run.id,
+        "object": kind,
+        "created": int(time.time()),
+        "model": body.model or run.ctx.served_model_name,
+    }
     if body.stream_usage:
         head["usage"] = None  # OpenAI sends usage null on every chunk but the last
     return head
 
 
-def chunk(
-    base: dict[str, Any], index: int, finish: str | None, stop: Any, **part: Any
-) -> WireEvent:
-    choice = {"index": index, **part, "finish_reason": finish}
-    if finish is not None:
-        choice["stop_reason"] = stop
-    return None, {**base, "choices": [choice]}
+def chunk(base: JsonObject, index: int, finish: str | None = None, **part: Any) -> dict:
+    """A chunk of one choice; a finished one also says what stopped it (vLLM's stop_reason)."""
+    return {**base, "choices": [{"index": index, **part, "finish_reason": finish}]}
 
 
-async def chat_events(run: Run, body: ChatCompletionRequest) -> AsyncIterator[WireEvent]:
+def choice_chunk(
+    run: Run, base: JsonObject, event: Event, num_calls: int = 0, **part: Any
+) -> JsonObject:
+    """The chunk of one output, finish_reason and stop_reason set at its end."""
+    finish = None
+    if (reason := event.output.finish_reason) is not None:
+        finish = "tool_calls" if reason == FinishReason.STOP and num_calls else reason.value
+        part["stop_reason"] = stop_reason(run.params[0], event.output.matched_stop)
+    return chunk(base, event.choice.index, finish, **part)
+
+
+async def chat_events(run: Run, body: ChatCompletionRequest) -> AsyncIterator[JsonObject]:
     base = header(run, body, "chat.completion.chunk")
     # Each choice's role chunk goes out with its first output, not at once: benchmark clients
     # (vllm bench serve) time the first token at the first chunk, as OpenAI and vLLM send it.
@@ -185,20 +192,19 @@ async def chat_events(run: Run, body: ChatCompletionRequest) -> AsyncIterator[Wi
         choice, output = event.choice, event.output
         if choice.index not in announced:
             announced.add(choice.index)
-            role = {"role": "assistant", "content": ""}
-            yield chunk(base, choice.index, None, None, delta=role, logprobs=None)
+            yield chunk(
+                base, choice.index, delta={"role": "assistant", "content": ""}, logprobs=None
+            )
         num_calls = choice.parser.num_calls if choice.parser is not None else 0
-        finish = finish_text(output.finish_reason, num_calls)
         delta = _delta_dict(event.delta)
         logprobs = chat_logprobs(run.ctx, output.logprobs) if body.logprobs else None
-        if delta or finish is not None or (logprobs and logprobs["content"]):
-            stop = stop_reason(run.params[0][0], output.matched_stop)
-            yield chunk(base, choice.index, finish, stop, delta=delta, logprobs=logprobs)
+        if delta or output.finish_reason is not None or (logprobs and logprobs["content"]):
+            yield choice_chunk(run, base, event, num_calls, delta=delta, logprobs=logprobs)
     if body.stream_usage or not body.stream:
-        yield None, {**base, "choices": [], "usage": usage_dict(run, run.reasoning_tokens)}
+        yield {**base, "choices": [], "usage": usage_dict(run, run.reasoning_tokens)}
 
 
-def accumulate(total: dict[str, Any], delta: dict[str, Any]) -> dict[str, Any]:
+def accumulate(total: JsonObject, delta: JsonObject) -> JsonObject:
     """OpenAI's rule for adding up a stream's deltas (its SDK's `accumulate_delta`): text is
     appended, objects merge key by key, a list's entries with an integer "index" merge into the
     entry of that index and other entries are appended; null adds nothing and any other value
@@ -224,18 +230,21 @@ def accumulate(total: dict[str, Any], delta: dict[str, Any]) -> dict[str, Any]:
     return total
 
 
-def fold(chunks: list[dict[str, Any]], kind: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+def fold(chunks: list[JsonObject], kind: str) -> tuple[JsonObject, list[JsonObject]]:
     """A stream's chunks added up: the reply's head and its choices, in index order."""
-    choices: dict[int, dict[str, Any]] = {}
+    choices: dict[int, JsonObject] = {}
     for sent in chunks:
         for part in sent["choices"]:
             accumulate(choices.setdefault(part["index"], {"stop_reason": None}), part)
-    head = {key: chunks[0][key] for key in ("id", "created", "model")}
-    reply = {**head, "object": kind, "usage": chunks[-1]["usage"]}
+    reply = {
+        **{key: chunks[0][key] for key in ("id", "created", "model")},
+        "object": kind,
+        "usage": chunks[-1]["usage"],
+    }
     return reply, [choices[i] for i in sorted(choices)]
 
 
-def fold_chat(chunks: list[dict[str, Any]], with_reasoning: bool) -> dict[str, Any]:
+def fold_chat(chunks: list[JsonObject], with_reasoning: bool) -> JsonObject:
     """The chunks of a chat stream as one chat.completion (OpenAI's non-streaming reply)."""
     reply, choices = fold(chunks, "chat.completion")
     for choice in choices:
@@ -257,14 +266,17 @@ router = APIRouter()
 
 @router.post("/v1/chat/completions")
 async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
-    run = await Run(request.app.state.ctx, body.to_api(), new_id("chatcmpl")).start(request)
-    assert run.prepared.chat is not None
-    with_reasoning = run.prepared.chat.reasoning_parser is not None
-    fold = functools.partial(fold_chat, with_reasoning=with_reasoning)
-    return await respond(run, chat_events(run, body), body.stream, fold)
+    run = await Run(request, body.to_api(), new_id("chatcmpl")).start()
+    assert run.chat is not None
+    return await respond(
+        run,
+        chat_events(run, body),
+        body.stream,
+        functools.partial(fold_chat, with_reasoning=run.chat.reasoning_parser is not None),
+    )
 
 
-def _model_card(ctx: ServingContext) -> dict[str, Any]:
+def _model_card(ctx: ServingContext) -> JsonObject:
     return {
         "id": ctx.served_model_name,
         "object": "model",
@@ -276,11 +288,11 @@ def _model_card(ctx: ServingContext) -> dict[str, Any]:
 
 
 @router.get("/v1/models")
-async def list_models(request: Request) -> dict[str, Any]:
+async def list_models(request: Request) -> JsonObject:
     return {"object": "list", "data": [_model_card(request.app.state.ctx)]}
 
 
 @router.get("/v1/models/{model_id:path}")  # ids may hold a slash (Qwen/Qwen3-8B)
-async def retrieve_model(model_id: str, request: Request) -> dict[str, Any]:
+async def retrieve_model(model_id: str, request: Request) -> JsonObject:
     request.app.state.ctx.check_model(model_id)
     return _model_card(request.app.state.ctx)

@@ -1,37 +1,25 @@
 """OpenAI's Responses API: POST /v1/responses, GET and DELETE /v1/responses/{id}, GET
-/v1/responses/{id}/input_items.
-
-A request runs as a chat (minisgl.api.dialects.responses_items translates its input). The
-reply's blocks (minisgl.chat.ReplyBlocks) become output items in the order the model wrote
-them: a `reasoning` item, a `message` with one `output_text` part, `function_call` items. A
-stream sends OpenAI's events (response.created, response.in_progress, each item's added /
-delta / done events, then response.completed or response.incomplete), every event numbered;
-the last one carries the whole response, which is the non-streaming reply. With `store`
-(OpenAI's default) the response is kept in this process's memory for GET and for a later
-request's `previous_response_id`, bounded by count and size (oldest first).
-
-vLLM's and SGLang's sampling extras (top_k, min_p, penalties, seed, stop, ...) pass through.
-`background`, `truncation: "auto"` and what responses_items refuses are a 400 naming the field.
-"""
+/v1/responses/{id}/input_items. A request runs as a chat; its output items stream as OpenAI's
+numbered events, the last of which carries the whole response (the non-streaming reply).
+Stored responses live in this process's memory, bounded by count and size, for GET and a
+later `previous_response_id`. docs/server.md#openais-responses-api is the reference."""
 
 from __future__ import annotations
 
 import json
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import Any, Literal
 
 from fastapi import APIRouter, Query, Request
-from pydantic import Field, model_validator
 from starlette.responses import Response
 
 from minisgl.api.dialects.openai import chat_logprobs
 from minisgl.api.dialects.responses_items import (
     OutputItems,
-    chat_tool_choice,
     chat_tools,
     input_items,
     input_messages,
@@ -39,8 +27,15 @@ from minisgl.api.dialects.responses_items import (
 )
 from minisgl.api.errors import RequestError
 from minisgl.api.pipeline import Run
-from minisgl.api.request import ApiRequest, ChatWire, new_id, sampling_of
-from minisgl.api.sse import EventBuffer, WireEvent, respond, sse_event
+from minisgl.api.request import (
+    ApiRequest,
+    ChatWire,
+    JsonObject,
+    chat_tool_choice,
+    new_id,
+    sampling_of,
+)
+from minisgl.api.sse import respond
 from minisgl.chat import ChatPrompt, ReplyBlocks, with_reasoning_effort
 from minisgl.core import FinishReason
 from minisgl.limits import (
@@ -57,6 +52,7 @@ ALIASES = {
     "text.format": "response_format",
 }
 # The response's fields that are the request's, as it sent them.
+EXPECTED_TOOL_CHOICE = "'none', 'auto', 'required' or {'type': 'function', 'name'}"
 ECHOED_FIELDS = (
     *("instructions", "max_output_tokens", "parallel_tool_calls", "previous_response_id"),
     *("metadata", "store", "top_logprobs", "user"),
@@ -70,26 +66,16 @@ class ResponsesRequest(ChatWire):
     max_output_tokens: int | None = None
     top_logprobs: int = 0
     include: list[str] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tool_choice: str | JsonObject | None = None
     parallel_tool_calls: bool = True
-    text: dict[str, Any] | None = None
-    reasoning: dict[str, Any] | None = None
+    text: JsonObject | None = None
+    reasoning: JsonObject | None = None
     store: bool = True
-    metadata: dict[str, str] = Field(default_factory=dict)
+    metadata: dict[str, str] = {}  # pydantic copies it for each request
     user: str | None = None
     truncation: str | None = None
     background: bool = False
     stop: str | list[str] | None = None  # an extra, as vLLM's
-
-    @model_validator(mode="after")
-    def _refuse_unsupported(self) -> ResponsesRequest:
-        if self.background:
-            message = "is not supported: a response runs while its request is open"
-            raise InvalidRequestError("background", message)
-        if self.truncation not in (None, "disabled"):
-            message = "only 'disabled' is supported (a prompt that is too long is a 400)"
-            raise InvalidRequestError("truncation", message)
-        return self
 
     @property
     def wants_logprobs(self) -> bool:
@@ -99,17 +85,28 @@ class ResponsesRequest(ChatWire):
     def effort(self) -> str | None:
         return (self.reasoning or {}).get("effort")
 
-    def to_api(self, history: list[dict[str, Any]]) -> tuple[ApiRequest, list[dict[str, Any]]]:
+    def to_api(self, store: ResponseStore) -> tuple[ApiRequest, list[JsonObject]]:
         """The request to run, and the conversation without instructions (what a later
-        `previous_response_id` continues: `history` is the earlier turns')."""
-        turns = [*history, *input_messages(self.input)]
+        `previous_response_id` continues; the earlier turns come from `store`)."""
+        if self.background:
+            raise InvalidRequestError(
+                "background", "is not supported: a response runs while its request is open"
+            )
+        if self.truncation not in (None, "disabled"):
+            raise InvalidRequestError(
+                "truncation", "only 'disabled' is supported (a prompt that is too long is a 400)"
+            )
+        turns = input_messages(self.input)
+        if self.previous_response_id is not None:
+            previous = stored(store, self.previous_response_id, "previous_response_id")
+            turns = [*previous.conversation, *turns]
         system = [{"role": "system", "content": self.instructions}] if self.instructions else []
         sampling, wire_names = sampling_of(self, ALIASES)
         sampling["logprobs"] = self.top_logprobs if self.wants_logprobs else None
         prompt = ChatPrompt(
             system + turns,
             chat_tools(self.tools),
-            chat_tool_choice(self.tool_choice),
+            chat_tool_choice(self.tool_choice, "function", {}, EXPECTED_TOOL_CHOICE),
             self.parallel_tool_calls,
             with_reasoning_effort(self.chat_template_kwargs, self.effort),
         )
@@ -119,9 +116,9 @@ class ResponsesRequest(ChatWire):
 
 @dataclass(frozen=True)
 class StoredResponse:
-    response: dict[str, Any]  # the response object, as the client received it
-    conversation: list[dict[str, Any]]  # chat messages, this response's reply included
-    input_items: list[dict[str, Any]]  # this request's input, as GET .../input_items lists it
+    response: JsonObject  # the response object, as the client received it
+    conversation: list[JsonObject]  # chat messages, this response's reply included
+    input_items: list[JsonObject]  # this request's input, as GET .../input_items lists it
     size_chars: int
 
 
@@ -135,17 +132,15 @@ class ResponseStore:
     max_chars: int = MAX_STORED_CHARS
     _entries: OrderedDict[str, StoredResponse] = field(default_factory=OrderedDict, init=False)
 
-    @property
-    def size_chars(self) -> int:
-        return sum(entry.size_chars for entry in self._entries.values())
-
-    def put(self, response: dict[str, Any], conversation: list[Any], items: list[Any]) -> None:
+    def put(self, response: JsonObject, conversation: list[Any], items: list[Any]) -> None:
         size = sum(len(json.dumps(part)) for part in (response, conversation, items))
         if size > self.max_chars:
             return  # larger than the whole store: keeping it would evict everything else
         self.delete(response["id"])
         self._entries[response["id"]] = StoredResponse(response, conversation, items, size)
-        while len(self._entries) > self.max_entries or self.size_chars > self.max_chars:
+        while len(self._entries) > self.max_entries or (
+            sum(entry.size_chars for entry in self._entries.values()) > self.max_chars
+        ):
             self._entries.popitem(last=False)
 
     def get(self, response_id: str) -> StoredResponse | None:
@@ -157,20 +152,18 @@ class ResponseStore:
         self._entries.pop(response_id, None)
 
 
-class Turn:
-    """One request's response: its fixed fields, then its output, usage and events as they
-    come. Every event is a snapshot: what it shows (an item, a part) keeps changing after."""
+class Turn(OutputItems):
+    """One request's response: its fixed fields, then its output items, usage and events as
+    they come. Every event is a snapshot: what it shows (an item, a part) keeps changing after."""
 
     def __init__(self, body: ResponsesRequest, run: Run, conversation: list[Any]) -> None:
+        super().__init__()
         self._body = body
         self._run = run
         self._conversation = conversation
-        self.events = EventBuffer(numbered=True)
-        self.output = OutputItems(self.events.emit)
-        self.blocks = ReplyBlocks(self.output)
-        params = run.params[0][0]  # with the model's sampling defaults applied
-        fmt = (body.text or {}).get("format")
-        self._fields: dict[str, Any] = {
+        self.blocks = ReplyBlocks(self)
+        params = run.params[0]  # with the model's sampling defaults applied
+        self._fields: JsonObject = {
             "id": run.id,
             "object": "response",
             "created_at": int(time.time()),
@@ -178,7 +171,8 @@ class Turn:
             "model": body.model or run.ctx.served_model_name,
             "reasoning": {"effort": body.effort, "summary": None},
             "temperature": params.temperature,
-            "text": {"format": dict(fmt) if isinstance(fmt, Mapping) else {"type": "text"}},
+            # text.format: checked by to_api (an object, or absent)
+            "text": {"format": (body.text or {}).get("format") or {"type": "text"}},
             "tool_choice": body.tool_choice or "auto",
             "tools": body.tools or [],
             "top_p": params.top_p,
@@ -188,75 +182,89 @@ class Turn:
 
     @property
     def status(self) -> str:
-        finish = self._run.choices[0].finish_reason
-        return "incomplete" if finish == FinishReason.LENGTH else "completed"
+        return (
+            "incomplete"
+            if self._run.choices[0].finish_reason == FinishReason.LENGTH
+            else "completed"
+        )
 
-    def response(self, status: str, error: dict[str, Any] | None = None) -> dict[str, Any]:
+    def response(self, status: str, error: JsonObject | None = None) -> JsonObject:
         usage = None
         if status not in ("in_progress", "failed"):
             prompt, completion, cached = self._run.usage()
-            written = prompt - cached  # the radix cache keeps every prompt token it lacked
             usage = {
                 "input_tokens": prompt,
-                "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": written},
+                # The radix cache keeps every prompt token it lacked.
+                "input_tokens_details": {
+                    "cached_tokens": cached,
+                    "cache_write_tokens": prompt - cached,
+                },
                 "output_tokens": completion,
                 "output_tokens_details": {"reasoning_tokens": self._run.reasoning_tokens},
                 "total_tokens": prompt + completion,
             }
-        incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
         return {
             **self._fields,
             "status": status,
             "error": error,
-            "incomplete_details": incomplete,
-            "output": self.output.items,
+            "incomplete_details": {"reason": "max_output_tokens"}
+            if status == "incomplete"
+            else None,
+            "output": self.items,
             "usage": usage,
         }
 
-    async def wire_events(self, store: ResponseStore) -> AsyncIterator[WireEvent]:
-        self.events.emit("response.created", response=self.response("in_progress"))
-        self.events.emit("response.in_progress", response=self.response("in_progress"))
-        for wire_event in self.events.take():
+    async def wire_events(self, store: ResponseStore) -> AsyncIterator[JsonObject]:
+        self.emit("response.created", response=self.response("in_progress"))
+        self.emit("response.in_progress", response=self.response("in_progress"))
+        for wire_event in self.take():
             yield wire_event
         async for event in self._run.events():
             logprobs = []
             if self._body.wants_logprobs:
                 logprobs = chat_logprobs(self._run.ctx, event.output.logprobs)["content"]
             self.blocks.feed(event.delta, logprobs)
-            for wire_event in self.events.take():
+            for wire_event in self.take():
                 yield wire_event
         self.blocks.finish(self.status)
         response = self.response(self.status)
         if self._body.store:
-            conversation = [*self._conversation, self.output.assistant_message()]
-            store.put(response, conversation, input_items(self._body.input))
-        self.events.emit(f"response.{self.status}", response=response)
-        for wire_event in self.events.take():
+            store.put(
+                response,
+                [*self._conversation, self.assistant_message()],
+                input_items(self._body.input),
+            )
+        self.emit(f"response.{self.status}", response=response)
+        for wire_event in self.take():
             yield wire_event
 
-    def error_frames(self, body: dict[str, Any]) -> list[str]:
+    def error_events(self, body: JsonObject) -> list[JsonObject]:
         """A stream that fails: the error event, then response.failed (no [DONE] here)."""
         error = body["error"]
-        param = error.get("param")
-        self.events.emit("error", code=error["type"], message=error["message"], param=param)
+        self.emit("error", code=error["type"], message=error["message"], param=error.get("param"))
         status = error.get("code")
         client_error = isinstance(status, int) and status < HTTPStatus.INTERNAL_SERVER_ERROR
         code = "invalid_prompt" if client_error else "server_error"
-        failure = {"code": code, "message": error["message"]}
-        self.events.emit("response.failed", response=self.response("failed", failure))
-        return [sse_event(event, kind) for kind, event in self.events.take()]
+        self.emit(
+            "response.failed",
+            response=self.response("failed", {"code": code, "message": error["message"]}),
+        )
+        return self.take()
 
 
 def stored(store: ResponseStore, response_id: str, param: str = "response_id") -> StoredResponse:
     """The stored response; a 404 when there is none."""
     if (entry := store.get(response_id)) is None:
         kept = "responses are kept in this server's memory while it runs, when store is true"
-        message = f"{param}: no stored response {response_id!r} ({kept})"
-        raise RequestError(HTTPStatus.NOT_FOUND, message, param=param)
+        raise RequestError(
+            HTTPStatus.NOT_FOUND,
+            f"{param}: no stored response {response_id!r} ({kept})",
+            param=param,
+        )
     return entry
 
 
-def _last_response(events: list[dict[str, Any]]) -> dict[str, Any]:
+def _last_response(events: list[JsonObject]) -> JsonObject:
     return events[-1]["response"]  # the stream's last event holds the whole response
 
 
@@ -266,23 +274,21 @@ router = APIRouter()
 @router.post("/v1/responses")
 async def create_response(body: ResponsesRequest, request: Request) -> Response:
     store: ResponseStore = request.app.state.responses
-    history = []
-    if body.previous_response_id is not None:
-        history = stored(store, body.previous_response_id, "previous_response_id").conversation
-    api, conversation = body.to_api(history)
-    run = await Run(request.app.state.ctx, api, new_id("resp", "_")).start(request)
+    api, conversation = body.to_api(store)
+    run = await Run(request, api, new_id("resp", "_")).start()
     turn = Turn(body, run, conversation)
-    events = turn.wire_events(store)
-    return await respond(run, events, body.stream, _last_response, turn.error_frames)
+    return await respond(
+        run, turn.wire_events(store), body.stream, _last_response, turn.error_events
+    )
 
 
 @router.get("/v1/responses/{response_id}")
-async def retrieve_response(response_id: str, request: Request) -> dict[str, Any]:
+async def retrieve_response(response_id: str, request: Request) -> JsonObject:
     return stored(request.app.state.responses, response_id).response
 
 
 @router.delete("/v1/responses/{response_id}")
-async def delete_response(response_id: str, request: Request) -> dict[str, Any]:
+async def delete_response(response_id: str, request: Request) -> JsonObject:
     store: ResponseStore = request.app.state.responses
     stored(store, response_id)  # a 404 if there is none
     store.delete(response_id)
@@ -291,7 +297,7 @@ async def delete_response(response_id: str, request: Request) -> dict[str, Any]:
 
 def list_input_items(
     store: ResponseStore, response_id: str, limit: int, order: str, after: str | None
-) -> dict[str, Any]:
+) -> JsonObject:
     """The request's input items, newest first unless order is "asc", `limit` at a time, from
     after the item `after`."""
     items = stored(store, response_id).input_items
@@ -318,5 +324,5 @@ async def get_input_items(
     limit: int = Query(20, ge=1, le=MAX_LISTED_ITEMS),
     order: Literal["asc", "desc"] = "desc",
     after: str | None = None,
-) -> dict[str, Any]:
+) -> JsonObject:
     return list_input_items(request.app.state.responses, response_id, limit, order, after)

@@ -1,29 +1,22 @@
-"""The Responses API's items: its input as the chat messages, tools and constraint the pipeline
-runs, and as the typed items GET /v1/responses/{id}/input_items lists; its output items, built
-from a reply's blocks (`OutputItems`).
-
-- `instructions` -> a leading system message (not carried over by `previous_response_id`, as
-  OpenAI does it); `input` text -> a user message; input items -> chat messages: `message`
-  (roles user, system, developer -> system, assistant; text parts), `function_call` -> an
-  assistant message's `tool_calls`, `function_call_output` -> a `tool` message, `reasoning` ->
-  the next assistant message's `reasoning_content`.
-- `tools` (flat function tools) and `tool_choice` -> chat's nested forms; `text.format` -> a
-  `response_format` constraint.
-Images and files in the input and built-in tools are a 400 naming the field.
-"""
+"""The Responses API's items: `input` as the chat messages, tools and constraint the pipeline
+runs, and as the typed items GET /v1/responses/{id}/input_items lists; the reply's blocks as
+output items (`OutputItems`). What cannot be translated (images, files, built-in tools) is a
+400 naming the field. docs/server.md#openais-responses-api lists the mapping."""
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping
 from typing import Any
 
 from minisgl.api.dialects.openai import new_call_id
-from minisgl.api.request import function_call, new_id
+from minisgl.api.request import JsonObject, function_call, new_id, text_content
+from minisgl.api.sse import EventBuffer
 from minisgl.chat import CALL, REASONING
 from minisgl.chat.tool_parsers import ToolCallDelta
 from minisgl.limits import InvalidRequestError
 
-TEXT_PART_TYPES = frozenset({"input_text", "output_text", "text", "summary_text", "reasoning_text"})
+TEXT_PART_TYPES = ("input_text", "output_text", "text", "summary_text", "reasoning_text", "refusal")
 # A function_call item's fields, in function_call's order.
 FUNCTION_CALL_KEYS = ("call_id", "name", "arguments")
 # A message item's roles: chat's, and developer (a system message).
@@ -35,30 +28,11 @@ ITEM_ID_PREFIXES = {
     "reasoning": "rs",
 }
 ITEM_KINDS = tuple(ITEM_ID_PREFIXES)
+FUNCTION_KEYS = ("name", "description", "parameters")
 
 
 def _fail(where: str, message: str, param: str = "input") -> InvalidRequestError:
     return InvalidRequestError(param, f"{where}: {message}")
-
-
-def content_text(content: Any, where: str) -> str:
-    """Text content: a string, or a list of text parts (input_text, output_text, ...)."""
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise _fail(where, "content must be text or a list of text parts")
-    texts = []
-    for j, part in enumerate(content):
-        kind = part.get("type") if isinstance(part, Mapping) else None
-        if kind == "refusal" and isinstance(part.get("refusal"), str):
-            texts.append(part["refusal"])
-        elif kind in TEXT_PART_TYPES and isinstance(part.get("text"), str):
-            texts.append(part["text"])
-        elif kind in ("input_image", "input_file", "input_audio"):
-            raise _fail(f"{where}.content[{j}]", f"{kind} is not supported: the model reads text")
-        else:
-            raise _fail(f"{where}.content[{j}]", "must be a text part {'type', 'text'}")
-    return "".join(texts)
 
 
 def _text_field(item: Mapping[str, Any], key: str, where: str) -> str:
@@ -68,11 +42,11 @@ def _text_field(item: Mapping[str, Any], key: str, where: str) -> str:
     return value
 
 
-def input_messages(value: str | list[Any]) -> list[dict[str, Any]]:
+def input_messages(value: str | list[Any]) -> list[JsonObject]:
     """`input` -> chat messages."""
     if isinstance(value, str):
         return [{"role": "user", "content": value}]
-    messages: list[dict[str, Any]] = []
+    messages: list[JsonObject] = []
     reasoning: str | None = None  # a reasoning item, waiting for the assistant turn it belongs to
     previous_kind = None
     for i, item in enumerate(value):
@@ -80,12 +54,12 @@ def input_messages(value: str | list[Any]) -> list[dict[str, Any]]:
         if not isinstance(item, Mapping):
             raise _fail(where, "must be an object")
         kind = item.get("type", "message")
-        message: dict[str, Any] | None = None
+        message: JsonObject | None = None
         if kind == "message":
             role = item.get("role")
             if role not in MESSAGE_ROLES:
                 raise _fail(where, "role must be user, system, developer or assistant")
-            content = content_text(item.get("content"), where)
+            content = text_content(item.get("content"), where, "input", TEXT_PART_TYPES)
             message = {"role": "system" if role == "developer" else role, "content": content}
         elif kind == "function_call":
             call = function_call(*(_text_field(item, key, where) for key in FUNCTION_CALL_KEYS))
@@ -96,10 +70,11 @@ def input_messages(value: str | list[Any]) -> list[dict[str, Any]]:
                 message = {"role": "assistant", "content": "", "tool_calls": [call]}
         elif kind == "function_call_output":
             call_id = _text_field(item, "call_id", where)
-            content = content_text(item.get("output"), where)
+            content = text_content(item.get("output"), where, "input", TEXT_PART_TYPES)
             message = {"role": "tool", "tool_call_id": call_id, "content": content}
         elif kind == "reasoning":
-            reasoning = content_text(item.get("content") or item.get("summary") or [], where)
+            given = item.get("content") or item.get("summary") or []
+            reasoning = text_content(given, where, "input", TEXT_PART_TYPES)
         else:
             raise _fail(where, f"item type {kind!r} is not supported ({', '.join(ITEM_KINDS)})")
         if message is not None:
@@ -112,7 +87,7 @@ def input_messages(value: str | list[Any]) -> list[dict[str, Any]]:
     return messages
 
 
-def _text_part(part: Mapping[str, Any], role: str) -> dict[str, Any]:
+def _text_part(part: Mapping[str, Any], role: str) -> JsonObject:
     """A text part as OpenAI types it: input_text, or output_text for the assistant (which
     carries annotations); a refusal as it is."""
     if part.get("type") == "refusal":
@@ -122,7 +97,7 @@ def _text_part(part: Mapping[str, Any], role: str) -> dict[str, Any]:
     return {"type": "input_text", "text": part["text"]}
 
 
-def input_items(value: str | list[Any]) -> list[dict[str, Any]]:
+def input_items(value: str | list[Any]) -> list[JsonObject]:
     """`input` (already checked by `input_messages`) as the items GET
     /v1/responses/{id}/input_items lists: OpenAI's shapes, each with an id."""
     given: list[Any] = [{"role": "user", "content": value}] if isinstance(value, str) else value
@@ -144,32 +119,22 @@ def input_items(value: str | list[Any]) -> list[dict[str, Any]]:
     return items
 
 
-def _chat_tool(i: int, tool: Any) -> dict[str, Any]:
-    kind = tool.get("type") if isinstance(tool, Mapping) else None
-    if kind != "function":
-        message = f"tools[{i}]: only function tools are supported, not {kind!r}"
-        raise InvalidRequestError("tools", message)
-    function = {k: tool[k] for k in ("name", "description", "parameters") if k in tool}
-    if function.get("parameters") is None:
-        function.pop("parameters", None)  # OpenAI allows null: no parameters
-    return {"type": "function", "function": function}
-
-
-def chat_tools(tools: list[Any] | None) -> list[dict[str, Any]] | None:
+def chat_tools(tools: list[Any] | None) -> list[JsonObject] | None:
     """Flat function tools -> chat's {"type": "function", "function": {...}}."""
-    return None if tools is None else [_chat_tool(i, tool) for i, tool in enumerate(tools)]
+    chat = []
+    for i, tool in enumerate(tools or ()):
+        kind = tool.get("type") if isinstance(tool, Mapping) else None
+        if kind != "function":
+            raise InvalidRequestError(
+                "tools", f"tools[{i}]: only function tools are supported, not {kind!r}"
+            )
+        # null parameters (OpenAI allows it): none
+        function = {k: tool[k] for k in FUNCTION_KEYS if tool.get(k) is not None}
+        chat.append({"type": "function", "function": function})
+    return None if tools is None else chat
 
 
-def chat_tool_choice(choice: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
-    if isinstance(choice, Mapping):
-        if choice.get("type") == "function" and isinstance(choice.get("name"), str):
-            return {"type": "function", "function": {"name": choice["name"]}}
-        message = "must be 'none', 'auto', 'required' or {'type': 'function', 'name'}"
-        raise InvalidRequestError("tool_choice", message)
-    return choice
-
-
-def response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
+def response_format(text: JsonObject | None) -> JsonObject | None:
     """`text.format` -> chat's `response_format` (json_schema's fields move under one key)."""
     if (fmt := (text or {}).get("format")) is None:
         return None
@@ -177,75 +142,83 @@ def response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
         raise InvalidRequestError("text.format", "must be an object with a type")
     if fmt.get("type") != "json_schema":
         return dict(fmt)
-    inner = {k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt}
-    return {"type": "json_schema", "json_schema": inner}
+    return {
+        "type": "json_schema",
+        "json_schema": {k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt},
+    }
 
 
-class OutputItems:
-    """The reply's blocks as output items, and the stream events that build them
+# A text block's item and its one content part (a call's item has no parts).
+_TEXT_ITEMS: dict[str, tuple[JsonObject, JsonObject]] = {
+    REASONING: ({"type": "reasoning", "summary": []}, {"type": "reasoning_text", "text": ""}),
+    "text": (
+        {"type": "message", "role": "assistant"},
+        {"type": "output_text", "text": "", "annotations": [], "logprobs": []},
+    ),
+}
+
+
+class OutputItems(EventBuffer):
+    """The reply's blocks as output items, and the stream events that build them, numbered
     (a minisgl.chat.output.BlockSink)."""
 
-    def __init__(self, emit: Any) -> None:
-        self.items: list[dict[str, Any]] = []
-        self._emit = emit
+    def __init__(self) -> None:
+        super().__init__(numbered=True)
+        self.items: list[JsonObject] = []
 
-    def _at(self, part: bool = True) -> dict[str, Any]:
+    def _at(self, part: bool = True) -> JsonObject:
         """Where an event about the open item (and its one content part) points."""
         where = {"item_id": self.items[-1]["id"], "output_index": len(self.items) - 1}
         return {**where, "content_index": 0} if part else where
 
     def open(self, kind: str, call: ToolCallDelta | None) -> None:
-        item: dict[str, Any] = {"type": "message", "role": "assistant", "content": []}
+        part = None
         if call is not None:
-            call_id, name = new_call_id(), call.name or ""
-            item = {"type": "function_call", "call_id": call_id, "name": name, "arguments": ""}
-        elif kind == REASONING:
-            item = {"type": "reasoning", "summary": [], "content": []}
+            name = call.name or ""
+            item: JsonObject = {"type": "function_call", "call_id": new_call_id(), "name": name}
+            item["arguments"] = ""
+        else:
+            head, part = copy.deepcopy(_TEXT_ITEMS[kind])
+            item = {**head, "content": []}
         # Every kind: an id with its type's prefix (as input items get), in progress until closed.
         item = {"id": new_id(ITEM_ID_PREFIXES[item["type"]], "_"), **item, "status": "in_progress"}
         self.items.append(item)
-        self._emit("response.output_item.added", output_index=len(self.items) - 1, item=item)
-        if call is None:
-            part: dict[str, Any] = {"type": "reasoning_text", "text": ""}
-            if kind != REASONING:
-                part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+        self.emit("response.output_item.added", output_index=len(self.items) - 1, item=item)
+        if part is not None:
             item["content"].append(part)
-            self._emit("response.content_part.added", **self._at(), part=part)
+            self.emit("response.content_part.added", **self._at(), part=part)
 
     def write(self, kind: str, text: str, logprobs: list[Any]) -> None:
         item = self.items[-1]
         if kind == CALL:
             item["arguments"] += text
             if text:
-                self._emit("response.function_call_arguments.delta", **self._at(False), delta=text)
+                self.emit("response.function_call_arguments.delta", **self._at(False), delta=text)
             return
         part = item["content"][0]
         part["text"] += text
         if kind == REASONING:
-            self._emit("response.reasoning_text.delta", **self._at(), delta=text)
+            self.emit("response.reasoning_text.delta", **self._at(), delta=text)
         else:
             part["logprobs"] += logprobs
-            self._emit("response.output_text.delta", **self._at(), delta=text, logprobs=logprobs)
+            self.emit("response.output_text.delta", **self._at(), delta=text, logprobs=logprobs)
 
     def close(self, status: str) -> None:
         item = self.items[-1]
         if item["type"] == "function_call":
             done = {"name": item["name"], "arguments": item["arguments"]}  # name: OpenAI's SDK 3
-            self._emit("response.function_call_arguments.done", **self._at(False), **done)
+            self.emit("response.function_call_arguments.done", **self._at(False), **done)
         else:
             part = item["content"][0]
-            if item["type"] == "message":
-                done = {"text": part["text"], "logprobs": part["logprobs"]}
-                self._emit("response.output_text.done", **self._at(), **done)
-            else:
-                self._emit("response.reasoning_text.done", **self._at(), text=part["text"])
-            self._emit("response.content_part.done", **self._at(), part=part)
+            done = {key: part[key] for key in ("text", "logprobs") if key in part}
+            self.emit(f"response.{part['type']}.done", **self._at(), **done)
+            self.emit("response.content_part.done", **self._at(), part=part)
         item["status"] = status
-        self._emit("response.output_item.done", output_index=len(self.items) - 1, item=item)
+        self.emit("response.output_item.done", output_index=len(self.items) - 1, item=item)
 
-    def assistant_message(self) -> dict[str, Any]:
+    def assistant_message(self) -> JsonObject:
         """The reply as a chat message: what a later turn's conversation holds."""
-        message: dict[str, Any] = {"role": "assistant", "content": ""}
+        message: JsonObject = {"role": "assistant", "content": ""}
         calls = []
         for item in self.items:
             if item["type"] == "message":

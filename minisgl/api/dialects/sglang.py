@@ -1,31 +1,8 @@
-"""SGLang's native API: POST /generate, and the worker endpoints that make a minisgl server a
-first-class worker of the SGLang Model Gateway (`pip install sglang-router`, command `smg`) and
-of tools written for SGLang (`sglang.bench_serving --backend sglang`).
-
-/generate (SGLang's GenerateReqInput, the parts minisgl serves):
-- `text` (a string or a list) or `input_ids` (a list of ids or a list of lists): one prompt or a
-  batch; `sampling_params`: an object (or one per prompt) with SGLang's names: `max_new_tokens`
-  (default 128), `min_new_tokens`, `sampling_seed`, `no_stop_trim`, `n`, the constraints
-  `json_schema`, `regex`, `ebnf`, and the sampling fields OpenAI's endpoints take;
-- `stream`, `return_logprob`, `top_logprobs_num`, `logprob_start_len` (-1: output only; k >= 0:
-  also the prompt's from position k), `rid` (the meta_info id: one, or one per prompt).
-The reply, per sequence: `{"text", "output_ids", "meta_info"}` (a list of them for a batch or
-n > 1); meta_info: `id`, `finish_reason` (null, `{"type": "stop", "matched": ...}`, `{"type":
-"length", "length": max_new_tokens}` or `{"type": "abort", ...}`), `prompt_tokens`,
-`completion_tokens`, `cached_tokens`, `e2e_latency` (seconds, at the end), and with logprobs
-`output_token_logprobs` ([logprob, id, null] per token), `output_top_logprobs`,
-`input_token_logprobs`, `input_top_logprobs`. A stream's events are cumulative (SGLang's
-default: each carries the text and ids so far), ending with `data: [DONE]`.
-
-What the gateway (sglang-router 0.3.x) reads when it registers a worker: GET /server_info (or
-/get_server_info): `served_model_name` becomes the worker's model id, `model_path` is where the
-gateway loads the tokenizer from, `tp_size`, `dp_size` become labels; GET /model_info (or
-/get_model_info): `model_type`, `architectures`, `tokenizer_path`; GET /get_load: one entry per
-data-parallel rank (a minisgl server is one) with the tokens it holds (the power_of_two policy);
-GET /health_generate: SGLang's deep health check (the engine still produces tokens); GET/POST
-/flush_cache: empty the prefix cache when idle. Field names and meanings follow SGLang's
-http_server.py; only what minisgl can state truthfully is there (never the API key).
-"""
+"""SGLang's native API: POST /generate, and the worker endpoints (/server_info, /model_info,
+/get_load, /flush_cache, /health_generate) that make a minisgl server a worker of the SGLang
+Model Gateway and of tools written for SGLang. Field names and meanings follow SGLang's
+http_server.py, stating only what minisgl can state truthfully (never the API key); the
+reference is docs/server.md#sglangs-generate and docs/scaling.md#what-the-gateway-reads."""
 
 from __future__ import annotations
 
@@ -34,21 +11,28 @@ import contextlib
 import importlib.metadata
 import json
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator
 from http import HTTPStatus
 from pathlib import Path
 from typing import Any, cast
 
 from fastapi import APIRouter, Request
 from fastapi.exceptions import RequestValidationError
-from pydantic import Field, ValidationError, model_validator
-from starlette.responses import JSONResponse, Response
+from pydantic import Field, ValidationError
+from starlette.responses import Response
 
 from minisgl.api.dialects.openai import OpenAISampling
 from minisgl.api.errors import RequestError
 from minisgl.api.pipeline import Choice, Run, ServingContext
-from minisgl.api.request import SAMPLING_NAMES, ApiRequest, WireModel, new_id, sampling_of
-from minisgl.api.sse import WireEvent, respond
+from minisgl.api.request import (
+    SAMPLING_NAMES,
+    ApiRequest,
+    JsonObject,
+    WireModel,
+    new_id,
+    sampling_of,
+)
+from minisgl.api.sse import respond
 from minisgl.chat.requests import CONSTRAINT_FIELDS
 from minisgl.config import ServerArgs
 from minisgl.core import FinishReason, ReqOutput, SamplingParams, TokenLogprob
@@ -62,11 +46,10 @@ ALIASES = {
     "sampling_seed": "seed",
     "no_stop_trim": "include_stop_str_in_output",
 }
-_SGLANG_NAMES = {name: wire for wire, name in ALIASES.items()}
 # Every rule on a sampling field is reported under `sampling_params.<SGLang's name>`.
 WIRE_NAMES = {
-    **{name: f"sampling_params.{_SGLANG_NAMES.get(name, name)}" for name in SAMPLING_NAMES},
-    **{name: f"sampling_params.{name}" for name in CONSTRAINT_FIELDS},
+    **{name: f"sampling_params.{name}" for name in (*SAMPLING_NAMES, *CONSTRAINT_FIELDS)},
+    **{name: f"sampling_params.{wire}" for wire, name in ALIASES.items()},
     "logprobs": "top_logprobs_num",
     "prompt_logprobs": "top_logprobs_num",
 }
@@ -99,27 +82,19 @@ class SGLangSampling(OpenAISampling):
 class GenerateRequest(WireModel):
     text: str | list[str] | None = None
     input_ids: list[int] | list[list[int]] | None = None
-    sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
+    sampling_params: JsonObject | list[JsonObject] | None = None
     stream: bool = False
     return_logprob: bool = False
-    top_logprobs_num: int = Field(default=0, ge=0, le=MAX_LOGPROBS)
-    logprob_start_len: int = Field(default=-1, ge=-1)  # -1: output only
+    top_logprobs_num: int = Field(0, ge=0, le=MAX_LOGPROBS)
+    logprob_start_len: int = Field(-1, ge=-1)  # -1: output only
     rid: str | list[str] | None = None  # one id, or one per prompt of a batch
     priority: int | None = None  # SGLang's place for it (sampling_params.priority works too)
 
-    @model_validator(mode="after")
-    def _one_prompt_field(self) -> GenerateRequest:
-        if (self.text is None) == (self.input_ids is None):
-            raise InvalidRequestError("text", "give exactly one of text and input_ids")
-        if isinstance(self.rid, list) and len(self.rid) != len(self.prompts()):
-            raise InvalidRequestError("rid", "a list of ids needs one id per prompt")
-        return self
-
     @property
     def is_batch(self) -> bool:
-        if self.text is not None:
-            return isinstance(self.text, list)
-        return bool(self.input_ids) and isinstance(self.input_ids[0], list)  # type: ignore[index]
+        """A list of texts, or of id lists (exactly one of text and input_ids is set)."""
+        ids = self.input_ids
+        return isinstance(self.text, list) or bool(ids) and isinstance(ids[0], list)  # type: ignore[index]
 
     def prompts(self) -> list[str] | list[list[int]]:
         given = self.text if self.text is not None else self.input_ids
@@ -135,12 +110,17 @@ class GenerateRequest(WireModel):
         try:
             return [SGLangSampling.model_validate(row) for row in rows]
         except ValidationError as exc:  # reported as the body's own errors are
-            errors = [{**e, "loc": ("sampling_params", *e["loc"])} for e in exc.errors()]
-            raise RequestValidationError(errors) from None
+            raise RequestValidationError(
+                [{**e, "loc": ("sampling_params", *e["loc"])} for e in exc.errors()]
+            ) from None
 
     def to_api(self) -> ApiRequest:
+        if (self.text is None) == (self.input_ids is None):
+            raise InvalidRequestError("text", "give exactly one of text and input_ids")
         if not (prompts := self.prompts()):
             raise InvalidRequestError("text", "must not be empty")
+        if isinstance(self.rid, list) and len(self.rid) != len(prompts):
+            raise InvalidRequestError("rid", "a list of ids needs one id per prompt")
         rows = self._sampling(len(prompts))
         if any(row.n != rows[0].n for row in rows):
             raise InvalidRequestError("sampling_params.n", "must be the same for every prompt")
@@ -149,7 +129,7 @@ class GenerateRequest(WireModel):
             raise InvalidRequestError("sampling_params", "every prompt needs the same constraint")
         logprobs = self.top_logprobs_num if self.return_logprob else None
         scored = self.return_logprob and self.logprob_start_len >= 0
-        sampling: list[Mapping[str, Any]] = []
+        sampling: list[JsonObject] = []
         for row in rows:
             fields, _ = sampling_of(row, ALIASES, priority=self.priority)
             fields["max_tokens"] = row.max_new_tokens  # SGLang's name decides
@@ -164,7 +144,7 @@ class GenerateRequest(WireModel):
         return ApiRequest(prompts, shared, wire_names, rows[0].n, None, constraint_fields)
 
 
-def _finish_reason(choice: Choice, max_new_tokens: int) -> dict[str, Any] | None:
+def _finish_reason(choice: Choice, max_new_tokens: int) -> JsonObject | None:
     if (reason := choice.finish_reason) is None:
         return None
     if reason == FinishReason.LENGTH:
@@ -178,17 +158,16 @@ def _triples(entries: list[TokenLogprob]) -> tuple[list[list[Any]], list[list[li
     """SGLang's logprob layout: [logprob, token id, text (null: not asked)] per token, and the
     top alternatives of each as a list of such triples."""
     chosen = [[lp.logprob, lp.token_id, None] for lp in entries]
-    top = [[[tlp, tid, None] for tid, tlp in lp.top] for lp in entries]
-    return chosen, top
+    return chosen, [[[tlp, tid, None] for tid, tlp in lp.top] for lp in entries]
 
 
-def _item(run: Run, body: GenerateRequest, choice: Choice, start_s: float) -> dict[str, Any]:
+def _item(run: Run, body: GenerateRequest, choice: Choice, start_s: float) -> JsonObject:
     """One sequence as SGLang reports it, so far (its text and ids are cumulative)."""
     prompt = run.prompts[choice.prompt_index]
     rid = body.rid[choice.prompt_index] if isinstance(body.rid, list) else body.rid
-    meta: dict[str, Any] = {
+    meta: JsonObject = {
         "id": rid or choice.rid,
-        "finish_reason": _finish_reason(choice, run.params[choice.prompt_index][0].max_tokens),
+        "finish_reason": _finish_reason(choice, run.params[choice.index].max_tokens),
         "prompt_tokens": len(prompt),
         "completion_tokens": choice.num_tokens,
         "cached_tokens": choice.num_cached_prompt_tokens,
@@ -197,27 +176,29 @@ def _item(run: Run, body: GenerateRequest, choice: Choice, start_s: float) -> di
         meta["e2e_latency"] = time.perf_counter() - start_s
     if body.return_logprob:
         meta["output_token_logprobs"], meta["output_top_logprobs"] = _triples(choice.logprobs)
-        start = body.logprob_start_len
-        meta["input_token_logprobs"], meta["input_top_logprobs"] = [], []
-        if start >= 0:
-            scored, scored_top = _triples(choice.prompt_logprobs)
-            # The first prompt token has no logprob: nothing comes before it.
-            meta["input_token_logprobs"] = [[None, prompt[0], None], *scored][start:]
-            meta["input_top_logprobs"] = [None, *scored_top][start:]
+        scored, scored_top = _triples(choice.prompt_logprobs)
+        # The first prompt token has no logprob: nothing comes before it. -1: the output's only.
+        start = body.logprob_start_len if body.logprob_start_len >= 0 else len(prompt)
+        meta["input_token_logprobs"] = [[None, prompt[0], None], *scored][start:]
+        meta["input_top_logprobs"] = [None, *scored_top][start:]
     # In a list reply (a batch, or n > 1) each item says which sequence it is.
-    index = {"index": choice.index} if body.is_batch or run.req.n > 1 else {}
-    return {"text": choice.text, "output_ids": list(choice.token_ids), "meta_info": meta, **index}
+    return {
+        "text": choice.text,
+        "output_ids": list(choice.token_ids),
+        "meta_info": meta,
+        **({"index": choice.index} if body.is_batch or run.req.n > 1 else {}),
+    }
 
 
-async def generate_events(run: Run, body: GenerateRequest) -> AsyncIterator[WireEvent]:
+async def generate_events(run: Run, body: GenerateRequest) -> AsyncIterator[JsonObject]:
     start_s = time.perf_counter()
     async for event in run.events():
         # Each item is cumulative: a reply needs only each sequence's last.
         if body.stream or event.choice.finished:
-            yield None, _item(run, body, event.choice, start_s)
+            yield _item(run, body, event.choice, start_s)
 
 
-def fold_generate(items: list[dict[str, Any]]) -> dict[str, Any] | list[Any]:
+def fold_generate(items: list[JsonObject]) -> JsonObject | list[Any]:
     last = {item.get("index", 0): item for item in items}
     ordered = [last[i] for i in sorted(last)]
     return ordered if "index" in ordered[0] else ordered[0]  # the items of a list reply say so
@@ -228,13 +209,14 @@ router = APIRouter()
 
 @router.api_route("/generate", methods=["POST", "PUT"])
 async def generate(body: GenerateRequest, request: Request) -> Response:
-    run = Run(request.app.state.ctx, body.to_api(), new_id("generate"))
-    await run.prepare(request)
+    run = Run(request, body.to_api(), new_id("generate"))
+    await run.prepare()
     shortest = min(len(ids) for ids in run.prompts)
     if body.return_logprob and body.logprob_start_len >= max(shortest, 1):
-        message = f"must be below the prompt's length ({shortest} tokens)"
-        raise InvalidRequestError("logprob_start_len", message)
-    run.submit(request)
+        raise InvalidRequestError(
+            "logprob_start_len", f"must be below the prompt's length ({shortest} tokens)"
+        )
+    run.submit()
     return await respond(run, generate_events(run, body), body.stream, fold_generate)
 
 
@@ -247,10 +229,10 @@ def _reported_path(given: str | None, resolved: str) -> str:
     return given
 
 
-def model_info(args: ServerArgs, model_path: str, tokenizer_path: str) -> dict[str, Any]:
+def model_info(args: ServerArgs, model_path: str, tokenizer_path: str) -> JsonObject:
     """GET /model_info: the checkpoint, fixed for the server's life. `model_path` and
     `tokenizer_path` are the resolved local folders the server loads from."""
-    config: dict[str, Any] = {}
+    config: JsonObject = {}
     with contextlib.suppress(OSError, ValueError):  # the scheduler reports a broken config
         config = json.loads((Path(model_path) / CONFIG_FILE).read_text())
     return {
@@ -295,7 +277,7 @@ async def _engine_answers(ctx: ServingContext, timeout_s: float) -> bool:
         ctx.engine.abort(rid)  # a no-op once it finished, or if it was never sent
 
 
-def _server_info(request: Request) -> dict[str, Any]:
+def _server_info(request: Request) -> JsonObject:
     ctx, info = request.app.state.ctx, request.app.state.model_info
     return {
         **{key: info[key] for key in ("model_path", "tokenizer_path", "is_generation")},
@@ -311,7 +293,7 @@ def _server_info(request: Request) -> dict[str, Any]:
     }
 
 
-def _model_info(request: Request) -> dict[str, Any]:
+def _model_info(request: Request) -> JsonObject:
     return request.app.state.model_info
 
 
@@ -321,21 +303,22 @@ for path, handler in (("server_info", _server_info), ("model_info", _model_info)
 
 
 @router.get("/get_load")
-async def get_load(request: Request) -> Response:
+async def get_load(request: Request) -> list[JsonObject]:
     ctx = request.app.state.ctx
     if (reply := await ctx.engine.stats(LOAD_STATS_TIMEOUT_S)) is None:
         raise RequestError(HTTPStatus.SERVICE_UNAVAILABLE, SCHEDULER_SILENT)
     stats = reply.stats
-    load = {
-        "dp_rank": 0,  # the server's one rank (replicas are separate workers)
-        "num_reqs": stats.num_running_reqs + stats.num_queue_reqs,
-        "num_waiting_reqs": stats.num_queue_reqs,
-        "num_waiting_reqs_by_priority": stats.num_queue_reqs_by_priority,
-        # KV tokens held by running requests (cached prefixes nobody uses are free to evict and
-        # do not count); prompts still waiting are not counted.
-        "num_tokens": (stats.num_total_pages - stats.num_free_pages) * ctx.args.page_size,
-    }
-    return JSONResponse([load])
+    return [
+        {
+            "dp_rank": 0,  # the server's one rank (replicas are separate workers)
+            "num_reqs": stats.num_running_reqs + stats.num_queue_reqs,
+            "num_waiting_reqs": stats.num_queue_reqs,
+            "num_waiting_reqs_by_priority": stats.num_queue_reqs_by_priority,
+            # KV tokens held by running requests (cached prefixes nobody uses are free to evict and
+            # do not count); prompts still waiting are not counted.
+            "num_tokens": (stats.num_total_pages - stats.num_free_pages) * ctx.args.page_size,
+        }
+    ]
 
 
 @router.api_route("/flush_cache", methods=["GET", "POST"])
@@ -350,5 +333,8 @@ async def flush_cache(request: Request) -> Response:
 
 @router.get("/health_generate")
 async def health_generate(request: Request) -> Response:
-    ok = await _engine_answers(request.app.state.ctx, HEALTH_GENERATE_TIMEOUT_S)
-    return Response(status_code=200 if ok else HTTPStatus.SERVICE_UNAVAILABLE)
+    return Response(
+        status_code=200
+        if (await _engine_answers(request.app.state.ctx, HEALTH_GENERATE_TIMEOUT_S))
+        else HTTPStatus.SERVICE_UNAVAILABLE
+    )

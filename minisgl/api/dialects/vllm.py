@@ -1,11 +1,6 @@
-"""vLLM's (and SGLang's) POST /tokenize and /detokenize, and vLLM's GET /tokenizer_info.
-
-/tokenize takes a `prompt` (tokenized as /v1/completions does it) or chat `messages` (with
-`tools` and `chat_template_kwargs`: rendered as /v1/chat/completions does it, ready for the
-reply), so a client counts exactly the tokens a request would cost. /detokenize turns ids back
-into text. /tokenizer_info gives the special tokens and the chat template: with /tokenize,
-what lm-evaluation-harness's remote tokenizer needs.
-"""
+"""vLLM's (and SGLang's) POST /tokenize and /detokenize, and vLLM's GET /tokenizer_info: a
+prompt or chat messages counted exactly as a request would cost them, ids back to text, the
+special tokens and chat template (what lm-evaluation-harness's remote tokenizer needs)."""
 
 from __future__ import annotations
 
@@ -15,8 +10,8 @@ from typing import Any, cast
 from fastapi import APIRouter, Request
 from pydantic import Field, model_validator
 
-from minisgl.api.pipeline import ServingContext, prepare
-from minisgl.api.request import ApiRequest, WireModel
+from minisgl.api.pipeline import Run, ServingContext
+from minisgl.api.request import ApiRequest, JsonObject, WireModel
 from minisgl.chat import ChatPrompt
 from minisgl.limits import (
     MAX_DETOKENIZE_IDS,
@@ -33,7 +28,7 @@ class TokenizeRequest(WireModel):
     add_special_tokens: bool = True  # prompt only: the template writes a chat's own
     return_token_strs: bool = False
     tools: list[Any] | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template_kwargs: JsonObject | None = None
 
     @model_validator(mode="after")
     def _one_input(self) -> TokenizeRequest:
@@ -51,21 +46,26 @@ router = APIRouter()
 
 
 @router.post("/tokenize")
-async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
+async def tokenize(body: TokenizeRequest, request: Request) -> JsonObject:
     ctx: ServingContext = request.app.state.ctx
     ctx.check_model(body.model)
     if body.prompt is not None:
         check_prompt_size([body.prompt], 0, ctx.limits, "prompt")
-        special = body.add_special_tokens
-        encode = functools.partial(ctx.tokenizer.encode, body.prompt, add_special_tokens=special)
-        ids = [int(t) for t in await ctx.on_tokenizer_thread(encode)]
+        encode = functools.partial(
+            ctx.tokenizer.encode, body.prompt, add_special_tokens=body.add_special_tokens
+        )
+        ids = await ctx.on_tokenizer_thread(encode)
     else:
         # Any tool choice but "none" renders the tools; "required" needs no --tool-call-parser.
-        choice = None if body.tools is None else "required"
         chat = ChatPrompt(
-            body.messages, body.tools, choice, template_kwargs=body.chat_template_kwargs
+            body.messages,
+            body.tools,
+            None if body.tools is None else "required",
+            template_kwargs=body.chat_template_kwargs,
         )
-        ids = (await prepare(ctx, ApiRequest(chat, {}))).prompt_ids[0]
+        run = Run(request, ApiRequest(chat, {}))
+        await run.tokenize()
+        ids = run.prompts[0]
     token_strs = None
     if body.return_token_strs:  # a million of them take seconds: not on the event loop
         token_strs = await ctx.on_tokenizer_thread(lambda: [ctx.token_text(i) for i in ids])
@@ -78,18 +78,20 @@ async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
 
 
 @router.post("/detokenize")
-async def detokenize(body: DetokenizeRequest, request: Request) -> dict[str, Any]:
+async def detokenize(body: DetokenizeRequest, request: Request) -> JsonObject:
     ctx: ServingContext = request.app.state.ctx
     ctx.check_model(body.model)
     check_token_ids(body.tokens, ctx.limits, "tokens")
-    text = await ctx.on_tokenizer_thread(ctx.tokenizer.decode, body.tokens)
-    return {"prompt": cast(str, text)}
+    return {"prompt": cast(str, await ctx.on_tokenizer_thread(ctx.tokenizer.decode, body.tokens))}
 
 
 @router.get("/tokenizer_info")
-async def tokenizer_info(request: Request) -> dict[str, Any]:
+async def tokenizer_info(request: Request) -> JsonObject:
     ctx: ServingContext = request.app.state.ctx
     tok = ctx.tokenizer
     special = {name: getattr(tok, name) for name in ("bos_token", "eos_token", "pad_token")}
-    template = ctx.chat.chat_template or getattr(tok, "chat_template", None)
-    return {"tokenizer_class": type(tok).__name__, "chat_template": template, **special}
+    return {
+        "tokenizer_class": type(tok).__name__,
+        "chat_template": ctx.chat.chat_template or getattr(tok, "chat_template", None),
+        **special,
+    }
