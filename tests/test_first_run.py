@@ -21,7 +21,8 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-from minisgl.config import ServerArgs, build_arg_parser
+from minisgl.config import ServerArgs
+from minisgl.server import build_arg_parser
 from tests.server_utils import ServerProcess, free_port_block, require_default_model
 
 tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
@@ -203,7 +204,8 @@ def test_readme_walked_in_order(venv):
     try:
         server.wait_healthy()
         # No long silence at start-up: each stage is logged as it begins, then with its time.
-        for stage in ("finding the model files", "loading the weights of", "planning the KV"):
+        stages = ("finding the model files", "loading the weights of", "planning the KV")
+        for stage in (*stages, "allocating"):
             done = re.escape(stage) + r"[^\n]*: done in \d+\.\d s"
             assert re.search(done, server.log()), server.log()[-3000:]
         for block in blocks[1:]:

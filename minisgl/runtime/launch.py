@@ -103,7 +103,10 @@ class ServerStack(StopRequests):
         self.children = Children(log_level=self.args.log_level, cleanup_dir=endpoints.root)
         # Targets by name: the launcher itself never imports torch, transformers or FastAPI.
         spawn, suffix, args = self.children.spawn, self._name_suffix, self.args
-        logger.info("starting the scheduler, detokenizer and API processes")
+        logger.info(
+            "starting the scheduler, detokenizer and API processes (each imports torch and "
+            "transformers first: ~5-15 s)"
+        )
         spawn("sched" + suffix, SCHEDULER_TARGET, args, endpoints)
         spawn("detok" + suffix, DETOKENIZER_TARGET, tokenizer_path, endpoints)
         spawn(API_CHILD + suffix, API_TARGET, args, endpoints, tokenizer_path, model_path)

@@ -30,7 +30,7 @@ from typing import NoReturn, TypeVar
 
 import torch
 
-from minisgl.config import ServerArgs, parse_server_args
+from minisgl.config import ServerArgs
 from minisgl.core import Req, ReqOutput
 from minisgl.distributed import (
     destroy_distributed,
@@ -47,6 +47,7 @@ from minisgl.runtime.supervisor import Children, StartupError
 from minisgl.scheduler import tp_ranks
 from minisgl.scheduler.scheduler import Scheduler
 from minisgl.scheduler.tp_ranks import AbortOp, AddOp, Command, Op, TPRankError, broadcast
+from minisgl.server import parse_server_args
 from minisgl.stats import SchedulerStats
 
 logger = logging.getLogger(__name__)
