@@ -103,7 +103,7 @@ class Engine:
         with stage("planning the KV cache (CUDA: a warm-up forward, JIT builds: up to ~30 s)"):
             self.num_pages = plan_kv_pages(args, needs, self.tables, self._forward_through)
         # One extra page, never handed out: padded graph entries write their K/V there.
-        with stage(f"allocating {self.num_pages} KV pages (CPU: ~1-5 s per GiB)"):
+        with stage(f"allocating {self.num_pages} KV pages (CPU: ~2-6 s per GiB)"):
             self.kv_pool = KVPool(
                 self.kv_shape, self.num_pages + 1, self.page_size, self.kv_dtype, self.device,
                 self.model.kv_scales,
@@ -141,7 +141,7 @@ class Engine:
         blocks = gguf_blocks(self.args, self.model_path, kernels, f"{self.dtype} on {self.device}")
         # None: FP8 checkpoints dequantize at load
         fp8 = gpu.fp8_linear_kernels(self.device) if self.args.quantization != "none" else None
-        with stage(f"loading the weights of {self.model_path.name} (~1-5 s per GB)"):
+        with stage(f"loading the weights of {self.model_path.name} (~1-6 s per GB)"):
             load_weights(model, self.model_path, blocks, keep_fp8=fp8 is not None)
         if fp8 is not None and blocks is None:  # (with GGUF blocks, `quant` holds those)
             fp8_layers = [m for m in model.modules() if isinstance(m, PackedWeight) and m.quant]

@@ -33,7 +33,6 @@ SAMPLING_DEFAULTS = {"do_sample": True, "temperature": 0.2, "top_p": 0.9}
 # Preparing a GGUF file: reading its tokenizer, its config and its tensor index (three parses of
 # the file), then writing the folder. Its usual time: benchmark/RESULTS.md section 29.
 NUM_PREPARE_STEPS = 4
-USUAL_PREPARE_TIME = "~20-60 s on 2 CPU cores"
 
 
 def default_model_gguf() -> Path:
@@ -78,10 +77,9 @@ def write_gguf_index(gguf_file: Path, folder: Path) -> None:
 
 def _convert_gguf(gguf_file: Path, target: Path) -> None:
     logger.info(
-        "preparing %s for serving, once per file (%s here): its tokenizer, config and tensor "
-        "index into %s",
+        "preparing %s for serving, once per file (usually 10-60 s on 2 CPU cores): its "
+        "tokenizer, config and tensor index into %s",
         gguf_file.name,
-        USUAL_PREPARE_TIME,
         target,
     )
     from tqdm import tqdm
