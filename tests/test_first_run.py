@@ -21,7 +21,8 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-from minisgl.config import ServerArgs, build_arg_parser
+from minisgl.config import ServerArgs
+from minisgl.server import build_arg_parser
 from tests.server_utils import ServerProcess, free_port_block, require_default_model
 
 tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
@@ -51,10 +52,11 @@ class Blocked(importlib.abc.MetaPathFinder):
 if BLOCKED:
     sys.meta_path.insert(0, Blocked())
 """
+TEST_COMMAND = "python3 -m venv .venv && . .venv/bin/activate && bash scripts/test.sh"
 # Blocks this file does not run, and where each is checked instead; a block README gains must be
 # walked here or named here (matched by its first line).
 CHECKED_ELSEWHERE = {
-    "bash scripts/test.sh": ".ci/run runs it",
+    TEST_COMMAND: ".ci/run runs it, in a new venv",
     "python -m minisgl.server  ": "tests/test_server.py, test_hub_download.py, test_moe.py",
     "pip install sglang-router": "tests/test_dp.py, tests/test_gateway.py",
     'pip install -e ".[bench]"': "tests/test_benchmarks.py, tests/test_offline_bench.py",
@@ -203,7 +205,8 @@ def test_readme_walked_in_order(venv):
     try:
         server.wait_healthy()
         # No long silence at start-up: each stage is logged as it begins, then with its time.
-        for stage in ("finding the model files", "loading the weights of", "planning the KV"):
+        stages = ("finding the model files", "loading the weights", "planning the KV", "allocating")
+        for stage in stages:
             done = re.escape(stage) + r"[^\n]*: done in \d+\.\d s"
             assert re.search(done, server.log()), server.log()[-3000:]
         for block in blocks[1:]:
@@ -234,6 +237,15 @@ def _check_curl_examples(out: str) -> None:
     events = [line for line in out[end:].splitlines() if line.startswith("data: ")]
     assert events[-1] == "data: [DONE]" and len(events) > 2, out
     assert "".join(json.loads(e[6:])["choices"][0]["text"] for e in events[:-1]), out
+
+
+def test_ci_runs_readmes_test_command_in_a_new_venv():
+    """README's test command is .ci/run's, in a new venv each run: CI fails where a fresh
+    machine would (not only where an old environment happens to work)."""
+    assert any(block.code.strip() == TEST_COMMAND for block in readme_blocks())
+    ci_lines = (ROOT / ".ci" / "run").read_text().splitlines()
+    assert TEST_COMMAND.replace(".venv", "$venv") + ' "$@"' in ci_lines
+    assert any(line.startswith('venv_root="$(mktemp -d)"') for line in ci_lines)
 
 
 def test_the_blocker_hides_what_readme_has_not_installed(venv):

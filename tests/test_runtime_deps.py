@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.server_utils import TEST_SERVER_FLAGS
+from tests.server_utils import TEST_SERVER_FLAGS, require_default_model
 
 tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
 
@@ -129,13 +129,17 @@ def test_the_checker_sees_lazy_and_module_level_imports(tmp_path):
     ]
 
 
-def test_shell_runs_without_test_only_packages(tiny_qwen3, tmp_path):
+def test_shell_runs_without_test_only_packages(tmp_path):
     """README's `python -m minisgl.server --shell`, with httpx made unimportable in every
     process of the stack: two exchanges, then /exit. Each reply stops at --shell-max-tokens or
     at what the context window leaves, whichever comes first (a bound past the window would be
-    a 400)."""
+    a 400); a cut reply stays out of the history the next question is sent with. The bundled
+    model writes real text, which encodes back to the tokens it came from (give or take one)."""
     from transformers import AutoTokenizer
 
+    from minisgl.shell import CUT
+
+    model_dir = require_default_model()
     blocker = tmp_path / "blocked" / "httpx"
     blocker.mkdir(parents=True)
     (blocker / "__init__.py").write_text(
@@ -147,11 +151,14 @@ def test_shell_runs_without_test_only_packages(tiny_qwen3, tmp_path):
         "PYTHONUNBUFFERED": "1",
     }
     context_len, most = 64, 24
-    args = ["--shell", "--model", str(tiny_qwen3), *TEST_SERVER_FLAGS, "--temperature", "0"]
+    # The first asks for more than --shell-max-tokens; the second is long enough that the window
+    # leaves less than that for its reply.
+    questions = ["Tell me a long story about the sea.", "Another story about the sea, please. " * 2]
+    args = ["--shell", *TEST_SERVER_FLAGS, "--temperature", "0"]
     args += ["--max-model-len", str(context_len), "--shell-max-tokens", str(most)]
     result = subprocess.run(
         [sys.executable, "-m", "minisgl.server", *args],
-        input="Say hi.\nAnd again, please.\n/exit\n",
+        input="\n".join([*questions, "/exit"]) + "\n",
         capture_output=True,
         text=True,
         env=env,
@@ -161,14 +168,17 @@ def test_shell_runs_without_test_only_packages(tiny_qwen3, tmp_path):
     assert "chatting with" in result.stdout
     assert result.stdout.count(">>> ") == 3, result.stdout  # two questions, then /exit
     assert "[error]" not in result.stdout and "Traceback" not in result.stderr, result.stdout
-    tokenizer = AutoTokenizer.from_pretrained(tiny_qwen3)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
     replies = [part.rstrip("\n") for part in result.stdout.split(">>> ")[1:3]]
+    cut = [reply.endswith(CUT) for reply in replies]
+    replies = [reply.removesuffix(CUT) for reply in replies]
     num_tokens = [len(tokenizer.encode(reply)) for reply in replies]
-    conversation = [
-        {"role": "user", "content": "Say hi."},
+    first_exchange = [
+        {"role": "user", "content": questions[0]},
         {"role": "assistant", "content": replies[0]},
-        {"role": "user", "content": "And again, please."},
     ]
+    history = [] if cut[0] else first_exchange
+    conversation = [*history, {"role": "user", "content": questions[1]}]
     room = context_len - len(
         tokenizer.apply_chat_template(conversation, add_generation_prompt=True, return_dict=False)
     )

@@ -11,10 +11,11 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from minisgl import LLM, SamplingParams
-from minisgl.config import ServerArgs, parse_server_args
+from minisgl.config import ServerArgs
 from minisgl.core import Req
 from minisgl.scheduler.scheduler import Scheduler
 from minisgl.scheduler.speculative import NgramDrafter
+from minisgl.server import parse_server_args
 from tests.server_utils import openai_client, require_default_model, running_server
 
 NEW_TOKENS = 24

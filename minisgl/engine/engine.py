@@ -88,12 +88,13 @@ class Engine:
         graph_bs = self._graph_max_batch_size()
         prefill_tokens = min(self.max_prefill_tokens, self.max_model_len)
         needs = MemoryNeeds(kv_shape, kv_dtype, cfg.vocab_size, graph_bs, prefill_tokens)
-        with stage("planning the KV cache"):
+        with stage("planning the KV cache (CUDA: a warm-up forward, JIT builds: up to ~30 s)"):
             self.num_pages = plan_kv_pages(args, needs, self.tables, self._forward_through)
         # One extra page, never handed out: padded graph entries write their K/V there.
-        self.kv_pool = KVPool(
-            kv_shape, self.num_pages + 1, page_size, kv_dtype, self.device, self.model.kv_scales
-        )
+        with stage(f"allocating {self.num_pages} KV pages (CPU: ~2-6 s per GiB)"):
+            self.kv_pool = KVPool(
+                kv_shape, self.num_pages + 1, page_size, kv_dtype, self.device, self.model.kv_scales
+            )
         self.tables.point_dummy_row(self.num_pages * page_size)
         self.graphs = (
             GraphRunner(self.model, self.backend, self.kv_pool, self.tables, graph_bs)
@@ -104,7 +105,7 @@ class Engine:
         # stream, which the engine's stream does not follow by itself.
         self.stream.follow_default_stream()
         if self.graphs is not None and self.stream.is_cuda:
-            with stage("capturing CUDA graphs"):
+            with stage("capturing CUDA graphs (~1-2 s on an H200)"):
                 self.graphs.capture()
         elif self.graphs is not None and self.model.cpu_decode_stack is not None:
             logger.info("CPU decode steps run padded and op by op (--cuda-graph-max-bs)")
@@ -134,7 +135,7 @@ class Engine:
         blocks = gguf_blocks(self.args, self.model_path, kernels, f"{self.dtype} on {self.device}")
         # None: FP8 checkpoints dequantize at load
         fp8 = gpu.fp8_linear_kernels(self.device) if self.args.quantization != "none" else None
-        with stage(f"loading the weights of {self.model_path.name}"):
+        with stage(f"loading the weights of {self.model_path.name} (~1-6 s per GB)"):
             load_weights(model, self.model_path, blocks, keep_fp8=fp8 is not None)
         if fp8 is not None and blocks is None:  # (with GGUF blocks, `quant` holds those)
             fp8_layers = [m for m in model.modules() if isinstance(m, PackedWeight) and m.quant]

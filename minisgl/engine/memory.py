@@ -13,13 +13,14 @@ from dataclasses import dataclass
 
 import torch
 
-from minisgl.config import DEFAULT_CPU_KV_CACHE_GB, ServerArgs
+from minisgl.config import DEFAULT_CPU_KV_CACHE_GB, MIN_KV_PAGES, ServerArgs
 from minisgl.core import SamplingParams
 from minisgl.distributed import get_tp_info
 from minisgl.engine.batch import ForwardBatch
 from minisgl.engine.graph import graph_batch_sizes
 from minisgl.engine.tables import DeviceTables
 from minisgl.kvcache.pool import KVPool, KVShape
+from minisgl.runtime.supervisor import ChildStartupError
 
 logger = logging.getLogger(__name__)
 
@@ -64,10 +65,12 @@ def plan_kv_pages(
         t = torch.tensor([num_pages], device=tables.stream.device)
         torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN)
         num_pages = int(t.item())
-    if num_pages < 1:
-        raise ValueError(
-            "no memory left for the KV cache: raise --mem-fraction-static, lower "
-            "--max-prefill-tokens / --max-running-requests, or set --num-pages"
+    if num_pages < MIN_KV_PAGES:  # a request's first page, and room for one more token
+        raise ChildStartupError(
+            f"the KV cache budget holds {num_pages} pages of {args.page_size} tokens "
+            f"({page_bytes} bytes each); serving any request takes {MIN_KV_PAGES}: raise "
+            "--kv-cache-gb or --mem-fraction-static (CUDA), lower --max-prefill-tokens / "
+            "--max-running-requests, or set --num-pages"
         )
     return num_pages
 

@@ -74,6 +74,7 @@ def _compile(compiler: str, flags: tuple[str, ...], target: Path) -> str | None:
     os.close(fd)
     sources = [str(path) for path in _sources() if path.suffix == ".c"]
     cmd = [compiler, *flags, *sources, "-o", tmp_name, "-lm"]
+    logger.info("building the CPU kernels, once per machine (usually 15-60 s on 2 CPU cores) ...")
     start_s = time.perf_counter()
     try:
         result = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)

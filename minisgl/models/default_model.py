@@ -30,6 +30,9 @@ GGUF_INDEX = "gguf_tensors.json"  # and its architecture and tensors (name, type
 # The model card's recommended sampling (a GGUF carries none): every client that leaves them
 # unset gets them (--sampling-defaults model), not temperature 1.0's babble.
 SAMPLING_DEFAULTS = {"do_sample": True, "temperature": 0.2, "top_p": 0.9}
+# Preparing a GGUF file: reading its tokenizer, its config and its tensor index (three parses of
+# the file), then writing the folder. Its usual time: benchmark/RESULTS.md section 29.
+NUM_PREPARE_STEPS = 4
 
 
 def default_model_gguf() -> Path:
@@ -73,14 +76,23 @@ def write_gguf_index(gguf_file: Path, folder: Path) -> None:
 
 
 def _convert_gguf(gguf_file: Path, target: Path) -> None:
+    logger.info(
+        "preparing %s for serving, once per file (usually 10-60 s on 2 CPU cores): its "
+        "tokenizer, config and tensor index into %s",
+        gguf_file.name,
+        target,
+    )
+    from tqdm import tqdm
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
     from transformers.models.auto import modeling_auto
 
-    logger.info("reading %s into an HF folder at %s (once)", gguf_file, target)
     folder, name = gguf_file.parent, gguf_file.name
+    bar = tqdm(total=NUM_PREPARE_STEPS, desc=f"preparing {name}", unit="step")
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    bar.update()
     config = AutoConfig.from_pretrained(folder, gguf_file=name)
     config.architectures = [modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type]]
+    bar.update()
     target.parent.mkdir(parents=True, exist_ok=True)
     # Write to a temp folder then rename, so a crash or a concurrent start never sees half a model.
     tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
@@ -92,11 +104,15 @@ def _convert_gguf(gguf_file: Path, target: Path) -> None:
         generation.save_pretrained(tmp)
         (tmp / GGUF_FILE).symlink_to(gguf_file.resolve())
         write_gguf_index(gguf_file, tmp)
+        bar.update()
         tokenizer.save_pretrained(tmp)
         try:
             os.rename(tmp, target)
         except OSError:  # another process won the race: its copy is as good as ours
             shutil.rmtree(tmp, ignore_errors=True)
+        bar.update()
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    finally:
+        bar.close()

@@ -9,8 +9,11 @@ from minisgl.models.default_model import DEFAULT_MODEL_NAME
 
 
 def served_model_name(args: ServerArgs) -> str:
-    """The name in /v1/models and in responses: --served-model-name, else --model."""
-    return args.served_model_name or args.model or DEFAULT_MODEL_NAME
+    """The name in /v1/models and in responses: --served-model-name, else --model (a GGUF
+    file's name without its folder)."""
+    if args.served_model_name or not args.model:
+        return args.served_model_name or DEFAULT_MODEL_NAME
+    return Path(args.model).name if args.model.endswith(".gguf") else args.model
 
 
 def accepted_model_names(args: ServerArgs) -> frozenset[str]:

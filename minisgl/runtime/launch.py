@@ -86,7 +86,10 @@ class ServerStack(StopRequests):
         # With --dp, children are named per replica: sched0, api1, ...
         suffix = "" if self.replica is None else str(self.replica)
         spawn, args = self.children.spawn, self.args
-        logger.info("starting the scheduler, detokenizer and API processes")
+        logger.info(
+            "starting the scheduler, detokenizer and API processes (each imports torch and "
+            "transformers first: ~5-15 s)"
+        )
         spawn(f"sched{suffix}", SCHEDULER_TARGET, args, endpoints)
         spawn(f"detok{suffix}", DETOKENIZER_TARGET, tokenizer_path, endpoints)
         spawn(f"api{suffix}", API_TARGET, args, endpoints, tokenizer_path, model_path)

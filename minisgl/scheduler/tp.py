@@ -31,7 +31,7 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 
-from minisgl.config import ServerArgs, parse_server_args
+from minisgl.config import ServerArgs
 from minisgl.distributed import (
     TPRankError,
     control_group,
@@ -48,6 +48,7 @@ from minisgl.models.model_config import load_model_config
 from minisgl.models.resolve import resolve_model_path_for
 from minisgl.runtime.supervisor import Children, StartupError, describe_exit
 from minisgl.scheduler.scheduler import Inbox, Scheduler
+from minisgl.server import parse_server_args
 
 logger = logging.getLogger(__name__)
 
