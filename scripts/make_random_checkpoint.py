@@ -40,6 +40,7 @@ PRESETS = {
 }  # fmt: skip
 QWEN3_VOCAB = 151936
 QWEN3_EOS = 151645
+QWEN3_ROPE_THETA = 1e6  # every published Qwen3 checkpoint's (config.json)
 
 
 def tokenizer_dir() -> Path:
@@ -61,6 +62,7 @@ def main() -> None:
 
     config = Qwen3Config(
         vocab_size=args.vocab_size,
+        rope_theta=QWEN3_ROPE_THETA,
         max_position_embeddings=args.max_position_embeddings,
         eos_token_id=min(QWEN3_EOS, args.vocab_size - 1),
         **PRESETS[args.preset],
