@@ -20,26 +20,47 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 # Shapes of published Qwen3 checkpoints (config.json of each).
 PRESETS = {
     "qwen3-0.6b": dict(
-        hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
-        num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True,
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        tie_word_embeddings=True,
     ),
     "qwen3-1.7b": dict(
-        hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
-        num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True,
+        hidden_size=2048,
+        intermediate_size=6144,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        tie_word_embeddings=True,
     ),
     "qwen3-8b": dict(
-        hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
-        num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=False,
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        tie_word_embeddings=False,
     ),
     # Not a real model: one tiny layer with Qwen3's vocabulary, so a run's time is the
     # scheduler's host work plus sampling (profile_steps.py: the host cost per step).
     "host-probe": dict(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-        num_attention_heads=2, num_key_value_heads=1, head_dim=32, tie_word_embeddings=True,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        tie_word_embeddings=True,
     ),
-}  # fmt: skip
+}
 QWEN3_VOCAB = 151936
 QWEN3_EOS = 151645
+QWEN3_ROPE_THETA = 1e6  # every published Qwen3 checkpoint's (config.json)
 
 
 def tokenizer_dir() -> Path:
@@ -61,6 +82,7 @@ def main() -> None:
 
     config = Qwen3Config(
         vocab_size=args.vocab_size,
+        rope_theta=QWEN3_ROPE_THETA,
         max_position_embeddings=args.max_position_embeddings,
         eos_token_id=min(QWEN3_EOS, args.vocab_size - 1),
         **PRESETS[args.preset],

@@ -7,14 +7,21 @@ int8 path, MINISGL_INT8_ACTIVATIONS=1 with AVX-512 VNNI: Q4_0 / Q4_1 / Q8_0 time
 quantized to int8 per 32 elements, checked against that quantization done by hand and by gguf's
 Q8_0); then whole models: a tiny GGUF Llama mixing every type (and one the kernels do not serve)
 as blocks vs dequantized, tp 2 vs tp 1, and the bundled SmolLM2 Q4_1 as blocks vs the fp32
-dequantized model (tokens equal; with int8 activations, the same log-likelihood of our docs).
+dequantized model (tokens equal; with int8 activations, the same log-likelihood of our docs);
+and a tiny random Qwen3 in llama.cpp's Q4_K_M and Q8_0 layouts (K-quants written by quantize_k
+here; the files llama.cpp's own converter and quantizer write where MINISGL_LLAMA_CPP names a
+build) against transformers on the dequantized weights: greedy tokens up to the first near-tie.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import logging
+import os
 import shutil
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -76,19 +83,61 @@ def random_blocks(qtype: T, rows: int, cols: int, rng: np.random.Generator) -> n
 
 def model_blocks(qtype: T, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
     """Blocks of weights with mean 0 and std about WEIGHT_STD, for a model that answers."""
-    if qtype not in (T.Q4_K, T.Q6_K):  # gguf quantizes these itself
-        weights = (rng.standard_normal((rows, cols)) * WEIGHT_STD).astype(np.float32)
-        return quantize(weights, qtype) if qtype != T.F32 else weights
-    raw = random_blocks(qtype, rows, cols, rng).reshape(-1, GGML_QUANT_SIZES[qtype][1])
-    half = lambda v: np.asarray(v, np.float16).reshape(-1, 1).view(np.uint8)  # noqa: E731
-    if qtype == T.Q6_K:  # w = d * scale * (q - 32): q uniform, int8 scales
-        raw[:, 208:210] = half(np.full(len(raw), WEIGHT_STD / 1400))
-    else:  # Q4_K: w = d * s * q - dmin * s with dmin = 7.5 d: (q - 7.5) d s, s in 1..15
-        s = rng.integers(1, 16, len(raw), dtype=np.uint8)[:, None]
-        raw[:, 4:8], raw[:, 8:12], raw[:, 12:16] = s, s, s | (s << 4)
-        d = WEIGHT_STD / 37
-        raw[:, 0:2], raw[:, 2:4] = half(np.full(len(raw), d)), half(np.full(len(raw), 7.5 * d))
-    return raw.reshape(rows, -1)
+    weights = (rng.standard_normal((rows, cols)) * WEIGHT_STD).astype(np.float32)
+    return encode(weights, qtype)
+
+
+def encode(weights: np.ndarray, qtype: T) -> np.ndarray:
+    """fp32 weights [rows, cols] as blocks of `qtype` (uint8 [rows, row bytes]; F32 as is)."""
+    if qtype in (T.Q4_K, T.Q6_K):
+        return quantize_k(weights, qtype)
+    return quantize(weights, qtype) if qtype != T.F32 else weights
+
+
+def quantize_k(weights: np.ndarray, qtype: T) -> np.ndarray:
+    """Q4_K or Q6_K blocks of fp32 weights [rows, cols] (cols a multiple of 256), each group's
+    scale from its range (llama-quantize searches for better ones; gguf.quants quantizes neither
+    type). What the tests need is gguf's dequantization of these blocks, the oracle."""
+    rows = len(weights)
+    x = np.asarray(weights, np.float32).reshape(-1, 256)
+    n = len(x)
+
+    def half(v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:  # as stored, and as read back
+        h = v.astype(np.float16)
+        return h.view(np.uint8).reshape(n, 2), h.astype(np.float32)
+
+    def codes(v: np.ndarray, step: np.ndarray, low: int, high: int) -> np.ndarray:
+        return np.where(step > 0, np.round(v / np.where(step > 0, step, 1)), 0).clip(low, high)
+
+    if qtype == T.Q4_K:  # w = d * scale * q - dmin * min: q 0..15, 6-bit scale and min per 32
+        groups = x.reshape(n, 8, 32)
+        low = np.minimum(groups.min(-1), 0)
+        scale, minimum = (groups.max(-1) - low) / 15, -low
+        (d, d32), (dmin, dmin32) = half(scale.max(-1) / 63), half(minimum.max(-1) / 63)
+        sc = codes(scale, d32[:, None], 0, 63).astype(np.uint8)
+        mn = codes(minimum, dmin32[:, None], 0, 63).astype(np.uint8)
+        offset, step = (dmin32[:, None] * mn)[..., None], (d32[:, None] * sc)[..., None]
+        q = codes(groups + offset, step, 0, 15).astype(np.uint8)
+        # 12 bytes: scales and mins 0-3 in 6 bits, 4-7 split into a nibble and 2 top bits
+        packed = [
+            sc[:, :4] | (sc[:, 4:] >> 4) << 6,
+            mn[:, :4] | (mn[:, 4:] >> 4) << 6,
+            (sc[:, 4:] & 15) | (mn[:, 4:] & 15) << 4,
+        ]
+        nibbles = (q[:, 0::2] | q[:, 1::2] << 4).reshape(n, 128)  # groups 2i, 2i + 1 share bytes
+        parts = [d, dmin, *packed, nibbles]
+    else:  # Q6_K: w = d * scale * (q - 32): q 0..63, an int8 scale per 16
+        groups = x.reshape(n, 16, 16)
+        scale = np.abs(groups).max(-1) / 31
+        d, d32 = half(scale.max(-1) / 127)
+        sc = codes(scale, d32[:, None], 0, 127).astype(np.int8)
+        q = (codes(groups, (d32[:, None] * sc)[..., None], -32, 31) + 32).astype(np.uint8)
+        quarters = q.reshape(n, 2, 4, 32)  # per 128: element 32 j + l is quarter j's l
+        low, high = quarters & 15, quarters >> 4
+        ql = np.concatenate([low[:, :, 0] | low[:, :, 2] << 4, low[:, :, 1] | low[:, :, 3] << 4], 2)
+        qh = high[:, :, 0] | high[:, :, 1] << 2 | high[:, :, 2] << 4 | high[:, :, 3] << 6
+        parts = [ql.reshape(n, 128), qh.reshape(n, 64), sc.view(np.uint8), d]
+    return np.concatenate(parts, axis=1).reshape(rows, -1)
 
 
 def int8_activations(x: torch.Tensor) -> torch.Tensor:
@@ -198,11 +247,25 @@ def test_merged_segments_and_tensor_parallel_cuts() -> None:
 
 
 LAYER_TYPES = [  # every served type, a merged qkv of two types, one type served dequantized
-    {"attn_q": T.Q4_K, "attn_k": T.Q4_K, "attn_v": T.Q6_K, "attn_output": T.Q4_K,
-     "ffn_gate": T.Q4_1, "ffn_up": T.Q8_0, "ffn_down": T.Q6_K},
-    {"attn_q": T.Q8_0, "attn_k": T.F16, "attn_v": T.BF16, "attn_output": T.Q5_0,
-     "ffn_gate": T.F32, "ffn_up": T.Q4_0, "ffn_down": T.Q4_K},
-]  # fmt: skip
+    {
+        "attn_q": T.Q4_K,
+        "attn_k": T.Q4_K,
+        "attn_v": T.Q6_K,
+        "attn_output": T.Q4_K,
+        "ffn_gate": T.Q4_1,
+        "ffn_up": T.Q8_0,
+        "ffn_down": T.Q6_K,
+    },
+    {
+        "attn_q": T.Q8_0,
+        "attn_k": T.F16,
+        "attn_v": T.BF16,
+        "attn_output": T.Q5_0,
+        "ffn_gate": T.F32,
+        "ffn_up": T.Q4_0,
+        "ffn_down": T.Q4_K,
+    },
+]
 
 
 @pytest.fixture(scope="module")
@@ -212,19 +275,32 @@ def tiny_gguf(tmp_path_factory) -> Path:
 
     root = tmp_path_factory.mktemp("gguf") / "tiny"
     config = LlamaConfig(
-        vocab_size=QWEN3_VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-        tie_word_embeddings=False, eos_token_id=151645, bos_token_id=151643,
-    )  # fmt: skip
+        vocab_size=QWEN3_VOCAB,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        tie_word_embeddings=False,
+        eos_token_id=151645,
+        bos_token_id=151643,
+    )
     config.architectures = ["LlamaForCausalLM"]
     config.save_pretrained(root)
     for f in qwen3_tokenizer_dir().iterdir():
         shutil.copy(f, root / f.name)
     rng = np.random.default_rng(0)
     writer = GGUFWriter(root / GGUF_FILE, "llama")
-    shapes = {"attn_q": (256, 256), "attn_k": (128, 256), "attn_v": (128, 256),
-              "attn_output": (256, 256), "ffn_gate": (512, 256), "ffn_up": (512, 256),
-              "ffn_down": (256, 512)}  # fmt: skip
+    shapes = {
+        "attn_q": (256, 256),
+        "attn_k": (128, 256),
+        "attn_v": (128, 256),
+        "attn_output": (256, 256),
+        "ffn_gate": (512, 256),
+        "ffn_up": (512, 256),
+        "ffn_down": (256, 512),
+    }
     for layer, types in enumerate(LAYER_TYPES):
         for name, qtype in types.items():
             blocks = model_blocks(qtype, *shapes[name], rng)
@@ -326,3 +402,170 @@ def test_quantization_rules(tmp_path: Path, tiny_models, caplog) -> None:
     assert f"GGUF weights dequantized to {where}" in caplog.text
     with pytest.raises(ValueError, match="quantization: must be one of auto, gguf, none"):
         ServerArgs(quantization="fp8")
+
+
+# ---- Qwen3 as llama.cpp's files: Q4_K_M and Q8_0 -------------------------------------------------
+# every matrix's row length a multiple of 256 (K-quants); head_dim 128 as every Qwen3's (and
+# what transformers' GGUF loader assumes: it does not read the file's key length)
+QWEN3_SHAPE = dict(
+    hidden_size=256,
+    intermediate_size=512,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=128,
+    tie_word_embeddings=True,
+)
+# greedy tokens must agree up to the reference's first near-tie: where its top two are this close
+# (nats), fp32 summation order may pick either
+NEAR_TIE = 0.15
+QWEN3_GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+# the final norm's weights: logits spread wide enough that near-ties are rare (with 1, as
+# Qwen3's initialisation, about one greedy token in four follows one)
+LOGIT_GAIN = 10.0
+LLAMA_CPP_ENV = "MINISGL_LLAMA_CPP"  # a llama.cpp source tree with build/bin/llama-quantize
+
+
+def more_bits(layer: int, layers: int) -> bool:
+    """llama-quantize's use_more_bits: the layers whose attn_v and ffn_down Q4_K_M makes Q6_K."""
+    return layer < layers // 8 or layer >= 7 * layers // 8 or (layer - layers // 8) % 3 == 2
+
+
+def llama_quantize_type(ftype: str, gguf_name: str, layers: int) -> T:
+    """The type llama-quantize gives a Qwen3 matrix for a file type (Q8_0: every matrix; Q4_K_M:
+    Q4_K, Q6_K for the tied embedding and for attn_v / ffn_down in the layers above)."""
+    if ftype == "Q8_0":
+        return T.Q8_0
+    if gguf_name == "token_embd.weight":
+        return T.Q6_K
+    part = gguf_name.split(".")
+    if part[2] in ("attn_v", "ffn_down") and more_bits(int(part[1]), layers):
+        return T.Q6_K
+    return T.Q4_K
+
+
+def tiny_qwen3(path: Path | None = None):
+    """A random tiny Qwen3 (weights std WEIGHT_STD, the final norm's LOGIT_GAIN), saved with the
+    Qwen3 tokenizer if `path`."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(
+        vocab_size=QWEN3_VOCAB,
+        max_position_embeddings=1024,
+        eos_token_id=151645,
+        bos_token_id=151643,
+        **QWEN3_SHAPE,
+    )
+    config.architectures = ["Qwen3ForCausalLM"]
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0, WEIGHT_STD)
+        model.model.norm.weight.fill_(LOGIT_GAIN)
+    if path is not None:
+        model.save_pretrained(path)
+        for f in qwen3_tokenizer_dir().iterdir():
+            shutil.copy(f, path / f.name)
+    return model
+
+
+@pytest.fixture(scope="module", params=["Q4_K_M", "Q8_0"])
+def qwen3_gguf(request, tmp_path_factory):
+    """(an HF folder whose weights are a GGUF file laid out as llama-quantize lays out the file
+    type, the same model in transformers with those blocks dequantized: the reference)."""
+    import gguf
+
+    root = tmp_path_factory.mktemp(f"qwen3-{request.param}")
+    model = tiny_qwen3()
+    layers = model.config.num_hidden_layers
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN3, layers)
+    writer = GGUFWriter(root / GGUF_FILE, "qwen3")
+    with torch.no_grad():
+        for name, p in model.named_parameters():  # the tied head is the embedding
+            gguf_name = names.get_name(name, (".weight",))
+            if p.dim() == 1:
+                writer.add_tensor(gguf_name, p.numpy().copy())
+                continue
+            qtype = llama_quantize_type(request.param, gguf_name, layers)
+            blocks = encode(p.numpy(), qtype)
+            writer.add_tensor(gguf_name, blocks, raw_dtype=qtype)
+            p.copy_(torch.from_numpy(dequantize(blocks, qtype)))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    write_gguf_index(root / GGUF_FILE, root)
+    model.config.save_pretrained(root)
+    for f in qwen3_tokenizer_dir().iterdir():
+        shutil.copy(f, root / f.name)
+    return root, model, request.param
+
+
+def reference_greedy(model, prompt: list[int], steps: int) -> tuple[list[int], int]:
+    """The reference's greedy tokens, and how many of them come before its first near-tie."""
+    ids, tokens, gaps = torch.tensor([prompt]), [], []
+    with torch.no_grad():
+        for _ in range(steps):
+            top = model(ids).logits[0, -1].double().log_softmax(-1).topk(2)
+            tokens.append(int(top.indices[0]))
+            gaps.append(float(top.values[0] - top.values[1]))
+            ids = torch.cat([ids, top.indices[:1].view(1, 1)], dim=1)
+    return tokens, next((i for i, gap in enumerate(gaps) if gap < NEAR_TIE), steps)
+
+
+def assert_greedy_matches(outputs: list[list[int]], reference) -> None:
+    agreed = 0
+    for prompt, got in zip(PROMPTS, outputs, strict=True):
+        want, until = reference_greedy(reference, prompt, len(got))
+        assert got[:until] == want[:until], (prompt, got, want, until)
+        agreed += until
+    assert agreed >= 20  # of 36 (Q4_K_M 24: one prompt's first token is a near-tie; Q8_0 36)
+
+
+def test_qwen3_q4_k_m_and_q8_0_match_transformers(qwen3_gguf) -> None:
+    """A tiny Qwen3 in llama.cpp's Q4_K_M and Q8_0 layouts, served as blocks (each type where
+    llama-quantize puts it): greedy tokens equal transformers' on the dequantized weights up to
+    its first near-tie, three prompts at once and each alone."""
+    folder, reference, ftype = qwen3_gguf
+    with LLM(str(folder), num_pages=1024, max_running_requests=4) as llm:
+        layers = llm.scheduler.engine.model.model.layers  # type: ignore[attr-defined]
+        for i, layer in enumerate(layers):
+            got = [T(qtype) for qtype, _ in layer.self_attn.qkv_proj.packed.segments]
+            names = [f"blk.{i}.attn_{part}.weight" for part in "qkv"]
+            assert got == [llama_quantize_type(ftype, n, len(layers)) for n in names]
+        batched = [out.token_ids for out in llm.generate(PROMPTS, QWEN3_GREEDY)]
+        alone = [llm.generate([p], QWEN3_GREEDY)[0].token_ids for p in PROMPTS]
+    assert_greedy_matches(batched, reference)
+    assert_greedy_matches(alone, reference)
+
+
+@pytest.mark.parametrize("ftype", ["Q4_K_M", "Q8_0"])
+def test_llama_cpp_files_match_transformers(ftype: str, tmp_path: Path) -> None:
+    """The tiny Qwen3 as llama.cpp's own convert_hf_to_gguf.py and llama-quantize write it (where
+    MINISGL_LLAMA_CPP names a built llama.cpp source tree: CI has none, and skips), served with
+    --model FILE: greedy tokens equal transformers' on the file's dequantized weights (its GGUF
+    loader) up to the first near-tie."""
+    source = Path(os.environ.get(LLAMA_CPP_ENV, "/nonexistent"))
+    quantizer = source / "build" / "bin" / "llama-quantize"
+    if not quantizer.exists() or importlib.util.find_spec("sentencepiece") is None:
+        pytest.skip(f"needs {LLAMA_CPP_ENV} (llama.cpp built there) and sentencepiece")
+    tiny_qwen3(tmp_path)
+    out, f16 = tmp_path / f"tiny-{ftype}.gguf", tmp_path / "tiny-f16.gguf"
+    pythonpath = [str(source / "gguf-py"), os.environ.get("PYTHONPATH", "")]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(pythonpath)}
+    convert = [sys.executable, str(source / "convert_hf_to_gguf.py"), str(tmp_path), "--outfile"]
+    if ftype == "Q8_0":
+        subprocess.run([*convert, str(out), "--outtype", "q8_0"], check=True, env=env)
+    else:
+        subprocess.run([*convert, str(f16), "--outtype", "f16"], check=True, env=env)
+        subprocess.run([str(quantizer), str(f16), str(out), ftype], check=True)
+    from transformers import AutoModelForCausalLM
+
+    reference = AutoModelForCausalLM.from_pretrained(
+        tmp_path, gguf_file=out.name, dtype=torch.float32
+    ).eval()
+    with LLM(str(out), num_pages=1024, max_running_requests=4) as llm:
+        outputs = [out.token_ids for out in llm.generate(PROMPTS, QWEN3_GREEDY)]
+    assert_greedy_matches(outputs, reference)

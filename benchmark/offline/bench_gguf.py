@@ -1,26 +1,32 @@
-"""A GGUF model served as blocks vs dequantized to fp32 vs llama.cpp's server, interleaved.
+"""minisgl against llama.cpp's server on the same GGUF files, alternating, through one client.
 
-Starts three servers on the same GGUF file (default: the bundled SmolLM2-135M-Instruct Q4_1):
-minisgl as it serves a GGUF on CPU (`--quantization auto`: blocks), minisgl with
-`--quantization none` (fp32, today's path), and llama.cpp's `llama-server` (`--llama-server`,
-`-t THREADS -np 16`; left out without the flag). Then, round after round, each server in turn:
+One command builds what is missing and prints the table of benchmark/RESULTS.md section 29:
 
-- batch-1 decode: one streamed completion of --decode-tokens greedy tokens (EOS ignored); decode
-  tok/s = (tokens - 1) / (time after the first token), as bench_common's TPOT;
-- the 32-prompt concurrency-16 workload of RESULTS.md section 10 (bench_serving.py: random
-  prompts of 160 words +-50%, 128 output tokens +-50%, temperature 0.7, EOS ignored; the
-  round's own prompts, the same for every server): output tok/s;
+    python benchmark/offline/bench_gguf.py --llama-cpp ~/llama.cpp --rounds 2
 
-and last the resident memory (VmRSS) of each minisgl scheduler process and of llama-server.
-Every figure is printed per round and as the median over rounds (the machine's memory bandwidth
-swings between hours: only figures from the same run compare).
+- llama.cpp: `--llama-cpp` is a llama.cpp source tree (e.g. the one vendored in the
+  llama-cpp-python sdist); `llama-server` and `llama-quantize` are built there with cmake
+  (CPU only, -march=native) unless `build/bin` has them. Its `convert_hf_to_gguf.py` converts
+  the checkpoints (it needs `pip install sentencepiece`; its own gguf-py is put on PYTHONPATH).
+- Files (`--files`, default: Qwen3-0.6B's and Qwen3-1.7B's shapes as Q4_K_M and Q8_0, then the
+  bundled SmolLM2-135M Q4_1): random checkpoints of the real models' exact shapes
+  (scripts/make_random_checkpoint.py, bf16, the Qwen3 tokenizer) under `--models-dir`, converted
+  with `--outtype f16` / `q8_0` and quantized with `llama-quantize F16 OUT Q4_K_M`; each step
+  only if its output is missing.
+- Servers: `python -m minisgl.server --model FILE` (its defaults, plus a KV pool of --kv-tokens
+  tokens) and `llama-server -m FILE -t T -tb T -np 16 -c KV_TOKENS --kv-unified`, both up at
+  once, each measurement on one then the other (the machine's speed drifts between minutes).
+- Per round and server: batch-1 decode (--decode-tokens greedy tokens after a ~60-token prompt,
+  EOS ignored; tok/s after the first token); concurrency 8 and 16 (bench_serving.py's random
+  chats, 2 x concurrency prompts of 160 words +-50%, 128 output tokens +-50%, temperature 0.7;
+  new prompts every round, the same for both servers): output tok/s and median TTFT; TTFT of a
+  fresh --prefill-tokens-word prompt (one output token). Last, each server's resident memory
+  (VmRSS; minisgl's scheduler process) at the same KV capacity, and what its KV pool holds.
+Every figure is the median over rounds, with minisgl / llama.cpp beside it.
 
-    python benchmark/offline/bench_gguf.py --llama-server /tmp/lcp/build/bin/llama-server
-
-`--kernels 1,16,96` instead times the linear op alone, one thread, process CPU time (steady
-under other load): SmolLM2-135M's 121 matmuls (30 layers' qkv, o, gate_up, down and the
-49152-row LM head) at each batch size, as random Q4_1 blocks (Q8_0 head, as the bundled file)
-and as fp32 panels, best of 7.
+`--kernels 1,8,16 --gguf FILE` instead times the linear op alone on the file's weights (every
+layer's projections and the LM head, as minisgl merges them), one thread, process CPU time
+(steady under other load), best of 5, per GGUF type.
 """
 
 from __future__ import annotations
@@ -29,33 +35,112 @@ import argparse
 import asyncio
 import json
 import os
+import random
 import shlex
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections import defaultdict
 from pathlib import Path
 
 import httpx
 
 HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
 ONLINE = HERE.parent / "online"
 sys.path.insert(0, str(ONLINE))
 
 from bench_common import RequestSpec, build_payload, send_request  # noqa: E402
+from bench_serving import WORDS  # noqa: E402
 
 from minisgl.models.default_model import default_model_gguf  # noqa: E402
 
-PROMPT = "The history of the city of Paris began"
-READY_TIMEOUT_S = 600.0
-WORKLOAD = [  # RESULTS.md section 10's concurrency-16 run
-    "--dataset", "random", "--num-prompts", "32", "--max-concurrency", "16",
-    "--random-input-len", "160", "--random-range-ratio", "0.5", "--random-output-len", "128",
-    "--ignore-eos", "--temperature", "0.7", "--num-warmup", "2", "--disable-tqdm",
-]  # fmt: skip
+READY_TIMEOUT_S = 900.0
+BUNDLED = "smollm2-135m:Q4_1"
+DEFAULT_FILES = "qwen3-0.6b:Q4_K_M,qwen3-0.6b:Q8_0,qwen3-1.7b:Q4_K_M,qwen3-1.7b:Q8_0," + BUNDLED
+DECODE_PROMPT = " ".join(["The history of the city of Paris began on an island in the Seine."] * 4)
+CONCURRENCY = (8, 16)
+LLAMA_TARGETS = ("llama-server", "llama-quantize")
+CONVERTER_TYPES = {"Q8_0": "q8_0", "F16": "f16"}  # what convert_hf_to_gguf.py writes itself
 
 
+def workload(concurrency: int) -> list[str]:
+    """bench_serving.py's flags for RESULTS.md section 10's chats at `concurrency`."""
+    return [
+        "--dataset",
+        "random",
+        "--num-prompts",
+        str(2 * concurrency),
+        "--max-concurrency",
+        str(concurrency),
+        "--random-input-len",
+        "160",
+        "--random-range-ratio",
+        "0.5",
+        "--random-output-len",
+        "128",
+        "--ignore-eos",
+        "--temperature",
+        "0.7",
+        "--num-warmup",
+        "1",
+        "--disable-tqdm",
+    ]
+
+
+# ---- llama.cpp and the files -------------------------------------------------------------------
+def llama_binaries(source: Path) -> Path:
+    """The folder of llama-server and llama-quantize, built in `source` if missing."""
+    bin_dir = source / "build" / "bin"
+    if all((bin_dir / t).exists() for t in LLAMA_TARGETS):
+        return bin_dir
+    configure = ["cmake", "-S", str(source), "-B", str(source / "build")]
+    configure += ["-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF"]
+    configure += ["-DGGML_CUDA=OFF", "-DLLAMA_BUILD_TESTS=OFF"]
+    build = ["cmake", "--build", str(source / "build"), "-j", str(os.cpu_count() or 1)]
+    print(f"building llama.cpp in {source}/build (minutes)", flush=True)
+    subprocess.run(configure, check=True, stdout=subprocess.DEVNULL)
+    subprocess.run([*build, "--target", *LLAMA_TARGETS], check=True, stdout=subprocess.DEVNULL)
+    return bin_dir
+
+
+def gguf_file(spec: str, models_dir: Path, source: Path | None, bin_dir: Path | None) -> Path:
+    """The file for `preset:TYPE` (the bundled one for BUNDLED), made now if missing."""
+    if spec == BUNDLED:
+        return default_model_gguf()
+    preset, qtype = spec.split(":")
+    out = models_dir / f"{preset}-{qtype}.gguf"
+    if out.exists():
+        return out
+    if source is None or bin_dir is None:
+        raise SystemExit(f"{out} is missing: making it needs --llama-cpp")
+    checkpoint = models_dir / f"{preset}-random"
+    if not (checkpoint / "config.json").exists():
+        script = REPO / "scripts" / "make_random_checkpoint.py"
+        subprocess.run(
+            [sys.executable, str(script), str(checkpoint), "--preset", preset], check=True
+        )
+    if qtype in CONVERTER_TYPES:
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(
+            filter(None, [str(source / "gguf-py"), env.get("PYTHONPATH")])
+        )
+        convert = [sys.executable, str(source / "convert_hf_to_gguf.py"), str(checkpoint)]
+        convert += ["--outtype", CONVERTER_TYPES[qtype], "--outfile", str(out)]
+        subprocess.run(convert, check=True, env=env, stdout=subprocess.DEVNULL)
+    else:  # llama-quantize refuses to requantize a q8_0 file: from f16
+        f16 = gguf_file(f"{preset}:F16", models_dir, source, bin_dir)
+        subprocess.run(
+            [str(bin_dir / "llama-quantize"), str(f16), str(out), qtype],
+            check=True,
+            stdout=subprocess.DEVNULL,
+        )
+    return out
+
+
+# ---- servers -----------------------------------------------------------------------------------
 def start(name: str, cmd: list[str], log_dir: Path) -> subprocess.Popen:
     log = open(log_dir / f"{name}.log", "w")  # noqa: SIM115 (lives as long as the server)
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -104,132 +189,198 @@ def largest_rss_mb(pid: int) -> float:
     return max(rss_mb(p) for p in descendants(pid) if Path(f"/proc/{p}").exists())
 
 
-async def decode_rate(url: str, model: str, tokens: int) -> float:
-    spec = RequestSpec(PROMPT, tokens)
-    body = build_payload(spec, model, "completions", True, 0.0)
+def servers(file: Path, args: argparse.Namespace, bin_dir: Path | None) -> dict[str, list[str]]:
+    minisgl = [sys.executable, "-m", "minisgl.server", "--model", str(file)]
+    minisgl += ["--num-pages", str(args.kv_tokens), "--port", str(args.port)]
+    out = {"minisgl": minisgl}
+    if bin_dir is not None:
+        threads = str(args.threads)
+        out["llama.cpp"] = [
+            str(bin_dir / "llama-server"),
+            "-m",
+            str(file),
+            "-t",
+            threads,
+            "-tb",
+            threads,
+            "-np",
+            "16",
+            "-c",
+            str(args.kv_tokens),
+            "--kv-unified",
+            "--port",
+            str(args.port + 1),
+            *shlex.split(args.llama_args),
+        ]
+    return out
+
+
+# ---- measurements ------------------------------------------------------------------------------
+async def first_tokens(url: str, model: str, prompt: str, tokens: int) -> tuple[float, float]:
+    """(TTFT s, decode tok/s after the first token) of one greedy streamed completion."""
+    body = build_payload(RequestSpec(prompt, tokens), model, "completions", True, 0.0)
     async with httpx.AsyncClient(timeout=READY_TIMEOUT_S) as client:
         result = await send_request(client, url + "/v1/completions", body, tokens)
-    if not result.ok or result.tpot_s is None:
+    if not result.ok:
         raise RuntimeError(f"{url}: {result.error or 'no tokens'}")
-    return 1.0 / result.tpot_s
+    return result.ttft_s, 1.0 / result.tpot_s if result.tpot_s else float("nan")
 
 
-def workload_rate(url: str, seed: int) -> float:
+def chats(url: str, concurrency: int, seed: int) -> tuple[float, float]:
+    """(output tok/s, median TTFT s) of bench_serving.py's chats at `concurrency`."""
     with tempfile.NamedTemporaryFile(suffix=".jsonl", delete=False) as out:
         path = out.name
-    cmd = [sys.executable, str(ONLINE / "bench_serving.py"), "--base-url", url, *WORKLOAD]
-    cmd += ["--seed", str(seed)]  # new prompts every round: nothing in any prefix cache
-    subprocess.run([*cmd, "--output-file", path], check=True, stdout=subprocess.DEVNULL)
+    cmd = [sys.executable, str(ONLINE / "bench_serving.py"), "--base-url", url]
+    cmd += [*workload(concurrency), "--seed", str(seed), "--output-file", path]
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
     record = json.loads(Path(path).read_text().splitlines()[-1])
     os.unlink(path)
     if record.get("failed"):
         raise RuntimeError(f"{url}: {record['failed']} requests failed: {record.get('errors')}")
-    return float(record["output_throughput"])
+    return float(record["output_throughput"]), float(record["p50_ttft_ms"]) / 1e3
 
 
-def kernel_times(batches: list[int]) -> None:
-    import numpy as np
-    import torch
-    from gguf import GGMLQuantizationType as T
-    from gguf.quants import quantize
-
-    from minisgl.kernels import cpu
-    from minisgl.kernels.weights import PackedLinear, QuantTensor
-
-    kernels, rng = cpu.get(), np.random.default_rng(0)
-    assert kernels is not None
-    torch.set_num_threads(1)
-    shapes = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30 + [(49152, 576)]
-    fp32, blocks = [], []
-    for i, (rows, cols) in enumerate(shapes):
-        weight = rng.standard_normal((rows, cols)).astype(np.float32)
-        qtype = T.Q8_0 if i == len(shapes) - 1 else T.Q4_1
-        quant = QuantTensor(int(qtype), torch.from_numpy(quantize(weight, qtype)), cols)
-        fp32.append(kernels.pack(torch.from_numpy(weight)))
-        blocks.append(PackedLinear.of_blocks({0: quant}))
-    print("| batch | fp32 panels ms | Q4_1 blocks ms |\n|---:|---:|---:|")
-    for batch in batches:
-        xs = {cols: torch.randn(batch, cols) for cols in (576, 1536)}
-        best = []
-        for weights in (fp32, blocks):
-            times = []
-            for _ in range(7):
-                start = time.process_time()
-                for w in weights:
-                    kernels.linear(xs[w.in_features], w)
-                times.append(time.process_time() - start)
-            best.append(min(times) * 1e3)
-        print(f"| {batch} | {best[0]:.1f} | {best[1]:.1f} |")
+def long_prompt(words: int, seed: int) -> str:
+    rng = random.Random(seed)
+    vocabulary = WORDS.split()
+    return " ".join(rng.choice(vocabulary) for _ in range(words))
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--gguf", type=Path, default=None, help="default: the bundled Q4_1 file")
-    p.add_argument("--llama-server", default=None, help="path of llama.cpp's llama-server")
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--decode-tokens", type=int, default=256)
-    p.add_argument("--no-workload", action="store_true", help="batch-1 decode and memory only")
-    p.add_argument("--kv-cache-gb", type=float, default=None, help="minisgl's KV pool (both)")
-    p.add_argument("--llama-args", default="", help='more llama-server flags, e.g. "--poll 0"')
-    p.add_argument("--port", type=int, default=19700, help="first of three ports")
-    p.add_argument("--kernels", default=None, help="batch sizes: time the linear op only")
-    args = p.parse_args()
-    if args.kernels:
-        kernel_times([int(b) for b in args.kernels.split(",")])
-        return
-    gguf = args.gguf or default_model_gguf()
+def measure_file(file: Path, args: argparse.Namespace, bin_dir: Path | None) -> dict:
+    """Every figure of one file, per server: lists over rounds, and the RSS."""
     log_dir = Path(tempfile.mkdtemp(prefix="bench_gguf-"))
-    minisgl = [sys.executable, "-m", "minisgl.server", "--model", str(gguf)]
-    if args.kv_cache_gb is not None:
-        minisgl += ["--kv-cache-gb", str(args.kv_cache_gb)]
-    servers = {
-        "minisgl blocks": minisgl + ["--port", str(args.port)],
-        "minisgl fp32": minisgl + ["--quantization", "none", "--port", str(args.port + 1)],
-    }
-    if args.llama_server:
-        servers["llama.cpp"] = [
-            args.llama_server, "-m", str(gguf), "-t", str(args.threads), "-tb",
-            str(args.threads), "-np", "16", "-c", "16384", "--port", str(args.port + 2),
-            *shlex.split(args.llama_args),
-        ]  # fmt: skip
-    env_threads = {"OMP_NUM_THREADS": str(args.threads)}
-    os.environ.update(env_threads)
-    procs = {name: start(name, cmd, log_dir) for name, cmd in servers.items()}
-    urls = {
-        name: f"http://127.0.0.1:{cmd[cmd.index('--port') + 1]}" for name, cmd in servers.items()
-    }
-    results: dict[str, dict[str, list[float]]] = {
-        n: {"decode": [], "workload": []} for n in servers
-    }
+    cmds = servers(file, args, bin_dir)
+    procs = {name: start(name, cmd, log_dir) for name, cmd in cmds.items()}
+    urls = {n: f"http://127.0.0.1:{c[c.index('--port') + 1]}" for n, c in cmds.items()}
+    figures: dict[str, dict[str, list[float]]] = {n: defaultdict(list) for n in cmds}
     try:
         for name, url in urls.items():
             wait_ready(url, procs[name])
         models = {n: httpx.get(u + "/v1/models").json()["data"][0]["id"] for n, u in urls.items()}
         for name, url in urls.items():  # warm-up: first-use costs out of the figures
-            asyncio.run(decode_rate(url, models[name], 16))
-        for round_index in range(args.rounds):
+            asyncio.run(first_tokens(url, models[name], DECODE_PROMPT, 8))
+        for r in range(args.rounds):
+            prompt = long_prompt(args.prefill_tokens, seed=1000 + r)
             for name, url in urls.items():
-                rate = asyncio.run(decode_rate(url, models[name], args.decode_tokens))
-                results[name]["decode"].append(rate)
-                line = f"round {round_index}: {name}: batch-1 decode {rate:.1f} tok/s"
-                if not args.no_workload:
-                    results[name]["workload"].append(workload_rate(url, round_index))
-                    line += f", concurrency 16 {results[name]['workload'][-1]:.1f} out tok/s"
-                print(line, flush=True)
-        rss = {name: largest_rss_mb(proc.pid) for name, proc in procs.items()}
+                f = figures[name]
+                _, rate = asyncio.run(
+                    first_tokens(url, models[name], DECODE_PROMPT, args.decode_tokens)
+                )
+                f["decode tok/s"].append(rate)
+                for c in CONCURRENCY if not args.no_workload else ():
+                    tok_s, ttft_s = chats(url, c, seed=r)
+                    f[f"c{c} out tok/s"].append(tok_s)
+                    f[f"c{c} median TTFT s"].append(ttft_s)
+                ttft_s, _ = asyncio.run(first_tokens(url, models[name], prompt, 1))
+                f[f"TTFT {args.prefill_tokens} words s"].append(ttft_s)
+                cells = ", ".join(f"{k} {v[-1]:.2f}" for k, v in f.items())
+                print(f"  round {r}: {name}: {cells}", flush=True)
+        for name, proc in procs.items():
+            figures[name]["RSS MB"] = [largest_rss_mb(proc.pid)]
     finally:
         for proc in procs.values():
             proc.terminate()
         for proc in procs.values():
             proc.wait(timeout=60)
-    print(f"\nload average {os.getloadavg()[0]:.2f}; logs in {log_dir}")
-    print("| server | batch-1 decode tok/s (median) | concurrency 16 out tok/s (median) | RSS MB |")
-    print("|---|---:|---:|---:|")
-    for name, figures in results.items():
-        decode = statistics.median(figures["decode"])
-        workload = statistics.median(figures["workload"]) if figures["workload"] else float("nan")
-        print(f"| {name} | {decode:.1f} | {workload:.1f} | {rss[name]:.0f} |")
+    print(f"  (load average {os.getloadavg()[0]:.2f}; logs in {log_dir})")
+    return figures
+
+
+def print_table(results: dict[str, dict]) -> None:
+    # the ratio says how many times better minisgl does: for times and memory llama.cpp / minisgl
+    print("\n| file | figure | llama.cpp | minisgl | ratio (> 1: minisgl better) |")
+    print("|---|---|---:|---:|---:|")
+    for file, figures in results.items():
+        ours = figures["minisgl"]
+        theirs = figures.get("llama.cpp", {})
+        for i, key in enumerate(ours):
+            a = statistics.median(ours[key])
+            b = statistics.median(theirs[key]) if key in theirs else float("nan")
+            ratio = b / a if key.endswith(" s") or key == "RSS MB" else a / b
+            name = file if i == 0 else ""
+            print(f"| {name} | {key} | {b:.2f} | {a:.2f} | {ratio:.2f}x |")
+
+
+# ---- the linear op alone -----------------------------------------------------------------------
+def kernel_times(gguf: Path, batches: list[int]) -> None:
+    """The file's matmuls (projections merged as minisgl merges them), one thread, blocks."""
+    import numpy as np
+    import torch
+    from gguf import GGMLQuantizationType, GGUFReader
+
+    from minisgl.kernels import cpu
+    from minisgl.kernels.weights import PackedLinear, QuantTensor
+
+    kernels = cpu.get()
+    assert kernels is not None
+    torch.set_num_threads(1)
+    tensors = {t.name: t for t in GGUFReader(gguf).tensors}
+
+    def part(name: str) -> QuantTensor:
+        t = tensors[name]
+        return QuantTensor(int(t.tensor_type), torch.from_numpy(np.array(t.data)), int(t.shape[0]))
+
+    groups = {
+        "qkv": ("attn_q", "attn_k", "attn_v"),
+        "o": ("attn_output",),
+        "gate_up": ("ffn_gate", "ffn_up"),
+        "down": ("ffn_down",),
+    }
+    weights = []
+    layers = sum(1 for n in tensors if n.endswith(".attn_q.weight"))
+    for layer in range(layers):
+        for group, names in groups.items():
+            parts = [part(f"blk.{layer}.{n}.weight") for n in names]
+            weights.append((group, parts))
+    head = "output.weight" if "output.weight" in tensors else "token_embd.weight"
+    weights.append(("head", [part(head)]))
+    packed = [(g, p, PackedLinear.of_blocks(dict(enumerate(p)))) for g, p in weights]
+    print(f"{gguf.name}: {len(packed)} matmuls, one thread, ms per pass (best of 5)")
+    for batch in batches:
+        xs = {w.in_features: torch.randn(batch, w.in_features) for _, _, w in packed}
+        best: dict[str, float] = defaultdict(lambda: float("inf"))
+        for _ in range(5):
+            spent: dict[str, float] = defaultdict(float)
+            for group, parts, w in packed:
+                start = time.process_time()
+                kernels.linear(xs[w.in_features], w)
+                seconds = time.process_time() - start
+                types = "+".join(sorted({GGMLQuantizationType(p.qtype).name for p in parts}))
+                for key in (group, types, "total"):
+                    spent[key] += seconds
+            for key, seconds in spent.items():
+                best[key] = min(best[key], seconds)
+        print(f"batch {batch}: " + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in best.items()))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--llama-cpp", type=Path, default=None, help="llama.cpp source tree")
+    p.add_argument("--files", default=DEFAULT_FILES, help="preset:TYPE, comma list")
+    p.add_argument("--models-dir", type=Path, default=Path.home() / ".cache" / "minisgl-bench")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--decode-tokens", type=int, default=96)
+    p.add_argument("--prefill-tokens", type=int, default=2000, help="words (about tokens)")
+    p.add_argument("--kv-tokens", type=int, default=16384, help="both servers' KV capacity")
+    p.add_argument("--no-workload", action="store_true", help="no concurrency runs")
+    p.add_argument("--llama-args", default="", help='more llama-server flags, e.g. "--poll 0"')
+    p.add_argument("--port", type=int, default=19700, help="first of two ports")
+    p.add_argument("--kernels", default=None, help="batch sizes: time the linear op only")
+    p.add_argument("--gguf", type=Path, default=None, help="--kernels: the file")
+    args = p.parse_args()
+    if args.kernels:
+        kernel_times(args.gguf or default_model_gguf(), [int(b) for b in args.kernels.split(",")])
+        return
+    bin_dir = llama_binaries(args.llama_cpp) if args.llama_cpp else None
+    args.models_dir.mkdir(parents=True, exist_ok=True)
+    os.environ["OMP_NUM_THREADS"] = str(args.threads)
+    results = {}
+    for spec in args.files.split(","):
+        file = gguf_file(spec, args.models_dir, args.llama_cpp, bin_dir)
+        print(f"{spec}: {file} ({file.stat().st_size / 2**20:.0f} MiB)", flush=True)
+        results[spec] = measure_file(file, args, bin_dir)
+    print_table(results)
 
 
 if __name__ == "__main__":

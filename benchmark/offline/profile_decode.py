@@ -31,15 +31,21 @@ from minisgl.engine.batch import ForwardBatch
 from minisgl.kernels.cpu_abi import DECODE_OPS
 
 MS = 1e3
+# tokens each request may still decode: the replays recompute one step, so a few suffice (the
+# KV pool of a large model may not hold max_model_len tokens per request)
+MAX_NEW_TOKENS = 16
+# wall time, or with --threads 1 this thread's CPU time (exact when other processes share the
+# cores; the fused stack's op timers switch the same way)
+clock: Callable[[], float] = time.perf_counter
 
 
 def _timed(table: dict[str, float], name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        start = time.perf_counter()
+        start = clock()
         try:
             return fn(*args, **kwargs)
         finally:
-            table[name] += time.perf_counter() - start
+            table[name] += clock() - start
 
     return wrapper
 
@@ -47,7 +53,7 @@ def _timed(table: dict[str, float], name: str, fn: Callable[..., Any]) -> Callab
 def first_decode_batch(llm: LLM, batch_size: int, context_len: int) -> ForwardBatch:
     engine = llm.scheduler.engine  # type: ignore[attr-defined]
     vocab = engine.model_config.vocab_size
-    params = SamplingParams(max_tokens=engine.max_model_len - context_len, ignore_eos=True)
+    params = SamplingParams(max_tokens=MAX_NEW_TOKENS, ignore_eos=True)
     for i in range(batch_size):
         prompt = [(7919 * (i * context_len + j) + 13) % vocab for j in range(context_len)]
         llm.scheduler.add_request(Req(next_request_id(), prompt, params))
@@ -88,9 +94,9 @@ def profile(llm: LLM, batch_size: int, context_len: int, steps: int) -> dict[str
     for _ in range(steps + 1):  # the first replay warms up
         stack.op_seconds.zero_()
         outside.clear()
-        start = time.perf_counter()
+        start = clock()
         engine.forward(batch).result()
-        total = time.perf_counter() - start
+        total = clock() - start
         totals.append(total)
         row = {name: float(s) * MS for name, s in zip(DECODE_OPS, stack.op_seconds, strict=True)}
         row.update({name: s * MS for name, s in outside.items()})
@@ -115,13 +121,15 @@ def main() -> None:
         "--threads",
         type=int,
         default=None,
-        help="torch threads (default torch's); with one, each op's time is exact even when other "
-        "processes share the cores (with several, a preempted thread's work can be booked to "
-        "the op after it)",
+        help="torch threads (default torch's); with one, times are the thread's CPU time, exact "
+        "even when other processes share the cores (with several, wall time: a preempted "
+        "thread's work can be booked to the op after it)",
     )
     args = p.parse_args()
+    global clock
     if args.threads is not None:
         torch.set_num_threads(args.threads)
+        clock = time.thread_time if args.threads == 1 else clock
     sizes = [int(s) for s in args.batch_sizes.split(",")]
     rows = {}
     for size in sizes:

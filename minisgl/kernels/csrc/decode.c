@@ -43,17 +43,26 @@ typedef struct {
     const mg_layer* layers;
 } mg_model;
 
-/* Per-op wall time, summed over layers, when the caller passes MG_NUM_OPS doubles
- * (benchmark/offline/profile_decode.py); NULL costs nothing. */
+/* Per-op time, summed over layers, when the caller passes MG_NUM_OPS doubles
+ * (benchmark/offline/profile_decode.py); NULL costs nothing. Wall time, or with one thread its
+ * CPU time (exact when other processes share the cores). */
 enum {
     OP_NORM, OP_QKV, OP_HEAD_NORM, OP_ROPE_STORE, OP_ATTENTION, OP_O_PROJ, OP_GATE_UP,
     OP_SILU_MUL, OP_DOWN, MG_NUM_OPS
 };
 int mg_num_ops(void) { return MG_NUM_OPS; }
 
-static inline void lap(double* op_seconds, int op, int64_t* last) {
+static inline int64_t op_clock_ns(double* op_seconds, int nthreads) {
+    if (!op_seconds) return 0;
+    if (nthreads > 1) return now_ns();
+    struct timespec t;
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
+    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+}
+
+static inline void lap(double* op_seconds, int op, int64_t* last, int nthreads) {
     if (!op_seconds) return;
-    const int64_t t = now_ns();
+    const int64_t t = op_clock_ns(op_seconds, nthreads);
     op_seconds[op] += 1e-9 * (double)(t - *last);
     *last = t;
 }
@@ -127,7 +136,7 @@ static int decode_step(mg_team* team, const step_args* s, int is_timer) {
     float* gate_up = attn + B * q_width;
     float* act = gate_up + B * 2 * I;
     double* timers = is_timer ? s->op_seconds : 0;
-    int64_t last = timers ? now_ns() : 0;
+    int64_t last = op_clock_ns(timers, nthreads);
     const int64_t elem_bytes = s->kv_fp8 ? 1 : (int64_t)sizeof(float);
     const int64_t cache_bytes = s->num_slots * kv_width * elem_bytes;
     const int64_t rows = max64(1, (B + 2 * nthreads - 1) / (2 * nthreads)); /* row chunk */
@@ -142,13 +151,13 @@ static int decode_step(mg_team* team, const step_args* s, int is_timer) {
         const rmsnorm_args norm1 = {s->hidden, H, 1, l ? residual : 0, H, L->input_norm,
                                     normed, H, H, m->eps};
         failed |= team_run(team, &norm1, rmsnorm_range, B, rows);
-        lap(timers, OP_NORM, &last);
+        lap(timers, OP_NORM, &last, nthreads);
         const int64_t tag = s->tags + 4 * l; /* one per linear op below */
         const linear_args qkv_proj = {normed, H, L->qkv, L->qkv_bias, qkv, qkv_width, B, H,
                                       qkv_width, tag};
         failed |= team_run(team, &qkv_proj, linear_range, linear_items(&qkv_proj),
                            linear_chunk(&qkv_proj, nthreads));
-        lap(timers, OP_QKV, &last);
+        lap(timers, OP_QKV, &last, nthreads);
         float* q = qkv;
         float* k = qkv + q_width;
         float* v = k + kv_width;
@@ -159,7 +168,7 @@ static int decode_step(mg_team* team, const step_args* s, int is_timer) {
                                      m->head_norm_eps};
             failed |= team_run(team, &qn, rmsnorm_range, B * m->heads, rows * m->heads);
             failed |= team_run(team, &kn, rmsnorm_range, B * m->kv_heads, rows * m->kv_heads);
-            lap(timers, OP_HEAD_NORM, &last);
+            lap(timers, OP_HEAD_NORM, &last, nthreads);
         }
         const rope_store_args rope_store = {
             {q, qkv_width, m->heads, k, qkv_width, m->kv_heads, D, s->positions, m->cos_cache,
@@ -167,7 +176,7 @@ static int decode_step(mg_team* team, const step_args* s, int is_timer) {
             {k, qkv_width, v, qkv_width, k_cache, v_cache, s->out_slots, kv_width, s->kv_fp8,
              k_scale, v_scale}};
         failed |= team_run(team, &rope_store, rope_store_range, B, rows);
-        lap(timers, OP_ROPE_STORE, &last);
+        lap(timers, OP_ROPE_STORE, &last, nthreads);
         attention_args attention = s->attention;
         attention.q = q, attention.ldq = qkv_width;
         attention.k_cache = k_cache, attention.v_cache = v_cache;
@@ -175,30 +184,30 @@ static int decode_step(mg_team* team, const step_args* s, int is_timer) {
         attention.out = attn, attention.ldo = q_width;
         failed |= team_run(team, &attention, attention_units_range, s->attention_units, 1);
         failed |= team_run(team, &attention, attention_merge_range, B, 1);
-        lap(timers, OP_ATTENTION, &last);
+        lap(timers, OP_ATTENTION, &last, nthreads);
         const linear_args o_proj = {attn, q_width, L->o, 0, o, H, B, q_width, H, tag + 1};
         failed |= team_run(team, &o_proj, linear_range, linear_items(&o_proj),
                            linear_chunk(&o_proj, nthreads));
-        lap(timers, OP_O_PROJ, &last);
+        lap(timers, OP_O_PROJ, &last, nthreads);
         const rmsnorm_args norm2 = {o, H, 1, residual, H, L->post_norm, normed, H, H, m->eps};
         failed |= team_run(team, &norm2, rmsnorm_range, B, rows);
-        lap(timers, OP_NORM, &last);
+        lap(timers, OP_NORM, &last, nthreads);
         const linear_args gu_proj = {normed, H, L->gate_up, 0, gate_up, 2 * I, B, H, 2 * I,
                                      tag + 2};
         failed |= team_run(team, &gu_proj, linear_range, linear_items(&gu_proj),
                            linear_chunk(&gu_proj, nthreads));
-        lap(timers, OP_GATE_UP, &last);
+        lap(timers, OP_GATE_UP, &last, nthreads);
         const silu_mul_args silu = {gate_up, 2 * I, act, I, I};
         failed |= team_run(team, &silu, silu_mul_range, B, rows);
-        lap(timers, OP_SILU_MUL, &last);
+        lap(timers, OP_SILU_MUL, &last, nthreads);
         const linear_args down_proj = {act, I, L->down, 0, s->hidden, H, B, I, H, tag + 3};
         failed |= team_run(team, &down_proj, linear_range, linear_items(&down_proj),
                            linear_chunk(&down_proj, nthreads));
-        lap(timers, OP_DOWN, &last);
+        lap(timers, OP_DOWN, &last, nthreads);
     }
     const rows_args add = {residual, s->hidden, H, 1};
     failed |= team_run(team, &add, rows_range, B, rows);
-    lap(timers, OP_NORM, &last);
+    lap(timers, OP_NORM, &last, nthreads);
     return failed;
 }
 

@@ -56,18 +56,13 @@ int64_t mg_quant_block_bytes(int64_t type) {
 }
 
 /* ---- decoding blocks to fp32 ------------------------------------------------------------------
- * decode_<type>(block, sub, out): elements [32 sub, 32 sub + 32) of one block (sub is 0 for the
- * 32-element types, 0..7 in a K-quant super-block) as PIECES vectors of VW floats, in order.
+ * A row of type t is blocks of ELEMS_t elements (32; 256 for the K-quants; F32 / F16 / BF16 rows
+ * are read as blocks of 32 elements) of BYTES_t bytes. read_t(block) reads what the block's
+ * 32-element groups share (its scales), once per block; group_t(&head, j, out) decodes group j
+ * (elements [32 j, 32 j + 32) of the block) into PIECES vectors of VW floats, in order.
  * Native-width vectors only: gcc 12 lowers wider generic vectors on AVX2 through the stack, and
  * byte-to-float conversions element by element (block matmuls were ~20x slower there). */
 #define PIECES (32 / VW)
-typedef uint8_t v16u8 __attribute__((vector_size(16)));
-
-static inline v16u8 load_u8(const uint8_t* p) {
-    v16u8 v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
 
 /* VW bytes at p as floats, signed or not (a constant at every call: one branch folds away). */
 static inline vf bytes_vf(const uint8_t* p, int is_signed) {
@@ -140,115 +135,194 @@ static inline void decode_nibbles(const uint8_t* bytes0, int shift0, const uint8
 #endif
 }
 
+/* Q4_0, Q4_1, Q8_0 and the float types: one scale and offset per block (unused by some). */
+typedef struct {
+    const uint8_t* b;
+    float d, m;
+} head_q4_0, head_q4_1, head_q8_0, head_f32, head_f16, head_bf16;
+
 /* Q4_0: d (f16), 16 bytes of nibbles: element j < 16 is the low nibble of byte j, element
  * 16 + j its high nibble; w = d * (q - 8) (= d q - 8 d: the same rounding, -8 d is exact). */
-static inline void decode_q4_0(const uint8_t* b, int sub, vf* out) {
-    (void)sub;
+#define ELEMS_q4_0 QK
+#define BYTES_q4_0 (2 + QK / 2)
+static inline head_q4_0 read_q4_0(const uint8_t* b) {
     const float d = load_half(b);
-    decode_nibbles(b + 2, 0, b + 2, 4, d, -8.0f * d, out);
+    return (head_q4_0){b, d, -8.0f * d};
+}
+static inline void group_q4_0(const head_q4_0* h, int j, vf* out) {
+    (void)j;
+    decode_nibbles(h->b + 2, 0, h->b + 2, 4, h->d, h->m, out);
 }
 
 /* Q4_1: d, m (f16), nibbles as Q4_0; w = d * q + m. */
-static inline void decode_q4_1(const uint8_t* b, int sub, vf* out) {
-    (void)sub;
-    decode_nibbles(b + 4, 0, b + 4, 4, load_half(b), load_half(b + 2), out);
+#define ELEMS_q4_1 QK
+#define BYTES_q4_1 (4 + QK / 2)
+static inline head_q4_1 read_q4_1(const uint8_t* b) {
+    return (head_q4_1){b, load_half(b), load_half(b + 2)};
+}
+static inline void group_q4_1(const head_q4_1* h, int j, vf* out) {
+    (void)j;
+    decode_nibbles(h->b + 4, 0, h->b + 4, 4, h->d, h->m, out);
 }
 
 /* Q8_0: d (f16), 32 int8; w = d * q. */
-static inline void decode_q8_0(const uint8_t* b, int sub, vf* out) {
-    (void)sub;
-    const float d = load_half(b);
-    for (int i = 0; i < PIECES; i++) out[i] = bytes_vf(b + 2 + i * VW, 1) * d;
+#define ELEMS_q8_0 QK
+#define BYTES_q8_0 (2 + QK)
+static inline head_q8_0 read_q8_0(const uint8_t* b) { return (head_q8_0){b, load_half(b), 0}; }
+static inline void group_q8_0(const head_q8_0* h, int j, vf* out) {
+    (void)j;
+    for (int i = 0; i < PIECES; i++) out[i] = bytes_vf(h->b + 2 + i * VW, 1) * h->d;
 }
 
 /* Q4_K: d, dmin (f16), 12 bytes of 6-bit scales and mins (8 of each), 128 bytes of nibbles:
- * bytes [32 i, 32 i + 32) hold sub-block 2 i in their low nibbles and 2 i + 1 in their high
- * ones; w = d * scale * q - dmin * min. */
-static inline void decode_q4_k(const uint8_t* b, int sub, vf* out) {
+ * bytes [32 i, 32 i + 32) hold group 2 i in their low nibbles and 2 i + 1 in their high ones;
+ * w = d * scale * q - dmin * min. */
+#define ELEMS_q4_k QK_K
+#define BYTES_q4_k (4 + 12 + QK_K / 2)
+typedef struct {
+    const uint8_t* b;
+    float d[8], m[8]; /* d * scale, dmin * min per group */
+} head_q4_k;
+static inline head_q4_k read_q4_k(const uint8_t* b) {
+    head_q4_k h = {b, {0}, {0}};
+    const float d = load_half(b), dmin = load_half(b + 2);
     const uint8_t* s = b + 4;
-    const int j = sub;
-    const int scale = j < 4 ? s[j] & 63 : (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4);
-    const int min = j < 4 ? s[j + 4] & 63 : (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
-    const float d = load_half(b) * (float)scale, m = load_half(b + 2) * (float)min;
-    const uint8_t* qs = b + 16 + 32 * (sub / 2);
-    const int shift = 4 * (sub % 2);
-    decode_nibbles(qs, shift, qs + 16, shift, d, -m, out);
+    for (int j = 0; j < 8; j++) {
+        const int scale = j < 4 ? s[j] & 63 : (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4);
+        const int min = j < 4 ? s[j + 4] & 63 : (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+        h.d[j] = d * (float)scale, h.m[j] = dmin * (float)min;
+    }
+    return h;
+}
+static inline void group_q4_k(const head_q4_k* h, int j, vf* out) {
+    const uint8_t* qs = h->b + 16 + 32 * (j / 2);
+    decode_nibbles(qs, 4 * (j % 2), qs + 16, 4 * (j % 2), h->d[j], -h->m[j], out);
 }
 
-/* Q6_K: 128 bytes of low nibbles, 64 of high 2-bit pairs, 16 int8 scales, d (f16). Element i of
- * each half of 128 takes its low 4 bits from low-nibble byte i (i < 64; else the high nibble of
- * byte i - 64) of that half's 64, and its high 2 bits from bits 2 (i / 32) of high byte i % 32
- * of that half's 32; w = d * scale[i / 16] * (q - 32). */
-static inline void decode_q6_k(const uint8_t* b, int sub, vf* out) {
-    const int half = sub / 4, i = 32 * (sub % 4);
-    const uint8_t* ql = b + 64 * half + (i < 64 ? i : i - 64);
-    const uint8_t* qh = b + QK_K / 2 + 32 * half;
-    const int8_t* scales = (const int8_t*)(b + QK_K / 2 + QK_K / 4) + 8 * half + i / 16;
+/* Q6_K: 128 bytes of low nibbles, 64 of high 2-bit pairs, 16 int8 scales, d (f16). Group j
+ * lies in half j / 4 (128 elements) of the block, at i = j % 4 of that half: its low 4 bits
+ * are bits 4 (i / 2) .. of bytes [32 (i % 2), +32) of the half's 64 low-nibble bytes, its high
+ * 2 bits bits 2 i, 2 i + 1 of the half's 32 high bytes; w = d * scale[element / 16] * (q - 32)
+ * (= q ds - 32 ds with one rounding: the same bits). */
+#define ELEMS_q6_k QK_K
+#define BYTES_q6_k (QK_K / 2 + QK_K / 4 + QK_K / 16 + 2)
+typedef struct {
+    const uint8_t* b;
+    float ds[16]; /* d * scale per 16 elements */
+} head_q6_k;
+static inline head_q6_k read_q6_k(const uint8_t* b) {
+    head_q6_k h = {b, {0}};
+    const int8_t* scales = (const int8_t*)(b + QK_K / 2 + QK_K / 4);
     const float d = load_half(b + QK_K / 2 + QK_K / 4 + QK_K / 16);
-    const int lshift = i < 64 ? 0 : 4, hshift = 2 * (i / 32);
-    uint8_t q[32];
-    for (int h = 0; h < 2; h++) {
-        const v16u8 low = (load_u8(ql + 16 * h) >> lshift) & 15;
-        const v16u8 high = (load_u8(qh + 16 * h) >> hshift) & 3;
-        const v16u8 codes = low | (high << 4);
-        memcpy(q + 16 * h, &codes, sizeof codes);
-    }
+    for (int i = 0; i < 16; i++) h.ds[i] = d * (float)scales[i];
+    return h;
+}
+static inline void group_q6_k(const head_q6_k* h, int j, vf* out) {
+    const int i = j % 4, lshift = 4 * (i / 2), hshift = 2 * i;
+    const uint8_t* ql = h->b + 64 * (j / 4) + 32 * (i % 2);
+    const uint8_t* qh = h->b + QK_K / 2 + 32 * (j / 4);
+    const float* ds = h->ds + 2 * j;
+#if defined(__AVX2__)
+    /* the 32 codes as bytes (16-bit shifts: the masks drop what crosses from the next byte) */
+    const __m256i l = _mm256_loadu_si256((const __m256i*)ql);
+    const __m256i hb = _mm256_loadu_si256((const __m256i*)qh);
+    const __m256i high = hshift <= 4 ? _mm256_slli_epi16(hb, 4 - hshift)
+                                     : _mm256_srli_epi16(hb, hshift - 4);
+    const __m256i q = (_mm256_srli_epi16(l, lshift) & _mm256_set1_epi8(15)) |
+                      (high & _mm256_set1_epi8(0x30));
+    const __m128i q0 = _mm256_castsi256_si128(q), q1 = _mm256_extracti128_si256(q, 1);
+#if VW == 16
+    out[0] = (vf)_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q0)) * ds[0] - 32.0f * ds[0];
+    out[1] = (vf)_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q1)) * ds[1] - 32.0f * ds[1];
+#else
+    const __m128i bytes[PIECES] = {q0, _mm_srli_si128(q0, 8), q1, _mm_srli_si128(q1, 8)};
     for (int p = 0; p < PIECES; p++)
-        out[p] = (bytes_vf(q + p * VW, 0) - 32.0f) * (d * (float)scales[p * VW / 16]);
+        out[p] = (vf)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes[p])) * ds[p / 2] -
+                 32.0f * ds[p / 2];
+#endif
+#else
+    for (int p = 0; p < PIECES; p++)
+        for (int e = 0; e < VW; e++) {
+            const int n = p * VW + e, q = ((ql[n] >> lshift) & 15) | (((qh[n] >> hshift) & 3) << 4);
+            out[p][e] = (float)q * ds[n / 16] - 32.0f * ds[n / 16];
+        }
+#endif
 }
 
 /* F16 / BF16 / F32 rows as blocks of 32 elements (rows of them whose length is a multiple of
  * 32: others take decode_row's element loop). */
-static inline void decode_f16(const uint8_t* b, int sub, vf* out) {
-    (void)sub;
+#define ELEMS_f16 32
+#define BYTES_f16 64
+static inline head_f16 read_f16(const uint8_t* b) { return (head_f16){b, 0, 0}; }
+static inline void group_f16(const head_f16* h, int j, vf* out) {
+    (void)j;
     for (int p = 0; p < PIECES; p++) {
-        const uint8_t* h = b + 2 * VW * p;
+        const uint8_t* half = h->b + 2 * VW * p;
 #if VW == 16
-        out[p] = (vf)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)h));
+        out[p] = (vf)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)half));
 #elif VW == 8 && defined(__F16C__)
-        out[p] = (vf)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)h));
+        out[p] = (vf)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)half));
 #else
-        for (int e = 0; e < VW; e++) out[p][e] = load_half(h + 2 * e);
+        for (int e = 0; e < VW; e++) out[p][e] = load_half(half + 2 * e);
 #endif
     }
 }
-static inline void decode_bf16(const uint8_t* b, int sub, vf* out) {
-    (void)sub;
+#define ELEMS_bf16 32
+#define BYTES_bf16 64
+static inline head_bf16 read_bf16(const uint8_t* b) { return (head_bf16){b, 0, 0}; }
+static inline void group_bf16(const head_bf16* h, int j, vf* out) {
+    (void)j;
     for (int p = 0; p < PIECES; p++) {
         uint16_t raw[VW];
-        memcpy(raw, b + 2 * VW * p, sizeof raw);
+        memcpy(raw, h->b + 2 * VW * p, sizeof raw);
         vi bits;
         for (int e = 0; e < VW; e++) bits[e] = (int32_t)((uint32_t)raw[e] << 16);
         out[p] = (vf)bits;
     }
 }
-static inline void decode_f32(const uint8_t* b, int sub, vf* out) {
-    (void)sub;
-    for (int p = 0; p < PIECES; p++) out[p] = vload((const float*)b + VW * p);
+#define ELEMS_f32 32
+#define BYTES_f32 128
+static inline head_f32 read_f32(const uint8_t* b) { return (head_f32){b, 0, 0}; }
+static inline void group_f32(const head_f32* h, int j, vf* out) {
+    (void)j;
+    for (int p = 0; p < PIECES; p++) out[p] = vload((const float*)h->b + VW * p);
 }
 
-/* Calls BODY(decode, elements per block, bytes per block) for the type (every type
- * mg_quant_block_bytes serves), so each loop is compiled with its decoder inlined. */
+/* Calls BODY(t) with the type's name (every type mg_quant_block_bytes serves), so each loop is
+ * compiled with its decoder inlined. */
 #define SWITCH_TYPE(type, BODY)                                                                  \
     switch (type) {                                                                             \
-    case GGUF_F32: BODY(decode_f32, 1, 4); break;                                               \
-    case GGUF_F16: BODY(decode_f16, 1, 2); break;                                               \
-    case GGUF_BF16: BODY(decode_bf16, 1, 2); break;                                             \
-    case GGUF_Q4_0: BODY(decode_q4_0, QK, 2 + QK / 2); break;                                   \
-    case GGUF_Q4_1: BODY(decode_q4_1, QK, 4 + QK / 2); break;                                   \
-    case GGUF_Q8_0: BODY(decode_q8_0, QK, 2 + QK); break;                                       \
-    case GGUF_Q4_K: BODY(decode_q4_k, QK_K, 4 + 12 + QK_K / 2); break;                          \
-    case GGUF_Q6_K: BODY(decode_q6_k, QK_K, QK_K / 2 + QK_K / 4 + QK_K / 16 + 2); break;        \
+    case GGUF_F32: BODY(f32); break;                                                            \
+    case GGUF_F16: BODY(f16); break;                                                            \
+    case GGUF_BF16: BODY(bf16); break;                                                          \
+    case GGUF_Q4_0: BODY(q4_0); break;                                                          \
+    case GGUF_Q4_1: BODY(q4_1); break;                                                          \
+    case GGUF_Q8_0: BODY(q8_0); break;                                                          \
+    case GGUF_Q4_K: BODY(q4_k); break;                                                          \
+    case GGUF_Q6_K: BODY(q6_k); break;                                                          \
     }
 
-/* Element (block of `elems`, `bytes`) k of a row: its block and which 32 of the block. */
-#define BLOCK_AT(src, k, elems, bytes) ((src) + ((k) / ((elems) < 32 ? 32 : (elems))) *          \
-                                                    ((elems) < 32 ? 32 * (bytes) : (bytes)))
-#define SUB_AT(k, elems) ((int)(((k) % ((elems) < 32 ? 32 : (elems))) / 32))
+/* For every 32 elements of row `src` (K elements of type t, a multiple of its block): `k`, the
+ * first one's index, and `w`, them decoded; then the statements. A block's scales are read once,
+ * and its groups' loop is unrolled (their offsets and shifts constants). */
+#define FOR_GROUPS(t, src, K, ...)                                                               \
+    for (int64_t k0_ = 0; k0_ < (K); k0_ += ELEMS_##t) {                                        \
+        const head_##t head_ = read_##t((src) + k0_ / ELEMS_##t * BYTES_##t);                   \
+        _Pragma("GCC unroll 8") for (int j_ = 0; j_ < ELEMS_##t / 32; j_++) {                   \
+            const int64_t k = k0_ + 32 * j_;                                                    \
+            vf w[PIECES];                                                                       \
+            group_##t(&head_, j_, w);                                                           \
+            __VA_ARGS__                                                                         \
+        }                                                                                       \
+    }
 
 /* Elements [k, k + 32) of row `src` (a multiple of 32 elements of `type`). */
 static void decode_any(int64_t type, const uint8_t* src, int64_t k, vf* out) {
-#define DECODE_ANY(decode, elems, bytes) decode(BLOCK_AT(src, k, elems, bytes), SUB_AT(k, elems), out)
+#define DECODE_ANY(t)                                                                            \
+    {                                                                                           \
+        const head_##t head = read_##t(src + k / ELEMS_##t * BYTES_##t);                        \
+        group_##t(&head, (int)(k % ELEMS_##t / 32), out);                                       \
+    }
     SWITCH_TYPE(type, DECODE_ANY)
 #undef DECODE_ANY
 }
@@ -268,12 +342,7 @@ static const float* decode_row(int64_t type, const uint8_t* src, int64_t K, floa
         }
         return out;
     }
-#define DECODE_ROW(decode, elems, bytes)                                                         \
-    for (int64_t k = 0; k < K; k += 32) {                                                       \
-        vf w[PIECES];                                                                           \
-        decode(BLOCK_AT(src, k, elems, bytes), SUB_AT(k, elems), w);                            \
-        for (int p = 0; p < PIECES; p++) vstore(out + k + p * VW, w[p]);                        \
-    }
+#define DECODE_ROW(t) FOR_GROUPS(t, src, K, for (int p = 0; p < PIECES; p++) vstore(out + k + p * VW, w[p]);)
     SWITCH_TYPE(type, DECODE_ROW)
 #undef DECODE_ROW
     return out;
@@ -294,30 +363,24 @@ static const float* decode_row(int64_t type, const uint8_t* src, int64_t K, floa
 #define X_L1_BYTES (36 << 10) /* larger x chunks are walked in slices of X_SLICE (2+ rows) */
 #define X_SLICE 1024          /* elements (a multiple of every block): 32 KiB of 8 rows */
 /* out[m] = dot(row, x row m) for M <= QDIRECT rows of x, the row decoded in registers 32
- * elements at a time (K a multiple of 32): elements 0-15 of each 32 into one accumulator per x
- * row, 16-31 into another, then one sum. Every row adds in this one order whatever M and however
- * K is sliced, so a row's result does not depend on its batch (a verify step's rows equal plain
- * decoding's, bit for bit). A slice of K starts from the accumulators in `carry` unless `first`,
- * and leaves them there unless `last`. (With AVX2's 16 registers 8 rows spill a little, but one
- * pass of a 5-row verify still beats two of 3 + 2 rows: 30% faster, RESULTS.md, 24.) */
+ * elements at a time (K a multiple of its block): elements 0-15 of each 32 into one accumulator
+ * per x row, 16-31 into another, then one sum. Every row adds in this one order whatever M and
+ * however K is sliced, so a row's result does not depend on its batch (a verify step's rows
+ * equal plain decoding's, bit for bit). A slice of K starts from the accumulators in `carry`
+ * unless `first`, and leaves them there unless `last`. (With AVX2's 16 registers 8 rows spill a
+ * little, but one pass of a 5-row verify still beats two of 3 + 2 rows: 30% faster, RESULTS.md,
+ * 24. Tried and not kept: two or four weight rows side by side, for more FMA chains per x row:
+ * in L2 2x faster at 1 row with AVX2, but a model's 1-row matmuls from memory 1.7-2.6x slower.) */
 static inline __attribute__((always_inline)) void dot_rows(int64_t type, const uint8_t* src,
                                                            int64_t K, const float* x, int64_t ldx,
                                                            const int M, vf (*carry)[ACCS],
                                                            int first, int last, float* out) {
     vf acc[QDIRECT][ACCS];
     for (int m = 0; m < M; m++)
-        for (int a = 0; a < ACCS; a++) acc[m][a] = (vf){0};
-    if (!first)
-        for (int m = 0; m < M; m++)
-            for (int a = 0; a < ACCS; a++) acc[m][a] = carry[m][a];
-#define DOT_ROWS(decode, elems, bytes)                                                           \
-    for (int64_t k = 0; k < K; k += 32) {                                                       \
-        vf w[PIECES];                                                                           \
-        decode(BLOCK_AT(src, k, elems, bytes), SUB_AT(k, elems), w);                            \
-        for (int m = 0; m < M; m++)                                                             \
-            for (int p = 0; p < PIECES; p++)                                                    \
-                acc[m][p * ACCS / PIECES] += w[p] * vload(x + m * ldx + k + p * VW);            \
-    }
+        for (int a = 0; a < ACCS; a++) acc[m][a] = first ? (vf){0} : carry[m][a];
+#define DOT_ROWS(t)                                                                              \
+    FOR_GROUPS(t, src, K, for (int m = 0; m < M; m++) for (int p = 0; p < PIECES; p++)         \
+                              acc[m][p * ACCS / PIECES] += w[p] * vload(x + m * ldx + k + p * VW);)
     SWITCH_TYPE(type, DOT_ROWS)
 #undef DOT_ROWS
     for (int m = 0; m < M; m++) {
@@ -442,29 +505,40 @@ static void decode_panel(const mg_weight* w, int64_t K, int64_t n0, int64_t ncol
             src[i] = weight_row(w, K, n0 + min64(g + i, ncols - 1), &types[i]);
             same &= types[i] == types[0];
         }
-#define DECODE_ROWS(decode, elems, bytes)                                                        \
-    for (int i = 0; i < VW; i++) {                                                              \
-        __builtin_prefetch(BLOCK_AT(src[i], k, elems, bytes) + PREFETCH_BYTES);                 \
-        decode(BLOCK_AT(src[i], k, elems, bytes), SUB_AT(k, elems), w[i]);                      \
+        /* the VW rows' groups at k transposed into the panel's rows k .. k + 31 */
+#define STORE_TILES                                                                              \
+    for (int p = 0; p < PIECES; p++) {                                                          \
+        vf tile[VW];                                                                            \
+        for (int i = 0; i < VW; i++) tile[i] = w[i][p];                                         \
+        transpose(tile);                                                                        \
+        for (int e = 0; e < VW; e++) vstore(panel + (k + p * VW + e) * NB + g, tile[e]);        \
     }
-#define PANEL_LOOP(decode, elems, bytes)                                                         \
-    for (int64_t k = 0; k < K; k += 32) {                                                       \
-        vf w[VW][PIECES], tile[VW];                                                             \
-        if (same) {                                                                             \
-            DECODE_ROWS(decode, elems, bytes)                                                   \
-        } else {                                                                                \
-            for (int i = 0; i < VW; i++) /* a segment boundary inside the VW rows */            \
-                decode_any(types[i], src[i], k, w[i]);                                          \
+        if (!same) { /* a segment boundary inside the VW rows */
+            for (int64_t k = 0; k < K; k += 32) {
+                vf w[VW][PIECES];
+                for (int i = 0; i < VW; i++) decode_any(types[i], src[i], k, w[i]);
+                STORE_TILES
+            }
+            continue;
+        }
+#define PANEL_LOOP(t)                                                                            \
+    for (int64_t k0 = 0; k0 < K; k0 += ELEMS_##t) {                                             \
+        head_##t heads[VW];                                                                     \
+        for (int i = 0; i < VW; i++) {                                                          \
+            const uint8_t* b = src[i] + k0 / ELEMS_##t * BYTES_##t;                             \
+            __builtin_prefetch(b + PREFETCH_BYTES);                                             \
+            heads[i] = read_##t(b);                                                             \
         }                                                                                       \
-        for (int p = 0; p < PIECES; p++) {                                                      \
-            for (int i = 0; i < VW; i++) tile[i] = w[i][p];                                     \
-            transpose(tile);                                                                    \
-            for (int e = 0; e < VW; e++) vstore(panel + (k + p * VW + e) * NB + g, tile[e]);    \
+        _Pragma("GCC unroll 8") for (int j = 0; j < ELEMS_##t / 32; j++) {                      \
+            const int64_t k = k0 + 32 * j;                                                      \
+            vf w[VW][PIECES];                                                                   \
+            for (int i = 0; i < VW; i++) group_##t(&heads[i], j, w[i]);                         \
+            STORE_TILES                                                                         \
         }                                                                                       \
     }
         SWITCH_TYPE(types[0], PANEL_LOOP)
 #undef PANEL_LOOP
-#undef DECODE_ROWS
+#undef STORE_TILES
     }
 }
 
