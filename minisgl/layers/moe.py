@@ -91,7 +91,7 @@ class Experts(nn.Module):
             self.down_proj.is_cuda
             and triton_kernels("triton_fused", self.down_proj.device) is not None
         )
-        self._fp8_pieces: dict[tuple[int, str], Fp8Tensor | Tensor] = {}
+        self._fp8_pieces: dict[tuple[int, str], Weight] = {}
 
     def load_piece(self, name: str, full: Weight, expert: int, piece: str) -> None:
         """Copy this rank's slice of one expert's projection `piece` (the hub layout,
