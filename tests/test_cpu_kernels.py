@@ -22,7 +22,7 @@ from minisgl.attention.base import AttentionBatch, AttentionConfig
 from minisgl.attention.torch_native import TorchNativeBackend
 from minisgl.kernels import build, cpu
 from minisgl.kvcache.pool import KVPool, KVShape
-from minisgl.layers.norm import RMSNorm
+from minisgl.layers.norm import RMSNorm, rms_norm
 from minisgl.layers.rope import RopeConfig, RotaryEmbedding
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -85,24 +85,27 @@ def test_rmsnorm_with_and_without_residual():
     norm = RMSNorm(70, 1e-6)
     norm.weight.data = _randn(70, seed=7)
     x, residual = _randn(9, 70, seed=8), _randn(9, 70, seed=9)
-    torch.testing.assert_close(k.rmsnorm(x, norm.weight, 1e-6), norm._reference(x))
+    torch.testing.assert_close(k.rmsnorm(x, norm.weight, 1e-6), rms_norm(x, norm.weight, 1e-6))
     summed = x + residual
     got = k.rmsnorm(x, norm.weight, 1e-6, residual)
-    torch.testing.assert_close(got, norm._reference(summed))
+    torch.testing.assert_close(got, rms_norm(summed, norm.weight, 1e-6))
     assert torch.equal(residual, summed)  # the fused add wrote the sum back
 
 
 def test_head_norm_in_place_on_a_strided_view():
     k = _kernels()
     qkv = _randn(5, 4 * 32 + 2 * 2 * 32, seed=10)
-    q = qkv[:, : 4 * 32].view(5, 4, 32)
-    norm = RMSNorm(32, 1e-6)
-    norm.weight.data = _randn(32, seed=11)
-    want = norm._reference(q.clone())
-    untouched = qkv[:, 4 * 32 :].clone()
-    assert k.rmsnorm_heads_(q, norm.weight, 1e-6)
-    torch.testing.assert_close(q, want)
-    assert torch.equal(qkv[:, 4 * 32 :], untouched)
+    q, key = qkv[:, : 4 * 32].view(5, 4, 32), qkv[:, 4 * 32 : 6 * 32].view(5, 2, 32)
+    weight = _randn(32, seed=11)
+    want_q, want_k = rms_norm(q, weight, 1e-6), rms_norm(key, weight, 1e-6)
+    untouched = qkv[:, 6 * 32 :].clone()
+    rope = RotaryEmbedding(32, 8, RopeConfig(10000.0))
+    at_zero = torch.zeros(5, dtype=torch.int64)  # position 0 (cos 1, sin 0): the norm alone
+    got = k.qk_norm_rope(q, key, at_zero, rope.cos_cache, rope.sin_cache, weight, weight, 1e-6)
+    assert got[0] is q and got[1] is key
+    torch.testing.assert_close(q, want_q)
+    torch.testing.assert_close(key, want_k)
+    assert torch.equal(qkv[:, 6 * 32 :], untouched)
 
 
 def test_silu_mul_matches_torch_over_the_whole_range():
@@ -130,7 +133,7 @@ def test_rope_in_place_matches_the_reference(head_dim):
         return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
 
     want_q, want_k = rotate(want_q), rotate(want_k)
-    assert k.rope_(q, key, positions, rope.cos_cache, rope.sin_cache)
+    k.qk_norm_rope(q, key, positions, rope.cos_cache, rope.sin_cache, None, None, 0.0)
     torch.testing.assert_close(q, want_q, atol=ATOL, rtol=ATOL)
     torch.testing.assert_close(key, want_k, atol=ATOL, rtol=ATOL)
 

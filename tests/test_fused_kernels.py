@@ -23,8 +23,8 @@ if not ON_CUDA and os.environ.get("TRITON_INTERPRET") != "1":
 
 from minisgl.kernels import gpu  # noqa: E402
 from minisgl.kernels import triton_fused as tf  # noqa: E402
-from minisgl.layers.norm import RMSNorm  # noqa: E402
-from minisgl.layers.rope import RopeConfig, RotaryEmbedding  # noqa: E402
+from minisgl.layers.norm import RMSNorm, rms_norm  # noqa: E402
+from minisgl.layers.rope import RopeConfig, RotaryEmbedding, qk_norm_rope  # noqa: E402
 
 DEVICE = torch.device("cuda" if ON_CUDA else "cpu")
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -75,7 +75,7 @@ def _norm(size: int, dtype: torch.dtype, seed: int) -> RMSNorm:
 def test_rmsnorm(dtype, shape):
     norm = _norm(shape[1], dtype, seed=1)
     x = _randn(*shape, dtype=dtype, seed=2, scale=3.0)
-    _assert_matches(tf.rmsnorm(x, norm.weight, EPS), norm._reference(x))
+    _assert_matches(tf.rmsnorm(x, norm.weight, EPS), rms_norm(x, norm.weight, EPS))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -83,7 +83,7 @@ def test_add_rmsnorm_updates_the_residual(dtype):
     norm = _norm(96, dtype, seed=1)
     x, residual = _randn(9, 96, dtype=dtype, seed=2), _randn(9, 96, dtype=dtype, seed=3)
     want_residual = x + residual
-    want = norm._reference(want_residual)
+    want = rms_norm(want_residual, norm.weight, EPS)
     got = tf.rmsnorm(x, norm.weight, EPS, residual)
     assert torch.equal(residual, want_residual)  # a sum in the dtype: exact
     _assert_matches(got, want)
@@ -112,12 +112,10 @@ def test_qk_norm_rope(dtype, heads, kv_heads, head_dim, qk_norm):
     positions = torch.tensor([0, 1, 17, 300, 511, 64], device=DEVICE)
     q, k, _ = _qkv_views(len(positions), heads, kv_heads, head_dim, dtype)
     q_norm, k_norm = _norm(head_dim, dtype, seed=5), _norm(head_dim, dtype, seed=6)
-    want_q, want_k = (q_norm._reference(q), k_norm._reference(k)) if qk_norm else (q, k)
-    want_q, want_k = rope(positions, want_q.clone(), want_k.clone())
-    got_q, got_k = tf.qk_norm_rope(
-        q, k, positions, rope.cos_cache, rope.sin_cache,
-        q_norm.weight if qk_norm else None, k_norm.weight if qk_norm else None, EPS,
-    )  # fmt: skip
+    weights = (q_norm.weight, k_norm.weight) if qk_norm else (None, None)
+    caches = (rope.cos_cache, rope.sin_cache)
+    want_q, want_k = qk_norm_rope(q, k, positions, *caches, *weights, EPS)
+    got_q, got_k = tf.qk_norm_rope(q, k, positions, *caches, *weights, EPS)
     assert got_q.is_contiguous() and got_k.is_contiguous()
     _assert_matches(got_q, want_q)
     _assert_matches(got_k, want_k)
@@ -129,7 +127,7 @@ def test_scaled_rope_caches():
     rope = RotaryEmbedding(64, 512, cfg).to(DEVICE)
     positions = torch.arange(0, 512, 97, device=DEVICE)
     q, k, _ = _qkv_views(len(positions), 4, 2, 64, torch.float32)
-    want_q, want_k = rope(positions, q.clone(), k.clone())
+    want_q, want_k = qk_norm_rope(q, k, positions, rope.cos_cache, rope.sin_cache, None, None, 0)
     got_q, got_k = tf.qk_norm_rope(q, k, positions, rope.cos_cache, rope.sin_cache, None, None, 0)
     _assert_matches(got_q, want_q)
     _assert_matches(got_k, want_k)

@@ -140,13 +140,10 @@ class FlashInferBackend(AttentionBackend):
         # The scale is baked into the plan (one per forward, shared by all layers).
         assert abs(scale - self.cfg.scale) < 1e-6 * self.cfg.scale, (scale, self.cfg.scale)
         pool.store(layer_id, metadata.out_slots, k, v)
-        # [slots, kv_heads, head_dim] -> [pages, page_size, kv_heads, head_dim]
-        pages = (-1, pool.page_size, pool.shape.num_kv_heads, pool.shape.head_dim)
-        k_cache, v_cache = pool.k_cache(layer_id).view(pages), pool.v_cache(layer_id).view(pages)
+        # [2, slots, kv_heads, head_dim] -> K and V, each [pages, page_size, kv_heads, head_dim]
+        kv_pages = tuple(pool.buffer[layer_id].unflatten(1, (-1, pool.page_size)))
         k_scale, v_scale = pool.layer_scales[layer_id]  # fp8's (else 1.0)
-        return metadata.wrapper.run(
-            q.contiguous(), (k_cache, v_cache), k_scale=k_scale, v_scale=v_scale
-        )
+        return metadata.wrapper.run(q.contiguous(), kv_pages, k_scale=k_scale, v_scale=v_scale)
 
     # ---- CUDA graphs -----------------------------------------------------------------------
 

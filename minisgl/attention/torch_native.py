@@ -112,7 +112,7 @@ class TorchNativeBackend(AttentionBackend):
         metadata: TorchNativeMetadata,
     ) -> Tensor:
         pool.store(layer_id, metadata.out_slots, k, v)
-        k_cache, v_cache = pool.k_cache(layer_id), pool.v_cache(layer_id)
+        k_cache, v_cache = pool.buffer[layer_id]
         out = torch.empty_like(q)
         decodes, kv_scales = metadata.kernel_decodes, pool.layer_scales[layer_id]
         if self._kernels is not None and decodes is not None:
@@ -125,7 +125,9 @@ class TorchNativeBackend(AttentionBackend):
                 group.k_buf, group.v_buf = k_cache.new_empty(shape), v_cache.new_empty(shape)
             torch.index_select(k_cache, 0, group.kv_slots, out=group.k_buf)
             torch.index_select(v_cache, 0, group.kv_slots, out=group.v_buf)
-            gk, gv = pool.dequantize(layer_id, group.k_buf, group.v_buf, q.dtype)
+            gk, gv = group.k_buf, group.v_buf
+            if pool.fp8:  # codes times the layer's scales
+                gk, gv = (x.to(q.dtype) * s for x, s in zip((gk, gv), kv_scales, strict=True))
             # [seqs * len, heads, D] -> [seqs, heads, len, D]
             gq, gk, gv = (
                 x.unflatten(0, (group.num_seqs, -1)).transpose(1, 2)

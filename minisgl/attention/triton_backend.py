@@ -307,7 +307,7 @@ class TritonBackend(AttentionBackend):
         metadata: TritonDecodeMetadata | TritonExtendMetadata,
     ) -> Tensor:
         pool.store(layer_id, metadata.out_slots, k, v)
-        k_cache, v_cache = pool.k_cache(layer_id), pool.v_cache(layer_id)
+        k_cache, v_cache = pool.buffer[layer_id]
         if q.stride(-1) != 1:
             q = q.contiguous()
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)

@@ -139,29 +139,6 @@ class CpuKernels:
         )
         return out
 
-    def rmsnorm_heads_(self, x: Tensor, weight: Tensor, eps: float) -> bool:
-        """RMSNorm of every head of x [tokens, heads, head_dim] in place (Qwen3's q/k norm).
-        Returns False, untouched, when x's heads are not laid out back to back."""
-        if (ld := _heads_stride(x)) is None:
-            return False
-        num_tokens, heads, head_dim = x.shape
-        ptr = x.data_ptr()
-        self._lib.mg_rmsnorm(
-            ptr,
-            ld,
-            heads,
-            None,
-            0,
-            weight.data_ptr(),
-            ptr,
-            ld,
-            num_tokens,
-            head_dim,
-            eps,
-            torch.get_num_threads(),
-        )
-        return True
-
     def silu_mul(self, gate_up: Tensor) -> Tensor:
         """[tokens, 2 * inter] -> silu(gate) * up, [tokens, inter]."""
         gate_up, ld = _rows(gate_up)
@@ -178,26 +155,47 @@ class CpuKernels:
         )
         return out
 
-    def rope_(
+    def qk_norm_rope(
         self,
         q: Tensor,
         k: Tensor,
         positions: Tensor,
         cos_cache: Tensor,
         sin_cache: Tensor,
-    ) -> bool:
-        """Rotate q [tokens, heads, D] and k [tokens, kv_heads, D] in place by the cos/sin rows
-        ([max_pos, D], contiguous) of int64 `positions`. False, untouched, for other layouts."""
-        ldq, ldk = _heads_stride(q), _heads_stride(k)
-        if ldq is None or ldk is None or positions.dtype != torch.int64:
-            return False
+        q_weight: Tensor | None,
+        k_weight: Tensor | None,
+        eps: float,
+    ) -> tuple[Tensor, Tensor]:
+        """layers/rope.py's `qk_norm_rope` in place: per-head RMSNorm of q [tokens, heads, D]
+        and k [tokens, kv_heads, D] (none when the weights are None), then the rotation by the
+        cos/sin rows ([max_pos, D], contiguous) of int64 `positions`. Returns q and k (copies
+        first where a token's heads do not lie back to back)."""
+        q, k = (x if _heads_stride(x) is not None else x.contiguous() for x in (q, k))
+        if q_weight is not None and k_weight is not None:
+            for x, weight in ((q, q_weight), (k, k_weight)):
+                ld, ptr = x.stride(0), x.data_ptr()
+                num_tokens, heads, head_dim = x.shape
+                self._lib.mg_rmsnorm(
+                    ptr,
+                    ld,
+                    heads,
+                    None,
+                    0,
+                    weight.data_ptr(),
+                    ptr,
+                    ld,
+                    num_tokens,
+                    head_dim,
+                    eps,
+                    torch.get_num_threads(),
+                )
         positions = positions.contiguous()
         self._lib.mg_rope(
             q.data_ptr(),
-            ldq,
+            q.stride(0),
             q.shape[1],
             k.data_ptr(),
-            ldk,
+            k.stride(0),
             k.shape[1],
             q.shape[0],
             q.shape[2],
@@ -206,7 +204,7 @@ class CpuKernels:
             sin_cache.data_ptr(),
             torch.get_num_threads(),
         )
-        return True
+        return q, k
 
     def seeded_uniform(self, seeds: Tensor, positions: Tensor, vocab_size: int) -> Tensor:
         """minisgl.engine.sampler.seeded_uniform, bit for bit: [rows, vocab] uniforms for int64

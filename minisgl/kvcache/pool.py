@@ -3,7 +3,7 @@ page_size + offset), allocated once at start-up and reused.
 
 An fp8 pool (--kv-cache-dtype) stores x / scale, saturated to the format's largest value, with
 one K and one V scale per layer (1.0, or the checkpoint's k_scale / v_scale); readers multiply
-by them: `dequantize` for torch, the scales passed to the C, Triton and FlashInfer kernels."""
+by them (`layer_scales`: torch-native attention, and the C, Triton and FlashInfer kernels)."""
 
 from __future__ import annotations
 
@@ -62,17 +62,11 @@ class KVPool:
         self.layer_scales: list[tuple[float, float]] = [(k, v) for k, v in self.scales.tolist()]
         self._store_kernels = None if self.fp8 else layer_kernels(device, dtype)  # fp8: torch's
 
-    def k_cache(self, layer_id: int) -> Tensor:
-        return self.buffer[layer_id, 0]
-
-    def v_cache(self, layer_id: int) -> Tensor:
-        return self.buffer[layer_id, 1]
-
     def store(self, layer_id: int, slots: Tensor, k: Tensor, v: Tensor) -> None:
         """Write this batch's new K/V ([tokens, kv_heads, head_dim]) at `slots` ([tokens]): both
         in one kernel where one applies (Triton on CUDA, the C kernels for fp32 on CPU; each
         declines layouts it does not take), else two index copies."""
-        k_cache, v_cache = self.buffer[layer_id, 0], self.buffer[layer_id, 1]
+        k_cache, v_cache = self.buffer[layer_id]
         kernels = self._store_kernels
         if kernels is not None and kernels.store_kv(k, v, k_cache, v_cache, slots):
             return
@@ -85,12 +79,3 @@ class KVPool:
             k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
         k_cache.index_copy_(0, slots, k)
         v_cache.index_copy_(0, slots, v)
-
-    def dequantize(
-        self, layer_id: int, k: Tensor, v: Tensor, dtype: torch.dtype
-    ) -> tuple[Tensor, Tensor]:
-        """K and V read from this layer's caches, in `dtype` (fp8 times the layer's scales)."""
-        if not self.fp8:
-            return k, v
-        k_scale, v_scale = self.layer_scales[layer_id]
-        return k.to(dtype) * k_scale, v.to(dtype) * v_scale

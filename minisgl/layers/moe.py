@@ -7,6 +7,7 @@ hidden, inter_shard]; hub checkpoints' one tensor per expert and projection load
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -15,7 +16,7 @@ from torch import Tensor, nn
 
 from minisgl.distributed import all_reduce, divide, get_tp_info
 from minisgl.kernels.gpu import triton_kernels
-from minisgl.kernels.weights import FP8_GROUP, Fp8Tensor, dense
+from minisgl.kernels.weights import FP8_GROUP, Fp8Tensor, Weight, dense
 from minisgl.layers.linear import freed, frozen
 
 # The per-expert projections of the hub layout, in the order they sit in `gate_up_proj` / alone.
@@ -90,38 +91,43 @@ class Experts(nn.Module):
             self.down_proj.is_cuda
             and triton_kernels("triton_fused", self.down_proj.device) is not None
         )
-        self._fp8_pieces: dict[tuple[int, str], Fp8Tensor | Tensor] = {}
+        self._fp8_pieces: dict[tuple[int, str], Weight] = {}
 
-    def load_piece(
-        self, name: str, full: Tensor | Fp8Tensor, piece: str, expert: int | None
-    ) -> None:
-        """Copy this rank's slice of one projection (`piece`): of one expert (the hub layout,
-        `experts.{expert}.{piece}.weight`), or of every expert at once (expert None; stacked
-        along a first dim)."""
-        if expert is not None and not 0 <= expert < self.num_experts:
-            raise ValueError(
-                f"weight '{name}': expert {expert} out of range (config.json says "
-                f"num_experts={self.num_experts})"
-            )
-        experts = slice(None) if expert is None else expert
-        stacked = (self.num_experts,) if expert is None else ()
+    def load_piece(self, name: str, full: Weight, expert: int, piece: str) -> None:
+        """Copy this rank's slice of one expert's projection `piece` (the hub layout,
+        `experts.{expert}.{piece}.weight`); an FP8 one waits in `_fp8_pieces` for `use_fp8`."""
         shard, down, hidden = self.inter_shard, piece == DOWN_PIECE, self.down_proj.shape[1]
-        rows, cols = (hidden, self.full_inter) if down else (self.full_inter, hidden)
-        _check_shape(name, full, (*stacked, rows, cols))
+        _check_shape(name, full, (hidden, self.full_inter) if down else (self.full_inter, hidden))
         # this rank's slice of the intermediate dim: down_proj's columns, gate/up's rows
-        cut = full.narrow(-1 if down else -2, get_tp_info().rank * shard, shard)
-        if isinstance(full, Fp8Tensor):  # one expert's: the loader makes only 2-D ones
-            self._fp8_pieces[expert or 0, piece] = cut
+        cut = full.narrow(1 if down else 0, get_tp_info().rank * shard, shard)
+        if isinstance(full, Fp8Tensor):
+            self._fp8_pieces[expert, piece] = cut
         else:
-            self._write(experts, piece, dense(cut))
+            self._write(expert, piece, dense(cut))
 
-    def _write(self, experts: int | slice, piece: str, cut: Tensor) -> None:
-        """This rank's slice of one projection into the weights, of one expert or all."""
+    def unfuse(self, name: str, full: Tensor) -> Iterator[tuple[str, Tensor]]:
+        """A fused tensor (transformers 5.x in-memory layout, `experts.gate_up_proj` or
+        `experts.down_proj`) as the hub layout's tensors, one per expert and projection."""
+        prefix, _, kind = name.rpartition(".")
+        down = kind == DOWN_PIECE
+        hidden, inter = self.down_proj.shape[1], self.full_inter
+        _check_shape(
+            name,
+            full,
+            (self.num_experts, hidden, inter) if down else (self.num_experts, 2 * inter, hidden),
+        )
+        pieces = (DOWN_PIECE,) if down else GATE_UP_PIECES
+        for expert, stacked in enumerate(full):
+            for piece, part in zip(pieces, stacked.chunk(len(pieces)), strict=True):
+                yield f"{prefix}.{expert}.{piece}.weight", part
+
+    def _write(self, expert: int, piece: str, cut: Tensor) -> None:
+        """This rank's slice of one expert's projection into the weights."""
         if piece == DOWN_PIECE:
-            self.down_proj.data[experts].copy_(cut)
+            self.down_proj.data[expert].copy_(cut)
             return
         offset = GATE_UP_PIECES.index(piece) * self.inter_shard
-        self.gate_up_proj.data[experts][..., offset : offset + self.inter_shard, :].copy_(cut)
+        self.gate_up_proj.data[expert, offset : offset + self.inter_shard].copy_(cut)
 
     def use_fp8(self) -> bool:
         """After loading: multiply by the FP8 pieces loaded in place of the weights (whether it
@@ -143,15 +149,6 @@ class Experts(nn.Module):
         self.gate_up_proj, self.down_proj = freed(self.gate_up_proj), freed(self.down_proj)
         return True
 
-    def load_fused(self, name: str, full: Tensor, param: nn.Parameter) -> None:
-        """Copy this rank's slice of a fused tensor (transformers 5.x in-memory layout)."""
-        if param is self.down_proj:
-            self.load_piece(name, full, DOWN_PIECE, None)
-            return
-        _check_shape(name, full, (self.num_experts, 2 * self.full_inter, self.down_proj.shape[1]))
-        for piece, part in zip(GATE_UP_PIECES, full.split(self.full_inter, dim=1), strict=True):
-            self.load_piece(name, part, piece, None)
-
     def forward(self, x: Tensor, topk_weights: Tensor, topk_ids: Tensor) -> Tensor:
         if self.fp8 is not None or self.use_triton:
             from minisgl.kernels.triton_moe import fused_moe
@@ -164,7 +161,7 @@ class Experts(nn.Module):
         return moe_torch(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids)
 
 
-def _check_shape(name: str, tensor: Tensor | Fp8Tensor, expected: tuple[int, ...]) -> None:
+def _check_shape(name: str, tensor: Weight, expected: tuple[int, ...]) -> None:
     if tuple(tensor.shape) != expected:
         raise ValueError(
             f"weight '{name}': checkpoint shape {tuple(tensor.shape)}, expected {expected} "

@@ -1,14 +1,21 @@
 """RMSNorm, computed in fp32 like the HF reference: on CUDA in one fused Triton kernel, on CPU in
-fp32 through the CPU kernels, elsewhere in torch ops (`_reference`, what both must match)."""
+fp32 through the CPU kernels, elsewhere in torch ops (`rms_norm`, what both must match)."""
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor, nn
 
-from minisgl.kernels.cpu_ops import CpuKernels
 from minisgl.kernels.gpu import layer_kernels
 from minisgl.layers.linear import frozen
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """RMSNorm over the last dim in torch ops: in fp32 like the HF reference, then the result
+    in x's dtype times the weight."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
 
 
 class RMSNorm(nn.Module):
@@ -21,7 +28,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         if self.kernels is not None and x.dim() == 2:
             return self.kernels.rmsnorm(x, self.weight, self.eps)
-        return self._reference(x)
+        return rms_norm(x, self.weight, self.eps)
 
     def forward_residual(self, x: Tensor, residual: Tensor) -> tuple[Tensor, Tensor]:
         """(norm(x + residual), x + residual): a pre-norm decoder's residual add and norm in
@@ -29,18 +36,4 @@ class RMSNorm(nn.Module):
         if self.kernels is not None and x.dim() == 2 and residual.is_contiguous():
             return self.kernels.rmsnorm(x, self.weight, self.eps, residual), residual
         residual = x + residual
-        return self._reference(residual), residual
-
-    def forward_heads_(self, x: Tensor) -> Tensor:
-        """Normalize every head of x [tokens, heads, head_dim] (Qwen3's q/k norm), in place
-        where the C kernels apply; returns the result either way."""
-        kernels = self.kernels
-        if isinstance(kernels, CpuKernels) and kernels.rmsnorm_heads_(x, self.weight, self.eps):
-            return x
-        return self._reference(x)
-
-    def _reference(self, x: Tensor) -> Tensor:
-        # Compute in fp32 like the HF reference, then return in the input dtype.
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        return rms_norm(residual, self.weight, self.eps), residual

@@ -9,8 +9,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from minisgl.kernels.cpu_ops import CpuKernels
-from minisgl.kernels.gpu import layer_kernels
+from minisgl.layers.norm import rms_norm
 
 
 @dataclass(frozen=True)
@@ -64,7 +63,7 @@ def _yarn_inv_freq(base: float, dim: int, p: dict, max_pos: int) -> tuple[Tensor
 
 
 class RotaryEmbedding(nn.Module):
-    """Precomputes cos/sin for every position once; forward indexes them by position."""
+    """cos/sin of every position, computed once (the rotation itself: `qk_norm_rope`)."""
 
     def __init__(self, head_dim: int, max_positions: int, cfg: RopeConfig) -> None:
         super().__init__()
@@ -83,21 +82,27 @@ class RotaryEmbedding(nn.Module):
         self.sin_cache: Tensor
         self.register_buffer("cos_cache", emb.cos() * scale, persistent=False)
         self.register_buffer("sin_cache", emb.sin() * scale, persistent=False)
-        # The C kernels' rotation, where they apply to q and k, which come in the model's dtype
-        # (the default one while it is built: the caches stay fp32). The Triton kernels rotate
-        # in the attention layer instead (qk_norm_rope).
-        kernels = layer_kernels(self.cos_cache.device)
-        self.kernels = kernels if isinstance(kernels, CpuKernels) else None
 
-    def forward(self, positions: Tensor, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
-        """q: [tokens, heads, head_dim], k: [tokens, kv_heads, head_dim]. On CPU in fp32 they
-        are rotated in place (one kernel call) and returned."""
-        kernels = self.kernels
-        if kernels is not None and kernels.rope_(q, k, positions, self.cos_cache, self.sin_cache):
-            return q, k
-        cos = self.cos_cache[positions].unsqueeze(1).to(q.dtype)  # [tokens, 1, head_dim]
-        sin = self.sin_cache[positions].unsqueeze(1).to(q.dtype)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+def qk_norm_rope(
+    q: Tensor,
+    k: Tensor,
+    positions: Tensor,
+    cos_cache: Tensor,
+    sin_cache: Tensor,
+    q_weight: Tensor | None,
+    k_weight: Tensor | None,
+    eps: float,
+) -> tuple[Tensor, Tensor]:
+    """Qwen3's per-head RMSNorm of q [tokens, heads, head_dim] and k [tokens, kv_heads,
+    head_dim] (none when the weights are None), then the rotation by the cos/sin rows of
+    `positions`, in torch ops: the reference of the kernels' `qk_norm_rope`, which share this
+    signature (the Triton one returns new tensors, the C one rotates q and k in place)."""
+    if q_weight is not None and k_weight is not None:
+        q, k = rms_norm(q, q_weight, eps), rms_norm(k, k_weight, eps)
+    cos = cos_cache[positions].unsqueeze(1).to(q.dtype)  # [tokens, 1, head_dim]
+    sin = sin_cache[positions].unsqueeze(1).to(q.dtype)
+    return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
 def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:

@@ -14,12 +14,12 @@ from torch import Tensor, nn
 from minisgl.attention.context import get_forward_context
 from minisgl.distributed import divide, get_tp_info
 from minisgl.kernels.cpu_ops import CpuKernels
-from minisgl.kernels.gpu import layer_kernels, triton_kernels
+from minisgl.kernels.gpu import layer_kernels
 from minisgl.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from minisgl.layers.linear import ColumnParallelLinear, RowParallelLinear
 from minisgl.layers.moe import SparseMoeBlock
 from minisgl.layers.norm import RMSNorm
-from minisgl.layers.rope import RotaryEmbedding
+from minisgl.layers.rope import RotaryEmbedding, qk_norm_rope
 from minisgl.models.cpu_decoder import CpuDecodeStack
 from minisgl.models.model_config import ModelConfig
 
@@ -56,26 +56,18 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.rope = rope
         self.scale = head_dim**-0.5
-        # norm and rope of every head in one kernel
-        self.fused = triton_kernels("triton_fused", torch.get_default_device())
+        # q/k norm and rope in one call: the Triton kernel, the C kernels' or torch's
+        kernels = layer_kernels()
+        self.qk_norm_rope = qk_norm_rope if kernels is None else kernels.qk_norm_rope
 
     def forward(self, positions: Tensor, hidden: Tensor) -> Tensor:
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden).split(self.qkv_proj.shard_sizes, dim=-1)
         q, k, v = (x.view(num_tokens, -1, self.head_dim) for x in qkv)  # [tokens, heads, D]
-        if self.fused is not None:
-            q_weight = k_weight = None
-            eps = 0.0
-            if self.q_norm is not None and self.k_norm is not None:  # one eps: the config's
-                q_weight, k_weight, eps = self.q_norm.weight, self.k_norm.weight, self.q_norm.eps
-            rope = self.rope
-            q, k = self.fused.qk_norm_rope(
-                q, k, positions, rope.cos_cache, rope.sin_cache, q_weight, k_weight, eps
-            )
-        else:
-            if self.q_norm is not None and self.k_norm is not None:
-                q, k = self.q_norm.forward_heads_(q), self.k_norm.forward_heads_(k)
-            q, k = self.rope(positions, q, k)
+        norms: tuple[Tensor | None, Tensor | None, float] = (None, None, 0.0)
+        if self.q_norm is not None and self.k_norm is not None:  # one eps: the config's
+            norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
+        q, k = self.qk_norm_rope(q, k, positions, self.rope.cos_cache, self.rope.sin_cache, *norms)
         ctx = get_forward_context()
         out = ctx.backend.forward(q, k, v, self.layer_id, self.scale, ctx.kv_pool, ctx.metadata)
         return self.o_proj(out.reshape(num_tokens, -1))  # [tokens, heads * head_dim]

@@ -7,12 +7,14 @@ the load by name instead of serving garbage."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import math
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import ExitStack
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -25,13 +27,14 @@ from minisgl.kernels.cpu_ops import CpuKernels
 from minisgl.kernels.weights import Fp8Tensor, QuantTensor, Weight, dense
 from minisgl.layers.embedding import VocabParallelEmbedding
 from minisgl.layers.linear import ColumnParallelLinear, RowParallelLinear
-from minisgl.layers.moe import DOWN_PIECE, EXPERT_PIECES, GATE_UP_PIECES, Experts
+from minisgl.layers.moe import EXPERT_PIECES, Experts
 from minisgl.models.default_model import GGUF_FILE, GGUF_INDEX
 from minisgl.models.llama import CausalLM
+from minisgl.models.model_config import ModelConfig
 from minisgl.models.resolve import checkpoint_files
 
 logger = logging.getLogger(__name__)
-_EXPERT_RE = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_EXPERT_RE = re.compile(r"\.experts\.(\d+)\.")
 _IGNORED_RE = re.compile(r"rotary_emb\.inv_freq$")
 _FP8_SCALE_RE = re.compile(r"\.(weight_scale(_inv)?|input_scale|q_scale)$")  # with weights; unused
 _KV_SCALE_RE = re.compile(r"layers\.(\d+)\.self_attn\.(?:.+\.)?([kv])_scale$")
@@ -40,33 +43,42 @@ DEFAULT_FP8_BLOCK = (128, 128)
 _MISSING_SHOWN = 8
 
 
-def _merged_parts(model: nn.Module) -> dict[str, ColumnParallelLinear]:
-    """The checkpoint prefix of every merged part (`...self_attn.q_proj`) -> the layer that
-    holds it (`...self_attn.qkv_proj`)."""
-    return {
-        f"{name.rpartition('.')[0]}.{part}": module
-        for name, module in model.named_modules()
-        if isinstance(module, ColumnParallelLinear)
-        for part in module.part_names
-    }
+# A checkpoint tensor's destination: copies this rank's part of it into the model.
+Target = Callable[[Weight], None]
 
 
-def expected_checkpoint_names(model: nn.Module) -> set[str]:
-    """Every checkpoint tensor (hub layout) the model needs; a tied lm_head is not one."""
-    names = {
-        f"{prefix}.{kind}"
-        for prefix, module in _merged_parts(model).items()
-        for kind in ("weight", "bias")
-        if getattr(module, kind) is not None
-    }
-    claimed: set[str] = set()  # our parameters that merged or expert pieces account for
-    for module_name, module in model.named_modules():
-        if isinstance(module, Experts):
-            for expert in range(module.num_experts):
-                names.update(f"{module_name}.{expert}.{piece}.weight" for piece in EXPERT_PIECES)
-        if isinstance(module, (ColumnParallelLinear, Experts)):
-            claimed.update(f"{module_name}.{p}" for p, _ in module.named_parameters())
-    return names | ({n for n, _ in model.named_parameters()} - claimed)
+def checkpoint_targets(model: CausalLM) -> dict[str, Target]:
+    """Every checkpoint tensor the model needs, by its hub name (a tied lm_head's is not one),
+    and where it goes: merged parts (`q_proj`) into their layer (`qkv_proj`), experts one by
+    one, every other parameter under its own name."""
+    targets: dict[str, Target] = {}
+    for prefix, module in model.named_modules():
+        parent = prefix.rpartition(".")[0]
+        if isinstance(module, ColumnParallelLinear):
+            for part, kind in itertools.product(module.part_names, ("weight", "bias")):
+                if (param := getattr(module, kind)) is not None:
+                    targets[f"{parent}.{part}.{kind}"] = partial(module.load_part, param, part=part)
+        elif isinstance(module, Experts):
+            for expert, piece in itertools.product(range(module.num_experts), EXPERT_PIECES):
+                name = f"{prefix}.{expert}.{piece}.weight"
+                targets[name] = partial(module.load_piece, name, expert=expert, piece=piece)
+        else:
+            for name, param in module.named_parameters(prefix, recurse=False):
+                if isinstance(module, (RowParallelLinear, VocabParallelEmbedding)):
+                    targets[name] = partial(module.load_weight, param)
+                else:
+                    targets[name] = partial(_copy, name, param)
+    if model.cfg.tie_word_embeddings:
+        del targets["lm_head.weight"]  # the embedding's
+    return targets
+
+
+def _copy(name: str, param: nn.Parameter, full: Weight) -> None:
+    if param.shape != (full := dense(full)).shape:
+        raise ValueError(
+            f"weight '{name}': checkpoint {tuple(full.shape)}, model {tuple(param.shape)}"
+        )
+    param.data.copy_(full)
 
 
 def _safetensors(model_dir: Path, keep_fp8: bool) -> Iterator[tuple[str, Weight]]:
@@ -106,15 +118,14 @@ def _fp8(name: str, w: Tensor, where: dict, block: Sequence[int]) -> Fp8Tensor:
 
 
 def _gguf(
-    model: CausalLM, model_dir: Path, blocks: CpuKernels | None
+    cfg: ModelConfig, wanted: Iterable[str], model_dir: Path, blocks: CpuKernels | None
 ) -> Iterator[tuple[str, Weight]]:
     import gguf
 
-    cfg, index = model.cfg, json.loads((model_dir / GGUF_INDEX).read_text())
+    index = json.loads((model_dir / GGUF_INDEX).read_text())
     arch, dequantized = index["architecture"], set()
     arch_id = {name: arch_id for arch_id, name in gguf.MODEL_ARCH_NAMES.items()}[arch]
     names = gguf.get_tensor_name_map(arch_id, cfg.num_layers)
-    wanted = expected_checkpoint_names(model) | {"lm_head.weight"}  # a tied head's is skipped
     ours = {names.get_name(n, (".weight", ".bias")): n for n in wanted}
     # copy-on-write: the tensors view the file (no copies; a view written would copy a page)
     file = torch.from_numpy(np.memmap(model_dir / GGUF_FILE, mode="c"))
@@ -159,26 +170,27 @@ def load_weights(
 ) -> None:
     """`blocks`: GGUF weights stay blocks for these kernels; `keep_fp8`: an FP8 checkpoint's
     linear weights stay fp8 (see the module docstring)."""
-    cfg = model.cfg
-    params = dict(model.named_parameters(remove_duplicate=False))
-    modules = dict(model.named_modules())
-    merged = _merged_parts(model)
-    loaded: set[str] = set()
-    gguf_path = model_dir / GGUF_FILE
-    tensors = (
-        _gguf(model, model_dir, blocks) if gguf_path.exists() else _safetensors(model_dir, keep_fp8)
-    )
+    cfg, modules, targets = model.cfg, dict(model.named_modules()), checkpoint_targets(model)
+    if (model_dir / GGUF_FILE).exists():
+        tensors = _gguf(cfg, [*targets, "lm_head.weight"], model_dir, blocks)
+    else:
+        tensors = _safetensors(model_dir, keep_fp8)
     for name, tensor in tensors:
-        if _IGNORED_RE.search(name):
-            continue
-        if name == "lm_head.weight" and cfg.tie_word_embeddings:
-            continue  # tied: the embedding already provides it
+        if _IGNORED_RE.search(name) or (name == "lm_head.weight" and cfg.tie_word_embeddings):
+            continue  # (tied: the embedding provides it)
         if kv_scale := _KV_SCALE_RE.search(name):
             model.kv_scales[int(kv_scale[1]), "kv".index(kv_scale[2])] = float(dense(tensor))
             continue
-        loaded |= _load_one(name, tensor, params, modules, merged)
-    missing = sorted(expected_checkpoint_names(model) - loaded)
-    if missing:
+        experts = modules.get(name.rpartition(".")[0])
+        for piece_name, piece in (
+            experts.unfuse(name, dense(tensor))
+            if isinstance(experts, Experts)  # transformers 5.x's fused layout
+            else [(name, tensor)]
+        ):
+            if (target := targets.pop(piece_name, None)) is None:
+                raise _unexpected(piece_name, cfg)
+            target(piece)
+    if missing := sorted(targets):
         shown = ", ".join(missing[:_MISSING_SHOWN])
         more = f" and {len(missing) - _MISSING_SHOWN} more" if len(missing) > _MISSING_SHOWN else ""
         hint = ""
@@ -187,37 +199,10 @@ def load_weights(
         raise ValueError(f"checkpoint {model_dir} lacks weights: {shown}{more}{hint}")
 
 
-def _load_one(
-    name: str,
-    tensor: Weight,
-    params: dict[str, nn.Parameter],
-    modules: dict[str, nn.Module],
-    merged: dict[str, ColumnParallelLinear],
-) -> set[str]:
-    """Copy one checkpoint tensor into place; returns the checkpoint names it accounts for."""
-    expert = _EXPERT_RE.match(name)
-    if expert and isinstance(experts := modules.get(expert.group(1)), Experts):
-        piece = tensor if isinstance(tensor, Fp8Tensor) else dense(tensor)
-        experts.load_piece(name, piece, expert.group(3), int(expert.group(2)))
-        return {name}
-    prefix, _, kind = name.rpartition(".")
-    if prefix in merged:  # q_proj.weight, into qkv_proj.weight
-        layer = merged[prefix]
-        layer.load_part(getattr(layer, kind), tensor, prefix.rpartition(".")[2])
-        return {name}
-    if name not in params:
-        raise ValueError(f"unexpected weight '{name}' in checkpoint")
-    module, param = modules[prefix], params[name]
-    if isinstance(module, Experts):  # fused layout: one tensor holds every expert's piece
-        module.load_fused(name, dense(tensor), param)
-        pieces = GATE_UP_PIECES if kind == "gate_up_proj" else (DOWN_PIECE,)
-        return {f"{prefix}.{e}.{p}.weight" for e in range(module.num_experts) for p in pieces}
-    if isinstance(module, (RowParallelLinear, VocabParallelEmbedding)):
-        module.load_weight(param, tensor)
-        return {name}
-    if param.shape != (tensor := dense(tensor)).shape:
-        raise ValueError(
-            f"weight '{name}': checkpoint {tuple(tensor.shape)}, model {tuple(param.shape)}"
+def _unexpected(name: str, cfg: ModelConfig) -> ValueError:
+    if (expert := _EXPERT_RE.search(name)) and cfg.moe is not None:
+        return ValueError(
+            f"weight '{name}': expert {expert[1]} out of range (config.json says "
+            f"num_experts={cfg.moe.num_experts})"
         )
-    param.data.copy_(tensor)
-    return {name}
+    return ValueError(f"unexpected weight '{name}' in checkpoint")
