@@ -1,6 +1,6 @@
 """minisgl against llama.cpp's server on the same GGUF files, alternating, through one client.
 
-One command builds what is missing and prints the table of benchmark/RESULTS.md section 29:
+One command builds what is missing and prints the table issue 43 asks for (llama.cpp vs minisgl):
 
     python benchmark/offline/bench_gguf.py --llama-cpp ~/llama.cpp --rounds 2
 
