@@ -65,16 +65,15 @@ def _in_range(value: Any, low: float, high: float) -> bool:
 @dataclass(frozen=True)
 class Constraint:
     """Grammar-constrained decoding: every sampled token keeps the output a prefix of a string
-    the grammar accepts (minisgl.grammar compiles it; the sampler masks the logits).
+    the grammar accepts (minisgl.grammar compiles it; the sampler masks the logits)."""
 
-    kind: "json_schema" (value: the schema as JSON text), "json_object" (any JSON object; value
-    unused), "regex", "ebnf" (GBNF, rule `root`) or "structural_tag" (xgrammar's, as JSON text:
-    tool calls in free text). `start_after`: token ids that must end the output before the
-    grammar applies (a reasoning model's `</think>`); empty: from the first token.
-    """
-
+    # "json_schema" (value: the schema as JSON text), "json_object" (any JSON object; value
+    # unused), "regex", "ebnf" (GBNF, rule `root`) or "structural_tag" (xgrammar's, as JSON text:
+    # tool calls in free text)
     kind: str
     value: str = ""
+    # token ids that must end the output before the grammar applies (a reasoning model's
+    # `</think>`); empty: from the first token
     start_after: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
@@ -284,29 +283,25 @@ class TokenLogprob:
 
 @dataclass(eq=False, slots=True)
 class Req:
-    """One sequence inside the scheduler.
-
-    Lengths, all in tokens and all counted from position 0 of the sequence:
-      prompt_len     tokens given by the client (after retraction: the original prompt)
-      cached_len     tokens whose KV is written in the pool (radix hits included)
-      device_len     tokens known on the device: prompt + every sampled token, including the one
-                     an in-flight batch is producing right now (overlap scheduling), so
-                     device_len - prompt_len tokens have been scheduled for sampling
-    Invariant: cached_len <= device_len.
-    """
+    """One sequence inside the scheduler. Its lengths count tokens from position 0 of the
+    sequence, and cached_len <= device_len always."""
 
     rid: str
     input_ids: list[int]
     sampling_params: SamplingParams
     eos_token_ids: tuple[int, ...] = ()
-    prompt_len: int = field(init=False)  # len(input_ids), read several times a step
+    # len(input_ids), the client's tokens (outputs excluded, retracted or not); read several
+    # times a step
+    prompt_len: int = field(init=False)
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[TokenLogprob] = field(default_factory=list)
     # sampling_params.prompt_logprobs: prompt tokens 1.. scored so far (position 0 has none)
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
     # scheduling state, owned by the scheduler
     table_row: int = -1
-    cached_len: int = 0
+    cached_len: int = 0  # tokens whose KV is written in the pool (radix hits included)
+    # tokens known on the device: the prompt and every sampled token, the one an in-flight batch
+    # is producing included (overlap), so device_len - prompt_len are scheduled for sampling
     device_len: int = 0
     num_cached_prompt_tokens: int = 0  # prefix-cache hit at first admission, for usage reporting
     seed: int = 0  # the request's sampling seed (drawn by the scheduler when the client gave none)
@@ -367,7 +362,7 @@ def finish_reason(
     return None
 
 
-@dataclass(slots=True)  # not frozen: one is made per running request per step (4x cheaper)
+@dataclass(slots=True)  # not frozen, cheaper to build: one is made per running request per step
 class ReqOutput:
     """A request's progress in a step: new tokens and maybe its end (the scheduler's), their text
     and a stop string that ended it (the detokenizer's), as the API server gets it."""

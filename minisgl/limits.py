@@ -1,12 +1,9 @@
 """Every bound on what a request may ask, in one table, and the rules that need the model.
 
-The table: each constant is one bound, its unit in its name; core.py's `SamplingParams`, the
-dialects, the JSON checks and the flags' defaults read it here, and docs/server.md#limits lists
-it (tests/test_limits.py keeps the two equal). The rules below the table need the model
-(vocabulary, context length, KV pool): the server checks them before a request reaches the
-scheduler, to answer 400 naming the field, and the scheduler checks them again
-(`Scheduler.add_request`) for the offline `LLM`: one function, two callers.
-"""
+Everything the table bounds reads it here; docs/server.md#limits lists it (tests/test_limits.py
+keeps the two equal). The rules below it (vocabulary, context length, KV pool) run in the
+server, for a 400 naming the field, and again in `Scheduler.add_request`, for the offline `LLM`
+(docs/architecture.md#one-requests-life, steps 1 and 2)."""
 
 from __future__ import annotations
 

@@ -1,13 +1,9 @@
 """Chat with a model in the terminal: `python -m minisgl.server --shell`.
 
 It starts the full server stack on a free local port and talks to it over the same HTTP API as
-any client, streaming the reply as it is generated. It speaks HTTP with the standard library
-only, so it runs on exactly what `pip install -e .` installs. Commands: /reset clears the
-history, /exit quits (so do Ctrl-D and Ctrl-C at the prompt; Ctrl-C during a reply stops that
-reply). Every reply ends: at the model's end of turn, or cut at --shell-max-tokens (or what the
-context window leaves), with --frequency-penalty guarding against loops. Only replies that ended
-by themselves enter the history: a cut or stopped one would steer the next answer.
-"""
+any client, with the standard library only, so it runs on exactly what `pip install -e .`
+installs. Its commands, how every reply ends and what enters the history:
+docs/server.md#chat-in-the-terminal."""
 
 from __future__ import annotations
 

@@ -1,12 +1,8 @@
 """The scheduler's numbers as the API server sees them: `SchedulerStats`, one snapshot for
-/metrics and tests, and how /metrics exports each field.
+/metrics and tests, each field carrying how /metrics exports it (its `Metric`).
 
-Each field carries, as dataclass metadata, how /metrics exports it (its `Metric`: kind, name(s),
-help text). The scheduler fills in its own numbers (minisgl.scheduler.counters), the scheduler
-process adds its process-level ones (throughput, GPU), the StatsReply message carries the whole
-snapshot to the API server, and the Prometheus collector there (minisgl.api.metrics) exports
-every field that has a Metric. A new metric is one new field. Plain Python: both sides import it.
-"""
+The scheduler (minisgl.scheduler.counters) and its process (throughput, GPU) fill it in, and a
+new metric is one new field (docs/server.md#metrics). Plain Python: both sides import it."""
 
 from __future__ import annotations
 

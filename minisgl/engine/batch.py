@@ -1,13 +1,6 @@
-"""What the scheduler hands the engine (`ForwardBatch`) and gets back (`PendingOutput`).
-
-Prompt logprobs (`SamplingParams.prompt_logprobs`): each prompt token's logprob given the tokens
-before it, from the logits of the position before it. A prefill chunk of a scored request
-computes its logits at every position that scores a prompt token, not only at the last
-(`ForwardBatch.num_prompt_scores`; those logits follow the sampled rows), and
-`PromptScores.of` turns them into scores on their way to the host. The scheduler scores at most
-PROMPT_LOGPROBS_STEP_TOKENS positions a step (scheduler/prefill.py), which bounds the
-[positions, vocab] logits.
-"""
+"""What the scheduler hands the engine (`ForwardBatch`) and gets back (`PendingOutput`), with the
+prompt logprobs a prefill chunk scores (`PromptScores`; docs/architecture.md#one-requests-life,
+step 4)."""
 
 from __future__ import annotations
 

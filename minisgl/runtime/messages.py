@@ -1,22 +1,8 @@
 """Messages between minisgl processes, their codec and the queue that carries them.
 
-Process layout (tp=1):
-
-    API server --TokenizedRequest/AbortRequest-->  scheduler       (scheduler_in, PULL)
-    API server --FlushCacheRequest-------------->  scheduler       (scheduler_in)
-    API server --StatsRequest------------------->  scheduler ctl   (scheduler_ctl, PULL)
-    scheduler  --TokenizedRequest (prompt tail)->  detokenizer     (detokenizer_in, PULL)
-    scheduler  --a step's ReqOutputs (a tuple)-->  detokenizer     (detokenizer_in)
-    detokenizer --AbortRequest (stop string)----->  scheduler       (scheduler_in)
-    detokenizer --the same ReqOutputs, texts in-->  API server      (api_in, PULL)
-    scheduler (ctl) --FlushCacheReply/StatsReply->  API server      (api_in)
-
-Every receiver binds its PULL socket; senders connect (MessageQueue does it). The codec is
-msgpack with an explicit registry: each message dataclass has a fixed tag and is encoded as an
-ext value holding [tag, field values...]; nested dataclasses (SamplingParams, ReqOutput,
-TokenLogprob, SchedulerStats) and enums travel the same way. Arrays decode as tuples, so
-sequence fields are typed as tuples.
-"""
+Every receiver binds its PULL socket and senders connect (MessageQueue does it). The codec is
+msgpack with an explicit registry of message tags. Who sends what over which socket, and how a
+message is encoded: docs/server.md#process-layout."""
 
 from __future__ import annotations
 

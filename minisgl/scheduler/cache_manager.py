@@ -1,14 +1,9 @@
 """KV page ownership for the scheduler: free pages, the prefix cache, and what requests hold;
 and the table rows (a request's slot in the engine's page and token tables).
 
-Invariant (checked by `check_page_accounting`): every page is in exactly one place: the free
-list, the prefix cache, or the `page_ids` of one live request (a request's first
-`cache_matched_len / page_size` pages are the cache's, merely borrowed under a lock).
-
-Rows are handed out at admission and come back at release. Writes to the tables go through
-`DeviceTables`, which queues them for the next forward so the scheduler never waits for the
-device.
-"""
+Every page is in exactly one place (`check_page_accounting`), and table writes are queued for the
+next forward (`DeviceTables`), so the scheduler never waits for the device
+(docs/architecture.md#memory-layout)."""
 
 from __future__ import annotations
 
@@ -149,12 +144,9 @@ class CacheManager:
     def cache_prefix(self, req: Req) -> None:
         """Share `req`'s computed prompt prefix now, not only when it finishes (SGLang's "cache
         unfinished request"), so requests that arrive meanwhile with the same prefix reuse it.
-
-        Called right after a prefill chunk is scheduled. The chunk's KV is written by a batch that
-        runs before any later batch, so a request admitted in a later step reads finished KV.
-        The tree takes the new full pages under `req`'s lock; ownership moves with
-        `cache_matched_len`, so nothing is copied or freed.
-        """
+        Called right after a prefill chunk is scheduled: the batch that writes the chunk's KV runs
+        before any later one. The tree takes the new full pages under `req`'s lock; ownership moves
+        with `cache_matched_len`, so nothing is copied or freed."""
         ps = self.page_size
         aligned = min(req.cached_len, req.prompt_len + len(req.output_ids)) // ps * ps
         if aligned <= req.cache_matched_len:

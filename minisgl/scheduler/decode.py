@@ -1,11 +1,6 @@
-"""Decode: every running request past its prompt computes one token per step.
-
-When a decode cannot get a page, even after evicting unlocked cache entries, the newest running
-request (of the lowest priority class, with priority scheduling) is retracted: its computed
-prefix goes into the radix tree, its pages are freed, and it returns to the queue front;
-re-admission reuses that prefix. With priority scheduling, a waiting request of a higher class
-that cannot start retracts one the same way, before the step is scheduled.
-"""
+"""Decode: every running request past its prompt computes one token per step. When pages run
+short, a running request is retracted to the queue front, its prefix cached
+(docs/architecture.md#one-requests-life, step 7)."""
 
 from __future__ import annotations
 

@@ -1,11 +1,6 @@
 """Structured outputs in the scheduler: each constrained request's grammar matcher, each batch's
-vocabulary mask, and when that mask must wait for the previous batch.
-
-A constrained request's mask for batch N+1 depends on its token from batch N. When that token
-is still in flight (overlap), the step launches N+1's forward, processes N (which advances the
-grammars), then builds the mask and launches N+1's sampling (SGLang's order; see
-docs/architecture.md, "Structured outputs").
-"""
+vocabulary mask, and when that mask must wait for the previous batch (under overlap, N+1's
+sampling waits until N is processed: docs/architecture.md#structured-outputs)."""
 
 from __future__ import annotations
 

@@ -1,29 +1,9 @@
 """Who goes first: the order of the waiting queue, and which running request gives way.
 
-One ordering, built from the policies that are on, in this precedence:
-
-1. tenant fairness (--tenant-fairness): the tenant whose Virtual Token Counter is smallest goes
-   next (Sheng et al., "Fairness in Serving Large Language Models", OSDI 2024). A tenant's
-   counter grows with the tokens served to it: each prompt token at first admission weighs
-   INPUT_TOKEN_WEIGHT, each generated token OUTPUT_TOKEN_WEIGHT. A tenant that returns from idle
-   (no request waiting or running) starts at the smallest counter of those still active, so
-   idle time banks no credit. The tenant is the request's `user` (OpenAI's field, Anthropic's
-   `metadata.user_id`), else the API key it presents, else SHARED_TENANT.
-2. priority (--enable-priority-scheduling): the higher class first, within a tenant under
-   fairness. The class is `priority` (negated by --schedule-low-priority-values-first) minus
-   one level per --priority-aging-s of arrival time: a request that has waited k aging periods
-   longer than a newcomer outranks newcomers up to k levels above it, so low priorities are
-   slowed, never stopped. Arrival times, not the clock, decide: the order of two requests never
-   changes while they wait, so preemption cannot ping-pong, and every tp rank (the requests
-   travel with their arrival times) orders alike.
-3. cache-aware order (--schedule-policy lpm): the longest cached prefix first, while at most
-   LPM_MAX_WAITING requests wait (past that, matching every prompt costs more than it saves).
-4. the queue position: arrival order, a retracted request back at the front.
-
-Admission follows this order and stops at the first request that does not fit, so nothing is
-skipped over for good. With priority on, a request that does not fit because the running batch
-is full or pages are short retracts a running request of a lower class (`victim`).
-"""
+One ordering, from the policies that are on: tenant fairness, then priority, then lpm, then the
+queue position. Admission follows it and stops at the first request that does not fit; with
+priority on, that request retracts a running one of a lower class (`victim`). The rules and their
+reasons: docs/server.md#scheduling-policies."""
 
 from __future__ import annotations
 

@@ -1,12 +1,6 @@
 """Admission and chunked prefill: which waiting requests start, and how much prompt each step
-computes.
-
-Each step's prefill work fits in `max_prefill_tokens`: chunks of prompts already under way
-first (oldest first), then new requests in the policy's order (minisgl/scheduler/policy.py;
-arrival order by default). Admission is optimistic: a request needs its first chunk's pages plus
-one page of headroom per running request, not its whole `max_tokens` (retraction handles the
-rare overflow).
-"""
+computes (within `max_prefill_tokens`). Admission is optimistic: it does not reserve a request's
+`max_tokens` (docs/architecture.md#one-requests-life, steps 3 and 4)."""
 
 from __future__ import annotations
 

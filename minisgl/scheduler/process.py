@@ -1,11 +1,8 @@
 """The scheduler process: feed requests to the Scheduler, step it, ship its outputs.
 
-Loop: when idle, block on the input socket (with a timeout, to refresh stats and notice
-shutdown); when busy, only drain what is already waiting, so decoding never waits for input.
-
-Tensor parallelism: this process is rank 0 (minisgl.scheduler.tp): its scheduler broadcasts each
-step's inbox, the messages this loop hands it, to ranks 1..N-1, so this loop does not change.
-"""
+When idle it blocks on the input socket (with a timeout, to refresh stats and notice shutdown);
+when busy it only drains what is already waiting, so decoding never waits for input. With tp it
+is rank 0 and this loop does not change (docs/server.md#process-layout)."""
 
 from __future__ import annotations
 

@@ -1,12 +1,9 @@
 """The scheduler: one step = schedule a batch, launch it, process the previous batch's results.
 
-The parts: `PrefillManager` (queue, admission, prompt chunks), `DecodeManager` (who decodes,
-retraction), `CacheManager` (KV pages, the prefix cache and table rows), `GrammarMasks`
-(structured outputs), `NgramSpeculator` (drafts) and `SchedulerCounters` (for /metrics). This
-class owns the running requests and the batch in flight; calls made between steps (requests,
-aborts, a cache flush) wait in its inbox, which the next step applies first, on every tp rank
-alike (minisgl.scheduler.tp broadcasts it).
-"""
+This class owns the running requests and the batch in flight, and composes the managers that
+docs/architecture.md#modules-each-imports-only-the-ones-above-it lists. Calls made between steps
+wait in its inbox, which the next step applies first, on every tp rank alike
+(minisgl.scheduler.tp)."""
 
 from __future__ import annotations
 

@@ -1,20 +1,8 @@
 """Speculative decoding with n-gram drafts (prompt lookup): guess a request's next tokens by
 finding its last few tokens earlier in its own prompt and output, and check the guesses in the
-forward that computes its next token anyway.
-
-A verify step runs in the same batch as plain decodes and prefill chunks: the request's last
-token and its k drafts (written into the token table after it) as 1 + k one-token rows
-(scheduler/batch.py), each sampled as plain decoding would sample it there. The sampler's
-draws depend only on the request's seed and the token's position (engine/sampler.py), so a
-draft is accepted exactly when it equals the token sampled before it, and the output is token
-for token that of decoding without drafts, greedy or not. For a draft x this is the rejection
-rule of speculative sampling with a point-mass proposal: x is kept with probability p(x); if
-not, the sampled token is a draw from p without x, renormalised.
-
-The KV of accepted drafts is kept and the pages past the request's new end are freed in the same
-step; the prefix cache only takes tokens below `cached_len`, which counts verified ones only.
-Requests with a structured-output grammar decode without drafts.
-"""
+forward that computes its next token anyway. The output is token for token that of decoding
+without drafts (docs/speculative.md#what-stays-exactly-the-same); how a verify step runs, and
+which requests draft: docs/speculative.md#how-a-verify-step-runs."""
 
 from __future__ import annotations
 

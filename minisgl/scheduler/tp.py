@@ -1,24 +1,9 @@
 """Tensor parallelism across processes: rank 0 drives, ranks 1..N-1 follow.
 
-Every rank holds a shard of the model and runs its own `Scheduler`, each step with the same
-inbox, so batches, page tables and radix trees stay identical on all ranks without ever being
-compared. Rank 0's scheduler queues the calls it is given (requests, aborts, a cache flush) and
-at the start of each step broadcasts them over the gloo control group (`TPGroup.broadcast`); a
-follower (`run_rank`) receives each step's inbox and steps with it (Mini-SGLang's
-`receive_msg`). Inside the step the model's collectives keep the shards in lockstep, and the
-engine broadcasts rank 0's sampled tokens.
-
-Processes: rank 0 runs in the caller's process (the offline `LLM`, or the server's scheduler
-process); the other ranks of node 0 are "spawn"ed children of minisgl.runtime.supervisor, each
-reporting over a pipe that it started, then that it is ready or why it failed. With --nnodes > 1,
-node k > 0 runs `python -m minisgl.scheduler.tp --node-rank k ...` (`run_follower_node`), which
-runs its ranks the same way. docs/tensor_parallel.md has the whole story.
-
-Failure: a rank that dies closes its sockets, so the next collective fails at once (gloo), and
-rank 0 checks its children are alive before each broadcast; a wedged rank trips the collective
-timeout. Either way rank 0 raises `TPRankError`, naming the rank when one died, instead of
-hanging, and the group stays broken.
-"""
+Every rank runs its own `Scheduler` with the same inbox each step (rank 0 broadcasts it over the
+gloo control group), so their state stays identical without being compared. A rank that dies or
+hangs makes rank 0 raise `TPRankError` instead of hanging, and the group stays broken.
+docs/tensor_parallel.md has the whole story (how it works, failures, multi-node)."""
 
 from __future__ import annotations
 

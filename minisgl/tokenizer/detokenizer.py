@@ -1,23 +1,7 @@
-"""Incremental detokenization with stop strings.
-
-Decoding one token at a time is wrong for byte-level tokenizers: a multi-byte UTF-8 character
-(emoji, CJK) can be split across tokens, and a lone token then decodes to U+FFFD. Like vLLM and
-HF's TextStreamer we decode a small sliding window instead:
-
-    ids:  ... | prefix_offset ........ read_offset ........ end |
-                 already emitted text   |   new tokens
-
-and emit `decode(prefix:end)[len(decode(prefix:read)):]` only once it no longer ends in U+FFFD.
-The window starts inside the prompt so that tokenizers which drop a leading space when decoding
-from the start of a sequence still get the space right.
-
-Stop strings are matched on the decoded text. Text that could still be the start of a stop string
-is held back until it can't (or until `flush`), so a stop string never leaks into any delta, even
-when it spans several tokens.
-
-The same class serves the server's detokenizer process and the offline `LLM`: a request's outputs
-in, their text filled in, and the stop string that ends it (minisgl.core.finish_reason).
-"""
+"""Incremental detokenization with stop strings, for the server's detokenizer process and the
+offline `LLM` alike: a request's outputs in, their text filled in, and the stop string that ends
+it (minisgl.core.finish_reason). Text goes out only as whole characters, and no stop string
+leaks into it (docs/architecture.md#incremental-detokenization)."""
 
 from __future__ import annotations
 
