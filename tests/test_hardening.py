@@ -391,6 +391,19 @@ def test_huge_integers_are_a_400(http, server, path, body, param):
     _assert_serving(http, server)
 
 
+@pytest.mark.parametrize("seed", [2**63 - 1, -(2**63)])
+def test_every_valid_seed_serves_n_choices(http, server, seed):
+    # issue 45: choice j's seed + j used to overflow 64 bits and make this a 400
+    body = COMPLETION | {"seed": seed, "n": 3, "temperature": 1.0}
+    response = http.post("/v1/completions", json=body)
+    assert response.status_code == 200, response.text
+    assert len(response.json()["choices"]) == 3
+    # the same seed gives the same choices: each one's seed is derived, not drawn
+    again = http.post("/v1/completions", json=body).json()["choices"]
+    assert [c["text"] for c in again] == [c["text"] for c in response.json()["choices"]]
+    _assert_serving(http, server)
+
+
 @pytest.mark.parametrize(
     ("path", "raw", "param"),
     [

@@ -213,12 +213,19 @@ def choice_params(
         )
         if requested is None and "min_tokens" in fields:  # more than explicit max_tokens: a 400
             fields["min_tokens"] = min(fields["min_tokens"], fields["max_tokens"])
-        # With a seed, choice j uses seed + j: n sequences that are reproducible yet differ.
         params = [
-            SamplingParams(**fields, seed=None if seed is None else seed + j, constraint=constraint)
+            SamplingParams(**fields, seed=_choice_seed(seed, j), constraint=constraint)
             for j in range(req.n)
         ]
         check_request(prompt_ids, params[0], limits, req.prompt_param)  # the same for every j
     except InvalidRequestError as exc:
         raise req.invalid(exc) from None
     return params
+
+
+def _choice_seed(seed: int | None, j: int) -> int | None:
+    """Choice j's seed: seed + j, wrapped into the 64-bit signed range, so n sequences are
+    reproducible yet differ for any valid seed (choice 0's is the seed as sent, checked as such)."""
+    if seed is None or j == 0:
+        return seed
+    return (seed + j + 2**63) % 2**64 - 2**63
