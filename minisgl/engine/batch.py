@@ -24,7 +24,7 @@ class ForwardBatch:
     [prefix_lens[i], prefix_lens[i] + extend_lens[i]) of table row table_rows[i]; when
     sampling[i] is set it also samples the token at the next position.
 
-    The fields after prompt_logprobs are the scheduler's bookkeeping (scheduler/batch.py),
+    The fields after prompt_logprobs are the scheduler's bookkeeping (scheduler/forward.py),
     which no engine code reads."""
 
     table_rows: list[int]

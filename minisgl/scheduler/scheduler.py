@@ -21,10 +21,10 @@ from minisgl.engine.device import nvtx_range
 from minisgl.engine.engine import Engine
 from minisgl.limits import ModelLimits, check_request
 from minisgl.runtime.messages import AbortRequest, FlushCacheRequest
-from minisgl.scheduler.batch import ForwardThread, build_batch, resolved
 from minisgl.scheduler.cache_manager import CacheManager
 from minisgl.scheduler.counters import SchedulerCounters
 from minisgl.scheduler.decode import DecodeManager
+from minisgl.scheduler.forward import ForwardThread, build_batch, resolved
 from minisgl.scheduler.grammar_masks import GrammarMasks
 from minisgl.scheduler.policy import OUTPUT_TOKEN_WEIGHT
 from minisgl.scheduler.prefill import PrefillManager
