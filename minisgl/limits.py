@@ -43,6 +43,9 @@ MAX_TOOLS = 128
 # (Anthropic's API allows 100,000 messages).
 MAX_JSON_DEPTH = 128
 MAX_JSON_OBJECTS = 100_000
+# Array elements and object members, numbers included: what a body costs to parse and validate
+# grows with them, whatever they are. Twice the longest /detokenize.
+MAX_JSON_ITEMS = 1 << 21
 # Dialects
 MAX_CHOICES_PER_REQUEST = 128  # `n` (OpenAI's bound)
 MAX_DETOKENIZE_IDS = 1 << 20  # /detokenize
@@ -164,13 +167,14 @@ def check_request(
     limits: ModelLimits,
     prompt_param: str = "prompt",
 ) -> None:
-    """Raise InvalidRequestError for a request that could never run on this model."""
+    """Raise InvalidRequestError for a request that could never run on this model. The length
+    first: each id's check costs time, which only a prompt that fits is worth."""
     if not input_ids:
         raise InvalidRequestError(prompt_param, "must not be empty")
+    resolve_max_tokens(params.max_tokens, len(input_ids), limits, prompt_param)
     check_token_ids(input_ids, limits, prompt_param)
     check_token_ids([t for t, _ in params.logit_bias], limits, "logit_bias")
     if params.top_k > limits.vocab_size:
         raise InvalidRequestError(
             "top_k", f"must be at most the vocabulary size ({limits.vocab_size}), or -1/0 for off"
         )
-    resolve_max_tokens(params.max_tokens, len(input_ids), limits, prompt_param)

@@ -27,7 +27,13 @@ import pytest
 from minisgl.core import Constraint
 from minisgl.grammar import worker
 from minisgl.grammar.worker import WORKER_NAME
-from minisgl.limits import MAX_CONSTRAINT_BYTES, MAX_WORKER_RSS_BYTES, InvalidRequestError
+from minisgl.limits import (
+    MAX_CONSTRAINT_BYTES,
+    MAX_DETOKENIZE_IDS,
+    MAX_JSON_ITEMS,
+    MAX_WORKER_RSS_BYTES,
+    InvalidRequestError,
+)
 from minisgl.tokenizer import load_tokenizer
 from tests.server_utils import ServerProcess, require_default_model, running_server
 
@@ -193,6 +199,40 @@ class _RssSampler(threading.Thread):
         while not self.stop.wait(SAMPLE_INTERVAL_S):
             self.peak_tree_bytes = max(self.peak_tree_bytes, _rss(_tree(self.server)))
             self.peak_api_bytes = max(self.peak_api_bytes, _rss(self.api))
+
+
+def _post_raw(server: ServerProcess, path: str, raw: bytes) -> httpx.Response:
+    headers = {"Content-Type": "application/json"}
+    return httpx.post(server.url + path, content=raw, headers=headers, timeout=REQUEST_TIMEOUT_S)
+
+
+@pytest.mark.parametrize(
+    ("path", "field"), [("/v1/completions", "prompt"), ("/detokenize", "tokens")]
+)
+def test_ten_million_token_ids_are_refused_without_stalling_streams(server, path, field) -> None:
+    """Issue 45: 28.6 MiB of ids, refused by the body's bound on values before anything parses
+    them (it took 41 s, froze every stream for 31.6 s and grew the API process by 1 GB)."""
+    raw = json.dumps({field: [1] * 10_000_000, "max_tokens": 1}).encode()
+    sampler = _RssSampler(server)
+    api_before = _rss(sampler.api)
+    sampler.start()
+    try:
+        response = _while_streaming(server, lambda: _post_raw(server, path, raw))
+    finally:
+        sampler.stop.set()
+        sampler.join(REQUEST_TIMEOUT_S)
+    _assert_refused(response, field, str(MAX_JSON_ITEMS))
+    print(f"api {api_before // MIB} -> peak {sampler.peak_api_bytes // MIB} MiB")
+    assert sampler.peak_api_bytes < api_before + API_RSS_GROWTH_BYTES
+
+
+def test_the_longest_detokenize_is_served(server: ServerProcess) -> None:
+    """The body's bound leaves room for it: MAX_DETOKENIZE_IDS ids; one more is a 400."""
+    ids = [5] * MAX_DETOKENIZE_IDS
+    response = _post_raw(server, "/detokenize", json.dumps({"tokens": ids}).encode())
+    assert response.status_code == 200 and len(response.json()["prompt"]) >= len(ids)
+    too_many = json.dumps({"tokens": [*ids, 5]}).encode()
+    _assert_refused(_post_raw(server, "/detokenize", too_many), "tokens")
 
 
 def test_a_grammar_that_eats_memory_is_a_400_and_the_server_stays_up(

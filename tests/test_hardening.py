@@ -37,6 +37,7 @@ from minisgl.config import ServerArgs
 from minisgl.core import FinishReason, ReqOutput, SamplingParams
 from minisgl.limits import (
     CLIENT_TIMEOUT_S,
+    MAX_JSON_ITEMS,
     MAX_JSON_OBJECTS,
     MAX_STOP_STRINGS,
     InvalidRequestError,
@@ -857,3 +858,61 @@ def test_a_body_of_too_many_objects_is_refused():
     with pytest.raises(InvalidRequestError, match=f"more than {MAX_JSON_OBJECTS} objects"):
         check_json(json.dumps({"messages": [{}] * MAX_JSON_OBJECTS}).encode())
     check_json(json.dumps({"messages": [{}] * (MAX_JSON_OBJECTS - 1)}).encode())
+
+
+def test_every_array_element_counts_against_the_body_bound():
+    """Numbers too (issue 45): past MAX_JSON_ITEMS a body is refused before anything parses
+    it, naming the field that holds them; a body at the bound passes."""
+    ids = [1] * MAX_JSON_ITEMS
+    with pytest.raises(InvalidRequestError, match=f"^prompt: holds more than {MAX_JSON_ITEMS}"):
+        check_json(json.dumps({"model": "m", "prompt": ids, "max_tokens": 1}).encode())
+    rows = [ids[:1000]] * (MAX_JSON_ITEMS // 1000 + 1)
+    with pytest.raises(InvalidRequestError, match="^input_ids: "):
+        check_json(json.dumps({"text": '"a", [1, 2]', "input_ids": rows}).encode())
+    with pytest.raises(InvalidRequestError, match="^body: "):
+        check_json(json.dumps([*ids, 1]).encode())
+    check_json(json.dumps({"tokens": ids[:-2]}).encode())  # {, [ and the ids: the bound
+
+
+# What the number check refused with one regex (RESULTS.md section 17), the oracle of its
+# faster substring searches.
+_BAD_NUMBER = re.compile(rb"NaN|Infinity|\d{4300}|[eE]\+?0*(?:[1-9]\d{3,}|[4-9]\d\d|3[1-9]\d|309)")
+
+
+@pytest.mark.parametrize(
+    "number",
+    ["1e308", "1e309", "1E+0400", "2e-999", "1e0000308", "1e0000309", "0.5E+31", "9" * 4299,
+     "9" * 4300, "1." + "0" * 5000, "NaN", "-Infinity", "12345", "true", "-0.0e3"],
+)  # fmt: skip
+def test_numbers_python_cannot_hold_are_refused(number):
+    raw = f'{{"a": [true, false, null, {number}], "e": "1e999 NaN"}}'.encode()
+    refused = _BAD_NUMBER.search(raw.replace(b'"1e999 NaN"', b""))
+    try:
+        check_json(raw)
+    except InvalidRequestError as exc:
+        assert refused and "NaN, Infinity" in exc.message, exc
+    else:
+        assert not refused
+
+
+def test_token_id_bodies_of_every_legitimate_shape_are_served(http, server):
+    """/detokenize (its longest: tests/test_grammar_isolation.py), a prompt of the whole context
+    as ids, batches of id lists on /v1/completions and /generate (issue 45: the body bound counts
+    every id); a malformed id list is a 400 naming its field."""
+    ids = [5] * (MAX_BODY_BYTES // 4)
+    detokenized = http.post("/detokenize", json={"tokens": ids})
+    assert detokenized.status_code == 200 and len(detokenized.json()["prompt"]) >= len(ids)
+    whole_context = {"prompt": [5] * (KV_POOL_TOKENS - 1), "max_tokens": 1}
+    assert http.post("/v1/completions", json=whole_context).status_code == 200
+    batch = http.post("/v1/completions", json={"prompt": [[5, 6, 7]] * 3, "max_tokens": 1})
+    assert batch.status_code == 200 and len(batch.json()["choices"]) == 3, batch.text
+    body = {"input_ids": [[5, 6], [7, 8]], "sampling_params": {"max_new_tokens": 1}}
+    generated = http.post("/generate", json=body)
+    assert generated.status_code == 200 and len(generated.json()) == 2, generated.text
+    for prompt in ([5, "a"], [[5], [6, 7.0]], []):
+        _error(
+            http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1}), 400, "prompt"
+        )
+    _error(http.post("/generate", json={"input_ids": [5, None]}), 400, "input_ids")
+    _error(_raw(http, "/detokenize", b'{"tokens": [1, 2'), 400)
+    _assert_serving(http, server)

@@ -9,14 +9,14 @@ import time
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
-from minisgl.api.request import api_key_tenant
 from minisgl.config import ServerArgs
 from minisgl.core import Req, ReqOutput, SamplingParams
 from minisgl.engine.engine import Engine
 from minisgl.scheduler import policy as policy_module
-from minisgl.scheduler.counters import SchedulerCounters
-from minisgl.scheduler.policy import INPUT_TOKEN_WEIGHT, OUTPUT_TOKEN_WEIGHT
+from minisgl.scheduler.counters import MAX_LABEL_CHARS, LabelSlots, SchedulerCounters
+from minisgl.scheduler.policy import INPUT_TOKEN_WEIGHT, OUTPUT_TOKEN_WEIGHT, api_key_tenant
 from minisgl.scheduler.scheduler import Scheduler
 from minisgl.stats import MAX_LABEL_VALUES, OTHER_LABEL
 from tests.server_utils import require_default_model, running_server
@@ -253,6 +253,28 @@ def test_queue_time_labels_are_bounded():
         assert len(series) == MAX_LABEL_VALUES + 1 and series[OTHER_LABEL].count == 5
 
 
+def test_junk_label_values_hold_no_slot_for_good():
+    """Issue 45: a burst of junk `user`s takes the free slots, shown printable and short; an API
+    key takes a slot at once, tenants with sustained traffic soon after, and the junk is gone."""
+    slots, key = LabelSlots(), api_key_tenant({"x-api-key": "sk-secret"})
+    assert key is not None
+    for junk in ["\u0000", "\u202e\u200b\ufeff", "x" * 300, *(f"\u202ejunk{i}" for i in range(20))]:
+        slots.observe(junk, 0.5)
+    labels = slots.snapshot()
+    assert len(labels) == MAX_LABEL_VALUES + 1 and labels[OTHER_LABEL].count == 2 + 5
+    assert "x" * MAX_LABEL_CHARS in labels and "junk0" in labels
+    assert all(label.isprintable() and len(label) <= MAX_LABEL_CHARS for label in labels)
+    slots.observe(key, 0.5)
+    assert key in slots.snapshot()
+    for _ in range(3):
+        slots.observe("alice", 0.5)
+        slots.observe("bob", 0.5)
+    for _ in range(300):  # the junk is idle; every sustained tenant keeps its slot
+        slots.observe("alice", 0.5)
+    assert {key, "alice", "bob"} <= slots.snapshot().keys()
+    assert len(slots.snapshot()) <= MAX_LABEL_VALUES + 1
+
+
 def test_api_key_tenant_hides_the_key():
     tenant = api_key_tenant({"authorization": "Bearer sk-secret"})
     assert tenant is not None and tenant.startswith("key-") and "secret" not in tenant
@@ -319,6 +341,16 @@ def test_server_priority_and_tenants():
         assert load["num_waiting_reqs_by_priority"] == {"3": 2, "0": 1}, load
         for t in threads:
             t.join()
+        for junk in ("\u0000", "\u202e\u200b\ufeff"):  # label values /metrics cannot show
+            assert httpx.post(chat, json={**body, "user": junk}, headers=headers).is_success
+        text = httpx.get(srv.url + "/metrics").text
+        tenants = {
+            sample.labels["tenant"]
+            for family in text_string_to_metric_families(text)
+            for sample in family.samples
+            if "tenant" in sample.labels
+        }
+        assert OTHER_LABEL in tenants and all(t.isprintable() for t in tenants), tenants
         metrics = srv.metrics()
         key_tenant = api_key_tenant({"authorization": f"Bearer {API_KEY}"})
         for label in ('tenant="alice"', 'tenant="bob"', f'tenant="{key_tenant}"'):

@@ -166,5 +166,5 @@ class Gate:
         try:
             data = await asyncio.to_thread(check_json, bytes(body)) if body else b""
         except InvalidRequestError as exc:
-            raise RequestError(HTTPStatus.BAD_REQUEST, str(exc)) from None
+            raise RequestError(HTTPStatus.BAD_REQUEST, str(exc), exc.param) from None
         return {"type": "http.request", "body": data, "more_body": False}

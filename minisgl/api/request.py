@@ -7,32 +7,29 @@ field in a 400 (`max_output_tokens` on the Responses API for a rule on `max_toke
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
-import hashlib
 import json
 import uuid
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any, Self, TypeVar
 
-from pydantic import BaseModel, ConfigDict, model_validator
+from fastapi.exceptions import RequestValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from starlette.requests import Request
 
 from minisgl.chat import ChatPrompt
+from minisgl.chat.jsontext import find_invalid_text
 from minisgl.core import Constraint, SamplingParams
 from minisgl.limits import InvalidRequestError, ModelLimits, check_request, resolve_max_tokens
 
 JsonObject = dict[str, Any]  # a JSON object: a request body, a reply, an event
 SAMPLING_NAMES = frozenset(f.name for f in dataclasses.fields(SamplingParams))
-KEY_TENANT_HASH_CHARS = 12  # an API key's tenant: a hash prefix, never the key itself
-
-
-def api_key_tenant(headers: Mapping[str, str]) -> str | None:
-    """The tenant of a request that names no user: the API key it presents (`x-api-key` or a
-    Bearer token, as the server's Gate checks it), as `key-` and a short hash."""
-    key = headers.get("x-api-key") or headers.get("authorization", "").removeprefix("Bearer ")
-    return (
-        f"key-{hashlib.sha256(key.encode()).hexdigest()[:KEY_TENANT_HASH_CHARS]}" if key else None
-    )
+_T = TypeVar("_T")
+# A list validated up to its first bad item: a union tries each of its types, and an error for
+# each of a million token ids takes seconds.
+FailFastList = Annotated[list[_T], Field(fail_fast=True)]
 
 
 def new_id(prefix: str, sep: str = "-") -> str:
@@ -78,23 +75,6 @@ def chat_tool_choice(choice: Any, named: str, plain: Mapping[str, str], expected
     raise InvalidRequestError("tool_choice", f"must be {expected}")
 
 
-def find_invalid_text(data: Any) -> str | None:
-    """The top-level field of a JSON value holding a string that is not valid Unicode (a lone
-    surrogate such as "\\ud800", which JSON escapes allow): such text cannot be encoded for
-    the tokenizer or the other processes. "body" when it is not under a field (a key of the
-    body); None if clean. Such a string is what UTF-8 cannot encode: JSON decodes a pair of
-    surrogate escapes into one character, so a surrogate left in a string is a lone one. (A
-    body nests at most minisgl.chat.jsontext.MAX_JSON_DEPTH deep here: json.dumps recurses.)"""
-    # The keys first: a field's name that is not valid text is no place to point at.
-    fields = [("body", [*data]), *data.items()] if isinstance(data, dict) else [("body", data)]
-    for where, value in fields:
-        try:
-            json.dumps(value, ensure_ascii=False, default=str).encode()
-        except UnicodeEncodeError:
-            return str(where)
-    return None
-
-
 class WireModel(BaseModel):
     """A request body (or part of one) in some dialect's shape."""
 
@@ -110,6 +90,24 @@ class WireModel(BaseModel):
         if isinstance(data, dict):
             data = {k: v for k, v in data.items() if v is not None or k not in cls.model_fields}
         return data
+
+    @classmethod
+    def validated(cls, data: Any, *loc: str) -> Self:
+        """`data` (a JSON body's bytes, or their value) as this model; its errors reported as
+        FastAPI reports a body's (under `loc`)."""
+        try:
+            return cls.model_validate(json.loads(data) if isinstance(data, bytes) else data)
+        except ValidationError as exc:
+            errors = [{**e, "loc": (*loc, *e["loc"])} for e in exc.errors()]
+        except ValueError:  # not JSON
+            errors = [{"type": "json_invalid", "loc": ()}]
+        raise RequestValidationError(errors)
+
+    @classmethod
+    async def from_request(cls, request: Request) -> Self:
+        """The request's body as this model, parsed and validated on a thread: for a million
+        token ids that takes a second, which the event loop spends on other requests."""
+        return await asyncio.to_thread(cls.validated, await request.body())
 
 
 class SamplingWire(WireModel):
@@ -127,7 +125,7 @@ class SamplingWire(WireModel):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     seed: int | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: FailFastList[int] | None = None
     logit_bias: JsonObject | None = None  # token id (as text) -> bias in [-100, 100]
     min_tokens: int | None = None  # no EOS, stop token or stop string before this many
     ignore_eos: bool = False

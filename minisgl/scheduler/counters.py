@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from minisgl.scheduler.policy import tenant_of
+from minisgl.scheduler.policy import KEY_TENANT_PREFIX, tenant_of
 from minisgl.stats import (
     BATCH_SIZE_BUCKETS,
     BATCH_TOKENS_BUCKETS,
@@ -23,6 +24,16 @@ from minisgl.stats import (
 
 if TYPE_CHECKING:
     from minisgl.core import Req
+
+MAX_LABEL_CHARS = 64
+# A label value's traffic: each observation adds 1 (an API key's KEY_LABEL_WEIGHT: it takes a slot
+# before any `user` value) and every count decays by LABEL_DECAY; a value takes the slot of the
+# one with the least traffic once it has LABEL_TAKEOVER_RATIO times as much. Values whose traffic
+# falls to MIN_LABEL_TRAFFIC are forgotten (so at most a few hundred are tracked).
+LABEL_DECAY = 0.99
+KEY_LABEL_WEIGHT = 8.0
+LABEL_TAKEOVER_RATIO = 2.0
+MIN_LABEL_TRAFFIC = 0.01
 
 
 class HistogramCounts:
@@ -45,11 +56,39 @@ def _histogram_counts(bounds: tuple[float, ...]) -> Any:
     return field(default_factory=lambda: HistogramCounts(bounds))
 
 
-def _observe(series: dict[str, HistogramCounts], label: str, value: float) -> None:
-    """Into the series of `label`, or OTHER_LABEL's once MAX_LABEL_VALUES labels exist."""
-    if label not in series and len(series) >= MAX_LABEL_VALUES:
-        label = OTHER_LABEL
-    series.setdefault(label, HistogramCounts()).observe(value)
+class LabelSlots:
+    """A histogram per label value, at most MAX_LABEL_VALUES of them and OTHER_LABEL's for the
+    rest: the values with the most recent traffic (the constants above), so values that stop
+    sending (a burst of junk `user`s) hold no slot for good. A value is shown printable and at
+    most MAX_LABEL_CHARS long; one with nothing printable is OTHER_LABEL's."""
+
+    def __init__(self) -> None:
+        self.series = {OTHER_LABEL: HistogramCounts()}
+        # The labelled values' traffic and recent others' (OTHER_LABEL's: never the weakest).
+        self._traffic = {OTHER_LABEL: math.inf}
+
+    def observe(self, value: str, observed: float) -> None:
+        label = "".join(filter(str.isprintable, value))[:MAX_LABEL_CHARS] or OTHER_LABEL
+        series, traffic = self.series, self._traffic
+        traffic = {
+            k: t * LABEL_DECAY for k, t in traffic.items() if t > MIN_LABEL_TRAFFIC or k in series
+        }
+        weight = KEY_LABEL_WEIGHT if label.startswith(KEY_TENANT_PREFIX) else 1.0
+        traffic[label] = traffic.get(label, 0.0) + weight
+        self._traffic = traffic
+        if label not in series:
+            weakest = min(series, key=traffic.__getitem__)
+            if (
+                len(series) > MAX_LABEL_VALUES
+                and traffic[label] > LABEL_TAKEOVER_RATIO * traffic[weakest]
+            ):
+                del series[weakest]
+            if len(series) <= MAX_LABEL_VALUES:
+                series[label] = HistogramCounts()
+        series.get(label, series[OTHER_LABEL]).observe(observed)
+
+    def snapshot(self) -> dict[str, HistogramSnapshot]:
+        return {label: h.snapshot() for label, h in self.series.items() if any(h.counts)}
 
 
 @dataclass
@@ -68,8 +107,8 @@ class SchedulerCounters:
     queue_time_s: HistogramCounts = _histogram_counts(QUEUE_TIME_BUCKETS_S)
     batch_size: HistogramCounts = _histogram_counts(BATCH_SIZE_BUCKETS)
     batch_tokens: HistogramCounts = _histogram_counts(BATCH_TOKENS_BUCKETS)
-    queue_time_by_priority_s: dict[str, HistogramCounts] = field(default_factory=dict)
-    queue_time_by_tenant_s: dict[str, HistogramCounts] = field(default_factory=dict)
+    queue_time_by_priority_s: LabelSlots = field(default_factory=LabelSlots)
+    queue_time_by_tenant_s: LabelSlots = field(default_factory=LabelSlots)
 
     def first_admission(self, req: Req) -> None:
         """A request admitted for the first time (not after a retraction), its prefix matched."""
@@ -78,8 +117,8 @@ class SchedulerCounters:
         if req.arrival_time > 0:  # set by the server; offline requests have none
             queue_time_s = time.monotonic() - req.arrival_time
             self.queue_time_s.observe(queue_time_s)
-            _observe(self.queue_time_by_priority_s, str(req.sampling_params.priority), queue_time_s)
-            _observe(self.queue_time_by_tenant_s, tenant_of(req), queue_time_s)
+            self.queue_time_by_priority_s.observe(str(req.sampling_params.priority), queue_time_s)
+            self.queue_time_by_tenant_s.observe(tenant_of(req), queue_time_s)
 
     def step(self, num_decodes: int, chunks: list[tuple[Req, int]], num_drafts: int = 0) -> None:
         """A step's batch: decodes (a token each, and `num_drafts` draft tokens between them)
@@ -96,10 +135,8 @@ class SchedulerCounters:
     def snapshot(self) -> dict[str, Any]:
         """SchedulerStats fields: the totals, and a snapshot of each histogram."""
 
-        def snap(v: Any) -> Any:  # a labelled histogram is a dict of them
-            if isinstance(v, dict):
-                return {label: snap(series) for label, series in v.items()}
-            return v.snapshot() if isinstance(v, HistogramCounts) else v
+        def snap(v: Any) -> Any:
+            return v.snapshot() if isinstance(v, (HistogramCounts, LabelSlots)) else v
 
         return {f.name: snap(getattr(self, f.name)) for f in dataclasses.fields(self)}
 

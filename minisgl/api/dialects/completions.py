@@ -22,7 +22,7 @@ from minisgl.api.dialects.openai import (
     usage_dict,
 )
 from minisgl.api.pipeline import Run, ServingContext
-from minisgl.api.request import ApiRequest, JsonObject, new_id, sampling_of
+from minisgl.api.request import ApiRequest, FailFastList, JsonObject, new_id, sampling_of
 from minisgl.api.sse import respond
 from minisgl.core import TokenLogprob
 from minisgl.limits import DEFAULT_MAX_TOKENS, InvalidRequestError
@@ -31,7 +31,7 @@ LOGPROB_KEYS = ("tokens", "token_logprobs", "top_logprobs", "text_offset")
 
 
 class CompletionRequest(OpenAISampling):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | FailFastList[str] | FailFastList[int] | FailFastList[FailFastList[int]]
     logprobs: int | None = None
     echo: bool = False
     # Not supported; refused rather than ignored, so a client learns its request was not run
@@ -137,7 +137,8 @@ router = APIRouter()
 
 
 @router.post("/v1/completions")
-async def create_completion(body: CompletionRequest, request: Request) -> Response:
+async def create_completion(request: Request) -> Response:
+    body = await CompletionRequest.from_request(request)
     run = await Run(request, body.to_api(), new_id("cmpl")).start()
     return await respond(
         run,

@@ -17,8 +17,7 @@ from pathlib import Path
 from typing import Any, cast
 
 from fastapi import APIRouter, Request
-from fastapi.exceptions import RequestValidationError
-from pydantic import Field, ValidationError
+from pydantic import Field
 from starlette.responses import Response
 
 from minisgl.api.dialects.openai import OpenAISampling
@@ -27,6 +26,7 @@ from minisgl.api.pipeline import Choice, Run, ServingContext
 from minisgl.api.request import (
     SAMPLING_NAMES,
     ApiRequest,
+    FailFastList,
     JsonObject,
     WireModel,
     new_id,
@@ -80,8 +80,8 @@ class SGLangSampling(OpenAISampling):
 
 
 class GenerateRequest(WireModel):
-    text: str | list[str] | None = None
-    input_ids: list[int] | list[list[int]] | None = None
+    text: str | FailFastList[str] | None = None
+    input_ids: FailFastList[int] | FailFastList[FailFastList[int]] | None = None
     sampling_params: JsonObject | list[JsonObject] | None = None
     stream: bool = False
     return_logprob: bool = False
@@ -107,12 +107,7 @@ class GenerateRequest(WireModel):
         rows = given if isinstance(given, list) else [given or {}]
         if isinstance(given, list) and len(rows) != num_prompts:
             raise InvalidRequestError("sampling_params", "needs one object per prompt")
-        try:
-            return [SGLangSampling.model_validate(row) for row in rows]
-        except ValidationError as exc:  # reported as the body's own errors are
-            raise RequestValidationError(
-                [{**e, "loc": ("sampling_params", *e["loc"])} for e in exc.errors()]
-            ) from None
+        return [SGLangSampling.validated(row, "sampling_params") for row in rows]
 
     def to_api(self) -> ApiRequest:
         if (self.text is None) == (self.input_ids is None):
@@ -208,7 +203,8 @@ router = APIRouter()
 
 
 @router.api_route("/generate", methods=["POST", "PUT"])
-async def generate(body: GenerateRequest, request: Request) -> Response:
+async def generate(request: Request) -> Response:
+    body = await GenerateRequest.from_request(request)
     run = Run(request, body.to_api(), new_id("generate"))
     await run.prepare()
     shortest = min(len(ids) for ids in run.prompts)

@@ -11,7 +11,7 @@ from fastapi import APIRouter, Request
 from pydantic import Field, model_validator
 
 from minisgl.api.pipeline import Run, ServingContext
-from minisgl.api.request import ApiRequest, JsonObject, WireModel
+from minisgl.api.request import ApiRequest, FailFastList, JsonObject, WireModel
 from minisgl.chat import ChatPrompt
 from minisgl.limits import (
     MAX_DETOKENIZE_IDS,
@@ -39,7 +39,7 @@ class TokenizeRequest(WireModel):
 
 class DetokenizeRequest(WireModel):
     model: str | None = None
-    tokens: list[int] = Field(max_length=MAX_DETOKENIZE_IDS)
+    tokens: FailFastList[int] = Field(max_length=MAX_DETOKENIZE_IDS)
 
 
 router = APIRouter()
@@ -78,7 +78,8 @@ async def tokenize(body: TokenizeRequest, request: Request) -> JsonObject:
 
 
 @router.post("/detokenize")
-async def detokenize(body: DetokenizeRequest, request: Request) -> JsonObject:
+async def detokenize(request: Request) -> JsonObject:
+    body = await DetokenizeRequest.from_request(request)
     ctx: ServingContext = request.app.state.ctx
     ctx.check_model(body.model)
     check_token_ids(body.tokens, ctx.limits, "tokens")
