@@ -29,6 +29,9 @@ DEFAULT_CPU_KV_CACHE_GB = 1.0
 DISABLE_OVERLAP_ENV = "MINISGL_DISABLE_OVERLAP_SCHEDULING"
 DEFAULT_CUDA_MAX_PREFILL_TOKENS = 8192
 DEFAULT_CPU_MAX_PREFILL_TOKENS = 1024
+# --target-itl-ms's default: this many decode steps plus this much more per step with prefill
+AUTO_ITL_DECODE_STEPS = 2.0
+AUTO_ITL_EXTRA_MS = 100.0
 
 # Data parallelism (minisgl/runtime/dp.py): the SGLang Model Gateway's routing policies.
 ROUTER_POLICIES = ("cache_aware", "round_robin", "random", "power_of_two")
@@ -73,6 +76,7 @@ _LOWER_BOUNDS = {
     "kv_cache_gb": 0,
     "max_running_requests": 1,
     "max_prefill_tokens": 1,
+    "target_itl_ms": 0,
     "priority_aging_s": 0,
     "speculative_num_draft_tokens": 1,
     "speculative_ngram_min_match": 1,
@@ -154,6 +158,15 @@ class ServerArgs:
     # stalls every running decode meanwhile.
     max_prefill_tokens: int | None = _opt(
         None, SCHED, "prompt tokens prefilled per step (default: 8192 on CUDA, 1024 on CPU)"
+    )
+    # While streams decode, a step's prefill chunks are sized from the measured cost of a step
+    # so that it takes about this long (minisgl/scheduler/step_cost.py).
+    target_itl_ms: float | None = _opt(
+        None,
+        SCHED,
+        "decoding streams' inter-token latency to keep while prompts prefill, in ms "
+        f"(default: {AUTO_ITL_DECODE_STEPS:g} decode steps + {AUTO_ITL_EXTRA_MS:g} ms; 0: off, "
+        "chunks of --max-prefill-tokens only)",
     )
     # Overlap scheduling: auto is on for CUDA (the host work hides behind the GPU), off for CPU
     # (the forward already uses every core, so the scheduling thread only competes with it:

@@ -61,6 +61,8 @@ KNOBS = {
     "graph_padding": dict(cuda_graph_max_bs=8),
     "graph_padding_overlap_page16": dict(cuda_graph_max_bs=16, overlap="on", page_size=16),
     "one_running": dict(max_running_requests=1),
+    # prefill beside decodes in the smallest chunks (no step fits a target of 1 us)
+    "target_itl_tiny": dict(target_itl_ms=1e-3, max_running_requests=2),
 }
 
 

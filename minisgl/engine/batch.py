@@ -41,6 +41,7 @@ class ForwardBatch:
     scored_only: list[Req] = field(default_factory=list)
     with_drafts: bool = False  # speculative decoding: a request samples 1 + len(drafts) rows
     pending: PendingOutput | Future[PendingOutput] | None = None  # once launched
+    launched_s: float = 0.0  # when (time.perf_counter()), for the step's cost
     # Requests that finished while this batch was in flight: their KV goes back once it is done
     release_after: list[Req] = field(default_factory=list)
 

@@ -1,13 +1,17 @@
 """Admission and chunked prefill: which waiting requests start, and how much prompt each step
-computes (within `max_prefill_tokens`). Admission is optimistic: it does not reserve a request's
-`max_tokens` (docs/architecture.md#one-requests-life, steps 3 and 4)."""
+computes (within `max_prefill_tokens` and, in a step that decodes, the time its `ChunkCosts`
+allow). Admission is optimistic: it does not reserve a request's `max_tokens`
+(docs/architecture.md#one-requests-life, steps 3 and 4)."""
 
 from __future__ import annotations
+
+import math
 
 from minisgl.config import ServerArgs
 from minisgl.core import Req
 from minisgl.scheduler.cache_manager import CacheManager
 from minisgl.scheduler.policy import INPUT_TOKEN_WEIGHT, SchedulePolicy
+from minisgl.scheduler.step_cost import MIN_CHUNK_TOKENS, ChunkCosts
 
 # Two prompts agreeing on this many leading tokens are taken to share a prefix worth caching.
 SHARED_PREFIX_PROBE_LEN = 32
@@ -35,23 +39,30 @@ class PrefillManager:
         head = next(self.policy.order(self.waiting, running))
         return None if self._can_admit(head, len(running)) else self.policy.victim(head, running)
 
-    def schedule(self, running: list[Req]) -> tuple[list[tuple[Req, int]], list[Req]]:
+    def schedule(
+        self, running: list[Req], costs: ChunkCosts, decoding: bool = False
+    ) -> tuple[list[tuple[Req, int]], list[Req]]:
         """This step's prefill work as (request, tokens to compute) pairs: chunks of the prompts
         under way in `running`, then of new admissions; and those admitted (the caller runs
-        them)."""
+        them). A step that is `decoding` spends at most `costs.budget_s` on them."""
         chunks: list[tuple[Req, int]] = []
         admitted: list[Req] = []
         budget = self.max_prefill_tokens  # prompt tokens this step may still compute
         score_budget = PROMPT_LOGPROBS_STEP_TOKENS  # of those, prompt positions it may score
+        budget_s = costs.budget_s if decoding else math.inf  # prefill time left to spend
 
         def chunk_len(req: Req) -> int:
+            # The first chunk moves on whatever the time: the decodes alone may take it all.
+            in_time = costs.max_tokens(budget_s, req.cached_len)
             return min(
                 req.remaining_prefill_len,
                 min(budget, score_budget) if req.scores_prompt else budget,
+                in_time if chunks else max(in_time, MIN_CHUNK_TOKENS),
             )
 
         def add(req: Req, chunk: int) -> None:
-            nonlocal budget, score_budget
+            nonlocal budget, score_budget, budget_s
+            budget_s -= costs.cost_s(chunk, req.cached_len)
             chunks.append((req, chunk))
             budget -= chunk
             score_budget -= chunk if req.scores_prompt else 0
@@ -63,7 +74,7 @@ class PrefillManager:
             if req.finished:
                 continue
             chunk = chunk_len(req)
-            if chunk == 0:  # a scored prompt, with this step's scoring budget spent
+            if chunk == 0:  # a scored prompt with this step's scoring budget spent, or no time
                 continue
             if not self.cache.reserve([req], [req.cached_len + chunk]):
                 break
@@ -72,7 +83,11 @@ class PrefillManager:
         # the first one's prefix is in the radix tree and they compute only their own suffix.
         admitted_keys: set[tuple[int, ...]] = set()
         for req in self.policy.order(self.waiting, running):
-            if budget <= 0 or not self._can_admit(req, len(running) + len(admitted)):
+            if (
+                budget <= 0
+                or (chunks and budget_s <= 0)
+                or not self._can_admit(req, len(running) + len(admitted))
+            ):
                 break
             if req.scores_prompt and score_budget <= 0:
                 break
@@ -83,8 +98,9 @@ class PrefillManager:
             if key is not None and req.cached_len < len(key):
                 admitted_keys.add(key)
             chunk = chunk_len(req)
-            if not self.cache.reserve([req], [req.cached_len + chunk]):
-                # The estimate was optimistic (its cached prefix got locked): undo, retry later.
+            if chunk == 0 or not self.cache.reserve([req], [req.cached_len + chunk]):
+                # No time left, or the estimate was optimistic (its cached prefix got locked):
+                # undo, retry later.
                 self.cache.release(req)
                 break
             self.waiting.remove(req)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import random
+import time
 from collections import Counter
 from typing import TYPE_CHECKING
 
@@ -29,6 +30,7 @@ from minisgl.scheduler.grammar_masks import GrammarMasks
 from minisgl.scheduler.policy import OUTPUT_TOKEN_WEIGHT
 from minisgl.scheduler.prefill import PrefillManager
 from minisgl.scheduler.speculative import NgramSpeculator
+from minisgl.scheduler.step_cost import ChunkCosts, StepCosts
 from minisgl.stats import SchedulerStats
 
 if TYPE_CHECKING:
@@ -36,8 +38,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# A call made between steps, in the order made: a request to add, one to abort, a cache flush.
-Inbox = list[Req | AbortRequest | FlushCacheRequest]
+# A call made between steps, in the order made: a request to add, one to abort, a cache flush;
+# last, the step's chunk costs (rank 0's: every tp rank sizes the same chunks).
+Inbox = list[Req | AbortRequest | FlushCacheRequest | ChunkCosts]
 
 
 class Scheduler:
@@ -56,6 +59,8 @@ class Scheduler:
         self.cache = CacheManager(engine.num_pages, args.page_size, args.cache_type, engine.tables)
         self.prefill = PrefillManager(self.cache, args, engine.max_prefill_tokens)
         self.counters = SchedulerCounters()
+        self.step_costs = StepCosts(args.target_itl_ms)
+        self.chunk_costs = ChunkCosts()  # this step's
         self.speculator = None
         if args.speculative_algorithm is not None:
             self.speculator = NgramSpeculator(args, self.cache, self.counters, engine.max_model_len)
@@ -97,11 +102,13 @@ class Scheduler:
     def _apply(self, inbox: Inbox | None) -> None:
         """The calls made since the last step (a tp follower's: rank 0's, as broadcast)."""
         if inbox is None:
-            inbox, self._inbox = self._inbox, []
+            inbox, self._inbox = [*self._inbox, self.step_costs.costs()], []
             if self.tp is not None:
                 self.tp.broadcast(inbox)
         for message in inbox:
-            if isinstance(message, Req):
+            if isinstance(message, ChunkCosts):
+                self.chunk_costs = message
+            elif isinstance(message, Req):
                 seed = message.sampling_params.seed
                 message.seed = (self._rng.getrandbits(31) if seed is None else seed) & SEED_MASK
                 message.eos_token_ids = message.eos_token_ids or self.eos_token_ids
@@ -135,6 +142,7 @@ class Scheduler:
             previous = self.inflight
             self.inflight = batch if self.overlap else None  # requests' releases wait for it
             if batch is not None:
+                batch.launched_s = time.perf_counter()
                 if previous is not None and self.masks.must_wait(previous, batch):
                     # Its grammar masks need batch N's tokens: forward, process N (that advances
                     # the grammars), then sample (SGLang's order).
@@ -164,7 +172,8 @@ class Scheduler:
             self._drain()
             decodes = self.decode.schedule(self.running, inflight=False)
             assert decodes is not None
-        chunks, admitted = self.prefill.schedule(self.running)
+        # A step without decodes prefills as much as it may.
+        chunks, admitted = self.prefill.schedule(self.running, self.chunk_costs, bool(decodes))
         for req in admitted:
             if req.num_retractions == 0:
                 req.num_cached_prompt_tokens = req.cached_len
@@ -189,6 +198,7 @@ class Scheduler:
         """A launched batch's results into its requests (its tokens, finishes and releases)."""
         assert batch.pending is not None
         result = resolved(batch.pending).result()
+        self.step_costs.observe(batch, batch.launched_s, time.perf_counter())
         with nvtx_range("process", self._is_cuda):
             for index, scored in result.prompt_logprobs.items():
                 batch.reqs[index].prompt_logprobs.extend(scored)
