@@ -312,15 +312,16 @@ static float quantize_avx2(const float* x, int64_t n, int q8_k, int8_t* codes) {
     const float amax = _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
     float dx = amax / 127.0f, f = dx != 0.0f ? 1.0f / dx : 0.0f;
     if (q8_k) f = amax != 0.0f ? 127.0f / amax : 0.0f, dx = amax != 0.0f ? 1.0f / f : 0.0f;
+    const __m256 factor = _mm256_set1_ps(f);
     for (int64_t i = 0; i < n; i += 32) {
         __m256i q[4]; /* |x * f| <= 127: the packs never saturate */
         for (int j = 0; j < 4; j++)
-            q[j] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + i + 8 * j), _mm256_set1_ps(f)));
+            q[j] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + i + 8 * j), factor));
         const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]),
                                                   _mm256_packs_epi32(q[2], q[3]));
         /* the packs interleave 128-bit lanes: 4-byte runs back into element order */
-        _mm256_storeu_si256((__m256i*)(codes + i),
-                            _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+        const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+        _mm256_storeu_si256((__m256i*)(codes + i), _mm256_permutevar8x32_epi32(packed, order));
     }
     return dx;
 }
