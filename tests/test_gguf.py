@@ -3,8 +3,9 @@
 The `gguf` package is the oracle: its dequantization, then an fp32 matmul. Every served block
 type against it with random blocks, at the row lengths the models here use and at batch sizes
 of every kernel path (rows decoded in registers up to 20 rows, panels beyond; and the opt-in
-int8 path, MINISGL_INT8_ACTIVATIONS=1 with AVX-512 VNNI: Q4_0 / Q4_1 / Q8_0 times activations
-quantized to int8 per 32 elements, checked against that quantization done by hand and by gguf's
+int8 path, MINISGL_INT8_ACTIVATIONS=1: Q4_K / Q6_K / Q8_0 with AVX2, Q4_0 / Q4_1 too with
+AVX-512 VNNI, times activations quantized to int8 as llama.cpp does (per 256 elements for the
+K-quants, its quantize_row_q8_K redone in numpy; per 32 for the others, by hand and by gguf's
 Q8_0); then whole models: a tiny GGUF Llama mixing every type (and one the kernels do not serve)
 as blocks vs dequantized, tp 2 vs tp 1, and the bundled SmolLM2 Q4_1 as blocks vs the fp32
 dequantized model (tokens equal; with int8 activations, the same log-likelihood of our docs);
@@ -52,7 +53,9 @@ SERVED = (T.F32, T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q8_0, T.Q4_K, T.Q6_K)
 # a K-quant block; SmolLM2's hidden and intermediate sizes; 96: no int8 path (not 64 | K)
 ROW_LENGTHS = (256, 576, 1536, 96)
 BATCHES = (1, 3, 8, 16, 19, 40, 97)  # registers (<= 20; int8 <= 64), panels, > 1 chunk of x
-INT8_TYPES = (T.Q4_0, T.Q4_1, T.Q8_0)  # MINISGL_INT8_ACTIVATIONS=1
+# MINISGL_INT8_ACTIVATIONS=1 with AVX2; with AVX-512 VNNI, Q4_0 and Q4_1 too
+INT8_TYPES = (T.Q4_K, T.Q6_K, T.Q8_0)
+VNNI = " avx512_vnni" in Path("/proc/cpuinfo").read_text()
 WEIGHT_STD = 0.15  # as the tiny HF checkpoints: logits far from uniform
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 PROMPTS = [list(range(200, 205)), list(range(300, 331)), [7, 8, 9, 10]]
@@ -149,10 +152,23 @@ def int8_activations(x: torch.Tensor) -> torch.Tensor:
     return (torch.round(blocks * inverse) * d).reshape(x.shape)
 
 
+def q8_k_activations(x: torch.Tensor) -> torch.Tensor:
+    """x as llama.cpp's quantize_row_q8_K rounds it, per 256 elements: iscale = -127 / the
+    element of largest |x|, codes min(127, round(iscale * x)) (ties to even, its nearest_int),
+    d = 1 / iscale, all in fp32; returned as codes times d."""
+    blocks = x.numpy().reshape(len(x), -1, 256)
+    top = np.take_along_axis(blocks, np.abs(blocks).argmax(-1)[..., None], -1)
+    with np.errstate(divide="ignore"):
+        iscale = np.where(top == 0, 0, np.float32(-127) / top).astype(np.float32)
+        d = np.where(iscale == 0, 0, np.float32(1) / iscale).astype(np.float32)
+    codes = np.minimum(127, np.round(iscale * blocks))
+    return torch.from_numpy((codes * d).astype(np.float32).reshape(x.shape))
+
+
 @contextlib.contextmanager
 def int8_activations_on(k: CpuKernels) -> Iterator[bool]:
     """The kernels' int8 path on (MINISGL_INT8_ACTIVATIONS=1) for a while; whether it could be
-    (AVX-512 VNNI)."""
+    (AVX2)."""
     try:
         yield k.set_int8_activations(True)
     finally:
@@ -181,12 +197,16 @@ def test_block_kernels_match_gguf_dequantize(qtype: T) -> None:
             want = (x.double() @ want_weight.double().T + bias).float()
             tol = 1e-5 * float(want.abs().max())
             torch.testing.assert_close(k.linear(x, packed, bias), want, atol=tol, rtol=1e-5)
-            if qtype not in INT8_TYPES or cols % 64:
+            if qtype not in INT8_TYPES + ((T.Q4_0, T.Q4_1) if VNNI else ()) or cols % 64:
                 continue
             with int8_activations_on(k) as on:
                 got = k.linear(x, packed, bias) if on else None
             if got is None:
-                continue  # no VNNI here
+                continue  # no AVX2 here
+            if qtype in (T.Q4_K, T.Q6_K):
+                want = (q8_k_activations(x).double() @ want_weight.double().T + bias).float()
+                torch.testing.assert_close(got, want, atol=tol, rtol=1e-5)
+                continue
             # gguf's Q8_0 keeps the scale in fp16 (the kernel, in fp32): close, not equal
             as_q8 = torch.from_numpy(dequantize(quantize(x.numpy(), T.Q8_0), T.Q8_0))
             want = as_q8 @ want_weight.T + bias
@@ -200,21 +220,23 @@ def test_block_kernels_do_not_depend_on_the_batch_or_threads(qtype: T) -> None:
     """Up to 20 rows (decoding, and a verify step's drafts) a row's output is bitwise the same
     whatever its batch mates and the thread count: rows in passes of 8, K in slices from 7 rows
     at 1536 and 3 at 4096, yet each row adds in one order (a draft row's logits are plain
-    decoding's)."""
+    decoding's); so with int8 activations (AVX2: 16 rows per pass)."""
     k, rng = kernels(), np.random.default_rng(100 + int(qtype))
-    for cols in (256, 1536, 4096):
+    for cols, int8 in [(c, False) for c in (256, 1536, 4096)] + [(1536, qtype in INT8_TYPES)]:
         blocks = torch.from_numpy(random_blocks(qtype, 45, cols, rng))  # a short last item
         packed = PackedLinear.of_blocks({0: QuantTensor(int(qtype), blocks, cols)})
         x = torch.randn(20, cols)
-        alone = torch.cat([k.linear(x[i : i + 1], packed) for i in range(len(x))])
         previous = torch.get_num_threads()
-        try:
-            for threads in (1, 2):
-                torch.set_num_threads(threads)
-                for rows in range(2, 21):
-                    assert torch.equal(k.linear(x[:rows], packed), alone[:rows]), (cols, rows)
-        finally:
-            torch.set_num_threads(previous)
+        with int8_activations_on(k) if int8 else contextlib.nullcontext():
+            alone = torch.cat([k.linear(x[i : i + 1], packed) for i in range(len(x))])
+            try:
+                for threads in (1, 2):
+                    torch.set_num_threads(threads)
+                    for rows in range(2, 21):
+                        got = k.linear(x[:rows], packed)
+                        assert torch.equal(got, alone[:rows]), (cols, rows, int8)
+            finally:
+                torch.set_num_threads(previous)
 
 
 def test_merged_segments_and_tensor_parallel_cuts() -> None:
@@ -361,17 +383,18 @@ def test_bundled_model_as_blocks_matches_fp32(tmp_path: Path) -> None:
 def test_bundled_model_with_int8_activations_scores_as_fp32() -> None:
     """MINISGL_INT8_ACTIVATIONS=1: the bundled model scoring this repository's docs has the fp32
     model's mean log-likelihood within 1%; each token's logprob moves ~0.07 on average (enough
-    to swap near-tied greedy choices, not the model's quality)."""
+    to swap near-tied greedy choices, not the model's quality). AVX-512 VNNI only: with AVX2
+    the Q4_1 blocks stay fp32 (the tiny Qwen3 below checks the K-quants' path end to end)."""
+    if not VNNI:
+        pytest.skip("no AVX-512 VNNI on this CPU: the bundled Q4_1 keeps fp32 activations")
     root = Path(__file__).resolve().parents[1]
     texts = (root / "docs" / "architecture.md").read_text().split("\n\n")
     texts = [p for p in texts if 400 < len(p) < 2000][:6]
     logprobs = {}
     for int8 in (True, False):
-        with int8_activations_on(kernels()) if int8 else contextlib.nullcontext() as on:
-            if int8 and not on:
-                pytest.skip("no AVX-512 VNNI on this CPU: the int8 path cannot run")
-            with LLM(None, num_pages=1024) as llm:
-                scored = llm.generate(texts, SamplingParams(max_tokens=1, prompt_logprobs=0))
+        switch = int8_activations_on(kernels()) if int8 else contextlib.nullcontext()
+        with switch, LLM(None, num_pages=1024) as llm:
+            scored = llm.generate(texts, SamplingParams(max_tokens=1, prompt_logprobs=0))
         logprobs[int8] = np.array([p.logprob for out in scored for p in out.prompt_logprobs if p])
     int8, fp32 = logprobs[True], logprobs[False]
     assert len(int8) == len(fp32) > 1000
@@ -539,6 +562,32 @@ def test_qwen3_q4_k_m_and_q8_0_match_transformers(qwen3_gguf) -> None:
         alone = [llm.generate([p], QWEN3_GREEDY)[0].token_ids for p in PROMPTS]
     assert_greedy_matches(batched, reference)
     assert_greedy_matches(alone, reference)
+
+
+def test_qwen3_with_int8_activations_matches_transformers_on_rounded_inputs(qwen3_gguf) -> None:
+    """MINISGL_INT8_ACTIVATIONS=1: the tiny Qwen3's greedy tokens equal transformers' on the
+    dequantized weights with every projection's input (the head's too) rounded as llama.cpp
+    quantizes it for the weights' type (q8_K for Q4_K_M's K-quants), up to its first
+    near-tie."""
+    folder, reference, ftype = qwen3_gguf
+    if ftype != "Q4_K_M":
+        pytest.skip("Q8_0 times int8 activations: test_block_kernels_match_gguf_dequantize")
+    with int8_activations_on(kernels()) as on:
+        if not on:
+            pytest.skip("no AVX2 on this CPU: the int8 path cannot run")
+        with LLM(str(folder), num_pages=1024, max_running_requests=4) as llm:
+            outputs = [out.token_ids for out in llm.generate(PROMPTS, QWEN3_GREEDY)]
+    rounded = q8_k_activations
+    hooks = [
+        m.register_forward_pre_hook(lambda _, args: rounded(args[0][0]).unsqueeze(0))
+        for m in reference.modules()
+        if isinstance(m, torch.nn.Linear)
+    ]
+    try:
+        assert_greedy_matches(outputs, reference)
+    finally:
+        for hook in hooks:
+            hook.remove()
 
 
 @pytest.mark.parametrize("ftype", ["Q4_K_M", "Q8_0"])

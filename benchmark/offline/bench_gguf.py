@@ -26,7 +26,10 @@ Every figure is the median over rounds, with minisgl / llama.cpp beside it.
 
 `--kernels 1,8,16 --gguf FILE` instead times the linear op alone on the file's weights (every
 layer's projections and the LM head, as minisgl merges them), one thread, process CPU time
-(steady under other load), best of 5, per GGUF type.
+(steady under other load), best of 5, per GGUF type; with fp32 activations and, alternating
+pass by pass where the CPU has it, int8 ones (MINISGL_INT8_ACTIVATIONS=1). `--int8-ab --gguf
+FILE` decodes offline at batch 1 with fp32 and int8 activations alternating (--rounds), then
+prints how far greedy tokens agree and how much the docs' prompt logprobs move.
 """
 
 from __future__ import annotations
@@ -335,22 +338,78 @@ def kernel_times(gguf: Path, batches: list[int]) -> None:
     head = "output.weight" if "output.weight" in tensors else "token_embd.weight"
     weights.append(("head", [part(head)]))
     packed = [(g, p, PackedLinear.of_blocks(dict(enumerate(p)))) for g, p in weights]
-    print(f"{gguf.name}: {len(packed)} matmuls, one thread, ms per pass (best of 5)")
+    paths = ["fp32", "int8"] if kernels.set_int8_activations(True) else ["fp32"]
+    alternating = " and ".join(paths)
+    print(f"{gguf.name}: {len(packed)} matmuls, one thread, ms per pass (best of 5; {alternating})")
     for batch in batches:
         xs = {w.in_features: torch.randn(batch, w.in_features) for _, _, w in packed}
-        best: dict[str, float] = defaultdict(lambda: float("inf"))
+        best: dict[tuple[str, str], float] = defaultdict(lambda: float("inf"))
         for _ in range(5):
-            spent: dict[str, float] = defaultdict(float)
-            for group, parts, w in packed:
-                start = time.process_time()
-                kernels.linear(xs[w.in_features], w)
-                seconds = time.process_time() - start
-                types = "+".join(sorted({GGMLQuantizationType(p.qtype).name for p in parts}))
-                for key in (group, types, "total"):
-                    spent[key] += seconds
-            for key, seconds in spent.items():
-                best[key] = min(best[key], seconds)
-        print(f"batch {batch}: " + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in best.items()))
+            for path in paths:
+                kernels.set_int8_activations(path == "int8")
+                spent: dict[str, float] = defaultdict(float)
+                for group, parts, w in packed:
+                    start = time.process_time()
+                    kernels.linear(xs[w.in_features], w)
+                    seconds = time.process_time() - start
+                    types = "+".join(sorted({GGMLQuantizationType(p.qtype).name for p in parts}))
+                    for key in (group, types, "total"):
+                        spent[key] += seconds
+                for key, seconds in spent.items():
+                    best[path, key] = min(best[path, key], seconds)
+        for path in paths:
+            row = ", ".join(f"{k} {v * 1e3:.1f}" for (p, k), v in best.items() if p == path)
+            print(f"batch {batch} {path}: {row}")
+    kernels.set_int8_activations(False)
+
+
+def int8_ab(gguf: Path, rounds: int, decode_tokens: int) -> None:
+    """Offline batch-1 decode with fp32 and int8 activations, alternating in one process (the
+    switch is process-wide), then what int8 changes: greedy tokens and prompt logprobs."""
+    from minisgl.core import SamplingParams
+    from minisgl.kernels import cpu
+    from minisgl.llm import LLM
+
+    kernels = cpu.get()
+    assert kernels is not None and kernels.set_int8_activations(True), "no int8 path here"
+    greedy = SamplingParams(max_tokens=decode_tokens, temperature=0.0, ignore_eos=True)
+    first = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    texts = (REPO / "docs" / "architecture.md").read_text().split("\n\n")
+    texts = [p for p in texts if 400 < len(p) < 2000][:6]
+    rates: dict[str, list[float]] = defaultdict(list)
+    tokens, logprobs = {}, {}
+    with LLM(str(gguf)) as llm:
+        for _ in range(rounds):
+            for path in ("fp32", "int8"):
+                kernels.set_int8_activations(path == "int8")
+                llm.scheduler.flush_cache()  # both runs prefill the prompt
+                start = time.perf_counter()
+                llm.generate([DECODE_PROMPT], first)
+                prefill_s = time.perf_counter() - start
+                llm.scheduler.flush_cache()
+                start = time.perf_counter()
+                out = llm.generate([DECODE_PROMPT], greedy)[0]
+                decode_s = time.perf_counter() - start - prefill_s
+                rates[path].append((decode_tokens - 1) / decode_s)
+                tokens[path] = out.token_ids
+        for path in ("fp32", "int8"):
+            kernels.set_int8_activations(path == "int8")
+            llm.scheduler.flush_cache()
+            scored = llm.generate(texts, SamplingParams(max_tokens=1, prompt_logprobs=0))
+            logprobs[path] = [p.logprob for out in scored for p in out.prompt_logprobs if p]
+    kernels.set_int8_activations(False)
+    for path, values in rates.items():
+        print(f"{path}: batch-1 decode tok/s per round " + ", ".join(f"{v:.1f}" for v in values))
+    pairs = enumerate(zip(tokens["fp32"], tokens["int8"], strict=True))
+    same = next((i for i, (a, b) in pairs if a != b), decode_tokens)
+    diffs = [abs(a - b) for a, b in zip(logprobs["fp32"], logprobs["int8"], strict=True)]
+    mean = {p: sum(v) / len(v) for p, v in logprobs.items()}
+    print(f"greedy: the first {same} of {decode_tokens} tokens equal")
+    print(
+        f"prompt logprobs of {len(diffs)} doc tokens: mean fp32 {mean['fp32']:.4f}, int8"
+        f" {mean['int8']:.4f}; |difference| mean {sum(diffs) / len(diffs):.4f},"
+        f" max {max(diffs):.3f}"
+    )
 
 
 def main() -> None:
@@ -367,10 +426,14 @@ def main() -> None:
     p.add_argument("--llama-args", default="", help='more llama-server flags, e.g. "--poll 0"')
     p.add_argument("--port", type=int, default=19700, help="first of two ports")
     p.add_argument("--kernels", default=None, help="batch sizes: time the linear op only")
-    p.add_argument("--gguf", type=Path, default=None, help="--kernels: the file")
+    p.add_argument("--gguf", type=Path, default=None, help="--kernels / --int8-ab: the file")
+    p.add_argument("--int8-ab", action="store_true", help="offline decode, fp32 vs int8 x")
     args = p.parse_args()
     if args.kernels:
         kernel_times(args.gguf or default_model_gguf(), [int(b) for b in args.kernels.split(",")])
+        return
+    if args.int8_ab:
+        int8_ab(args.gguf or default_model_gguf(), args.rounds, args.decode_tokens)
         return
     bin_dir = llama_binaries(args.llama_cpp) if args.llama_cpp else None
     args.models_dir.mkdir(parents=True, exist_ok=True)

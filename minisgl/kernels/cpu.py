@@ -20,7 +20,7 @@ from minisgl.kernels.cpu_ops import CpuKernels
 logger = logging.getLogger(__name__)
 
 ENABLE_ENV = "MINISGL_CPU_KERNELS"  # "0" turns the kernels off
-INT8_ENV = "MINISGL_INT8_ACTIVATIONS"  # "1": GGUF Q4_0/Q4_1/Q8_0 times int8 activations
+INT8_ENV = "MINISGL_INT8_ACTIVATIONS"  # "1": GGUF blocks times int8 activations (csrc/quant_int8.c)
 SELF_CHECK_ATOL = 1e-4
 
 
@@ -61,7 +61,7 @@ def get() -> CpuKernels | None:
         _self_check(kernels)
         if env_switch(INT8_ENV):
             on = kernels.set_int8_activations(True)
-            logger.info("int8 activations for GGUF Q4_0/Q4_1/Q8_0 blocks: %s", on or "no VNNI")
+            logger.info("int8 activations for GGUF blocks: %s", on or "no AVX2")
     except Exception as exc:  # noqa: BLE001 (any failure means: fall back to torch)
         logger.warning("CPU kernels unavailable, using torch ops: %s", exc)
         return None

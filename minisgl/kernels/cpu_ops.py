@@ -60,9 +60,9 @@ class CpuKernels:
         return self._lib.mg_quant_block_bytes(qtype) > 0
 
     def set_int8_activations(self, on: bool) -> bool:
-        """Q4_0 / Q4_1 / Q8_0 blocks times activations quantized to int8 per 32 elements
-        (llama.cpp's numerics) where the CPU has AVX-512 VNNI, or fp32 ones (the default: see
-        csrc/quant.c). Process-wide; returns whether the int8 path is on now."""
+        """GGUF blocks times activations quantized to int8 (llama.cpp's numerics: Q4_K / Q6_K /
+        Q8_0 with AVX2, Q4_0 / Q4_1 too with AVX-512 VNNI), or fp32 ones (the default: see
+        csrc/quant_int8.c). Process-wide; returns whether the int8 path is on now."""
         return bool(self._lib.mg_set_int8_activations(int(on)))
 
     def embed(self, weight: PackedLinear, ids: Tensor) -> Tensor:

@@ -7,8 +7,8 @@
  * takes a second or two and needs nothing beyond a C compiler.
  *
  * Every kernel computes in fp32 with the formulas of the torch ops it replaces (only summation
- * order and fused multiply-adds differ; the one exception, opt-in GGUF Q4_0/Q4_1/Q8_0 times int8
- * activations, is llama.cpp's arithmetic: quant.c), and no result depends on the thread count or
+ * order and fused multiply-adds differ; the one exception, opt-in GGUF blocks times int8
+ * activations, is llama.cpp's arithmetic: quant_int8.c), and no result depends on the thread count or
  * on which thread computed it: work is split by output element, never inside one sum.
  *
  * The OpenMP runtime is the one torch already loaded (same soname): the kernels share torch's

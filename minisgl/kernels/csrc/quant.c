@@ -5,14 +5,11 @@
  * common.h). Served as blocks: F32, F16, BF16, Q4_0, Q4_1, Q8_0 (blocks of 32) and Q4_K, Q6_K
  * (super-blocks of 256); the loader dequantizes every other type (minisgl/kernels/weights.py).
  *
- * Asked for (MINISGL_INT8_ACTIVATIONS=1) on CPUs with AVX-512 VNNI, Q4_0, Q4_1 and Q8_0 rows (K a
- * multiple of 64) take the int8 path: activations quantized to int8 per 32 elements and integer
- * dot products, llama.cpp's numerics (section "int8 activations" below), at every batch size
- * (mg_linear past 64 rows, i.e. prefill, rounds the activations to their int8 values and
- * multiplies by the fp32 panels below instead: the same result up to rounding). Not the default:
- * quantizing amplifies the last-bit differences between the prefill and decode paths (another
- * attention kernel, another summation order) into visibly different logprobs, so the same request
- * could answer otherwise once its prompt is cached. Everything else (and everything by default) is
+ * Asked for (MINISGL_INT8_ACTIVATIONS=1), Q4_K, Q6_K and Q8_0 rows (with AVX-512 VNNI Q4_0 and
+ * Q4_1 too) take the int8 path of quant_int8.c instead: activations quantized to int8 and integer
+ * dot products, llama.cpp's numerics (its header says why that is not the default; past 64 rows,
+ * i.e. prefill, mg_linear rounds the activations to their int8 values and multiplies by the fp32
+ * panels below, the same result up to rounding). Everything else (and everything by default) is
  * decoded to fp32 (gguf's dequantize, up to a fused multiply-add's rounding) and multiplied with
  * the fp32 activations in fp32: a result is the dequantized model's up to summation order. Up to
  * 20 activation rows (48 with AVX2): each weight row is decoded in registers, 32 elements at a
@@ -23,20 +20,9 @@
  * items run panel by panel (MC activation rows each), so a panel is decoded once per batch and
  * thread. */
 #include <stdlib.h>
-#if defined(__F16C__) || defined(__AVX2__) || defined(__AVX512F__)
-#include <immintrin.h>
-#endif
 
-#include "common.h"
+#include "quant.h"
 
-enum {
-    GGUF_F32 = 0, GGUF_F16 = 1, GGUF_Q4_0 = 2, GGUF_Q4_1 = 3, GGUF_Q8_0 = 8, GGUF_Q4_K = 12,
-    GGUF_Q6_K = 14, GGUF_BF16 = 30
-};
-
-#define QK 32    /* elements per Q4_0 / Q4_1 / Q8_0 block */
-#define QK_K 256 /* elements per K-quant super-block */
-#define RG 16    /* weight rows per work item of a small batch */
 /* Sixteen rows are read side by side when decoding a panel: too many streams for the hardware
  * prefetchers, so each is fetched this far ahead. */
 #define PREFETCH_BYTES 512
@@ -79,28 +65,6 @@ static inline vf bytes_vf(const uint8_t* p, int is_signed) {
 #endif
 }
 
-static inline float half_to_float(uint16_t h) {
-#if defined(__F16C__)
-    return _cvtsh_ss(h);
-#else
-    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, mant = h & 0x3FF;
-    uint32_t bits;
-    float f;
-    if (exp == 0) { /* zero or subnormal: mant * 2^-24 */
-        f = ldexpf((float)mant, -24);
-        return sign ? -f : f;
-    }
-    bits = sign | (exp == 31 ? 0x7F800000 | (mant << 13) : ((exp + 112) << 23) | (mant << 13));
-    memcpy(&f, &bits, sizeof f);
-    return f;
-#endif
-}
-
-static inline float load_half(const uint8_t* p) {
-    uint16_t h;
-    memcpy(&h, p, sizeof h);
-    return half_to_float(h);
-}
 
 /* 32 4-bit codes, elements 0-15 in bits shift0 .. shift0 + 3 of bytes0[0..16) and 16-31 in bits
  * shift1 .. of bytes1[0..16), each code q as scale * q + offset. With AVX-512 through a table:
@@ -436,16 +400,13 @@ static void weight_rows(const mg_weight* w, int64_t K, int64_t n, int64_t count,
     }
 }
 
-/* Output row n of w: its bytes, and its type in *type. */
-static const uint8_t* weight_row(const mg_weight* w, int64_t K, int64_t n, int64_t* type) {
+const uint8_t* quant_weight_row(const mg_weight* w, int64_t K, int64_t n, int64_t* type) {
     const uint8_t* src;
     weight_rows(w, K, n, 1, &src, type);
     return src;
 }
 
-/* *buffer (64-byte aligned) grown to at least `bytes`, never shrunk: the kernels' per-thread
- * scratches (threads live as long as the process's OpenMP pool). NULL when out of memory. */
-static char* grow(char** buffer, int64_t* capacity, int64_t bytes) {
+char* quant_grow(char** buffer, int64_t* capacity, int64_t bytes) {
     if (bytes > *capacity) {
         free(*buffer);
         *buffer = aligned_alloc(64, (size_t)(bytes + 63) / 64 * 64);
@@ -457,7 +418,7 @@ static char* grow(char** buffer, int64_t* capacity, int64_t bytes) {
 static float* thread_scratch(int64_t floats) {
     static __thread char* buffer;
     static __thread int64_t capacity;
-    return (float*)grow(&buffer, &capacity, floats * (int64_t)sizeof(float));
+    return (float*)quant_grow(&buffer, &capacity, floats * (int64_t)sizeof(float));
 }
 
 /* ---- batches: rows decoded into a panel --------------------------------------------------------
@@ -491,7 +452,7 @@ static void decode_panel(const mg_weight* w, int64_t K, int64_t n0, int64_t ncol
         memset(panel, 0, (size_t)(K * NB) * sizeof(float));
         for (int64_t j = 0; j < ncols; j++) {
             int64_t type;
-            const uint8_t* src = weight_row(w, K, n0 + j, &type);
+            const uint8_t* src = quant_weight_row(w, K, n0 + j, &type);
             const float* decoded = decode_row(type, src, K, row);
             for (int64_t k = 0; k < K; k++) panel[k * NB + j] = decoded[k];
         }
@@ -502,7 +463,7 @@ static void decode_panel(const mg_weight* w, int64_t K, int64_t n0, int64_t ncol
         int64_t types[VW];
         int same = 1; /* one type for the VW rows: its decoder inlined in the loop */
         for (int i = 0; i < VW; i++) { /* columns past ncols repeat the last: never stored */
-            src[i] = weight_row(w, K, n0 + min64(g + i, ncols - 1), &types[i]);
+            src[i] = quant_weight_row(w, K, n0 + min64(g + i, ncols - 1), &types[i]);
             same &= types[i] == types[0];
         }
         /* the VW rows' groups at k transposed into the panel's rows k .. k + 31 */
@@ -542,291 +503,6 @@ static void decode_panel(const mg_weight* w, int64_t K, int64_t n0, int64_t ncol
     }
 }
 
-/* ---- int8 activations (AVX-512 VNNI) ------------------------------------------------------------
- * Q4_0, Q4_1 and Q8_0 rows (K a multiple of 64) times activations quantized to int8 per 32
- * elements, llama.cpp's numerics (its vec_dot_q4_0_q8_0 / q4_1_q8_1): a block of x becomes codes
- * round(x / dx) with dx = max |x| / 127 (fp32 here, not fp16), and a weight block's dot with it
- * is an integer sum (vpdpbusd: 64 byte products per instruction, four times an fp32 FMA's 16)
- * scaled once. Every weight type is read as w = d * q + m with unsigned bytes q: Q4_0's nibbles
- * with m = -8 d, Q4_1's with its m, Q8_0's int8 + 128 with m = -128 d; the m terms add up, per
- * weight row and activation row, to a dot of the row's m with the blocks' sums of x.
- *
- * Two blocks A, B (64 elements) per vector, interleaved by 4 elements (A 0..3, B 0..3, A 4..7,
- * ...): vpdpbusd's even lanes then hold A's partial sums and its odd lanes B's, so the scales
- * of both blocks are one 64-bit broadcast. A weight row is decoded once (a scratch of its
- * pairs) and met by the activation rows 8 at a time, each with its own even and odd
- * accumulators. Activation rows are quantized once per op by each thread that needs them
- * (microseconds at decode sizes; no barrier). */
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
-#define INT8_PATH 1
-/* x quantized, pair-major (the rows of one pair side by side): codes [K / 64, M, 64] (pair
- * order), dx [K / 64, M, 2] (A's, B's); block sums [M, K / 32]. */
-typedef struct {
-    int8_t* codes;
-    float* scales;
-    float* sums;
-    int64_t rows; /* M: the pair stride, in rows */
-} xquant;
-
-static inline __m512i interleave_pair(__m512i ab) { /* [A 0..31, B 0..31] bytes -> pair order */
-    return _mm512_permutexvar_epi32(
-        _mm512_setr_epi32(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15), ab);
-}
-static inline __m512 pair_scales(const float* ab) { /* lanes A, B, A, B, ... */
-    double both;
-    memcpy(&both, ab, sizeof both);
-    return _mm512_castpd_ps(_mm512_set1_pd(both));
-}
-
-/* Block x[0..32) as 32 codes; its dx and the sum of its quantized values through the pointers. */
-static inline __m256i quantize_block(const float* x, float* scale, float* sum) {
-    const __m512 lo = _mm512_loadu_ps(x), hi = _mm512_loadu_ps(x + 16);
-    const __m512 sign = _mm512_set1_ps(-0.0f);
-    const float d = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sign, lo),
-                                                       _mm512_andnot_ps(sign, hi))) / 127.0f;
-    const float inv = d != 0.0f ? 1.0f / d : 0.0f;
-    const __m512i qlo = _mm512_cvtps_epi32(lo * inv), qhi = _mm512_cvtps_epi32(hi * inv);
-    *scale = d;
-    *sum = (float)_mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi)) * d;
-    return _mm256_set_m128i(_mm512_cvtsepi32_epi8(qhi), _mm512_cvtsepi32_epi8(qlo));
-}
-
-static void quantize_rows(const linear_args* a, xquant* q) {
-    const int64_t K = a->K;
-    for (int64_t m = 0; m < a->M; m++) {
-        const float* x = a->x + m * a->ldx;
-        float* sums = q->sums + m * K / 32;
-        for (int64_t p = 0; p < K / 64; p++) {
-            float* scales = q->scales + 2 * (p * a->M + m);
-            const __m256i ca = quantize_block(x + 64 * p, scales, sums + 2 * p);
-            const __m256i cb = quantize_block(x + 64 * p + 32, scales + 1, sums + 2 * p + 1);
-            const __m512i ab = _mm512_inserti64x4(_mm512_castsi256_si512(ca), cb, 1);
-            _mm512_storeu_si512(q->codes + 64 * (p * a->M + m), interleave_pair(ab));
-        }
-    }
-}
-
-/* The activation rows of op `a` quantized, in this thread's scratch: once per op and thread
- * (ops are told apart by their tag). Codes NULL when out of memory. */
-static xquant quantized_x(const linear_args* a) {
-    static __thread char* buffer;
-    static __thread int64_t capacity, tag;
-    const int64_t bytes = a->M * a->K + 2 * a->M * (a->K / 32) * (int64_t)sizeof(float);
-    xquant q = {0, 0, 0, a->M};
-    if (bytes > capacity) tag = 0; /* (a new buffer holds no op's rows) */
-    if (!grow(&buffer, &capacity, bytes)) return q;
-    q.codes = (int8_t*)buffer;
-    q.scales = (float*)(buffer + a->M * a->K);
-    q.sums = q.scales + a->M * a->K / 32;
-    if (a->tag == 0 || a->tag != tag) quantize_rows(a, &q);
-    tag = a->tag;
-    return q;
-}
-
-/* A pair of weight blocks at a: its 64 unsigned codes (pair order), d of A and B (lanes A, B,
- * ...), and m of A and B into m[0..2). */
-static inline __m512i nibbles(const uint8_t* a, const uint8_t* b) {
-    const __m128i qa = _mm_loadu_si128((const __m128i*)a), qb = _mm_loadu_si128((const __m128i*)b);
-    /* byte j of a nibble row: element j (low nibble) and j + 16 (high) */
-    const __m256i v = _mm256_set_m128i(_mm_unpackhi_epi32(qa, qb), _mm_unpacklo_epi32(qa, qb));
-    const __m256i low = _mm256_set1_epi8(15);
-    return _mm512_inserti64x4(_mm512_castsi256_si512(v & low), _mm256_srli_epi16(v, 4) & low, 1);
-}
-static inline __m512 half_pair(const uint8_t* a, const uint8_t* b) {
-    uint16_t ha, hb;
-    memcpy(&ha, a, 2), memcpy(&hb, b, 2);
-    return _mm512_broadcast_f32x2(_mm_cvtph_ps(_mm_cvtsi32_si128(ha | (uint32_t)hb << 16)));
-}
-static inline __m512i pair_q4_0(const uint8_t* a, __m512* d, float* m) {
-    const uint8_t* b = a + 2 + QK / 2;
-    *d = half_pair(a, b);
-    _mm_storel_pi((__m64*)m, _mm512_castps512_ps128(*d * -8.0f));
-    return nibbles(a + 2, b + 2);
-}
-static inline __m512i pair_q4_1(const uint8_t* a, __m512* d, float* m) {
-    const uint8_t* b = a + 4 + QK / 2;
-    *d = half_pair(a, b);
-    _mm_storel_pi((__m64*)m, _mm512_castps512_ps128(half_pair(a + 2, b + 2)));
-    return nibbles(a + 4, b + 4);
-}
-static inline __m512i pair_q8_0(const uint8_t* a, __m512* d, float* m) {
-    const uint8_t* b = a + 2 + QK;
-    *d = half_pair(a, b);
-    _mm_storel_pi((__m64*)m, _mm512_castps512_ps128(*d * -128.0f));
-    const __m512i ab = _mm512_inserti64x4(
-        _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)(a + 2))),
-        _mm256_loadu_si256((const __m256i*)(b + 2)), 1);
-    return interleave_pair(ab) ^ _mm512_set1_epi8((char)0x80); /* int8 + 128 */
-}
-
-/* Weight row src decoded for dot_pairs: per pair its codes q[p], d of A and B (d[2p], d[2p + 1])
- * and m of A and B (m[2p], m[2p + 1]). Once per row, however many activation rows it meets. */
-static void decode_pairs(int64_t type, const uint8_t* src, int64_t pairs, __m512i* q, float* d,
-                         float* m) {
-#define DECODE_PAIRS(decode, bytes)                                                              \
-    for (int64_t p = 0; p < pairs; p++) {                                                       \
-        __m512 dv;                                                                              \
-        q[p] = decode(src + 2 * p * (bytes), &dv, m + 2 * p);                                   \
-        _mm_storel_pi((__m64*)(d + 2 * p), _mm512_castps512_ps128(dv));                         \
-    }
-    switch (type) {
-    case GGUF_Q4_0: DECODE_PAIRS(pair_q4_0, 2 + QK / 2); break;
-    case GGUF_Q4_1: DECODE_PAIRS(pair_q4_1, 4 + QK / 2); break;
-    case GGUF_Q8_0: DECODE_PAIRS(pair_q8_0, 2 + QK); break;
-    }
-#undef DECODE_PAIRS
-}
-
-/* out[r] = dot(decoded weight row, activation row r) for R <= INT8_ROWS quantized activation
- * rows. Two accumulators per row, even and odd pairs (the FMA latency would bound one), and the
- * same order of additions for every R: a row's result does not depend on its batch. */
-#define INT8_ROWS 8
-static inline __attribute__((always_inline)) void dot_pairs(const __m512i* q, const float* d,
-                                                            const float* m, int64_t pairs,
-                                                            const xquant* x, const int R,
-                                                            float* out) {
-    __m512 even[INT8_ROWS], odd[INT8_ROWS];
-    for (int r = 0; r < R; r++) even[r] = odd[r] = _mm512_setzero_ps();
-#define PAIR(p, ACC)                                                                             \
-    do {                                                                                        \
-        const __m512 dw = pair_scales(d + 2 * (p));                                             \
-        const int8_t* codes = x->codes + 64 * (p) * x->rows;                                    \
-        const float* scales = x->scales + 2 * (p) * x->rows;                                    \
-        _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                   \
-            const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q[p],               \
-                                                    _mm512_loadu_si512(codes + 64 * r));        \
-            const __m512 scale = dw * pair_scales(scales + 2 * r);                              \
-            ACC[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, ACC[r]);                   \
-        }                                                                                       \
-    } while (0)
-    int64_t p = 0;
-    for (; p + 2 <= pairs; p += 2) {
-        PAIR(p, even);
-        PAIR(p + 1, odd);
-    }
-    if (p < pairs) PAIR(p, even);
-#undef PAIR
-    const int64_t blocks = 2 * pairs;
-    const __mmask16 tail = (__mmask16)((1u << (blocks % 16)) - 1);
-    _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {
-        const float* sums = x->sums + r * blocks;
-        __m512 s = _mm512_add_ps(even[r], odd[r]);
-        int64_t b = 0;
-        for (; b + 16 <= blocks; b += 16)
-            s = _mm512_fmadd_ps(_mm512_loadu_ps(m + b), _mm512_loadu_ps(sums + b), s);
-        s = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(tail, m + b),
-                            _mm512_maskz_loadu_ps(tail, sums + b), s);
-        out[r] = _mm512_reduce_add_ps(s);
-    }
-}
-#define DEFINE_DOT_PAIRS(R)                                                                      \
-    static void dot_pairs_##R(const __m512i* q, const float* d, const float* m, int64_t pairs,  \
-                              const xquant* x, float* out) {                                    \
-        dot_pairs(q, d, m, pairs, x, R, out);                                                   \
-    }
-DEFINE_DOT_PAIRS(1)
-DEFINE_DOT_PAIRS(2)
-DEFINE_DOT_PAIRS(3)
-DEFINE_DOT_PAIRS(4)
-DEFINE_DOT_PAIRS(5)
-DEFINE_DOT_PAIRS(6)
-DEFINE_DOT_PAIRS(7)
-DEFINE_DOT_PAIRS(8)
-typedef void (*dot_pairs_fn)(const __m512i*, const float*, const float*, int64_t, const xquant*,
-                             float*);
-static const dot_pairs_fn DOT_PAIRS_FNS[INT8_ROWS + 1] = {
-    0, dot_pairs_1, dot_pairs_2, dot_pairs_3, dot_pairs_4, dot_pairs_5, dot_pairs_6, dot_pairs_7,
-    dot_pairs_8,
-};
-
-/* Off unless asked for (mg_set_int8_activations): see the header on why it is not the default. */
-static int int8_on;
-
-/* Whether op a takes the int8 path: every segment Q4_0, Q4_1 or Q8_0 and K a multiple of 64
- * (and x not rounded for the panels already). */
-static int int8_path(const linear_args* a) {
-    if (!int8_on || a->K % 64 != 0 || a->x_rounded) return 0;
-    for (int64_t s = 0; s < a->w->num_segments; s++) {
-        const int64_t t = a->w->types[s];
-        if (t != GGUF_Q4_0 && t != GGUF_Q4_1 && t != GGUF_Q8_0) return 0;
-    }
-    return 1;
-}
-
-/* Items [begin, end) of RG weight rows each, each row decoded once and dotted with every
- * activation row (INT8_ROWS at a time). Returns 0 when out of memory. */
-static int int8_range(const linear_args* a, int64_t begin, int64_t end) {
-    static __thread char* scratch; /* one decoded weight row */
-    static __thread int64_t capacity;
-    const int64_t K = a->K, pairs = K / 64;
-    grow(&scratch, &capacity, pairs * (64 + 4 * (int64_t)sizeof(float)));
-    const xquant x = quantized_x(a);
-    if (!scratch || !x.codes) return 0;
-    __m512i* q = (__m512i*)scratch;
-    float* d = (float*)(q + pairs);
-    float* m = d + 2 * pairs;
-    for (int64_t n = begin * RG; n < min64(a->N, end * RG); n++) {
-        int64_t type;
-        const uint8_t* src = weight_row(a->w, K, n, &type);
-        decode_pairs(type, src, pairs, q, d, m);
-        for (int64_t m0 = 0; m0 < a->M; m0 += INT8_ROWS) {
-            const int64_t R = min64(INT8_ROWS, a->M - m0);
-            const xquant rows = {x.codes + 64 * m0, x.scales + 2 * m0, x.sums + m0 * K / 32,
-                                 a->M};
-            float out[INT8_ROWS];
-            DOT_PAIRS_FNS[R](q, d, m, pairs, &rows, out);
-            for (int64_t r = 0; r < R; r++)
-                a->y[(m0 + r) * a->ldy + n] = out[r] + (a->bias ? a->bias[n] : 0.0f);
-        }
-    }
-    return 1;
-}
-
-/* Past this many rows the fp32 panels multiply faster than the int8 path: each block of 32
- * products needs its own scaling (three float ops per 64 products), as many ops as fp32 FMAs,
- * and what the int8 path saves, decoding the weights once per row, a large batch amortizes. */
-#define INT8_MAX_ROWS 64
-
-/* Rows [begin, end) of x rounded to their int8 values (codes times dx), into a->y ([M, K]). */
-static void round_rows(const void* args, int64_t begin, int64_t end) {
-    const linear_args* a = args;
-    float* out = a->y;
-    for (int64_t m = begin; m < end; m++) {
-        for (int64_t k = 0; k < a->K; k += 32) {
-            float* o = out + m * a->K + k;
-            float scale, sum;
-            const __m256i codes = quantize_block(a->x + m * a->ldx + k, &scale, &sum);
-            const __m512i low = _mm512_cvtepi8_epi32(_mm256_castsi256_si128(codes));
-            const __m512i high = _mm512_cvtepi8_epi32(_mm256_extracti128_si256(codes, 1));
-            _mm512_storeu_ps(o, _mm512_cvtepi32_ps(low) * scale);
-            _mm512_storeu_ps(o + 16, _mm512_cvtepi32_ps(high) * scale);
-        }
-    }
-}
-
-float* quant_round_x(const linear_args* a, int nthreads) {
-    if (!a->w->num_segments || !int8_path(a) || a->M <= INT8_MAX_ROWS) return 0;
-    float* out = malloc((size_t)(a->M * a->K) * sizeof(float));
-    if (out) {
-        linear_args r = *a;
-        r.y = out;
-        run_parallel(&r, round_rows, a->M, 1, nthreads);
-    }
-    return out;
-}
-#else
-#define INT8_PATH 0
-static int int8_on;
-float* quant_round_x(const linear_args* a, int nthreads) {
-    (void)a, (void)nthreads;
-    return 0;
-}
-static int int8_path(const linear_args* a) { (void)a; return 0; }
-static int int8_range(const linear_args* a, int64_t begin, int64_t end) {
-    (void)a, (void)begin, (void)end;
-    return 0;
-}
-#endif
 
 /* ---- the linear op ------------------------------------------------------------------------------
  * The int8 path, or up to DIRECT_MAX_ROWS rows of x: items of RG weight rows, each row decoded
@@ -835,7 +511,7 @@ static int int8_range(const linear_args* a, int64_t begin, int64_t end) {
 static int direct(const linear_args* a) { return a->M <= DIRECT_MAX_ROWS && a->K % 32 == 0; }
 
 int64_t quant_items(const linear_args* a) {
-    if (int8_path(a) || direct(a)) return (a->N + RG - 1) / RG;
+    if (quant_int8_path(a) || direct(a)) return (a->N + RG - 1) / RG;
     return ((a->N + NB - 1) / NB) * ((a->M + MC - 1) / MC);
 }
 
@@ -877,8 +553,8 @@ static void direct_range(const linear_args* a, int64_t begin, int64_t end) {
 void quant_range(const void* args, int64_t begin, int64_t end) {
     const linear_args* a = args;
     const int64_t K = a->K;
-    if (int8_path(a) || direct(a)) { /* (the int8 path falls back if out of memory) */
-        if (!int8_path(a) || !int8_range(a, begin, end)) direct_range(a, begin, end);
+    if (quant_int8_path(a) || direct(a)) { /* (the int8 path falls back if out of memory) */
+        if (!quant_int8_path(a) || !quant_int8_range(a, begin, end)) direct_range(a, begin, end);
         return;
     }
     float* panel = thread_scratch((NB + 1) * K);
@@ -906,7 +582,7 @@ static void embed_range(const void* args, int64_t begin, int64_t end) {
     const embed_args* a = args;
     for (int64_t r = begin; r < end; r++) {
         int64_t type;
-        const uint8_t* src = weight_row(a->w, a->K, a->ids[r], &type);
+        const uint8_t* src = quant_weight_row(a->w, a->K, a->ids[r], &type);
         float* out = a->out + r * a->K;
         const float* row = decode_row(type, src, a->K, out);
         if (row != out) memcpy(out, row, (size_t)a->K * sizeof(float));
@@ -918,10 +594,4 @@ void mg_embed(const mg_weight* w, int64_t K, const int64_t* ids, int64_t n, floa
               int nthreads) {
     const embed_args a = {w, K, ids, out};
     run_parallel(&a, embed_range, n, max64(1, n / (2 * (int64_t)nthreads)), nthreads);
-}
-
-/* Turns the int8 path on (where the CPU has AVX-512 VNNI) or off; returns whether it is on. */
-int mg_set_int8_activations(int on) {
-    int8_on = on && INT8_PATH;
-    return int8_on;
 }

@@ -1,0 +1,591 @@
+/* GGUF blocks times int8 activations (opt-in: MINISGL_INT8_ACTIVATIONS=1), llama.cpp's numerics.
+ *
+ * Activation rows are quantized to int8 codes per block, a weight block's dot with them is an
+ * integer sum of byte products, and one float multiply-add per block scales it. Two ways of
+ * quantizing x, as llama.cpp pairs them with the weight types:
+ * - per 32 elements for Q4_0, Q4_1, Q8_0 weights (llama.cpp's q8_0): codes round(x / dx), dx =
+ *   max |x| / 127 in fp32 (llama.cpp keeps dx in fp16: the one difference);
+ * - per 256 for Q4_K, Q6_K (llama.cpp's q8_K, bit for bit): codes round(x * 127 / max |x|), dx
+ *   the inverse of that factor, and the sums of every 16 codes (for the weights' offsets).
+ * Rounding is to the nearest code, ties to even, as llama.cpp's.
+ *
+ * With AVX2 (section "AVX2"): Q4_K, Q6_K and Q8_0 rows, byte products by vpmaddubsw (unsigned
+ * times signed bytes, pairs added into int16) and vpmaddwd (int16 pairs times the block scales
+ * into int32), as llama.cpp's AVX2 kernels do. With AVX-512 VNNI (section "AVX-512 VNNI"):
+ * Q4_0, Q4_1 and Q8_0 rows by vpdpbusd; K-quants there take the AVX2 kernels. The AVX2 kernels
+ * run at every batch size up to INT8_MAX_ROWS (and past it in the fused decode stack); each
+ * activation row's sum in one order whatever its batch mates.
+ *
+ * Prefill: mg_linear past INT8_MAX_ROWS rows rounds x to its int8 values (codes times dx, per
+ * the weight's blocks: quant_round_x) and multiplies by quant.c's fp32 panels, faster there and
+ * the same result up to float rounding, so a prompt's cached prefill and its decoding see one
+ * model. Not the default: quantizing x amplifies the last-bit differences between the prefill
+ * and decode paths (another attention kernel, another summation order) into visibly different
+ * logprobs, so the same request could answer otherwise once its prompt is cached (RESULTS.md). */
+#include <stdlib.h>
+
+#include "quant.h"
+
+#if defined(__AVX2__) && defined(__FMA__)
+#define INT8_AVX2 1
+#else
+#define INT8_AVX2 0
+#endif
+
+/* Off unless asked for (mg_set_int8_activations): see the header on why it is not the default. */
+static int int8_on;
+
+/* Past this many rows mg_linear rounds x for the fp32 panels instead (the header): each block
+ * of products needs its own float scaling, and what the int8 path saves, decoding the weights
+ * once per row, a large batch amortizes. */
+#define INT8_MAX_ROWS 64
+
+/* How op a's activations are quantized: X_FP32 (not the int8 path), per 32 or per 256. */
+enum { X_FP32, X_Q8_0, X_Q8_K };
+
+static int x_kind(const linear_args* a);
+
+/* This thread's scratch of at least `bytes` for op a's quantized activations; *fresh when they
+ * must be quantized (again): once per op and thread (ops are told apart by their tag; no
+ * barrier). NULL when out of memory. */
+static __attribute__((unused)) char* x_scratch(const linear_args* a, int64_t bytes, int* fresh) {
+    static __thread char* buffer;
+    static __thread int64_t capacity, tag;
+    if (bytes > capacity) tag = 0; /* (a new buffer holds no op's rows) */
+    if (!quant_grow(&buffer, &capacity, bytes)) return 0;
+    *fresh = a->tag == 0 || a->tag != tag;
+    tag = a->tag;
+    return buffer;
+}
+
+/* ---- AVX-512 VNNI ------------------------------------------------------------------------------
+ * Q4_0, Q4_1 and Q8_0 rows (K a multiple of 64) times x per 32 elements (its vec_dot_q4_0_q8_0 /
+ * q4_1_q8_1): a weight block's dot with x's is an integer sum (vpdpbusd: 64 byte products per
+ * instruction, four times an fp32 FMA's 16) scaled once. Every weight type is read as
+ * w = d * q + m with unsigned bytes q: Q4_0's nibbles with m = -8 d, Q4_1's with its m, Q8_0's
+ * int8 + 128 with m = -128 d; the m terms add up, per weight row and activation row, to a dot
+ * of the row's m with the blocks' sums of x.
+ *
+ * Two blocks A, B (64 elements) per vector, interleaved by 4 elements (A 0..3, B 0..3, A 4..7,
+ * ...): vpdpbusd's even lanes then hold A's partial sums and its odd lanes B's, so the scales
+ * of both blocks are one 64-bit broadcast. A weight row is decoded once (a scratch of its
+ * pairs) and met by the activation rows 8 at a time, each with its own even and odd
+ * accumulators. */
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
+#define INT8_VNNI 1
+/* x quantized, pair-major (the rows of one pair side by side): codes [K / 64, M, 64] (pair
+ * order), dx [K / 64, M, 2] (A's, B's); block sums [M, K / 32]. */
+typedef struct {
+    int8_t* codes;
+    float* scales;
+    float* sums;
+    int64_t rows; /* M: the pair stride, in rows */
+} xquant;
+
+static inline __m512i interleave_pair(__m512i ab) { /* [A 0..31, B 0..31] bytes -> pair order */
+    return _mm512_permutexvar_epi32(
+        _mm512_setr_epi32(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15), ab);
+}
+static inline __m512 pair_scales(const float* ab) { /* lanes A, B, A, B, ... */
+    double both;
+    memcpy(&both, ab, sizeof both);
+    return _mm512_castpd_ps(_mm512_set1_pd(both));
+}
+
+/* Block x[0..32) as 32 codes; its dx and the sum of its quantized values through the pointers. */
+static inline __m256i quantize_block(const float* x, float* scale, float* sum) {
+    const __m512 lo = _mm512_loadu_ps(x), hi = _mm512_loadu_ps(x + 16);
+    const __m512 sign = _mm512_set1_ps(-0.0f);
+    const float d = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sign, lo),
+                                                       _mm512_andnot_ps(sign, hi))) / 127.0f;
+    const float inv = d != 0.0f ? 1.0f / d : 0.0f;
+    const __m512i qlo = _mm512_cvtps_epi32(lo * inv), qhi = _mm512_cvtps_epi32(hi * inv);
+    *scale = d;
+    *sum = (float)_mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi)) * d;
+    return _mm256_set_m128i(_mm512_cvtsepi32_epi8(qhi), _mm512_cvtsepi32_epi8(qlo));
+}
+
+static void quantize_rows(const linear_args* a, xquant* q) {
+    const int64_t K = a->K;
+    for (int64_t m = 0; m < a->M; m++) {
+        const float* x = a->x + m * a->ldx;
+        float* sums = q->sums + m * K / 32;
+        for (int64_t p = 0; p < K / 64; p++) {
+            float* scales = q->scales + 2 * (p * a->M + m);
+            const __m256i ca = quantize_block(x + 64 * p, scales, sums + 2 * p);
+            const __m256i cb = quantize_block(x + 64 * p + 32, scales + 1, sums + 2 * p + 1);
+            const __m512i ab = _mm512_inserti64x4(_mm512_castsi256_si512(ca), cb, 1);
+            _mm512_storeu_si512(q->codes + 64 * (p * a->M + m), interleave_pair(ab));
+        }
+    }
+}
+
+/* The activation rows of op `a` quantized, in this thread's scratch: once per op and thread
+ * (ops are told apart by their tag). Codes NULL when out of memory. */
+static xquant quantized_x(const linear_args* a) {
+    const int64_t bytes = a->M * a->K + 2 * a->M * (a->K / 32) * (int64_t)sizeof(float);
+    int fresh;
+    char* buffer = x_scratch(a, bytes, &fresh);
+    xquant q = {0, 0, 0, a->M};
+    if (!buffer) return q;
+    q.codes = (int8_t*)buffer;
+    q.scales = (float*)(buffer + a->M * a->K);
+    q.sums = q.scales + a->M * a->K / 32;
+    if (fresh) quantize_rows(a, &q);
+    return q;
+}
+
+/* A pair of weight blocks at a: its 64 unsigned codes (pair order), d of A and B (lanes A, B,
+ * ...), and m of A and B into m[0..2). */
+static inline __m512i nibbles(const uint8_t* a, const uint8_t* b) {
+    const __m128i qa = _mm_loadu_si128((const __m128i*)a), qb = _mm_loadu_si128((const __m128i*)b);
+    /* byte j of a nibble row: element j (low nibble) and j + 16 (high) */
+    const __m256i v = _mm256_set_m128i(_mm_unpackhi_epi32(qa, qb), _mm_unpacklo_epi32(qa, qb));
+    const __m256i low = _mm256_set1_epi8(15);
+    return _mm512_inserti64x4(_mm512_castsi256_si512(v & low), _mm256_srli_epi16(v, 4) & low, 1);
+}
+static inline __m512 half_pair(const uint8_t* a, const uint8_t* b) {
+    uint16_t ha, hb;
+    memcpy(&ha, a, 2), memcpy(&hb, b, 2);
+    return _mm512_broadcast_f32x2(_mm_cvtph_ps(_mm_cvtsi32_si128(ha | (uint32_t)hb << 16)));
+}
+static inline __m512i pair_q4_0(const uint8_t* a, __m512* d, float* m) {
+    const uint8_t* b = a + 2 + QK / 2;
+    *d = half_pair(a, b);
+    _mm_storel_pi((__m64*)m, _mm512_castps512_ps128(*d * -8.0f));
+    return nibbles(a + 2, b + 2);
+}
+static inline __m512i pair_q4_1(const uint8_t* a, __m512* d, float* m) {
+    const uint8_t* b = a + 4 + QK / 2;
+    *d = half_pair(a, b);
+    _mm_storel_pi((__m64*)m, _mm512_castps512_ps128(half_pair(a + 2, b + 2)));
+    return nibbles(a + 4, b + 4);
+}
+static inline __m512i pair_q8_0(const uint8_t* a, __m512* d, float* m) {
+    const uint8_t* b = a + 2 + QK;
+    *d = half_pair(a, b);
+    _mm_storel_pi((__m64*)m, _mm512_castps512_ps128(*d * -128.0f));
+    const __m512i ab = _mm512_inserti64x4(
+        _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)(a + 2))),
+        _mm256_loadu_si256((const __m256i*)(b + 2)), 1);
+    return interleave_pair(ab) ^ _mm512_set1_epi8((char)0x80); /* int8 + 128 */
+}
+
+/* Weight row src decoded for dot_pairs: per pair its codes q[p], d of A and B (d[2p], d[2p + 1])
+ * and m of A and B (m[2p], m[2p + 1]). Once per row, however many activation rows it meets. */
+static void decode_pairs(int64_t type, const uint8_t* src, int64_t pairs, __m512i* q, float* d,
+                         float* m) {
+#define DECODE_PAIRS(decode, bytes)                                                              \
+    for (int64_t p = 0; p < pairs; p++) {                                                       \
+        __m512 dv;                                                                              \
+        q[p] = decode(src + 2 * p * (bytes), &dv, m + 2 * p);                                   \
+        _mm_storel_pi((__m64*)(d + 2 * p), _mm512_castps512_ps128(dv));                         \
+    }
+    switch (type) {
+    case GGUF_Q4_0: DECODE_PAIRS(pair_q4_0, 2 + QK / 2); break;
+    case GGUF_Q4_1: DECODE_PAIRS(pair_q4_1, 4 + QK / 2); break;
+    case GGUF_Q8_0: DECODE_PAIRS(pair_q8_0, 2 + QK); break;
+    }
+#undef DECODE_PAIRS
+}
+
+/* out[r] = dot(decoded weight row, activation row r) for R <= INT8_ROWS quantized activation
+ * rows. Two accumulators per row, even and odd pairs (the FMA latency would bound one), and the
+ * same order of additions for every R: a row's result does not depend on its batch. */
+#define INT8_ROWS 8
+static inline __attribute__((always_inline)) void dot_pairs(const __m512i* q, const float* d,
+                                                            const float* m, int64_t pairs,
+                                                            const xquant* x, const int R,
+                                                            float* out) {
+    __m512 even[INT8_ROWS], odd[INT8_ROWS];
+    for (int r = 0; r < R; r++) even[r] = odd[r] = _mm512_setzero_ps();
+#define PAIR(p, ACC)                                                                             \
+    do {                                                                                        \
+        const __m512 dw = pair_scales(d + 2 * (p));                                             \
+        const int8_t* codes = x->codes + 64 * (p) * x->rows;                                    \
+        const float* scales = x->scales + 2 * (p) * x->rows;                                    \
+        _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                   \
+            const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q[p],               \
+                                                    _mm512_loadu_si512(codes + 64 * r));        \
+            const __m512 scale = dw * pair_scales(scales + 2 * r);                              \
+            ACC[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, ACC[r]);                   \
+        }                                                                                       \
+    } while (0)
+    int64_t p = 0;
+    for (; p + 2 <= pairs; p += 2) {
+        PAIR(p, even);
+        PAIR(p + 1, odd);
+    }
+    if (p < pairs) PAIR(p, even);
+#undef PAIR
+    const int64_t blocks = 2 * pairs;
+    const __mmask16 tail = (__mmask16)((1u << (blocks % 16)) - 1);
+    _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {
+        const float* sums = x->sums + r * blocks;
+        __m512 s = _mm512_add_ps(even[r], odd[r]);
+        int64_t b = 0;
+        for (; b + 16 <= blocks; b += 16)
+            s = _mm512_fmadd_ps(_mm512_loadu_ps(m + b), _mm512_loadu_ps(sums + b), s);
+        s = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(tail, m + b),
+                            _mm512_maskz_loadu_ps(tail, sums + b), s);
+        out[r] = _mm512_reduce_add_ps(s);
+    }
+}
+#define DEFINE_DOT_PAIRS(R)                                                                      \
+    static void dot_pairs_##R(const __m512i* q, const float* d, const float* m, int64_t pairs,  \
+                              const xquant* x, float* out) {                                    \
+        dot_pairs(q, d, m, pairs, x, R, out);                                                   \
+    }
+DEFINE_DOT_PAIRS(1)
+DEFINE_DOT_PAIRS(2)
+DEFINE_DOT_PAIRS(3)
+DEFINE_DOT_PAIRS(4)
+DEFINE_DOT_PAIRS(5)
+DEFINE_DOT_PAIRS(6)
+DEFINE_DOT_PAIRS(7)
+DEFINE_DOT_PAIRS(8)
+typedef void (*dot_pairs_fn)(const __m512i*, const float*, const float*, int64_t, const xquant*,
+                             float*);
+static const dot_pairs_fn DOT_PAIRS_FNS[INT8_ROWS + 1] = {
+    0, dot_pairs_1, dot_pairs_2, dot_pairs_3, dot_pairs_4, dot_pairs_5, dot_pairs_6, dot_pairs_7,
+    dot_pairs_8,
+};
+
+/* Items [begin, end) of RG weight rows each, each row decoded once and dotted with every
+ * activation row (INT8_ROWS at a time). Returns 0 when out of memory. */
+static int vnni_range(const linear_args* a, int64_t begin, int64_t end) {
+    static __thread char* scratch; /* one decoded weight row */
+    static __thread int64_t capacity;
+    const int64_t K = a->K, pairs = K / 64;
+    quant_grow(&scratch, &capacity, pairs * (64 + 4 * (int64_t)sizeof(float)));
+    const xquant x = quantized_x(a);
+    if (!scratch || !x.codes) return 0;
+    __m512i* q = (__m512i*)scratch;
+    float* d = (float*)(q + pairs);
+    float* m = d + 2 * pairs;
+    for (int64_t n = begin * RG; n < min64(a->N, end * RG); n++) {
+        int64_t type;
+        const uint8_t* src = quant_weight_row(a->w, K, n, &type);
+        decode_pairs(type, src, pairs, q, d, m);
+        for (int64_t m0 = 0; m0 < a->M; m0 += INT8_ROWS) {
+            const int64_t R = min64(INT8_ROWS, a->M - m0);
+            const xquant rows = {x.codes + 64 * m0, x.scales + 2 * m0, x.sums + m0 * K / 32,
+                                 a->M};
+            float out[INT8_ROWS];
+            DOT_PAIRS_FNS[R](q, d, m, pairs, &rows, out);
+            for (int64_t r = 0; r < R; r++)
+                a->y[(m0 + r) * a->ldy + n] = out[r] + (a->bias ? a->bias[n] : 0.0f);
+        }
+    }
+    return 1;
+}
+#else
+#define INT8_VNNI 0
+#endif
+
+/* ---- AVX2 --------------------------------------------------------------------------------------
+ * Q4_K and Q6_K rows times x per 256 (vec_dot_q4_K_q8_K / q6_K_q8_K), Q8_0 rows times x per 32
+ * (vec_dot_q8_0_q8_0). A K-quant super-block is unpacked once per weight row into unsigned codes
+ * and int16 scales (kblock), then met by every activation row: per 32 elements one vpmaddubsw
+ * (codes times x's codes, pairs added) and one vpmaddwd (times the scales, pairs added) into an
+ * int32 sum per super-block, scaled once by d * dx. The weights' offsets (Q4_K's mins, Q6_K's
+ * -32) multiply x's sums of 16 codes: one vpmaddwd per super-block. Q8_0's signed weights take
+ * vpmaddubsw as |w| times x with w's sign (vpsignb), one float multiply-add per block. Every
+ * activation row's sum adds in one order whatever its batch mates. */
+#if INT8_AVX2
+/* x quantized per block (QK or QK_K elements), row-major: codes [M, K], dx [M, K / block], and
+ * (per QK_K only) the sums of every 16 codes [M, K / 16]. */
+typedef struct {
+    const int8_t* codes;
+    const float* scales;
+    const int16_t* sums;
+} xcodes;
+
+/* x[0..n) (n a multiple of 32) as codes; returns their scale dx. q8_K: codes round(x * f),
+ * f = 127 / max |x|, dx = 1 / f; else dx = max |x| / 127 and codes round(x * (1 / dx)). */
+static float quantize_avx2(const float* x, int64_t n, int q8_k, int8_t* codes) {
+    __m256 top = _mm256_setzero_ps();
+    for (int64_t i = 0; i < n; i += 8)
+        top = _mm256_max_ps(top, _mm256_andnot_ps(_mm256_set1_ps(-0.0f), _mm256_loadu_ps(x + i)));
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    const float amax = _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+    float dx = amax / 127.0f, f = dx != 0.0f ? 1.0f / dx : 0.0f;
+    if (q8_k) f = amax != 0.0f ? 127.0f / amax : 0.0f, dx = amax != 0.0f ? 1.0f / f : 0.0f;
+    const __m256 factor = _mm256_set1_ps(f);
+    for (int64_t i = 0; i < n; i += 32) {
+        __m256i q[4]; /* |x * f| <= 127: the packs never saturate */
+        for (int j = 0; j < 4; j++)
+            q[j] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + i + 8 * j), factor));
+        const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]),
+                                                  _mm256_packs_epi32(q[2], q[3]));
+        /* the packs interleave 128-bit lanes: 4-byte runs back into element order */
+        const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+        _mm256_storeu_si256((__m256i*)(codes + i), _mm256_permutevar8x32_epi32(packed, order));
+    }
+    return dx;
+}
+
+/* Op a's activation rows quantized per `block`, in this thread's scratch (codes NULL when out
+ * of memory). */
+static xcodes quantized_x_avx2(const linear_args* a, int64_t block) {
+    const int64_t M = a->M, K = a->K;
+    const int64_t bytes = M * K + M * (K / block) * (int64_t)sizeof(float) + M * (K / 16) * 2;
+    int fresh;
+    char* buffer = x_scratch(a, bytes, &fresh);
+    if (!buffer) return (xcodes){0, 0, 0};
+    int8_t* codes = (int8_t*)buffer;
+    float* scales = (float*)(buffer + M * K);
+    int16_t* sums = (int16_t*)(scales + M * (K / block));
+    for (int64_t m = 0; fresh && m < M; m++)
+        for (int64_t b = 0; b < K / block; b++)
+            scales[m * (K / block) + b] = quantize_avx2(a->x + m * a->ldx + b * block, block,
+                                                        block == QK_K, codes + m * K + b * block);
+    for (int64_t g = 0; fresh && block == QK_K && g < M * K / 16; g++) {
+        int sum = 0;
+        for (int e = 0; e < 16; e++) sum += codes[16 * g + e];
+        sums[g] = (int16_t)sum;
+    }
+    return (xcodes){codes, scales, sums};
+}
+
+/* A Q4_K or Q6_K super-block unpacked: its dot with 256 codes x (sums: x's 16-code sums) is
+ * d dx (sum of q . x . s) plus, in integers (fold) or scaled by -dmin dx, sum of t . sums. */
+typedef struct {
+    __m256i q[8];  /* the 256 codes as unsigned bytes, in element order */
+    __m256i s[8];  /* per 32 codes, the int16 scale of each pair (lanes 0-7: codes 0-15) */
+    __m256i t;     /* per 16 codes, what multiplies x's sum over them (int16) */
+    float d, dmin; /* (Q4_K: w = d scale q - dmin min; Q6_K: w = d scale (q - 32)) */
+    int fold;
+} kblock;
+
+/* Each pair of codes' int16 scale for the 32 codes of group j, from scales doubled into 32-bit
+ * lanes (both halves of lane i the scale of codes [16 i, 16 i + 16)): lanes lo and hi (of the
+ * codes' first and second 16) across the vector. */
+static inline __m256i pick_scales(__m256i doubled, int lo, int hi) {
+    return _mm256_permutevar8x32_epi32(doubled, _mm256_setr_epi32(lo, lo, lo, lo, hi, hi, hi, hi));
+}
+
+/* Q4_K: d, dmin (f16), 8 6-bit scales and mins in 12 bytes (as quant.c's read_q4_k: 0-3 in the
+ * low 6 bits of bytes 0-3 and 4-7, 4-7 split into a nibble of bytes 8-11 and the top 2 bits of
+ * bytes 0-7), 128 bytes of nibbles (bytes [32 i, +32): groups 2 i (low) and 2 i + 1 (high)). */
+static void unpack_q4_k(const uint8_t* b, kblock* k) {
+    uint32_t w[3], sc[2], mn[2];
+    memcpy(w, b + 4, sizeof w);
+    sc[0] = w[0] & 0x3F3F3F3F, mn[0] = w[1] & 0x3F3F3F3F;
+    sc[1] = (w[2] & 0x0F0F0F0F) | (w[0] >> 6 & 0x03030303) << 4;
+    mn[1] = (w[2] >> 4 & 0x0F0F0F0F) | (w[1] >> 6 & 0x03030303) << 4;
+    const __m128i scales = _mm_loadl_epi64((const __m128i*)sc);
+    const __m128i mins = _mm_loadl_epi64((const __m128i*)mn);
+    /* scale j in both halves of 32-bit lane j; t: min j for codes [32 j, 32 j + 32) */
+    const __m256i doubled = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(scales, scales));
+    for (int j = 0; j < 8; j++) k->s[j] = pick_scales(doubled, j, j);
+    k->t = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(mins, mins));
+    for (int i = 0; i < 4; i++) {
+        const __m256i bytes = _mm256_loadu_si256((const __m256i*)(b + 16 + 32 * i));
+        k->q[2 * i] = bytes & _mm256_set1_epi8(15);
+        k->q[2 * i + 1] = _mm256_srli_epi16(bytes, 4) & _mm256_set1_epi8(15);
+    }
+    k->d = load_half(b), k->dmin = load_half(b + 2), k->fold = 0;
+}
+
+/* Q6_K: codes as quant.c's group_q6_k (low 4 bits from ql, high 2 from qh), 16 int8 scales
+ * (one per 16 codes), d (f16); the -32 of every code is t = -32 scale times x's 16-code sums. */
+static void unpack_q6_k(const uint8_t* b, kblock* k) {
+    const __m128i scales = _mm_loadu_si128((const __m128i*)(b + QK_K / 2 + QK_K / 4));
+    const __m256i doubled[2] = {_mm256_cvtepi8_epi16(_mm_unpacklo_epi8(scales, scales)),
+                                _mm256_cvtepi8_epi16(_mm_unpackhi_epi8(scales, scales))};
+    for (int j = 0; j < 8; j++) {
+        k->s[j] = pick_scales(doubled[j / 4], 2 * j % 8, 2 * j % 8 + 1);
+        const int i = j % 4, lshift = 4 * (i / 2), hshift = 2 * i;
+        const __m256i l = _mm256_loadu_si256((const __m256i*)(b + 64 * (j / 4) + 32 * (i % 2)));
+        const __m256i h = _mm256_loadu_si256((const __m256i*)(b + QK_K / 2 + 32 * (j / 4)));
+        const __m256i high = hshift <= 4 ? _mm256_slli_epi16(h, 4 - hshift)
+                                         : _mm256_srli_epi16(h, hshift - 4);
+        k->q[j] = (_mm256_srli_epi16(l, lshift) & _mm256_set1_epi8(15)) |
+                  (high & _mm256_set1_epi8(0x30));
+    }
+    k->t = _mm256_slli_epi16(_mm256_cvtepi8_epi16(scales), 5);
+    k->t = _mm256_sub_epi16(_mm256_setzero_si256(), k->t);
+    k->d = load_half(b + QK_K / 2 + QK_K / 4 + QK_K / 16), k->dmin = 0.0f, k->fold = 1;
+}
+
+/* acc plus the super-block's dot with 256 codes x (scale dx, 16-code sums `sums`). */
+static inline __m256 kblock_dot(const kblock* k, const int8_t* x, const int16_t* sums, float dx,
+                                __m256 acc) {
+    __m256i dot = _mm256_setzero_si256();
+    for (int j = 0; j < 8; j++) {
+        const __m256i xj = _mm256_loadu_si256((const __m256i*)(x + 32 * j));
+        dot = _mm256_add_epi32(dot, _mm256_madd_epi16(_mm256_maddubs_epi16(k->q[j], xj), k->s[j]));
+    }
+    const __m256i offsets = _mm256_madd_epi16(k->t, _mm256_loadu_si256((const __m256i*)sums));
+    if (k->fold)
+        return _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(dot, offsets)),
+                               _mm256_set1_ps(k->d * dx), acc);
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(k->d * dx), acc);
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(offsets), _mm256_set1_ps(-k->dmin * dx), acc);
+}
+
+static inline float hsum_avx2(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+#define AVX2_ROWS 16 /* activation rows per pass over a K-quant weight row (their accumulators) */
+
+/* out[r] = dot(K-quant row src, activation row m0 + r) for r < R <= AVX2_ROWS: each super-block
+ * unpacked once, then met by the R rows. */
+static void kquant_rows(int64_t type, const uint8_t* src, int64_t K, const xcodes* x,
+                        int64_t m0, int64_t R, float* out) {
+    void (*unpack)(const uint8_t*, kblock*) = type == GGUF_Q4_K ? unpack_q4_k : unpack_q6_k;
+    const int64_t bytes = mg_quant_block_bytes(type);
+    __m256 acc[AVX2_ROWS];
+    for (int64_t r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < K / QK_K; b++) {
+        kblock k;
+        unpack(src + b * bytes, &k);
+        for (int64_t r = 0, m = m0; r < R; r++, m++)
+            acc[r] = kblock_dot(&k, x->codes + m * K + b * QK_K, x->sums + (m * K + b * QK_K) / 16,
+                                x->scales[m * (K / QK_K) + b], acc[r]);
+    }
+    for (int64_t r = 0; r < R; r++) out[r] = hsum_avx2(acc[r]);
+}
+
+/* Q8_0 rows meet activation rows Q8_0_ROWS at a time, their accumulators in registers (with
+ * all R rows in memory, as kquant_rows keeps them, 30% slower than fp32 activations at 8 rows;
+ * a K-quant super-block has 8 times the work per accumulator update). */
+#define Q8_0_ROWS 4
+/* acc[r] plus the dot of Q8_0 block b (at `block`) with block b of activation row r, r < R. The
+ * signed weights meet vpmaddubsw as |w| times x with w's sign. */
+static inline __attribute__((always_inline)) void q8_0_block(const uint8_t* block, int64_t b,
+                                                             const int8_t* codes,
+                                                             const float* scales, int64_t K,
+                                                             const int R, __m256* acc) {
+    const __m256i w = _mm256_loadu_si256((const __m256i*)(block + 2));
+    const __m256i magnitude = _mm256_abs_epi8(w); /* |w| <= 128: no overflow */
+    const float dw = load_half(block);
+    for (int r = 0; r < R; r++) {
+        const __m256i xs = _mm256_sign_epi8(
+            _mm256_loadu_si256((const __m256i*)(codes + r * K + b * QK)), w);
+        const __m256i dot =
+            _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, xs), _mm256_set1_epi16(1));
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot),
+                                 _mm256_set1_ps(dw * scales[r * (K / QK) + b]), acc[r]);
+    }
+}
+/* out[r] = dot(Q8_0 row src, activation row m0 + r) for r < R <= Q8_0_ROWS: each block loaded
+ * once for the R rows, two accumulators per row (even and odd blocks: the FMA latency would
+ * bound one). */
+static inline __attribute__((always_inline)) void q8_0_rows_r(const uint8_t* src, int64_t K,
+                                                              const xcodes* x, int64_t m0,
+                                                              const int R, float* out) {
+    const int64_t blocks = K / QK, bytes = 2 + QK;
+    const int8_t* codes = x->codes + m0 * K;
+    const float* scales = x->scales + m0 * blocks;
+    __m256 even[Q8_0_ROWS], odd[Q8_0_ROWS];
+    for (int r = 0; r < R; r++) even[r] = odd[r] = _mm256_setzero_ps();
+    int64_t b = 0;
+    for (; b + 2 <= blocks; b += 2) {
+        q8_0_block(src + b * bytes, b, codes, scales, K, R, even);
+        q8_0_block(src + (b + 1) * bytes, b + 1, codes, scales, K, R, odd);
+    }
+    if (b < blocks) q8_0_block(src + b * bytes, b, codes, scales, K, R, even);
+    for (int r = 0; r < R; r++) out[r] = hsum_avx2(even[r] + odd[r]);
+}
+/* The same for any R (out[r] for r < R), Q8_0_ROWS at a time. */
+static void q8_0_rows(const uint8_t* src, int64_t K, const xcodes* x, int64_t m0, int64_t R,
+                      float* out) {
+    for (int64_t r = 0; r < R; r += Q8_0_ROWS) {
+        switch (min64(Q8_0_ROWS, R - r)) {
+        case 1: q8_0_rows_r(src, K, x, m0 + r, 1, out + r); break;
+        case 2: q8_0_rows_r(src, K, x, m0 + r, 2, out + r); break;
+        case 3: q8_0_rows_r(src, K, x, m0 + r, 3, out + r); break;
+        default: q8_0_rows_r(src, K, x, m0 + r, 4, out + r);
+        }
+    }
+}
+
+/* Items [begin, end) of RG weight rows each, dotted with every activation row (up to AVX2_ROWS
+ * at a time). Returns 0 when out of memory. */
+static int avx2_range(const linear_args* a, int64_t begin, int64_t end) {
+    const int q8_k = x_kind(a) == X_Q8_K;
+    const xcodes x = quantized_x_avx2(a, q8_k ? QK_K : QK);
+    if (!x.codes) return 0;
+    for (int64_t n = begin * RG; n < min64(a->N, end * RG); n++) {
+        int64_t type;
+        const uint8_t* src = quant_weight_row(a->w, a->K, n, &type);
+        for (int64_t m0 = 0; m0 < a->M; m0 += AVX2_ROWS) {
+            const int64_t R = min64(AVX2_ROWS, a->M - m0);
+            float out[AVX2_ROWS];
+            if (q8_k)
+                kquant_rows(type, src, a->K, &x, m0, R, out);
+            else
+                q8_0_rows(src, a->K, &x, m0, R, out);
+            for (int64_t r = 0; r < R; r++)
+                a->y[(m0 + r) * a->ldy + n] = out[r] + (a->bias ? a->bias[n] : 0.0f);
+        }
+    }
+    return 1;
+}
+
+/* Rows [begin, end) of x rounded to their int8 values (codes times dx), into a->y ([M, K]). */
+static void round_rows(const void* args, int64_t begin, int64_t end) {
+    const linear_args* a = args;
+    const int q8_k = x_kind(a) == X_Q8_K;
+    const int64_t block = q8_k ? QK_K : QK;
+    int8_t codes[QK_K];
+    for (int64_t m = begin; m < end; m++)
+        for (int64_t k = 0; k < a->K; k += block) {
+            const float dx = quantize_avx2(a->x + m * a->ldx + k, block, q8_k, codes);
+            for (int64_t e = 0; e < block; e++) a->y[m * a->K + k + e] = (float)codes[e] * dx;
+        }
+}
+#endif
+
+/* ---- which path ---------------------------------------------------------------------------- */
+static int x_kind(const linear_args* a) {
+    if (!int8_on || a->x_rounded || !a->w->num_segments) return X_FP32;
+    int k_quants = 1, blocks = 1;
+    for (int64_t s = 0; s < a->w->num_segments; s++) {
+        const int64_t t = a->w->types[s];
+        k_quants &= t == GGUF_Q4_K || t == GGUF_Q6_K;
+        blocks &= t == GGUF_Q8_0 || (INT8_VNNI && (t == GGUF_Q4_0 || t == GGUF_Q4_1));
+    }
+    if (k_quants) return X_Q8_K; /* (K is a multiple of 256) */
+    return blocks && a->K % (INT8_VNNI ? 64 : 32) == 0 ? X_Q8_0 : X_FP32;
+}
+
+int quant_int8_path(const linear_args* a) { return x_kind(a) != X_FP32; }
+
+int quant_int8_range(const linear_args* a, int64_t begin, int64_t end) {
+#if INT8_VNNI
+    if (x_kind(a) == X_Q8_0) return vnni_range(a, begin, end);
+#endif
+#if INT8_AVX2
+    return avx2_range(a, begin, end);
+#else
+    (void)a, (void)begin, (void)end;
+    return 0;
+#endif
+}
+
+float* quant_round_x(const linear_args* a, int nthreads) {
+    if (!INT8_AVX2 || !quant_int8_path(a) || a->M <= INT8_MAX_ROWS) return 0;
+    float* out = malloc((size_t)(a->M * a->K) * sizeof(float));
+    (void)nthreads;
+#if INT8_AVX2
+    if (out) {
+        linear_args r = *a;
+        r.y = out;
+        run_parallel(&r, round_rows, a->M, 1, nthreads);
+    }
+#endif
+    return out;
+}
+
+/* Turns the int8 path on (where the CPU has AVX2) or off; returns whether it is on. */
+int mg_set_int8_activations(int on) {
+    int8_on = on && INT8_AVX2;
+    return int8_on;
+}
