@@ -37,6 +37,8 @@ MAX_CONSTRAINT_BYTES = 256 * KIB
 # A compile taking the grammar worker (idle at ~0.4 GB) past this is refused: fixed, not a share
 # of the machine, so that it does not grow with a big host.
 MAX_WORKER_RSS_BYTES = 2 * GIB
+# Grammars of one client (tenant) compiling or queued to compile at once: a 400 past it.
+MAX_COMPILES_PER_CLIENT = 32
 MAX_TOOLS = 128
 # JSON from clients (minisgl.chat.jsontext): deeper than any schema or message list needs, far
 # below where recursive code runs out of stack; each object costs microseconds to validate

@@ -1,11 +1,12 @@
-"""Hostile constraints on a real server (issue 26): grammars compile in a worker process that is
-killed for its time or memory, so such a request is a 400 while the server, and every other
-request's stream, carry on.
+"""Hostile constraints on a real server (issues 26, 45): grammars compile in children of a
+compiler process, killed for their time or memory, several at once and fairly between tenants,
+so such a request is a 400 while the server, other tenants' compiles and every other request's
+stream carry on.
 
 One server (the bundled SmolLM2) with --grammar-compile-timeout 2; the memory ceiling, which
-that timeout would beat, on a `GrammarWorker` of its own with a lower ceiling. Measured here (2
-busy cores): the regex below grows a compiler to 2 GiB in ~7 s (10 GB when it ran in the API
-process); an enum of 10,000 strings compiles in ~4 s to 21 MB of JSON.
+that timeout would beat, the per-client bound and cancellation on a `GrammarWorker` of its own.
+Measured here (2 busy cores): the regex below grows a compiler to 2 GiB in ~7 s (10 GB when it
+ran in the API process); an enum of 10,000 strings compiles in ~4 s to 21 MB of JSON.
 """
 
 from __future__ import annotations
@@ -15,10 +16,14 @@ import contextlib
 import functools
 import itertools
 import json
+import math
+import random
 import re
+import string
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import psutil
@@ -50,6 +55,14 @@ CANARY_MAX_TOKENS = 900  # far more than it streams before the test stops it
 # few MB the last RSS look let the compile grow by.
 TREE_RSS_MARGIN_BYTES = 768 * MIB
 API_RSS_GROWTH_BYTES = 256 * MIB
+# Issue 45: slow compiles of one tenant, and how long others may wait meanwhile
+# (its targets, 2 s plus the compile and 1 s, with a margin for a loaded machine).
+NUM_ATTACKERS = 6
+TRIVIAL = "[0-9]{3}-v"
+ATTACK_HEAD_START_S = 0.5
+MAX_TRIVIAL_COMPILE_S = 4.0
+MAX_MALFORMED_S = 2.0
+DEADLINE_MARGIN_S = 3.0
 
 
 @pytest.fixture(scope="module")
@@ -99,6 +112,16 @@ def test_an_oversized_constraint_is_refused_before_compiling(server: ServerProce
     _assert_refused(_complete(server, regex=regex), "regex", str(MAX_CONSTRAINT_BYTES + 1), "KiB")
     assert not _named(server, WORKER_NAME), "no compiler was started for it"
     assert _complete(server).status_code == 200
+
+
+def test_the_first_constrained_request_does_not_stall_streams(server: ServerProcess) -> None:
+    """Issue 45: the scheduler makes its grammar compiler before serving, not in the step of the
+    first constrained request (which stalled every stream for 5.8-22 s). A malformed regex
+    first, a 400 from the API server, starts only its compiler process."""
+    _assert_refused(_complete(server, regex="(["), "regex", "invalid or unsupported regex")
+    send = lambda: _complete(server, regex=TRIVIAL, max_tokens=8)  # noqa: E731
+    response = _while_streaming(server, send)
+    assert re.fullmatch(TRIVIAL, response.json()["choices"][0]["text"]), response.text
 
 
 class _Canary(threading.Thread):
@@ -263,10 +286,77 @@ def test_a_grammar_that_eats_memory_is_a_400_and_the_server_stays_up(
     assert fresh.json()["choices"][0]["text"] in ("yes", "no", '"yes"', '"no"')
 
 
-def test_a_worker_over_its_memory_ceiling_is_killed(monkeypatch) -> None:
+def _slow_regex(seed: int) -> str:
+    """~200 KB of alternatives (22,000 random 8-letter words): past COMPILE_TIMEOUT_S here."""
+    rng = random.Random(seed)
+    words = ("".join(rng.choices(string.ascii_lowercase, k=8)) for _ in range(22_000))
+    return "(" + "|".join(words) + ")"
+
+
+def test_one_tenants_slow_grammars_do_not_hold_up_anothers(server: ServerProcess) -> None:
+    """Issue 45: six ~200 KB regexes of one tenant that run into the compile timeout, then a
+    trivial regex and a malformed one of other tenants: those two are answered at once (in
+    turn they would wait for six timeouts), every attacker within its timeout from its arrival
+    (not from its turn), and streams flow on."""
+
+    def send(regex: str, user: str) -> tuple[float, httpx.Response]:
+        start_s = time.monotonic()
+        response = _complete(server, regex=regex, user=user, max_tokens=8)
+        return time.monotonic() - start_s, response
+
+    def attack_and_probe() -> httpx.Response:
+        with ThreadPoolExecutor(NUM_ATTACKERS) as pool:
+            attacks = [pool.submit(send, _slow_regex(i), "attacker") for i in range(NUM_ATTACKERS)]
+            time.sleep(ATTACK_HEAD_START_S)
+            trivial_s, trivial = send(TRIVIAL, "victim")
+            malformed_s, malformed = send("([0-9]{3}", "victim-2")
+            print(f"trivial {trivial_s:.2f} s, malformed {malformed_s:.2f} s")
+            assert re.fullmatch(TRIVIAL, trivial.json()["choices"][0]["text"]), trivial.text
+            assert trivial_s < MAX_TRIVIAL_COMPILE_S and malformed_s < MAX_MALFORMED_S
+            _assert_refused(malformed, "regex", "invalid or unsupported regex")
+            for attack in attacks:
+                attack_s, response = attack.result()
+                _assert_refused(response, "regex", "compile-timeout")
+                assert attack_s < COMPILE_TIMEOUT_S + DEADLINE_MARGIN_S, attack_s
+        return trivial
+
+    assert _complete(server, regex="[ab]{1,3}").status_code == 200  # the compiler is up
+    _while_streaming(server, attack_and_probe)
+
+
+def test_compiles_are_bounded_per_client_and_dropped_when_nobody_waits(monkeypatch) -> None:
+    """On a `GrammarWorker` of its own (two compiles at once, one per client, at most two
+    pending per client, a 1 GiB ceiling): a third pending compile of a client is a 400; a
+    compile whose request went away (cancelled) is dequeued, or its child killed; one past the
+    ceiling is killed with a 400."""
     monkeypatch.setattr(worker, "MAX_WORKER_RSS_BYTES", 1 << 30)
+    monkeypatch.setattr(worker, "MAX_COMPILES_PER_CLIENT", 2)
     tokenizer = load_tokenizer(require_default_model())
+    monkeypatch.setattr(worker, "MAX_RUNNING", 2)
+    monkeypatch.setattr(worker, "MAX_RUNNING_PER_CLIENT", 1)
     compiler = worker.GrammarWorker(tokenizer, len(tokenizer), [tokenizer.eos_token_id], 60.0)
-    with pytest.raises(InvalidRequestError, match="regex: the grammar needs more than 1 GiB"):
-        asyncio.run(compiler.serialize(Constraint("regex", KILLER_REGEX), "regex"))
-    assert compiler._process is None  # killed (the server test sees the next one start)
+
+    def regex(value: str, client: str) -> asyncio.Future[str]:
+        stays = functools.partial(asyncio.sleep, math.inf)  # the client never leaves
+        compiling = compiler.serialize(Constraint("regex", value), "regex", client, stays)
+        return asyncio.ensure_future(compiling)
+
+    async def scenario() -> None:
+        await regex("[ab]", "a")  # the compiler process is up
+        killer, queued = regex(KILLER_REGEX, "a"), regex(_slow_regex(0), "a")
+        with pytest.raises(InvalidRequestError, match="2 grammars of this client"):
+            await regex(_slow_regex(1), "a")
+        await asyncio.wait_for(regex(TRIVIAL, "b"), MAX_TRIVIAL_COMPILE_S)  # a's wait
+        queued.cancel()
+        slow = regex(_slow_regex(2), "c")
+        while not compiler._running or not all(job.pid for job in compiler._running.values()):
+            await asyncio.sleep(worker.RSS_POLL_INTERVAL_S)
+        zygote = next(p for p in psutil.Process().children() if p.name() == WORKER_NAME)
+        children = zygote.children()  # the compiles running
+        slow.cancel()
+        with pytest.raises(InvalidRequestError, match="regex: the grammar needs more than 1 GiB"):
+            await killer
+        assert not compiler._queue and not compiler._running
+        assert not psutil.wait_procs(children, timeout=REQUEST_TIMEOUT_S)[1]  # killed, reaped
+
+    asyncio.run(scenario())

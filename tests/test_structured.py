@@ -111,7 +111,7 @@ def test_bad_constraints_are_clear_errors(qwen3_compiler: GrammarCompiler) -> No
     ]:
         with pytest.raises(InvalidRequestError, match=fragment) as info:
             qwen3_compiler.compile(constraint)
-        assert info.value.param == "response_format"
+        assert info.value.param == "constraint"
     with pytest.raises(InvalidRequestError, match="kind"):
         Constraint("xml", "")
 

@@ -1,7 +1,7 @@
 """The one generation pipeline every dialect runs: admission (model, fan-out, capacity) ->
-prompt (template, tokens, constraint, on the tokenizer thread) -> one SamplingParams per
-choice -> a `Run` of choices in flight -> events, which a dialect renders and
-minisgl.api.sse sends or folds."""
+prompt (template, tokens, on the tokenizer thread) -> one SamplingParams per choice ->
+constraint (compiled by the grammar worker) -> a `Run` of choices in flight -> events, which a
+dialect renders and minisgl.api.sse sends or folds."""
 
 from __future__ import annotations
 
@@ -182,13 +182,17 @@ class Run:
                 param="n" if req.n > most else req.prompt_param,
             )
         self._check_capacity(num_sequences)  # a 503 comes before any tokenizing
-        constraint = await self.tokenize()
+        param, constraint = await self.tokenize()
         defaults = {**ctx.sampling_defaults, "user": api_key_tenant(self._http_request.headers)}
         self.params = [
             params
             for p, ids in enumerate(self.prompts)
             for params in choice_params(req, p, ids, ctx.limits, defaults, constraint)
         ]
+        if constraint is not None:  # off the tokenizer thread, as one of its tenant's compiles
+            self.grammar_json = await ctx.grammar.serialize(
+                constraint, req.wire(param), self.params[0].user, self._watch_disconnect
+            )
         chat = self.chat
         self.choices = [
             Choice(p * req.n + j, p, f"{self.id}-{p}-{j}", chat.new_parser() if chat else None)
@@ -196,17 +200,14 @@ class Run:
             for j in range(req.n)
         ]
 
-    async def tokenize(self) -> Constraint | None:
-        """The prompts as token ids, a chat's parsers, and the request's constraint (compiled
-        after the tokenizer thread's part, so that thread keeps serving others meanwhile); a 400
-        for any broken rule, named as this dialect's clients spell the field."""
+    async def tokenize(self) -> tuple[str, Constraint | None]:
+        """The prompts as token ids, a chat's parsers, and the request's constraint with the
+        field it came from; a 400 for any broken rule, named as this dialect's clients spell
+        the field."""
         ctx, req = self.ctx, self.req
         try:
             check_prompt_size(*prompt_texts(req.prompt), ctx.limits, req.prompt_param)
-            param, constraint = await ctx.on_tokenizer_thread(self._tokenize)
-            if constraint is not None:
-                self.grammar_json = await ctx.grammar.serialize(constraint, param)
-            return constraint
+            return await ctx.on_tokenizer_thread(self._tokenize)
         except InvalidRequestError as exc:
             raise req.invalid(exc) from None
         except ValueError as exc:  # about the messages

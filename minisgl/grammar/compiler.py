@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import os
 import re
-import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from typing import Any, Generic, TypeVar
+from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
@@ -38,65 +37,60 @@ _KIND_NAMES = {
 }
 # xgrammar's errors start with "[time] /path/file.cc:line: "; clients need only the rest.
 _XGRAMMAR_PREFIX = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")
-_V = TypeVar("_V")
 
 
 def _clean(message: str) -> str:
     return _XGRAMMAR_PREFIX.sub("", message.strip()).strip()
 
 
-class GrammarCache(Generic[_V]):
-    """A thread-safe LRU map of grammars, bounded in entries (GRAMMAR_CACHE_SIZE) and in the
-    sum of `size_of` its values (GRAMMAR_CACHE_BYTES); the newest entry always stays."""
+class GrammarCache:
+    """An LRU map of grammars, bounded in entries (GRAMMAR_CACHE_SIZE) and in the sum of
+    `size_of` its values (GRAMMAR_CACHE_BYTES); the newest entry always stays. One thread uses
+    it: the API server's event loop, or a scheduler's."""
 
-    def __init__(self, size_of: Callable[[_V], int]) -> None:
+    def __init__(self, size_of: Callable[[Any], int]) -> None:
         self._size_of = size_of
-        self._entries: OrderedDict[tuple[str, str], _V] = OrderedDict()
-        self._lock = threading.Lock()
+        self._entries: OrderedDict[tuple[str, str], Any] = OrderedDict()
 
-    def get(self, key: tuple[str, str]) -> _V | None:
-        with self._lock:
-            if (value := self._entries.get(key)) is not None:
-                self._entries.move_to_end(key)
-            return value
-
-    def put(self, key: tuple[str, str], value: _V) -> None:
-        with self._lock:
-            self._entries[key] = value
+    def get(self, key: tuple[str, str]) -> Any:
+        if (value := self._entries.get(key)) is not None:
             self._entries.move_to_end(key)
-            while len(self._entries) > 1 and (
-                len(self._entries) > GRAMMAR_CACHE_SIZE
-                or sum(map(self._size_of, self._entries.values())) > GRAMMAR_CACHE_BYTES
-            ):
-                self._entries.popitem(last=False)
+        return value
+
+    def put(self, key: tuple[str, str], value: Any) -> None:
+        self._entries[key] = value
+        self._entries.move_to_end(key)
+        while len(self._entries) > 1 and (
+            len(self._entries) > GRAMMAR_CACHE_SIZE
+            or sum(map(self._size_of, self._entries.values())) > GRAMMAR_CACHE_BYTES
+        ):
+            self._entries.popitem(last=False)
 
 
 class GrammarCompiler:
-    """Compiles constraints for one tokenizer and vocabulary (the model's logits width).
-    Thread-safe: the API server's compile worker and the scheduler (offline requests) use it."""
+    """Compiles constraints for one tokenizer and vocabulary (the model's logits width): in the
+    API server's compiler process (each compile in a fork of it) and in a scheduler."""
 
     def __init__(
         self,
         tokenizer: PreTrainedTokenizerBase,
         vocab_size: int,
         stop_token_ids: Sequence[int],
-        param: str = "response_format",
     ) -> None:
         import xgrammar as xgr
 
         self._xgr = xgr
-        self.param = param  # the request field an invalid constraint is reported against
         self.info = xgr.TokenizerInfo.from_huggingface(
             tokenizer, vocab_size=vocab_size, stop_token_ids=list(stop_token_ids) or None
         )
         threads = min(MAX_COMPILE_THREADS, os.cpu_count() or 1)
         # Our own cache keys on (kind, value) and also holds deserialized grammars.
         self._compiler = xgr.GrammarCompiler(self.info, max_threads=threads, cache_enabled=False)
-        self._cache: GrammarCache[Any] = GrammarCache(lambda grammar: grammar.memory_size_bytes)
+        self._cache = GrammarCache(lambda grammar: grammar.memory_size_bytes)
 
     def compile(self, constraint: Constraint) -> Any:
-        """The compiled grammar (not cached); InvalidRequestError naming `self.param` if it is
-        bad."""
+        """The compiled grammar (not cached); InvalidRequestError naming `constraint` if it is
+        bad (the API server names its request's field instead)."""
         kind, value = constraint.kind, constraint.value
         try:
             if kind in ("json_schema", "json_object"):
@@ -111,7 +105,7 @@ class GrammarCompiler:
             return self._compiler.compile_grammar(value)
         except (RuntimeError, ValueError, TypeError) as exc:
             message = f"invalid or unsupported {_KIND_NAMES[kind]}: {_clean(str(exc))}"
-            raise InvalidRequestError(self.param, message) from None
+            raise InvalidRequestError("constraint", message) from None
 
     def load(self, constraint: Constraint, grammar_json: str | None) -> Any:
         """The compiled grammar for a request: cached, else deserialized from `grammar_json`

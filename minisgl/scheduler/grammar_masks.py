@@ -15,20 +15,25 @@ from minisgl.tokenizer import load_tokenizer
 class GrammarMasks:
     def __init__(self, tokenizer_path: str, vocab_size: int, eos_token_ids: tuple[int, ...]):
         self._vocab_size = vocab_size
-        # Made at the first constrained request (it reads the whole vocabulary: slow); errors
-        # name the request's `constraint`.
+        # It reads the whole vocabulary (seconds): made before a server serves (`prepare`), else
+        # at the first constrained request.
         self._new_compiler = lambda: GrammarCompiler(
-            load_tokenizer(tokenizer_path), vocab_size, eos_token_ids, param="constraint"
+            load_tokenizer(tokenizer_path), vocab_size, eos_token_ids
         )
         self._compiler: GrammarCompiler | None = None
+
+    def prepare(self) -> GrammarCompiler:
+        """The compiler, made now if it is not yet (a server's rank 0 does before serving, so
+        that no step does)."""
+        self._compiler = self._compiler or self._new_compiler()
+        return self._compiler
 
     def compiled(self, req: Req) -> Any:
         """The request's compiled grammar (None when it has no constraint); a bad constraint
         raises here. Cached: the second call for a request costs a lookup."""
         if (constraint := req.sampling_params.constraint) is None:
             return None
-        self._compiler = self._compiler or self._new_compiler()
-        return self._compiler.load(constraint, req.grammar_json)
+        return self.prepare().load(constraint, req.grammar_json)
 
     def attach(self, req: Req) -> None:
         """Give a constrained request the matcher that follows its output."""

@@ -167,6 +167,7 @@ def run_scheduler_process(
     args: ServerArgs, endpoints: msg.Endpoints, report_ready: Callable[[], None]
 ) -> None:
     scheduler = make_scheduler(args)
+    scheduler.masks.prepare()  # before serving, while the API process starts too
     device = scheduler.engine.device
     loop = SchedulerLoop(scheduler, endpoints, make_gpu_probe(device.type, device.index))
     report_ready()
