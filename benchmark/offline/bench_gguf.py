@@ -245,7 +245,7 @@ def chats(url: str, concurrency: int, seed: int) -> tuple[float, float]:
 
 def long_prompt(words: int, seed: int) -> str:
     rng = random.Random(seed)
-    vocabulary = WORDS.split()
+    vocabulary = WORDS
     return " ".join(rng.choice(vocabulary) for _ in range(words))
 
 
