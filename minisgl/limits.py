@@ -73,12 +73,14 @@ MAX_STORED_CHARS = 64 * MIB
 
 class InvalidRequestError(ValueError):
     """A request that cannot run, with the field to blame. Its text is "param: message", and the
-    server turns it into a 400 whose `param` names the field."""
+    server turns it into an error reply of `status` (400, or 429 for a client over its share)
+    whose `param` names the field."""
 
-    def __init__(self, param: str, message: str) -> None:
+    def __init__(self, param: str, message: str, status: int = 400) -> None:
         super().__init__(f"{param}: {message}")
         self.param = param
         self.message = message
+        self.status = status
 
 
 @dataclass(frozen=True)

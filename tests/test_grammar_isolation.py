@@ -326,7 +326,7 @@ def test_one_tenants_slow_grammars_do_not_hold_up_anothers(server: ServerProcess
 
 def test_compiles_are_bounded_per_client_and_dropped_when_nobody_waits(monkeypatch) -> None:
     """On a `GrammarWorker` of its own (two compiles at once, one per client, at most two
-    pending per client, a 1 GiB ceiling): a third pending compile of a client is a 400; a
+    pending per client, a 1 GiB ceiling): a third pending compile of a client is a 429; a
     compile whose request went away (cancelled) is dequeued, or its child killed; one past the
     ceiling is killed with a 400."""
     monkeypatch.setattr(worker, "MAX_WORKER_RSS_BYTES", 1 << 30)
@@ -344,8 +344,9 @@ def test_compiles_are_bounded_per_client_and_dropped_when_nobody_waits(monkeypat
     async def scenario() -> None:
         await regex("[ab]", "a")  # the compiler process is up
         killer, queued = regex(KILLER_REGEX, "a"), regex(_slow_regex(0), "a")
-        with pytest.raises(InvalidRequestError, match="2 grammars of this client"):
+        with pytest.raises(InvalidRequestError, match="2 grammars of this client") as refused:
             await regex(_slow_regex(1), "a")
+        assert refused.value.status == 429  # Too Many Requests, as rate limits answer
         await asyncio.wait_for(regex(TRIVIAL, "b"), MAX_TRIVIAL_COMPILE_S)  # a's wait
         queued.cancel()
         slow = regex(_slow_regex(2), "c")

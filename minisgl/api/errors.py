@@ -99,7 +99,7 @@ def _validation_error(exc: RequestValidationError) -> RequestError:
 # a rule a dialect's translation broke (the param is its own).
 _ANSWERS: dict[type[Exception], Callable[[Any], RequestError]] = {
     RequestError: lambda exc: exc,
-    InvalidRequestError: lambda exc: RequestError(HTTPStatus.BAD_REQUEST, str(exc), exc.param),
+    InvalidRequestError: lambda exc: RequestError(exc.status, str(exc), exc.param),
     BackendUnavailable: lambda exc: RequestError(HTTPStatus.SERVICE_UNAVAILABLE, str(exc)),
     RequestValidationError: _validation_error,
     # Routing's 404 and 405 (a client error: nothing raises one with a 5xx status).

@@ -19,6 +19,7 @@ from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from http import HTTPStatus
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any
@@ -151,6 +152,7 @@ class GrammarWorker:
                     param,
                     f"{MAX_COMPILES_PER_CLIENT} grammars of this client are compiling or queued; "
                     "retry when one is done",
+                    HTTPStatus.TOO_MANY_REQUESTS,
                 )
             done = asyncio.get_running_loop().create_future()
             job = _Job(constraint, client, done, next(self._ids))
