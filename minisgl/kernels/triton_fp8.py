@@ -8,7 +8,6 @@ Loaded where FP8 tensor cores exist (8.9+); tests run it under TRITON_INTERPRET=
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 from torch import Tensor
@@ -80,7 +79,7 @@ def fp8_linear(x: Tensor, w: Fp8Tensor, bias: Tensor | None = None) -> Tensor:
     rows = x.reshape(-1, x.shape[-1])
     rows = rows if rows.stride(-1) == 1 else rows.contiguous()
     (m, k), n = rows.shape, w.data.shape[0]
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    y = x.new_empty(m, n)
     if m:  # tl.dot needs 16+ rows a tile; decode batches take the smallest
         block_m = 16 if m <= 16 else 32 if m <= 64 else 64
         block_n = 64 if m <= 64 else 128
