@@ -70,7 +70,7 @@ def _rmsnorm_kernel(
     tl.store(out_ptr + row * out_row_stride + cols, out.to(dtype), mask=mask)
 
 
-def _rows(x: Tensor) -> Tensor:
+def unit_stride_rows(x: Tensor) -> Tensor:
     """x as 2-D rows with unit column stride (a view when it already is one)."""
     x2 = x.reshape(-1, x.shape[-1])
     return x2 if x2.stride(-1) == 1 else x2.contiguous()
@@ -80,7 +80,7 @@ def rmsnorm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = Non
     """RMSNorm over the last dim of x (any leading shape): a new tensor of x's dtype. With
     `residual` (2-D rows with unit column stride, x's shape) it normalizes x + residual and
     stores that sum into `residual` (the fused residual add)."""
-    x2 = _rows(x)
+    x2 = unit_stride_rows(x)
     out = x2.new_empty(x2.shape)
     if residual is not None:
         assert residual.dim() == 2 and residual.stride(-1) == 1 and residual.shape == x.shape
@@ -283,7 +283,7 @@ def _silu_mul_kernel(gate_up_ptr, out_ptr, gate_up_row_stride, num_cols, BLOCK: 
 
 def silu_mul(gate_up: Tensor) -> Tensor:
     """silu(gate) * up for gate_up = [gate | up] along the last dim: [rows, 2 * n] -> [rows, n]."""
-    x = _rows(gate_up)
+    x = unit_stride_rows(gate_up)
     num_rows, width = x.shape
     num_cols = width // 2
     out = x.new_empty(num_rows, num_cols)
