@@ -310,7 +310,7 @@ class TritonBackend(AttentionBackend):
         k_cache, v_cache = pool.buffer[layer_id]
         if q.stride(-1) != 1:
             q = q.contiguous()
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        out = q.new_empty(q.shape)
         k_scale, v_scale = pool.layer_scales[layer_id]  # fp8's (else 1.0)
         scale *= k_scale
         if isinstance(metadata, TritonDecodeMetadata):

@@ -202,7 +202,7 @@ class Sampler:
         elif sb.filter_rows is None:
             token_ids = self._draw_all(logits, sb.rows)
         else:
-            token_ids = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
+            token_ids = logits.new_empty(logits.shape[0], dtype=torch.int64)
             if (plain := sb.plain_rows) is not None:
                 token_ids[plain] = self._draw_all(logits[plain], sb.rows.take(plain))
             rows = sb.filter_rows

@@ -8,11 +8,11 @@ Loaded where FP8 tensor cores exist (8.9+); tests run it under TRITON_INTERPRET=
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
+from minisgl.kernels.triton_fused import unit_stride_rows
 from minisgl.kernels.weights import Fp8Tensor
 
 
@@ -77,10 +77,9 @@ def _fp8_linear(
 def fp8_linear(x: Tensor, w: Fp8Tensor, bias: Tensor | None = None) -> Tensor:
     """x [..., in] (any float dtype) times `w` [out, in] transposed, plus bias: [..., out] in
     x's dtype."""
-    rows = x.reshape(-1, x.shape[-1])
-    rows = rows if rows.stride(-1) == 1 else rows.contiguous()
+    rows = unit_stride_rows(x)
     (m, k), n = rows.shape, w.data.shape[0]
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    y = x.new_empty(m, n)
     if m:  # tl.dot needs 16+ rows a tile; decode batches take the smallest
         block_m = 16 if m <= 16 else 32 if m <= 64 else 64
         block_n = 64 if m <= 64 else 128

@@ -8,7 +8,6 @@ up to a mean's summation order. Imported lazily; tests run them under TRITON_INT
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 from torch import Tensor
@@ -71,7 +70,7 @@ def _rmsnorm_kernel(
     tl.store(out_ptr + row * out_row_stride + cols, out.to(dtype), mask=mask)
 
 
-def _rows(x: Tensor) -> Tensor:
+def unit_stride_rows(x: Tensor) -> Tensor:
     """x as 2-D rows with unit column stride (a view when it already is one)."""
     x2 = x.reshape(-1, x.shape[-1])
     return x2 if x2.stride(-1) == 1 else x2.contiguous()
@@ -81,8 +80,8 @@ def rmsnorm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = Non
     """RMSNorm over the last dim of x (any leading shape): a new tensor of x's dtype. With
     `residual` (2-D rows with unit column stride, x's shape) it normalizes x + residual and
     stores that sum into `residual` (the fused residual add)."""
-    x2 = _rows(x)
-    out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    x2 = unit_stride_rows(x)
+    out = x2.new_empty(x2.shape)
     if residual is not None:
         assert residual.dim() == 2 and residual.stride(-1) == 1 and residual.shape == x.shape
     res = x2 if residual is None else residual  # read only with a residual
@@ -232,8 +231,8 @@ def qk_norm_rope(
     num_kv_heads = k.shape[1]
     assert q.stride(-1) == 1 and k.stride(-1) == 1 and head_dim % 2 == 0
     assert cos_cache.stride(-1) == 1 and cos_cache.stride() == sin_cache.stride()
-    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    q_out = q.new_empty(q.shape)
+    k_out = k.new_empty(k.shape)
     has_norm = q_weight is not None and k_weight is not None
     half = head_dim // 2
     if num_tokens:
@@ -284,10 +283,10 @@ def _silu_mul_kernel(gate_up_ptr, out_ptr, gate_up_row_stride, num_cols, BLOCK: 
 
 def silu_mul(gate_up: Tensor) -> Tensor:
     """silu(gate) * up for gate_up = [gate | up] along the last dim: [rows, 2 * n] -> [rows, n]."""
-    x = _rows(gate_up)
+    x = unit_stride_rows(gate_up)
     num_rows, width = x.shape
     num_cols = width // 2
-    out = torch.empty((num_rows, num_cols), dtype=x.dtype, device=x.device)
+    out = x.new_empty(num_rows, num_cols)
     if num_rows:
         block = min(SILU_BLOCK, triton.next_power_of_2(num_cols))
         grid = (num_rows, triton.cdiv(num_cols, block))

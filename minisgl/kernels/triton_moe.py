@@ -164,7 +164,7 @@ def fused_moe(
 
     def grouped_gemm(a: Tensor, w: Tensor, n: int, is_gate_up: bool) -> Tensor:
         """One pass of the kernel over the sorted pairs: [pairs, n]."""
-        out = torch.empty(num_pairs, n, dtype=x.dtype, device=x.device)
+        out = x.new_empty(num_pairs, n)
         assert a.stride(1) == 1 and w.stride(2) == 1, "the kernel assumes a unit stride along K"
         # FP8: one tile of K per scale
         block_k = FP8_GROUP if scales else BLOCK_K_FP32 if a.dtype == torch.float32 else BLOCK_K

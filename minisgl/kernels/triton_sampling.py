@@ -131,7 +131,7 @@ def sample(logits: Tensor, temperatures: Tensor, seeds: Tensor, positions: Tenso
     uniforms of int64 seeds and positions [rows]."""
     rows, vocab_size = logits.shape
     assert logits.stride(1) == 1, "the vocabulary must be contiguous"
-    out = torch.empty(rows, dtype=torch.int64, device=logits.device)
+    out = logits.new_empty(rows, dtype=torch.int64)
     if rows:
         _sample_kernel[(rows,)](
             logits,

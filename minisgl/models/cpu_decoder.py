@@ -66,9 +66,7 @@ class CpuDecodeStack:
         shape = StackShape(
             len(layers),
             cfg.hidden_size,
-            attn0.num_heads,
-            attn0.num_kv_heads,
-            attn0.head_dim,
+            *heads,
             cfg.intermediate_size,
             cfg.rms_norm_eps,
             cfg.rms_norm_eps,  # the q/k norms' (config.json has one)

@@ -197,8 +197,12 @@ class BlockEvents(EventBuffer):
         self._index += 1
         block: JsonObject = _EMPTY_BLOCKS.get(kind, {})  # copied by the emit
         if call is not None:
-            block = {"type": "tool_use", "id": new_id("toolu", "_"), "name": call.name or ""}
-            block["input"] = {}
+            block = {
+                "type": "tool_use",
+                "id": new_id("toolu", "_"),
+                "name": call.name or "",
+                "input": {},
+            }
         self.emit("content_block_start", index=self._index, content_block=block)
 
     def write(self, kind: str, text: str, logprobs: list[Any]) -> None:

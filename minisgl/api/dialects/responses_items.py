@@ -27,7 +27,6 @@ ITEM_ID_PREFIXES = {
     "function_call_output": "fco",
     "reasoning": "rs",
 }
-ITEM_KINDS = tuple(ITEM_ID_PREFIXES)
 FUNCTION_KEYS = ("name", "description", "parameters")
 
 
@@ -76,7 +75,9 @@ def input_messages(value: str | list[Any]) -> list[JsonObject]:
             given = item.get("content") or item.get("summary") or []
             reasoning = text_content(given, where, "input", TEXT_PART_TYPES)
         else:
-            raise _fail(where, f"item type {kind!r} is not supported ({', '.join(ITEM_KINDS)})")
+            raise _fail(
+                where, f"item type {kind!r} is not supported ({', '.join(ITEM_ID_PREFIXES)})"
+            )
         if message is not None:
             if message["role"] == "assistant" and reasoning is not None:
                 message["reasoning_content"], reasoning = reasoning, None
@@ -174,9 +175,12 @@ class OutputItems(EventBuffer):
     def open(self, kind: str, call: ToolCallDelta | None) -> None:
         part = None
         if call is not None:
-            name = call.name or ""
-            item: JsonObject = {"type": "function_call", "call_id": new_call_id(), "name": name}
-            item["arguments"] = ""
+            item: JsonObject = {
+                "type": "function_call",
+                "call_id": new_call_id(),
+                "name": call.name or "",
+                "arguments": "",
+            }
         else:
             head, part = copy.deepcopy(_TEXT_ITEMS[kind])
             item = {**head, "content": []}
