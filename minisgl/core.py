@@ -36,6 +36,7 @@ if TYPE_CHECKING:
 
 # Seeds are folded into 31 bits: the sampler's counter-based hash works on 32-bit lanes.
 SEED_MASK = (1 << 31) - 1
+KEY_TENANT_PREFIX = "key-"  # the tenant of a request that names no user but presents an API key
 CONSTRAINT_KINDS = ("json_schema", "json_object", "regex", "ebnf", "structural_tag")
 
 

@@ -11,12 +11,13 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from minisgl.api.request import api_key_tenant
 from minisgl.config import ServerArgs
 from minisgl.core import Req, ReqOutput, SamplingParams
 from minisgl.engine.engine import Engine
 from minisgl.scheduler import policy as policy_module
 from minisgl.scheduler.counters import MAX_LABEL_CHARS, LabelSlots, SchedulerCounters
-from minisgl.scheduler.policy import INPUT_TOKEN_WEIGHT, OUTPUT_TOKEN_WEIGHT, api_key_tenant
+from minisgl.scheduler.policy import INPUT_TOKEN_WEIGHT, OUTPUT_TOKEN_WEIGHT
 from minisgl.scheduler.scheduler import Scheduler
 from minisgl.stats import MAX_LABEL_VALUES, OTHER_LABEL
 from tests.server_utils import require_default_model, running_server

@@ -40,7 +40,7 @@ from bench import (  # noqa: E402
 )
 
 from minisgl import LLM  # noqa: E402
-from minisgl.engine.device import record_ranges_on_cpu  # noqa: E402
+from minisgl.engine import device  # noqa: E402
 from minisgl.engine.engine import resolve_device  # noqa: E402
 
 PHASES = ("schedule", "forward", "sample", "process")
@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit("profile_steps.py runs one engine config: drop --gpu-matrix, --compare, --hf")
     workload = build_workload(args)
     (config,) = configs_to_run(args)
-    record_ranges_on_cpu(True)  # the phases' ranges (always on for CUDA)
+    device.RANGES_ON_CPU = True  # the phases' ranges (always on for CUDA)
     llm = LLM(model=args.model, **engine_options(args, config))
     try:
         warm_up(llm)

@@ -19,7 +19,7 @@ from transformers import PreTrainedTokenizerBase
 
 from minisgl.api.errors import ChoiceFailed, ClientDisconnected, RequestError
 from minisgl.api.metrics import ServerMetrics
-from minisgl.api.request import ApiRequest, choice_params
+from minisgl.api.request import ApiRequest, api_key_tenant, choice_params
 from minisgl.chat import (
     ChatDelta,
     ChatOutputParser,
@@ -37,7 +37,6 @@ from minisgl.limits import InvalidRequestError, ModelLimits, check_prompt_size
 from minisgl.models.names import accepted_model_names
 from minisgl.runtime.engine_client import EngineClient
 from minisgl.runtime.messages import TokenizedRequest
-from minisgl.scheduler.policy import api_key_tenant
 
 # Token id -> text is asked for every token when logprobs are on: cache the common ones.
 TOKEN_TEXT_CACHE_SIZE = 1 << 16

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
 import json
 import uuid
 from collections.abc import Collection, Mapping
@@ -21,7 +22,7 @@ from starlette.requests import Request
 
 from minisgl.chat import ChatPrompt
 from minisgl.chat.jsontext import find_invalid_text
-from minisgl.core import Constraint, SamplingParams
+from minisgl.core import KEY_TENANT_PREFIX, Constraint, SamplingParams
 from minisgl.limits import InvalidRequestError, ModelLimits, check_request, resolve_max_tokens
 
 JsonObject = dict[str, Any]  # a JSON object: a request body, a reply, an event
@@ -30,6 +31,18 @@ _T = TypeVar("_T")
 # A list validated up to its first bad item: a union tries each of its types, and an error for
 # each of a million token ids takes seconds.
 FailFastList = Annotated[list[_T], Field(fail_fast=True)]
+KEY_TENANT_HASH_CHARS = 12  # an API key's tenant: a hash prefix, never the key itself
+
+
+def api_key_tenant(headers: Mapping[str, str]) -> str | None:
+    """The tenant of a request that names no user: the API key it presents (`x-api-key` or a
+    Bearer token, as the server's Gate checks it), as KEY_TENANT_PREFIX and a short hash."""
+    key = headers.get("x-api-key") or headers.get("authorization", "").removeprefix("Bearer ")
+    return (
+        f"{KEY_TENANT_PREFIX}{hashlib.sha256(key.encode()).hexdigest()[:KEY_TENANT_HASH_CHARS]}"
+        if key
+        else None
+    )
 
 
 def new_id(prefix: str, sep: str = "-") -> str:

@@ -67,21 +67,16 @@ class ComputeStream:
 
 # Set by benchmark/offline/profile_steps.py on CPU, where ranges are off by default (each costs
 # a few microseconds, and nothing but that profiler reads them there).
-_ranges_on_cpu = False
-
-
-def record_ranges_on_cpu(on: bool) -> None:
-    global _ranges_on_cpu
-    _ranges_on_cpu = on
+RANGES_ON_CPU = False
 
 
 def nvtx_range(name: str, is_cuda: bool) -> contextlib.AbstractContextManager[Any]:
     """An NVTX range on CUDA (Nsight shows schedule / forward / sample / process), also a
     torch.profiler range (benchmark/offline/profile_steps.py sums them); on CPU only the
-    profiler range, and only after `record_ranges_on_cpu(True)`."""
+    profiler range, and only with RANGES_ON_CPU set."""
     if is_cuda:
         stack = contextlib.ExitStack()
         stack.enter_context(torch.cuda.nvtx.range(name))
         stack.enter_context(torch.profiler.record_function(name))
         return stack
-    return torch.profiler.record_function(name) if _ranges_on_cpu else contextlib.nullcontext()
+    return torch.profiler.record_function(name) if RANGES_ON_CPU else contextlib.nullcontext()

@@ -11,7 +11,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from minisgl.scheduler.policy import KEY_TENANT_PREFIX, tenant_of
+from minisgl.core import KEY_TENANT_PREFIX
+from minisgl.scheduler.policy import tenant_of
 from minisgl.stats import (
     BATCH_SIZE_BUCKETS,
     BATCH_TOKENS_BUCKETS,

@@ -7,10 +7,9 @@ reasons: docs/server.md#scheduling-policies."""
 
 from __future__ import annotations
 
-import hashlib
 import math
 from collections import deque
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from minisgl.config import ServerArgs
@@ -26,25 +25,12 @@ OUTPUT_TOKEN_WEIGHT = 2.0
 # SGLang's threshold: past this many waiting requests, lpm falls back to arrival order.
 LPM_MAX_WAITING = 128
 SHARED_TENANT = "shared"  # requests that name no user and present no API key
-KEY_TENANT_PREFIX = "key-"  # requests that name no user but present an API key
-KEY_TENANT_HASH_CHARS = 12  # an API key's tenant: a hash prefix, never the key itself
 # Counters of idle tenants are forgotten past this many tenants (they return at the floor).
 MAX_TRACKED_TENANTS = 4096
 
 
 def tenant_of(req: Req) -> str:
     return req.sampling_params.user or SHARED_TENANT
-
-
-def api_key_tenant(headers: Mapping[str, str]) -> str | None:
-    """The tenant of a request that names no user: the API key it presents (`x-api-key` or a
-    Bearer token, as the server's Gate checks it), as KEY_TENANT_PREFIX and a short hash."""
-    key = headers.get("x-api-key") or headers.get("authorization", "").removeprefix("Bearer ")
-    return (
-        f"{KEY_TENANT_PREFIX}{hashlib.sha256(key.encode()).hexdigest()[:KEY_TENANT_HASH_CHARS]}"
-        if key
-        else None
-    )
 
 
 class SchedulePolicy:
