@@ -186,3 +186,16 @@ def test_shell_runs_without_test_only_packages(tmp_path):
     # +1: a token may split in two when decoded alone
     assert 0 < num_tokens[0] <= most + 1, replies
     assert num_tokens[1] <= room + 1, (replies, room)
+
+
+def test_the_server_side_imports_no_scheduler_module():
+    """api/ and runtime/ reach the scheduler only through the messages (docs/architecture.md):
+    the scheduler process is started by its entry point's name, never imported here."""
+    found = [
+        f"{path.relative_to(ROOT)}:{line}: {module}"
+        for part in ("api", "runtime")
+        for path in sorted((PACKAGE / part).rglob("*.py"))
+        for module, line, _ in _imports(path, full_names=True)
+        if module.startswith("minisgl.scheduler")
+    ]
+    assert not found, found
