@@ -245,8 +245,7 @@ def chats(url: str, concurrency: int, seed: int) -> tuple[float, float]:
 
 def long_prompt(words: int, seed: int) -> str:
     rng = random.Random(seed)
-    vocabulary = WORDS
-    return " ".join(rng.choice(vocabulary) for _ in range(words))
+    return " ".join(rng.choice(WORDS) for _ in range(words))
 
 
 def measure_file(file: Path, args: argparse.Namespace, bin_dir: Path | None) -> dict:
