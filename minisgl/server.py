@@ -36,6 +36,7 @@ _ALIASES: dict[str, list[str]] = {
     "cache_type": ["--cache"],
     "max_model_len": ["--context-length"],
     "max_running_requests": ["--max-num-seqs"],
+    "max_prefill_tokens": ["--chunked-prefill-size", "--max-num-batched-tokens"],
     "request_timeout_s": ["--request-timeout"],
     "grammar_compile_timeout_s": ["--grammar-compile-timeout"],
     "shutdown_timeout_s": ["--shutdown-timeout"],
