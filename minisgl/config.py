@@ -288,11 +288,12 @@ class ServerArgs:
         return self.overlap == "on" or device_type == "cuda"
 
     def resolved_max_prefill_tokens(self, device_type: str) -> int:
-        if self.max_prefill_tokens is not None:
-            return self.max_prefill_tokens
-        if device_type == "cuda":
-            return DEFAULT_CUDA_MAX_PREFILL_TOKENS
-        return DEFAULT_CPU_MAX_PREFILL_TOKENS
+        # `or`: the flag is None (unset) or at least 1
+        return self.max_prefill_tokens or (
+            DEFAULT_CUDA_MAX_PREFILL_TOKENS
+            if device_type == "cuda"
+            else DEFAULT_CPU_MAX_PREFILL_TOKENS
+        )
 
     def replace(self, **changes: Any) -> ServerArgs:
         return dataclasses.replace(self, **changes)

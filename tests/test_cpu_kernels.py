@@ -195,14 +195,13 @@ def test_paged_decode_attention_matches_sdpa(
         num_heads, num_kv_heads, head_dim, page_size, width, torch.float32, torch.device("cpu")
     )
     backend, reference = TorchNativeBackend(cfg), TorchNativeBackend()  # the SDPA path for all
-    scale = head_dim**-0.5
     kernel_meta = backend.prepare(batch)
     assert kernel_meta.kernel_decodes is not None
     pool_before = pool.buffer.clone()
-    got = backend.forward(q, k, v, 1, scale, pool, kernel_meta)
+    got = backend.forward(q, k, v, 1, pool, kernel_meta)
     stored = pool.buffer.clone()
     pool.buffer.copy_(pool_before)
-    want = reference.forward(q, k, v, 1, scale, pool, reference.prepare(batch))
+    want = reference.forward(q, k, v, 1, pool, reference.prepare(batch))
     torch.testing.assert_close(got, want, atol=ATOL, rtol=ATOL)
     assert torch.equal(stored, pool.buffer)  # the kernel stored the same K/V
 

@@ -104,12 +104,12 @@ def test_backend_matches_torch_native(name, group, page_size, decode):
                             cfg.device)  # fmt: skip
     reference_pool.buffer.copy_(pool.buffer.float())
     backend = create_backend(name, cfg)
-    out = backend.forward(q, k, v, 0, cfg.scale, pool, backend.prepare(batch))
+    out = backend.forward(q, k, v, 0, pool, backend.prepare(batch))
     torch_cfg = AttentionConfig(cfg.num_qo_heads, cfg.num_kv_heads, cfg.head_dim, page_size,
                                 cfg.max_seq_len, torch.float32, cfg.device)  # fmt: skip
     ref_backend = create_backend("torch", torch_cfg)
     ref = ref_backend.forward(
-        q.float(), k.float(), v.float(), 0, cfg.scale, reference_pool, ref_backend.prepare(batch)
+        q.float(), k.float(), v.float(), 0, reference_pool, ref_backend.prepare(batch)
     )
     torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(pool.buffer.float(), reference_pool.buffer, atol=1e-2, rtol=0)

@@ -46,7 +46,6 @@ requires_triton = pytest.mark.skipif(
 FP32_ATOL = 1e-5
 LOGPROB_ATOL = 1e-4  # fp32 logprobs of a whole model, as tests/test_model_parity.py allows
 HALF_ATOL = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
-SCALE_OF_HEAD_DIM = -0.5  # softmax scale = head_dim ** -0.5, as the models use
 MAX_SEQ_LEN = 1024  # the backends' config: longer than any scenario
 
 
@@ -105,9 +104,8 @@ def _build(s: Scenario) -> tuple[KVPool, AttentionBatch, torch.Tensor, torch.Ten
 
 
 def _run(backend: AttentionBackend, pool, batch, q, k, v, metadata=None) -> torch.Tensor:
-    scale = q.shape[-1] ** SCALE_OF_HEAD_DIM
     meta = backend.prepare(batch) if metadata is None else metadata
-    return backend.forward(q, k, v, 0, scale, pool, meta)
+    return backend.forward(q, k, v, 0, pool, meta)
 
 
 def _reference(pool, batch, q, k, v) -> torch.Tensor:

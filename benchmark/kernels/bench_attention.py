@@ -110,8 +110,7 @@ def _triton(pool: KVPool) -> TritonBackend:
 def _layer(backend: AttentionBackend, pool, batch, q, k, v) -> Callable[[], torch.Tensor]:
     """One layer's attention as the engine runs it: metadata once, then forward."""
     meta = backend.prepare(batch)
-    scale = HEAD_DIM**-0.5
-    return lambda: backend.forward(q, k, v, 0, scale, pool, meta)
+    return lambda: backend.forward(q, k, v, 0, pool, meta)
 
 
 def _compare(name: str, got: torch.Tensor, want: torch.Tensor) -> str:
@@ -149,15 +148,14 @@ def _graph_check(pool, batch, q, k, v, iters: int) -> str:
     backend = _triton(pool)
     backend.init_graph_state(batch.num_seqs)
     meta = backend.prepare_graph(batch, capturing=True)
-    scale = HEAD_DIM**-0.5
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # compile and allocate outside the capture
-        backend.forward(q, k, v, 0, scale, pool, meta)
+        backend.forward(q, k, v, 0, pool, meta)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = backend.forward(q, k, v, 0, scale, pool, meta)
+        out = backend.forward(q, k, v, 0, pool, meta)
     keep = batch.kv_lens > 1
     batch.kv_lens.sub_(keep.long())
     batch.out_slots.copy_(batch.page_table[batch.table_rows, batch.kv_lens - 1].long())

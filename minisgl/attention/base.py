@@ -99,9 +99,10 @@ class AttentionBackend(ABC):
     """Computes attention for a mixed batch (prefill chunks with cached prefixes, and decodes)
     directly from the paged KV pool. `prepare` runs once per forward and returns metadata every
     layer reuses; `forward` stores the layer's new K/V at `batch.out_slots`, then returns the
-    output [tokens, heads, head_dim]. A backend with `supports_graphs` also serves CUDA graphs
-    (docs/architecture.md, "CUDA graphs"): `prepare_graph` over the engine's static buffers
-    refreshes in place whatever the captured kernels read, and never allocates what they read."""
+    output [tokens, heads, head_dim] (softmax scale: the config's). A backend with
+    `supports_graphs` also serves CUDA graphs (docs/architecture.md, "CUDA graphs"):
+    `prepare_graph` over the engine's static buffers refreshes in place whatever the captured
+    kernels read, and never allocates what they read."""
 
     supports_graphs: ClassVar[bool] = False
 
@@ -115,7 +116,6 @@ class AttentionBackend(ABC):
         k: Tensor,
         v: Tensor,
         layer_id: int,
-        scale: float,
         pool: KVPool,
         metadata: Any,
     ) -> Tensor: ...

@@ -133,12 +133,9 @@ class FlashInferBackend(AttentionBackend):
         k: Tensor,
         v: Tensor,
         layer_id: int,
-        scale: float,
         pool: KVPool,
         metadata: FlashInferMetadata,
     ) -> Tensor:
-        # The scale is baked into the plan (one per forward, shared by all layers).
-        assert abs(scale - self.cfg.scale) < 1e-6 * self.cfg.scale, (scale, self.cfg.scale)
         pool.store(layer_id, metadata.out_slots, k, v)
         # [2, slots, kv_heads, head_dim] -> K and V, each [pages, page_size, kv_heads, head_dim]
         kv_pages = tuple(pool.buffer[layer_id].unflatten(1, (-1, pool.page_size)))

@@ -63,9 +63,10 @@ class TorchNativeBackend(AttentionBackend):
     def __init__(self, cfg: AttentionConfig | None = None) -> None:
         """Sizes nothing ahead: every buffer follows the batch. The CPU kernels compute the
         decodes when cfg says fp32 on the CPU and a head layout the kernel supports; without
-        cfg, SDPA computes everything (a reference)."""
+        cfg, SDPA computes everything (a reference). SDPA's default scale is cfg.scale."""
         self._kernels: CpuKernels | None = None
         if cfg is not None:
+            self._scale = cfg.scale
             kernels = kernels_for(cfg.device, cfg.dtype)
             heads = (cfg.num_qo_heads, cfg.num_kv_heads, cfg.head_dim)
             if kernels is not None and kernels.supports_decode_attention(*heads):
@@ -107,7 +108,6 @@ class TorchNativeBackend(AttentionBackend):
         k: Tensor,
         v: Tensor,
         layer_id: int,
-        scale: float,
         pool: KVPool,
         metadata: TorchNativeMetadata,
     ) -> Tensor:
@@ -116,7 +116,9 @@ class TorchNativeBackend(AttentionBackend):
         out = torch.empty_like(q)
         decodes, kv_scales = metadata.kernel_decodes, pool.layer_scales[layer_id]
         if self._kernels is not None and decodes is not None:
-            self._kernels.decode_attention(q, *decodes, k_cache, v_cache, out, scale, kv_scales)
+            self._kernels.decode_attention(
+                q, *decodes, k_cache, v_cache, out, self._scale, kv_scales
+            )
         # The SDPA path: prefill chunks always, decodes unless the kernel computed them. SDPA
         # wants [seqs, heads, len, head_dim]; GQA repeats KV heads inside the kernel.
         for group in metadata.groups:
@@ -139,7 +141,6 @@ class TorchNativeBackend(AttentionBackend):
                 gv,
                 attn_mask=group.mask,
                 is_causal=group.mask is None,
-                scale=scale,
                 enable_gqa=True,
             )
             out[group.token_index] = o.transpose(1, 2).flatten(0, 1)

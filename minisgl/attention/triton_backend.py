@@ -302,7 +302,6 @@ class TritonBackend(AttentionBackend):
         k: Tensor,
         v: Tensor,
         layer_id: int,
-        scale: float,
         pool: KVPool,
         metadata: TritonDecodeMetadata | TritonExtendMetadata,
     ) -> Tensor:
@@ -312,7 +311,7 @@ class TritonBackend(AttentionBackend):
             q = q.contiguous()
         out = q.new_empty(q.shape)
         k_scale, v_scale = pool.layer_scales[layer_id]  # fp8's (else 1.0)
-        scale *= k_scale
+        scale = self.cfg.scale * k_scale
         if isinstance(metadata, TritonDecodeMetadata):
             decode_attention(q, k_cache, v_cache, out, metadata, scale)
         else:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ctypes
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -31,9 +32,31 @@ ATTN_MAX_HEAD_DIM = 256
 # the fp8 KV formats the kernels read and write, as their `fp8` argument (exponent bits)
 FP8_KV_FORMATS = {torch.float8_e4m3fn: 4, torch.float8_e5m2: 5}
 
-# Argument and return types as `struct` format characters: P a pointer, q int64, i int, f float
-# ("" returns nothing).
-_CTYPES = {"P": ctypes.c_void_p, "q": ctypes.c_int64, "i": ctypes.c_int, "f": ctypes.c_float}
+
+def ptr(x: Tensor | PackedLinear | int | None) -> int | None:
+    """What a pointer argument gets: a tensor's data, a packed weight's `mg_weight`, an address
+    as it is, or NULL (None)."""
+    if isinstance(x, Tensor):
+        return x.data_ptr()
+    return x.desc if isinstance(x, PackedLinear) else x
+
+
+class _Pointer:
+    """The argument type "P": whatever `ptr` takes, passed as that address."""
+
+    @staticmethod
+    def from_param(x: Tensor | PackedLinear | int | None) -> Any:
+        return ctypes.c_void_p.from_param(ptr(x))
+
+
+# Argument and return types as `struct` format characters: P a pointer (`_Pointer`), q int64,
+# i int, f float ("" returns nothing).
+_CTYPES = {
+    "P": _Pointer,
+    "q": ctypes.c_int64,
+    "i": ctypes.c_int,
+    "f": ctypes.c_float,
+}
 _SIGNATURES = {  # name: (return type, argument types)
     "mg_abi_version": ("i", ""),
     "mg_block_n": ("i", ""),
@@ -65,13 +88,6 @@ def load(path: Path) -> ctypes.CDLL:
     if lib.mg_num_ops() != len(DECODE_OPS):
         raise RuntimeError("the library's op timers do not match DECODE_OPS")
     return lib
-
-
-def ptr(x: Tensor | PackedLinear | None) -> int | None:
-    """What a pointer argument gets: a tensor's data, a packed weight's `mg_weight`, or NULL."""
-    if x is None:
-        return None
-    return x.desc if isinstance(x, PackedLinear) else x.data_ptr()
 
 
 class LayerWeights(ctypes.Structure):

@@ -1,5 +1,6 @@
-"""Typed wrappers over the fp32 CPU kernels' library (csrc/), called through ctypes with raw
-pointers (the signatures are in cpu_abi.py, the weight layouts in weights.py).
+"""Typed wrappers over the fp32 CPU kernels' library (csrc/), called through ctypes: a tensor
+or packed weight goes as its address (the signatures are in cpu_abi.py, the weight layouts in
+weights.py).
 `minisgl.kernels.cpu` builds and loads the library (see there for why these kernels).
 """
 
@@ -16,7 +17,6 @@ from minisgl.kernels.cpu_abi import (
     ATTN_MAX_HEADS,
     FP8_KV_FORMATS,
     StackShape,
-    ptr,
 )
 from minisgl.kernels.weights import PackedLinear, huge_page_zeros
 
@@ -70,11 +70,11 @@ class CpuKernels:
         ids = ids.contiguous()
         out = torch.empty(*ids.shape, weight.in_features)
         self._lib.mg_embed(
-            weight.desc,
+            weight,
             weight.in_features,
-            ids.data_ptr(),
+            ids,
             ids.numel(),
-            out.data_ptr(),
+            out,
             torch.get_num_threads(),
         )
         return out
@@ -95,11 +95,11 @@ class CpuKernels:
         assert y.shape == (num_rows, weight.out_features) and y.is_contiguous()
         if num_rows:
             self._lib.mg_linear(
-                x2.data_ptr(),
+                x2,
                 ldx,
-                weight.desc,
-                ptr(bias),
-                y.data_ptr(),
+                weight,
+                bias,
+                y,
                 weight.out_features,
                 num_rows,
                 weight.in_features,
@@ -124,13 +124,13 @@ class CpuKernels:
         out = torch.empty(num_tokens, hidden, dtype=x.dtype)
         assert residual is None or (residual.is_contiguous() and residual.shape == x.shape)
         self._lib.mg_rmsnorm(
-            x.data_ptr(),
+            x,
             ldx,
             1,
-            ptr(residual),
+            residual,
             hidden,
-            weight.data_ptr(),
-            out.data_ptr(),
+            weight,
+            out,
             hidden,
             num_tokens,
             hidden,
@@ -145,9 +145,9 @@ class CpuKernels:
         num_tokens, inter = gate_up.shape[0], gate_up.shape[1] // 2
         out = torch.empty(num_tokens, inter, dtype=gate_up.dtype)
         self._lib.mg_silu_mul(
-            gate_up.data_ptr(),
+            gate_up,
             ld,
-            out.data_ptr(),
+            out,
             inter,
             num_tokens,
             inter,
@@ -173,16 +173,16 @@ class CpuKernels:
         q, k = (x if _heads_stride(x) is not None else x.contiguous() for x in (q, k))
         if q_weight is not None and k_weight is not None:
             for x, weight in ((q, q_weight), (k, k_weight)):
-                ld, ptr = x.stride(0), x.data_ptr()
+                ld = x.stride(0)
                 num_tokens, heads, head_dim = x.shape
                 self._lib.mg_rmsnorm(
-                    ptr,
+                    x,
                     ld,
                     heads,
                     None,
                     0,
-                    weight.data_ptr(),
-                    ptr,
+                    weight,
+                    x,
                     ld,
                     num_tokens,
                     head_dim,
@@ -191,17 +191,17 @@ class CpuKernels:
                 )
         positions = positions.contiguous()
         self._lib.mg_rope(
-            q.data_ptr(),
+            q,
             q.stride(0),
             q.shape[1],
-            k.data_ptr(),
+            k,
             k.stride(0),
             k.shape[1],
             q.shape[0],
             q.shape[2],
-            positions.data_ptr(),
-            cos_cache.data_ptr(),
-            sin_cache.data_ptr(),
+            positions,
+            cos_cache,
+            sin_cache,
             torch.get_num_threads(),
         )
         return q, k
@@ -212,11 +212,11 @@ class CpuKernels:
         seeds, positions = seeds.contiguous(), positions.contiguous()
         out = torch.empty(seeds.numel(), vocab_size, dtype=torch.float32)
         self._lib.mg_seeded_uniform(
-            seeds.data_ptr(),
-            positions.data_ptr(),
+            seeds,
+            positions,
             seeds.numel(),
             vocab_size,
-            out.data_ptr(),
+            out,
             torch.get_num_threads(),
         )
         return out
@@ -236,14 +236,14 @@ class CpuKernels:
         rows, vocab = logits.shape
         out = torch.empty(rows, dtype=torch.int64)
         self._lib.mg_sample(
-            logits.data_ptr(),
+            logits,
             ld,
-            temperatures.data_ptr(),
-            seeds.data_ptr(),
-            positions.data_ptr(),
+            temperatures,
+            seeds,
+            positions,
             rows,
             vocab,
-            out.data_ptr(),
+            out,
             torch.get_num_threads(),
         )
         return out
@@ -265,13 +265,13 @@ class CpuKernels:
             return False
         slots = slots.contiguous()
         self._lib.mg_store_kv(
-            k.data_ptr(),
+            k,
             ldk,
-            v.data_ptr(),
+            v,
             ldv,
-            k_cache.data_ptr(),
-            v_cache.data_ptr(),
-            slots.data_ptr(),
+            k_cache,
+            v_cache,
+            slots,
             k.shape[0],
             k.shape[1] * k.shape[2],
         )
@@ -300,16 +300,16 @@ class CpuKernels:
         ldq, ldo = q.stride(0), _heads_stride(out)
         assert ldo is not None and page_table.stride(1) == 1 and k_cache.is_contiguous()
         status = self._lib.mg_decode_attention(
-            q.data_ptr(),
+            q,
             ldq,
-            q_rows.data_ptr(),
-            k_cache.data_ptr(),
-            v_cache.data_ptr(),
-            page_table.data_ptr(),
+            q_rows,
+            k_cache,
+            v_cache,
+            page_table,
             page_table.stride(0),
-            table_rows.data_ptr(),
-            kv_lens.data_ptr(),
-            out.data_ptr(),
+            table_rows,
+            kv_lens,
+            out,
             ldo,
             q_rows.numel(),
             num_heads,
@@ -349,20 +349,20 @@ class CpuKernels:
         scratch = torch.empty(int(self._lib.mg_decode_scratch_floats(stack_ptr, num_seqs)))
         status = self._lib.mg_decode_layers(
             stack_ptr,
-            hidden.data_ptr(),
+            hidden,
             num_seqs,
-            positions.data_ptr(),
-            out_slots.data_ptr(),
-            page_table.data_ptr(),
+            positions,
+            out_slots,
+            page_table,
             page_table.stride(0),
-            table_rows.data_ptr(),
-            kv_lens.data_ptr(),
-            pool_buffer.data_ptr(),
+            table_rows,
+            kv_lens,
+            pool_buffer,
             pool_buffer.shape[2],
             FP8_KV_FORMATS.get(pool_buffer.dtype, 0),
-            kv_scales.data_ptr(),
-            scratch.data_ptr(),
-            ptr(op_seconds),
+            kv_scales,
+            scratch,
+            op_seconds,
             torch.get_num_threads(),
         )
         if status != 0:

@@ -69,7 +69,7 @@ class Attention(nn.Module):
             norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
         q, k = self.qk_norm_rope(q, k, positions, self.rope.cos_cache, self.rope.sin_cache, *norms)
         ctx = get_forward_context()
-        out = ctx.backend.forward(q, k, v, self.layer_id, self.scale, ctx.kv_pool, ctx.metadata)
+        out = ctx.backend.forward(q, k, v, self.layer_id, ctx.kv_pool, ctx.metadata)
         return self.o_proj(out.reshape(num_tokens, -1))  # [tokens, heads * head_dim]
 
 

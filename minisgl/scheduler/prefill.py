@@ -86,10 +86,9 @@ class PrefillManager:
             if (
                 budget <= 0
                 or (chunks and budget_s <= 0)
+                or (req.scores_prompt and score_budget <= 0)
                 or not self._can_admit(req, len(running) + len(admitted))
             ):
-                break
-            if req.scores_prompt and score_budget <= 0:
                 break
             key = self._prefix_key(req)
             if key is not None and key in admitted_keys:

@@ -45,11 +45,13 @@ class ChunkCosts:
     def max_tokens(self, budget_s: float, prefix_len: int) -> int:
         """The most tokens a chunk after `prefix_len` may have to cost at most `budget_s`: the
         root of pair_s / 2 * n^2 + (token_s + pair_s * (prefix_len + 1/2)) * n = budget_s."""
-        linear_s = self.token_s + self.pair_s * (prefix_len + 0.5)
         if budget_s == math.inf:
             return NO_LIMIT
-        if budget_s <= 0 or linear_s <= 0:  # no time left, or nothing measured yet
-            return 0 if budget_s <= 0 else MIN_CHUNK_TOKENS
+        if budget_s <= 0:  # no time left
+            return 0
+        linear_s = self.token_s + self.pair_s * (prefix_len + 0.5)
+        if linear_s <= 0:  # nothing measured yet
+            return MIN_CHUNK_TOKENS
         # the root in the form that holds for pair_s = 0 too
         return int(2 * budget_s / (linear_s + math.sqrt(linear_s**2 + 2 * self.pair_s * budget_s)))
 
