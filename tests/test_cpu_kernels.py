@@ -150,11 +150,13 @@ FP8_KV = [torch.float8_e4m3fn, torch.float8_e5m2]
 def test_paged_decode_attention_matches_sdpa(
     page_size, num_heads, num_kv_heads, head_dim, kv_dtype
 ):
-    """A mixed batch (decodes of very different KV lengths around a prefill chunk) over a
-    shuffled pool: the kernel's decodes equal the padded-SDPA reference's; over an fp8 pool
-    (its per-layer K/V scales not 1) too, the reference dequantizing in torch."""
-    # (prefix_len, extend_len); 1100 spans nine of the kernel's 128-position work items
-    seqs = [(1100, 1), (5, 1), (0, 7), (129, 1), (0, 1)]
+    """A mixed batch (decodes of very different KV lengths around prefill chunks, one after a
+    cached prefix) over a shuffled pool: the kernels' decodes and chunks equal the SDPA
+    reference's; over an fp8 pool (its per-layer K/V scales not 1) too, the reference
+    dequantizing in torch."""
+    # (prefix_len, extend_len); 1100 spans nine of the decode kernel's 128-position work items,
+    # 70 tokens several of the chunk kernel's blocks
+    seqs = [(1100, 1), (5, 1), (0, 7), (129, 1), (0, 1), (130, 70)]
     g = torch.Generator().manual_seed(15)
     num_pages = sum(-(-(pre + ext) // page_size) for pre, ext in seqs) + 4
     scales = torch.tensor([[1.0, 1.0], [0.6, 1.7]])
@@ -172,7 +174,7 @@ def test_paged_decode_attention_matches_sdpa(
             page_table[row, p * page_size : (p + 1) * page_size] = torch.arange(
                 page * page_size, (page + 1) * page_size
             )
-    rows = torch.tensor([1, 0, 2, 3, 4])  # not in order: rows and sequences are distinct
+    rows = torch.tensor([1, 0, 2, 3, 5, 4])  # not in order: rows and sequences are distinct
     page_table[rows] = page_table[: len(seqs)].clone()
     prefix = torch.tensor([pre for pre, _ in seqs])
     kv_lens = prefix + torch.tensor([ext for _, ext in seqs])
@@ -196,7 +198,7 @@ def test_paged_decode_attention_matches_sdpa(
     )
     backend, reference = TorchNativeBackend(cfg), TorchNativeBackend()  # the SDPA path for all
     kernel_meta = backend.prepare(batch)
-    assert kernel_meta.kernel_decodes is not None
+    assert kernel_meta.kernel_decodes is not None and len(kernel_meta.kernel_chunks) == 2
     pool_before = pool.buffer.clone()
     got = backend.forward(q, k, v, 1, pool, kernel_meta)
     stored = pool.buffer.clone()
@@ -401,6 +403,28 @@ def test_rejected_native_flags_are_not_retried(tmp_path, monkeypatch):
     first.unlink()  # force a rebuild: only the portable flags are tried
     assert build.build_library() == first
     assert native_attempts() == 1
+
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(9, 3, 64), (4, 1, 20)])
+def test_chunk_attention_does_not_depend_on_chunking_or_threads(
+    num_heads, num_kv_heads, head_dim
+):
+    """A prompt's rows are bitwise the same prefilled as one chunk, as two (the second after a
+    cached prefix), and with one thread or two."""
+    k, g = _kernels(), torch.Generator().manual_seed(4)
+    n, slots = 150, torch.randperm(200, generator=g).to(torch.int32)[:150]
+    kc, vc = (torch.randn(200, num_kv_heads, head_dim, generator=g) for _ in range(2))
+    q = torch.randn(n, num_heads, head_dim, generator=g)
+    whole, split = torch.empty_like(q), torch.empty_like(q)
+    k.chunk_attention(q, whole, slots, kc, vc, head_dim**-0.5, (1.0, 1.0))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for rows in (slice(0, 67), slice(67, n)):
+            args = (slots[: rows.stop], kc, vc, head_dim**-0.5, (1.0, 1.0))
+            k.chunk_attention(q[rows], split[rows], *args)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(whole, split)
 
 
 # ---- whole models -------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ from torch import Tensor
 
 from minisgl.kernels.weights import PackedLinear
 
-ABI_VERSION = 8  # MG_ABI_VERSION in csrc/common.h
+ABI_VERSION = 9  # MG_ABI_VERSION in csrc/common.h
 # mg_decode_layers' op timers, in the C enum's order (MG_NUM_OPS in csrc/decode.c)
 DECODE_OPS = (
     "rmsnorm + residual add",
@@ -50,11 +50,12 @@ class _Pointer:
 
 
 # Argument and return types as `struct` format characters: P a pointer (`_Pointer`), q int64,
-# i int, f float ("" returns nothing).
+# i int, f float, s a status int (raises unless 0; "" returns nothing).
 _CTYPES = {
     "P": _Pointer,
     "q": ctypes.c_int64,
     "i": ctypes.c_int,
+    "s": ctypes.c_int,
     "f": ctypes.c_float,
 }
 _SIGNATURES = {  # name: (return type, argument types)
@@ -68,13 +69,20 @@ _SIGNATURES = {  # name: (return type, argument types)
     "mg_silu_mul": ("", "PqPqqqi"),
     "mg_rope": ("", "PqqPqqqqPPPi"),
     "mg_store_kv": ("", "PqPqPPPqq"),
-    "mg_decode_attention": ("i", "PqPPPPqPPPqqqqqfifi"),
+    "mg_decode_attention": ("s", "PqPPPPqPPPqqqqqfifi"),
+    "mg_chunk_attention": ("s", "PqPPPqqPqqqqfifi"),
     "mg_decode_scratch_floats": ("q", "Pq"),
-    "mg_decode_layers": ("i", "PPqPPPqPPPqiPPPi"),
+    "mg_decode_layers": ("s", "PPqPPPqPPPqiPPPi"),
     "mg_num_ops": ("i", ""),
     "mg_seeded_uniform": ("", "PPqqPi"),
     "mg_sample": ("", "PqPPPqqPi"),
 }
+
+
+def _raise_on_status(status: int, fn: Any, args: tuple[Any, ...]) -> int:
+    if status != 0:  # (1: a head layout the kernel does not take, 2: out of memory)
+        raise RuntimeError(f"{fn.__name__} failed with status {status}")
+    return status
 
 
 def load(path: Path) -> ctypes.CDLL:
@@ -83,6 +91,8 @@ def load(path: Path) -> ctypes.CDLL:
     for name, (restype, argtypes) in _SIGNATURES.items():
         fn = getattr(lib, name)
         fn.restype, fn.argtypes = _CTYPES.get(restype), [_CTYPES[c] for c in argtypes]
+        if restype == "s":
+            fn.errcheck = _raise_on_status
     if lib.mg_abi_version() != ABI_VERSION:
         raise RuntimeError(f"{path} has ABI {lib.mg_abi_version()}, expected {ABI_VERSION}")
     if lib.mg_num_ops() != len(DECODE_OPS):

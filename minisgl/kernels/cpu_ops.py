@@ -299,7 +299,7 @@ class CpuKernels:
         q = q if _heads_stride(q) is not None else q.contiguous()
         ldq, ldo = q.stride(0), _heads_stride(out)
         assert ldo is not None and page_table.stride(1) == 1 and k_cache.is_contiguous()
-        status = self._lib.mg_decode_attention(
+        self._lib.mg_decode_attention(
             q,
             ldq,
             q_rows,
@@ -320,11 +320,38 @@ class CpuKernels:
             kv_scales[1],
             torch.get_num_threads(),
         )
-        if status != 0:
-            raise RuntimeError(
-                f"decode attention failed (status {status}): {num_heads} heads, "
-                f"head_dim {head_dim}, or out of memory"
-            )
+
+    def chunk_attention(
+        self,
+        q: Tensor,
+        out: Tensor,
+        slots: Tensor,
+        k_cache: Tensor,
+        v_cache: Tensor,
+        scale: float,
+        kv_scales: tuple[float, float],
+    ) -> None:
+        """A prefill chunk's causal attention: q, out [n, heads, D] are the last n positions of
+        those whose K/V sit at `slots` (int32, contiguous); layouts as `decode_attention`'s."""
+        q = q if _heads_stride(q) is not None else q.contiguous()
+        self._lib.mg_chunk_attention(
+            q,
+            q.stride(0),
+            k_cache,
+            v_cache,
+            slots,
+            slots.numel() - q.shape[0],
+            q.shape[0],
+            out,
+            _heads_stride(out),
+            q.shape[1],
+            k_cache.shape[1],
+            q.shape[2],
+            scale * kv_scales[0],
+            FP8_KV_FORMATS.get(k_cache.dtype, 0),
+            kv_scales[1],
+            torch.get_num_threads(),
+        )
 
     def decode_layers(
         self,
@@ -347,7 +374,7 @@ class CpuKernels:
         [len(DECODE_OPS)]), when given, accumulates each op's wall time over the layers."""
         num_seqs, stack_ptr = hidden.shape[0], ctypes.addressof(stack)
         scratch = torch.empty(int(self._lib.mg_decode_scratch_floats(stack_ptr, num_seqs)))
-        status = self._lib.mg_decode_layers(
+        self._lib.mg_decode_layers(
             stack_ptr,
             hidden,
             num_seqs,
@@ -365,8 +392,6 @@ class CpuKernels:
             op_seconds,
             torch.get_num_threads(),
         )
-        if status != 0:
-            raise ValueError("decode_layers: unsupported attention shape")
 
     @staticmethod
     def supports_decode_attention(num_heads: int, num_kv_heads: int, head_dim: int) -> bool:

@@ -20,7 +20,6 @@
 
 #include "common.h"
 
-#define ATTN_TILE 64 /* KV positions per online-softmax tile */
 #define ATTN_SPLIT 128 /* KV positions per work item (2+ items per sequence from 129 on) */
 #define ATTN_MAX_HEADS 128 /* query heads (on this rank) */
 #define ATTN_MAX_GROUP_CHUNK 4 /* query heads of one KV head computed together */
@@ -79,37 +78,6 @@ static inline vf vsum16(const vf a[16]) {
                              (vi){1, 5, 9, 13, 3, 7, 11, 15, 17, 21, 25, 29, 19, 23, 27, 31});
 }
 #endif
-
-/* Online-softmax update of `heads` rows of tile scores [.][ATTN_TILE] (n valid): turns them into
- * exponentials, folds the tile into the running max / sum, and returns through `correction`
- * the factor each head's accumulator must be scaled by first. */
-static inline void softmax_tile(float (*scores)[ATTN_TILE], int64_t heads, int64_t n,
-                                float* part_max, float* part_sum, float* correction) {
-    for (int64_t j = 0; j < heads; j++) {
-        vf maxes = vsplat(-INFINITY); /* (vectors: fmaxf is a libm call per position) */
-        int64_t t = 0;
-        for (; t + VW <= n; t += VW) maxes = vmax(maxes, vload(&scores[j][t]));
-        float tile_max = -INFINITY;
-        for (; t < n; t++) tile_max = scores[j][t] > tile_max ? scores[j][t] : tile_max;
-        for (int i = 0; i < VW; i++) tile_max = maxes[i] > tile_max ? maxes[i] : tile_max;
-        const float new_max = fmaxf(part_max[j], tile_max);
-        correction[j] = part_max[j] == -INFINITY ? 1.0f : sexp(part_max[j] - new_max);
-        part_max[j] = new_max;
-        t = 0;
-        vf sum = (vf){0};
-        for (; t + VW <= n; t += VW) {
-            vf p = vexp(vload(&scores[j][t]) - new_max);
-            vstore(&scores[j][t], p);
-            sum += p;
-        }
-        float tail = 0.0f;
-        for (; t < n; t++) {
-            scores[j][t] = sexp(scores[j][t] - new_max);
-            tail += scores[j][t];
-        }
-        part_sum[j] = part_sum[j] * correction[j] + vsum(sum) + tail;
-    }
-}
 
 /* Decodes of one table row over the same positions from `begin` on, attended to together:
  * each K/V tile is read from memory once, then from this core's L1 for the others. */

@@ -24,7 +24,7 @@
 #include <time.h>
 
 /* Bumped whenever an exported signature changes, so a stale cached build is never called. */
-#define MG_ABI_VERSION 8
+#define MG_ABI_VERSION 9
 
 /* Vector width in floats: GCC vector extensions compile to AVX-512, AVX2 or SSE/NEON. */
 #if defined(__AVX512F__)
@@ -155,6 +155,40 @@ static inline uint8_t fp8_encode(float x, int fp8) {
     return (uint8_t)(bits >> shift | (signbit(x) ? 0x80u : 0u));
 }
 
+
+/* ---- attention (attention.c: decodes, chunk_attention.c: prefill chunks) ---------------------- */
+#define ATTN_TILE 64 /* KV positions per online-softmax tile */
+
+/* Online-softmax update of `heads` rows of tile scores [.][ATTN_TILE] (n valid): turns them into
+ * exponentials, folds the tile into the running max / sum, and returns through `correction`
+ * the factor each head's accumulator must be scaled by first. */
+static inline void softmax_tile(float (*scores)[ATTN_TILE], int64_t heads, int64_t n,
+                                float* part_max, float* part_sum, float* correction) {
+    for (int64_t j = 0; j < heads; j++) {
+        vf maxes = vsplat(-INFINITY); /* (vectors: fmaxf is a libm call per position) */
+        int64_t t = 0;
+        for (; t + VW <= n; t += VW) maxes = vmax(maxes, vload(&scores[j][t]));
+        float tile_max = -INFINITY;
+        for (; t < n; t++) tile_max = scores[j][t] > tile_max ? scores[j][t] : tile_max;
+        for (int i = 0; i < VW; i++) tile_max = maxes[i] > tile_max ? maxes[i] : tile_max;
+        const float new_max = fmaxf(part_max[j], tile_max);
+        correction[j] = part_max[j] == -INFINITY ? 1.0f : sexp(part_max[j] - new_max);
+        part_max[j] = new_max;
+        t = 0;
+        vf sum = (vf){0};
+        for (; t + VW <= n; t += VW) {
+            vf p = vexp(vload(&scores[j][t]) - new_max);
+            vstore(&scores[j][t], p);
+            sum += p;
+        }
+        float tail = 0.0f;
+        for (; t < n; t++) {
+            scores[j][t] = sexp(scores[j][t] - new_max);
+            tail += scores[j][t];
+        }
+        part_sum[j] = part_sum[j] * correction[j] + vsum(sum) + tail;
+    }
+}
 
 /* ---- splitting work over threads -------------------------------------------------------------
  * An op is a range function over `items` independent work items (rows, panels, ...). The
