@@ -128,7 +128,7 @@ class TorchNativeBackend(AttentionBackend):
             torch.index_select(k_cache, 0, group.kv_slots, out=group.k_buf)
             torch.index_select(v_cache, 0, group.kv_slots, out=group.v_buf)
             gk, gv = group.k_buf, group.v_buf
-            if pool.fp8:  # codes times the layer's scales
+            if gk.dtype != q.dtype:  # fp8 codes times the layer's scales (16-bit pools: 1.0)
                 gk, gv = (x.to(q.dtype) * s for x, s in zip((gk, gv), kv_scales, strict=True))
             # [seqs * len, heads, D] -> [seqs, heads, len, D]
             gq, gk, gv = (
