@@ -58,7 +58,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "schedule_policy": ("fcfs", "lpm"),
     "dtype": ("auto", "float32", "float16", "bfloat16"),
     "quantization": ("auto", "gguf", "none"),
-    "kv_cache_dtype": ("auto", "fp8_e4m3", "fp8_e5m2"),
+    "kv_cache_dtype": ("auto", "fp8_e4m3", "fp8_e5m2", "bf16", "bfloat16", "fp16", "float16"),
     "log_level": ("debug", "info", "warning", "error"),
 }
 _OPTIONAL_CHOICES = ("reasoning_parser", "tool_call_parser", "speculative_algorithm")  # None: off
@@ -152,7 +152,9 @@ class ServerArgs:
         None, MEMORY, f"KV pool budget in GiB (default: {DEFAULT_CPU_KV_CACHE_GB} on CPU)"
     )
     cache_type: CacheType = _opt("radix", MEMORY, "radix reuses cached prefixes; naive does not")
-    kv_cache_dtype: str = _opt("auto", MEMORY, "fp8_e4m3 or fp8_e5m2: an fp8 KV pool (4x fp32's)")
+    kv_cache_dtype: str = _opt(
+        "auto", MEMORY, "the KV pool's: fp8_e4m3, fp8_e5m2 (4x fp32's tokens), bf16, fp16 (2x)"
+    )
     max_running_requests: int = _opt(256, SCHED, "sequences decoded together, at most")
     # Chunked prefill. CPU's default is lower: a chunk of 8192 tokens takes seconds there and
     # stalls every running decode meanwhile.

@@ -145,15 +145,16 @@ FP8_KV = [torch.float8_e4m3fn, torch.float8_e5m2]
 @pytest.mark.parametrize(
     ("num_heads", "num_kv_heads", "head_dim", "kv_dtype"),
     [(9, 3, 64, torch.float32), (4, 4, 20, torch.float32), (16, 2, 128, torch.float32),
-     (10, 2, 40, torch.float32), (9, 3, 64, FP8_KV[0]), (10, 2, 40, FP8_KV[1])],
+     (10, 2, 40, torch.float32), (9, 3, 64, FP8_KV[0]), (10, 2, 40, FP8_KV[1]),
+     (16, 2, 128, torch.bfloat16), (4, 4, 20, torch.float16)],
 )  # fmt: skip
 def test_paged_decode_attention_matches_sdpa(
     page_size, num_heads, num_kv_heads, head_dim, kv_dtype
 ):
     """A mixed batch (decodes of very different KV lengths around prefill chunks, one after a
     cached prefix) over a shuffled pool: the kernels' decodes and chunks equal the SDPA
-    reference's; over an fp8 pool (its per-layer K/V scales not 1) too, the reference
-    dequantizing in torch."""
+    reference's; over an fp8 pool (its per-layer K/V scales not 1) and a 16-bit one too, the
+    reference converting in torch."""
     # (prefix_len, extend_len); 1100 spans nine of the decode kernel's 128-position work items,
     # 70 tokens several of the chunk kernel's blocks
     seqs = [(1100, 1), (5, 1), (0, 7), (129, 1), (0, 1), (130, 70)]
@@ -206,6 +207,66 @@ def test_paged_decode_attention_matches_sdpa(
     want = reference.forward(q, k, v, 1, pool, reference.prepare(batch))
     torch.testing.assert_close(got, want, atol=ATOL, rtol=ATOL)
     assert torch.equal(stored, pool.buffer)  # the kernel stored the same K/V
+
+
+KV_CODEC_C = """
+#include "common.h"
+void decode_all(int kv, const char* codes, int64_t n, float* out) {
+    int64_t i = 0;
+    for (; i + VW <= n; i += VW) vstore(out + i, kv_vload(codes + i * kv_bytes(kv), kv));
+    for (; i < n; i++) out[i] = kv_get(codes, i, kv);
+}
+void encode_all(int kv, const float* x, int64_t n, char* out) {
+    for (int64_t i = 0; i < n; i++) kv_encode(x[i], kv, out + i * kv_bytes(kv));
+}
+"""
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_kv_formats_decode_and_encode_as_torch_converts(tmp_path, native):
+    """common.h's K/V codecs (what attention reads, what the fused stack stores) against torch's
+    conversions: every finite code decodes to torch's value; values of every magnitude, every
+    code and every midpoint between codes (ties) encode to torch's code of the clamped value.
+    Built with and without -march=native (F16C's half conversion, then the portable bits)."""
+    import ctypes
+    import subprocess
+
+    from minisgl.kernels.cpu_abi import KV_FORMATS
+
+    (tmp_path / "codec.c").write_text(KV_CODEC_C)
+    lib_path, csrc = tmp_path / "codec.so", Path(cpu.__file__).parent / "csrc"
+    flags = build.FLAGS + (build.NATIVE_FLAGS if native else ())
+    compiler = next(c for c in build.COMPILERS if shutil.which(c))
+    cmd = [compiler, *flags, f"-I{csrc}", str(tmp_path / "codec.c"), "-o", str(lib_path)]
+    subprocess.run(cmd, check=True, timeout=60)
+    lib, g = ctypes.CDLL(str(lib_path)), torch.Generator().manual_seed(0)
+    for dtype, kv in KV_FORMATS.items():
+        bits = torch.arange(1 << (8 * dtype.itemsize), dtype=torch.int32)
+        codes = bits.to(torch.uint8 if dtype.itemsize == 1 else torch.int16).view(dtype)
+        finite = codes.float().isfinite()
+        values = codes.float()[finite]
+        got = torch.empty(len(bits))
+        lib.decode_all(
+            kv,
+            ctypes.c_void_p(codes.data_ptr()),
+            ctypes.c_int64(len(bits)),
+            ctypes.c_void_p(got.data_ptr()),
+        )
+        assert torch.equal(got[finite].view(torch.int32), values.view(torch.int32)), dtype
+        ordered, top = values.sort().values, torch.finfo(dtype).max
+        x = torch.cat(
+            [torch.randn(20000, generator=g) * 10.0**e for e in range(-40, 31, 5)]
+            + [values, (ordered[:-1] + ordered[1:]) / 2, torch.tensor([3 * top, -0.0])]
+        )
+        want = x.clamp(-top, top).to(dtype)
+        out = torch.empty_like(want)
+        lib.encode_all(
+            kv,
+            ctypes.c_void_p(x.data_ptr()),
+            ctypes.c_int64(len(x)),
+            ctypes.c_void_p(out.data_ptr()),
+        )
+        assert torch.equal(out.view(torch.uint8), want.view(torch.uint8)), dtype
 
 
 @pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(9, 3, 64), (10, 2, 40)])
@@ -404,10 +465,9 @@ def test_rejected_native_flags_are_not_retried(tmp_path, monkeypatch):
     assert build.build_library() == first
     assert native_attempts() == 1
 
+
 @pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(9, 3, 64), (4, 1, 20)])
-def test_chunk_attention_does_not_depend_on_chunking_or_threads(
-    num_heads, num_kv_heads, head_dim
-):
+def test_chunk_attention_does_not_depend_on_chunking_or_threads(num_heads, num_kv_heads, head_dim):
     """A prompt's rows are bitwise the same prefilled as one chunk, as two (the second after a
     cached prefix), and with one thread or two."""
     k, g = _kernels(), torch.Generator().manual_seed(4)
@@ -464,10 +524,11 @@ def test_models_match_the_torch_path(tiny_models, monkeypatch, arch):
     _assert_same(outs, ref_outs)
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3", "bf16", "fp16"])
 def test_fused_stack_matches_op_by_op_kernels(tiny_qwen3, monkeypatch, kv_cache_dtype):
     """The one-call decode stack runs the op-by-op kernels in the same order: equal tokens.
-    With an fp8 pool the stack quantizes K/V in C, the op-by-op path in torch: the same codes."""
+    With an fp8 or 16-bit pool the stack rounds K/V in C, the op-by-op path in torch: the same
+    codes."""
     outs, _ = _generate(tiny_qwen3, kv_cache_dtype=kv_cache_dtype)
     monkeypatch.setattr("minisgl.models.cpu_decoder.CpuDecodeStack.build", lambda *a: None)
     op_outs, model = _generate(tiny_qwen3, kv_cache_dtype=kv_cache_dtype)

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from minisgl import LLM, SamplingParams
-from minisgl.config import MIN_KV_PAGES, ServerArgs
+from minisgl.config import CHOICES, MIN_KV_PAGES, ServerArgs
+from minisgl.kvcache.pool import KV_CACHE_DTYPES
 from minisgl.models.names import accepted_model_names, served_model_name
 from minisgl.server import build_arg_parser, parse_server_args
 
@@ -72,6 +73,19 @@ def test_every_numeric_flag_refuses_values_out_of_its_range(flag, kind, capsys):
 )
 def test_the_issues_bad_flags_fail_in_the_first_seconds(flags, message):
     _assert_refused_quickly(flags, message)
+
+
+def test_kv_cache_dtype_takes_vllm_and_sglang_names(capsys):
+    """Each name the flag allows maps to a pool dtype (the two tables stay in step); others are
+    refused with the allowed names."""
+    assert set(CHOICES["kv_cache_dtype"]) == {"auto", *KV_CACHE_DTYPES}
+    for name, dtype in [("bf16", torch.bfloat16), ("float16", torch.float16)]:
+        args, _ = parse_server_args(["--kv-cache-dtype", name])
+        assert KV_CACHE_DTYPES[args.kv_cache_dtype] == dtype
+    error = _refusal(["--kv-cache-dtype", "int4"], capsys)
+    assert "invalid choice: 'int4'" in error and "bfloat16" in error, error
+    with pytest.raises(ValueError, match="kv_cache_dtype: must be one of .*bf16"):
+        ServerArgs(kv_cache_dtype="int4")  # LLM(...)'s check
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is there")

@@ -1,12 +1,12 @@
-"""FP8: checkpoints (dequantized at load) and the fp8 KV cache (--kv-cache-dtype).
+"""FP8: checkpoints (dequantized at load) and the fp8 and 16-bit KV caches (--kv-cache-dtype).
 
 Checkpoints: a tiny random model whose linear weights this test quantizes to float8_e4m3fn with
 its own scale math (128x128 blocks, one scale per tensor, one per output row), the scales in a
 second shard; the oracle is transformers running the same fp8 weights dequantized here to fp32.
 
-KV cache: the bundled SmolLM2 on a real-text prompt, fp8 KV against fp32 KV: the prompt's
-logprobs (prefill) and a greedy continuation (the fused C decode stack), with the error
-bounded; the pool holds 4x the tokens in the same memory.
+KV cache: the bundled SmolLM2 on a real-text prompt, fp8 / bf16 / fp16 KV against fp32 KV: the
+prompt's logprobs (prefill) and a greedy continuation (the fused C decode stack), with the error
+bounded; the pool holds 4x (2x) the tokens in the same memory.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from transformers import AutoModelForCausalLM
 from minisgl import LLM, SamplingParams
 from minisgl.attention import AttentionConfig
 from minisgl.attention.torch_native import TorchNativeBackend
-from minisgl.kvcache.pool import KVPool
+from minisgl.kvcache.pool import KV_CACHE_DTYPES, KVPool
 from tests.conftest import build_tiny_checkpoint
 from tests.test_model_parity import _prompts, check_against_hf
 from tests.test_triton_attention import DEVICE, MAX_SEQ_LEN, Scenario, _build, _run, requires_triton
@@ -317,11 +317,17 @@ TEXT = (
 )
 NEW_TOKENS = 16
 KV_GB = 0.05
-# |logprob(fp8 KV) - logprob(fp32 KV)| over the prompt's 113 tokens, mean and max (measured:
-# e4m3 0.071 / 0.67, e5m2 0.145 / 0.83; docs/models.md), and the greedy tokens that must agree
-BOUNDS = {"fp8_e4m3": (0.12, 1.2, NEW_TOKENS), "fp8_e5m2": (0.25, 1.5, 4)}
+# |logprob(KV dtype) - logprob(fp32 KV)| over the prompt's 113 tokens, mean and max (measured:
+# e4m3 0.071 / 0.67, e5m2 0.145 / 0.83, bf16 0.0042 / 0.018, fp16 0.0006 / 0.003;
+# docs/models.md), and the greedy tokens that must agree
+BOUNDS = {
+    "fp8_e4m3": (0.12, 1.2, NEW_TOKENS),
+    "fp8_e5m2": (0.25, 1.5, 4),
+    "bf16": (0.01, 0.05, NEW_TOKENS),
+    "fp16": (0.002, 0.01, NEW_TOKENS),
+}
 # ... up to the reference's first near-tie: where its top two tokens are this close (in nats), the
-# fp8 run may take either (token 9 here is one: 0.117 apart in fp32, 0.001 with fp8 e4m3 on AVX2,
+# other run may take either (token 9 here is one: 0.117 apart in fp32, 0.001 with fp8 e4m3 on AVX2,
 # where the kernels' summation order decides it)
 NEAR_TIE = 0.15
 
@@ -341,11 +347,12 @@ def full_precision():
 
 
 @pytest.mark.parametrize("kv_cache_dtype", list(BOUNDS))
-def test_fp8_kv_cache_error_on_real_text(full_precision, kv_cache_dtype):
+def test_kv_cache_dtype_error_on_real_text(full_precision, kv_cache_dtype):
     ref, ref_slots, ref_dtype = full_precision
     out, slots, dtype = _score(kv_cache_dtype)
-    assert ref_dtype == torch.float32 and dtype.itemsize == 1
-    assert slots == pytest.approx(4 * ref_slots, abs=4)  # the same 0.05 GiB holds 4x the tokens
+    assert ref_dtype == torch.float32 and dtype == KV_CACHE_DTYPES[kv_cache_dtype]
+    # the same 0.05 GiB holds 4x the tokens in fp8, 2x in 16 bits
+    assert slots == pytest.approx(4 // dtype.itemsize * ref_slots, abs=4)
     diff = torch.tensor(
         [
             a.logprob - b.logprob

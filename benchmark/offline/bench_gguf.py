@@ -13,9 +13,10 @@ One command builds what is missing and prints the table issue 43 asks for (llama
   (scripts/make_random_checkpoint.py, bf16, the Qwen3 tokenizer) under `--models-dir`, converted
   with `--outtype f16` / `q8_0` and quantized with `llama-quantize F16 OUT Q4_K_M`; each step
   only if its output is missing.
-- Servers: `python -m minisgl.server --model FILE` (its defaults, plus a KV pool of --kv-tokens
-  tokens) and `llama-server -m FILE -t T -tb T -np 16 -c KV_TOKENS --kv-unified`, both up at
-  once, each measurement on one then the other (the machine's speed drifts between minutes).
+- Servers: `python -m minisgl.server --model FILE` (its defaults, plus a bf16 KV pool of
+  --kv-tokens tokens) and `llama-server -m FILE -t T -tb T -np 16 -c KV_TOKENS --kv-unified`,
+  both up at once, each measurement on one then the other (the machine's speed drifts between
+  minutes).
 - Per round and server: batch-1 decode (--decode-tokens greedy tokens after a ~60-token prompt,
   EOS ignored; tok/s after the first token); concurrency 8 and 16 (bench_serving.py's random
   chats, 2 x concurrency prompts of 160 words +-50%, 128 output tokens +-50%, temperature 0.7;
@@ -195,6 +196,7 @@ def largest_rss_mb(pid: int) -> float:
 def servers(file: Path, args: argparse.Namespace, bin_dir: Path | None) -> dict[str, list[str]]:
     minisgl = [sys.executable, "-m", "minisgl.server", "--model", str(file)]
     minisgl += ["--num-pages", str(args.kv_tokens), "--port", str(args.port)]
+    minisgl += ["--kv-cache-dtype", "bf16"]  # llama.cpp's default K/V is f16: the same bytes/token
     out = {"minisgl": minisgl}
     if bin_dir is not None:
         threads = str(args.threads)

@@ -117,6 +117,8 @@ def main() -> None:
     p.add_argument("--batch-sizes", default="1,16,64")
     p.add_argument("--context-len", type=int, default=256)
     p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--kv-cache-dtype", default="auto", help="auto, bf16, fp16, fp8_e4m3, ...")
+    p.add_argument("--kv-cache-gb", type=float, default=None, help="KV pool (default: minisgl's)")
     p.add_argument(
         "--threads",
         type=int,
@@ -133,11 +135,12 @@ def main() -> None:
     sizes = [int(s) for s in args.batch_sizes.split(",")]
     rows = {}
     for size in sizes:
-        with LLM(args.model, max_running_requests=max(sizes), page_size=16) as llm:
+        kv = dict(kv_cache_dtype=args.kv_cache_dtype, kv_cache_gb=args.kv_cache_gb)
+        with LLM(args.model, max_running_requests=max(sizes), page_size=16, **kv) as llm:
             rows[size] = profile(llm, size, args.context_len, args.steps)
     names = [n for n in rows[sizes[0]] if n not in ("step", "median step")]
     print(
-        f"\nms per decode step, context {args.context_len} tokens, "
+        f"\nms per decode step, context {args.context_len} tokens, {args.kv_cache_dtype} KV, "
         f"{torch.get_num_threads()} threads, load average {os.getloadavg()[0]:.2f}"
     )
     print("| op | " + " | ".join(f"batch {s}" for s in sizes) + " |")

@@ -25,7 +25,7 @@ class AttentionConfig:
     max_seq_len: int  # width of the page table: no sequence is longer
     dtype: torch.dtype  # of queries (and of the KV pool unless kv_dtype says otherwise)
     device: torch.device
-    kv_dtype: torch.dtype | None = None  # --kv-cache-dtype fp8_*: what the pool stores
+    kv_dtype: torch.dtype | None = None  # --kv-cache-dtype: what the pool stores
 
     @property
     def scale(self) -> float:

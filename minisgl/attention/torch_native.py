@@ -116,7 +116,7 @@ class TorchNativeBackend(AttentionBackend):
                 )
         for seq in metadata.sequences:
             gk, gv = k_cache[seq.kv_slots], v_cache[seq.kv_slots]
-            if pool.fp8:  # codes times the layer's scales
+            if gk.dtype != q.dtype:  # fp8 codes times the layer's scales (16-bit pools: 1.0)
                 gk, gv = (x.to(q.dtype) * s for x, s in zip((gk, gv), kv_scales, strict=True))
             # [len, heads, D] -> [1, heads, len, D]; GQA repeats KV heads inside the kernel
             gq, gk, gv = (x.transpose(0, 1)[None] for x in (q[seq.token_index], gk, gv))

@@ -68,6 +68,9 @@ class Engine:
         self.stream = ComputeStream(self.device)  # where the forward is queued, and the copies
         self.dtype = resolve_dtype(args.dtype, self.device)
         kv_dtype = KV_CACHE_DTYPES.get(args.kv_cache_dtype, self.dtype)
+        if self.device.type == "cuda" and kv_dtype.itemsize == 2 and kv_dtype != self.dtype:
+            # (FlashInfer's and our Triton kernels read K/V in the queries' dtype or fp8)
+            raise ValueError(f"--kv-cache-dtype {args.kv_cache_dtype} on CUDA needs that --dtype")
         self.model_path = resolve_model_path_for(args)
         self.model_config = cfg = load_model_config(self.model_path)
         # fails early, with the numbers, if heads don't divide by tp

@@ -13,7 +13,7 @@ from torch import Tensor
 
 from minisgl.kernels.weights import PackedLinear
 
-ABI_VERSION = 9  # MG_ABI_VERSION in csrc/common.h
+ABI_VERSION = 10  # MG_ABI_VERSION in csrc/common.h
 # mg_decode_layers' op timers, in the C enum's order (MG_NUM_OPS in csrc/decode.c)
 DECODE_OPS = (
     "rmsnorm + residual add",
@@ -29,8 +29,9 @@ DECODE_OPS = (
 # decode attention limits (ATTN_MAX_HEADS, ATTN_MAX_HEAD_DIM in csrc/attention.c)
 ATTN_MAX_HEADS = 128
 ATTN_MAX_HEAD_DIM = 256
-# the fp8 KV formats the kernels read and write, as their `fp8` argument (exponent bits)
-FP8_KV_FORMATS = {torch.float8_e4m3fn: 4, torch.float8_e5m2: 5}
+# the KV pool formats besides fp32 (0) that the kernels read and write, as their `kv_format`
+# argument (csrc/common.h: fp8's exponent bits, then KV_F16 and KV_BF16)
+KV_FORMATS = {torch.float8_e4m3fn: 4, torch.float8_e5m2: 5, torch.float16: 16, torch.bfloat16: 17}
 
 
 def ptr(x: Tensor | PackedLinear | int | None) -> int | None:

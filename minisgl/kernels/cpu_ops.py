@@ -15,7 +15,7 @@ from torch import Tensor
 from minisgl.kernels.cpu_abi import (
     ATTN_MAX_HEAD_DIM,
     ATTN_MAX_HEADS,
-    FP8_KV_FORMATS,
+    KV_FORMATS,
     StackShape,
 )
 from minisgl.kernels.weights import PackedLinear, huge_page_zeros
@@ -293,7 +293,7 @@ class CpuKernels:
         """For decode i: out[q_rows[i]] = attention of q[q_rows[i]] ([heads, D]) over positions
         [0, kv_lens[i]) of page-table row table_rows[i], read from the pool's slots.
         q, out: [tokens, heads, D] (out with heads back to back); caches [slots, kv_heads, D],
-        contiguous, fp32 or fp8 (their values times `kv_scales`); int64 index tensors; the
+        contiguous, fp32 or a KV_FORMATS dtype (values times `kv_scales`); int64 index tensors; the
         int32 page table with contiguous rows. Callers check `supports_decode_attention` first."""
         num_heads, head_dim = q.shape[1], q.shape[2]
         q = q if _heads_stride(q) is not None else q.contiguous()
@@ -316,7 +316,7 @@ class CpuKernels:
             k_cache.shape[1],
             head_dim,
             scale * kv_scales[0],
-            FP8_KV_FORMATS.get(k_cache.dtype, 0),
+            KV_FORMATS.get(k_cache.dtype, 0),
             kv_scales[1],
             torch.get_num_threads(),
         )
@@ -348,7 +348,7 @@ class CpuKernels:
             k_cache.shape[1],
             q.shape[2],
             scale * kv_scales[0],
-            FP8_KV_FORMATS.get(k_cache.dtype, 0),
+            KV_FORMATS.get(k_cache.dtype, 0),
             kv_scales[1],
             torch.get_num_threads(),
         )
@@ -369,7 +369,7 @@ class CpuKernels:
         """Run every layer of a dense stack for a decode-only batch (see mg_decode_layers):
         hidden [seqs, hidden] (contiguous) holds the embeddings and receives the last layer's
         output plus the residual. Index tensors are int64 [seqs], contiguous; the pool buffer
-        is [layers, 2, slots, kv_heads, head_dim], contiguous, fp32 or fp8 (its values times
+        is [layers, 2, slots, kv_heads, head_dim], contiguous, fp32 or a KV_FORMATS dtype (times
         `kv_scales`, float32 [layers, 2], contiguous). `op_seconds` (float64
         [len(DECODE_OPS)]), when given, accumulates each op's wall time over the layers."""
         num_seqs, stack_ptr = hidden.shape[0], ctypes.addressof(stack)
@@ -386,7 +386,7 @@ class CpuKernels:
             kv_lens,
             pool_buffer,
             pool_buffer.shape[2],
-            FP8_KV_FORMATS.get(pool_buffer.dtype, 0),
+            KV_FORMATS.get(pool_buffer.dtype, 0),
             kv_scales,
             scratch,
             op_seconds,

@@ -3,7 +3,8 @@ page_size + offset), allocated once at start-up and reused.
 
 An fp8 pool (--kv-cache-dtype) stores x / scale, saturated to the format's largest value, with
 one K and one V scale per layer (1.0, or the checkpoint's k_scale / v_scale); readers multiply
-by them (`layer_scales`: torch-native attention, and the C, Triton and FlashInfer kernels)."""
+by them (`layer_scales`: torch-native attention, and the C, Triton and FlashInfer kernels).
+A 16-bit pool (bf16, fp16) holds values rounded to its format, its scales 1.0."""
 
 from __future__ import annotations
 
@@ -12,12 +13,18 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from minisgl.kernels.cpu_abi import FP8_KV_FORMATS
 from minisgl.kernels.gpu import layer_kernels
 from minisgl.kernels.weights import huge_page_zeros
 
 # --kv-cache-dtype: vLLM's and SGLang's names ("auto": the model's dtype)
-KV_CACHE_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+KV_CACHE_DTYPES = {
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+}
 
 
 @dataclass(frozen=True)
@@ -55,7 +62,7 @@ class KVPool:
             self.buffer = huge_page_zeros(dims, dtype).zero_()
         else:
             self.buffer = torch.zeros(dims, dtype=dtype, device=device)
-        self.fp8 = dtype in FP8_KV_FORMATS
+        self.fp8 = dtype.itemsize == 1
         # fp8: what each layer's K and V are divided by; other pools hold values as they are
         kept = scales if self.fp8 and scales is not None else torch.ones(shape.num_layers, 2)
         self.scales = kept.float().cpu()
@@ -65,7 +72,8 @@ class KVPool:
     def store(self, layer_id: int, slots: Tensor, k: Tensor, v: Tensor) -> None:
         """Write this batch's new K/V ([tokens, kv_heads, head_dim]) at `slots` ([tokens]): both
         in one kernel where one applies (Triton on CUDA, the C kernels for fp32 on CPU; each
-        declines layouts it does not take), else two index copies."""
+        declines layouts it does not take), else two index copies (converted to the pool's
+        dtype)."""
         k_cache, v_cache = self.buffer[layer_id]
         kernels = self._store_kernels
         if kernels is not None and kernels.store_kv(k, v, k_cache, v_cache, slots):
@@ -77,5 +85,5 @@ class KVPool:
                 for x, s in zip((k, v), scales, strict=True)
             )
             k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
-        k_cache.index_copy_(0, slots, k)
-        v_cache.index_copy_(0, slots, v)
+        k_cache.index_copy_(0, slots, k.to(k_cache.dtype))
+        v_cache.index_copy_(0, slots, v.to(v_cache.dtype))

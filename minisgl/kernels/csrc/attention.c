@@ -13,8 +13,9 @@
  * range are one unit of work that takes each K/V tile through all of them in turn, so it comes
  * from memory once and from this core's L1 for the others.
  *
- * An fp8 pool (fp8 != 0, common.h) holds codes: each tile's K and V rows are decoded to fp32 in
- * a scratch tile first, then attended to as fp32 rows. The K scale comes folded into `scale`;
+ * A pool of another format than fp32 (kv_format != 0: fp8, f16, bf16; common.h) holds codes:
+ * each tile's K and V rows are decoded to fp32 in a scratch tile first, then attended to as fp32
+ * rows. The K scale comes folded into `scale`;
  * outputs are multiplied by v_scale. */
 #include <stdlib.h>
 
@@ -36,16 +37,28 @@ static inline void prefetch_row(const float* p, int64_t n) {
     for (int64_t i = 0; i < n; i += 64 / (int64_t)sizeof(float)) __builtin_prefetch(p + i, 0, 3);
 }
 
-/* The n fp8 rows of D codes at rows[t] decoded into tile [n, D]; rows[t] then point there. */
-static void decode_fp8_rows(const void** rows, int64_t n, int64_t D, int fp8, float* tile) {
+/* The n rows of D codes (format kv) at rows[t] decoded into tile [n, D]; rows[t] then point
+ * there. Inlined into one copy per format (decode_rows), so each loop knows its format. */
+static inline __attribute__((always_inline)) void decode_rows_as(const void** rows, int64_t n,
+                                                                 int64_t D, const int kv,
+                                                                 float* tile) {
     for (int64_t t = 0; t < n; t++) {
         if (t + ATTN_PREFETCH < n) __builtin_prefetch(rows[t + ATTN_PREFETCH], 0, 3);
-        const uint8_t* codes = rows[t];
+        const char* codes = rows[t];
         float* row = tile + t * D;
         int64_t i = 0;
-        for (; i + VW <= D; i += VW) vstore(row + i, fp8_vload(codes + i, fp8));
-        for (; i < D; i++) row[i] = fp8_get(codes, i, fp8);
+        for (; i + VW <= D; i += VW) vstore(row + i, kv_vload(codes + i * kv_bytes(kv), kv));
+        for (; i < D; i++) row[i] = kv_get(codes, i, kv);
         rows[t] = row;
+    }
+}
+
+static void decode_rows(const void** rows, int64_t n, int64_t D, int kv, float* tile) {
+    switch (kv) {
+        case 4: decode_rows_as(rows, n, D, 4, tile); break;
+        case 5: decode_rows_as(rows, n, D, 5, tile); break;
+        case KV_F16: decode_rows_as(rows, n, D, KV_F16, tile); break;
+        default: decode_rows_as(rows, n, D, KV_BF16, tile); break;
     }
 }
 
@@ -98,9 +111,9 @@ typedef struct {
 static inline __attribute__((always_inline)) void attend_heads_impl(
     const attn_rows* rows, int64_t h, const void* k_cache, const void* v_cache,
     const int32_t* slots, int64_t begin, int64_t row_width, int64_t kv_offset, const int64_t GC,
-    const int64_t D, int fp8, float* fp8_tiles, float scale) {
+    const int64_t D, int kv_format, float* kv_tiles, float scale) {
     const int64_t vecs = D / VW, tail_start = vecs * VW, hq = rows->hq;
-    const int64_t elem = fp8 ? 1 : (int64_t)sizeof(float);
+    const int64_t elem = kv_bytes(kv_format);
     float scores[ATTN_MAX_GROUP_CHUNK][ATTN_TILE];
     float correction[ATTN_MAX_GROUP_CHUNK];
     const void* keys[ATTN_TILE];
@@ -122,9 +135,9 @@ static inline __attribute__((always_inline)) void attend_heads_impl(
             keys[t] = (const char*)k_cache + offset;
             values[t] = (const char*)v_cache + offset;
         }
-        if (fp8) {
-            decode_fp8_rows(keys, n_any, D, fp8, fp8_tiles);
-            decode_fp8_rows(values, n_any, D, fp8, fp8_tiles + ATTN_TILE * D);
+        if (kv_format) {
+            decode_rows(keys, n_any, D, kv_format, kv_tiles);
+            decode_rows(values, n_any, D, kv_format, kv_tiles + ATTN_TILE * D);
         }
         for (int64_t r = 0; r < rows->count; r++) {
             const int64_t n = min64(n_any, rows->end[r] - t0);
@@ -197,19 +210,19 @@ static inline __attribute__((always_inline)) void attend_heads_impl(
     do {                                                                                        \
         if (D == 64)                                                                            \
             attend_heads_impl(rows, h, k_cache, v_cache, slots, begin, row_width, kv_offset,    \
-                              GC_VALUE, 64, fp8, tiles, scale);                                 \
+                              GC_VALUE, 64, kv_format, tiles, scale);                                 \
         else if (D == 128)                                                                      \
             attend_heads_impl(rows, h, k_cache, v_cache, slots, begin, row_width, kv_offset,    \
-                              GC_VALUE, 128, fp8, tiles, scale);                                \
+                              GC_VALUE, 128, kv_format, tiles, scale);                                \
         else                                                                                    \
             attend_heads_impl(rows, h, k_cache, v_cache, slots, begin, row_width, kv_offset,    \
-                              GC_VALUE, D, fp8, tiles, scale);                                  \
+                              GC_VALUE, D, kv_format, tiles, scale);                                  \
     } while (0)
 
 static void attend_heads(const attn_rows* rows, int64_t h, const void* k_cache,
                          const void* v_cache, const int32_t* slots, int64_t begin,
-                         int64_t row_width, int64_t kv_offset, int64_t gc, int64_t D, int fp8,
-                         float* tiles, float scale) {
+                         int64_t row_width, int64_t kv_offset, int64_t gc, int64_t D,
+                         int kv_format, float* tiles, float scale) {
     switch (gc) {
         case 1: ATTEND_HEADS_FOR_D(1); break;
         case 2: ATTEND_HEADS_FOR_D(2); break;
@@ -228,12 +241,12 @@ static int64_t group_chunk(int64_t group) {
 /* Every query head of the rows over their positions from `begin` on. */
 static void attend_range(const attn_rows* rows, const void* k_cache, const void* v_cache,
                          const int32_t* slots, int64_t begin, int64_t hk, int64_t group,
-                         int64_t D, int fp8, float scale) {
+                         int64_t D, int kv_format, float scale) {
     const int64_t gc = group_chunk(group), row_width = hk * D;
-    float fp8_tiles[fp8 ? 2 * ATTN_TILE * D : 1]; /* decoded K and V rows of one tile */
+    float kv_tiles[kv_format ? 2 * ATTN_TILE * D : 1]; /* decoded K and V rows of one tile */
     for (int64_t h = 0; h < hk * group; h += gc)
         attend_heads(rows, h, k_cache, v_cache, slots, begin, row_width, (h / group) * D, gc, D,
-                     fp8, fp8_tiles, scale);
+                     kv_format, kv_tiles, scale);
 }
 
 int64_t attention_count_items(const attention_args* a, int64_t* first_item) {
@@ -302,7 +315,7 @@ void attention_units_range(const void* args, int64_t begin, int64_t end) {
             if (rows.count == ATTN_MAX_ROWS || (b + 1 == last_b && rows.count)) {
                 attend_range(&rows, a->k_cache, a->v_cache,
                              a->page_table + a->table_rows[first_b] * a->ld_pt, first, a->hk,
-                             group, a->D, a->fp8, a->scale);
+                             group, a->D, a->kv_format, a->scale);
                 rows.count = 0;
             }
         }
@@ -336,9 +349,9 @@ int mg_decode_attention(const float* q, int64_t ldq, const int64_t* q_rows, cons
                         const void* v_cache, const int32_t* page_table, int64_t ld_pt,
                         const int64_t* table_rows, const int64_t* kv_lens, float* out,
                         int64_t ldo, int64_t B, int64_t hq, int64_t hk, int64_t D, float scale,
-                        int fp8, float v_scale, int nthreads) {
+                        int kv_format, float v_scale, int nthreads) {
     attention_args a = {q,   ldq, q_rows, k_cache, v_cache, page_table, ld_pt, table_rows,
-                        kv_lens, out, ldo, B, hq, hk, D, scale, 0, 0, 0, fp8, v_scale};
+                        kv_lens, out, ldo, B, hq, hk, D, scale, 0, 0, 0, kv_format, v_scale};
     if (B == 0) return 0;
     int64_t* first_item = malloc((size_t)(B + 1) * sizeof(int64_t));
     if (!first_item) return 2;

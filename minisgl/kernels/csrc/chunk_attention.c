@@ -1,6 +1,7 @@
 /* Prefill attention straight from the paged pool: a chunk of n query tokens of one sequence, at
  * positions [prefix, prefix + n), each attending causally to positions [0, its own + 1); the
- * K/V of position j sit at slot slots[j] of k_cache / v_cache ([slots, hk, D], fp32 or fp8).
+ * K/V of position j sit at slot slots[j] of k_cache / v_cache ([slots, hk, D], fp32 or
+ * another KV format of common.h).
  *
  * No gather, no mask tensor, no padded copy per KV head (what SDPA over the pool needs): a work
  * unit is one KV head and a block of the chunk's tokens, together CHUNK_M query vectors (tokens
@@ -33,7 +34,7 @@ typedef struct {
     float* out; /* like q, rows ldo apart */
     int64_t ldo, hq, hk, D;
     float scale, v_scale;
-    int fp8;
+    int kv; /* the pool's element format (common.h) */
     atomic_int failed; /* a unit found no memory */
 } chunk_args;
 
@@ -41,14 +42,14 @@ typedef struct {
 static inline vf broadcast(float s) { return s - (vf){0}; }
 
 /* One K or V row (D elements) of the pool as fp32. */
-static inline void load_row(float* dst, const void* src, int64_t D, int fp8) {
-    if (!fp8) {
+static inline void load_row(float* dst, const void* src, int64_t D, int kv) {
+    if (!kv) {
         memcpy(dst, src, (size_t)D * sizeof(float));
         return;
     }
     int64_t i = 0;
-    for (; i + VW <= D; i += VW) vstore(dst + i, fp8_vload((const uint8_t*)src + i, fp8));
-    for (; i < D; i++) dst[i] = fp8_get(src, i, fp8);
+    for (; i + VW <= D; i += VW) vstore(dst + i, kv_vload((const char*)src + i * kv_bytes(kv), kv));
+    for (; i < D; i++) dst[i] = kv_get(src, i, kv);
 }
 
 /* s[m][t] = dot(q[m], k[t]) for CHUNK_RM query vectors m and CHUNK_CN positions t, kt the
@@ -94,7 +95,7 @@ static void chunk_unit(chunk_args* a, int64_t kh, int64_t r0) {
     const int64_t tokens = min64(a->tokens_per_unit, a->n - r0), M = tokens * group;
     const int64_t Mp = (M + CHUNK_RM - 1) / CHUNK_RM * CHUNK_RM;
     const int64_t Dp = (D + CHUNK_CN - 1) / CHUNK_CN * CHUNK_CN; /* o and V rows, zero-padded */
-    const int64_t row_width = a->hk * D, elem = a->fp8 ? 1 : (int64_t)sizeof(float);
+    const int64_t row_width = a->hk * D, elem = kv_bytes(a->kv);
     /* q [Mp, D], o [Mp, Dp], scores [Mp, T], K transposed [D, T], V [T, Dp], running max, sum
      * and correction [Mp]; paddings stay zero */
     float* scratch = calloc((size_t)(Mp * (D + Dp + T + 3) + T * (D + Dp)), sizeof(float));
@@ -123,9 +124,9 @@ static void chunk_unit(chunk_args* a, int64_t kh, int64_t r0) {
                     }
                 }
                 const int64_t offset = ((int64_t)a->slots[t0 + t] * row_width + kh * D) * elem;
-                load_row(row, (const char*)a->k_cache + offset, D, a->fp8);
+                load_row(row, (const char*)a->k_cache + offset, D, a->kv);
                 for (int64_t d = 0; d < D; d++) kt[d * T + t] = row[d];
-                load_row(row, (const char*)a->v_cache + offset, D, a->fp8);
+                load_row(row, (const char*)a->v_cache + offset, D, a->kv);
             } else {
                 for (int64_t d = 0; d < D; d++) kt[d * T + t] = 0.0f;
                 memset(row, 0, (size_t)D * sizeof(float));
@@ -167,14 +168,14 @@ static void chunk_units_range(const void* args, int64_t begin, int64_t end) {
 /* Returns 0, 1 for unsupported head counts, 2 when out of memory. */
 int mg_chunk_attention(const float* q, int64_t ldq, const void* k_cache, const void* v_cache,
                        const int32_t* slots, int64_t prefix, int64_t n, float* out, int64_t ldo,
-                       int64_t hq, int64_t hk, int64_t D, float scale, int fp8, float v_scale,
+                       int64_t hq, int64_t hk, int64_t D, float scale, int kv, float v_scale,
                        int nthreads) {
     if (hk < 1 || hq % hk != 0 || hq / hk > CHUNK_MAX_GROUP) return 1;
     if (n == 0) return 0;
     const int64_t tokens_per_unit = max64(1, CHUNK_M / (hq / hk));
     chunk_args a = {q, ldq, k_cache, v_cache, slots, prefix, n, tokens_per_unit,
                     (n + tokens_per_unit - 1) / tokens_per_unit, out, ldo, hq, hk, D, scale,
-                    v_scale, fp8, 0};
+                    v_scale, kv, 0};
     run_parallel(&a, chunk_units_range, hk * a.blocks, 1, nthreads);
     return atomic_load(&a.failed) ? 2 : 0;
 }

@@ -22,9 +22,12 @@
 #include <stdint.h>
 #include <string.h>
 #include <time.h>
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
 
 /* Bumped whenever an exported signature changes, so a stale cached build is never called. */
-#define MG_ABI_VERSION 9
+#define MG_ABI_VERSION 10
 
 /* Vector width in floats: GCC vector extensions compile to AVX-512, AVX2 or SSE/NEON. */
 #if defined(__AVX512F__)
@@ -107,54 +110,101 @@ static inline float sexp(float x) {
     return v[0];
 }
 
-/* ---- fp8 K/V ---------------------------------------------------------------------------------
- * `fp8` names a KV pool's element type: 0 for fp32, else the exponent bits of an fp8 format (4:
- * float8_e4m3fn, 5: float8_e5m2). A code's 7 bits below its sign, shifted into an fp32's
- * exponent and mantissa fields and rebiased, are its value as an fp32; a subnormal code (exponent
- * 0) gets the exponent 1 instead and the implicit leading one subtracted (as fast half-to-float
- * conversions do), so no step computes with a subnormal fp32 (slow on x86). */
+/* ---- K/V element formats ---------------------------------------------------------------------
+ * `kv` names a KV pool's element type: 0 fp32; 4, 5: the fp8 formats by their exponent bits
+ * (float8_e4m3fn, float8_e5m2); KV_F16, KV_BF16: float16, bfloat16. Each non-fp32 format is a
+ * small float (sign, exponent, mantissa, IEEE bias): a code's bits below its sign, shifted into
+ * an fp32's exponent and mantissa fields and rebiased, are its value as an fp32; a subnormal code
+ * (exponent 0) gets the exponent 1 instead and the implicit leading one subtracted (as fast
+ * half-to-float conversions do), so no step computes with a subnormal fp32 (slow on x86). Codes
+ * of inf or NaN are not read as such: kv_encode saturates, so it writes none. */
+enum { KV_F16 = 16, KV_BF16 = 17 };
+static inline int kv_bits(int kv) { return kv < KV_F16 ? 8 : 16; }
+static inline int64_t kv_bytes(int kv) { return kv ? kv_bits(kv) / 8 : (int64_t)sizeof(float); }
+static inline int kv_exponent_bits(int kv) { return kv == KV_F16 ? 5 : kv == KV_BF16 ? 8 : kv; }
+static inline int kv_shift(int kv) { return 24 + kv_exponent_bits(kv) - kv_bits(kv); } /* 23 - mantissa bits */
+static inline uint32_t kv_bias(int kv) { return (1u << (kv_exponent_bits(kv) - 1)) - 1; }
+static inline float kv_max(int kv) { /* the largest finite value */
+    return kv == 4 ? 448.0f : kv == 5 ? 57344.0f : kv == KV_F16 ? 65504.0f : 0x1.FEp127f;
+}
 typedef uint8_t vb __attribute__((vector_size(VW)));
+typedef uint16_t vh __attribute__((vector_size(VW * sizeof(uint16_t))));
 typedef uint32_t vu __attribute__((vector_size(VW * sizeof(uint32_t))));
 
-static inline int fp8_shift(int fp8) { return 16 + fp8; } /* 23 - mantissa bits */
-static inline uint32_t fp8_bias(int fp8) { return (1u << (fp8 - 1)) - 1; }
-
-static inline vf fp8_vload(const uint8_t* p, int fp8) {
-    vb codes;
-    memcpy(&codes, p, sizeof codes);
-    const vu x = __builtin_convertvector(codes, vu), mag = x & 0x7F;
-    const vu subnormal = (vu)(mag >> (7 - fp8) == 0); /* all ones where the exponent is 0 */
-    const vu bits = (mag << fp8_shift(fp8)) + ((127 - fp8_bias(fp8) + (subnormal & 1)) << 23);
-    const vu one = subnormal & ((128 - fp8_bias(fp8)) << 23); /* 2^(1 - bias) there, else 0 */
-    vf f, lead;
+/* The VW codes at p (format kv, not fp32) as fp32, exactly. */
+static inline __attribute__((always_inline)) vf kv_vload(const void* p, int kv) {
+    vu x;
+    vf f;
+    if (kv_bits(kv) == 8) {
+        vb codes;
+        memcpy(&codes, p, sizeof codes);
+        x = __builtin_convertvector(codes, vu);
+    } else {
+        vh codes;
+        memcpy(&codes, p, sizeof codes);
+#if defined(__F16C__) && VW == 8
+        if (kv == KV_F16) return (vf)_mm256_cvtph_ps(_mm_loadu_si128(p));
+#elif defined(__F16C__) && VW == 16
+        if (kv == KV_F16) return (vf)_mm512_cvtph_ps(_mm256_loadu_si256(p));
+#endif
+        x = __builtin_convertvector(codes, vu);
+        if (kv == KV_BF16) { /* the upper half of an fp32 */
+            x <<= 16;
+            memcpy(&f, &x, sizeof f);
+            return f;
+        }
+    }
+    const uint32_t sign = 1u << (kv_bits(kv) - 1), mantissa_bits = 23 - kv_shift(kv);
+    const vu mag = x & (sign - 1);
+    const vu subnormal = (vu)(mag >> mantissa_bits == 0); /* all ones where the exponent is 0 */
+    const vu bits = (mag << kv_shift(kv)) + ((127 - kv_bias(kv) + (subnormal & 1)) << 23);
+    const vu one = subnormal & ((128 - kv_bias(kv)) << 23); /* 2^(1 - bias) there, else 0 */
+    vf lead;
     memcpy(&f, &bits, sizeof f);
     memcpy(&lead, &one, sizeof lead);
     f -= lead;
     vu out;
     memcpy(&out, &f, sizeof out);
-    out |= (x & 0x80) << 24;
+    out |= (x & sign) << (32 - kv_bits(kv));
     memcpy(&f, &out, sizeof f);
     return f;
 }
-static inline float fp8_get(const uint8_t* p, int64_t i, int fp8) {
-    uint8_t lanes[VW] = {p[i]};
-    return fp8_vload(lanes, fp8)[0];
+/* Element i of the codes at p (format kv, not fp32) as an fp32. */
+static inline float kv_get(const void* p, int64_t i, int kv) {
+    uint16_t lanes[VW] = {0};
+    memcpy(lanes, (const char*)p + i * kv_bytes(kv), (size_t)kv_bytes(kv));
+    return kv_vload(lanes, kv)[0];
 }
-/* x as the nearest fp8 code (ties to even), saturated to the largest finite value (e4m3fn 448,
- * e5m2 57344) as torch's conversion of a clamped value: scaled by 2^(bias - 127) into the
- * fp32 whose fields the code's are, and rounded at the code's last mantissa bit. */
-static inline uint8_t fp8_encode(float x, int fp8) {
-    const uint32_t unit_bits = (254 - fp8_bias(fp8)) << 23; /* 2^(127 - bias) */
-    float unit;
-    memcpy(&unit, &unit_bits, sizeof unit);
-    const float a = fminf(fabsf(x), fp8 == 4 ? 448.0f : 57344.0f) / unit;
-    uint32_t bits;
-    memcpy(&bits, &a, sizeof bits);
-    const int shift = fp8_shift(fp8);
-    bits += (1u << (shift - 1)) - 1 + ((bits >> shift) & 1);
-    return (uint8_t)(bits >> shift | (signbit(x) ? 0x80u : 0u));
+static inline float pow2f(int e) { /* 2^e for e in [-126, 127] */
+    const uint32_t bits = (uint32_t)(127 + e) << 23;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
 }
-
+/* x as the nearest code of format kv (not fp32; ties to even), saturated to its largest finite
+ * value as torch's conversion of a clamped value. A normal code's value: x scaled by
+ * 2^(bias - 127) into the fp32 whose fields the code's are (exactly), rounded at the code's last
+ * mantissa bit; a subnormal one's: x in units of the code's smallest step, rounded to an integer
+ * by the FPU (scaling into a subnormal fp32 instead would round twice). Writes kv_bytes(kv). */
+static inline void kv_encode(float x, int kv, void* out) {
+    const int bias = (int)kv_bias(kv), shift = kv_shift(kv);
+    const float a = fminf(fabsf(x), kv_max(kv));
+    uint32_t code;
+    if (a < pow2f(1 - bias)) {
+        code = (uint32_t)(a * pow2f(bias - 1) * pow2f(23 - shift) + 0x1p23f - 0x1p23f);
+    } else {
+        const float scaled = a * pow2f(bias - 127);
+        uint32_t bits;
+        memcpy(&bits, &scaled, sizeof bits);
+        bits += (1u << (shift - 1)) - 1 + ((bits >> shift) & 1);
+        code = bits >> shift;
+    }
+    code |= signbit(x) ? 1u << (kv_bits(kv) - 1) : 0u;
+    if (kv_bits(kv) == 8)
+        *(uint8_t*)out = (uint8_t)code;
+    else
+        *(uint16_t*)out = (uint16_t)code;
+}
 
 /* ---- attention (attention.c: decodes, chunk_attention.c: prefill chunks) ---------------------- */
 #define ATTN_TILE 64 /* KV positions per online-softmax tile */
@@ -297,11 +347,11 @@ typedef struct {
     int64_t ldk;
     const float* v;
     int64_t ldv;
-    void* k_cache; /* fp32, or fp8 codes of k / k_scale and v / v_scale */
+    void* k_cache; /* format kv_format: fp32, or codes of k / k_scale and v / v_scale */
     void* v_cache;
     const int64_t* slots;
     int64_t width;
-    int fp8;
+    int kv_format;
     float k_scale, v_scale;
 } store_kv_args;
 void store_kv_range(const void* args, int64_t begin, int64_t end); /* tokens */
@@ -310,7 +360,7 @@ typedef struct {
     const float* q;
     int64_t ldq;
     const int64_t* q_rows; /* NULL: decode b's query is row b */
-    const void* k_cache; /* fp32, or fp8 codes (k_scale folded into scale) */
+    const void* k_cache; /* format kv_format: fp32, or codes (k_scale folded into scale) */
     const void* v_cache;
     const int32_t* page_table;
     int64_t ld_pt;
@@ -324,7 +374,7 @@ typedef struct {
     const int64_t* first_item;
     const struct attention_unit* units;
     float* parts; /* per item: max [hq], sum [hq], acc [hq, D] */
-    int fp8;
+    int kv_format;
     float v_scale; /* outputs are multiplied by it */
 } attention_args;
 /* Checks the shapes and fills first_item [B + 1]; returns the item count, or -1 when the head

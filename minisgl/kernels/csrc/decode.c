@@ -110,9 +110,9 @@ typedef struct {
     int64_t B;
     const int64_t* positions;
     const int64_t* out_slots;
-    void* pool; /* fp32, or fp8 codes (kv_fp8) scaled by kv_scales [layers, 2 (k, v)] */
+    void* pool; /* fp32, or codes (kv_format) scaled by kv_scales [layers, 2 (k, v)] */
     int64_t num_slots;
-    int kv_fp8;
+    int kv_format;
     const float* kv_scales;
     float* scratch;
     attention_args attention; /* with its items planned */
@@ -137,7 +137,7 @@ static int decode_step(mg_team* team, const step_args* s, int is_timer) {
     float* act = gate_up + B * 2 * I;
     double* timers = is_timer ? s->op_seconds : 0;
     int64_t last = op_clock_ns(timers, nthreads);
-    const int64_t elem_bytes = s->kv_fp8 ? 1 : (int64_t)sizeof(float);
+    const int64_t elem_bytes = kv_bytes(s->kv_format);
     const int64_t cache_bytes = s->num_slots * kv_width * elem_bytes;
     const int64_t rows = max64(1, (B + 2 * nthreads - 1) / (2 * nthreads)); /* row chunk */
     int failed = 0;
@@ -173,7 +173,7 @@ static int decode_step(mg_team* team, const step_args* s, int is_timer) {
         const rope_store_args rope_store = {
             {q, qkv_width, m->heads, k, qkv_width, m->kv_heads, D, s->positions, m->cos_cache,
              m->sin_cache},
-            {k, qkv_width, v, qkv_width, k_cache, v_cache, s->out_slots, kv_width, s->kv_fp8,
+            {k, qkv_width, v, qkv_width, k_cache, v_cache, s->out_slots, kv_width, s->kv_format,
              k_scale, v_scale}};
         failed |= team_run(team, &rope_store, rope_store_range, B, rows);
         lap(timers, OP_ROPE_STORE, &last, nthreads);
@@ -216,13 +216,13 @@ static int decode_step(mg_team* team, const step_args* s, int is_timer) {
 int mg_decode_layers(const mg_model* m, float* hidden, int64_t B, const int64_t* positions,
                      const int64_t* out_slots, const int32_t* page_table, int64_t ld_pt,
                      const int64_t* table_rows, const int64_t* kv_lens, void* pool,
-                     int64_t num_slots, int kv_fp8, const float* kv_scales, float* scratch,
+                     int64_t num_slots, int kv_format, const float* kv_scales, float* scratch,
                      double* op_seconds, int nthreads) {
     if (B == 0) return 0;
     step_args s = {m,        hidden,    B,       positions, out_slots, pool, num_slots,
-                   kv_fp8,   kv_scales, scratch,
+                   kv_format, kv_scales, scratch,
                    {0, 0, 0, 0, 0, page_table, ld_pt, table_rows, kv_lens, 0, 0, B, m->heads,
-                    m->kv_heads, m->head_dim, m->scale, 0, 0, 0, kv_fp8, 1.0f},
+                    m->kv_heads, m->head_dim, m->scale, 0, 0, 0, kv_format, 1.0f},
                    0, op_seconds, linear_tags(4 * m->num_layers)};
     const int64_t num_counters = m->num_layers * OPS_PER_LAYER + OPS_PER_STEP;
     int64_t* first_item = malloc((size_t)(B + 1) * sizeof(int64_t));

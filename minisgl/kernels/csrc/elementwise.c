@@ -121,16 +121,17 @@ void store_kv_range(const void* args, int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; t++) {
         const float* k = a->k + t * a->ldk;
         const float* v = a->v + t * a->ldv;
-        if (!a->fp8) {
+        if (!a->kv_format) {
             memcpy((float*)a->k_cache + a->slots[t] * w, k, (size_t)w * sizeof(float));
             memcpy((float*)a->v_cache + a->slots[t] * w, v, (size_t)w * sizeof(float));
             continue;
         }
-        uint8_t* kc = (uint8_t*)a->k_cache + a->slots[t] * w;
-        uint8_t* vc = (uint8_t*)a->v_cache + a->slots[t] * w;
+        const int64_t size = kv_bytes(a->kv_format);
+        char* kc = (char*)a->k_cache + a->slots[t] * w * size;
+        char* vc = (char*)a->v_cache + a->slots[t] * w * size;
         for (int64_t i = 0; i < w; i++) {
-            kc[i] = fp8_encode(k[i] / a->k_scale, a->fp8);
-            vc[i] = fp8_encode(v[i] / a->v_scale, a->fp8);
+            kv_encode(k[i] / a->k_scale, a->kv_format, kc + i * size);
+            kv_encode(v[i] / a->v_scale, a->kv_format, vc + i * size);
         }
     }
 }
