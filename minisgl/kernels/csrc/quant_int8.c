@@ -466,6 +466,22 @@ static inline float hsum_avx2(__m256 v) {
     return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
+/* How far ahead of the super-block being read the weights are prefetched: weight rows lie back
+ * to back, one stream per thread, and the hardware prefetcher alone left a batch-1 row waiting
+ * on memory (RESULTS.md, "K-quant int8 kernels at batch 1"). */
+#define KQ_PREFETCH_BYTES 4096
+#define Q4_K_BYTES (4 + 12 + QK_K / 2)
+#define Q6_K_BYTES (QK_K / 2 + QK_K / 4 + QK_K / 16 + 2)
+
+/* Prefetches the weights KQ_PREFETCH_BYTES past a block of `bytes` (successive blocks' lines
+ * 64 bytes apart or closer: every line of the stream). Always inlined: gcc deems a function of
+ * prefetches alone free of effects and drops the calls. */
+static inline __attribute__((always_inline)) void prefetch_ahead(const uint8_t* block,
+                                                                 const int bytes) {
+    for (int at = 0; at < bytes; at += 64)
+        _mm_prefetch((const char*)block + KQ_PREFETCH_BYTES + at, _MM_HINT_T0);
+}
+
 /* out[r] = dot(K-quant row src, activation row r of x) for r < R <= KQ_ROWS. */
 static inline __attribute__((always_inline)) void kquant_rows_r(int64_t type,
                                                                 const uint8_t* src,
@@ -474,11 +490,15 @@ static inline __attribute__((always_inline)) void kquant_rows_r(int64_t type,
     __m256 acc[KQ_ROWS];
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     if (type == GGUF_Q4_K)
-        for (int64_t b = 0; b < x->K / QK_K; b++)
-            q4_k_block(src + b * (4 + 12 + QK_K / 2), x, b, R, acc);
+        for (int64_t b = 0; b < x->K / QK_K; b++) {
+            prefetch_ahead(src + b * Q4_K_BYTES, Q4_K_BYTES);
+            q4_k_block(src + b * Q4_K_BYTES, x, b, R, acc);
+        }
     else
-        for (int64_t b = 0; b < x->K / QK_K; b++)
-            q6_k_block(src + b * (QK_K / 2 + QK_K / 4 + QK_K / 16 + 2), x, b, R, acc);
+        for (int64_t b = 0; b < x->K / QK_K; b++) {
+            prefetch_ahead(src + b * Q6_K_BYTES, Q6_K_BYTES);
+            q6_k_block(src + b * Q6_K_BYTES, x, b, R, acc);
+        }
     for (int r = 0; r < R; r++) out[r] = hsum_avx2(acc[r]);
 }
 
