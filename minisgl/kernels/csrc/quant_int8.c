@@ -518,8 +518,7 @@ static void kquant_rows(int64_t type, const uint8_t* src, int64_t K, const xcode
 }
 
 /* Q8_0 rows meet activation rows Q8_0_ROWS at a time, their accumulators in registers (with
- * all R rows in memory, as kquant_rows keeps them, 30% slower than fp32 activations at 8 rows;
- * a K-quant super-block has 8 times the work per accumulator update). */
+ * all R rows in memory, 30% slower than fp32 activations at 8 rows). */
 #define Q8_0_ROWS 4
 /* acc[r] plus the dot of Q8_0 block b (at `block`) with block b of activation row r, r < R. The
  * signed weights meet vpmaddubsw as |w| times x with w's sign. */
