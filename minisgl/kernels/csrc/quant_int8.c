@@ -288,10 +288,10 @@ static int vnni_range(const linear_args* a, int64_t begin, int64_t end) {
  * (vec_dot_q8_0_q8_0). A K-quant super-block is read in registers (unsigned codes, int16 scales
  * spread by byte shuffles) and met by up to KQ_ROWS activation rows: per 32 elements one
  * vpmaddubsw (codes times x's codes, pairs added) and one vpmaddwd (times the scales, pairs
- * added) into an int32 sum per super-block, scaled once by d * dx. The weights' offsets (Q4_K's mins, Q6_K's
- * -32) multiply x's sums of 16 codes: one vpmaddwd per super-block. Q8_0's signed weights take
- * vpmaddubsw as |w| times x with w's sign (vpsignb), one float multiply-add per block. Every
- * activation row's sum adds in one order whatever its batch mates. */
+ * added) into an int32 sum per super-block, scaled once by d * dx. The weights' offsets (Q4_K's
+ * mins, Q6_K's -32) multiply x's sums of 16 codes: one vpmaddwd per super-block. Q8_0's signed
+ * weights take vpmaddubsw as |w| times x with w's sign (vpsignb), one float multiply-add per
+ * block. Every activation row's sum adds in one order whatever its batch mates. */
 #if INT8_AVX2
 /* x quantized per block (QK or QK_K elements), row-major: codes [M, K], dx [M, K / block], and
  * (per QK_K only) the sums of every 16 codes [M, K / 16]. */
@@ -356,7 +356,7 @@ static xcodes quantized_x_avx2(const linear_args* a, int64_t block) {
  * unpacked copy in memory (stores, then loads per row) cost a batch-1 row about as much as its
  * products. Each int32 lane sums the same products whatever the batch, so results do not
  * depend on it (nor on how rows are grouped: integer sums are exact). */
-#define KQ_ROWS 4 /* activation rows per pass over a K-quant weight row (accumulators in registers) */
+#define KQ_ROWS 4 /* activation rows per pass over a K-quant row (accumulators in registers) */
 
 /* A row's x at super-block b: codes, 16-code sums, dx. */
 typedef struct {
@@ -384,8 +384,8 @@ static inline __m256i spread16(__m256i s16, int i) {
 
 /* Q4_K: d, dmin (f16), 8 6-bit scales and mins in 12 bytes (as quant.c's read_q4_k: 0-3 in the
  * low 6 bits of bytes 0-3 and 4-7, 4-7 split into a nibble of bytes 8-11 and the top 2 bits of
- * bytes 0-7), 128 bytes of nibbles (bytes [32 i, +32): groups 2 i (low) and 2 i + 1 (high)). acc[r]
- * plus the dot of block b (super-block number blk) with R activation rows. */
+ * bytes 0-7), 128 bytes of nibbles (bytes [32 i, +32): groups 2 i (low) and 2 i + 1 (high)).
+ * acc[r] plus the dot of block b (super-block number blk) with R activation rows. */
 static inline __attribute__((always_inline)) void q4_k_block(const uint8_t* b, const xrows* x,
                                                              int64_t blk, const int R,
                                                              __m256* acc) {
