@@ -220,7 +220,7 @@ def test_block_kernels_do_not_depend_on_the_batch_or_threads(qtype: T) -> None:
     """Up to 20 rows (decoding, and a verify step's drafts) a row's output is bitwise the same
     whatever its batch mates and the thread count: rows in passes of 8, K in slices from 7 rows
     at 1536 and 3 at 4096, yet each row adds in one order (a draft row's logits are plain
-    decoding's); so with int8 activations (AVX2: 16 rows per pass)."""
+    decoding's); so with int8 activations (AVX2: passes of 4 rows)."""
     k, rng = kernels(), np.random.default_rng(100 + int(qtype))
     for cols, int8 in [(c, False) for c in (256, 1536, 4096)] + [(1536, qtype in INT8_TYPES)]:
         blocks = torch.from_numpy(random_blocks(qtype, 45, cols, rng))  # a short last item

@@ -386,8 +386,8 @@ static inline int64_t row_bytes(int64_t type, int64_t K) {
 /* Output rows n .. n + count - 1 of w: their bytes and types (-1 past the last segment). A
  * division per segment, not per row: at batch 1 two per row were ~13 cycles of a 576-element
  * row's ~110. */
-static void weight_rows(const mg_weight* w, int64_t K, int64_t n, int64_t count,
-                        const uint8_t** src, int64_t* type) {
+void quant_weight_rows(const mg_weight* w, int64_t K, int64_t n, int64_t count,
+                       const uint8_t** src, int64_t* type) {
     const uint8_t* p = w->data; /* where segment s starts */
     int64_t s = 0, stride = w->num_segments ? row_bytes(w->types[0], K) : 0;
     for (int64_t r = 0; r < count; r++, n++) {
@@ -402,7 +402,7 @@ static void weight_rows(const mg_weight* w, int64_t K, int64_t n, int64_t count,
 
 const uint8_t* quant_weight_row(const mg_weight* w, int64_t K, int64_t n, int64_t* type) {
     const uint8_t* src;
-    weight_rows(w, K, n, 1, &src, type);
+    quant_weight_rows(w, K, n, 1, &src, type);
     return src;
 }
 
@@ -532,7 +532,7 @@ static void direct_range(const linear_args* a, int64_t begin, int64_t end) {
             vf carry[RG][QDIRECT][ACCS]; /* the accumulators from slice to slice */
             const uint8_t* src[RG];
             int64_t types[RG];
-            weight_rows(a->w, K, n0, rows, src, types);
+            quant_weight_rows(a->w, K, n0, rows, src, types);
             for (int64_t k0 = 0; k0 < K; k0 += slice) {
                 int64_t offset_type = -2, offset = 0; /* row_bytes(type, k0), for the last type */
                 for (int64_t r = 0; r < rows; r++) {

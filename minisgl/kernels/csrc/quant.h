@@ -45,6 +45,9 @@ static inline float load_half(const uint8_t* p) {
 int64_t mg_quant_block_bytes(int64_t type);
 /* Output row n of w: its bytes, and its type in *type. */
 const uint8_t* quant_weight_row(const mg_weight* w, int64_t K, int64_t n, int64_t* type);
+/* The same for rows n .. n + count - 1 (type -1 past the last segment). */
+void quant_weight_rows(const mg_weight* w, int64_t K, int64_t n, int64_t count,
+                       const uint8_t** src, int64_t* type);
 /* *buffer (64-byte aligned) grown to at least `bytes`, never shrunk: the kernels' per-thread
  * scratches (threads live as long as the process's OpenMP pool). NULL when out of memory. */
 char* quant_grow(char** buffer, int64_t* capacity, int64_t bytes);

@@ -285,13 +285,13 @@ static int vnni_range(const linear_args* a, int64_t begin, int64_t end) {
 
 /* ---- AVX2 --------------------------------------------------------------------------------------
  * Q4_K and Q6_K rows times x per 256 (vec_dot_q4_K_q8_K / q6_K_q8_K), Q8_0 rows times x per 32
- * (vec_dot_q8_0_q8_0). A K-quant super-block is unpacked once per weight row into unsigned codes
- * and int16 scales (kblock), then met by every activation row: per 32 elements one vpmaddubsw
- * (codes times x's codes, pairs added) and one vpmaddwd (times the scales, pairs added) into an
- * int32 sum per super-block, scaled once by d * dx. The weights' offsets (Q4_K's mins, Q6_K's
- * -32) multiply x's sums of 16 codes: one vpmaddwd per super-block. Q8_0's signed weights take
- * vpmaddubsw as |w| times x with w's sign (vpsignb), one float multiply-add per block. Every
- * activation row's sum adds in one order whatever its batch mates. */
+ * (vec_dot_q8_0_q8_0). A K-quant super-block is read in registers (unsigned codes, int16 scales
+ * spread by byte shuffles) and met by up to KQ_ROWS activation rows: per 32 elements one
+ * vpmaddubsw (codes times x's codes, pairs added) and one vpmaddwd (times the scales, pairs
+ * added) into an int32 sum per super-block, scaled once by d * dx. The weights' offsets (Q4_K's
+ * mins, Q6_K's -32) multiply x's sums of 16 codes: one vpmaddwd per super-block. Q8_0's signed
+ * weights take vpmaddubsw as |w| times x with w's sign (vpsignb), one float multiply-add per
+ * block. Every activation row's sum adds in one order whatever its batch mates. */
 #if INT8_AVX2
 /* x quantized per block (QK or QK_K elements), row-major: codes [M, K], dx [M, K / block], and
  * (per QK_K only) the sums of every 16 codes [M, K / 16]. */
@@ -349,81 +349,115 @@ static xcodes quantized_x_avx2(const linear_args* a, int64_t block) {
     return (xcodes){codes, scales, sums};
 }
 
-/* A Q4_K or Q6_K super-block unpacked: its dot with 256 codes x (sums: x's 16-code sums) is
- * d dx (sum of q . x . s) plus, in integers (fold) or scaled by -dmin dx, sum of t . sums. */
-typedef struct {
-    __m256i q[8];  /* the 256 codes as unsigned bytes, in element order */
-    __m256i s[8];  /* per 32 codes, the int16 scale of each pair (lanes 0-7: codes 0-15) */
-    __m256i t;     /* per 16 codes, what multiplies x's sum over them (int16) */
-    float d, dmin; /* (Q4_K: w = d scale q - dmin min; Q6_K: w = d scale (q - 32)) */
-    int fold;
-} kblock;
+/* A Q4_K or Q6_K super-block's dot with 256 codes x (sums: x's 16-code sums) is d dx (sum of
+ * q . x . s: unsigned codes q, int16 scales s per pair of codes) plus the weights' offsets,
+ * t . sums (t per 16 codes; Q6_K adds them to the integer sum, Q4_K scales them by -dmin dx).
+ * The super-block is read in registers, as llama.cpp's AVX2 kernels do, type by type: an
+ * unpacked copy in memory (stores, then loads per row) cost a batch-1 row about as much as its
+ * products. Each int32 lane sums the same products whatever the batch, so results do not
+ * depend on it (nor on how rows are grouped: integer sums are exact). */
+#define KQ_ROWS 4 /* activation rows per pass over a K-quant row (accumulators in registers) */
 
-/* Each pair of codes' int16 scale for the 32 codes of group j, from scales doubled into 32-bit
- * lanes (both halves of lane i the scale of codes [16 i, 16 i + 16)): lanes lo and hi (of the
- * codes' first and second 16) across the vector. */
-static inline __m256i pick_scales(__m256i doubled, int lo, int hi) {
-    return _mm256_permutevar8x32_epi32(doubled, _mm256_setr_epi32(lo, lo, lo, lo, hi, hi, hi, hi));
+/* A row's x at super-block b: codes, 16-code sums, dx. */
+typedef struct {
+    const int8_t* codes;
+    const int16_t* sums;
+    const float* dx;
+    int64_t K; /* the row stride of codes (sums: K / 16, dx: K / QK_K) */
+} xrows;
+
+/* dot[r] plus codes q (32, element order) times x's 32 codes at `at` of row r, each pair of
+ * products times its int16 scale in s (lanes 0-7: codes 0-15). */
+static inline __attribute__((always_inline)) void group_dot(__m256i q, __m256i s,
+                                                            const xrows* x, int64_t at,
+                                                            const int R, __m256i* dot) {
+    for (int r = 0; r < R; r++) {
+        const __m256i xr = _mm256_loadu_si256((const __m256i*)(x->codes + r * x->K + at));
+        dot[r] = _mm256_add_epi32(dot[r], _mm256_madd_epi16(_mm256_maddubs_epi16(q, xr), s));
+    }
+}
+
+/* int16 lane i of s16 (both 128-bit halves hold the same 8) in every lane: one byte shuffle. */
+static inline __m256i spread16(__m256i s16, int i) {
+    return _mm256_shuffle_epi8(s16, _mm256_set1_epi16((short)(2 * i | (2 * i + 1) << 8)));
 }
 
 /* Q4_K: d, dmin (f16), 8 6-bit scales and mins in 12 bytes (as quant.c's read_q4_k: 0-3 in the
  * low 6 bits of bytes 0-3 and 4-7, 4-7 split into a nibble of bytes 8-11 and the top 2 bits of
- * bytes 0-7), 128 bytes of nibbles (bytes [32 i, +32): groups 2 i (low) and 2 i + 1 (high)). */
-static void unpack_q4_k(const uint8_t* b, kblock* k) {
-    uint32_t w[3], sc[2], mn[2];
+ * bytes 0-7), 128 bytes of nibbles (bytes [32 i, +32): groups 2 i (low) and 2 i + 1 (high)).
+ * acc[r] plus the dot of block b (super-block number blk) with R activation rows. */
+static inline __attribute__((always_inline)) void q4_k_block(const uint8_t* b, const xrows* x,
+                                                             int64_t blk, const int R,
+                                                             __m256* acc) {
+    uint32_t w[3];
     memcpy(w, b + 4, sizeof w);
-    sc[0] = w[0] & 0x3F3F3F3F, mn[0] = w[1] & 0x3F3F3F3F;
-    sc[1] = (w[2] & 0x0F0F0F0F) | (w[0] >> 6 & 0x03030303) << 4;
-    mn[1] = (w[2] >> 4 & 0x0F0F0F0F) | (w[1] >> 6 & 0x03030303) << 4;
-    const __m128i scales = _mm_loadl_epi64((const __m128i*)sc);
-    const __m128i mins = _mm_loadl_epi64((const __m128i*)mn);
-    /* scale j in both halves of 32-bit lane j; t: min j for codes [32 j, 32 j + 32) */
-    const __m256i doubled = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(scales, scales));
-    for (int j = 0; j < 8; j++) k->s[j] = pick_scales(doubled, j, j);
-    k->t = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(mins, mins));
+    const uint64_t sc = (w[0] & 0x3F3F3F3F) |
+                        (uint64_t)((w[2] & 0x0F0F0F0F) | (w[0] >> 6 & 0x03030303) << 4) << 32;
+    const uint64_t mn = (w[1] & 0x3F3F3F3F) |
+                        (uint64_t)((w[2] >> 4 & 0x0F0F0F0F) | (w[1] >> 6 & 0x03030303) << 4) << 32;
+    const __m128i mins = _mm_cvtsi64_si128((long long)mn);
+    /* scale j as int16 lane j of both halves; t: min j for codes [32 j, 32 j + 32) */
+    const __m256i scales =
+        _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)sc)));
+    const __m256i t = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(mins, mins));
+    __m256i dot[KQ_ROWS];
+    for (int r = 0; r < R; r++) dot[r] = _mm256_setzero_si256();
+#pragma GCC unroll 8
     for (int i = 0; i < 4; i++) {
         const __m256i bytes = _mm256_loadu_si256((const __m256i*)(b + 16 + 32 * i));
-        k->q[2 * i] = bytes & _mm256_set1_epi8(15);
-        k->q[2 * i + 1] = _mm256_srli_epi16(bytes, 4) & _mm256_set1_epi8(15);
+        const __m256i low = _mm256_set1_epi8(15);
+        group_dot(bytes & low, spread16(scales, 2 * i), x, blk * QK_K + 64 * i, R, dot);
+        group_dot(_mm256_srli_epi16(bytes, 4) & low, spread16(scales, 2 * i + 1), x,
+                  blk * QK_K + 64 * i + 32, R, dot);
     }
-    k->d = load_half(b), k->dmin = load_half(b + 2), k->fold = 0;
+    const float d = load_half(b), dmin = load_half(b + 2);
+    for (int r = 0; r < R; r++) {
+        const __m256i sums = _mm256_loadu_si256(
+            (const __m256i*)(x->sums + (r * x->K + blk * QK_K) / 16));
+        const float dx = x->dx[r * (x->K / QK_K) + blk];
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r]), _mm256_set1_ps(d * dx), acc[r]);
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(t, sums)),
+                                 _mm256_set1_ps(-dmin * dx), acc[r]);
+    }
 }
 
 /* Q6_K: codes as quant.c's group_q6_k (low 4 bits from ql, high 2 from qh), 16 int8 scales
- * (one per 16 codes), d (f16); the -32 of every code is t = -32 scale times x's 16-code sums. */
-static void unpack_q6_k(const uint8_t* b, kblock* k) {
-    const __m128i scales = _mm_loadu_si128((const __m128i*)(b + QK_K / 2 + QK_K / 4));
-    const __m256i doubled[2] = {_mm256_cvtepi8_epi16(_mm_unpacklo_epi8(scales, scales)),
-                                _mm256_cvtepi8_epi16(_mm_unpackhi_epi8(scales, scales))};
+ * (one per 16 codes), d (f16); the -32 of every code is t = -32 scale times x's 16-code sums.
+ * acc[r] plus the dot of block b (super-block number blk) with R activation rows. */
+static inline __attribute__((always_inline)) void q6_k_block(const uint8_t* b, const xrows* x,
+                                                             int64_t blk, const int R,
+                                                             __m256* acc) {
+    const __m256i scales = _mm256_cvtepi8_epi16(
+        _mm_loadu_si128((const __m128i*)(b + QK_K / 2 + QK_K / 4)));
+    /* scales 0-7 (then 8-15) in both halves: group j's pairs take scale 2 j (codes 0-15, the
+     * low half) and 2 j + 1 (the high half), one byte shuffle */
+    const __m256i halves[2] = {_mm256_permute2x128_si256(scales, scales, 0x00),
+                               _mm256_permute2x128_si256(scales, scales, 0x11)};
+    __m256i dot[KQ_ROWS];
+    for (int r = 0; r < R; r++) dot[r] = _mm256_setzero_si256();
+#pragma GCC unroll 8
     for (int j = 0; j < 8; j++) {
-        k->s[j] = pick_scales(doubled[j / 4], 2 * j % 8, 2 * j % 8 + 1);
-        const int i = j % 4, lshift = 4 * (i / 2), hshift = 2 * i;
+        const int i = j % 4, lshift = 4 * (i / 2), hshift = 2 * i, lane = 2 * j % 8;
         const __m256i l = _mm256_loadu_si256((const __m256i*)(b + 64 * (j / 4) + 32 * (i % 2)));
         const __m256i h = _mm256_loadu_si256((const __m256i*)(b + QK_K / 2 + 32 * (j / 4)));
         const __m256i high = hshift <= 4 ? _mm256_slli_epi16(h, 4 - hshift)
                                          : _mm256_srli_epi16(h, hshift - 4);
-        k->q[j] = (_mm256_srli_epi16(l, lshift) & _mm256_set1_epi8(15)) |
-                  (high & _mm256_set1_epi8(0x30));
+        const __m256i q = (_mm256_srli_epi16(l, lshift) & _mm256_set1_epi8(15)) |
+                          (high & _mm256_set1_epi8(0x30));
+        const __m256i pick =
+            _mm256_setr_m128i(_mm_set1_epi16((short)(2 * lane | (2 * lane + 1) << 8)),
+                              _mm_set1_epi16((short)((2 * lane + 2) | (2 * lane + 3) << 8)));
+        group_dot(q, _mm256_shuffle_epi8(halves[j / 4], pick), x, blk * QK_K + 32 * j, R, dot);
     }
-    k->t = _mm256_slli_epi16(_mm256_cvtepi8_epi16(scales), 5);
-    k->t = _mm256_sub_epi16(_mm256_setzero_si256(), k->t);
-    k->d = load_half(b + QK_K / 2 + QK_K / 4 + QK_K / 16), k->dmin = 0.0f, k->fold = 1;
-}
-
-/* acc plus the super-block's dot with 256 codes x (scale dx, 16-code sums `sums`). */
-static inline __m256 kblock_dot(const kblock* k, const int8_t* x, const int16_t* sums, float dx,
-                                __m256 acc) {
-    __m256i dot = _mm256_setzero_si256();
-    for (int j = 0; j < 8; j++) {
-        const __m256i xj = _mm256_loadu_si256((const __m256i*)(x + 32 * j));
-        dot = _mm256_add_epi32(dot, _mm256_madd_epi16(_mm256_maddubs_epi16(k->q[j], xj), k->s[j]));
+    const __m256i t = _mm256_sub_epi16(_mm256_setzero_si256(), _mm256_slli_epi16(scales, 5));
+    const float d = load_half(b + QK_K / 2 + QK_K / 4 + QK_K / 16);
+    for (int r = 0; r < R; r++) {
+        const __m256i sums = _mm256_loadu_si256(
+            (const __m256i*)(x->sums + (r * x->K + blk * QK_K) / 16));
+        const __m256i all = _mm256_add_epi32(dot[r], _mm256_madd_epi16(t, sums));
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(all),
+                                 _mm256_set1_ps(d * x->dx[r * (x->K / QK_K) + blk]), acc[r]);
     }
-    const __m256i offsets = _mm256_madd_epi16(k->t, _mm256_loadu_si256((const __m256i*)sums));
-    if (k->fold)
-        return _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(dot, offsets)),
-                               _mm256_set1_ps(k->d * dx), acc);
-    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(k->d * dx), acc);
-    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(offsets), _mm256_set1_ps(-k->dmin * dx), acc);
 }
 
 static inline float hsum_avx2(__m256 v) {
@@ -432,29 +466,59 @@ static inline float hsum_avx2(__m256 v) {
     return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
-#define AVX2_ROWS 16 /* activation rows per pass over a K-quant weight row (their accumulators) */
+/* How far ahead of the super-block being read the weights are prefetched: weight rows lie back
+ * to back, one stream per thread, and the hardware prefetcher alone left a batch-1 row waiting
+ * on memory (RESULTS.md, "K-quant int8 kernels at batch 1"). */
+#define KQ_PREFETCH_BYTES 4096
+#define Q4_K_BYTES (4 + 12 + QK_K / 2)
+#define Q6_K_BYTES (QK_K / 2 + QK_K / 4 + QK_K / 16 + 2)
 
-/* out[r] = dot(K-quant row src, activation row m0 + r) for r < R <= AVX2_ROWS: each super-block
- * unpacked once, then met by the R rows. */
+/* Prefetches the weights KQ_PREFETCH_BYTES past a block of `bytes` (successive blocks' lines
+ * 64 bytes apart or closer: every line of the stream). Always inlined: gcc deems a function of
+ * prefetches alone free of effects and drops the calls. */
+static inline __attribute__((always_inline)) void prefetch_ahead(const uint8_t* block,
+                                                                 const int bytes) {
+    for (int at = 0; at < bytes; at += 64)
+        _mm_prefetch((const char*)block + KQ_PREFETCH_BYTES + at, _MM_HINT_T0);
+}
+
+/* out[r] = dot(K-quant row src, activation row r of x) for r < R <= KQ_ROWS. */
+static inline __attribute__((always_inline)) void kquant_rows_r(int64_t type,
+                                                                const uint8_t* src,
+                                                                const xrows* x, const int R,
+                                                                float* out) {
+    __m256 acc[KQ_ROWS];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    if (type == GGUF_Q4_K)
+        for (int64_t b = 0; b < x->K / QK_K; b++) {
+            prefetch_ahead(src + b * Q4_K_BYTES, Q4_K_BYTES);
+            q4_k_block(src + b * Q4_K_BYTES, x, b, R, acc);
+        }
+    else
+        for (int64_t b = 0; b < x->K / QK_K; b++) {
+            prefetch_ahead(src + b * Q6_K_BYTES, Q6_K_BYTES);
+            q6_k_block(src + b * Q6_K_BYTES, x, b, R, acc);
+        }
+    for (int r = 0; r < R; r++) out[r] = hsum_avx2(acc[r]);
+}
+
+/* out[r] = dot(K-quant row src, activation row m0 + r) for r < R, KQ_ROWS rows at a time. */
 static void kquant_rows(int64_t type, const uint8_t* src, int64_t K, const xcodes* x,
                         int64_t m0, int64_t R, float* out) {
-    void (*unpack)(const uint8_t*, kblock*) = type == GGUF_Q4_K ? unpack_q4_k : unpack_q6_k;
-    const int64_t bytes = mg_quant_block_bytes(type);
-    __m256 acc[AVX2_ROWS];
-    for (int64_t r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < K / QK_K; b++) {
-        kblock k;
-        unpack(src + b * bytes, &k);
-        for (int64_t r = 0, m = m0; r < R; r++, m++)
-            acc[r] = kblock_dot(&k, x->codes + m * K + b * QK_K, x->sums + (m * K + b * QK_K) / 16,
-                                x->scales[m * (K / QK_K) + b], acc[r]);
+    for (int64_t r = 0; r < R; r += KQ_ROWS) {
+        const int64_t m = m0 + r;
+        const xrows rows = {x->codes + m * K, x->sums + m * K / 16, x->scales + m * (K / QK_K), K};
+        switch (min64(KQ_ROWS, R - r)) {
+        case 1: kquant_rows_r(type, src, &rows, 1, out + r); break;
+        case 2: kquant_rows_r(type, src, &rows, 2, out + r); break;
+        case 3: kquant_rows_r(type, src, &rows, 3, out + r); break;
+        default: kquant_rows_r(type, src, &rows, 4, out + r);
+        }
     }
-    for (int64_t r = 0; r < R; r++) out[r] = hsum_avx2(acc[r]);
 }
 
 /* Q8_0 rows meet activation rows Q8_0_ROWS at a time, their accumulators in registers (with
- * all R rows in memory, as kquant_rows keeps them, 30% slower than fp32 activations at 8 rows;
- * a K-quant super-block has 8 times the work per accumulator update). */
+ * all R rows in memory, 30% slower than fp32 activations at 8 rows). */
 #define Q8_0_ROWS 4
 /* acc[r] plus the dot of Q8_0 block b (at `block`) with block b of activation row r, r < R. The
  * signed weights meet vpmaddubsw as |w| times x with w's sign. */
@@ -506,24 +570,30 @@ static void q8_0_rows(const uint8_t* src, int64_t K, const xcodes* x, int64_t m0
     }
 }
 
+#define AVX2_ROWS 16 /* activation rows per call of the row kernels (their outputs on the stack) */
+
 /* Items [begin, end) of RG weight rows each, dotted with every activation row (up to AVX2_ROWS
  * at a time). Returns 0 when out of memory. */
 static int avx2_range(const linear_args* a, int64_t begin, int64_t end) {
     const int q8_k = x_kind(a) == X_Q8_K;
     const xcodes x = quantized_x_avx2(a, q8_k ? QK_K : QK);
     if (!x.codes) return 0;
-    for (int64_t n = begin * RG; n < min64(a->N, end * RG); n++) {
-        int64_t type;
-        const uint8_t* src = quant_weight_row(a->w, a->K, n, &type);
-        for (int64_t m0 = 0; m0 < a->M; m0 += AVX2_ROWS) {
-            const int64_t R = min64(AVX2_ROWS, a->M - m0);
-            float out[AVX2_ROWS];
-            if (q8_k)
-                kquant_rows(type, src, a->K, &x, m0, R, out);
-            else
-                q8_0_rows(src, a->K, &x, m0, R, out);
-            for (int64_t r = 0; r < R; r++)
-                a->y[(m0 + r) * a->ldy + n] = out[r] + (a->bias ? a->bias[n] : 0.0f);
+    for (int64_t n0 = begin * RG; n0 < min64(a->N, end * RG); n0 += RG) {
+        const uint8_t* src[RG];
+        int64_t types[RG];
+        const int64_t rows = min64(RG, a->N - n0);
+        quant_weight_rows(a->w, a->K, n0, rows, src, types);
+        for (int64_t i = 0, n = n0; i < rows; i++, n++) {
+            for (int64_t m0 = 0; m0 < a->M; m0 += AVX2_ROWS) {
+                const int64_t R = min64(AVX2_ROWS, a->M - m0);
+                float out[AVX2_ROWS];
+                if (q8_k)
+                    kquant_rows(types[i], src[i], a->K, &x, m0, R, out);
+                else
+                    q8_0_rows(src[i], a->K, &x, m0, R, out);
+                for (int64_t r = 0; r < R; r++)
+                    a->y[(m0 + r) * a->ldy + n] = out[r] + (a->bias ? a->bias[n] : 0.0f);
+            }
         }
     }
     return 1;
