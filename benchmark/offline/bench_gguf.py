@@ -437,11 +437,13 @@ def main() -> None:
         int8_ab(args.gguf or default_model_gguf(), args.rounds, args.decode_tokens)
         return
     bin_dir = llama_binaries(args.llama_cpp) if args.llama_cpp else None
+    specs = args.files.split(",")
     args.models_dir.mkdir(parents=True, exist_ok=True)
     os.environ["OMP_NUM_THREADS"] = str(args.threads)
+    # Every file made (or a bad spec refused) before the first measurement, not midway.
+    files = {spec: gguf_file(spec, args.models_dir, args.llama_cpp, bin_dir) for spec in specs}
     results = {}
-    for spec in args.files.split(","):
-        file = gguf_file(spec, args.models_dir, args.llama_cpp, bin_dir)
+    for spec, file in files.items():
         print(f"{spec}: {file} ({file.stat().st_size / 2**20:.0f} MiB)", flush=True)
         results[spec] = measure_file(file, args, bin_dir)
     print_table(results)
