@@ -23,5 +23,6 @@ python -m mypy minisgl
 python -c "from minisgl.models.resolve import resolve_model_path; resolve_model_path(None)"
 python -c "from tests.conftest import convert_default_model; convert_default_model()"
 
-# pytest exits 5 when no test ran: with `set -e` that fails the run, as it should.
-python -m pytest -q "$@"
+# pytest exits 5 when no test ran: with `set -e` that fails the run, as it should. The slowest
+# tests are listed at the end: the suite should stay within ~25 minutes on a 2-core machine.
+python -m pytest -q --durations=25 "$@"
