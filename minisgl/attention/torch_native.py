@@ -70,10 +70,11 @@ class TorchNativeBackend(AttentionBackend):
         ):
             tokens = slice(token_start, token_start + kv_len - prefix_len)
             token_start = tokens.stop
-            slots = batch.page_table[batch.table_rows[i], :kv_len]
             if self._kernels is not None and kv_len - prefix_len == 1:
                 decodes.append((tokens.start, i))
-            elif self._kernels is not None:
+                continue
+            slots = batch.page_table[batch.table_rows[i], :kv_len]
+            if self._kernels is not None:
                 chunks.append((tokens, slots))
             else:
                 mask = None

@@ -25,7 +25,6 @@
 #define ATTN_MAX_HEADS 128 /* query heads (on this rank) */
 #define ATTN_MAX_GROUP_CHUNK 4 /* query heads of one KV head computed together */
 #define ATTN_MAX_HEAD_DIM 256
-#define ATTN_PREFETCH 8 /* K/V rows fetched this many positions ahead */
 
 static inline void axpy(float* y, float a, const float* x, int64_t n) {
     int64_t i = 0;
@@ -35,31 +34,6 @@ static inline void axpy(float* y, float a, const float* x, int64_t n) {
 
 static inline void prefetch_row(const float* p, int64_t n) {
     for (int64_t i = 0; i < n; i += 64 / (int64_t)sizeof(float)) __builtin_prefetch(p + i, 0, 3);
-}
-
-/* The n rows of D codes (format kv) at rows[t] decoded into tile [n, D]; rows[t] then point
- * there. Inlined into one copy per format (decode_rows), so each loop knows its format. */
-static inline __attribute__((always_inline)) void decode_rows_as(const void** rows, int64_t n,
-                                                                 int64_t D, const int kv,
-                                                                 float* tile) {
-    for (int64_t t = 0; t < n; t++) {
-        if (t + ATTN_PREFETCH < n) __builtin_prefetch(rows[t + ATTN_PREFETCH], 0, 3);
-        const char* codes = rows[t];
-        float* row = tile + t * D;
-        int64_t i = 0;
-        for (; i + VW <= D; i += VW) vstore(row + i, kv_vload(codes + i * kv_bytes(kv), kv));
-        for (; i < D; i++) row[i] = kv_get(codes, i, kv);
-        rows[t] = row;
-    }
-}
-
-static void decode_rows(const void** rows, int64_t n, int64_t D, int kv, float* tile) {
-    switch (kv) {
-        case 4: decode_rows_as(rows, n, D, 4, tile); break;
-        case 5: decode_rows_as(rows, n, D, 5, tile); break;
-        case KV_F16: decode_rows_as(rows, n, D, KV_F16, tile); break;
-        default: decode_rows_as(rows, n, D, KV_BF16, tile); break;
-    }
 }
 
 #if VW == 16

@@ -25,7 +25,6 @@
 #define CHUNK_RS 6 /* positions per score block: 12 accumulators */
 #define CHUNK_RD 4 /* head dimensions per output block: 8 accumulators */
 #define CHUNK_TILE 60 /* positions per tile, a multiple of CHUNK_RS */
-#define CHUNK_PREFETCH 8 /* K/V rows fetched this many positions ahead */
 
 typedef struct {
     const float* q; /* [n, hq, D] rows ldq apart */
@@ -104,13 +103,6 @@ static void softmax_columns(float* st, int64_t Mp, int64_t ld, float* part_max, 
     }
 }
 
-/* One K or V row (D elements, format kv) as fp32 into dst. */
-static inline void decode_row(float* dst, const void* src, int64_t D, int kv) {
-    int64_t i = 0;
-    for (; i + VW <= D; i += VW) vstore(dst + i, kv_vload((const char*)src + i * kv_bytes(kv), kv));
-    for (; i < D; i++) dst[i] = kv_get(src, i, kv);
-}
-
 /* The tokens_per_unit tokens from r0 of KV head kh: query vectors m = token * group + head. */
 static void chunk_unit(chunk_args* a, int64_t kh, int64_t r0) {
     const int64_t group = a->hq / a->hk, D = a->D, T = CHUNK_TILE;
@@ -138,8 +130,8 @@ static void chunk_unit(chunk_args* a, int64_t kh, int64_t r0) {
         for (int64_t t = 0; t < T; t++) {
             k[t] = v[t] = zeros;
             if (t0 + t >= end) continue;
-            if (t0 + t + CHUNK_PREFETCH < end) { /* (rows lie scattered over the pool) */
-                const int64_t ahead = a->slots[t0 + t + CHUNK_PREFETCH] * a->hk + kh;
+            if (t0 + t + ATTN_PREFETCH < end) { /* (rows lie scattered over the pool) */
+                const int64_t ahead = a->slots[t0 + t + ATTN_PREFETCH] * a->hk + kh;
                 for (int64_t i = 0; i < D * elem; i += 64) {
                     __builtin_prefetch((const char*)a->k_cache + ahead * D * elem + i, 0, 3);
                     __builtin_prefetch((const char*)a->v_cache + ahead * D * elem + i, 0, 3);
@@ -148,10 +140,11 @@ static void chunk_unit(chunk_args* a, int64_t kh, int64_t r0) {
             const int64_t offset = ((int64_t)a->slots[t0 + t] * a->hk + kh) * D * elem;
             k[t] = (const float*)((const char*)a->k_cache + offset);
             v[t] = (const float*)((const char*)a->v_cache + offset);
-            if (a->kv) {
-                decode_row(rows + t * D, k[t], D, a->kv), k[t] = rows + t * D;
-                decode_row(rows + (T + t) * D, v[t], D, a->kv), v[t] = rows + (T + t) * D;
-            }
+        }
+        if (a->kv) { /* (the rows past `end` are fp32 zeros already) */
+            const int64_t nt = min64(T, end - t0);
+            decode_rows((const void**)k, nt, D, a->kv, rows);
+            decode_rows((const void**)v, nt, D, a->kv, rows + T * D);
         }
         for (int64_t t = 0; t < T; t += CHUNK_RS)
             for (int64_t m = 0; m < Mp; m += CHUNK_CM)

@@ -208,6 +208,33 @@ static inline void kv_encode(float x, int kv, void* out) {
 
 /* ---- attention (attention.c: decodes, chunk_attention.c: prefill chunks) ---------------------- */
 #define ATTN_TILE 64 /* KV positions per online-softmax tile */
+#define ATTN_PREFETCH 8 /* K/V rows fetched this many positions ahead */
+
+/* The n rows of D codes (format kv) at rows[t] decoded into tile [n, D]; rows[t] then point
+ * there. Inlined into one copy per format (decode_rows), so each loop knows its format. */
+static inline __attribute__((always_inline)) void decode_rows_as(const void** rows, int64_t n,
+                                                                 int64_t D, const int kv,
+                                                                 float* tile) {
+    for (int64_t t = 0; t < n; t++) {
+        if (t + ATTN_PREFETCH < n) __builtin_prefetch(rows[t + ATTN_PREFETCH], 0, 3);
+        const char* codes = rows[t];
+        float* row = tile + t * D;
+        int64_t i = 0;
+        for (; i + VW <= D; i += VW) vstore(row + i, kv_vload(codes + i * kv_bytes(kv), kv));
+        for (; i < D; i++) row[i] = kv_get(codes, i, kv);
+        rows[t] = row;
+    }
+}
+
+static inline void decode_rows(const void** rows, int64_t n, int64_t D, int kv, float* tile) {
+    switch (kv) {
+        case 4: decode_rows_as(rows, n, D, 4, tile); break;
+        case 5: decode_rows_as(rows, n, D, 5, tile); break;
+        case KV_F16: decode_rows_as(rows, n, D, KV_F16, tile); break;
+        default: decode_rows_as(rows, n, D, KV_BF16, tile); break;
+    }
+}
+
 
 /* Online-softmax update of `heads` rows of tile scores [.][ATTN_TILE] (n valid): turns them into
  * exponentials, folds the tile into the running max / sum, and returns through `correction`
