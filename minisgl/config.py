@@ -21,6 +21,7 @@ from minisgl.limits import (
     DEFAULT_MAX_SEQUENCES_PER_REQUEST,
     DEFAULT_SHUTDOWN_TIMEOUT_S,
 )
+from minisgl.pooling import POOLING_MODES
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 1919
@@ -60,8 +61,15 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "quantization": ("auto", "gguf", "none"),
     "kv_cache_dtype": ("auto", "fp8_e4m3", "fp8_e5m2", "bf16", "bfloat16", "fp16", "float16"),
     "log_level": ("debug", "info", "warning", "error"),
+    "pooling": POOLING_MODES,
+    "normalize_embeddings": ("auto", "on", "off"),
 }
-_OPTIONAL_CHOICES = ("reasoning_parser", "tool_call_parser", "speculative_algorithm")  # None: off
+_OPTIONAL_CHOICES = (
+    "reasoning_parser",
+    "tool_call_parser",
+    "speculative_algorithm",
+    "pooling",
+)  # None: off
 # Serving any request takes a one-token prompt and its first output token, and a pool of one
 # page may hold only the prompt: a smaller pool or context is refused at start.
 MIN_KV_PAGES = 2
@@ -146,6 +154,17 @@ class ServerArgs:
     revision: str | None = _opt(None, MODEL, "hub download: branch, tag or commit")
     download_dir: str | None = _opt(None, MODEL, "hub download: cache folder (default: HF's)")
     offline: bool = _opt(False, MODEL, "never download: the local cache only (HF_HUB_OFFLINE=1)")
+    # /v1/embeddings (minisgl.pooling): every model embeds, generative ones too
+    pooling: str | None = _opt(
+        None,
+        MODEL,
+        "embeddings: mean, last or cls (default: the sentence-transformers config's, else mean)",
+    )
+    normalize_embeddings: str = _opt(
+        "auto",
+        MODEL,
+        "L2-normalise embeddings: on, off; auto: as the sentence-transformers config says, else on",
+    )
     page_size: int = _opt(1, MEMORY, "tokens per KV cache page")
     num_pages: int | None = _opt(None, MEMORY, "KV pool size in pages (overrides the budgets)")
     kv_cache_gb: float | None = _opt(

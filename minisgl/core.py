@@ -29,6 +29,7 @@ from minisgl.limits import (
     MAX_USER_CHARS,
     InvalidRequestError,
 )
+from minisgl.pooling import Pooling
 
 if TYPE_CHECKING:
     from minisgl.grammar import GrammarState
@@ -163,6 +164,7 @@ _FIELD_RULES: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ),
     ("logprobs", _logprobs_count, f"must be in [0, {MAX_LOGPROBS}]"),
     ("constraint", lambda v: v is None or isinstance(v, Constraint), "must be a Constraint"),
+    ("pooling", lambda v: v is None or isinstance(v, Pooling), "must be a Pooling"),
     # stop and stop_token_ids: tuples by now (SamplingParams.__post_init__)
     ("stop", lambda v: len(v) <= MAX_STOP_STRINGS, f"at most {MAX_STOP_STRINGS} strings"),
     (
@@ -215,6 +217,8 @@ class SamplingParams:
     # (--enable-priority-scheduling); `user` names the tenant (--tenant-fairness).
     priority: int = 0
     user: str | None = None
+    # An embedding request (max_tokens 0): the prompt's pooled final hidden state is its output.
+    pooling: Pooling | None = None
 
     def __post_init__(self) -> None:
         """Every rule a request's sampling fields obey lives here; the server and `LLM` both
@@ -233,11 +237,13 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", as_ints)
         message = f"must be in [0, {MAX_LOGPROBS}]"
         _check(_logprobs_count(self.prompt_logprobs), "prompt_logprobs", message)
-        min_tokens = 0 if self.prompt_logprobs is not None else 1  # 0: only score the prompt
+        # 0: only score the prompt, or embed it (then nothing more)
+        min_tokens = 0 if self.prompt_logprobs is not None or self.pooling is not None else 1
+        max_tokens = 0 if self.pooling is not None else INT32_MAX
         _check(
-            _is_int(self.max_tokens, min_tokens, INT32_MAX),
+            _is_int(self.max_tokens, min_tokens, max_tokens),
             "max_tokens",
-            f"must be an integer in [{min_tokens}, {INT32_MAX}]",
+            f"must be an integer in [{min_tokens}, {max_tokens}]",
         )
         _check(
             _is_int(self.min_tokens, 0, self.max_tokens),
@@ -318,6 +324,7 @@ class Req:
     drafts: list[int] = field(default_factory=list)
     drafter: NgramDrafter | None = None
     num_retractions: int = 0
+    pooled: Any = None  # embedding requests: their chunks' pooled states summed (a tensor)
     finish_reason: FinishReason | None = None
     arrival_time: float = 0.0
 
@@ -382,6 +389,7 @@ class ReqOutput:
     text: str = ""  # the detokenizer's: new text, safe to show (no partial character)
     error: str | None = None
     internal_error: bool = False  # the error is the server's (a failed step), not the request's
+    embedding: bytes | None = None  # with an embedding request's finish: float32, little-endian
 
     @property
     def num_new_tokens(self) -> int:

@@ -7,13 +7,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
+import numpy as np
 from tqdm import tqdm
 
 from minisgl.chat.template import apply_chat_template, load_chat_template
 from minisgl.config import ServerArgs
 from minisgl.core import Req, SamplingParams, TokenLogprob, next_request_id
+from minisgl.pooling import Pooling, model_pooling
 from minisgl.scheduler.tp import make_scheduler
 from minisgl.tokenizer import IncrementalDetokenizer, load_tokenizer
 from minisgl.tokenizer.detokenizer import stop_reason
@@ -34,6 +37,7 @@ class RequestOutput:
     prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
     # vLLM's: the stop string or stop_token_ids entry that ended the output (None: EOS, length)
     stop_reason: int | str | None = None
+    embedding: list[float] | None = None  # SamplingParams.pooling: the prompt's embedding
 
 
 class LLM:
@@ -45,6 +49,8 @@ class LLM:
             self.tokenizer = load_tokenizer(self.args.tokenizer or model_path)
             path = self.args.chat_template
             self.chat_template = load_chat_template(path) if path else None
+            args = self.args
+            self.pooling = model_pooling(Path(model_path), args.pooling, args.normalize_embeddings)
         except BaseException:
             self.scheduler.shutdown()  # with tp_size > 1: no follower processes left behind
             raise
@@ -83,6 +89,8 @@ class LLM:
                 if result.prompt_logprobs:
                     out.prompt_logprobs = [None, *result.prompt_logprobs]
                 out.num_cached_tokens = result.num_cached_prompt_tokens
+                if result.embedding is not None:
+                    out.embedding = np.frombuffer(result.embedding, "<f4").tolist()
                 detok.add_output(result)
                 out.text += result.text
                 if result.finish_reason is not None:
@@ -94,6 +102,18 @@ class LLM:
                     bar.update(1)
         bar.close()
         return outputs
+
+    def embed(
+        self,
+        prompts: str | Sequence[Prompt],
+        pooling: Pooling | None = None,
+        use_tqdm: bool = False,
+    ) -> list[list[float]]:
+        """One embedding per prompt (text or token ids), pooled as the server's /v1/embeddings
+        pools for this model (`pooling` overrides)."""
+        params = SamplingParams(max_tokens=0, pooling=pooling or self.pooling)
+        outputs = self.generate(prompts, params, use_tqdm)
+        return [out.embedding for out in outputs if out.embedding is not None]
 
     def chat(
         self,

@@ -106,6 +106,10 @@ class SchedulerStats:
         ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache"),
     )
     generation_tokens_total: int = _counter(("generation_tokens", "Tokens generated"))
+    embedding_requests_total: int = _counter(("embedding_requests", "Embedding requests admitted"))
+    embedding_prompt_tokens_total: int = _counter(
+        ("embedding_prompt_tokens", "Prompt tokens of admitted embedding requests")
+    )
     # Of those, tokens found in the cache.
     cached_prompt_tokens_total: int = _counter(
         ("cached_prompt_tokens", "Prompt tokens served from the prefix cache"),

@@ -20,7 +20,7 @@ from fastapi import FastAPI
 from starlette.responses import Response
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from minisgl.api.dialects import anthropic, completions, openai, responses, sglang, vllm
+from minisgl.api.dialects import anthropic, completions, embeddings, openai, responses, sglang, vllm
 from minisgl.api.errors import EXCEPTION_HANDLERS
 from minisgl.api.metrics import ServerMetrics
 from minisgl.api.middleware import Gate, Lifecycle
@@ -30,6 +30,7 @@ from minisgl.config import ServerArgs
 from minisgl.limits import CLIENT_TIMEOUT_S, KEEP_ALIVE_S, ModelLimits
 from minisgl.models.model_config import load_sampling_defaults
 from minisgl.models.names import served_model_name
+from minisgl.pooling import model_pooling
 from minisgl.runtime.engine_client import BACKEND_STOPPED, EngineClient
 from minisgl.runtime.messages import Endpoints
 from minisgl.runtime.supervisor import BACKEND_FAILED_SIGNAL, ChildStartupError
@@ -137,6 +138,7 @@ def create_app(
             chat,
             tuple(info.eos_token_ids),
             load_sampling_defaults(Path(model_path), args.sampling_defaults),
+            pooling,
         )
         try:
             yield
@@ -148,6 +150,7 @@ def create_app(
     # answers 500.
     app = FastAPI(title="minisgl", lifespan=lifespan, exception_handlers=EXCEPTION_HANDLERS)
     app.state.lifecycle = Lifecycle()
+    pooling = model_pooling(Path(model_path), args.pooling, args.normalize_embeddings)
     app.state.model_info = sglang.model_info(args, str(model_path), str(tokenizer_path))
     app.state.responses = responses.ResponseStore()
     metrics = ServerMetrics(lambda: app.state.ctx.engine.last_stats)  # read once serving
@@ -157,7 +160,7 @@ def create_app(
 
     # The dialects' routes join the app's own (include_router would nest them behind one
     # route, which the middleware's per-route counter could not see through).
-    for dialect in (openai, completions, responses, anthropic, vllm, sglang):
+    for dialect in (openai, completions, embeddings, responses, anthropic, vllm, sglang):
         app.router.routes.extend(dialect.router.routes)
 
     @app.get("/health")

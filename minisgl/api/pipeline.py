@@ -35,6 +35,7 @@ from minisgl.core import Constraint, FinishReason, ReqOutput, SamplingParams, To
 from minisgl.grammar import GrammarWorker
 from minisgl.limits import InvalidRequestError, ModelLimits, check_prompt_size
 from minisgl.models.names import accepted_model_names
+from minisgl.pooling import Pooling
 from minisgl.runtime.engine_client import EngineClient
 from minisgl.runtime.messages import TokenizedRequest
 
@@ -62,6 +63,7 @@ class ServingContext:
     # For the sampling fields a request leaves unset (--sampling-defaults model): the checkpoint's
     # generation_config.json values; empty means the OpenAI API's defaults.
     sampling_defaults: dict[str, float | int]
+    pooling: Pooling  # /v1/embeddings' (minisgl.pooling.model_pooling)
     # Tokenizing a long prompt takes milliseconds to seconds: done on these threads, not on the
     # event loop, so streams of other requests keep flowing, and on more than one, so a huge
     # prompt does not hold up the others. Concurrent use is safe: no call changes the tokenizer's

@@ -19,7 +19,13 @@ from minisgl.attention.base import AttentionBatch, AttentionConfig, host_tensor
 from minisgl.attention.context import ForwardContext, forward_context
 from minisgl.config import ServerArgs
 from minisgl.distributed import broadcast_from_primary, get_tp_info, ranks_per_node
-from minisgl.engine.batch import ForwardBatch, PendingOutput, PromptScores, VocabMask
+from minisgl.engine.batch import (
+    ForwardBatch,
+    PendingOutput,
+    PooledStates,
+    PromptScores,
+    VocabMask,
+)
 from minisgl.engine.device import ComputeStream, nvtx_range
 from minisgl.engine.graph import GraphRunner
 from minisgl.engine.memory import MemoryNeeds, plan_kv_pages
@@ -219,11 +225,14 @@ class Engine:
         starts = torch.cumsum(extend, 0) - extend
         positions = torch.arange(int(extend.sum())) - (starts - prefix).repeat_interleave(extend)
         # Logits at each sampled sequence's last token, then at the positions that score prompt
-        # tokens (ForwardBatch.num_prompt_scores)
+        # tokens (ForwardBatch.num_prompt_scores); then the final states that embeddings pool.
         scored = [starts[i] + torch.arange(c) for i, c in enumerate(batch.num_prompt_scores) if c]
-        logit_index = torch.cat([(starts + extend - 1)[batch.sampled], *scored])
-        rows_d, prefix_d, kv_d, token_rows_d, positions_d, logit_d = self.stream.stage(
-            torch.int64, batch.table_rows, prefix, kv_lens, token_rows, positions, logit_index
+        pooled, owners, seqs = PooledStates.tokens(batch) if batch.pooling else ([], [], [])
+        index = torch.cat(
+            [(starts + extend - 1)[batch.sampled], *scored, host_tensor(pooled, torch.int64)]
+        )
+        rows_d, prefix_d, kv_d, token_rows_d, positions_d, index_d, owners_d = self.stream.stage(
+            torch.int64, batch.table_rows, prefix, kv_lens, token_rows, positions, index, owners
         )
         input_ids = self.tables.token_table[token_rows_d, positions_d].long()
         out_slots = self.tables.page_table[token_rows_d, positions_d].long()
@@ -238,18 +247,29 @@ class Engine:
         )
         ctx = ForwardContext(self.backend, pool, self.backend.prepare(attn))
         with forward_context(ctx):
-            return self.model(input_ids, positions_d, logit_d)
+            if not pooled:
+                return self.model(input_ids, positions_d, index_d)
+            hidden = self.model.final_hidden(input_ids, positions_d, index_d)
+            num_logits = len(index) - len(pooled)
+            sums = hidden.new_zeros(len(seqs), hidden.shape[1], dtype=torch.float32)
+            batch.pooled = PooledStates(
+                seqs, sums.index_add_(0, owners_d, hidden[num_logits:].float())
+            )
+            return self.model.lm_head.compute_logits(hidden[:num_logits]).float()
 
     def _sample(
         self, batch: ForwardBatch, logits: Tensor, vocab_mask: VocabMask | None
     ) -> PendingOutput:
         num_sampled = len(batch.sampled)
+        pooled = batch.pooled and PooledStates(
+            batch.pooled.seqs, self.stream.to_host_async(batch.pooled.sums)
+        )
         scores = None
         if any(batch.num_prompt_scores):  # logits: the sampled rows, then the scored ones
             scores = PromptScores.of(batch, logits[num_sampled:], self.tables)
             logits = logits[:num_sampled]
         if not num_sampled:
-            return PendingOutput([], ready=self.stream.record_event(), prompt_scores=scores)
+            return PendingOutput([], None, None, self.stream.record_event(), scores, pooled)
         params = [p for p in batch.sampling if p is not None]
         if vocab_mask is None and all(map(_PLAIN_GREEDY, params)):
             # The usual benchmark batch: no sampling state to build, the raw logits' argmax.
@@ -280,4 +300,5 @@ class Engine:
             None if token_scores is None else token_scores.map(host),
             self.stream.record_event(),
             scores,
+            pooled,
         )

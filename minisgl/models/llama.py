@@ -145,13 +145,18 @@ class CausalLM(nn.Module):
 
     def forward(self, input_ids: Tensor, positions: Tensor, logit_indices: Tensor) -> Tensor:
         """input_ids, positions: [tokens]; returns logits [len(logit_indices), vocab] in fp32."""
+        hidden = self.final_hidden(input_ids, positions, logit_indices)
+        return self.lm_head.compute_logits(hidden).float()
+
+    def final_hidden(self, input_ids: Tensor, positions: Tensor, indices: Tensor) -> Tensor:
+        """The final norm's output at the tokens `indices` picks, [len(indices), hidden]: what
+        the head reads, and what embeddings pool."""
         hidden = self.model.embed_tokens(input_ids)
         residual: Tensor | None = None
         for layer in self.model.layers:
             hidden, residual = layer(positions, hidden, residual)
         assert residual is not None  # (config.json has layers)
-        hidden, _ = self.model.norm.forward_residual(hidden[logit_indices], residual[logit_indices])
-        return self.lm_head.compute_logits(hidden).float()
+        return self.model.norm.forward_residual(hidden[indices], residual[indices])[0]
 
     def use_cpu_kernels(self, kernels: CpuKernels, fused_decode: bool = True) -> None:
         """Repack every dense weight for the fp32 CPU kernels (after loading; see

@@ -176,6 +176,8 @@ def load_weights(
     else:
         tensors = _safetensors(model_dir, keep_fp8)
     for name, tensor in tensors:
+        if cfg.architecture.endswith("Model"):  # a base model's weights: the decoder's alone
+            name = f"model.{name}"
         if _IGNORED_RE.search(name) or (name == "lm_head.weight" and cfg.tie_word_embeddings):
             continue  # (tied: the embedding provides it)
         if kv_scale := _KV_SCALE_RE.search(name):

@@ -20,6 +20,10 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    # Base models without a head: what sentence-transformers saves (embedding checkpoints)
+    "LlamaModel": "llama",
+    "Qwen2Model": "qwen2",
+    "Qwen3Model": "qwen3",
 }
 _QK_NORM_FAMILIES = ("qwen3", "qwen3_moe")
 GENERATION_CONFIG_FILE = "generation_config.json"
@@ -145,7 +149,8 @@ def load_model_config(model_dir: Path) -> ModelConfig:
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
         max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
         rope=_rope_config(raw),
-        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        # a base model generates through its embedding, having no head of its own
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)) or arch.endswith("Model"),
         attention_bias=family == "qwen2" or bool(raw.get("attention_bias", False)),
         mlp_bias=bool(raw.get("mlp_bias", False)),
         qk_norm=family in _QK_NORM_FAMILIES,

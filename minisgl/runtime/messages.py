@@ -19,6 +19,7 @@ import zmq
 import zmq.asyncio
 
 from minisgl.core import Constraint, FinishReason, ReqOutput, SamplingParams, TokenLogprob
+from minisgl.pooling import Pooling
 from minisgl.stats import HistogramSnapshot, SchedulerStats
 
 # ---------------------------------------------------------------------------------------------
@@ -101,6 +102,7 @@ _TAGS: dict[type, int] = {
     SchedulerStats: 5,
     HistogramSnapshot: 6,
     FinishReason: 20,
+    Pooling: 7,
 }
 _BY_TAG = {tag: cls for cls, tag in _TAGS.items()}
 _INIT_FIELDS = {

@@ -85,12 +85,15 @@ class CacheManager:
         assert rows is not None, "admitted without a free table row"
         row = req.table_row = rows[0]
         all_ids = req.all_ids
-        # Keep at least one token to compute: its logits give the next token. A request that
-        # wants its prompt's logprobs computes it all: a cache hit has no logits to score.
+        # Keep at least one token to compute: its logits give the next token (or the last
+        # token's state, an embedding). A request that wants its prompt's logprobs, or an
+        # embedding pooled from every token, computes it all: a cache hit has neither.
         reusable_len = len(all_ids) - 1
-        if req.scores_prompt:
+        pooling = req.sampling_params.pooling
+        if req.scores_prompt or (pooling is not None and pooling.reads_prefix):
             reusable_len = 0
             req.prompt_logprobs.clear()  # retracted mid-prompt: scored again from the start
+            req.pooled = None
         match = self.prefix_cache.match_prefix(all_ids[:reusable_len])
         self.prefix_cache.lock(match.handle)
         req.cache_handle = match.handle

@@ -101,6 +101,8 @@ class SchedulerCounters:
     cached_prompt_tokens_total: int = 0  # of those, tokens found in the cache
     prefill_tokens_total: int = 0  # prompt tokens actually computed (cache hits excluded)
     generation_tokens_total: int = 0
+    embedding_requests_total: int = 0
+    embedding_prompt_tokens_total: int = 0
     # speculative decoding: verify steps (a request's drafts checked once), drafts, accepted ones
     spec_verify_steps_total: int = 0
     spec_draft_tokens_total: int = 0
@@ -115,6 +117,9 @@ class SchedulerCounters:
         """A request admitted for the first time (not after a retraction), its prefix matched."""
         self.prompt_tokens_total += req.prompt_len
         self.cached_prompt_tokens_total += req.cached_len
+        if req.sampling_params.pooling is not None:
+            self.embedding_requests_total += 1
+            self.embedding_prompt_tokens_total += req.prompt_len
         if req.arrival_time > 0:  # set by the server; offline requests have none
             queue_time_s = time.monotonic() - req.arrival_time
             self.queue_time_s.observe(queue_time_s)

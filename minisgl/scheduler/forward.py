@@ -9,6 +9,7 @@ from typing import Any, TypeVar
 
 from minisgl.core import Req, SamplingParams
 from minisgl.engine.batch import ForwardBatch
+from minisgl.pooling import Pooling
 
 _T = TypeVar("_T")
 
@@ -62,6 +63,8 @@ def build_batch(
     for req in decodes:  # each samples (DecodeManager schedules none past max_tokens)
         req.cached_len += 1
         req.device_len += 1
+    # embeddings (PooledStates): decodes never pool
+    pooling: list[Pooling | None] = [req.sampling_params.pooling for req, _ in chunks]
     scored_only: list[Req] = []  # max_tokens 0: the prompt ends here, nothing to sample
     for req, num_tokens in chunks:
         req.cached_len += num_tokens
@@ -85,4 +88,5 @@ def build_batch(
         reqs,
         scored_only,
         with_drafts,
+        pooling=[*[None] * len(decode_seqs), *pooling] if any(pooling) else None,
     )

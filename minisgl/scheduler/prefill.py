@@ -67,8 +67,14 @@ class PrefillManager:
             budget -= chunk
             score_budget -= chunk if req.scores_prompt else 0
 
-        # Prompts under way: a cheap filter first, as most running requests decode.
-        for req in [r for r in running if r.device_len - r.cached_len > 1]:
+        # Prompts under way: a cheap filter first, as most running requests decode. The last
+        # prompt token is a decode's, unless nothing is sampled after it (max_tokens 0).
+        for req in [
+            r
+            for r in running
+            if r.device_len - r.cached_len > 1
+            or (r.device_len > r.cached_len and not r.sampling_params.max_tokens)
+        ]:
             if budget <= 0:
                 break
             if req.finished:

@@ -17,7 +17,7 @@ import torch
 
 from minisgl.config import ServerArgs
 from minisgl.core import SEED_MASK, FinishReason, Req, ReqOutput, TokenLogprob, finish_reason
-from minisgl.engine.batch import ForwardBatch
+from minisgl.engine.batch import ForwardBatch, embedding_bytes
 from minisgl.engine.device import nvtx_range
 from minisgl.engine.engine import Engine
 from minisgl.limits import ModelLimits, check_request
@@ -202,6 +202,9 @@ class Scheduler:
         with nvtx_range("process", self._is_cuda):
             for index, scored in result.prompt_logprobs.items():
                 batch.reqs[index].prompt_logprobs.extend(scored)
+            for index, part in result.pooled.items():
+                req = batch.reqs[index]
+                req.pooled = part if req.pooled is None else req.pooled + part
             for req in batch.scored_only:
                 if not req.finished:
                     self._end(req, FinishReason.LENGTH)
@@ -260,6 +263,9 @@ class Scheduler:
         `fail_running` takes back what it holds)."""
         only_scored = reason == FinishReason.LENGTH and not req.output_ids
         prompt_logprobs = tuple(req.prompt_logprobs) if only_scored else ()
+        pooling, embedding = req.sampling_params.pooling, None
+        if only_scored and pooling is not None:
+            embedding = embedding_bytes(pooling, req.pooled, req.prompt_len)
         self.events.append(
             ReqOutput(
                 req.rid,
@@ -269,6 +275,7 @@ class Scheduler:
                 prompt_logprobs=prompt_logprobs,
                 error=error,
                 internal_error=error is not None,
+                embedding=embedding,
             )
         )
         self._finish(req, reason, release=error is None)

@@ -1,0 +1,85 @@
+"""Embeddings: how a request's vector is pooled from the final hidden states of its prompt, and
+which pooling a model gets (docs/server.md, "Embeddings"). Standard library only: the engine
+pools (minisgl.engine.batch), the scheduler adds up the chunks, the API server and `LLM` ask."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from minisgl.limits import InvalidRequestError
+
+POOLING_MODES = ("mean", "last", "cls")
+# sentence-transformers' pooling modes (1_Pooling/config.json: `pooling_mode` in 5.x and later,
+# `pooling_mode_<mode>: true` before) that minisgl serves, by its own names
+_SENTENCE_TRANSFORMERS_MODES = {
+    "mean": "mean",
+    "mean_tokens": "mean",
+    "lasttoken": "last",
+    "cls": "cls",
+    "cls_token": "cls",
+}
+_SENTENCE_TRANSFORMERS_MODULES = ("Transformer", "Pooling", "Normalize")
+
+
+@dataclass(frozen=True)
+class Pooling:
+    """An embedding request's vector: the mean of its prompt's final (post-norm) hidden states,
+    the last token's or the first token's (cls), L2-normalised when `normalize`."""
+
+    mode: str = "mean"
+    normalize: bool = True
+
+    def __post_init__(self) -> None:
+        if self.mode not in POOLING_MODES:
+            raise InvalidRequestError("pooling", f"mode must be one of {', '.join(POOLING_MODES)}")
+
+    @property
+    def reads_prefix(self) -> bool:
+        """Whether the vector needs the hidden states of tokens before the last: a cached prefix
+        has none, so such a prompt is computed whole (its pages are still cached after)."""
+        return self.mode != "last"
+
+    def chunk_rows(self, prefix_len: int, extend_len: int, prompt_len: int) -> range:
+        """The tokens of a prompt chunk (positions [prefix_len, prefix_len + extend_len), counted
+        from the chunk's start) whose states this pooling adds up."""
+        if self.mode == "mean":
+            return range(extend_len)
+        if self.mode == "cls":
+            return range(int(prefix_len == 0))
+        return range(extend_len - int(prefix_len + extend_len == prompt_len), extend_len)
+
+
+def model_pooling(model_dir: Path, mode: str | None = None, normalize: str = "auto") -> Pooling:
+    """A model's pooling: `mode` (--pooling) when given, else its sentence-transformers layout's
+    (modules.json, 1_Pooling/config.json), else mean. Normalised as `normalize` says
+    (--normalize-embeddings on / off); auto: when that layout has a Normalize module, or without
+    the layout (the bundled model's)."""
+    layout = None if mode is not None else _sentence_transformers_pooling(model_dir)
+    mode, normalized = layout or (mode or "mean", True)
+    return Pooling(mode, normalize == "on" or (normalize == "auto" and normalized))
+
+
+def _sentence_transformers_pooling(model_dir: Path) -> tuple[str, bool] | None:
+    """(mode, whether a Normalize module follows) of a sentence-transformers checkpoint, None
+    without modules.json; ValueError for a layout minisgl does not serve as written."""
+    path = model_dir / "modules.json"
+    if not path.is_file():
+        return None
+    modules = {
+        m["type"].rsplit(".", 1)[-1]: m.get("path", "") for m in json.loads(path.read_text())
+    }
+    unknown = sorted(set(modules) - set(_SENTENCE_TRANSFORMERS_MODULES))
+    config = {}
+    if "Pooling" in modules:
+        config = json.loads((model_dir / modules["Pooling"] / "config.json").read_text())
+    named = config.get("pooling_mode", [])
+    flagged = [k[len("pooling_mode_") :] for k, v in config.items() if "mode_" in k and v is True]
+    modes = [*([named] if isinstance(named, str) else named), *flagged]
+    if unknown or len(modes) != 1 or modes[0] not in _SENTENCE_TRANSFORMERS_MODES:
+        raise ValueError(
+            f"{path}: sentence-transformers modules {unknown or sorted(modules)} with pooling "
+            f"{modes}: minisgl pools mean, lasttoken or cls alone (--pooling overrides the file)"
+        )
+    return _SENTENCE_TRANSFORMERS_MODES[modes[0]], "Normalize" in modules
