@@ -37,8 +37,8 @@ def _token_ids(ctx: ServingContext, inputs: list, keep_len: int | None) -> list[
     for i, item in enumerate(inputs):
         ids = ctx.tokenizer(item)["input_ids"] if isinstance(item, str) else item
         prompts.append(ids := ids[-(keep_len or len(ids)) :])
-        if len(ids) > (longest := ctx.limits.max_seq_len):
-            message = f"has {len(ids)} tokens, more than the {longest} this model takes"
+        if not item or len(ids) > ctx.limits.max_seq_len:
+            message = f"must be 1 to {ctx.limits.max_seq_len} tokens long, not {len(ids)}"
             raise InvalidRequestError(f"input[{i}]", message)
         check_token_ids(ids, ctx.limits, f"input[{i}]")
     return prompts
@@ -78,8 +78,6 @@ async def create_embeddings(request: Request) -> Response:
     inputs = [items] if isinstance(items, str) or items and isinstance(items[0], int) else items
     if not inputs:
         raise InvalidRequestError("input", "must not be empty")
-    if (empty := next((i for i, x in enumerate(inputs) if not x), None)) is not None:
-        raise InvalidRequestError(f"input[{empty}]", "must not be empty")
     if body.truncate_prompt_tokens is None:  # before tokenizing: certainly too long
         check_prompt_size([t for t in inputs if isinstance(t, str)], 0, ctx.limits, "input")
     prompts = await ctx.on_tokenizer_thread(_token_ids, ctx, inputs, body.truncate_prompt_tokens)
@@ -87,7 +85,5 @@ async def create_embeddings(request: Request) -> Response:
     run = await Run(
         request, ApiRequest(prompts, sampling, {"prompt": "input"}, 1, body.model)
     ).start()
-    base64_format = body.encoding_format == "base64"
-    return await respond(
-        run, _embeddings(run, base64_format), False, functools.partial(_reply, run)
-    )
+    vectors = _embeddings(run, body.encoding_format == "base64")
+    return await respond(run, vectors, False, functools.partial(_reply, run))
