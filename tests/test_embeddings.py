@@ -34,9 +34,7 @@ def _cosines(got: list[list[float]], want: torch.Tensor) -> list[float]:
 
 @pytest.fixture(scope="module")
 def bundled(default_model_dir: Path):
-    with LLM(
-        str(default_model_dir), max_prefill_tokens=SMALL_CHUNK_TOKENS, num_pages=512
-    ) as llm:
+    with LLM(str(default_model_dir), max_prefill_tokens=SMALL_CHUNK_TOKENS, num_pages=512) as llm:
         yield llm
 
 

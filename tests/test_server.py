@@ -857,6 +857,89 @@ def test_concurrent_clients(server: ServerProcess):
     _wait_idle(server)
 
 
+# ---- /v1/embeddings (oracles offline: tests/test_embeddings.py) -----------------------------
+
+EMBED_TEXTS = ["The history of the city of Paris began", "Embeddings", "go go go " * 40]
+
+
+def test_embeddings_sdk_batched_concurrent_and_with_generation(
+    server: ServerProcess, client: openai.OpenAI, tokenizer
+):
+    """The SDK's float and (its default) base64 replies agree; a batch, one request per text and
+    concurrent requests agree within fp32 rounding, while a generation runs beside them; the
+    vectors are unit length (mean pooling, normalised); usage counts the prompt tokens; every
+    page is back after, and /metrics counts the requests."""
+    before = server.metrics()
+    floats = client.embeddings.create(model=MODEL, input=EMBED_TEXTS, encoding_format="float")
+    decoded = client.embeddings.create(model=MODEL, input=EMBED_TEXTS)  # base64 on the wire
+    batch = torch.tensor([d.embedding for d in floats.data])
+    assert [d.index for d in floats.data] == [0, 1, 2] and floats.model == MODEL
+    # (batch composition, hence fp32 rounding, may differ between two requests)
+    assert torch.allclose(torch.tensor([d.embedding for d in decoded.data]), batch, atol=1e-5)
+    assert torch.allclose(batch.norm(dim=1), torch.ones(3), atol=1e-5)
+    num_tokens = sum(len(tokenizer(text)["input_ids"]) for text in EMBED_TEXTS)
+    assert floats.usage.prompt_tokens == floats.usage.total_tokens == num_tokens
+
+    async def embed(http: httpx.AsyncClient, text: str | list[int]) -> list[float]:
+        response = await http.post("/v1/embeddings", json={"input": text, "model": MODEL})
+        assert response.status_code == 200, response.text
+        return response.json()["data"][0]["embedding"]
+
+    async def generate(http: httpx.AsyncClient) -> dict:
+        body = {"prompt": PROMPT, "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+        return (await http.post("/v1/completions", json=body)).json()
+
+    async def main() -> tuple[dict, list[list[float]]]:
+        async with httpx.AsyncClient(base_url=server.url, timeout=REQUEST_TIMEOUT_S) as http:
+            texts = [*EMBED_TEXTS, *EMBED_TEXTS, tokenizer(EMBED_TEXTS[1])["input_ids"]]
+            return await asyncio.gather(generate(http), *(embed(http, t) for t in texts))
+
+    generated, *concurrent = asyncio.run(main())
+    assert generated["usage"]["completion_tokens"] == 24
+    one_by_one = [
+        client.embeddings.create(model=MODEL, input=t, encoding_format="float") for t in EMBED_TEXTS
+    ]
+    for got in (
+        torch.tensor(concurrent[:3]),
+        torch.tensor(concurrent[3:6]),
+        torch.tensor([r.data[0].embedding for r in one_by_one]),
+    ):
+        assert torch.allclose(got, batch, atol=1e-5)
+    assert torch.allclose(torch.tensor(concurrent[6]), batch[1], atol=1e-5)
+    after = _wait_idle(server)
+    count = "minisgl:embedding_requests_total"
+    assert after[count] - before.get(count, 0) == 3 + 3 + 7 + 3
+    card = httpx.get(server.url + "/v1/models").json()["data"][0]
+    assert card["pooling"] == {"mode": "mean", "normalize": True}
+
+
+def test_embeddings_bad_requests(server: ServerProcess, tokenizer):
+    too_long = "go " * (MAX_MODEL_LEN + 10)
+    cases = [
+        ({"input": []}, 400, "input"),
+        ({"input": ["fine", ""]}, 400, "input[1]"),
+        ({"input": [[1, 2], [10**9]]}, 400, "input[1]"),
+        ({"input": ["fine", too_long]}, 400, "input[1]"),
+        ({"input": "x", "dimensions": 8}, 400, "dimensions"),
+        ({"input": "x", "encoding_format": "bytes"}, 400, "encoding_format"),
+        ({"input": "x", "model": "nope"}, 404, "model"),
+        ({"input": ["x"] * 257}, 400, "input"),  # over --max-sequences-per-request
+    ]
+    for body, status, param in cases:
+        response = httpx.post(server.url + "/v1/embeddings", json=body, timeout=REQUEST_TIMEOUT_S)
+        assert response.status_code == status, (body, response.text)
+        error = response.json()["error"]
+        assert error["param"] == param and error["type"] == "invalid_request_error", error
+    # vLLM's truncate_prompt_tokens keeps the last N tokens: the same as sending them
+    ids = tokenizer(too_long)["input_ids"]
+    replies = [
+        httpx.post(server.url + "/v1/embeddings", json=body, timeout=REQUEST_TIMEOUT_S).json()
+        for body in ({"input": too_long, "truncate_prompt_tokens": 5}, {"input": ids[-5:]})
+    ]
+    assert replies[0]["data"] == replies[1]["data"] and replies[0]["usage"]["prompt_tokens"] == 5
+    _wait_idle(server)
+
+
 # ---- process lifecycle ---------------------------------------------------------------------
 
 

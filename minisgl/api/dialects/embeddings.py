@@ -16,7 +16,7 @@ from starlette.responses import Response
 
 from minisgl.api.errors import ChoiceFailed
 from minisgl.api.pipeline import Run, ServingContext
-from minisgl.api.request import ApiRequest, FailFastList, JsonObject, WireModel
+from minisgl.api.request import ApiRequest, FailFastList, JsonObject, WireModel, new_id
 from minisgl.api.sse import respond
 from minisgl.limits import InvalidRequestError, check_prompt_size, check_token_ids
 
@@ -82,8 +82,7 @@ async def create_embeddings(request: Request) -> Response:
         check_prompt_size([t for t in inputs if isinstance(t, str)], 0, ctx.limits, "input")
     prompts = await ctx.on_tokenizer_thread(_token_ids, ctx, inputs, body.truncate_prompt_tokens)
     sampling = {"max_tokens": 0, "pooling": ctx.pooling, "user": body.user}
-    run = await Run(
-        request, ApiRequest(prompts, sampling, {"prompt": "input"}, 1, body.model)
-    ).start()
+    api_request = ApiRequest(prompts, sampling, {"prompt": "input"}, 1, body.model)
+    run = await Run(request, api_request, new_id("embd")).start()
     vectors = _embeddings(run, body.encoding_format == "base64")
     return await respond(run, vectors, False, functools.partial(_reply, run))
