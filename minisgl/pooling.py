@@ -12,15 +12,8 @@ from minisgl.limits import InvalidRequestError
 
 POOLING_MODES = ("mean", "last", "cls")
 # sentence-transformers' pooling modes (1_Pooling/config.json: `pooling_mode` in 5.x and later,
-# `pooling_mode_<mode>: true` before) that minisgl serves, by its own names
-_SENTENCE_TRANSFORMERS_MODES = {
-    "mean": "mean",
-    "mean_tokens": "mean",
-    "lasttoken": "last",
-    "cls": "cls",
-    "cls_token": "cls",
-}
-_SENTENCE_TRANSFORMERS_MODULES = ("Transformer", "Pooling", "Normalize")
+# `pooling_mode_<mode>: true` before, "mean_tokens", "cls_token") that minisgl serves
+_SENTENCE_TRANSFORMERS_MODES = {"mean": "mean", "lasttoken": "last", "cls": "cls"}
 
 
 @dataclass(frozen=True)
@@ -67,19 +60,18 @@ def _sentence_transformers_pooling(model_dir: Path) -> tuple[str, bool] | None:
     path = model_dir / "modules.json"
     if not path.is_file():
         return None
-    modules = {
-        m["type"].rsplit(".", 1)[-1]: m.get("path", "") for m in json.loads(path.read_text())
-    }
-    unknown = sorted(set(modules) - set(_SENTENCE_TRANSFORMERS_MODULES))
+    modules = {m["type"].split(".")[-1]: m["path"] for m in json.loads(path.read_text())}
     config = {}
     if "Pooling" in modules:
         config = json.loads((model_dir / modules["Pooling"] / "config.json").read_text())
-    named = config.get("pooling_mode", [])
     flagged = [k[len("pooling_mode_") :] for k, v in config.items() if "mode_" in k and v is True]
-    modes = [*([named] if isinstance(named, str) else named), *flagged]
-    if unknown or len(modes) != 1 or modes[0] not in _SENTENCE_TRANSFORMERS_MODES:
+    modes = [config.get("pooling_mode"), *flagged]
+    modes = [m.removesuffix("_tokens").removesuffix("_token") for m in modes if m]
+    known = set(modules) <= {"Transformer", "Pooling", "Normalize"} and len(modes) == 1
+    mode = _SENTENCE_TRANSFORMERS_MODES.get(modes[0]) if known else None
+    if mode is None:
         raise ValueError(
-            f"{path}: sentence-transformers modules {unknown or sorted(modules)} with pooling "
-            f"{modes}: minisgl pools mean, lasttoken or cls alone (--pooling overrides the file)"
+            f"{path}: modules {sorted(modules)}, pooling {config}: minisgl serves one Pooling "
+            "module (mean, lasttoken or cls) and Normalize (--pooling overrides the files)"
         )
-    return _SENTENCE_TRANSFORMERS_MODES[modes[0]], "Normalize" in modules
+    return mode, "Normalize" in modules

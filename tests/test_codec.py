@@ -28,7 +28,7 @@ PARAMS = SamplingParams(
 )
 LOGPROB = TokenLogprob(token_id=3, logprob=-0.25, top=((3, -0.25), (9, -1.5)))
 STATS = SchedulerStats(
-    *(1, 2, 0.5, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 2.5),
+    *(1, 2, 0.5, 3, 4, 5, 6, 13, 14, 7, 8, 9, 10, 11, 12, 2.5),
     batch_size=HistogramCounts((1.0, 2.0)).snapshot(),
     gpu_memory_total_bytes=1 << 33,
 )
