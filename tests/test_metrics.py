@@ -34,6 +34,12 @@ RETRACTION_POOL_TOKENS = 168  # test_scheduler's pool that forces retractions on
 SCHEDULER_METRICS = {
     "prompt_tokens": ("counter", "Prompt tokens of admitted requests", "prompt_tokens_total"),
     "generation_tokens": ("counter", "Tokens generated", "generation_tokens_total"),
+    "embedding_requests": ("counter", "Embedding requests admitted", "embedding_requests_total"),
+    "embedding_prompt_tokens": (
+        "counter",
+        "Prompt tokens of admitted embedding requests",
+        "embedding_prompt_tokens_total",
+    ),
     "cached_prompt_tokens": (
         "counter",
         "Prompt tokens served from the prefix cache",
