@@ -24,8 +24,9 @@ from minisgl.limits import (
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 1919
-# On CPU there is no "free device memory" to take a fraction of: give the KV pool a fixed budget.
-DEFAULT_CPU_KV_CACHE_GB = 1.0
+# On CPU the KV pool takes this share of the memory available at start (split between the node's
+# ranks): its pages are committed only as they are first written, so an idle pool costs nothing.
+CPU_KV_MEMORY_FRACTION = 0.25
 DISABLE_OVERLAP_ENV = "MINISGL_DISABLE_OVERLAP_SCHEDULING"
 DEFAULT_CUDA_MAX_PREFILL_TOKENS = 8192
 DEFAULT_CPU_MAX_PREFILL_TOKENS = 1024
@@ -149,7 +150,7 @@ class ServerArgs:
     page_size: int = _opt(1, MEMORY, "tokens per KV cache page")
     num_pages: int | None = _opt(None, MEMORY, "KV pool size in pages (overrides the budgets)")
     kv_cache_gb: float | None = _opt(
-        None, MEMORY, f"KV pool budget in GiB (default: {DEFAULT_CPU_KV_CACHE_GB} on CPU)"
+        None, MEMORY, "KV pool budget in GiB (default on CPU: a quarter of the available memory)"
     )
     cache_type: CacheType = _opt("radix", MEMORY, "radix reuses cached prefixes; naive does not")
     kv_cache_dtype: str = _opt(

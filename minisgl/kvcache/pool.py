@@ -58,8 +58,8 @@ class KVPool:
         dims = (shape.num_layers, 2, self.num_slots, shape.num_kv_heads, shape.head_dim)
         if device.type == "cpu":
             # Decode attention reads pages scattered over the pool: huge pages spare it most
-            # TLB misses. Written once here, so no request pays for first-touch page faults.
-            self.buffer = huge_page_zeros(dims, dtype).zero_()
+            # TLB misses. Left untouched, memory is committed as slots are first written.
+            self.buffer = huge_page_zeros(dims, dtype)
         else:
             self.buffer = torch.zeros(dims, dtype=dtype, device=device)
         self.fp8 = dtype.itemsize == 1
