@@ -127,16 +127,9 @@ class FlashInferBackend(AttentionBackend):
 
     # ---- the forward -----------------------------------------------------------------------
 
-    def forward(
-        self,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        layer_id: int,
-        pool: KVPool,
-        metadata: FlashInferMetadata,
+    def attend(
+        self, q: Tensor, layer_id: int, pool: KVPool, metadata: FlashInferMetadata
     ) -> Tensor:
-        pool.store(layer_id, metadata.out_slots, k, v)
         # [2, slots, kv_heads, head_dim] -> K and V, each [pages, page_size, kv_heads, head_dim]
         kv_pages = tuple(pool.buffer[layer_id].unflatten(1, (-1, pool.page_size)))
         k_scale, v_scale = pool.layer_scales[layer_id]  # fp8's (else 1.0)
