@@ -296,16 +296,13 @@ class TritonBackend(AttentionBackend):
             raise ValueError(f"graph batch of {batch.num_seqs} exceeds init_graph_state")
         return self._decodes(batch, batch.num_seqs, scratch)
 
-    def forward(
+    def attend(
         self,
         q: Tensor,
-        k: Tensor,
-        v: Tensor,
         layer_id: int,
         pool: KVPool,
         metadata: TritonDecodeMetadata | TritonExtendMetadata,
     ) -> Tensor:
-        pool.store(layer_id, metadata.out_slots, k, v)
         k_cache, v_cache = pool.buffer[layer_id]
         if q.stride(-1) != 1:
             q = q.contiguous()

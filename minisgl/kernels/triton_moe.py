@@ -72,8 +72,7 @@ def _grouped_gemm_kernel(
     num_pairs,
     num_experts,
     top_k,
-    # N and K are fixed per model, so compile-time constants cost no extra compiles; runtime ints
-    # in range() also trip Triton's interpreter under numpy 2.x.
+    # N and K are fixed per model, so compile-time constants cost no extra compiles.
     N: tl.constexpr,
     K: tl.constexpr,
     stride_am,
