@@ -1,7 +1,5 @@
 """The attention-backend contract: torch-native (CPU, CUDA fallback), Triton and FlashInfer."""
 
-from __future__ import annotations
-
 import array
 from abc import ABC, abstractmethod
 from collections.abc import Sequence

@@ -6,8 +6,6 @@ for decode-only batches (tensor cores for large GQA groups, as SGLang decides), 
 wrapper for all (decodes as one-query prefills). CUDA graphs: one decode wrapper per captured
 size, over fixed index buffers that `prepare_graph` re-plans before every replay."""
 
-from __future__ import annotations
-
 from dataclasses import dataclass
 from functools import partial
 from typing import Any

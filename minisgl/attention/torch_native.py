@@ -5,8 +5,6 @@ prefix. On CPU in fp32 the C kernels (minisgl/kernels) take over, reading K/V th
 table with no gather, mask or padding: one call for every decode of the batch, one per prefill
 chunk. The SDPA path stays the reference."""
 
-from __future__ import annotations
-
 from dataclasses import dataclass
 from typing import NamedTuple
 

@@ -6,8 +6,6 @@ Decodes run the split-KV decode kernel, whose launches depend only on the batch 
 graphs capture them); prefill chunks run the extend kernel, which reads every query's K/V,
 cached prefix and new tokens alike, through the page table."""
 
-from __future__ import annotations
-
 import math
 from dataclasses import dataclass
 

@@ -6,8 +6,6 @@ device-side token table and sampled ids go back there, so the next batch can lau
 one's tokens reach the host; on CUDA `forward` only queues work on the engine's stream, and the
 only wait is in `PendingOutput.result()`. Decode-only steps replay CUDA graphs (graph.py)."""
 
-from __future__ import annotations
-
 import logging
 import operator
 

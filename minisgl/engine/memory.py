@@ -5,8 +5,6 @@ compiles the attention kernels); the pool gets `mem_fraction_static` of the devi
 held already, that peak, and reserves for CUDA graphs and the sampler, every figure logged.
 It all runs before the pool exists: the engine builds it from the number planned here."""
 
-from __future__ import annotations
-
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass

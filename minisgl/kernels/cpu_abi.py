@@ -2,8 +2,6 @@
 fused decode stack reads, and the constants shared with csrc/ (kept in step by hand; `load`
 checks the ABI version and the op count)."""
 
-from __future__ import annotations
-
 import ctypes
 from pathlib import Path
 from typing import Any

@@ -4,8 +4,6 @@ weights.py).
 `minisgl.kernels.cpu` builds and loads the library (see there for why these kernels).
 """
 
-from __future__ import annotations
-
 import ctypes
 
 import torch

@@ -6,8 +6,6 @@ size never changes the kernels. Softmax runs in base 2 (scores scaled by `scale 
 log-sum-exp in log2 units), accumulation in fp32, fp32 inputs with IEEE dots. With
 TRITON_INTERPRET=1 set before import they run on CPU tensors: how CI checks them."""
 
-from __future__ import annotations
-
 import triton
 import triton.language as tl
 

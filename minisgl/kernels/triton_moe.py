@@ -6,8 +6,6 @@ sweep and applies SiLU-and-mul in its epilogue; the down pass scales by the rout
 token's top_k rows are summed in torch. Importing it imports triton (callers import it lazily);
 under TRITON_INTERPRET=1 the tests check it against `moe_torch` on CPU tensors."""
 
-from __future__ import annotations
-
 import torch
 import triton
 import triton.language as tl

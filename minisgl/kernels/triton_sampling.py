@@ -6,8 +6,6 @@ It is sampler.py's exponential race in log form, argmax_i logits_i / t - log(-lo
 sampler.py's seeded uniforms bit for bit; temperature 0 takes the argmax, ties go to the lowest
 id. Imported lazily (it imports triton); tests run it under TRITON_INTERPRET=1."""
 
-from __future__ import annotations
-
 import torch
 import triton
 import triton.language as tl

@@ -6,8 +6,6 @@ one K and one V scale per layer (1.0, or the checkpoint's k_scale / v_scale); re
 by them (`layer_scales`: torch-native attention, and the C, Triton and FlashInfer kernels).
 A 16-bit pool (bf16, fp16) holds values rounded to its format, its scales 1.0."""
 
-from __future__ import annotations
-
 from dataclasses import dataclass
 
 import torch

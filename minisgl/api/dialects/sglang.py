@@ -4,8 +4,6 @@ Model Gateway and of tools written for SGLang. Field names and meanings follow S
 http_server.py, stating only what minisgl can state truthfully (never the API key); the
 reference is docs/server.md#sglangs-generate and docs/scaling.md#what-the-gateway-reads."""
 
-from __future__ import annotations
-
 import asyncio
 import contextlib
 import importlib.metadata
