@@ -1,7 +1,5 @@
 """minisgl: a compact, fast, OpenAI-compatible LLM inference server."""
 
-from __future__ import annotations
-
 import os
 from typing import TYPE_CHECKING, Any
 

@@ -12,7 +12,7 @@ import math
 import os
 import re
 from dataclasses import dataclass, field, fields
-from typing import Any, Literal
+from typing import Any
 
 from minisgl.limits import (
     DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S,
@@ -25,8 +25,9 @@ from minisgl.pooling import POOLING_MODES
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 1919
-# On CPU there is no "free device memory" to take a fraction of: give the KV pool a fixed budget.
-DEFAULT_CPU_KV_CACHE_GB = 1.0
+# On CPU the KV pool takes this share of the memory available at start (split between the node's
+# ranks): its pages are committed only as they are first written, so an idle pool costs nothing.
+CPU_KV_MEMORY_FRACTION = 0.25
 DISABLE_OVERLAP_ENV = "MINISGL_DISABLE_OVERLAP_SCHEDULING"
 DEFAULT_CUDA_MAX_PREFILL_TOKENS = 8192
 DEFAULT_CPU_MAX_PREFILL_TOKENS = 1024
@@ -38,23 +39,15 @@ AUTO_ITL_EXTRA_MS = 100.0
 ROUTER_POLICIES = ("cache_aware", "round_robin", "random", "power_of_two")
 DEFAULT_ROUTER_POLICY = "cache_aware"
 
-CacheType = Literal["radix", "naive"]
-OverlapMode = Literal["auto", "on", "off"]
-ATTENTION_BACKENDS = ("auto", "flashinfer", "triton", "torch")
-# The chat parsers (minisgl.chat); auto picks from the chat template.
-REASONING_PARSER_CHOICES = ("qwen3", "deepseek-r1", "auto")
-TOOL_CALL_PARSER_CHOICES = ("hermes", "qwen25", "llama3_json", "auto")
-SAMPLING_DEFAULTS_CHOICES = ("model", "openai")
-
-
 # One home for each option's allowed values: ServerArgs checks them, the CLI offers them.
 CHOICES: dict[str, tuple[str, ...]] = {
     "cache_type": ("radix", "naive"),
     "overlap": ("auto", "on", "off"),
-    "attention_backend": ATTENTION_BACKENDS,
-    "sampling_defaults": SAMPLING_DEFAULTS_CHOICES,
-    "reasoning_parser": REASONING_PARSER_CHOICES,
-    "tool_call_parser": TOOL_CALL_PARSER_CHOICES,
+    "attention_backend": ("auto", "flashinfer", "triton", "torch"),
+    "sampling_defaults": ("model", "openai"),
+    # The chat parsers (minisgl.chat); auto picks from the chat template.
+    "reasoning_parser": ("qwen3", "deepseek-r1", "auto"),
+    "tool_call_parser": ("hermes", "qwen25", "llama3_json", "auto"),
     "speculative_algorithm": ("ngram",),
     "schedule_policy": ("fcfs", "lpm"),
     "dtype": ("auto", "float32", "float16", "bfloat16"),
@@ -120,10 +113,6 @@ def _range(name: str) -> str:
     return f"in {'(' if above else '['}{low}, {high}]"
 
 
-def _env_flag(name: str) -> bool:
-    return os.environ.get(name, "").strip().lower() in {"1", "true", "yes", "on"}
-
-
 # The --help groups (listed in the order the fields first name them).
 MODEL, MEMORY, SCHED, GPU = "model", "memory (KV cache)", "scheduling", "GPU"
 SPEC = "speculative decoding (docs/speculative.md)"
@@ -168,9 +157,9 @@ class ServerArgs:
     page_size: int = _opt(1, MEMORY, "tokens per KV cache page")
     num_pages: int | None = _opt(None, MEMORY, "KV pool size in pages (overrides the budgets)")
     kv_cache_gb: float | None = _opt(
-        None, MEMORY, f"KV pool budget in GiB (default: {DEFAULT_CPU_KV_CACHE_GB} on CPU)"
+        None, MEMORY, "KV pool budget in GiB (default on CPU: a quarter of the available memory)"
     )
-    cache_type: CacheType = _opt("radix", MEMORY, "radix reuses cached prefixes; naive does not")
+    cache_type: str = _opt("radix", MEMORY, "radix reuses cached prefixes; naive does not")
     kv_cache_dtype: str = _opt(
         "auto", MEMORY, "the KV pool's: fp8_e4m3, fp8_e5m2 (4x fp32's tokens), bf16, fp16 (2x)"
     )
@@ -192,7 +181,7 @@ class ServerArgs:
     # Overlap scheduling: auto is on for CUDA (the host work hides behind the GPU), off for CPU
     # (the forward already uses every core, so the scheduling thread only competes with it:
     # 3-15% slower in benchmark/RESULTS.md).
-    overlap: OverlapMode = _opt(
+    overlap: str = _opt(
         "auto", SCHED, "plan step N+1 while N computes; auto: on for CUDA, off for CPU"
     )
     disable_overlap: bool = _opt(False, SCHED, f"--overlap off (so is {DISABLE_OVERLAP_ENV}=1)")
@@ -303,7 +292,8 @@ class ServerArgs:
         return json.loads(self.chat_template_kwargs) if self.chat_template_kwargs else {}
 
     def overlap_enabled(self, device_type: str) -> bool:
-        off = self.disable_overlap or _env_flag(DISABLE_OVERLAP_ENV) or self.overlap == "off"
+        env = os.environ.get(DISABLE_OVERLAP_ENV, "").strip().lower()
+        off = self.disable_overlap or env in {"1", "true", "yes", "on"} or self.overlap == "off"
         if off or self.speculative_algorithm is not None:
             return False
         return self.overlap == "on" or device_type == "cuda"

@@ -6,8 +6,6 @@ Python objects (requests, commands) from rank 0 so they never interleave with a 
 that runs concurrently on the overlap worker thread.
 """
 
-from __future__ import annotations
-
 import datetime
 import socket
 from dataclasses import dataclass

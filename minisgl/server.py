@@ -5,8 +5,6 @@ Every flag is checked here, before anything loads: a bad value is one line namin
 its allowed range (exit code 2), in the first second.
 """
 
-from __future__ import annotations
-
 import argparse
 import dataclasses
 import importlib.metadata

@@ -5,8 +5,6 @@ any client, with the standard library only, so it runs on exactly what `pip inst
 installs. Its commands, how every reply ends and what enters the history:
 docs/server.md#chat-in-the-terminal."""
 
-from __future__ import annotations
-
 import argparse
 import contextlib
 import http.client

@@ -4,8 +4,6 @@
 The scheduler (minisgl.scheduler.counters) and its process (throughput, GPU) fill it in, and a
 new metric is one new field (docs/server.md#metrics). Plain Python: both sides import it."""
 
-from __future__ import annotations
-
 import itertools
 from dataclasses import dataclass, field
 from typing import Any, Literal

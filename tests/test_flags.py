@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -117,6 +118,20 @@ def test_the_smallest_pool_serves_and_a_smaller_budget_is_refused(tiny_qwen3):
         assert len(out.token_ids) == 1
     with pytest.raises(RuntimeError, match=r"holds 0 pages of 1 tokens \(\d+ bytes each\)"):
         LLM(str(tiny_qwen3), kv_cache_gb=1e-9, **options)
+
+
+def test_the_default_cpu_pool_takes_a_quarter_of_free_memory(tiny_qwen3, monkeypatch, caplog):
+    """Without a budget flag: a quarter of the available memory, said at start, and never more
+    than every request slot at full length."""
+    options = dict(dtype="float32", page_size=1, max_running_requests=2)
+    free_bytes = 64 << 20
+    monkeypatch.setattr("psutil.virtual_memory", lambda: SimpleNamespace(available=free_bytes))
+    with caplog.at_level("INFO"), LLM(str(tiny_qwen3), max_model_len=1 << 20, **options) as llm:
+        bytes_per_token = llm.scheduler.engine.kv_pool.buffer[:, :, 0].numel() * 4
+        assert llm.scheduler.engine.num_pages == free_bytes // 4 // bytes_per_token
+    assert "KV cache: 0.02 GiB of the 0.06 GiB available" in caplog.text
+    with LLM(str(tiny_qwen3), max_model_len=100, **options) as llm:
+        assert llm.scheduler.engine.num_pages == 2 * 100
 
 
 def test_model_ids():

@@ -1,8 +1,6 @@
 """The API process: the FastAPI app (every dialect's routes, errors, /health, /metrics) served
 by uvicorn until SIGTERM (then a drain) or the launcher's word that the backend died."""
 
-from __future__ import annotations
-
 import asyncio
 import contextlib
 import logging

@@ -1,7 +1,5 @@
 """The one exception that becomes an error response, and each path's error shape."""
 
-from __future__ import annotations
-
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field

@@ -3,8 +3,6 @@
 Names follow vLLM and SGLang where they have the same quantity (docs/server.md#metrics), with
 the `minisgl:` prefix."""
 
-from __future__ import annotations
-
 import dataclasses
 import functools
 from collections.abc import Callable, Iterator

@@ -1,8 +1,6 @@
 """The `Gate`: pure ASGI middleware in front of the app (not BaseHTTPMiddleware, so streams and
 disconnects pass through untouched)."""
 
-from __future__ import annotations
-
 import asyncio
 import hmac
 import logging

@@ -5,8 +5,6 @@ means the default, unknown fields ignored). Fields named like SamplingParams' ow
 one by the dialect's alias table, become `ApiRequest.sampling`; the same table names the
 field in a 400 (`max_output_tokens` on the Responses API for a rule on `max_tokens`)."""
 
-from __future__ import annotations
-
 import asyncio
 import dataclasses
 import hashlib

@@ -5,8 +5,6 @@ FlashInfer computes), else our Triton kernels on CUDA when Triton is installed, 
 torch-native (every CPU run).
 """
 
-from __future__ import annotations
-
 import importlib
 import importlib.util
 

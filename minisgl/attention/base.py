@@ -1,7 +1,5 @@
 """The attention-backend contract: torch-native (CPU, CUDA fallback), Triton and FlashInfer."""
 
-from __future__ import annotations
-
 import array
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
@@ -98,8 +96,8 @@ def stage(
 class AttentionBackend(ABC):
     """Computes attention for a mixed batch (prefill chunks with cached prefixes, and decodes)
     directly from the paged KV pool. `prepare` runs once per forward and returns metadata every
-    layer reuses; `forward` stores the layer's new K/V at `batch.out_slots`, then returns the
-    output [tokens, heads, head_dim] (softmax scale: the config's). A backend with
+    layer reuses; `forward` stores the layer's new K/V at `batch.out_slots`, then its `attend`
+    returns the output [tokens, heads, head_dim] (softmax scale: the config's). A backend with
     `supports_graphs` also serves CUDA graphs (docs/architecture.md, "CUDA graphs"):
     `prepare_graph` over the engine's static buffers refreshes in place whatever the captured
     kernels read, and never allocates what they read."""
@@ -109,16 +107,18 @@ class AttentionBackend(ABC):
     @abstractmethod
     def prepare(self, batch: AttentionBatch) -> Any: ...
 
-    @abstractmethod
     def forward(
-        self,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        layer_id: int,
-        pool: KVPool,
-        metadata: Any,
-    ) -> Tensor: ...
+        self, q: Tensor, k: Tensor, v: Tensor, layer_id: int, pool: KVPool, metadata: Any
+    ) -> Tensor:
+        """Store the layer's new K/V at the batch's `out_slots` (every backend's metadata has
+        them), then attend to the pool."""
+        pool.store(layer_id, metadata.out_slots, k, v)
+        return self.attend(q, layer_id, pool, metadata)
+
+    @abstractmethod
+    def attend(self, q: Tensor, layer_id: int, pool: KVPool, metadata: Any) -> Tensor:
+        """The attention output of queries q [tokens, heads, head_dim] over the pool, where
+        this batch's K/V are stored already."""
 
     def init_graph_state(self, max_batch_size: int) -> None:
         """Allocate buffers that captured graphs read (for up to `max_batch_size` decodes); the

@@ -5,8 +5,6 @@ design allows), so model code keeps the plain `forward(positions, hidden)` signa
 here, beside the backends it carries, so models read it without importing the engine.
 """
 
-from __future__ import annotations
-
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass

@@ -6,9 +6,8 @@ for decode-only batches (tensor cores for large GQA groups, as SGLang decides), 
 wrapper for all (decodes as one-query prefills). CUDA graphs: one decode wrapper per captured
 size, over fixed index buffers that `prepare_graph` re-plans before every replay."""
 
-from __future__ import annotations
-
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -73,12 +72,15 @@ class FlashInferBackend(AttentionBackend):
                 "(use --dtype bfloat16, or --attention-backend triton/torch for float32)"
             )
         self.cfg = cfg
-        self._flashinfer = flashinfer
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=cfg.device)
-        self.use_tensor_cores = cfg.num_qo_heads // cfg.num_kv_heads >= TENSOR_CORE_MIN_GQA
-        self.decode_wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            self.workspace, "NHD", use_tensor_cores=self.use_tensor_cores
+        # A decode wrapper (eager, or one per captured size with its buffers given)
+        self._decode_wrapper = partial(
+            flashinfer.BatchDecodeWithPagedKVCacheWrapper,
+            self.workspace,
+            "NHD",
+            use_tensor_cores=cfg.num_qo_heads // cfg.num_kv_heads >= TENSOR_CORE_MIN_GQA,
         )
+        self.decode_wrapper = self._decode_wrapper()
         self.prefill_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
             self.workspace, "NHD", backend=PREFILL_KERNEL_BACKEND
         )
@@ -127,16 +129,9 @@ class FlashInferBackend(AttentionBackend):
 
     # ---- the forward -----------------------------------------------------------------------
 
-    def forward(
-        self,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        layer_id: int,
-        pool: KVPool,
-        metadata: FlashInferMetadata,
+    def attend(
+        self, q: Tensor, layer_id: int, pool: KVPool, metadata: FlashInferMetadata
     ) -> Tensor:
-        pool.store(layer_id, metadata.out_slots, k, v)
         # [2, slots, kv_heads, head_dim] -> K and V, each [pages, page_size, kv_heads, head_dim]
         kv_pages = tuple(pool.buffer[layer_id].unflatten(1, (-1, pool.page_size)))
         k_scale, v_scale = pool.layer_scales[layer_id]  # fp8's (else 1.0)
@@ -155,11 +150,8 @@ class FlashInferBackend(AttentionBackend):
         size = batch.num_seqs
         if (wrapper := self._graph_wrappers.get(size)) is None:
             assert capturing and self._graph_indices is not None
-            wrapper = self._flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-                self.workspace,
-                "NHD",
+            wrapper = self._decode_wrapper(
                 use_cuda_graph=True,
-                use_tensor_cores=self.use_tensor_cores,
                 paged_kv_indptr_buffer=self._graph_indptr[: size + 1],
                 paged_kv_indices_buffer=self._graph_indices,
                 paged_kv_last_page_len_buffer=self._graph_last[:size],

@@ -5,8 +5,6 @@ prefix. On CPU in fp32 the C kernels (minisgl/kernels) take over, reading K/V th
 table with no gather, mask or padding: one call for every decode of the batch, one per prefill
 chunk. The SDPA path stays the reference."""
 
-from __future__ import annotations
-
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -78,9 +76,9 @@ class TorchNativeBackend(AttentionBackend):
                 chunks.append((tokens, slots))
             else:
                 mask = None
-                if prefix_len > 0:
-                    q_pos = torch.arange(prefix_len, kv_len, device=device)
-                    mask = torch.arange(kv_len, device=device)[None, :] <= q_pos[:, None]
+                if prefix_len > 0:  # query i (at position prefix_len + i) sees keys 0 .. its own
+                    ones = torch.ones(kv_len - prefix_len, kv_len, dtype=torch.bool, device=device)
+                    mask = ones.tril(prefix_len)
                 sequences.append(_Sequence(tokens, slots.long(), mask))
         kernel_decodes = None
         if decodes:
@@ -93,16 +91,9 @@ class TorchNativeBackend(AttentionBackend):
             )
         return TorchNativeMetadata(batch.out_slots, kernel_decodes, chunks, sequences)
 
-    def forward(
-        self,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        layer_id: int,
-        pool: KVPool,
-        metadata: TorchNativeMetadata,
+    def attend(
+        self, q: Tensor, layer_id: int, pool: KVPool, metadata: TorchNativeMetadata
     ) -> Tensor:
-        pool.store(layer_id, metadata.out_slots, k, v)
         k_cache, v_cache = pool.buffer[layer_id]
         out = torch.empty_like(q)
         kernels, kv_scales = self._kernels, pool.layer_scales[layer_id]

@@ -6,8 +6,6 @@ Decodes run the split-KV decode kernel, whose launches depend only on the batch 
 graphs capture them); prefill chunks run the extend kernel, which reads every query's K/V,
 cached prefix and new tokens alike, through the page table."""
 
-from __future__ import annotations
-
 import math
 from dataclasses import dataclass
 
@@ -296,16 +294,13 @@ class TritonBackend(AttentionBackend):
             raise ValueError(f"graph batch of {batch.num_seqs} exceeds init_graph_state")
         return self._decodes(batch, batch.num_seqs, scratch)
 
-    def forward(
+    def attend(
         self,
         q: Tensor,
-        k: Tensor,
-        v: Tensor,
         layer_id: int,
         pool: KVPool,
         metadata: TritonDecodeMetadata | TritonExtendMetadata,
     ) -> Tensor:
-        pool.store(layer_id, metadata.out_slots, k, v)
         k_cache, v_cache = pool.buffer[layer_id]
         if q.stride(-1) != 1:
             q = q.contiguous()

@@ -6,8 +6,6 @@ request body and every string a client sends as JSON passes `check_json` first, 
 400 naming the field. JSON is UTF-8 (RFC 8259): UTF-16/32 is refused, a UTF-8 BOM ignored.
 """
 
-from __future__ import annotations
-
 import codecs
 import json
 import re

@@ -1,7 +1,5 @@
 """One choice's reply, parsed as it streams: reasoning, then content and tool calls."""
 
-from __future__ import annotations
-
 from typing import Any, Protocol
 
 from minisgl.chat.reasoning import Mode, ReasoningParser

@@ -5,8 +5,6 @@ non-streamed answer, which streamed deltas joined always equal. Whitespace aroun
 is dropped. An `implicit_end` tag (`<tool_call>`: Qwen3 may call a tool before closing its
 thought) ends the reasoning too and stays in the content for the tool parser."""
 
-from __future__ import annotations
-
 import enum
 
 from minisgl.chat.streaming import ChatDelta, TextParser, hold_back

@@ -5,8 +5,6 @@ turns the structured-output fields (`response_format`, SGLang's and vLLM's) into
 `Constraint`. A broken rule is an `InvalidRequestError` naming the field (a 400).
 """
 
-from __future__ import annotations
-
 import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass

@@ -1,8 +1,6 @@
 """What the incremental parsers share: the delta they return, a text buffer fed chunk by chunk,
 and holding back text that may start a tag."""
 
-from __future__ import annotations
-
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 

@@ -6,8 +6,6 @@ text (OpenAI's shape) and are handed to the template as objects, the shape trans
 documents for chat templates (Llama 3's template applies `tojson` to them; Qwen's accepts both).
 """
 
-from __future__ import annotations
-
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any

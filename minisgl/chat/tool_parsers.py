@@ -5,8 +5,6 @@ and no arguments; handlers add ids and the OpenAI shape); fed the whole reply at
 the non-streamed answer. Under tool_choice "required" or a named function a grammar shapes the
 reply (minisgl.chat.requests) and `RequiredCallsParser` / `NamedCallParser` read it."""
 
-from __future__ import annotations
-
 import json
 from typing import Any
 

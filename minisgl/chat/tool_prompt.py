@@ -4,8 +4,6 @@ in the Hermes convention (as Qwen2.5's template writes it): tools described in t
 message, calls as `<tool_call>` blocks, results as user turns in `<tool_response>` blocks.
 """
 
-from __future__ import annotations
-
 import json
 from typing import Any
 

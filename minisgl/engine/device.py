@@ -4,8 +4,6 @@ On CPU every piece is a no-op or a plain copy, so the scheduler and the engine h
 path; nothing CUDA-only runs at import time. Host values reach the device staged
 (`minisgl.attention.base.stage`), so the scheduler never stalls behind the batch in flight."""
 
-from __future__ import annotations
-
 import contextlib
 from collections.abc import Iterator, Sequence
 from typing import Any

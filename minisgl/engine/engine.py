@@ -6,8 +6,6 @@ device-side token table and sampled ids go back there, so the next batch can lau
 one's tokens reach the host; on CUDA `forward` only queues work on the engine's stream, and the
 only wait is in `PendingOutput.result()`. Decode-only steps replay CUDA graphs (graph.py)."""
 
-from __future__ import annotations
-
 import logging
 import operator
 
@@ -96,11 +94,13 @@ class Engine:
         self.sampler = Sampler(self.device)
         graph_bs = self._graph_max_batch_size()
         prefill_tokens = min(self.max_prefill_tokens, self.max_model_len)
-        needs = MemoryNeeds(kv_shape, kv_dtype, cfg.vocab_size, graph_bs, prefill_tokens)
+        needs = MemoryNeeds(
+            kv_shape, kv_dtype, cfg.vocab_size, graph_bs, prefill_tokens, self.max_model_len
+        )
         with stage("planning the KV cache (CUDA: a warm-up forward, JIT builds: up to ~30 s)"):
             self.num_pages = plan_kv_pages(args, needs, self.tables, self._forward_through)
         # One extra page, never handed out: padded graph entries write their K/V there.
-        with stage(f"allocating {self.num_pages} KV pages (CPU: ~2-6 s per GiB)"):
+        with stage(f"allocating {self.num_pages} KV pages"):
             self.kv_pool = KVPool(
                 kv_shape, self.num_pages + 1, page_size, kv_dtype, self.device, self.model.kv_scales
             )

@@ -5,8 +5,6 @@ here runs on CPU. Utilisation comes from NVML through `torch.cuda.utilization` a
 `nvidia-ml-py` package (pulled in by CUDA builds of torch); without it only memory is reported.
 """
 
-from __future__ import annotations
-
 import logging
 from dataclasses import dataclass
 

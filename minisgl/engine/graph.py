@@ -6,8 +6,6 @@ whose only slot is the pool's dummy page, so no request's KV is touched. Without
 the runner pads and runs eagerly over the same buffers: what CI checks. Mixed steps always run
 eagerly (their shapes vary, and the prefill's matmuls dominate them)."""
 
-from __future__ import annotations
-
 import bisect
 import logging
 import time

@@ -1,21 +1,20 @@
-"""How many KV pages fit: a fixed budget on CPU, what is left of the GPU after everything else.
+"""How many KV pages fit: a share of free memory on CPU, what is left of the GPU after the rest.
 
 On CUDA one warm-up forward at the largest prefill chunk measures the activation peak (and
 compiles the attention kernels); the pool gets `mem_fraction_static` of the device less what is
 held already, that peak, and reserves for CUDA graphs and the sampler, every figure logged.
 It all runs before the pool exists: the engine builds it from the number planned here."""
 
-from __future__ import annotations
-
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import psutil
 import torch
 
-from minisgl.config import DEFAULT_CPU_KV_CACHE_GB, MIN_KV_PAGES, ServerArgs
+from minisgl.config import CPU_KV_MEMORY_FRACTION, MIN_KV_PAGES, ServerArgs
 from minisgl.core import SamplingParams
-from minisgl.distributed import get_tp_info
+from minisgl.distributed import get_tp_info, ranks_per_node
 from minisgl.engine.batch import ForwardBatch
 from minisgl.engine.graph import graph_batch_sizes
 from minisgl.engine.tables import DeviceTables
@@ -45,6 +44,7 @@ class MemoryNeeds:
     vocab_size: int
     graph_max_bs: int  # 0: no CUDA graphs
     prefill_tokens: int  # the largest prefill chunk: what the warm-up forward computes
+    max_model_len: int  # tokens
 
 
 def plan_kv_pages(
@@ -60,7 +60,7 @@ def plan_kv_pages(
     elif tables.stream.is_cuda:
         num_pages = int(_cuda_kv_budget(args, needs, tables, forward) // page_bytes)
     else:
-        num_pages = int(DEFAULT_CPU_KV_CACHE_GB * GIB // page_bytes)
+        num_pages = _cpu_kv_pages(args, needs, page_bytes)
     if get_tp_info().size > 1:  # every rank must agree: take the smallest
         t = torch.tensor([num_pages], device=tables.stream.device)
         torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN)
@@ -72,6 +72,20 @@ def plan_kv_pages(
             "--kv-cache-gb or --mem-fraction-static (CUDA), lower --max-prefill-tokens / "
             "--max-running-requests, or set --num-pages"
         )
+    return num_pages
+
+
+def _cpu_kv_pages(args: ServerArgs, needs: MemoryNeeds, page_bytes: int) -> int:
+    """A share of the memory available now, no more than every request slot at full length."""
+    available = psutil.virtual_memory().available
+    budget = CPU_KV_MEMORY_FRACTION * available / ranks_per_node(get_tp_info().size, args.nnodes)
+    most = -(-args.max_running_requests * needs.max_model_len // args.page_size)
+    num_pages = min(int(budget // page_bytes), most)
+    logger.info(
+        "KV cache: %.2f GiB of the %.2f GiB available (--kv-cache-gb or --num-pages to change)",
+        num_pages * page_bytes / GIB,
+        available / GIB,
+    )
     return num_pages
 
 

@@ -6,8 +6,6 @@ for a batch that does not use them. Randomness is counter-based: a uniform is a 
 (request seed, position, vocab id), so a request's draws are reproducible whatever else is in
 the batch and identical on every tensor-parallel rank."""
 
-from __future__ import annotations
-
 import functools
 from typing import NamedTuple
 

@@ -6,8 +6,6 @@ The scheduler's writes are queued on the host (under a lock: CPU overlap flushes
 thread) and applied at the next forward in one non-blocking copy. The last row is the dummy
 row that padded graph entries point at (its slots are the pool's dummy page)."""
 
-from __future__ import annotations
-
 import threading
 
 import numpy as np

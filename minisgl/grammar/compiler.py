@@ -5,8 +5,6 @@ xgrammar is imported when the first compiler is made: processes that never see a
 request do not pay for its import.
 """
 
-from __future__ import annotations
-
 import os
 import re
 from collections import OrderedDict

@@ -1,7 +1,5 @@
 """One constrained request's grammar matcher, and the batch's packed vocabulary mask."""
 
-from __future__ import annotations
-
 import logging
 from collections.abc import Sequence
 from typing import Any

@@ -6,8 +6,6 @@ MAX_WORKER_RSS_BYTES is killed (a 400 naming the field). One process builds the 
 and forks a child per compile, so a kill costs nobody else anything. Answers (a grammar, or
 xgrammar's refusal) are cached by `grammar_key`; a kill is not (a timeout depends on the load)."""
 
-from __future__ import annotations
-
 import asyncio
 import contextlib
 import itertools

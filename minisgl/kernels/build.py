@@ -4,8 +4,6 @@ CPU path"): `gcc -O3 -march=native -fopenmp` (without `-march=native` if rejecte
 flags and CPU. Processes starting together take turns on a lock file; the library appears by an
 atomic rename; a failed build leaves `<library>.failed`, so the next start skips those flags."""
 
-from __future__ import annotations
-
 import contextlib
 import fcntl
 import hashlib

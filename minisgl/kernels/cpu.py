@@ -6,8 +6,6 @@ The library must pass a numeric self-check against torch before it serves; with 
 a failed build or check, `get()` returns None (logged once) and callers keep their torch path.
 `MINISGL_CPU_KERNELS=0` turns the kernels off. They run on torch's OpenMP pool and thread count."""
 
-from __future__ import annotations
-
 import functools
 import logging
 import os

@@ -2,8 +2,6 @@
 fused decode stack reads, and the constants shared with csrc/ (kept in step by hand; `load`
 checks the ABI version and the op count)."""
 
-from __future__ import annotations
-
 import ctypes
 from pathlib import Path
 from typing import Any
@@ -51,32 +49,34 @@ class _Pointer:
 
 
 # Argument and return types as `struct` format characters: P a pointer (`_Pointer`), q int64,
-# i int, f float, s a status int (raises unless 0; "" returns nothing).
+# i int, f float, s a status int (raises unless 0; "" returns nothing), t a last int argument
+# that `load` fills in at every call: the thread count (torch's, whose OpenMP pool they run on).
 _CTYPES = {
     "P": _Pointer,
     "q": ctypes.c_int64,
     "i": ctypes.c_int,
     "s": ctypes.c_int,
     "f": ctypes.c_float,
+    "t": ctypes.c_int,
 }
 _SIGNATURES = {  # name: (return type, argument types)
     "mg_abi_version": ("i", ""),
     "mg_block_n": ("i", ""),
-    "mg_linear": ("", "PqPPPqqqqi"),
+    "mg_linear": ("", "PqPPPqqqqt"),
     "mg_quant_block_bytes": ("q", "q"),
     "mg_set_int8_activations": ("i", "i"),
-    "mg_embed": ("", "PqPqPi"),
-    "mg_rmsnorm": ("", "PqqPqPPqqqfi"),
-    "mg_silu_mul": ("", "PqPqqqi"),
-    "mg_rope": ("", "PqqPqqqqPPPi"),
+    "mg_embed": ("", "PqPqPt"),
+    "mg_rmsnorm": ("", "PqqPqPPqqqft"),
+    "mg_silu_mul": ("", "PqPqqqt"),
+    "mg_rope": ("", "PqqPqqqqPPPt"),
     "mg_store_kv": ("", "PqPqPPPqq"),
-    "mg_decode_attention": ("s", "PqPPPPqPPPqqqqqfifi"),
-    "mg_chunk_attention": ("s", "PqPPPqqPqqqqfifi"),
+    "mg_decode_attention": ("s", "PqPPPPqPPPqqqqqfift"),
+    "mg_chunk_attention": ("s", "PqPPPqqPqqqqfift"),
     "mg_decode_scratch_floats": ("q", "Pq"),
-    "mg_decode_layers": ("s", "PPqPPPqPPPqiPPPi"),
+    "mg_decode_layers": ("s", "PPqPPPqPPPqiPPPt"),
     "mg_num_ops": ("i", ""),
-    "mg_seeded_uniform": ("", "PPqqPi"),
-    "mg_sample": ("", "PqPPPqqPi"),
+    "mg_seeded_uniform": ("", "PPqqPt"),
+    "mg_sample": ("", "PqPPPqqPt"),
 }
 
 
@@ -84,6 +84,11 @@ def _raise_on_status(status: int, fn: Any, args: tuple[Any, ...]) -> int:
     if status != 0:  # (1: a head layout the kernel does not take, 2: out of memory)
         raise RuntimeError(f"{fn.__name__} failed with status {status}")
     return status
+
+
+def _with_threads(fn: Any) -> Any:
+    """`fn` with its last argument, the thread count, filled in at every call."""
+    return lambda *args: fn(*args, torch.get_num_threads())
 
 
 def load(path: Path) -> ctypes.CDLL:
@@ -94,6 +99,8 @@ def load(path: Path) -> ctypes.CDLL:
         fn.restype, fn.argtypes = _CTYPES.get(restype), [_CTYPES[c] for c in argtypes]
         if restype == "s":
             fn.errcheck = _raise_on_status
+        if argtypes.endswith("t"):
+            setattr(lib, name, _with_threads(fn))
     if lib.mg_abi_version() != ABI_VERSION:
         raise RuntimeError(f"{path} has ABI {lib.mg_abi_version()}, expected {ABI_VERSION}")
     if lib.mg_num_ops() != len(DECODE_OPS):

@@ -4,8 +4,6 @@ weights.py).
 `minisgl.kernels.cpu` builds and loads the library (see there for why these kernels).
 """
 
-from __future__ import annotations
-
 import ctypes
 
 import torch
@@ -75,7 +73,6 @@ class CpuKernels:
             ids,
             ids.numel(),
             out,
-            torch.get_num_threads(),
         )
         return out
 
@@ -104,7 +101,6 @@ class CpuKernels:
                 num_rows,
                 weight.in_features,
                 weight.out_features,
-                torch.get_num_threads(),
             )
         return y.view(*lead, weight.out_features)
 
@@ -135,7 +131,6 @@ class CpuKernels:
             num_tokens,
             hidden,
             eps,
-            torch.get_num_threads(),
         )
         return out
 
@@ -151,7 +146,6 @@ class CpuKernels:
             inter,
             num_tokens,
             inter,
-            torch.get_num_threads(),
         )
         return out
 
@@ -187,7 +181,6 @@ class CpuKernels:
                     num_tokens,
                     head_dim,
                     eps,
-                    torch.get_num_threads(),
                 )
         positions = positions.contiguous()
         self._lib.mg_rope(
@@ -202,7 +195,6 @@ class CpuKernels:
             positions,
             cos_cache,
             sin_cache,
-            torch.get_num_threads(),
         )
         return q, k
 
@@ -217,7 +209,6 @@ class CpuKernels:
             seeds.numel(),
             vocab_size,
             out,
-            torch.get_num_threads(),
         )
         return out
 
@@ -244,7 +235,6 @@ class CpuKernels:
             rows,
             vocab,
             out,
-            torch.get_num_threads(),
         )
         return out
 
@@ -318,7 +308,6 @@ class CpuKernels:
             scale * kv_scales[0],
             KV_FORMATS.get(k_cache.dtype, 0),
             kv_scales[1],
-            torch.get_num_threads(),
         )
 
     def chunk_attention(
@@ -350,7 +339,6 @@ class CpuKernels:
             scale * kv_scales[0],
             KV_FORMATS.get(k_cache.dtype, 0),
             kv_scales[1],
-            torch.get_num_threads(),
         )
 
     def decode_layers(
@@ -390,7 +378,6 @@ class CpuKernels:
             kv_scales,
             scratch,
             op_seconds,
-            torch.get_num_threads(),
         )
 
     @staticmethod

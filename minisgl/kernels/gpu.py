@@ -5,8 +5,6 @@ triton_fp8.py), the C ones (cpu.py), or none (torch ops), chosen when the layer 
 it imports; `0`, never (the A/B knob); `1`, on the CPU too, which only works under Triton's
 interpreter (TRITON_INTERPRET=1: how tests run a whole model through them)."""
 
-from __future__ import annotations
-
 import functools
 import importlib
 import logging

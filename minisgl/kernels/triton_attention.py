@@ -6,18 +6,12 @@ size never changes the kernels. Softmax runs in base 2 (scores scaled by `scale 
 log-sum-exp in log2 units), accumulation in fp32, fp32 inputs with IEEE dots. With
 TRITON_INTERPRET=1 set before import they run on CPU tensors: how CI checks them."""
 
-from __future__ import annotations
-
 import triton
 import triton.language as tl
 
 # True when these kernels were decorated in Triton's interpreter (TRITON_INTERPRET=1).
 INTERPRETER: bool = bool(triton.knobs.runtime.interpret)
 
-# Triton <= 3.6's interpreter cannot iterate range() over runtime bounds with numpy >= 2.4
-# (triton-lang/triton#9171): interpreted kernels loop with `while` instead. Compiled kernels keep
-# `for`, which Triton software-pipelines (num_stages); the loop body is the same function.
-LOOP_AS_WHILE: tl.constexpr = tl.constexpr(INTERPRETER)
 # The interpreter multiplies bf16 tiles as raw integers (numpy has no bf16): it gets them upcast.
 UPCAST_BF16_DOTS: tl.constexpr = tl.constexpr(INTERPRETER)
 
@@ -32,107 +26,48 @@ def _dot(a, b, DOT_PRECISION: tl.constexpr):
 
 
 @triton.jit
-def _attend_tile(
+def _attend_range(
     q,  # [ROWS, BLOCK_D]
     q_pos,  # int32 [ROWS]: each row sees keys at positions <= q_pos
     k_head_ptr,  # K cache offset to this KV head: slot s is at k_head_ptr + s * stride_kv_slot
     v_head_ptr,
     pt_row_ptr,  # this sequence's page-table row
-    n0,
+    start,
     end,
-    m_i,
-    l_i,
-    acc,
     qk_scale,
     stride_kv_slot,  # K and V caches share their layout
     HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """One online-softmax step over the keys at positions [n0, min(n0 + BLOCK_N, end))."""
-    offs_d = tl.arange(0, q.shape[1])
-    pos = n0 + tl.arange(0, BLOCK_N)
-    n_mask = pos < end
-    slots = tl.load(pt_row_ptr + pos, mask=n_mask, other=0).to(tl.int64)
-    kv_mask = n_mask[:, None] & (offs_d < HEAD_DIM)[None, :]
-    k = tl.load(
-        k_head_ptr + slots[:, None] * stride_kv_slot + offs_d[None, :], mask=kv_mask, other=0.0
-    ).to(q.dtype)  # an fp8 pool's codes: their scale is in qk_scale (K) and the output's (V)
-    s = _dot(q, tl.trans(k), DOT_PRECISION) * qk_scale  # [ROWS, BLOCK_N]
-    visible = (pos[None, :] <= q_pos[:, None]) & n_mask[None, :]
-    s = tl.where(visible, s, float("-inf"))
-    # Callers guarantee each row sees a key in its first tile, so m_new is finite from then on.
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    v = tl.load(
-        v_head_ptr + slots[:, None] * stride_kv_slot + offs_d[None, :], mask=kv_mask, other=0.0
-    ).to(q.dtype)
-    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PRECISION)
-    return m_new, l_i, acc
-
-
-@triton.jit
-def _attend_range(
-    q,
-    q_pos,
-    k_head_ptr,
-    v_head_ptr,
-    pt_row_ptr,
-    start,
-    end,
-    qk_scale,
-    stride_kv_slot,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-):
     """Online softmax over the keys at positions [start, end) for the queries q [rows,
-    BLOCK_D]: (running max, running sum, unnormalized output), all fp32."""
+    BLOCK_D]: (running max, running sum, unnormalized output), all fp32. Triton
+    software-pipelines the loop over BLOCK_N keys a step (num_stages)."""
     m_i = tl.full([q.shape[0]], float("-inf"), tl.float32)
     l_i = tl.zeros([q.shape[0]], tl.float32)
     acc = tl.zeros(q.shape, tl.float32)
-    if LOOP_AS_WHILE:
-        n0 = start
-        while n0 < end:
-            m_i, l_i, acc = _attend_tile(
-                q,
-                q_pos,
-                k_head_ptr,
-                v_head_ptr,
-                pt_row_ptr,
-                n0,
-                end,
-                m_i,
-                l_i,
-                acc,
-                qk_scale,
-                stride_kv_slot,
-                HEAD_DIM,
-                BLOCK_N,
-                DOT_PRECISION,
-            )
-            n0 += BLOCK_N
-    else:
-        for n0 in range(start, end, BLOCK_N):
-            m_i, l_i, acc = _attend_tile(
-                q,
-                q_pos,
-                k_head_ptr,
-                v_head_ptr,
-                pt_row_ptr,
-                n0,
-                end,
-                m_i,
-                l_i,
-                acc,
-                qk_scale,
-                stride_kv_slot,
-                HEAD_DIM,
-                BLOCK_N,
-                DOT_PRECISION,
-            )
+    offs_d = tl.arange(0, q.shape[1])
+    for n0 in range(start, end, BLOCK_N):
+        pos = n0 + tl.arange(0, BLOCK_N)
+        n_mask = pos < end
+        slots = tl.load(pt_row_ptr + pos, mask=n_mask, other=0).to(tl.int64)
+        kv_mask = n_mask[:, None] & (offs_d < HEAD_DIM)[None, :]
+        k = tl.load(
+            k_head_ptr + slots[:, None] * stride_kv_slot + offs_d[None, :], mask=kv_mask, other=0.0
+        ).to(q.dtype)  # an fp8 pool's codes: their scale is in qk_scale (K) and the output's (V)
+        s = _dot(q, tl.trans(k), DOT_PRECISION) * qk_scale  # [ROWS, BLOCK_N]
+        visible = (pos[None, :] <= q_pos[:, None]) & n_mask[None, :]
+        s = tl.where(visible, s, float("-inf"))
+        # Callers guarantee each row sees a key in its first tile, so m_new is finite from then on.
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(
+            v_head_ptr + slots[:, None] * stride_kv_slot + offs_d[None, :], mask=kv_mask, other=0.0
+        ).to(q.dtype)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PRECISION)
+        m_i = m_new
     return m_i, l_i, acc
 
 

@@ -6,8 +6,6 @@ each K step scales an x tile's rows onto the fp8 range, multiplies, and rescales
 product by both scales (docs/models.md, "Quantization"). Tile sizes are not tuned on a GPU yet.
 Loaded where FP8 tensor cores exist (8.9+); tests run it under TRITON_INTERPRET=1."""
 
-from __future__ import annotations
-
 import triton
 import triton.language as tl
 from torch import Tensor

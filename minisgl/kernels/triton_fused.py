@@ -6,8 +6,6 @@ layer kernels").
 They round where the torch reference does (16-bit intermediates included), so outputs match it
 up to a mean's summation order. Imported lazily; tests run them under TRITON_INTERPRET=1."""
 
-from __future__ import annotations
-
 import triton
 import triton.language as tl
 from torch import Tensor

@@ -6,8 +6,6 @@ sweep and applies SiLU-and-mul in its epilogue; the down pass scales by the rout
 token's top_k rows are summed in torch. Importing it imports triton (callers import it lazily);
 under TRITON_INTERPRET=1 the tests check it against `moe_torch` on CPU tensors."""
 
-from __future__ import annotations
-
 import torch
 import triton
 import triton.language as tl
@@ -72,8 +70,7 @@ def _grouped_gemm_kernel(
     num_pairs,
     num_experts,
     top_k,
-    # N and K are fixed per model, so compile-time constants cost no extra compiles; runtime ints
-    # in range() also trip Triton's interpreter under numpy 2.x.
+    # N and K are fixed per model, so compile-time constants cost no extra compiles.
     N: tl.constexpr,
     K: tl.constexpr,
     stride_am,

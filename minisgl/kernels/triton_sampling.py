@@ -6,8 +6,6 @@ It is sampler.py's exponential race in log form, argmax_i logits_i / t - log(-lo
 sampler.py's seeded uniforms bit for bit; temperature 0 takes the argmax, ties go to the lowest
 id. Imported lazily (it imports triton); tests run it under TRITON_INTERPRET=1."""
 
-from __future__ import annotations
-
 import torch
 import triton
 import triton.language as tl
@@ -18,10 +16,6 @@ BLOCK = 4096
 NUM_WARPS = 8
 # sampler.py: _UNIFORM_BITS (the uniforms keep the hash's top 23 bits).
 UNIFORM_BITS = 23
-# Triton <= 3.6's interpreter cannot iterate range() over runtime bounds with numpy >= 2.4
-# (triton-lang/triton#9171): interpreted, the loop is a `while`; compiled, a `for`, which Triton
-# pipelines (num_stages). attention/triton_kernels.py does the same.
-LOOP_AS_WHILE: tl.constexpr = tl.constexpr(bool(triton.knobs.runtime.interpret))
 # sampler.py: a temperature is clamped to at least this before dividing.
 MIN_TEMPERATURE = 1e-5
 
@@ -34,35 +28,6 @@ def _mix32(x):
     x = x ^ (x >> 15)
     x = x * tl.full([], 0x846CA68B, tl.uint32)
     return x ^ (x >> 16)
-
-
-@triton.jit
-def _race_block(
-    row_logits,
-    start,
-    vocab_size,
-    key,
-    greedy,
-    inv_t,
-    best,
-    best_id,
-    UNIFORM_SHIFT: tl.constexpr,
-    UNIFORM_SCALE: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
-    """The race over ids start .. start + BLOCK, folded into the row's best so far."""
-    ids = start + tl.arange(0, BLOCK)
-    logits = tl.load(row_logits + ids, mask=ids < vocab_size, other=float("-inf"))
-    logits = logits.to(tl.float32)
-    h = _mix32(key * tl.full([], 0x9E3779B1, tl.uint32) + ids.to(tl.uint32))
-    u = ((_mix32(h ^ key) >> UNIFORM_SHIFT).to(tl.float32) + 0.5) * UNIFORM_SCALE
-    # Lanes past the vocabulary loaded -inf, which stays -inf either way.
-    score = tl.where(greedy, logits, logits * inv_t - tl.log(-tl.log(u)))
-    block_best = tl.max(score, axis=0)
-    block_id = tl.argmax(score, axis=0, tie_break_left=True).to(tl.int32) + start
-    # Strictly greater: an equal score later in the row keeps the earlier id.
-    better = block_best > best
-    return tl.where(better, block_best, best), tl.where(better, block_id, best_id)
 
 
 @triton.jit
@@ -90,38 +55,19 @@ def _sample_kernel(
     best = tl.full([], float("-inf"), tl.float32)
     best_id = tl.full([], 0, tl.int32)
     row_logits = logits_ptr + row * logits_row_stride
-    if LOOP_AS_WHILE:
-        start = 0
-        while start < vocab_size:
-            best, best_id = _race_block(
-                row_logits,
-                start,
-                vocab_size,
-                key,
-                greedy,
-                inv_t,
-                best,
-                best_id,
-                UNIFORM_SHIFT,
-                UNIFORM_SCALE,
-                BLOCK,
-            )
-            start += BLOCK
-    else:
-        for start in range(0, vocab_size, BLOCK):
-            best, best_id = _race_block(
-                row_logits,
-                start,
-                vocab_size,
-                key,
-                greedy,
-                inv_t,
-                best,
-                best_id,
-                UNIFORM_SHIFT,
-                UNIFORM_SCALE,
-                BLOCK,
-            )
+    for start in range(0, vocab_size, BLOCK):
+        ids = start + tl.arange(0, BLOCK)
+        logits = tl.load(row_logits + ids, mask=ids < vocab_size, other=float("-inf"))
+        logits = logits.to(tl.float32)
+        h = _mix32(key * tl.full([], 0x9E3779B1, tl.uint32) + ids.to(tl.uint32))
+        u = ((_mix32(h ^ key) >> UNIFORM_SHIFT).to(tl.float32) + 0.5) * UNIFORM_SCALE
+        # Lanes past the vocabulary loaded -inf, which stays -inf either way.
+        score = tl.where(greedy, logits, logits * inv_t - tl.log(-tl.log(u)))
+        block_best = tl.max(score, axis=0)
+        block_id = tl.argmax(score, axis=0, tie_break_left=True).to(tl.int32) + start
+        # Strictly greater: an equal score later in the row keeps the earlier id.
+        better = block_best > best
+        best, best_id = tl.where(better, block_best, best), tl.where(better, block_id, best_id)
     tl.store(out_ptr + row, best_id.to(tl.int64))
 
 

@@ -6,8 +6,6 @@ to the page allocator: slots it gives back (evict, reset, insert's refusals) are
 free. Keys and slot lists are page-aligned: their length is a multiple of `page_size`.
 """
 
-from __future__ import annotations
-
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass

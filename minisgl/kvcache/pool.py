@@ -6,8 +6,6 @@ one K and one V scale per layer (1.0, or the checkpoint's k_scale / v_scale); re
 by them (`layer_scales`: torch-native attention, and the C, Triton and FlashInfer kernels).
 A 16-bit pool (bf16, fp16) holds values rounded to its format, its scales 1.0."""
 
-from __future__ import annotations
-
 from dataclasses import dataclass
 
 import torch
@@ -58,8 +56,8 @@ class KVPool:
         dims = (shape.num_layers, 2, self.num_slots, shape.num_kv_heads, shape.head_dim)
         if device.type == "cpu":
             # Decode attention reads pages scattered over the pool: huge pages spare it most
-            # TLB misses. Written once here, so no request pays for first-touch page faults.
-            self.buffer = huge_page_zeros(dims, dtype).zero_()
+            # TLB misses. Left untouched, memory is committed as slots are first written.
+            self.buffer = huge_page_zeros(dims, dtype)
         else:
             self.buffer = torch.zeros(dims, dtype=dtype, device=device)
         self.fp8 = dtype.itemsize == 1

@@ -1,7 +1,5 @@
 """Vocab-parallel embedding and LM head: each rank holds a contiguous slice of the vocabulary."""
 
-from __future__ import annotations
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn

@@ -6,8 +6,6 @@ After loading, the weight may change form (docs/architecture.md, "The CPU path")
 the CPU kernels' panels (`use_cpu_kernels`), kept as GGUF blocks (`quant`), or stacked into one
 fp8 weight (`use_fp8`). The model holds one copy of every weight either way."""
 
-from __future__ import annotations
-
 from collections.abc import Callable
 
 import torch

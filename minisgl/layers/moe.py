@@ -5,8 +5,6 @@ replicated, the partial outputs all-reduced once). Weights are fused per layer a
 5.x keeps them, `gate_up_proj` [experts, 2 * inter_shard, hidden] and `down_proj` [experts,
 hidden, inter_shard]; hub checkpoints' one tensor per expert and projection loads too."""
 
-from __future__ import annotations
-
 from collections.abc import Iterator
 from dataclasses import dataclass
 

@@ -1,8 +1,6 @@
 """RMSNorm, computed in fp32 like the HF reference: on CUDA in one fused Triton kernel, on CPU in
 fp32 through the CPU kernels, elsewhere in torch ops (`rms_norm`, what both must match)."""
 
-from __future__ import annotations
-
 import torch
 from torch import Tensor, nn
 

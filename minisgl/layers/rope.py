@@ -1,7 +1,5 @@
 """Rotary position embedding (neox layout: rotate halves), with the scalings Llama/Qwen use."""
 
-from __future__ import annotations
-
 import math
 from dataclasses import dataclass, field
 from typing import Any

@@ -3,8 +3,6 @@ package), and the folders GGUF files are served from: made once per file in the 
 metadata, with a link to the file (`GGUF_FILE`) and where its tensors lie (`GGUF_INDEX`), so no
 weights are downloaded or converted (docs/models.md#quantized-gguf)."""
 
-from __future__ import annotations
-
 import hashlib
 import importlib.util
 import json

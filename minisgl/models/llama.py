@@ -5,8 +5,6 @@ RMSNorm (Qwen3), tied embeddings, head_dim, rope scaling, and which layers repla
 with a sparse MoE block (Qwen3-MoE). Every projection is tensor parallel.
 """
 
-from __future__ import annotations
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn

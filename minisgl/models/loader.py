@@ -5,8 +5,6 @@ dequantized; its KV scales to `model.kv_scales`). docs/models.md has the details
 the model needs is tracked by the checkpoint name that provides it, so a missing piece fails
 the load by name instead of serving garbage."""
 
-from __future__ import annotations
-
 import itertools
 import json
 import logging

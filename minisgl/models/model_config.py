@@ -1,7 +1,5 @@
 """The parts of an HF config.json that the engine needs, read once into a frozen dataclass."""
 
-from __future__ import annotations
-
 import json
 import logging
 from dataclasses import dataclass

@@ -1,7 +1,5 @@
 """Which model names the server answers to (kept free of heavy imports: the launcher uses it)."""
 
-from __future__ import annotations
-
 from pathlib import Path
 
 from minisgl.config import ServerArgs

@@ -4,8 +4,6 @@ id fetched into the HF cache (docs/models.md#hub-ids). Every failure is one line
 (`ModelNotFoundError` / `ModelDownloadError`). `checkpoint_files` decides which safetensors files
 make up a folder, for the download and the loader alike. No torch here: the launcher uses it."""
 
-from __future__ import annotations
-
 import functools
 import json
 import logging

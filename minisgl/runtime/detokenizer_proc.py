@@ -6,8 +6,6 @@ asks the scheduler to abort the request (freeing its KV pages); whatever the sch
 sends for that request afterwards is dropped.
 """
 
-from __future__ import annotations
-
 import logging
 from collections.abc import Callable
 

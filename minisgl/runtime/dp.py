@@ -4,8 +4,6 @@ affinity). A replica that dies is stopped and leaves the gateway's rotation; the
 serving. SIGTERM / Ctrl-C stop the gateway first, then every replica at once, each draining.
 docs/scaling.md is the reference."""
 
-from __future__ import annotations
-
 import contextlib
 import logging
 import os

@@ -6,8 +6,6 @@ When the backend goes away (a drain that ran out of time, or a process that died
 request still ends: as aborted, or with a BackendUnavailable on its queue.
 """
 
-from __future__ import annotations
-
 import asyncio
 import itertools
 import logging

@@ -3,8 +3,6 @@ Its control plane (`/workers`) says when it has registered the replicas and take
 out of rotation. SIGINT is its graceful stop (in-flight requests finish); SIGTERM ends it at
 once, and it gets SIGTERM when the launcher dies (supervisor.prepare_exec_child)."""
 
-from __future__ import annotations
-
 import http.client
 import importlib.util
 import json

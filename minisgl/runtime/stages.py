@@ -1,8 +1,6 @@
 """Start-up stages, logged as each begins and with its duration: a cold start takes a minute on
 a small CPU, and a minute of silence looks like a hang."""
 
-from __future__ import annotations
-
 import contextlib
 import logging
 import time

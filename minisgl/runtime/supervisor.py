@@ -5,8 +5,6 @@ the parent disappears, so no process is left behind. `Children` reads the report
 child is gone, and stops them all. Standard library only: the launcher, the tp ranks and the
 offline `LLM` use it without pulling anything heavy in."""
 
-from __future__ import annotations
-
 import contextlib
 import ctypes
 import logging

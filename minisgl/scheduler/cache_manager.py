@@ -5,8 +5,6 @@ Every page is in exactly one place (`check_page_accounting`), and table writes a
 next forward (`DeviceTables`), so the scheduler never waits for the device
 (docs/architecture.md#memory-layout)."""
 
-from __future__ import annotations
-
 from collections.abc import Iterable
 
 import numpy as np

@@ -2,8 +2,6 @@
 short, a running request is retracted to the queue front, its prefix cached
 (docs/architecture.md#one-requests-life, step 7)."""
 
-from __future__ import annotations
-
 import logging
 
 from minisgl.core import Req

@@ -1,8 +1,6 @@
 """One step's batch: the scheduled requests become the engine's `ForwardBatch` (which carries the
 scheduler's bookkeeping too), and the thread its forward runs on."""
 
-from __future__ import annotations
-
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar

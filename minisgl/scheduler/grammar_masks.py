@@ -2,8 +2,6 @@
 vocabulary mask, and when that mask must wait for the previous batch (under overlap, N+1's
 sampling waits until N is processed: docs/architecture.md#structured-outputs)."""
 
-from __future__ import annotations
-
 from typing import Any
 
 from minisgl.core import Req

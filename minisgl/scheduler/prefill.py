@@ -3,8 +3,6 @@ computes (within `max_prefill_tokens` and, in a step that decodes, the time its 
 allow). Admission is optimistic: it does not reserve a request's `max_tokens`
 (docs/architecture.md#one-requests-life, steps 3 and 4)."""
 
-from __future__ import annotations
-
 import math
 
 from minisgl.config import ServerArgs

@@ -4,8 +4,6 @@ When idle it blocks on the input socket (with a timeout, to refresh stats and no
 when busy it only drains what is already waiting, so decoding never waits for input. With tp it
 is rank 0 and this loop does not change (docs/server.md#process-layout)."""
 
-from __future__ import annotations
-
 import dataclasses
 import logging
 import threading

@@ -4,8 +4,6 @@ forward that computes its next token anyway. The output is token for token that 
 without drafts (docs/speculative.md#what-stays-exactly-the-same); how a verify step runs, and
 which requests draft: docs/speculative.md#how-a-verify-step-runs."""
 
-from __future__ import annotations
-
 import bisect
 import itertools
 from collections.abc import Callable, Iterator

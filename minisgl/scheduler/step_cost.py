@@ -8,8 +8,6 @@ pairs = n * p + n * (n + 1) / 2 are the (query, key) pairs its attention compute
 in a long prompt costs more than an early one. token_s and pair_s are a least-squares fit of
 recent prefill steps, each older step weighing DECAY times less."""
 
-from __future__ import annotations
-
 import math
 from dataclasses import dataclass
 

@@ -5,8 +5,6 @@ gloo control group), so their state stays identical without being compared. A ra
 hangs makes rank 0 raise `TPRankError` instead of hanging, and the group stays broken.
 docs/tensor_parallel.md has the whole story (how it works, failures, multi-node)."""
 
-from __future__ import annotations
-
 import logging
 import os
 import weakref

@@ -3,8 +3,6 @@ offline `LLM` alike: a request's outputs in, their text filled in, and the stop 
 it (minisgl.core.finish_reason). Text goes out only as whole characters, and no stop string
 leaks into it (docs/architecture.md#incremental-detokenization)."""
 
-from __future__ import annotations
-
 from collections.abc import Sequence
 from typing import cast
 

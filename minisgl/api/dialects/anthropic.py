@@ -4,8 +4,6 @@ chat; the reply's blocks become `thinking`, `text` and `tool_use` content blocks
 Anthropic's events, whose fold (`fold_message`) is the non-streaming reply.
 docs/server.md#anthropics-messages-api is the reference."""
 
-from __future__ import annotations
-
 import json
 from collections.abc import AsyncIterator, Mapping
 from typing import Any

@@ -3,8 +3,6 @@
 A non-streaming reply is the fold of the chunks a stream sends (minisgl.api.dialects.openai).
 """
 
-from __future__ import annotations
-
 import functools
 import itertools
 from collections.abc import AsyncIterator, Sequence

@@ -3,8 +3,6 @@ runs, and as the typed items GET /v1/responses/{id}/input_items lists; the reply
 output items (`OutputItems`). What cannot be translated (images, files, built-in tools) is a
 400 naming the field. docs/server.md#openais-responses-api lists the mapping."""
 
-from __future__ import annotations
-
 import copy
 from collections.abc import Mapping
 from typing import Any

@@ -4,8 +4,6 @@ Model Gateway and of tools written for SGLang. Field names and meanings follow S
 http_server.py, stating only what minisgl can state truthfully (never the API key); the
 reference is docs/server.md#sglangs-generate and docs/scaling.md#what-the-gateway-reads."""
 
-from __future__ import annotations
-
 import asyncio
 import contextlib
 import importlib.metadata
@@ -100,15 +98,6 @@ class GenerateRequest(WireModel):
         given = self.text if self.text is not None else self.input_ids
         return cast("list[str] | list[list[int]]", given if self.is_batch else [given])
 
-    def _sampling(self, num_prompts: int) -> list[SGLangSampling]:
-        """One object per prompt, or one that every prompt shares (validated once: a batch of
-        millions of prompts is refused by its size, not after millions of validations)."""
-        given = self.sampling_params
-        rows = given if isinstance(given, list) else [given or {}]
-        if isinstance(given, list) and len(rows) != num_prompts:
-            raise InvalidRequestError("sampling_params", "needs one object per prompt")
-        return [SGLangSampling.validated(row, "sampling_params") for row in rows]
-
     def to_api(self) -> ApiRequest:
         if (self.text is None) == (self.input_ids is None):
             raise InvalidRequestError("text", "give exactly one of text and input_ids")
@@ -116,7 +105,15 @@ class GenerateRequest(WireModel):
             raise InvalidRequestError("text", "must not be empty")
         if isinstance(self.rid, list) and len(self.rid) != len(prompts):
             raise InvalidRequestError("rid", "a list of ids needs one id per prompt")
-        rows = self._sampling(len(prompts))
+        # One object per prompt, or one that every prompt shares (validated once: a batch of
+        # millions of prompts is refused by its size, not after millions of validations).
+        given = self.sampling_params
+        if isinstance(given, list) and len(given) != len(prompts):
+            raise InvalidRequestError("sampling_params", "needs one object per prompt")
+        rows = [
+            SGLangSampling.validated(row, "sampling_params")
+            for row in (given if isinstance(given, list) else [given or {}])
+        ]
         if any(row.n != rows[0].n for row in rows):
             raise InvalidRequestError("sampling_params.n", "must be the same for every prompt")
         constraint_fields = rows[0].constraint_fields
@@ -135,7 +132,7 @@ class GenerateRequest(WireModel):
             fields["prompt_logprobs"] = self.top_logprobs_num if scored else prefill_only
             sampling.append(fields)
         wire_names = {**WIRE_NAMES, "prompt": "text" if self.text is not None else "input_ids"}
-        shared = sampling if isinstance(self.sampling_params, list) else sampling[0]
+        shared = sampling if isinstance(given, list) else sampling[0]
         return ApiRequest(prompts, shared, wire_names, rows[0].n, None, constraint_fields)
 
 
@@ -207,7 +204,7 @@ async def generate(request: Request) -> Response:
     body = await GenerateRequest.from_request(request)
     run = Run(request, body.to_api(), new_id("generate"))
     await run.prepare()
-    shortest = min(len(ids) for ids in run.prompts)
+    shortest = min(map(len, run.prompts))
     if body.return_logprob and body.logprob_start_len >= max(shortest, 1):
         raise InvalidRequestError(
             "logprob_start_len", f"must be below the prompt's length ({shortest} tokens)"
