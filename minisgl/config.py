@@ -55,7 +55,6 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "kv_cache_dtype": ("auto", "fp8_e4m3", "fp8_e5m2", "bf16", "bfloat16", "fp16", "float16"),
     "log_level": ("debug", "info", "warning", "error"),
     "pooling": POOLING_MODES,
-    "normalize_embeddings": ("auto", "on", "off"),
 }
 _OPTIONAL_CHOICES = (
     "reasoning_parser",
@@ -148,11 +147,6 @@ class ServerArgs:
         None,
         MODEL,
         "embeddings: mean, last or cls (default: the sentence-transformers config's, else mean)",
-    )
-    normalize_embeddings: str = _opt(
-        "auto",
-        MODEL,
-        "L2-normalise embeddings: on, off; auto: as the sentence-transformers config says, else on",
     )
     page_size: int = _opt(1, MEMORY, "tokens per KV cache page")
     num_pages: int | None = _opt(None, MEMORY, "KV pool size in pages (overrides the budgets)")

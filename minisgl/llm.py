@@ -16,7 +16,7 @@ from tqdm import tqdm
 from minisgl.chat.template import apply_chat_template, load_chat_template
 from minisgl.config import ServerArgs
 from minisgl.core import Req, SamplingParams, TokenLogprob, next_request_id
-from minisgl.pooling import Pooling, model_pooling
+from minisgl.pooling import Pooling, input_token_ids, model_pooling
 from minisgl.scheduler.tp import make_scheduler
 from minisgl.tokenizer import IncrementalDetokenizer, load_tokenizer
 from minisgl.tokenizer.detokenizer import stop_reason
@@ -49,8 +49,7 @@ class LLM:
             self.tokenizer = load_tokenizer(self.args.tokenizer or model_path)
             path = self.args.chat_template
             self.chat_template = load_chat_template(path) if path else None
-            args = self.args
-            self.pooling = model_pooling(Path(model_path), args.pooling, args.normalize_embeddings)
+            self.pooling = model_pooling(Path(model_path), self.args.pooling)
         except BaseException:
             self.scheduler.shutdown()  # with tp_size > 1: no follower processes left behind
             raise
@@ -111,8 +110,9 @@ class LLM:
     ) -> list[list[float]]:
         """One embedding per prompt (text or token ids), pooled as the server's /v1/embeddings
         pools for this model (`pooling` overrides)."""
+        ids = input_token_ids(prompts, self.tokenizer.encode, self.scheduler.limits)
         params = SamplingParams(max_tokens=0, pooling=pooling or self.pooling)
-        outputs = self.generate(prompts, params, use_tqdm)
+        outputs = self.generate(ids, params, use_tqdm)
         return [out.embedding for out in outputs if out.embedding is not None]
 
     def chat(

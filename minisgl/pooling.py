@@ -2,13 +2,13 @@
 which pooling a model gets (docs/server.md, "Embeddings"). Standard library only: the engine
 pools (minisgl.engine.batch), the scheduler adds up the chunks, the API server and `LLM` ask."""
 
-from __future__ import annotations
-
 import json
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from minisgl.limits import InvalidRequestError
+from minisgl.limits import InvalidRequestError, ModelLimits, check_token_ids
 
 POOLING_MODES = ("mean", "last", "cls")
 # sentence-transformers' pooling modes (1_Pooling/config.json: `pooling_mode` in 5.x and later,
@@ -44,14 +44,37 @@ class Pooling:
         return range(extend_len - int(prefix_len + extend_len == prompt_len), extend_len)
 
 
-def model_pooling(model_dir: Path, mode: str | None = None, normalize: str = "auto") -> Pooling:
+def model_pooling(model_dir: Path, mode: str | None = None) -> Pooling:
     """A model's pooling: `mode` (--pooling) when given, else its sentence-transformers layout's
-    (modules.json, 1_Pooling/config.json), else mean. Normalised as `normalize` says
-    (--normalize-embeddings on / off); auto: when that layout has a Normalize module, or without
-    the layout (the bundled model's)."""
+    (modules.json, 1_Pooling/config.json), else mean. Normalised when that layout has a
+    Normalize module, or without the layout (the bundled model's, or with --pooling)."""
     layout = None if mode is not None else _sentence_transformers_pooling(model_dir)
-    mode, normalized = layout or (mode or "mean", True)
-    return Pooling(mode, normalize == "on" or (normalize == "auto" and normalized))
+    return Pooling(*(layout or (mode or "mean", True)))
+
+
+def input_token_ids(
+    given: str | Sequence[Any],
+    encode: Callable[[str], list[int]],
+    limits: ModelLimits,
+    keep_len: int | None = None,
+) -> list[list[int]]:
+    """The embedding inputs (a text, token ids, or a list of either) as token ids, each its last
+    `keep_len` (vLLM's truncate_prompt_tokens) if given, each checked: an error names `input[i]`.
+    The server's and `LLM.embed`'s one rule."""
+    inputs: Sequence[Any] = (
+        [given] if isinstance(given, str) or given and isinstance(given[0], int) else given
+    )
+    if not inputs:
+        raise InvalidRequestError("input", "must not be empty")
+    prompts = []
+    for i, item in enumerate(inputs):
+        ids = encode(item) if isinstance(item, str) else list(item)
+        prompts.append(ids := ids[-(keep_len or len(ids)) :])
+        if not item or len(ids) > limits.max_seq_len:
+            message = f"must be 1 to {limits.max_seq_len} tokens long, not {len(ids)}"
+            raise InvalidRequestError(f"input[{i}]", message)
+        check_token_ids(ids, limits, f"input[{i}]")
+    return prompts
 
 
 def _sentence_transformers_pooling(model_dir: Path) -> tuple[str, bool] | None:

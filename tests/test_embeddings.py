@@ -121,7 +121,7 @@ def test_sentence_transformers_layout(plain_qwen3: Path, tmp_path: Path, mode: s
     want = torch.tensor(SentenceTransformer(str(tmp_path)).encode(TEXTS))
     expected = Pooling({"lasttoken": "last"}.get(mode, mode), normalize=mode != "cls")
     assert model_pooling(tmp_path) == expected
-    assert model_pooling(tmp_path, "last", "off") == Pooling("last", normalize=False)
+    assert model_pooling(tmp_path, "last") == Pooling("last")  # the flag overrides the files
     with LLM(str(tmp_path), max_prefill_tokens=4, num_pages=256) as llm:
         got = llm.embed(TEXTS)
         llm.check_page_accounting()

@@ -148,7 +148,7 @@ def create_app(
     # answers 500.
     app = FastAPI(title="minisgl", lifespan=lifespan, exception_handlers=EXCEPTION_HANDLERS)
     app.state.lifecycle = Lifecycle()
-    pooling = model_pooling(Path(model_path), args.pooling, args.normalize_embeddings)
+    pooling = model_pooling(Path(model_path), args.pooling)
     app.state.model_info = sglang.model_info(args, str(model_path), str(tokenizer_path))
     app.state.responses = responses.ResponseStore()
     metrics = ServerMetrics(lambda: app.state.ctx.engine.last_stats)  # read once serving
