@@ -34,14 +34,15 @@ class Pooling:
         has none, so such a prompt is computed whole (its pages are still cached after)."""
         return self.mode != "last"
 
-    def chunk_rows(self, prefix_len: int, extend_len: int, prompt_len: int) -> range:
-        """The tokens of a prompt chunk (positions [prefix_len, prefix_len + extend_len), counted
-        from the chunk's start) whose states this pooling adds up."""
+    def chunk_rows(self, start: int, prefix_len: int, extend_len: int, prompt_len: int) -> range:
+        """The rows whose states this pooling adds up, of a prompt chunk at a batch's rows
+        [start, start + extend_len) (its positions [prefix_len, prefix_len + extend_len))."""
+        end = start + extend_len
         if self.mode == "mean":
-            return range(extend_len)
+            return range(start, end)
         if self.mode == "cls":
-            return range(int(prefix_len == 0))
-        return range(extend_len - int(prefix_len + extend_len == prompt_len), extend_len)
+            return range(start, start + int(prefix_len == 0))
+        return range(end - int(prefix_len + extend_len == prompt_len), end)
 
 
 def model_pooling(model_dir: Path, mode: str | None = None) -> Pooling:

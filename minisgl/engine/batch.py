@@ -48,11 +48,25 @@ class ForwardBatch:
     # Per sequence: how an embedding request pools its chunk (None where it does not; None: no
     # sequence pools). The engine's forward sets `pooled`, what they add up, for its sample.
     pooling: list[Pooling | None] | None = None
-    pooled: PooledStates | None = None
+    pooled: dict[int, torch.Tensor] = field(default_factory=dict)
 
     @property
     def num_seqs(self) -> int:
         return len(self.table_rows)
+
+    @property
+    def pooled_rows(self) -> dict[int, range]:
+        """By sequence that pools some of this chunk: the batch's tokens whose states it adds."""
+        rows: dict[int, range] = {}
+        start = 0
+        if self.pooling is None:  # the usual batch: a loop per step saved
+            return rows
+        lens = zip(self.pooling, self.prefix_lens, self.extend_lens, self.prompt_lens, strict=True)
+        for i, (pooling, prefix, extend, prompt_len) in enumerate(lens):
+            if pooling and (chunk := pooling.chunk_rows(start, prefix, extend, prompt_len)):
+                rows[i] = chunk
+            start += extend
+        return rows
 
     @property
     def is_decode(self) -> bool:
@@ -101,36 +115,6 @@ class ForwardBatch:
         return host_tensor(self.table_rows, torch.int64), host_tensor(self.prefix_lens, torch.int64)
 
 
-@dataclass
-class PooledStates:
-    """Per pooling sequence of a batch (its index in `seqs`): the sum of the final hidden states
-    its chunk pools (`sums`, float32 [len(seqs), hidden], a host copy once `PendingOutput` has
-    it)."""
-
-    seqs: list[int]
-    sums: torch.Tensor
-
-    @staticmethod
-    def tokens(batch: ForwardBatch) -> tuple[list[int], list[int], list[int]]:
-        """(the batch's tokens whose states are pooled, the index in `seqs` of each, `seqs`)."""
-        tokens: list[int] = []
-        owners: list[int] = []
-        seqs: list[int] = []
-        assert batch.pooling is not None
-        start = 0
-        lens = zip(
-            batch.pooling, batch.prefix_lens, batch.extend_lens, batch.prompt_lens, strict=True
-        )
-        for i, (pooling, prefix, extend, prompt_len) in enumerate(lens):
-            rows = range(0) if pooling is None else pooling.chunk_rows(prefix, extend, prompt_len)
-            if rows:
-                tokens += (start + r for r in rows)
-                owners += [len(seqs)] * len(rows)
-                seqs.append(i)
-            start += extend
-        return tokens, owners, seqs
-
-
 def embedding_bytes(pooling: Pooling, total: torch.Tensor, prompt_len: int) -> bytes:
     """A request's embedding from the sum of its pooled states: their mean for mean pooling,
     L2-normalised if asked, as float32 little-endian bytes (what the API encodes as base64)."""
@@ -164,7 +148,7 @@ class ForwardOutput:
     token_ids: list[int]
     logprobs: list[TokenLogprob | None]
     prompt_logprobs: dict[int, list[TokenLogprob]] = field(default_factory=dict)
-    pooled: dict[int, torch.Tensor] = field(default_factory=dict)  # by sequence: PooledStates
+    pooled: dict[int, torch.Tensor] = field(default_factory=dict)  # ForwardBatch.pooled's
 
 
 @dataclass
@@ -253,21 +237,16 @@ class PendingOutput:
     scores: TokenScores | None = None  # None: no row wants logprobs
     ready: Any = None  # a torch.cuda.Event (ComputeStream.record_event); None: nothing to wait for
     prompt_scores: PromptScores | None = None
-    pooled: PooledStates | None = None
+    pooled: dict[int, torch.Tensor] = field(default_factory=dict)  # host copies
 
     def result(self) -> ForwardOutput:
         if self.ready is not None:
             self.ready.synchronize()
         scored = {} if self.prompt_scores is None else self.prompt_scores.result()
-        pooled = (
-            {}
-            if self.pooled is None
-            else dict(zip(self.pooled.seqs, self.pooled.sums, strict=True))
-        )
         if self.token_ids is None:
-            return ForwardOutput([], [], scored, pooled)
+            return ForwardOutput([], [], scored, self.pooled)
         token_ids = self.token_ids.tolist()
         logprobs: list[TokenLogprob | None] = [None] * len(token_ids)
         if self.scores is not None:
             logprobs = self.scores.token_logprobs(token_ids, [p.logprobs for p in self.params])
-        return ForwardOutput(token_ids, logprobs, scored, pooled)
+        return ForwardOutput(token_ids, logprobs, scored, self.pooled)

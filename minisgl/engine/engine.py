@@ -17,13 +17,7 @@ from minisgl.attention.base import AttentionBatch, AttentionConfig, host_tensor
 from minisgl.attention.context import ForwardContext, forward_context
 from minisgl.config import ServerArgs
 from minisgl.distributed import broadcast_from_primary, get_tp_info, ranks_per_node
-from minisgl.engine.batch import (
-    ForwardBatch,
-    PendingOutput,
-    PooledStates,
-    PromptScores,
-    VocabMask,
-)
+from minisgl.engine.batch import ForwardBatch, PendingOutput, PromptScores, VocabMask
 from minisgl.engine.device import ComputeStream, nvtx_range
 from minisgl.engine.graph import GraphRunner
 from minisgl.engine.memory import MemoryNeeds, plan_kv_pages
@@ -227,12 +221,11 @@ class Engine:
         # Logits at each sampled sequence's last token, then at the positions that score prompt
         # tokens (ForwardBatch.num_prompt_scores); then the final states that embeddings pool.
         scored = [starts[i] + torch.arange(c) for i, c in enumerate(batch.num_prompt_scores) if c]
-        pooled, owners, seqs = PooledStates.tokens(batch) if batch.pooling else ([], [], [])
-        index = torch.cat(
-            [(starts + extend - 1)[batch.sampled], *scored, host_tensor(pooled, torch.int64)]
-        )
-        rows_d, prefix_d, kv_d, token_rows_d, positions_d, index_d, owners_d = self.stream.stage(
-            torch.int64, batch.table_rows, prefix, kv_lens, token_rows, positions, index, owners
+        pooled = batch.pooled_rows
+        pooled_index = [torch.arange(r.start, r.stop) for r in pooled.values()]
+        index = torch.cat([(starts + extend - 1)[batch.sampled], *scored, *pooled_index])
+        rows_d, prefix_d, kv_d, token_rows_d, positions_d, index_d = self.stream.stage(
+            torch.int64, batch.table_rows, prefix, kv_lens, token_rows, positions, index
         )
         input_ids = self.tables.token_table[token_rows_d, positions_d].long()
         out_slots = self.tables.page_table[token_rows_d, positions_d].long()
@@ -250,20 +243,16 @@ class Engine:
             if not pooled:
                 return self.model(input_ids, positions_d, index_d)
             hidden = self.model.final_hidden(input_ids, positions_d, index_d)
-            num_logits = len(index) - len(pooled)
-            sums = hidden.new_zeros(len(seqs), hidden.shape[1], dtype=torch.float32)
-            batch.pooled = PooledStates(
-                seqs, sums.index_add_(0, owners_d, hidden[num_logits:].float())
-            )
+            num_logits = len(index) - sum(map(len, pooled.values()))
+            states = hidden[num_logits:].float().split([len(r) for r in pooled.values()])
+            batch.pooled = {seq: s.sum(0) for seq, s in zip(pooled, states, strict=True)}
             return self.model.lm_head.compute_logits(hidden[:num_logits]).float()
 
     def _sample(
         self, batch: ForwardBatch, logits: Tensor, vocab_mask: VocabMask | None
     ) -> PendingOutput:
         num_sampled = len(batch.sampled)
-        pooled = batch.pooled and PooledStates(
-            batch.pooled.seqs, self.stream.to_host_async(batch.pooled.sums)
-        )
+        pooled = {seq: self.stream.to_host_async(s) for seq, s in batch.pooled.items()}
         scores = None
         if any(batch.num_prompt_scores):  # logits: the sampled rows, then the scored ones
             scores = PromptScores.of(batch, logits[num_sampled:], self.tables)
