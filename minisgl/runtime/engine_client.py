@@ -19,6 +19,7 @@ logger = logging.getLogger(__name__)
 
 SHUTTING_DOWN = "The server is shutting down."
 BACKEND_STOPPED = "The inference backend stopped unexpectedly; the request was not completed."
+SCHEDULER_SILENT = "The scheduler did not answer."
 
 
 class BackendUnavailable(Exception):
@@ -97,17 +98,23 @@ class EngineClient:
         if self._routes.pop(rid, None) is not None:
             self._to_scheduler.put(msg.AbortRequest(rid))
 
-    async def flush_cache(self, timeout_s: float) -> msg.FlushCacheReply | None:
-        """Ask the scheduler to empty its prefix cache; None if it does not answer in time (a
-        long step may be running). On the request socket: after every request sent before."""
-        return await self._ask(self._to_scheduler, msg.FlushCacheRequest, timeout_s)
+    async def flush_cache(self, timeout_s: float) -> msg.FlushCacheReply:
+        """Ask the scheduler to empty its prefix cache; BackendUnavailable if it does not answer
+        in time (a long step may be running). On the request socket: after every request sent
+        before."""
+        return await self._ask(self._to_scheduler, msg.FlushCacheRequest, timeout_s, True)
 
-    async def stats(self, timeout_s: float) -> msg.StatsReply | None:
-        """Ask the scheduler for its stats; None if it does not answer in time."""
-        return await self._ask(self._to_scheduler_ctl, msg.StatsRequest, timeout_s)
+    async def stats(self, timeout_s: float, required: bool = False) -> msg.StatsReply | None:
+        """Ask the scheduler for its stats; None if it does not answer in time (BackendUnavailable
+        if `required`)."""
+        return await self._ask(self._to_scheduler_ctl, msg.StatsRequest, timeout_s, required)
 
     async def _ask(
-        self, queue: msg.MessageQueue, request: Callable[[int], object], timeout_s: float
+        self,
+        queue: msg.MessageQueue,
+        request: Callable[[int], object],
+        timeout_s: float,
+        required: bool,
     ) -> Any:
         """Send request(id) and wait for the reply carrying that id (see _dispatch)."""
         request_id = next(self._request_ids)
@@ -117,6 +124,8 @@ class EngineClient:
         try:
             return await asyncio.wait_for(waiter, timeout_s)
         except asyncio.TimeoutError:
+            if required:
+                raise BackendUnavailable(SCHEDULER_SILENT) from None
             return None
         finally:
             self._waiters.pop(request_id, None)

@@ -62,7 +62,6 @@ HEALTH_PROMPT = (0,)
 HEALTH_PARAMS = SamplingParams(max_tokens=1, temperature=0)
 # /flush_cache: the scheduler answers between steps (a long prefill step can take seconds).
 FLUSH_CACHE_TIMEOUT_S = 30.0
-SCHEDULER_SILENT = "The scheduler did not answer."
 # /server_info's fields that are the server's flags, by the same names.
 SERVER_INFO_ARGS = ("page_size", "tp_size", "nnodes", "max_running_requests", "max_queued_requests")
 CONFIG_FILE = "config.json"
@@ -298,9 +297,7 @@ for path, handler in (("server_info", _server_info), ("model_info", _model_info)
 @router.get("/get_load")
 async def get_load(request: Request) -> list[JsonObject]:
     ctx = request.app.state.ctx
-    if (reply := await ctx.engine.stats(LOAD_STATS_TIMEOUT_S)) is None:
-        raise RequestError(HTTPStatus.SERVICE_UNAVAILABLE, SCHEDULER_SILENT)
-    stats = reply.stats
+    stats = (await ctx.engine.stats(LOAD_STATS_TIMEOUT_S, required=True)).stats
     return [
         {
             "dp_rank": 0,  # the server's one rank (replicas are separate workers)
@@ -317,8 +314,6 @@ async def get_load(request: Request) -> list[JsonObject]:
 @router.api_route("/flush_cache", methods=["GET", "POST"])
 async def flush_cache(request: Request) -> Response:
     reply = await request.app.state.ctx.engine.flush_cache(FLUSH_CACHE_TIMEOUT_S)
-    if reply is None:
-        raise RequestError(HTTPStatus.SERVICE_UNAVAILABLE, SCHEDULER_SILENT)
     if not reply.flushed:
         raise RequestError(HTTPStatus.BAD_REQUEST, reply.message)
     return Response("Cache flushed.\n", media_type="text/plain")
