@@ -10,7 +10,7 @@ import dataclasses
 import hashlib
 import json
 import uuid
-from collections.abc import Collection, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Self, TypeVar
 
@@ -53,25 +53,20 @@ def function_call(call_id: str, name: str, arguments: str) -> JsonObject:
     return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
-def text_content(
-    content: Any, where: str, param: str, text_types: Collection[str] = ("text",)
-) -> str:
-    """Text, or a list of text parts (of `text_types`; a refusal part's text is its "refusal"),
-    as one string: the Responses and Anthropic APIs' content. Anything else is a 400 naming
-    `param`."""
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise InvalidRequestError(param, f"{where}: content must be text or a list of text parts")
-    texts = []
-    for j, part in enumerate(content):
-        kind = part.get("type") if isinstance(part, Mapping) else None
-        text = part.get("refusal" if kind == "refusal" else "text") if kind in text_types else None
-        if not isinstance(text, str):
-            message = f"must be a text part, not {kind!r}: the model reads text"
-            raise InvalidRequestError(param, f"{where}.content[{j}]: {message}")
-        texts.append(text)
-    return "".join(texts)
+def chat_tools(
+    tools: list[Any] | None, kind: str, keys: Mapping[str, str], default: str | None = None
+) -> list[JsonObject] | None:
+    """A dialect's flat tools of type `kind` (`default` where a tool names none) -> chat's
+    {"type": "function", "function": {...}}, its fields renamed by `keys` (theirs -> chat's; a
+    null one left out, as OpenAI allows). Another type is a 400."""
+    chat = []
+    for i, tool in enumerate(tools or ()):
+        given = tool.get("type", default) if isinstance(tool, Mapping) else None
+        if given != kind:
+            raise InvalidRequestError("tools", f"tools[{i}]: {given!r} tools are not supported")
+        function = {ours: tool[k] for k, ours in keys.items() if tool.get(k) is not None}
+        chat.append({"type": "function", "function": function})
+    return None if tools is None else chat
 
 
 def chat_tool_choice(choice: Any, named: str, plain: Mapping[str, str], expected: str) -> Any:

@@ -6,7 +6,7 @@ text (OpenAI's shape) and are handed to the template as objects, the shape trans
 documents for chat templates (Llama 3's template applies `tojson` to them; Qwen's accepts both).
 """
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +14,7 @@ from jinja2 import TemplateError
 from transformers import PreTrainedTokenizerBase
 
 import minisgl.chat.jsontext as jsontext
+from minisgl.limits import InvalidRequestError
 
 CHAT_ROLES = ("system", "user", "assistant", "developer", "tool")
 _TEXT_FIELDS = ("name", "tool_call_id", "reasoning_content")
@@ -27,22 +28,24 @@ def load_chat_template(path: str | Path) -> str:
         raise ValueError(f"chat_template: cannot read {path}: {exc.strerror or exc}") from None
 
 
-def message_text(content: Any, index: int) -> str:
-    """A message's content as one string: a string, or a list of {"type": "text"} parts joined."""
-    if content is None or isinstance(content, str):
-        return content or ""
-    where = f"messages: message {index}"
+def text_content(
+    content: Any, where: str, param: str, text_types: Collection[str] = ("text",)
+) -> str:
+    """Text, or a list of text parts (of `text_types`, "text" where a part names none; a refusal
+    part's text is its "refusal"), as one string: a chat message's content, the Responses and
+    Anthropic APIs'. Anything else is a 400 naming `param`."""
+    if isinstance(content, str):
+        return content
     if not isinstance(content, list):
-        raise ValueError(f"{where} content must be a string or a list of text parts")
+        raise InvalidRequestError(param, f"{where}: content must be text or a list of text parts")
     texts = []
-    for part in content:
-        if isinstance(part, Mapping) and part.get("type", "text") == "text":
-            part = part.get("text")
-            if not isinstance(part, str):
-                raise ValueError(f"{where} has a text part without 'text'")
-        elif not isinstance(part, str):
-            raise ValueError(f"{where} has a content part that is not text")
-        texts.append(part)
+    for j, part in enumerate(content):
+        kind = part.get("type", "text") if isinstance(part, Mapping) else None
+        text = part.get("refusal" if kind == "refusal" else "text") if kind in text_types else None
+        if not isinstance(text, str):
+            message = f"must be a text part, not {kind!r}: the model reads text"
+            raise InvalidRequestError(param, f"{where}.content[{j}]: {message}")
+        texts.append(text)
     return "".join(texts)
 
 
@@ -87,7 +90,10 @@ def normalize_messages(messages: Any) -> list[dict[str, Any]]:
         # Only an assistant turn may come without content (a reply that only called tools).
         if content is None and role != "assistant":
             raise ValueError(f"messages: message {index} ({role}) needs a content")
-        entry: dict[str, Any] = {"role": role, "content": message_text(content, index)}
+        entry: dict[str, Any] = {
+            "role": role,
+            "content": text_content(content or "", f"messages[{index}]", "messages"),
+        }
         for name in _TEXT_FIELDS:
             if (value := message.get(name)) is None:
                 continue

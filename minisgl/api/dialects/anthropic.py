@@ -18,13 +18,14 @@ from minisgl.api.request import (
     ChatWire,
     JsonObject,
     chat_tool_choice,
+    chat_tools,
     function_call,
     new_id,
     sampling_of,
-    text_content,
 )
 from minisgl.api.sse import EventBuffer, respond
 from minisgl.chat import CALL, REASONING, ChatPrompt, ReplyBlocks, jsontext
+from minisgl.chat.template import text_content
 from minisgl.chat.tool_parsers import ToolCallDelta
 from minisgl.core import FinishReason
 from minisgl.limits import InvalidRequestError
@@ -71,7 +72,7 @@ class MessagesRequest(ChatWire):
             kwargs.setdefault("enable_thinking", thinking == "enabled")
         prompt = ChatPrompt(
             system + chat_messages(self.messages),
-            chat_tools(self.tools),
+            chat_tools(self.tools, "custom", TOOL_KEYS, "custom"),
             chat_tool_choice(self.tool_choice, "tool", TOOL_CHOICES, EXPECTED_TOOL_CHOICE),
             not (self.tool_choice or {}).get("disable_parallel_tool_use"),
             kwargs or None,
@@ -148,17 +149,8 @@ def chat_messages(messages: list[Any]) -> list[JsonObject]:
     return out
 
 
-def chat_tools(tools: list[Any] | None) -> list[JsonObject] | None:
-    """Anthropic's tools -> chat's function tools."""
-    chat = []
-    for i, tool in enumerate(tools or ()):
-        kind = tool.get("type", "custom") if isinstance(tool, Mapping) else None
-        if kind != "custom":
-            raise InvalidRequestError("tools", f"tools[{i}]: {kind!r} tools are not supported")
-        function = {k: tool[k] for k in ("name", "description") if k in tool}  # no name: a 400
-        function["parameters"] = tool.get("input_schema", {"type": "object", "properties": {}})
-        chat.append({"type": "function", "function": function})
-    return None if tools is None else chat
+# Anthropic's tool fields -> chat's function's
+TOOL_KEYS = {"name": "name", "description": "description", "input_schema": "parameters"}
 
 
 # Anthropic's tool_choice types -> chat's (a named tool: {"type": "tool", "name"}).

@@ -19,8 +19,8 @@ from starlette.responses import Response
 
 from minisgl.api.dialects.openai import chat_logprobs
 from minisgl.api.dialects.responses_items import (
+    FUNCTION_KEYS,
     OutputItems,
-    chat_tools,
     input_items,
     input_messages,
     response_format,
@@ -32,6 +32,7 @@ from minisgl.api.request import (
     ChatWire,
     JsonObject,
     chat_tool_choice,
+    chat_tools,
     new_id,
     sampling_of,
 )
@@ -105,7 +106,7 @@ class ResponsesRequest(ChatWire):
         sampling["logprobs"] = self.top_logprobs if self.wants_logprobs else None
         prompt = ChatPrompt(
             system + turns,
-            chat_tools(self.tools),
+            chat_tools(self.tools, "function", FUNCTION_KEYS),
             chat_tool_choice(self.tool_choice, "function", {}, EXPECTED_TOOL_CHOICE),
             self.parallel_tool_calls,
             with_reasoning_effort(self.chat_template_kwargs, self.effort),

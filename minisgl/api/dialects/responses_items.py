@@ -8,9 +8,10 @@ from collections.abc import Mapping
 from typing import Any
 
 from minisgl.api.dialects.openai import new_call_id
-from minisgl.api.request import JsonObject, function_call, new_id, text_content
+from minisgl.api.request import JsonObject, function_call, new_id
 from minisgl.api.sse import EventBuffer
 from minisgl.chat import CALL, REASONING
+from minisgl.chat.template import text_content
 from minisgl.chat.tool_parsers import ToolCallDelta
 from minisgl.limits import InvalidRequestError
 
@@ -25,7 +26,7 @@ ITEM_ID_PREFIXES = {
     "function_call_output": "fco",
     "reasoning": "rs",
 }
-FUNCTION_KEYS = ("name", "description", "parameters")
+FUNCTION_KEYS = {"name": "name", "description": "description", "parameters": "parameters"}
 
 
 def _fail(where: str, message: str, param: str = "input") -> InvalidRequestError:
@@ -116,21 +117,6 @@ def input_items(value: str | list[Any]) -> list[JsonObject]:
             entry.setdefault(key, default)
         items.append(entry)
     return items
-
-
-def chat_tools(tools: list[Any] | None) -> list[JsonObject] | None:
-    """Flat function tools -> chat's {"type": "function", "function": {...}}."""
-    chat = []
-    for i, tool in enumerate(tools or ()):
-        kind = tool.get("type") if isinstance(tool, Mapping) else None
-        if kind != "function":
-            raise InvalidRequestError(
-                "tools", f"tools[{i}]: only function tools are supported, not {kind!r}"
-            )
-        # null parameters (OpenAI allows it): none
-        function = {k: tool[k] for k in FUNCTION_KEYS if tool.get(k) is not None}
-        chat.append({"type": "function", "function": function})
-    return None if tools is None else chat
 
 
 def response_format(text: JsonObject | None) -> JsonObject | None:
