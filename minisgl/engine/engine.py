@@ -240,8 +240,6 @@ class Engine:
         )
         ctx = ForwardContext(self.backend, pool, self.backend.prepare(attn))
         with forward_context(ctx):
-            if not pooled:
-                return self.model(input_ids, positions_d, index_d)
             hidden = self.model.final_hidden(input_ids, positions_d, index_d)
             num_logits = len(index) - sum(map(len, pooled.values()))
             states = hidden[num_logits:].float().split([len(r) for r in pooled.values()])

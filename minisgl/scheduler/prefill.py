@@ -68,10 +68,7 @@ class PrefillManager:
         # Prompts under way: a cheap filter first, as most running requests decode. The last
         # prompt token is a decode's, unless nothing is sampled after it (max_tokens 0).
         for req in [
-            r
-            for r in running
-            if r.device_len - r.cached_len > 1
-            or (r.device_len > r.cached_len and not r.sampling_params.max_tokens)
+            r for r in running if r.device_len - r.cached_len > bool(r.sampling_params.max_tokens)
         ]:
             if budget <= 0:
                 break

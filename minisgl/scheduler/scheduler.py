@@ -263,9 +263,8 @@ class Scheduler:
         `fail_running` takes back what it holds)."""
         only_scored = reason == FinishReason.LENGTH and not req.output_ids
         prompt_logprobs = tuple(req.prompt_logprobs) if only_scored else ()
-        pooling, embedding = req.sampling_params.pooling, None
-        if only_scored and pooling is not None:
-            embedding = embedding_bytes(pooling, req.pooled, req.prompt_len)
+        pooling = req.sampling_params.pooling if only_scored else None
+        embedding = embedding_bytes(pooling, req.pooled, req.prompt_len) if pooling else None
         self.events.append(
             ReqOutput(
                 req.rid,
