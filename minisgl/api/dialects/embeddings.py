@@ -59,9 +59,9 @@ async def create_embeddings(request: Request) -> Response:
     ctx.check_model(body.model)
     if body.dimensions is not None:
         raise InvalidRequestError("dimensions", "this model does not support Matryoshka dimensions")
-    encode, keep_len = ctx.tokenizer.encode, body.truncate_prompt_tokens
+    keep_len = body.truncate_prompt_tokens
     prompts = await ctx.on_tokenizer_thread(
-        input_token_ids, body.input, encode, ctx.limits, keep_len
+        input_token_ids, body.input, ctx.tokenizer.encode, ctx.limits, keep_len
     )
     sampling = {"max_tokens": 0, "pooling": ctx.pooling, "user": body.user}
     api_request = ApiRequest(prompts, sampling, {"prompt": "input"}, 1, body.model)
