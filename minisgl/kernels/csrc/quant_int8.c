@@ -12,9 +12,9 @@
  * With AVX2 (section "AVX2"): Q4_0, Q4_1, Q8_0, Q4_K and Q6_K rows, byte products by vpmaddubsw
  * (unsigned times signed bytes, pairs added into int16) and vpmaddwd (int16 pairs times the
  * block scales, or ones, into int32), as llama.cpp's AVX2 kernels do. With AVX-512 VNNI
- * (section "AVX-512 VNNI"): Q4_0, Q4_1 and Q8_0 rows by vpdpbusd; K-quants there take the AVX2 kernels. The AVX2 kernels
- * run at every batch size up to INT8_MAX_ROWS (and past it in the fused decode stack); each
- * activation row's sum in one order whatever its batch mates.
+ * (section "AVX-512 VNNI"): Q4_0, Q4_1 and Q8_0 rows by vpdpbusd; K-quants there take the AVX2
+ * kernels. The AVX2 kernels run at every batch size up to INT8_MAX_ROWS (and past it in the
+ * fused decode stack); each activation row's sum in one order whatever its batch mates.
  *
  * Prefill: mg_linear past INT8_MAX_ROWS rows rounds x to its int8 values (codes times dx, per
  * the weight's blocks: quant_round_x) and multiplies by quant.c's fp32 panels, faster there and
@@ -286,10 +286,10 @@ static int vnni_range(const linear_args* a, int64_t begin, int64_t end) {
 
 /* ---- AVX2 --------------------------------------------------------------------------------------
  * Q4_K and Q6_K rows times x per 256 (vec_dot_q4_K_q8_K / q6_K_q8_K), Q4_0, Q4_1 and Q8_0 rows
- * times x per 32 (vec_dot_q4_0_q8_0 / q4_1_q8_1 / q8_0_q8_0). A K-quant super-block is read in registers (unsigned codes, int16 scales
- * spread by byte shuffles) and met by up to KQ_ROWS activation rows: per 32 elements one
- * vpmaddubsw (codes times x's codes, pairs added) and one vpmaddwd (times the scales, pairs
- * added) into an int32 sum per super-block, scaled once by d * dx. The weights' offsets (Q4_K's
+ * times x per 32 (vec_dot_q4_0_q8_0 / q4_1_q8_1 / q8_0_q8_0). A K-quant super-block is read in
+ * registers (unsigned codes, int16 scales spread by byte shuffles) and met by up to KQ_ROWS
+ * activation rows: per 32 elements one vpmaddubsw (codes times x's codes, pairs added) and one
+ * vpmaddwd (times the scales, pairs added) into an int32 sum per super-block, scaled once by d * dx. The weights' offsets (Q4_K's
  * mins, Q6_K's -32) multiply x's sums of 16 codes: one vpmaddwd per super-block. Q8_0's and
  * Q4_0's signed codes take vpmaddubsw as |w| times x with w's sign (vpsignb), Q4_1's unsigned
  * nibbles as they are (its offset m times x's block sum, a scalar FMA), one float multiply-add
