@@ -289,11 +289,12 @@ static int vnni_range(const linear_args* a, int64_t begin, int64_t end) {
  * times x per 32 (vec_dot_q4_0_q8_0 / q4_1_q8_1 / q8_0_q8_0). A K-quant super-block is read in
  * registers (unsigned codes, int16 scales spread by byte shuffles) and met by up to KQ_ROWS
  * activation rows: per 32 elements one vpmaddubsw (codes times x's codes, pairs added) and one
- * vpmaddwd (times the scales, pairs added) into an int32 sum per super-block, scaled once by d * dx. The weights' offsets (Q4_K's
- * mins, Q6_K's -32) multiply x's sums of 16 codes: one vpmaddwd per super-block. Q8_0's and
- * Q4_0's signed codes take vpmaddubsw as |w| times x with w's sign (vpsignb), Q4_1's unsigned
- * nibbles as they are (its offset m times x's block sum, a scalar FMA), one float multiply-add
- * per block. Every activation row's sum adds in one order whatever its batch mates. */
+ * vpmaddwd (times the scales, pairs added) into an int32 sum per super-block, scaled once by
+ * d * dx. The weights' offsets (Q4_K's mins, Q6_K's -32) multiply x's sums of 16 codes: one
+ * vpmaddwd per super-block. Q8_0's and Q4_0's signed codes take vpmaddubsw as |w| times x with
+ * w's sign (vpsignb), Q4_1's unsigned nibbles as they are (its offset m times x's block sum, a
+ * scalar FMA), one float multiply-add per block. Every activation row's sum adds in one order
+ * whatever its batch mates. */
 #if INT8_AVX2
 /* x quantized per block (QK or QK_K elements), row-major: codes [M, K], dx [M, K / block], and
  * per QK_K the sums of every 16 codes [M, K / 16] (the K-quants' offsets), per QK each block's
