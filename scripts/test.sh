@@ -8,6 +8,10 @@ cd "$(dirname "$0")/.."
 # top): unlocked, pip backtracks through releases for tens of minutes. --no-compile: modules are
 # compiled as they are first imported, not all of them (torch's thousands) at install.
 pip_install=(python -m pip install --no-compile -c requirements/test.txt)
+# ...which needs bytecode writing on: with PYTHONDONTWRITEBYTECODE (inherited from a container's
+# environment, say) every process compiles every module it imports, each time, and each server
+# the tests start imports torch and transformers in three processes (twice the CPU of a start).
+unset PYTHONDONTWRITEBYTECODE
 # torch first, pinned: a bare torch requirement can pull a multi-GB CUDA build on CPU machines.
 "${pip_install[@]}" -r requirements/torch.txt
 "${pip_install[@]}" -e ".[test]"  # the test extra, which brings the bench extra

@@ -104,6 +104,29 @@ def tiny_qwen3(tiny_models) -> Path:
 
 
 @pytest.fixture(scope="session")
+def default_server():
+    """One server of the bundled model with the test flags, for every module that needs no other
+    flags (a server start costs tens of seconds here). Its tests must not rely on a fresh
+    server: prompts of their own (the prefix cache is shared), metrics compared as deltas, and
+    none stops it."""
+    from tests.server_utils import require_default_model, running_server
+
+    require_default_model()
+    with running_server() as srv:
+        yield srv
+
+
+@pytest.fixture(scope="session")
+def hermes_server():
+    """As `default_server`, with `--tool-call-parser hermes` (tool calls parsed as Hermes')."""
+    from tests.server_utils import require_default_model, running_server
+
+    require_default_model()
+    with running_server("--tool-call-parser", "hermes") as srv:
+        yield srv
+
+
+@pytest.fixture(scope="session")
 def default_model_dir() -> Path:
     return convert_default_model()
 

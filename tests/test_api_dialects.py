@@ -38,7 +38,7 @@ from minisgl.api.sse import sse_event, stream_frames
 from minisgl.chat import ChatDelta
 from minisgl.core import ReqOutput, SamplingParams
 from minisgl.limits import InvalidRequestError
-from tests.server_utils import ServerProcess, require_default_model, running_server, wait_idle
+from tests.server_utils import ServerProcess, running_server, wait_idle
 
 MODEL = "SmolLM2-135M-Instruct"
 TIMEOUT_S = 120.0
@@ -54,10 +54,8 @@ CHAT_TOOLS = [{"type": "function", "function": {"name": "get_weather", "paramete
 
 
 @pytest.fixture(scope="module")
-def server():
-    require_default_model()
-    with running_server("--tool-call-parser", "hermes") as srv:
-        yield srv
+def server(hermes_server: ServerProcess) -> ServerProcess:
+    return hermes_server
 
 
 def create(server: ServerProcess, **body: Any) -> dict[str, Any]:

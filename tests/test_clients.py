@@ -27,7 +27,7 @@ import pytest
 import torch
 from pydantic import BaseModel
 
-from tests.server_utils import ServerProcess, require_default_model, running_server
+from tests.server_utils import ServerProcess
 
 MODEL = "SmolLM2-135M-Instruct"
 TIMEOUT_S = 120.0
@@ -42,10 +42,8 @@ CHAT_TOOLS = [
 
 
 @pytest.fixture(scope="module")
-def server():
-    require_default_model()
-    with running_server() as srv:  # default flags: no --tool-call-parser
-        yield srv
+def server(default_server: ServerProcess) -> ServerProcess:
+    return default_server  # default flags: no --tool-call-parser
 
 
 def get_weather(city: str) -> str:

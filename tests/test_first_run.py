@@ -4,6 +4,7 @@ so far), then `--help` and the one-line errors for bad flags and a busy port."""
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import json
 import os
@@ -100,7 +101,8 @@ def _closure(requirements: list[str]) -> set[str]:
     return {name for name, _ in seen}
 
 
-def blocked_modules(installed_by_readme: list[str]) -> set[str]:
+@functools.cache  # it reads every installed distribution's metadata (seconds): once per state
+def blocked_modules(installed_by_readme: tuple[str, ...]) -> frozenset[str]:
     """Top-level modules of what CI installs for the tests and README's user does not have."""
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     test_requirements = project["optional-dependencies"]["test"]
@@ -118,7 +120,7 @@ def blocked_modules(installed_by_readme: list[str]) -> set[str]:
         names = {canonicalize_name(d) for d in dists}
         if names & extra_only and not names & (has - extra_only) and not module.startswith("_"):
             modules.add(module)
-    return modules
+    return frozenset(modules)
 
 
 def pip_installed(command: str) -> list[str]:
@@ -143,7 +145,7 @@ class FreshVenv:
         """`block=False` for pip itself, whose build step may need test-only build tools."""
         env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
         path = f"{self.root / 'bin'}{os.pathsep}{env.get('PATH', '')}"
-        blocked = ",".join(sorted(blocked_modules(self.installed))) if block else ""
+        blocked = ",".join(sorted(blocked_modules(tuple(self.installed)))) if block else ""
         return {**env, "PATH": path, "VIRTUAL_ENV": str(self.root), BLOCKED_ENV: blocked}
 
     def run(self, command: str) -> subprocess.CompletedProcess:
@@ -257,9 +259,9 @@ def test_the_blocker_hides_what_readme_has_not_installed(venv):
         ["python", "-c", probe], env=fresh.env(), capture_output=True, text=True, timeout=60
     )
     assert result.returncode == 1 and "No module named 'openai'" in result.stderr, result.stderr
-    assert {"openai", "langchain_openai", "agents"} <= blocked_modules([])
-    assert "openai" not in blocked_modules(["openai"])
-    assert not {"torch", "fastapi", "transformers", "numpy"} & blocked_modules([])
+    assert {"openai", "langchain_openai", "agents"} <= blocked_modules(())
+    assert "openai" not in blocked_modules(("openai",))
+    assert not {"torch", "fastapi", "transformers", "numpy"} & blocked_modules(())
 
 
 def test_help_gives_every_flag_a_line_with_its_default():

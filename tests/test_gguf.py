@@ -3,8 +3,8 @@
 The `gguf` package is the oracle: its dequantization, then an fp32 matmul. Every served block
 type against it with random blocks, at the row lengths the models here use and at batch sizes
 of every kernel path (rows decoded in registers up to 20 rows, panels beyond; and the opt-in
-int8 path, MINISGL_INT8_ACTIVATIONS=1: Q4_K / Q6_K / Q8_0 with AVX2, Q4_0 / Q4_1 too with
-AVX-512 VNNI, times activations quantized to int8 as llama.cpp does (per 256 elements for the
+int8 path, MINISGL_INT8_ACTIVATIONS: Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K with AVX2 or AVX-512
+VNNI, times activations quantized to int8 as llama.cpp does (per 256 elements for the
 K-quants, its quantize_row_q8_K redone in numpy; per 32 for the others, by hand and by gguf's
 Q8_0); then whole models: a tiny GGUF Llama mixing every type (and one the kernels do not serve)
 as blocks vs dequantized, tp 2 vs tp 1, and the bundled SmolLM2 Q4_1 as blocks vs the fp32
@@ -50,11 +50,12 @@ from tests.conftest import QWEN3_VOCAB, qwen3_tokenizer_dir
 
 T = GGMLQuantizationType
 SERVED = (T.F32, T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q8_0, T.Q4_K, T.Q6_K)
-# a K-quant block; SmolLM2's hidden and intermediate sizes; 96: no int8 path (not 64 | K)
+# a K-quant block; SmolLM2's hidden and intermediate sizes; 96: an odd number of blocks (no
+# int8 path with AVX-512 VNNI, which takes blocks in pairs)
 ROW_LENGTHS = (256, 576, 1536, 96)
 BATCHES = (1, 3, 8, 16, 19, 40, 97)  # registers (<= 20; int8 <= 64), panels, > 1 chunk of x
-# MINISGL_INT8_ACTIVATIONS=1 with AVX2; with AVX-512 VNNI, Q4_0 and Q4_1 too
-INT8_TYPES = (T.Q4_K, T.Q6_K, T.Q8_0)
+# the int8 path's types (AVX2 or AVX-512 VNNI)
+INT8_TYPES = (T.Q4_0, T.Q4_1, T.Q8_0, T.Q4_K, T.Q6_K)
 VNNI = " avx512_vnni" in Path("/proc/cpuinfo").read_text()
 WEIGHT_STD = 0.15  # as the tiny HF checkpoints: logits far from uniform
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
@@ -197,7 +198,7 @@ def test_block_kernels_match_gguf_dequantize(qtype: T) -> None:
             want = (x.double() @ want_weight.double().T + bias).float()
             tol = 1e-5 * float(want.abs().max())
             torch.testing.assert_close(k.linear(x, packed, bias), want, atol=tol, rtol=1e-5)
-            if qtype not in INT8_TYPES + ((T.Q4_0, T.Q4_1) if VNNI else ()) or cols % 64:
+            if qtype not in INT8_TYPES or cols % (64 if VNNI else 32):
                 continue
             with int8_activations_on(k) as on:
                 got = k.linear(x, packed, bias) if on else None
@@ -381,15 +382,15 @@ def test_bundled_model_as_blocks_matches_fp32(tmp_path: Path) -> None:
 
 
 def test_bundled_model_with_int8_activations_scores_as_fp32() -> None:
-    """MINISGL_INT8_ACTIVATIONS=1: the bundled model scoring this repository's docs has the fp32
-    model's mean log-likelihood within 1%; each token's logprob moves ~0.07 on average (enough
-    to swap near-tied greedy choices, not the model's quality). AVX-512 VNNI only: with AVX2
-    the Q4_1 blocks stay fp32 (the tiny Qwen3 below checks the K-quants' path end to end)."""
-    if not VNNI:
-        pytest.skip("no AVX-512 VNNI on this CPU: the bundled Q4_1 keeps fp32 activations")
+    """MINISGL_INT8_ACTIVATIONS=1: the bundled model (Q4_1 layers, a Q8_0 head) scoring this
+    repository's docs has the fp32 model's mean log-likelihood within 1%; each token's logprob
+    moves ~0.07 on average (enough to swap near-tied greedy choices, not the model's quality)."""
+    with int8_activations_on(kernels()) as on:
+        if not on:
+            pytest.skip("no AVX2 on this CPU: the int8 path cannot run")
     root = Path(__file__).resolve().parents[1]
     texts = (root / "docs" / "architecture.md").read_text().split("\n\n")
-    texts = [p for p in texts if 400 < len(p) < 2000][:6]
+    texts = [p for p in texts if 400 < len(p) < 2000][:3]
     logprobs = {}
     for int8 in (True, False):
         switch = int8_activations_on(kernels()) if int8 else contextlib.nullcontext()
@@ -397,7 +398,7 @@ def test_bundled_model_with_int8_activations_scores_as_fp32() -> None:
             scored = llm.generate(texts, SamplingParams(max_tokens=1, prompt_logprobs=0))
         logprobs[int8] = np.array([p.logprob for out in scored for p in out.prompt_logprobs if p])
     int8, fp32 = logprobs[True], logprobs[False]
-    assert len(int8) == len(fp32) > 1000
+    assert len(int8) == len(fp32) > 500
     assert abs(int8.mean() - fp32.mean()) < 0.01 * abs(fp32.mean())
     assert 0 < np.abs(int8 - fp32).mean() < 0.15
 

@@ -12,7 +12,7 @@ import json
 import httpx
 import pytest
 
-from tests.server_utils import ServerProcess, require_default_model, running_server
+from tests.server_utils import ServerProcess
 
 REQUEST_TIMEOUT_S = 120.0
 PROMPT = "The history of the city of Paris began"
@@ -20,10 +20,8 @@ MAX_NEW_TOKENS = 6
 
 
 @pytest.fixture(scope="module")
-def server():
-    require_default_model()
-    with running_server() as srv:
-        yield srv
+def server(default_server: ServerProcess) -> ServerProcess:
+    return default_server
 
 
 def post(server: ServerProcess, path: str, body: dict) -> httpx.Response:

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 OFFLINE = ROOT / "benchmark" / "offline"
 TIMEOUT_S = 300
@@ -148,6 +150,14 @@ def test_profile_steps_refuses_a_matrix(tiny_qwen3):
 def test_profile_decode_prints_its_table(tiny_qwen3):
     args = ("--batch-sizes", "1,2", "--context-len", "8", "--steps", "2")
     assert "| **step** |" in run_script("profile_decode.py", tiny_qwen3, *args, workload=())
+
+
+def test_int8_step_ab_prints_both_shapes(tiny_qwen3):
+    if " avx2" not in Path("/proc/cpuinfo").read_text():
+        pytest.skip("no AVX2: no int8 path to compare")
+    args = ("--prefill-tokens", "20", "--context-len", "8", "--steps", "1")
+    out = run_script("int8_step_ab.py", tiny_qwen3, *args, workload=())
+    assert "prefill 20 tokens (20): fp32 best" in out and "decode batch 1 (1): fp32 best" in out
 
 
 def test_decode_floor_prints_its_shares(tiny_qwen3):

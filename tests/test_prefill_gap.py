@@ -12,12 +12,11 @@ import random
 import statistics
 import threading
 import time
-from collections.abc import Iterator
 
 import httpx
 import pytest
 
-from tests.server_utils import ServerProcess, require_default_model, running_server
+from tests.server_utils import ServerProcess
 
 REQUEST_TIMEOUT_S = 300.0
 LONG_PROMPT_LEN = 1000  # of the test servers' 1024
@@ -30,10 +29,8 @@ POLL_S = 0.05
 
 
 @pytest.fixture(scope="module")
-def server() -> Iterator[ServerProcess]:
-    require_default_model()
-    with running_server() as srv:
-        yield srv
+def server(default_server: ServerProcess) -> ServerProcess:
+    return default_server
 
 
 def _body(ids: list[int], max_tokens: int, stream: bool) -> dict:

@@ -25,8 +25,6 @@ from transformers import AutoTokenizer
 from tests.server_utils import (
     ServerProcess,
     openai_client,
-    require_default_model,
-    running_server,
     start_server,
     wait_idle,
 )
@@ -96,10 +94,8 @@ TOOL_SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
 
 
 @pytest.fixture(scope="module")
-def server():
-    require_default_model()  # a missing or broken bundled model fails here, loudly
-    with running_server("--tool-call-parser", "hermes") as srv:
-        yield srv
+def server(hermes_server: ServerProcess) -> ServerProcess:
+    return hermes_server  # a missing or broken bundled model fails there, loudly
 
 
 @pytest.fixture(scope="module")

@@ -29,8 +29,9 @@ Every figure is the median over rounds, with minisgl / llama.cpp beside it.
 layer's projections and the LM head, as minisgl merges them), one thread, process CPU time
 (steady under other load), best of 5, per GGUF type; with fp32 activations and, alternating
 pass by pass where the CPU has it, int8 ones (MINISGL_INT8_ACTIVATIONS=1). `--int8-ab --gguf
-FILE` decodes offline at batch 1 with fp32 and int8 activations alternating (--rounds), then
-prints how far greedy tokens agree and how much the docs' prompt logprobs move.
+FILE` decodes offline at batch 1 and prefills a fresh --prefill-tokens-word prompt with fp32
+and int8 activations alternating (--rounds), then prints how far greedy tokens agree and how
+much the docs' prompt logprobs move.
 """
 
 from __future__ import annotations
@@ -364,9 +365,10 @@ def kernel_times(gguf: Path, batches: list[int]) -> None:
     kernels.set_int8_activations(False)
 
 
-def int8_ab(gguf: Path, rounds: int, decode_tokens: int) -> None:
-    """Offline batch-1 decode with fp32 and int8 activations, alternating in one process (the
-    switch is process-wide), then what int8 changes: greedy tokens and prompt logprobs."""
+def int8_ab(gguf: Path, rounds: int, decode_tokens: int, prefill_words: int) -> None:
+    """Offline batch-1 decode and a fresh prefill of `prefill_words` words, with fp32 and int8
+    activations alternating in one process (the switch is process-wide), then what int8
+    changes: greedy tokens and prompt logprobs."""
     from minisgl.core import SamplingParams
     from minisgl.kernels import cpu
     from minisgl.llm import LLM
@@ -378,11 +380,16 @@ def int8_ab(gguf: Path, rounds: int, decode_tokens: int) -> None:
     texts = (REPO / "docs" / "architecture.md").read_text().split("\n\n")
     texts = [p for p in texts if 400 < len(p) < 2000][:6]
     rates: dict[str, list[float]] = defaultdict(list)
+    prefills: dict[str, list[float]] = defaultdict(list)
     tokens, logprobs = {}, {}
     with LLM(str(gguf)) as llm:
-        for _ in range(rounds):
+        for r in range(rounds):
             for path in ("fp32", "int8"):
                 kernels.set_int8_activations(path == "int8")
+                llm.scheduler.flush_cache()
+                start = time.perf_counter()
+                llm.generate([long_prompt(prefill_words, seed=1000 + r)], first)
+                prefills[path].append(time.perf_counter() - start)
                 llm.scheduler.flush_cache()  # both runs prefill the prompt
                 start = time.perf_counter()
                 llm.generate([DECODE_PROMPT], first)
@@ -401,6 +408,10 @@ def int8_ab(gguf: Path, rounds: int, decode_tokens: int) -> None:
     kernels.set_int8_activations(False)
     for path, values in rates.items():
         print(f"{path}: batch-1 decode tok/s per round " + ", ".join(f"{v:.1f}" for v in values))
+        print(
+            f"{path}: {prefill_words}-word prefill s per round "
+            + ", ".join(f"{v:.2f}" for v in prefills[path])
+        )
     pairs = enumerate(zip(tokens["fp32"], tokens["int8"], strict=True))
     same = next((i for i, (a, b) in pairs if a != b), decode_tokens)
     diffs = [abs(a - b) for a, b in zip(logprobs["fp32"], logprobs["int8"], strict=True)]
@@ -434,7 +445,8 @@ def main() -> None:
         kernel_times(args.gguf or default_model_gguf(), [int(b) for b in args.kernels.split(",")])
         return
     if args.int8_ab:
-        int8_ab(args.gguf or default_model_gguf(), args.rounds, args.decode_tokens)
+        gguf = args.gguf or default_model_gguf()
+        int8_ab(gguf, args.rounds, args.decode_tokens, args.prefill_tokens)
         return
     bin_dir = llama_binaries(args.llama_cpp) if args.llama_cpp else None
     specs = args.files.split(",")

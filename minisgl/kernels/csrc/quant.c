@@ -5,9 +5,9 @@
  * common.h). Served as blocks: F32, F16, BF16, Q4_0, Q4_1, Q8_0 (blocks of 32) and Q4_K, Q6_K
  * (super-blocks of 256); the loader dequantizes every other type (minisgl/kernels/weights.py).
  *
- * Asked for (MINISGL_INT8_ACTIVATIONS=1), Q4_K, Q6_K and Q8_0 rows (with AVX-512 VNNI Q4_0 and
- * Q4_1 too) take the int8 path of quant_int8.c instead: activations quantized to int8 and integer
- * dot products, llama.cpp's numerics (its header says why that is not the default; past 64 rows,
+ * Asked for (MINISGL_INT8_ACTIVATIONS=1, AVX2), Q4_0, Q4_1, Q8_0, Q4_K and Q6_K rows take the
+ * int8 path of quant_int8.c instead: activations quantized to int8 and integer dot products,
+ * llama.cpp's numerics (its header says why that is not the default; past 64 rows,
  * i.e. prefill, mg_linear rounds the activations to their int8 values and multiplies by the fp32
  * panels below, the same result up to rounding). Everything else (and everything by default) is
  * decoded to fp32 (gguf's dequantize, up to a fused multiply-add's rounding) and multiplied with

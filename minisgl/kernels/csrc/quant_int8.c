@@ -9,19 +9,20 @@
  *   the inverse of that factor, and the sums of every 16 codes (for the weights' offsets).
  * Rounding is to the nearest code, ties to even, as llama.cpp's.
  *
- * With AVX2 (section "AVX2"): Q4_K, Q6_K and Q8_0 rows, byte products by vpmaddubsw (unsigned
- * times signed bytes, pairs added into int16) and vpmaddwd (int16 pairs times the block scales
- * into int32), as llama.cpp's AVX2 kernels do. With AVX-512 VNNI (section "AVX-512 VNNI"):
- * Q4_0, Q4_1 and Q8_0 rows by vpdpbusd; K-quants there take the AVX2 kernels. The AVX2 kernels
- * run at every batch size up to INT8_MAX_ROWS (and past it in the fused decode stack); each
- * activation row's sum in one order whatever its batch mates.
+ * With AVX2 (section "AVX2"): Q4_0, Q4_1, Q8_0, Q4_K and Q6_K rows, byte products by vpmaddubsw
+ * (unsigned times signed bytes, pairs added into int16) and vpmaddwd (int16 pairs times the
+ * block scales, or ones, into int32), as llama.cpp's AVX2 kernels do. With AVX-512 VNNI
+ * (section "AVX-512 VNNI"): Q4_0, Q4_1 and Q8_0 rows by vpdpbusd; K-quants there take the AVX2
+ * kernels. The AVX2 kernels run at every batch size up to INT8_MAX_ROWS (and past it in the
+ * fused decode stack); each activation row's sum in one order whatever its batch mates.
  *
  * Prefill: mg_linear past INT8_MAX_ROWS rows rounds x to its int8 values (codes times dx, per
  * the weight's blocks: quant_round_x) and multiplies by quant.c's fp32 panels, faster there and
  * the same result up to float rounding, so a prompt's cached prefill and its decoding see one
- * model. Not the default: quantizing x amplifies the last-bit differences between the prefill
- * and decode paths (another attention kernel, another summation order) into visibly different
- * logprobs, so the same request could answer otherwise once its prompt is cached (RESULTS.md). */
+ * model. Not the default (RESULTS.md, sections 32 and 39): the model served is then no longer
+ * the fp32 dequantized one (logprobs move ~0.07 a token), prompts gain nothing, and quantizing x
+ * amplifies the last-bit differences between the prefill and decode paths (another attention
+ * kernel, another summation order) into visibly different logprobs. */
 #include <stdlib.h>
 
 #include "quant.h"
@@ -284,21 +285,25 @@ static int vnni_range(const linear_args* a, int64_t begin, int64_t end) {
 #endif
 
 /* ---- AVX2 --------------------------------------------------------------------------------------
- * Q4_K and Q6_K rows times x per 256 (vec_dot_q4_K_q8_K / q6_K_q8_K), Q8_0 rows times x per 32
- * (vec_dot_q8_0_q8_0). A K-quant super-block is read in registers (unsigned codes, int16 scales
- * spread by byte shuffles) and met by up to KQ_ROWS activation rows: per 32 elements one
- * vpmaddubsw (codes times x's codes, pairs added) and one vpmaddwd (times the scales, pairs
- * added) into an int32 sum per super-block, scaled once by d * dx. The weights' offsets (Q4_K's
- * mins, Q6_K's -32) multiply x's sums of 16 codes: one vpmaddwd per super-block. Q8_0's signed
- * weights take vpmaddubsw as |w| times x with w's sign (vpsignb), one float multiply-add per
- * block. Every activation row's sum adds in one order whatever its batch mates. */
+ * Q4_K and Q6_K rows times x per 256 (vec_dot_q4_K_q8_K / q6_K_q8_K), Q4_0, Q4_1 and Q8_0 rows
+ * times x per 32 (vec_dot_q4_0_q8_0 / q4_1_q8_1 / q8_0_q8_0). A K-quant super-block is read in
+ * registers (unsigned codes, int16 scales spread by byte shuffles) and met by up to KQ_ROWS
+ * activation rows: per 32 elements one vpmaddubsw (codes times x's codes, pairs added) and one
+ * vpmaddwd (times the scales, pairs added) into an int32 sum per super-block, scaled once by
+ * d * dx. The weights' offsets (Q4_K's mins, Q6_K's -32) multiply x's sums of 16 codes: one
+ * vpmaddwd per super-block. Q8_0's and Q4_0's signed codes take vpmaddubsw as |w| times x with
+ * w's sign (vpsignb), Q4_1's unsigned nibbles as they are (its offset m times x's block sum, a
+ * scalar FMA), one float multiply-add per block. Every activation row's sum adds in one order
+ * whatever its batch mates. */
 #if INT8_AVX2
 /* x quantized per block (QK or QK_K elements), row-major: codes [M, K], dx [M, K / block], and
- * (per QK_K only) the sums of every 16 codes [M, K / 16]. */
+ * per QK_K the sums of every 16 codes [M, K / 16] (the K-quants' offsets), per QK each block's
+ * dx times its sum of codes [M, K / QK] (Q4_1's: llama.cpp's q8_1 keeps it in the block). */
 typedef struct {
     const int8_t* codes;
     const float* scales;
     const int16_t* sums;
+    const float* block_sums;
 } xcodes;
 
 /* x[0..n) (n a multiple of 32) as codes; returns their scale dx. q8_K: codes round(x * f),
@@ -333,20 +338,26 @@ static xcodes quantized_x_avx2(const linear_args* a, int64_t block) {
     const int64_t bytes = M * K + M * (K / block) * (int64_t)sizeof(float) + M * (K / 16) * 2;
     int fresh;
     char* buffer = x_scratch(a, bytes, &fresh);
-    if (!buffer) return (xcodes){0, 0, 0};
+    if (!buffer) return (xcodes){0, 0, 0, 0};
     int8_t* codes = (int8_t*)buffer;
     float* scales = (float*)(buffer + M * K);
     int16_t* sums = (int16_t*)(scales + M * (K / block));
+    float* block_sums = (float*)sums; /* (as many bytes: one or the other) */
     for (int64_t m = 0; fresh && m < M; m++)
-        for (int64_t b = 0; b < K / block; b++)
-            scales[m * (K / block) + b] = quantize_avx2(a->x + m * a->ldx + b * block, block,
-                                                        block == QK_K, codes + m * K + b * block);
+        for (int64_t b = 0; b < K / block; b++) {
+            const int64_t at = m * (K / block) + b;
+            int8_t* c = codes + m * K + b * block;
+            scales[at] = quantize_avx2(a->x + m * a->ldx + b * block, block, block == QK_K, c);
+            int sum = 0;
+            for (int e = 0; block == QK && e < QK; e++) sum += c[e];
+            if (block == QK) block_sums[at] = scales[at] * (float)sum;
+        }
     for (int64_t g = 0; fresh && block == QK_K && g < M * K / 16; g++) {
         int sum = 0;
         for (int e = 0; e < 16; e++) sum += codes[16 * g + e];
         sums[g] = (int16_t)sum;
     }
-    return (xcodes){codes, scales, sums};
+    return (xcodes){codes, scales, sums, block_sums};
 }
 
 /* A Q4_K or Q6_K super-block's dot with 256 codes x (sums: x's 16-code sums) is d dx (sum of
@@ -469,17 +480,17 @@ static inline float hsum_avx2(__m256 v) {
 /* How far ahead of the super-block being read the weights are prefetched: weight rows lie back
  * to back, one stream per thread, and the hardware prefetcher alone left a batch-1 row waiting
  * on memory (RESULTS.md, "K-quant int8 kernels at batch 1"). */
-#define KQ_PREFETCH_BYTES 4096
+#define PREFETCH_AHEAD_BYTES 4096
 #define Q4_K_BYTES (4 + 12 + QK_K / 2)
 #define Q6_K_BYTES (QK_K / 2 + QK_K / 4 + QK_K / 16 + 2)
 
-/* Prefetches the weights KQ_PREFETCH_BYTES past a block of `bytes` (successive blocks' lines
+/* Prefetches the weights PREFETCH_AHEAD_BYTES past a block of `bytes` (successive blocks' lines
  * 64 bytes apart or closer: every line of the stream). Always inlined: gcc deems a function of
  * prefetches alone free of effects and drops the calls. */
 static inline __attribute__((always_inline)) void prefetch_ahead(const uint8_t* block,
                                                                  const int bytes) {
     for (int at = 0; at < bytes; at += 64)
-        _mm_prefetch((const char*)block + KQ_PREFETCH_BYTES + at, _MM_HINT_T0);
+        _mm_prefetch((const char*)block + PREFETCH_AHEAD_BYTES + at, _MM_HINT_T0);
 }
 
 /* out[r] = dot(K-quant row src, activation row r of x) for r < R <= KQ_ROWS. */
@@ -517,57 +528,92 @@ static void kquant_rows(int64_t type, const uint8_t* src, int64_t K, const xcode
     }
 }
 
-/* Q8_0 rows meet activation rows Q8_0_ROWS at a time, their accumulators in registers (with
- * all R rows in memory, 30% slower than fp32 activations at 8 rows). */
-#define Q8_0_ROWS 4
-/* acc[r] plus the dot of Q8_0 block b (at `block`) with block b of activation row r, r < R. The
- * signed weights meet vpmaddubsw as |w| times x with w's sign. */
-static inline __attribute__((always_inline)) void q8_0_block(const uint8_t* block, int64_t b,
-                                                             const int8_t* codes,
-                                                             const float* scales, int64_t K,
-                                                             const int R, __m256* acc) {
-    const __m256i w = _mm256_loadu_si256((const __m256i*)(block + 2));
-    const __m256i magnitude = _mm256_abs_epi8(w); /* |w| <= 128: no overflow */
-    const float dw = load_half(block);
+/* Rows of 32-element blocks (Q4_0, Q4_1, Q8_0) meet activation rows B32_ROWS at a time, their
+ * accumulators in registers (with all R rows in memory, Q8_0 was 30% slower than fp32
+ * activations at 8 rows). */
+#define B32_ROWS 4
+#define Q4_0_BYTES (2 + QK / 2)
+#define Q4_1_BYTES (4 + QK / 2)
+#define Q8_0_BYTES (2 + QK)
+
+/* 16 bytes of nibbles as 32 codes 0..15 in element order (element j < 16: the low nibble of
+ * byte j, element j + 16 its high nibble). */
+static inline __m256i nibbles_avx2(const uint8_t* q) {
+    const __m128i b = _mm_loadu_si128((const __m128i*)q);
+    return _mm256_set_m128i(_mm_srli_epi16(b, 4), b) & _mm256_set1_epi8(15);
+}
+
+/* acc[r] plus the dot of block b (at `block`, of `type`) with block b of activation row r,
+ * r < R; Q4_1's offsets m (w = d q + m) into off[r], as m times x's block sum. Q8_0's and
+ * Q4_0's signed codes (Q4_0's nibbles - 8) meet vpmaddubsw as |w| times x with w's sign; Q4_1's
+ * unsigned nibbles as they are. */
+static inline __attribute__((always_inline)) void block32(const int type, const uint8_t* block,
+                                                          int64_t b, const xcodes* x, int64_t K,
+                                                          const int R, __m256* acc, float* off) {
+    const float dw = load_half(block), m = type == GGUF_Q4_1 ? load_half(block + 2) : 0.0f;
+    __m256i w;
+    if (type == GGUF_Q8_0)
+        w = _mm256_loadu_si256((const __m256i*)(block + 2));
+    else if (type == GGUF_Q4_0)
+        w = _mm256_sub_epi8(nibbles_avx2(block + 2), _mm256_set1_epi8(8));
+    else
+        w = nibbles_avx2(block + 4);
+    const __m256i magnitude = type == GGUF_Q4_1 ? w : _mm256_abs_epi8(w); /* |w| <= 128 */
     for (int r = 0; r < R; r++) {
-        const __m256i xs = _mm256_sign_epi8(
-            _mm256_loadu_si256((const __m256i*)(codes + r * K + b * QK)), w);
+        __m256i xs = _mm256_loadu_si256((const __m256i*)(x->codes + r * K + b * QK));
+        if (type != GGUF_Q4_1) xs = _mm256_sign_epi8(xs, w);
         const __m256i dot =
             _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, xs), _mm256_set1_epi16(1));
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot),
-                                 _mm256_set1_ps(dw * scales[r * (K / QK) + b]), acc[r]);
+        const float dx = x->scales[r * (K / QK) + b];
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(dw * dx), acc[r]);
+        if (type == GGUF_Q4_1) off[r] = fmaf(m, x->block_sums[r * (K / QK) + b], off[r]);
     }
 }
-/* out[r] = dot(Q8_0 row src, activation row m0 + r) for r < R <= Q8_0_ROWS: each block loaded
- * once for the R rows, two accumulators per row (even and odd blocks: the FMA latency would
- * bound one). */
-static inline __attribute__((always_inline)) void q8_0_rows_r(const uint8_t* src, int64_t K,
-                                                              const xcodes* x, int64_t m0,
-                                                              const int R, float* out) {
-    const int64_t blocks = K / QK, bytes = 2 + QK;
-    const int8_t* codes = x->codes + m0 * K;
-    const float* scales = x->scales + m0 * blocks;
-    __m256 even[Q8_0_ROWS], odd[Q8_0_ROWS];
-    for (int r = 0; r < R; r++) even[r] = odd[r] = _mm256_setzero_ps();
+/* out[r] = dot(row src of `type`, activation row r of x) for r < R <= B32_ROWS: each block
+ * loaded once for the R rows, two accumulators per row (even and odd blocks: the FMA latency
+ * would bound one), the weight stream prefetched a pair of blocks at a time. */
+static inline __attribute__((always_inline)) void block32_rows_r(const int type,
+                                                                 const uint8_t* src, int64_t K,
+                                                                 const xcodes* x, const int R,
+                                                                 float* out) {
+    const int bytes = type == GGUF_Q8_0 ? Q8_0_BYTES : type == GGUF_Q4_0 ? Q4_0_BYTES
+                                                                        : Q4_1_BYTES;
+    const int64_t blocks = K / QK;
+    __m256 even[B32_ROWS], odd[B32_ROWS];
+    float off[B32_ROWS];
+    for (int r = 0; r < R; r++) even[r] = odd[r] = _mm256_setzero_ps(), off[r] = 0.0f;
     int64_t b = 0;
     for (; b + 2 <= blocks; b += 2) {
-        q8_0_block(src + b * bytes, b, codes, scales, K, R, even);
-        q8_0_block(src + (b + 1) * bytes, b + 1, codes, scales, K, R, odd);
+        prefetch_ahead(src + b * bytes, 2 * bytes);
+        block32(type, src + b * bytes, b, x, K, R, even, off);
+        block32(type, src + (b + 1) * bytes, b + 1, x, K, R, odd, off);
     }
-    if (b < blocks) q8_0_block(src + b * bytes, b, codes, scales, K, R, even);
-    for (int r = 0; r < R; r++) out[r] = hsum_avx2(even[r] + odd[r]);
+    if (b < blocks) block32(type, src + b * bytes, b, x, K, R, even, off);
+    for (int r = 0; r < R; r++) out[r] = hsum_avx2(even[r] + odd[r]) + off[r];
 }
-/* The same for any R (out[r] for r < R), Q8_0_ROWS at a time. */
-static void q8_0_rows(const uint8_t* src, int64_t K, const xcodes* x, int64_t m0, int64_t R,
-                      float* out) {
-    for (int64_t r = 0; r < R; r += Q8_0_ROWS) {
-        switch (min64(Q8_0_ROWS, R - r)) {
-        case 1: q8_0_rows_r(src, K, x, m0 + r, 1, out + r); break;
-        case 2: q8_0_rows_r(src, K, x, m0 + r, 2, out + r); break;
-        case 3: q8_0_rows_r(src, K, x, m0 + r, 3, out + r); break;
-        default: q8_0_rows_r(src, K, x, m0 + r, 4, out + r);
+/* The same for activation rows m0 .. m0 + R - 1 (any R), B32_ROWS at a time. */
+static void block32_rows(int64_t type, const uint8_t* src, int64_t K, const xcodes* x,
+                         int64_t m0, int64_t R, float* out) {
+#define ROWS_OF(t)                                                                               \
+    switch (min64(B32_ROWS, R - r)) {                                                           \
+    case 1: block32_rows_r(t, src, K, &rows, 1, out + r); break;                                \
+    case 2: block32_rows_r(t, src, K, &rows, 2, out + r); break;                                \
+    case 3: block32_rows_r(t, src, K, &rows, 3, out + r); break;                                \
+    default: block32_rows_r(t, src, K, &rows, 4, out + r);                                      \
+    }
+    for (int64_t r = 0; r < R; r += B32_ROWS) {
+        const int64_t m = m0 + r;
+        const xcodes rows = {x->codes + m * K, x->scales + m * (K / QK), 0,
+                             x->block_sums + m * (K / QK)};
+        if (type == GGUF_Q8_0) {
+            ROWS_OF(GGUF_Q8_0)
+        } else if (type == GGUF_Q4_0) {
+            ROWS_OF(GGUF_Q4_0)
+        } else {
+            ROWS_OF(GGUF_Q4_1)
         }
     }
+#undef ROWS_OF
 }
 
 #define AVX2_ROWS 16 /* activation rows per call of the row kernels (their outputs on the stack) */
@@ -590,7 +636,7 @@ static int avx2_range(const linear_args* a, int64_t begin, int64_t end) {
                 if (q8_k)
                     kquant_rows(types[i], src[i], a->K, &x, m0, R, out);
                 else
-                    q8_0_rows(src[i], a->K, &x, m0, R, out);
+                    block32_rows(types[i], src[i], a->K, &x, m0, R, out);
                 for (int64_t r = 0; r < R; r++)
                     a->y[(m0 + r) * a->ldy + n] = out[r] + (a->bias ? a->bias[n] : 0.0f);
             }
@@ -620,7 +666,7 @@ static int x_kind(const linear_args* a) {
     for (int64_t s = 0; s < a->w->num_segments; s++) {
         const int64_t t = a->w->types[s];
         k_quants &= t == GGUF_Q4_K || t == GGUF_Q6_K;
-        blocks &= t == GGUF_Q8_0 || (INT8_VNNI && (t == GGUF_Q4_0 || t == GGUF_Q4_1));
+        blocks &= t == GGUF_Q8_0 || t == GGUF_Q4_0 || t == GGUF_Q4_1;
     }
     if (k_quants) return X_Q8_K; /* (K is a multiple of 256) */
     return blocks && a->K % (INT8_VNNI ? 64 : 32) == 0 ? X_Q8_0 : X_FP32;
