@@ -1,7 +1,7 @@
-"""Real client packages against a real server started with default flags: LangChain, the OpenAI
-Agents SDK (Chat Completions and Responses models), instructor, litellm's wire calls, Anthropic's
-SDK, lm-evaluation-harness's scoring request, and `tools: []` on every dialect
-(the terminal shell: tests/test_runtime_deps.py).
+"""Real client packages against a real server started with default flags: LangChain (chat and
+embeddings), the OpenAI Agents SDK (Chat Completions and Responses models), instructor,
+litellm's wire calls, Anthropic's SDK, lm-evaluation-harness's scoring request, and
+`tools: []` on every dialect (the terminal shell: tests/test_runtime_deps.py).
 
 The oracles: each client's own parsing (LangChain's AIMessage.tool_calls and pydantic
 structured output, the Agents SDK running our tool, Anthropic's Message model), jsonschema for
@@ -117,8 +117,9 @@ def test_instructor_response_model(server: ServerProcess) -> None:
 def test_litellm_wire_calls(server: ServerProcess) -> None:
     """litellm (44 MB, not in the test extra) through its `openai/` and `hosted_vllm/`
     providers: the bodies below are what litellm 1.110 sent, captured from a run of it (model,
-    messages, max_tokens, tools; no tool_choice), read back with the OpenAI SDK's models."""
-    from openai.types import Completion
+    messages, max_tokens, tools; no tool_choice; `embedding`'s model and input), read back with
+    the OpenAI SDK's models."""
+    from openai.types import Completion, CreateEmbeddingResponse
     from openai.types.chat import ChatCompletion
 
     history = [
@@ -149,6 +150,37 @@ def test_litellm_wire_calls(server: ServerProcess) -> None:
     reply = httpx.post(server.url + "/v1/completions", json=body, timeout=TIMEOUT_S)
     assert reply.status_code == 200, reply.text
     assert Completion.model_validate(reply.json()).choices[0].text is not None
+    # litellm.embedding sends no encoding_format: floats come back (its own parsing reads those)
+    body = {"model": MODEL, "input": ["The history of Paris", "Embeddings"]}
+    reply = httpx.post(server.url + "/v1/embeddings", json=body, timeout=TIMEOUT_S)
+    assert reply.status_code == 200, reply.text
+    vectors = [item.embedding for item in CreateEmbeddingResponse.model_validate(reply.json()).data]
+    assert len(vectors) == 2 and torch.allclose(torch.tensor(vectors).norm(dim=1), torch.ones(2))
+
+
+def test_langchain_embeddings(server: ServerProcess) -> None:
+    """LangChain's OpenAIEmbeddings as its docs configure it for other providers
+    (`check_embedding_ctx_length=False`: text on the wire, not OpenAI's tiktoken ids): its
+    vectors are the openai SDK's, documents batched and a query alone."""
+    import openai
+    from langchain_openai import OpenAIEmbeddings
+
+    texts = ["The history of the city of Paris began", "Embeddings", "go go go " * 40]
+    embeddings = OpenAIEmbeddings(
+        base_url=server.url + "/v1",
+        api_key="unused",
+        model=MODEL,
+        check_embedding_ctx_length=False,
+        chunk_size=2,  # two requests
+    )
+    documents = torch.tensor(embeddings.embed_documents(texts))
+    query = torch.tensor(embeddings.embed_query(texts[1]))
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused")
+    reply = client.embeddings.create(model=MODEL, input=texts, encoding_format="float")
+    expected = torch.tensor([d.embedding for d in reply.data])
+    assert documents.shape == expected.shape
+    assert torch.allclose(documents, expected, atol=1e-5)
+    assert torch.allclose(query, expected[1], atol=1e-5)
 
 
 def test_openai_agents_sdk_with_and_without_tools(server: ServerProcess) -> None:
