@@ -18,6 +18,7 @@ from typing import Any
 
 import psutil
 import pytest
+import torch
 
 from minisgl.core import SamplingParams
 from minisgl.distributed import free_loopback_addr, get_tp_info
@@ -122,12 +123,15 @@ def test_tp2_matches_tp1(tiny_models, arch: str, page_size: int) -> None:
 
 
 def test_tp2_with_one_kv_head(kv1_model: Path) -> None:
-    reference = _reference(kv1_model)
+    """tp 2 with a replicated KV head: outputs and embeddings (pooled across chunks) as tp 1's."""
+    with LLM(str(kv1_model), **OPTIONS) as llm:
+        reference, vectors = _run(llm), torch.tensor(llm.embed(PROMPTS))
     with LLM(str(kv1_model), tp_size=2, **OPTIONS) as llm:
         pids = llm.scheduler.tp.follower_pids  # type: ignore[union-attr]
         attn: Any = llm.scheduler.engine.model.model.layers[0].self_attn
         assert (attn.num_heads, attn.num_kv_heads) == (2, 1)
         _assert_same(_run(llm), reference)
+        assert torch.allclose(torch.tensor(llm.embed(PROMPTS)), vectors, atol=1e-5)
         llm.check_page_accounting()
     _assert_gone(pids)
 
