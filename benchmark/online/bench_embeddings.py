@@ -4,17 +4,18 @@
 
 Both servers run at once on the same file (the bundled SmolLM2-135M Q4_1 by default): minisgl
 with its defaults (`--model FILE`: mean pooling, L2-normalised), llama.cpp with `--embedding
---pooling mean -t T -tb T -np BATCH` (its /v1/embeddings normalises too). Each round sends each
-server, alternating, --requests requests of --batch inputs of --tokens random token ids (the
-same ids for both, new ones every round: no prefix is reused) one request at a time, and prints
-inputs per second. Before timing, both servers embed the same inputs: the smallest cosine
-similarity between their vectors says they compute the same thing (llama.cpp as the oracle).
-The table gives the median over rounds.
+--pooling mean -t T -tb T -np BATCH` (a slot per input; its /v1/embeddings normalises too).
+Each round sends each server, alternating, --requests requests of --batch inputs of --tokens
+random token ids (the same ids for both, new ones every round: no prefix is reused) one
+request at a time, and prints inputs per second. Before timing, both servers embed the same
+inputs: the smallest cosine similarity between their vectors says they compute the same thing
+(llama.cpp as the oracle). The table gives the median over rounds.
 """
 
 import argparse
 import os
 import random
+import shlex
 import statistics
 import sys
 import tempfile
@@ -41,8 +42,8 @@ def servers(args: argparse.Namespace, bin_dir: Path) -> dict[str, list[str]]:
     minisgl = [sys.executable, "-m", "minisgl.server", "--model", str(args.gguf)]
     llama = [str(bin_dir / "llama-server"), "-m", str(args.gguf), "--embedding"]
     llama += ["--pooling", "mean", "-t", threads, "-tb", threads, "-np", str(args.batch)]
-    # every slot holds one input; one micro-batch holds a whole input, as pooling needs
-    llama += ["-c", str(args.batch * (args.tokens + 16)), "--kv-unified"]
+    # a slot (its own KV stream: a unified cache would attend over every slot's cells) per input
+    llama += ["-c", str(args.batch * (args.tokens + 16)), *shlex.split(args.llama_args)]
     return {
         "minisgl": [*minisgl, "--port", str(args.port)],
         "llama.cpp": [*llama, "--port", str(args.port + 1)],
@@ -67,6 +68,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--port", type=int, default=19720, help="first of two ports")
+    p.add_argument("--llama-args", default="", help='more llama-server flags, e.g. "-ub 2048"')
     args = p.parse_args()
     args.gguf = args.gguf or default_model_gguf()
     os.environ["OMP_NUM_THREADS"] = str(args.threads)
