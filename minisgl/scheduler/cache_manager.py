@@ -12,7 +12,7 @@ import torch
 
 from minisgl.core import Req
 from minisgl.engine.tables import DeviceTables
-from minisgl.kvcache import create_prefix_cache
+from minisgl.kvcache.radix import NaiveCache, RadixCache
 
 
 class FreeList:
@@ -45,7 +45,8 @@ class CacheManager:
     ) -> None:
         self.page_size = page_size
         self.allocator = FreeList(num_pages)  # pages
-        self.prefix_cache = create_prefix_cache(cache_type, page_size)
+        # --cache-type: radix shares prefixes, naive keeps nothing (ServerArgs checked the name)
+        self.prefix_cache = (NaiveCache if cache_type == "naive" else RadixCache)(page_size)
         self.tables = tables
         self.rows = FreeList(tables.num_rows)
         self._page_offsets = np.arange(page_size, dtype=np.int64)
