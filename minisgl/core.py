@@ -324,7 +324,7 @@ class Req:
     drafts: list[int] = field(default_factory=list)
     drafter: NgramDrafter | None = None
     num_retractions: int = 0
-    pooled: Any = None  # embedding requests: their chunks' pooled states summed (a tensor)
+    pooled: Any = 0  # embedding requests: their chunks' pooled states summed (a tensor)
     finish_reason: FinishReason | None = None
     arrival_time: float = 0.0
 

@@ -34,15 +34,12 @@ class Pooling:
         has none, so such a prompt is computed whole (its pages are still cached after)."""
         return self.mode != "last"
 
-    def chunk_rows(self, start: int, prefix_len: int, extend_len: int, prompt_len: int) -> range:
-        """The rows whose states this pooling adds up, of a prompt chunk at a batch's rows
-        [start, start + extend_len) (its positions [prefix_len, prefix_len + extend_len))."""
-        end = start + extend_len
-        if self.mode == "mean":
-            return range(start, end)
-        if self.mode == "cls":
-            return range(start, start + int(prefix_len == 0))
-        return range(end - int(prefix_len + extend_len == prompt_len), end)
+    def positions(self, prompt_len: int, start: int, end: int) -> range:
+        """Of a prompt chunk's positions [start, end), those whose final states this pooling
+        adds up (mean: all of the prompt's, cls: position 0, last: the prompt's last)."""
+        first = prompt_len - 1 if self.mode == "last" else 0
+        stop = 1 if self.mode == "cls" else prompt_len
+        return range(max(first, start), min(stop, end))
 
 
 def model_pooling(model_dir: Path, mode: str | None = None) -> Pooling:

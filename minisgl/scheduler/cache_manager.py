@@ -92,7 +92,7 @@ class CacheManager:
         if req.scores_prompt or (pooling is not None and pooling.reads_prefix):
             reusable_len = 0
             req.prompt_logprobs.clear()  # retracted mid-prompt: scored again from the start
-            req.pooled = None
+            req.pooled = 0
         match = self.prefix_cache.match_prefix(all_ids[:reusable_len])
         self.prefix_cache.lock(match.handle)
         req.cache_handle = match.handle

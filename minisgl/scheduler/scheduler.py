@@ -197,14 +197,14 @@ class Scheduler:
     def _process(self, batch: ForwardBatch) -> None:
         """A launched batch's results into its requests (its tokens, finishes and releases)."""
         assert batch.pending is not None
-        result = resolved(batch.pending).result()
+        pending = resolved(batch.pending)
+        result = pending.result()
         self.step_costs.observe(batch, batch.launched_s, time.perf_counter())
         with nvtx_range("process", self._is_cuda):
             for index, scored in result.prompt_logprobs.items():
                 batch.reqs[index].prompt_logprobs.extend(scored)
-            for index, part in result.pooled.items():
-                req = batch.reqs[index]
-                req.pooled = part if req.pooled is None else req.pooled + part
+            for index, part in pending.pooled.items():
+                batch.reqs[index].pooled += part
             for req in batch.scored_only:
                 if not req.finished:
                     self._end(req, FinishReason.LENGTH)
