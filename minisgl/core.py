@@ -329,7 +329,7 @@ class Req:
     arrival_time: float = 0.0
 
     def __post_init__(self) -> None:
-        _check(len(self.input_ids) > 0, "prompt", "must not be empty")
+        # (an empty prompt is refused by minisgl.limits.check_request, in Scheduler.add_request)
         self.device_len = self.prompt_len = len(self.input_ids)
 
     @property

@@ -11,9 +11,16 @@ from typing import Any
 from minisgl.limits import InvalidRequestError, ModelLimits, check_token_ids
 
 POOLING_MODES = ("mean", "last", "cls")
-# sentence-transformers' pooling modes (1_Pooling/config.json: `pooling_mode` in 5.x and later,
-# `pooling_mode_<mode>: true` before, "mean_tokens", "cls_token") that minisgl serves
-_SENTENCE_TRANSFORMERS_MODES = {"mean": "mean", "lasttoken": "last", "cls": "cls"}
+# sentence-transformers' pooling modes that minisgl serves, as 1_Pooling/config.json names them:
+# the value of `pooling_mode` in 5.x and later, a `pooling_mode_<mode>: true` flag before
+_SENTENCE_TRANSFORMERS_MODES = {
+    "mean": "mean",
+    "lasttoken": "last",
+    "cls": "cls",
+    "pooling_mode_mean_tokens": "mean",
+    "pooling_mode_lasttoken": "last",
+    "pooling_mode_cls_token": "cls",
+}
 
 
 @dataclass(frozen=True)
@@ -85,9 +92,10 @@ def _sentence_transformers_pooling(model_dir: Path) -> tuple[str, bool] | None:
     config = {}
     if "Pooling" in modules:
         config = json.loads((model_dir / modules["Pooling"] / "config.json").read_text())
-    flagged = [k[len("pooling_mode_") :] for k, v in config.items() if "mode_" in k and v is True]
-    modes = [config.get("pooling_mode"), *flagged]
-    modes = [m.removesuffix("_tokens").removesuffix("_token") for m in modes if m]
+    # the value of `pooling_mode`, or the name of each `pooling_mode_<mode>` flag set
+    modes = [
+        v if k == "pooling_mode" else k for k, v in config.items() if "pooling_mode" in k and v
+    ]
     known = set(modules) <= {"Transformer", "Pooling", "Normalize"} and len(modes) == 1
     mode = _SENTENCE_TRANSFORMERS_MODES.get(modes[0]) if known else None
     if mode is None:

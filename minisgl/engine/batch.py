@@ -46,7 +46,8 @@ class ForwardBatch:
     # Requests that finished while this batch was in flight: their KV goes back once it is done
     release_after: list[Req] = field(default_factory=list)
     # By sequence of an embedding request: the positions of its chunk whose final states it
-    # pools. The engine's forward sets `pooled`, what they add up, for its sample.
+    # pools. The engine's forward sets `pooled`, what they add up: host copies (on CUDA on
+    # their way), to read once the batch's `PendingOutput.result()` has returned.
     pooled_positions: dict[int, range] = field(default_factory=dict)
     pooled: dict[int, torch.Tensor] = field(default_factory=dict)
 
@@ -222,8 +223,6 @@ class PendingOutput:
     scores: TokenScores | None = None  # None: no row wants logprobs
     ready: Any = None  # a torch.cuda.Event (ComputeStream.record_event); None: nothing to wait for
     prompt_scores: PromptScores | None = None
-    # ForwardBatch.pooled's host copies, to read once `result()` has returned
-    pooled: dict[int, torch.Tensor] = field(default_factory=dict)
 
     def result(self) -> ForwardOutput:
         if self.ready is not None:

@@ -245,20 +245,20 @@ class Engine:
             sizes = [len(p) for p in pooled.values()]
             num_logits = len(index) - sum(sizes)
             states = hidden[num_logits:].float().split(sizes)
-            batch.pooled = {seq: s.sum(0) for seq, s in zip(pooled, states, strict=True)}
+            host = self.stream.to_host_async
+            batch.pooled = {seq: host(s.sum(0)) for seq, s in zip(pooled, states, strict=True)}
             return self.model.lm_head.compute_logits(hidden[:num_logits]).float()
 
     def _sample(
         self, batch: ForwardBatch, logits: Tensor, vocab_mask: VocabMask | None
     ) -> PendingOutput:
         num_sampled = len(batch.sampled)
-        pooled = {seq: self.stream.to_host_async(s) for seq, s in batch.pooled.items()}
         scores = None
         if any(batch.num_prompt_scores):  # logits: the sampled rows, then the scored ones
             scores = PromptScores.of(batch, logits[num_sampled:], self.tables)
             logits = logits[:num_sampled]
         if not num_sampled:
-            return PendingOutput([], None, None, self.stream.record_event(), scores, pooled)
+            return PendingOutput([], ready=self.stream.record_event(), prompt_scores=scores)
         params = [p for p in batch.sampling if p is not None]
         if vocab_mask is None and all(map(_PLAIN_GREEDY, params)):
             # The usual benchmark batch: no sampling state to build, the raw logits' argmax.
@@ -289,5 +289,4 @@ class Engine:
             None if token_scores is None else token_scores.map(host),
             self.stream.record_event(),
             scores,
-            pooled,
         )

@@ -112,7 +112,7 @@ class RadixCache:
 
     def lock(self, handle: Any) -> None:
         """Protect the matched prefix (and its ancestors) from eviction."""
-        for node in self._path_to_root(self._as_node(handle)):
+        for node in self._path_to_root(handle):
             if node.lock_ref == 0:
                 self.evictable_size -= len(node.key)
                 self.protected_size += len(node.key)
@@ -121,10 +121,9 @@ class RadixCache:
 
     def unlock(self, handle: Any) -> None:
         """Undo one `lock`."""
-        handle_node = self._as_node(handle)
         # Checked up front so a bad unlock leaves the tree untouched; ancestors' lock_ref >= ours.
-        assert handle_node is self._root or handle_node.lock_ref > 0, "unlock without a lock"
-        for node in self._path_to_root(handle_node):
+        assert handle is self._root or handle.lock_ref > 0, "unlock without a lock"
+        for node in self._path_to_root(handle):
             node.lock_ref -= 1
             if node.lock_ref == 0:
                 self.evictable_size += len(node.key)
@@ -253,12 +252,6 @@ class RadixCache:
         if len(self._lru_heap) > max_len:
             self._lru_heap = [(n.last_access, n.node_id, n) for n in self._evictable_leaves]
             heapq.heapify(self._lru_heap)
-
-    def _as_node(self, handle: Any) -> _Node:
-        if handle is None:
-            return self._root
-        assert isinstance(handle, _Node), f"not a RadixCache handle: {handle!r}"
-        return handle
 
     def _path_to_root(self, node: _Node) -> Iterator[_Node]:
         """`node` and its ancestors, root excluded (it holds no tokens and is never locked)."""

@@ -62,11 +62,6 @@ class CacheManager:
         """Pages obtainable now: free ones plus what the prefix cache could evict."""
         return self.allocator.num_free + self.prefix_cache.evictable_size // self.page_size
 
-    @property
-    def num_used_pages(self) -> int:
-        """Pages holding KV of running requests or of locked cache entries."""
-        return self.num_total_pages - self.num_available_pages
-
     def check_page_accounting(self, live: Iterable[Req]) -> None:
         owned = sum(len(r.page_ids) - r.cache_matched_len // self.page_size for r in live)
         cached = self.prefix_cache.total_size // self.page_size

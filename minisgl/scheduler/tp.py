@@ -251,7 +251,7 @@ def spawn_followers(args: ServerArgs, ranks: Sequence[int]) -> Children:
 def run_follower_node(args: ServerArgs) -> None:
     """Run node `args.node_rank`'s ranks until rank 0 (on node 0) stops the group: the node's
     first rank in this process, the others in spawned children."""
-    if args.node_rank == 0 or args.nnodes < 2:
+    if args.node_rank == 0:  # (ServerArgs: node_rank < nnodes)
         raise ValueError("run_follower_node is for nodes 1..nnodes-1 (node 0 runs rank 0)")
     if args.dist_init_addr is None:
         raise ValueError("dist_init_addr: node 0's 'host:port' is required")
