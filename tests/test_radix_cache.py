@@ -171,13 +171,13 @@ def test_lock_survives_a_later_split() -> None:
     check_invariants(cache)
 
 
-def test_root_and_none_handles_are_no_ops() -> None:
+def test_a_miss_handle_is_the_root_and_a_no_op() -> None:
     cache = RadixCache(page_size=1)
     miss = cache.match_prefix([1, 2])
-    for handle in (None, miss.handle):
-        cache.lock(handle)
-        cache.unlock(handle)
-        cache.unlock(handle)
+    assert miss.handle is cache._root
+    cache.lock(miss.handle)
+    cache.unlock(miss.handle)
+    cache.unlock(miss.handle)
     assert cache.total_size == 0
 
 

@@ -120,11 +120,6 @@ class TPGroup:
             raise TPRankError(f"tensor parallelism failed to start: {failure or exc}") from exc
         raise exc
 
-    @property
-    def follower_pids(self) -> list[int]:
-        """This node's follower processes (tests kill one to check failure handling)."""
-        return [child.process.pid for child in self.followers.members if child.process.pid]
-
     def broadcast(self, inbox: Inbox) -> None:
         """Send a step's inbox to every other rank (`run_rank` steps with it)."""
         self.check_health()
