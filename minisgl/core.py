@@ -324,12 +324,12 @@ class Req:
     drafts: list[int] = field(default_factory=list)
     drafter: NgramDrafter | None = None
     num_retractions: int = 0
-    pooled: Any = None  # embedding requests: their chunks' pooled states summed (a tensor)
+    pooled: Any = 0  # embedding requests: their chunks' pooled states summed (a tensor)
     finish_reason: FinishReason | None = None
     arrival_time: float = 0.0
 
     def __post_init__(self) -> None:
-        _check(len(self.input_ids) > 0, "prompt", "must not be empty")
+        # (an empty prompt is refused by minisgl.limits.check_request, in Scheduler.add_request)
         self.device_len = self.prompt_len = len(self.input_ids)
 
     @property

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -45,11 +44,11 @@ class LLM:
         self.args = ServerArgs.from_kwargs(model=model, **options)
         self.scheduler = make_scheduler(self.args)
         try:
-            model_path = str(self.scheduler.engine.model_path)
-            self.tokenizer = load_tokenizer(self.args.tokenizer or model_path)
+            model_path = self.scheduler.engine.model_path
+            self.tokenizer = load_tokenizer(self.args.tokenizer or str(model_path))
             path = self.args.chat_template
             self.chat_template = load_chat_template(path) if path else None
-            self.pooling = model_pooling(Path(model_path), self.args.pooling)
+            self.pooling = model_pooling(model_path, self.args.pooling)
         except BaseException:
             self.scheduler.shutdown()  # with tp_size > 1: no follower processes left behind
             raise

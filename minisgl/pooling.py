@@ -11,9 +11,16 @@ from typing import Any
 from minisgl.limits import InvalidRequestError, ModelLimits, check_token_ids
 
 POOLING_MODES = ("mean", "last", "cls")
-# sentence-transformers' pooling modes (1_Pooling/config.json: `pooling_mode` in 5.x and later,
-# `pooling_mode_<mode>: true` before, "mean_tokens", "cls_token") that minisgl serves
-_SENTENCE_TRANSFORMERS_MODES = {"mean": "mean", "lasttoken": "last", "cls": "cls"}
+# sentence-transformers' pooling modes that minisgl serves, as 1_Pooling/config.json names them:
+# the value of `pooling_mode` in 5.x and later, a `pooling_mode_<mode>: true` flag before
+_SENTENCE_TRANSFORMERS_MODES = {
+    "mean": "mean",
+    "lasttoken": "last",
+    "cls": "cls",
+    "pooling_mode_mean_tokens": "mean",
+    "pooling_mode_lasttoken": "last",
+    "pooling_mode_cls_token": "cls",
+}
 
 
 @dataclass(frozen=True)
@@ -34,15 +41,12 @@ class Pooling:
         has none, so such a prompt is computed whole (its pages are still cached after)."""
         return self.mode != "last"
 
-    def chunk_rows(self, start: int, prefix_len: int, extend_len: int, prompt_len: int) -> range:
-        """The rows whose states this pooling adds up, of a prompt chunk at a batch's rows
-        [start, start + extend_len) (its positions [prefix_len, prefix_len + extend_len))."""
-        end = start + extend_len
-        if self.mode == "mean":
-            return range(start, end)
-        if self.mode == "cls":
-            return range(start, start + int(prefix_len == 0))
-        return range(end - int(prefix_len + extend_len == prompt_len), end)
+    def positions(self, prompt_len: int, start: int, end: int) -> range:
+        """Of a prompt chunk's positions [start, end), those whose final states this pooling
+        adds up (mean: all of the prompt's, cls: position 0, last: the prompt's last)."""
+        first = prompt_len - 1 if self.mode == "last" else 0
+        stop = 1 if self.mode == "cls" else prompt_len
+        return range(max(first, start), min(stop, end))
 
 
 def model_pooling(model_dir: Path, mode: str | None = None) -> Pooling:
@@ -88,9 +92,10 @@ def _sentence_transformers_pooling(model_dir: Path) -> tuple[str, bool] | None:
     config = {}
     if "Pooling" in modules:
         config = json.loads((model_dir / modules["Pooling"] / "config.json").read_text())
-    flagged = [k[len("pooling_mode_") :] for k, v in config.items() if "mode_" in k and v is True]
-    modes = [config.get("pooling_mode"), *flagged]
-    modes = [m.removesuffix("_tokens").removesuffix("_token") for m in modes if m]
+    # the value of `pooling_mode`, or the name of each `pooling_mode_<mode>` flag set
+    modes = [
+        v if k == "pooling_mode" else k for k, v in config.items() if "pooling_mode" in k and v
+    ]
     known = set(modules) <= {"Transformer", "Pooling", "Normalize"} and len(modes) == 1
     mode = _SENTENCE_TRANSFORMERS_MODES.get(modes[0]) if known else None
     if mode is None:

@@ -12,8 +12,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from minisgl.kvcache import NaiveCache, RadixCache, create_prefix_cache
-from minisgl.kvcache.radix import _Node
+from minisgl.kvcache.radix import NaiveCache, RadixCache, _Node
 
 
 def _slots(*values: int) -> torch.Tensor:
@@ -172,13 +171,13 @@ def test_lock_survives_a_later_split() -> None:
     check_invariants(cache)
 
 
-def test_root_and_none_handles_are_no_ops() -> None:
+def test_a_miss_handle_is_the_root_and_a_no_op() -> None:
     cache = RadixCache(page_size=1)
     miss = cache.match_prefix([1, 2])
-    for handle in (None, miss.handle):
-        cache.lock(handle)
-        cache.unlock(handle)
-        cache.unlock(handle)
+    assert miss.handle is cache._root
+    cache.lock(miss.handle)
+    cache.unlock(miss.handle)
+    cache.unlock(miss.handle)
     assert cache.total_size == 0
 
 
@@ -225,13 +224,10 @@ def test_reset() -> None:
     check_invariants(cache)
 
 
-def test_create_prefix_cache() -> None:
-    assert isinstance(create_prefix_cache("radix", 4), RadixCache)
-    naive = create_prefix_cache("naive", 1)
-    assert isinstance(naive, NaiveCache)
+def test_naive_cache_keeps_nothing() -> None:
+    naive = NaiveCache(1)
     assert naive.insert([1, 2], _slots(0, 1)) == 2
-    with pytest.raises(ValueError, match="cache type"):
-        create_prefix_cache("lru", 1)
+    assert naive.match_prefix([1, 2]).matched_len == 0 and naive.total_size == 0
 
 
 # ---- model-based test ---------------------------------------------------------------------------

@@ -83,12 +83,18 @@ def _reference(model: Path, **options) -> list:
         return _run(llm)
 
 
+def _follower_pids(llm: LLM) -> list[int]:
+    """This node's follower processes (the tests kill one, or check that none is left)."""
+    assert llm.scheduler.tp is not None
+    return [c.process.pid for c in llm.scheduler.tp.followers.members if c.process.pid]
+
+
 @pytest.mark.parametrize(("arch", "page_size"), [("qwen3", 1), ("llama", 4)])
 def test_tp2_matches_tp1(tiny_models, arch: str, page_size: int) -> None:
     model = tiny_models[arch]
     reference = _reference(model, page_size=page_size)
     llm = LLM(str(model), tp_size=2, page_size=page_size, **OPTIONS)
-    pids = llm.scheduler.tp.follower_pids  # type: ignore[union-attr]
+    pids = _follower_pids(llm)
     try:
         # The fused CPU decode step is for one rank only (no all-reduce inside): op by op here.
         assert llm.scheduler.engine.model.cpu_decode_stack is None  # type: ignore[attr-defined]
@@ -127,7 +133,7 @@ def test_tp2_with_one_kv_head(kv1_model: Path) -> None:
     with LLM(str(kv1_model), **OPTIONS) as llm:
         reference, vectors = _run(llm), torch.tensor(llm.embed(PROMPTS))
     with LLM(str(kv1_model), tp_size=2, **OPTIONS) as llm:
-        pids = llm.scheduler.tp.follower_pids  # type: ignore[union-attr]
+        pids = _follower_pids(llm)
         attn: Any = llm.scheduler.engine.model.model.layers[0].self_attn
         assert (attn.num_heads, attn.num_kv_heads) == (2, 1)
         _assert_same(_run(llm), reference)
@@ -146,7 +152,7 @@ def test_heads_not_divisible_is_a_clear_error(tiny_qwen3: Path) -> None:
 
 def test_killed_follower_raises_within_seconds(tiny_qwen3: Path) -> None:
     llm = LLM(str(tiny_qwen3), tp_size=2, **OPTIONS)
-    pids = llm.scheduler.tp.follower_pids  # type: ignore[union-attr]
+    pids = _follower_pids(llm)
     try:
         llm.generate([PROMPTS[0]], GREEDY)
         long_run = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
@@ -208,7 +214,7 @@ def test_two_nodes_on_loopback(tiny_qwen3: Path) -> None:
     try:
         llm = LLM(str(tiny_qwen3), tp_size=2, nnodes=2, node_rank=0, dist_init_addr=addr, **OPTIONS)
         with llm:
-            assert llm.scheduler.tp.follower_pids == []  # type: ignore[union-attr]
+            assert _follower_pids(llm) == []
             _assert_same(_run(llm), reference)
             llm.check_page_accounting()
         assert node1.wait(timeout=SUBPROCESS_TIMEOUT_S) == 0

@@ -26,7 +26,7 @@ class ForwardBatch:
     sampling[i] is set it also samples the token at the next position.
 
     The fields after prompt_logprobs are the scheduler's bookkeeping (scheduler/forward.py),
-    which no engine code reads, up to the embeddings' pooling."""
+    which no engine code reads, up to the embeddings' `pooled_positions`."""
 
     table_rows: list[int]
     prefix_lens: list[int]
@@ -45,28 +45,15 @@ class ForwardBatch:
     launched_s: float = 0.0  # when (time.perf_counter()), for the step's cost
     # Requests that finished while this batch was in flight: their KV goes back once it is done
     release_after: list[Req] = field(default_factory=list)
-    # Per sequence: how an embedding request pools its chunk (None where it does not; None: no
-    # sequence pools). The engine's forward sets `pooled`, what they add up, for its sample.
-    pooling: list[Pooling | None] | None = None
+    # By sequence of an embedding request: the positions of its chunk whose final states it
+    # pools. The engine's forward sets `pooled`, what they add up: host copies (on CUDA on
+    # their way), to read once the batch's `PendingOutput.result()` has returned.
+    pooled_positions: dict[int, range] = field(default_factory=dict)
     pooled: dict[int, torch.Tensor] = field(default_factory=dict)
 
     @property
     def num_seqs(self) -> int:
         return len(self.table_rows)
-
-    @property
-    def pooled_rows(self) -> dict[int, range]:
-        """By sequence that pools some of this chunk: the batch's tokens whose states it adds."""
-        rows: dict[int, range] = {}
-        start = 0
-        if self.pooling is None:  # the usual batch: a loop per step saved
-            return rows
-        lens = zip(self.pooling, self.prefix_lens, self.extend_lens, self.prompt_lens, strict=True)
-        for i, (pooling, prefix, extend, prompt_len) in enumerate(lens):
-            if pooling and (chunk := pooling.chunk_rows(start, prefix, extend, prompt_len)):
-                rows[i] = chunk
-            start += extend
-        return rows
 
     @property
     def is_decode(self) -> bool:
@@ -148,7 +135,6 @@ class ForwardOutput:
     token_ids: list[int]
     logprobs: list[TokenLogprob | None]
     prompt_logprobs: dict[int, list[TokenLogprob]] = field(default_factory=dict)
-    pooled: dict[int, torch.Tensor] = field(default_factory=dict)  # ForwardBatch.pooled's
 
 
 @dataclass
@@ -237,16 +223,15 @@ class PendingOutput:
     scores: TokenScores | None = None  # None: no row wants logprobs
     ready: Any = None  # a torch.cuda.Event (ComputeStream.record_event); None: nothing to wait for
     prompt_scores: PromptScores | None = None
-    pooled: dict[int, torch.Tensor] = field(default_factory=dict)  # host copies
 
     def result(self) -> ForwardOutput:
         if self.ready is not None:
             self.ready.synchronize()
         scored = {} if self.prompt_scores is None else self.prompt_scores.result()
         if self.token_ids is None:
-            return ForwardOutput([], [], scored, self.pooled)
+            return ForwardOutput([], [], scored)
         token_ids = self.token_ids.tolist()
         logprobs: list[TokenLogprob | None] = [None] * len(token_ids)
         if self.scores is not None:
             logprobs = self.scores.token_logprobs(token_ids, [p.logprobs for p in self.params])
-        return ForwardOutput(token_ids, logprobs, scored, self.pooled)
+        return ForwardOutput(token_ids, logprobs, scored)

@@ -217,12 +217,13 @@ class Engine:
         # Flatten (row, position) pairs for every token: [tokens]
         token_rows = host_tensor(batch.table_rows, torch.int64).repeat_interleave(extend)
         starts = torch.cumsum(extend, 0) - extend
-        positions = torch.arange(int(extend.sum())) - (starts - prefix).repeat_interleave(extend)
+        offsets = starts - prefix  # sequence i's position p is the batch's token offsets[i] + p
+        positions = torch.arange(int(extend.sum())) - offsets.repeat_interleave(extend)
         # Logits at each sampled sequence's last token, then at the positions that score prompt
         # tokens (ForwardBatch.num_prompt_scores); then the final states that embeddings pool.
         scored = [starts[i] + torch.arange(c) for i, c in enumerate(batch.num_prompt_scores) if c]
-        pooled = batch.pooled_rows
-        pooled_index = [torch.arange(r.start, r.stop) for r in pooled.values()]
+        pooled = batch.pooled_positions
+        pooled_index = [offsets[i] + torch.arange(p.start, p.stop) for i, p in pooled.items()]
         index = torch.cat([(starts + extend - 1)[batch.sampled], *scored, *pooled_index])
         rows_d, prefix_d, kv_d, token_rows_d, positions_d, index_d = self.stream.stage(
             torch.int64, batch.table_rows, prefix, kv_lens, token_rows, positions, index
@@ -241,22 +242,23 @@ class Engine:
         ctx = ForwardContext(self.backend, pool, self.backend.prepare(attn))
         with forward_context(ctx):
             hidden = self.model.final_hidden(input_ids, positions_d, index_d)
-            num_logits = len(index) - sum(map(len, pooled.values()))
-            states = hidden[num_logits:].float().split([len(r) for r in pooled.values()])
-            batch.pooled = {seq: s.sum(0) for seq, s in zip(pooled, states, strict=True)}
+            sizes = [len(p) for p in pooled.values()]
+            num_logits = len(index) - sum(sizes)
+            states = hidden[num_logits:].float().split(sizes)
+            host = self.stream.to_host_async
+            batch.pooled = {seq: host(s.sum(0)) for seq, s in zip(pooled, states, strict=True)}
             return self.model.lm_head.compute_logits(hidden[:num_logits]).float()
 
     def _sample(
         self, batch: ForwardBatch, logits: Tensor, vocab_mask: VocabMask | None
     ) -> PendingOutput:
         num_sampled = len(batch.sampled)
-        pooled = {seq: self.stream.to_host_async(s) for seq, s in batch.pooled.items()}
         scores = None
         if any(batch.num_prompt_scores):  # logits: the sampled rows, then the scored ones
             scores = PromptScores.of(batch, logits[num_sampled:], self.tables)
             logits = logits[:num_sampled]
         if not num_sampled:
-            return PendingOutput([], None, None, self.stream.record_event(), scores, pooled)
+            return PendingOutput([], ready=self.stream.record_event(), prompt_scores=scores)
         params = [p for p in batch.sampling if p is not None]
         if vocab_mask is None and all(map(_PLAIN_GREEDY, params)):
             # The usual benchmark batch: no sampling state to build, the raw logits' argmax.
@@ -287,5 +289,4 @@ class Engine:
             None if token_scores is None else token_scores.map(host),
             self.stream.record_event(),
             scores,
-            pooled,
         )

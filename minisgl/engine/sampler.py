@@ -195,7 +195,7 @@ class Sampler:
     def sample(self, logits: Tensor, sb: SamplingBatch) -> SampleResult:
         raw_logits = logits
         logits = process_logits(logits, sb)
-        if sb.all_greedy:
+        if all(p.is_greedy for p in sb.params):
             token_ids = self.argmax(logits)
         elif sb.filter_rows is None:
             token_ids = self._draw_all(logits, sb.rows)
@@ -207,8 +207,9 @@ class Sampler:
             token_ids[rows] = self._draw_filtered(
                 logits[rows], sb.rows.take(rows), sb.num_candidates
             )
-        # Logprobs of the model's own distribution (before penalties and temperature), as vLLM.
-        max_k = sb.max_logprobs
+        # Logprobs of the model's own distribution (before penalties and temperature), as vLLM:
+        # the most alternatives a row wants (None: no row wants logprobs).
+        max_k = max((p.logprobs for p in sb.params if p.logprobs is not None), default=None)
         scores = None if max_k is None else TokenScores.of(raw_logits, token_ids, max_k)
         return SampleResult(token_ids, scores)
 

@@ -74,15 +74,6 @@ class SamplingBatch:
     # ceil(vocab / 32)]).
     mask: tuple[Tensor, Tensor] | None = None
 
-    @property
-    def all_greedy(self) -> bool:
-        return all(p.is_greedy for p in self.params)
-
-    @property
-    def max_logprobs(self) -> int | None:
-        """The most alternatives a row wants; None: no row wants logprobs."""
-        return max((p.logprobs for p in self.params if p.logprobs is not None), default=None)
-
     @staticmethod
     def build(
         params: list[SamplingParams],

@@ -1,5 +1,12 @@
-"""Radix-tree prefix cache: requests with a common token prefix share its KV slots (the tree's
-invariants are listed above `_Node`; tests/test_radix_cache.py asserts them after every step)."""
+"""Prefix caches: which token prefixes already have KV in the pool. The radix tree shares a common
+token prefix's KV slots between requests (the tree's invariants are listed above `_Node`;
+tests/test_radix_cache.py asserts them after every step); `NaiveCache` keeps nothing.
+
+Units: everything is counted in tokens; a "slot" is one token's row in the KV pool
+(slot = page * page_size + offset). The cache stores slot indices, never KV data, and never talks
+to the page allocator: slots it gives back (evict, reset, insert's refusals) are the caller's to
+free. Keys and slot lists are page-aligned: their length is a multiple of `page_size`.
+"""
 
 from __future__ import annotations
 
@@ -12,12 +19,20 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from minisgl.kvcache.base import MatchResult, PrefixCache
-
 # Rebuild the LRU heap once it holds more than this many entries per live candidate (plus a
 # floor), so lazy invalidation keeps memory and pop cost O(candidates) amortized.
 _HEAP_MAX_ENTRIES_PER_LEAF = 2
 _HEAP_MIN_REBUILD_LEN = 64
+
+
+@dataclass(frozen=True)
+class MatchResult:
+    handle: Any  # opaque: give it back to lock/unlock
+    slot_indices: Tensor  # int64 [matched_len], slots of the matched prefix in order
+
+    @property
+    def matched_len(self) -> int:
+        return int(self.slot_indices.numel())
 
 
 def _empty_slots() -> Tensor:
@@ -56,8 +71,14 @@ class _Node:
     lock_ref: int = 0
 
 
-class RadixCache(PrefixCache):
-    """Prefix cache over a radix tree of token ids; its invariants are listed above `_Node`.
+class RadixCache:
+    """Maps token-id prefixes to the KV slots that hold them, over a radix tree of token ids
+    (its invariants are listed above `_Node`).
+
+    Ownership: a slot is in exactly one place: the page allocator's free list, this cache, or a
+    running request. `lock` protects a matched prefix from eviction while a request uses it;
+    every `lock` is paired with one `unlock` of the same handle. `evictable_size` (tokens in
+    unlocked entries) and `protected_size` (in locked ones) are read-only to callers.
 
     Handles are tree nodes. A handle stays valid across later splits: the split node keeps its
     identity as the lower half and the new upper half copies its lock_ref.
@@ -65,7 +86,7 @@ class RadixCache(PrefixCache):
 
     def __init__(self, page_size: int) -> None:
         assert page_size >= 1, f"page_size must be >= 1, got {page_size}"
-        super().__init__(page_size)
+        self.page_size = page_size
         self._clear()
 
     def _clear(self) -> None:
@@ -78,14 +99,20 @@ class RadixCache(PrefixCache):
 
     # ---- public API -------------------------------------------------------------------------
 
+    @property
+    def total_size(self) -> int:
+        return self.evictable_size + self.protected_size
+
     def match_prefix(self, token_ids: Sequence[int]) -> MatchResult:
+        """Longest cached prefix of `token_ids` (page-aligned). Updates LRU access time."""
         tokens = list(token_ids)
         tokens = tokens[: len(tokens) - len(tokens) % self.page_size]  # unaligned tail never hits
         node, chunks = self._walk(tokens)
         return MatchResult(node, torch.cat(chunks) if chunks else _empty_slots())
 
     def lock(self, handle: Any) -> None:
-        for node in self._path_to_root(self._as_node(handle)):
+        """Protect the matched prefix (and its ancestors) from eviction."""
+        for node in self._path_to_root(handle):
             if node.lock_ref == 0:
                 self.evictable_size -= len(node.key)
                 self.protected_size += len(node.key)
@@ -93,10 +120,10 @@ class RadixCache(PrefixCache):
             node.lock_ref += 1
 
     def unlock(self, handle: Any) -> None:
-        handle_node = self._as_node(handle)
+        """Undo one `lock`."""
         # Checked up front so a bad unlock leaves the tree untouched; ancestors' lock_ref >= ours.
-        assert handle_node is self._root or handle_node.lock_ref > 0, "unlock without a lock"
-        for node in self._path_to_root(handle_node):
+        assert handle is self._root or handle.lock_ref > 0, "unlock without a lock"
+        for node in self._path_to_root(handle):
             node.lock_ref -= 1
             if node.lock_ref == 0:
                 self.evictable_size += len(node.key)
@@ -104,6 +131,13 @@ class RadixCache(PrefixCache):
                 self._refresh_candidate(node)
 
     def insert(self, token_ids: Sequence[int], slot_indices: Tensor) -> int:
+        """Offer a computed sequence; len(token_ids) == len(slot_indices), page-aligned.
+
+        Returns `n`: the cache did not take `slot_indices[:n]` (it already held that prefix, or
+        it keeps nothing); it owns `slot_indices[n:]` from now on. The caller frees the slots in
+        `[its own matched_len, n)`; slots below its matched_len were the cache's to begin with.
+        Nothing new is locked by insert.
+        """
         tokens = list(token_ids)
         assert len(tokens) == len(slot_indices), (
             f"insert: {len(tokens)} token ids but {len(slot_indices)} slot indices"
@@ -124,6 +158,8 @@ class RadixCache(PrefixCache):
         return prefix_len
 
     def evict(self, num_tokens: int) -> Tensor:
+        """Drop unlocked entries, least recently used leaves first, until at least `num_tokens`
+        slots are released or nothing evictable remains. Returns the released slots (int64)."""
         released: list[Tensor] = []
         released_len = 0
         while released_len < num_tokens and self._evictable_leaves:
@@ -142,6 +178,7 @@ class RadixCache(PrefixCache):
         return torch.cat(released) if released else _empty_slots()
 
     def reset(self) -> Tensor:
+        """Drop everything (no entry may be locked). Returns all slots the cache held."""
         assert self.protected_size == 0, "reset while a prefix is locked"
         slots = [node.slot_indices for node in self._iter_nodes()]
         self._clear()
@@ -215,12 +252,6 @@ class RadixCache(PrefixCache):
         if len(self._lru_heap) > max_len:
             self._lru_heap = [(n.last_access, n.node_id, n) for n in self._evictable_leaves]
             heapq.heapify(self._lru_heap)
-
-    def _as_node(self, handle: Any) -> _Node:
-        if handle is None:
-            return self._root
-        assert isinstance(handle, _Node), f"not a RadixCache handle: {handle!r}"
-        return handle
 
     def _path_to_root(self, node: _Node) -> Iterator[_Node]:
         """`node` and its ancestors, root excluded (it holds no tokens and is never locked)."""

@@ -12,7 +12,7 @@ import torch
 
 from minisgl.core import Req
 from minisgl.engine.tables import DeviceTables
-from minisgl.kvcache import create_prefix_cache
+from minisgl.kvcache.radix import NaiveCache, RadixCache
 
 
 class FreeList:
@@ -45,7 +45,8 @@ class CacheManager:
     ) -> None:
         self.page_size = page_size
         self.allocator = FreeList(num_pages)  # pages
-        self.prefix_cache = create_prefix_cache(cache_type, page_size)
+        # --cache-type: radix shares prefixes, naive keeps nothing (ServerArgs checked the name)
+        self.prefix_cache = (NaiveCache if cache_type == "naive" else RadixCache)(page_size)
         self.tables = tables
         self.rows = FreeList(tables.num_rows)
         self._page_offsets = np.arange(page_size, dtype=np.int64)
@@ -60,11 +61,6 @@ class CacheManager:
     def num_available_pages(self) -> int:
         """Pages obtainable now: free ones plus what the prefix cache could evict."""
         return self.allocator.num_free + self.prefix_cache.evictable_size // self.page_size
-
-    @property
-    def num_used_pages(self) -> int:
-        """Pages holding KV of running requests or of locked cache entries."""
-        return self.num_total_pages - self.num_available_pages
 
     def check_page_accounting(self, live: Iterable[Req]) -> None:
         owned = sum(len(r.page_ids) - r.cache_matched_len // self.page_size for r in live)
@@ -91,7 +87,7 @@ class CacheManager:
         if req.scores_prompt or (pooling is not None and pooling.reads_prefix):
             reusable_len = 0
             req.prompt_logprobs.clear()  # retracted mid-prompt: scored again from the start
-            req.pooled = None
+            req.pooled = 0
         match = self.prefix_cache.match_prefix(all_ids[:reusable_len])
         self.prefix_cache.lock(match.handle)
         req.cache_handle = match.handle

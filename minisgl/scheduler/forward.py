@@ -7,7 +7,6 @@ from typing import Any, TypeVar
 
 from minisgl.core import Req, SamplingParams
 from minisgl.engine.batch import ForwardBatch
-from minisgl.pooling import Pooling
 
 _T = TypeVar("_T")
 
@@ -61,12 +60,15 @@ def build_batch(
     for req in decodes:  # each samples (DecodeManager schedules none past max_tokens)
         req.cached_len += 1
         req.device_len += 1
-    # embeddings (PooledStates): decodes never pool
-    pooling: list[Pooling | None] = [req.sampling_params.pooling for req, _ in chunks]
     scored_only: list[Req] = []  # max_tokens 0: the prompt ends here, nothing to sample
-    for req, num_tokens in chunks:
-        req.cached_len += num_tokens
+    pooled: dict[int, range] = {}  # embeddings (decodes never pool)
+    for seq, (req, num_tokens) in enumerate(chunks, len(decode_seqs)):
         params = req.sampling_params
+        if params.pooling is not None:  # its positions in this chunk that pool (if any)
+            end = req.cached_len + num_tokens
+            if chunk := params.pooling.positions(req.prompt_len, req.cached_len, end):
+                pooled[seq] = chunk
+        req.cached_len += num_tokens
         if req.cached_len != req.device_len:  # short of the prompt's end
             sampling.append(None)
         elif params.max_tokens > 0:  # sample the next token
@@ -86,5 +88,5 @@ def build_batch(
         reqs,
         scored_only,
         with_drafts,
-        pooling=[*[None] * len(decode_seqs), *pooling] if any(pooling) else None,
+        pooled_positions=pooled,
     )

@@ -16,7 +16,7 @@ from minisgl.config import ServerArgs
 from minisgl.core import Req
 
 if TYPE_CHECKING:
-    from minisgl.kvcache.base import PrefixCache
+    from minisgl.kvcache.radix import RadixCache
 
 # VTC weights: a generated token costs a decode step of its own; a prompt token is one of
 # hundreds computed together (the paper's choice, 1 and 2).
@@ -37,7 +37,7 @@ class SchedulePolicy:
     """The order of the waiting queue (`order`), the tenants' counters (`charge`) and who gives
     way to a more urgent request (`victim`): the rules of the module docstring."""
 
-    def __init__(self, args: ServerArgs, prefix_cache: PrefixCache) -> None:
+    def __init__(self, args: ServerArgs, prefix_cache: RadixCache) -> None:
         self.priority = args.enable_priority_scheduling
         self.fairness = args.tenant_fairness
         self._sign = -1 if args.schedule_low_priority_values_first else 1

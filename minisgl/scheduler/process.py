@@ -111,9 +111,13 @@ class SchedulerLoop:
             dataclasses.replace(message, input_ids=tail_ids, grammar_json=None)
         )
         try:
-            input_ids, grammar_json = list(message.input_ids), message.grammar_json
-            req = Req(message.rid, input_ids, message.sampling_params, grammar_json=grammar_json)
-            req.arrival_time = time.monotonic()
+            req = Req(
+                message.rid,
+                list(message.input_ids),
+                message.sampling_params,
+                grammar_json=message.grammar_json,
+                arrival_time=time.monotonic(),
+            )
             self.scheduler.add_request(req)
         except Exception as exc:  # one bad request must not stop the loop everyone depends on
             if not isinstance(exc, ValueError):

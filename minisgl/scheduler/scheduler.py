@@ -51,10 +51,8 @@ class Scheduler:
         self.tp = tp  # rank 0 of a tp group: each step's inbox goes to every rank
         self.engine = engine = engine or Engine(args)
         self.eos_token_ids = engine.model_config.eos_token_ids
-        vocab_size, kv_capacity_tokens = (
-            engine.model_config.vocab_size,
-            engine.num_pages * args.page_size,
-        )
+        vocab_size = engine.model_config.vocab_size
+        kv_capacity_tokens = engine.num_pages * args.page_size
         self.limits = ModelLimits(engine.max_model_len, vocab_size, kv_capacity_tokens)
         self.cache = CacheManager(engine.num_pages, args.page_size, args.cache_type, engine.tables)
         self.prefill = PrefillManager(self.cache, args, engine.max_prefill_tokens)
@@ -202,9 +200,8 @@ class Scheduler:
         with nvtx_range("process", self._is_cuda):
             for index, scored in result.prompt_logprobs.items():
                 batch.reqs[index].prompt_logprobs.extend(scored)
-            for index, part in result.pooled.items():
-                req = batch.reqs[index]
-                req.pooled = part if req.pooled is None else req.pooled + part
+            for index, part in batch.pooled.items():
+                batch.reqs[index].pooled += part
             for req in batch.scored_only:
                 if not req.finished:
                     self._end(req, FinishReason.LENGTH)
@@ -338,7 +335,8 @@ class Scheduler:
             num_queue_reqs_by_priority=dict(
                 Counter(str(r.sampling_params.priority) for r in self.prefill.waiting)
             ),
-            kv_cache_usage_ratio=self.cache.num_used_pages / total,
+            # pages held by running requests or locked cache entries
+            kv_cache_usage_ratio=(total - self.cache.num_available_pages) / total,
             num_free_pages=self.cache.num_available_pages,
             num_total_pages=total,
             num_retractions_total=self.decode.num_retractions,

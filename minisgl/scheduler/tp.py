@@ -120,11 +120,6 @@ class TPGroup:
             raise TPRankError(f"tensor parallelism failed to start: {failure or exc}") from exc
         raise exc
 
-    @property
-    def follower_pids(self) -> list[int]:
-        """This node's follower processes (tests kill one to check failure handling)."""
-        return [child.process.pid for child in self.followers.members if child.process.pid]
-
     def broadcast(self, inbox: Inbox) -> None:
         """Send a step's inbox to every other rank (`run_rank` steps with it)."""
         self.check_health()
@@ -251,7 +246,7 @@ def spawn_followers(args: ServerArgs, ranks: Sequence[int]) -> Children:
 def run_follower_node(args: ServerArgs) -> None:
     """Run node `args.node_rank`'s ranks until rank 0 (on node 0) stops the group: the node's
     first rank in this process, the others in spawned children."""
-    if args.node_rank == 0 or args.nnodes < 2:
+    if args.node_rank == 0:  # (ServerArgs: node_rank < nnodes)
         raise ValueError("run_follower_node is for nodes 1..nnodes-1 (node 0 runs rank 0)")
     if args.dist_init_addr is None:
         raise ValueError("dist_init_addr: node 0's 'host:port' is required")
