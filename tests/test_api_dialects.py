@@ -661,7 +661,8 @@ def test_a_stream_that_fails_ends_with_error_and_response_failed():
 
     run = SimpleNamespace(
         id="resp_1",
-        ctx=SimpleNamespace(served_model_name=MODEL),
+        ctx=None,
+        model_name=MODEL,
         params=[SamplingParams()],
         events=outputs,
         close=lambda: None,

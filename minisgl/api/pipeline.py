@@ -322,6 +322,11 @@ class Run:
                 choice.finish_reason = FinishReason.ABORT
                 self.ctx.metrics.request_finished(FinishReason.ABORT)
 
+    @property
+    def model_name(self) -> str:
+        """The model a reply names: as the request named it, else the one served."""
+        return self.req.model or self.ctx.served_model_name
+
     def usage(self) -> tuple[int, int, int]:
         """(prompt tokens, completion tokens, cached prompt tokens); each prompt counts once."""
         prompt_tokens = sum(len(p) for p in self.prompts)

@@ -20,6 +20,7 @@ from minisgl.api.request import (
     chat_tool_choice,
     chat_tools,
     function_call,
+    invalid_at,
     new_id,
     sampling_of,
 )
@@ -87,23 +88,19 @@ class CountTokensRequest(MessagesRequest):
     max_tokens: int = 1
 
 
-def _fail(where: str, message: str, param: str = "messages") -> InvalidRequestError:
-    return InvalidRequestError(param, f"{where}: {message}")
-
-
 def _tool_call(block: Mapping[str, Any], where: str) -> JsonObject:
     name, call_id, arguments = block.get("name"), block.get("id"), block.get("input", {})
     if not isinstance(name, str) or not isinstance(call_id, str):
-        raise _fail(where, "a tool_use block needs an id and a name")
+        raise invalid_at(where, "a tool_use block needs an id and a name")
     if not isinstance(arguments, Mapping):
-        raise _fail(where, "a tool_use block's input must be an object")
+        raise invalid_at(where, "a tool_use block's input must be an object")
     return function_call(call_id, name, json.dumps(arguments, ensure_ascii=False))
 
 
 def _tool_result(block: Mapping[str, Any], where: str) -> JsonObject:
     call_id = block.get("tool_use_id")
     if not isinstance(call_id, str):
-        raise _fail(where, "a tool_result block needs a tool_use_id")
+        raise invalid_at(where, "a tool_result block needs a tool_use_id")
     return {
         "role": "tool",
         "tool_call_id": call_id,
@@ -119,12 +116,12 @@ def chat_messages(messages: list[Any]) -> list[JsonObject]:
     for i, message in enumerate(messages):
         where = f"messages[{i}]"
         if not isinstance(message, Mapping) or message.get("role") not in ("user", "assistant"):
-            raise _fail(where, "must be an object with role user or assistant and content")
+            raise invalid_at(where, "must be an object with role user or assistant and content")
         role, content = message["role"], message.get("content")
         if isinstance(content, str):
             content = [{"type": "text", "text": content}]
         if not isinstance(content, list):
-            raise _fail(where, "content must be text or a list of content blocks")
+            raise invalid_at(where, "content must be text or a list of content blocks")
         entry: JsonObject = {"role": role, "content": ""}
         for j, block in enumerate(content):
             at = f"{where}.content[{j}]"
@@ -139,10 +136,10 @@ def chat_messages(messages: list[Any]) -> list[JsonObject]:
                 thought = str(block.get("thinking", ""))
                 entry["reasoning_content"] = entry.get("reasoning_content", "") + thought
             elif kind in ("image", "document"):
-                raise _fail(at, f"{kind} blocks are not supported: the model reads text")
+                raise invalid_at(at, f"{kind} blocks are not supported: the model reads text")
             # redacted_thinking: encrypted by Anthropic's models; nothing a local model can read
             elif kind != "redacted_thinking" or role != "assistant":
-                raise _fail(at, f"a {kind!r} block is not supported in a {role} message")
+                raise invalid_at(at, f"a {kind!r} block is not supported in a {role} message")
         if role == "user" and not entry["content"] and out and out[-1]["role"] == "tool":
             continue  # only tool results: they are the turn
         out.append(entry)
@@ -226,7 +223,7 @@ async def message_events(run: Run, body: MessagesRequest) -> AsyncIterator[JsonO
             "id": run.id,
             "type": "message",
             "role": "assistant",
-            "model": body.model or run.ctx.served_model_name,
+            "model": run.model_name,
             "content": [],
             "stop_reason": None,
             "stop_sequence": None,

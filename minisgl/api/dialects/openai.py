@@ -118,15 +118,18 @@ def usage_dict(run: Run, reasoning_tokens: int | None = None) -> JsonObject:
     return usage
 
 
-def chat_logprobs(ctx: ServingContext, logprobs: Sequence[TokenLogprob]) -> JsonObject:
+def chat_logprobs(ctx: ServingContext, logprobs: Sequence[TokenLogprob]) -> list[JsonObject]:
+    """Chat's `logprobs.content` (the Responses API's `logprobs`) of these tokens."""
+
     def entry(token_id: int, logprob: float) -> JsonObject:
         text = ctx.token_text(token_id)
         return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
 
-    def with_top(lp: TokenLogprob) -> JsonObject:  # lp.top: (token id, logprob) pairs
-        return {**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(*top) for top in lp.top]}
-
-    return {"content": [with_top(lp) for lp in logprobs]}
+    # lp.top: (token id, logprob) pairs
+    return [
+        {**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(*top) for top in lp.top]}
+        for lp in logprobs
+    ]
 
 
 def new_call_id() -> str:
@@ -160,7 +163,7 @@ def header(run: Run, body: OpenAISampling, kind: str) -> JsonObject:
         "id": run.id,
         "object": kind,
         "created": int(time.time()),
-        "model": body.model or run.ctx.served_model_name,
+        "model": run.model_name,
     }
     if body.stream_usage:
         head["usage"] = None  # OpenAI sends usage null on every chunk but the last
@@ -197,8 +200,9 @@ async def chat_events(run: Run, body: ChatCompletionRequest) -> AsyncIterator[Js
             )
         num_calls = choice.parser.num_calls if choice.parser is not None else 0
         delta = _delta_dict(event.delta)
-        logprobs = chat_logprobs(run.ctx, output.logprobs) if body.logprobs else None
-        if delta or output.finish_reason is not None or (logprobs and logprobs["content"]):
+        scored = chat_logprobs(run.ctx, output.logprobs)
+        logprobs = {"content": scored} if body.logprobs else None
+        if delta or output.finish_reason is not None or scored:
             yield choice_chunk(run, base, event, num_calls, delta=delta, logprobs=logprobs)
     if body.stream_usage or not body.stream:
         yield {**base, "choices": [], "usage": usage_dict(run, run.reasoning_tokens)}

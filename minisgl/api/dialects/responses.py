@@ -79,10 +79,6 @@ class ResponsesRequest(ChatWire):
     stop: str | list[str] | None = None  # an extra, as vLLM's
 
     @property
-    def wants_logprobs(self) -> bool:
-        return "message.output_text.logprobs" in (self.include or ()) or bool(self.top_logprobs)
-
-    @property
     def effort(self) -> str | None:
         return (self.reasoning or {}).get("effort")
 
@@ -103,7 +99,8 @@ class ResponsesRequest(ChatWire):
             turns = [*previous.conversation, *turns]
         system = [{"role": "system", "content": self.instructions}] if self.instructions else []
         sampling, wire_names = sampling_of(self, ALIASES)
-        sampling["logprobs"] = self.top_logprobs if self.wants_logprobs else None
+        wants_logprobs = "message.output_text.logprobs" in (self.include or ()) or self.top_logprobs
+        sampling["logprobs"] = self.top_logprobs if wants_logprobs else None
         prompt = ChatPrompt(
             system + turns,
             chat_tools(self.tools, "function", FUNCTION_KEYS),
@@ -169,7 +166,7 @@ class Turn(OutputItems):
             "object": "response",
             "created_at": int(time.time()),
             "background": False,
-            "model": body.model or run.ctx.served_model_name,
+            "model": run.model_name,
             "reasoning": {"effort": body.effort, "summary": None},
             "temperature": params.temperature,
             # text.format: checked by to_api (an object, or absent)
@@ -221,10 +218,7 @@ class Turn(OutputItems):
         for wire_event in self.take():
             yield wire_event
         async for event in self._run.events():
-            logprobs = []
-            if self._body.wants_logprobs:
-                logprobs = chat_logprobs(self._run.ctx, event.output.logprobs)["content"]
-            self.blocks.feed(event.delta, logprobs)
+            self.blocks.feed(event.delta, chat_logprobs(self._run.ctx, event.output.logprobs))
             for wire_event in self.take():
                 yield wire_event
         self.blocks.finish(self.status)
