@@ -97,17 +97,6 @@ def _tool_call(block: Mapping[str, Any], where: str) -> JsonObject:
     return function_call(call_id, name, json.dumps(arguments, ensure_ascii=False))
 
 
-def _tool_result(block: Mapping[str, Any], where: str) -> JsonObject:
-    call_id = block.get("tool_use_id")
-    if not isinstance(call_id, str):
-        raise invalid_at(where, "a tool_result block needs a tool_use_id")
-    return {
-        "role": "tool",
-        "tool_call_id": call_id,
-        "content": text_content(block.get("content", ""), where, "messages"),
-    }
-
-
 def chat_messages(messages: list[Any]) -> list[JsonObject]:
     """Anthropic messages -> chat messages."""
     if not messages:
@@ -131,7 +120,10 @@ def chat_messages(messages: list[Any]) -> list[JsonObject]:
             elif kind == "tool_use" and role == "assistant":
                 entry.setdefault("tool_calls", []).append(_tool_call(block, at))
             elif kind == "tool_result" and role == "user":
-                out.append(_tool_result(block, at))
+                if not isinstance(call_id := block.get("tool_use_id"), str):
+                    raise invalid_at(at, "a tool_result block needs a tool_use_id")
+                content = text_content(block.get("content", ""), at, "messages")
+                out.append({"role": "tool", "tool_call_id": call_id, "content": content})
             elif kind == "thinking" and role == "assistant":
                 thought = str(block.get("thinking", ""))
                 entry["reasoning_content"] = entry.get("reasoning_content", "") + thought
@@ -182,14 +174,16 @@ class BlockEvents(EventBuffer):
 
     def open(self, kind: str, call: ToolCallDelta | None) -> None:
         self._index += 1
-        block: JsonObject = _EMPTY_BLOCKS.get(kind, {})  # copied by the emit
-        if call is not None:
-            block = {
+        block = (  # copied by the emit
+            _EMPTY_BLOCKS[kind]
+            if call is None
+            else {
                 "type": "tool_use",
                 "id": new_id("toolu", "_"),
                 "name": call.name or "",
                 "input": {},
             }
+        )
         self.emit("content_block_start", index=self._index, content_block=block)
 
     def write(self, kind: str, text: str, logprobs: list[Any]) -> None:
@@ -203,18 +197,18 @@ class BlockEvents(EventBuffer):
         self.emit("content_block_stop", index=self._index)
 
 
-def stop_reason(choice: Choice, num_calls: int, stops: list[str]) -> tuple[str, str | None]:
-    """Anthropic's stop_reason and stop_sequence."""
+def stop_reason(choice: Choice, num_calls: int) -> tuple[str, str | None]:
+    """Anthropic's stop_reason and stop_sequence (stop strings are only the request's own)."""
     if choice.finish_reason == FinishReason.LENGTH:
         return "max_tokens", None
     if num_calls:
         return "tool_use", None
-    if isinstance(choice.matched_stop, str) and choice.matched_stop in stops:
+    if isinstance(choice.matched_stop, str):
         return "stop_sequence", choice.matched_stop
     return "end_turn", None
 
 
-async def message_events(run: Run, body: MessagesRequest) -> AsyncIterator[JsonObject]:
+async def message_events(run: Run) -> AsyncIterator[JsonObject]:
     sink = BlockEvents()
     blocks = ReplyBlocks(sink)
     sink.emit(
@@ -236,7 +230,7 @@ async def message_events(run: Run, body: MessagesRequest) -> AsyncIterator[JsonO
         for wire_event in sink.take():
             yield wire_event
     blocks.finish()
-    reason, sequence = stop_reason(run.choices[0], blocks.num_calls, body.stop_sequences or [])
+    reason, sequence = stop_reason(run.choices[0], blocks.num_calls)
     prompt, completion, cached = run.usage()
     usage = {
         # Anthropic counts prompt tokens read from the cache apart from `input_tokens`.
@@ -284,7 +278,7 @@ router = APIRouter()
 @router.post(PATH_PREFIX)
 async def create_message(body: MessagesRequest, request: Request) -> Response:
     run = await Run(request, body.to_api(), new_id("msg", "_")).start()
-    return await respond(run, message_events(run, body), body.stream, fold_message, error_events)
+    return await respond(run, message_events(run), body.stream, fold_message, error_events)
 
 
 @router.post(f"{PATH_PREFIX}/count_tokens")

@@ -93,25 +93,23 @@ class GenerateRequest(WireModel):
         ids = self.input_ids
         return isinstance(self.text, list) or bool(ids) and isinstance(ids[0], list)  # type: ignore[index]
 
-    def prompts(self) -> list[str] | list[list[int]]:
-        given = self.text if self.text is not None else self.input_ids
-        return cast("list[str] | list[list[int]]", given if self.is_batch else [given])
-
     def to_api(self) -> ApiRequest:
         if (self.text is None) == (self.input_ids is None):
             raise InvalidRequestError("text", "give exactly one of text and input_ids")
-        if not (prompts := self.prompts()):
+        given = self.text if self.text is not None else self.input_ids
+        prompts = cast("list[str] | list[list[int]]", given if self.is_batch else [given])
+        if not prompts:
             raise InvalidRequestError("text", "must not be empty")
         if isinstance(self.rid, list) and len(self.rid) != len(prompts):
             raise InvalidRequestError("rid", "a list of ids needs one id per prompt")
         # One object per prompt, or one that every prompt shares (validated once: a batch of
         # millions of prompts is refused by its size, not after millions of validations).
-        given = self.sampling_params
-        if isinstance(given, list) and len(given) != len(prompts):
+        per_prompt = self.sampling_params
+        if isinstance(per_prompt, list) and len(per_prompt) != len(prompts):
             raise InvalidRequestError("sampling_params", "needs one object per prompt")
         rows = [
             SGLangSampling.validated(row, "sampling_params")
-            for row in (given if isinstance(given, list) else [given or {}])
+            for row in (per_prompt if isinstance(per_prompt, list) else [per_prompt or {}])
         ]
         if any(row.n != rows[0].n for row in rows):
             raise InvalidRequestError("sampling_params.n", "must be the same for every prompt")
@@ -122,16 +120,19 @@ class GenerateRequest(WireModel):
         scored = self.return_logprob and self.logprob_start_len >= 0
         sampling: list[JsonObject] = []
         for row in rows:
-            fields, _ = sampling_of(row, ALIASES, priority=self.priority)
-            fields["max_tokens"] = row.max_new_tokens  # SGLang's name decides
-            fields["logprobs"] = logprobs
             # max_new_tokens 0 without logprobs: SGLang's prefill-only request runs as one that
             # scores its prompt (the only kind that may generate nothing).
             prefill_only = 0 if row.max_new_tokens == 0 else None
-            fields["prompt_logprobs"] = self.top_logprobs_num if scored else prefill_only
-            sampling.append(fields)
+            fields, _ = sampling_of(
+                row,
+                ALIASES,
+                priority=self.priority,
+                logprobs=logprobs,
+                prompt_logprobs=self.top_logprobs_num if scored else prefill_only,
+            )
+            sampling.append({**fields, "max_tokens": row.max_new_tokens})  # SGLang's name decides
         wire_names = {**WIRE_NAMES, "prompt": "text" if self.text is not None else "input_ids"}
-        shared = sampling if isinstance(given, list) else sampling[0]
+        shared = sampling if isinstance(per_prompt, list) else sampling[0]
         return ApiRequest(prompts, shared, wire_names, rows[0].n, None, constraint_fields)
 
 
@@ -152,7 +153,7 @@ def _triples(entries: list[TokenLogprob]) -> tuple[list[list[Any]], list[list[li
     return chosen, [[[tlp, tid, None] for tid, tlp in lp.top] for lp in entries]
 
 
-def _item(run: Run, body: GenerateRequest, choice: Choice, start_s: float) -> JsonObject:
+def _item(run: Run, body: GenerateRequest, choice: Choice) -> JsonObject:
     """One sequence as SGLang reports it, so far (its text and ids are cumulative)."""
     prompt = run.prompts[choice.prompt_index]
     rid = body.rid[choice.prompt_index] if isinstance(body.rid, list) else body.rid
@@ -164,7 +165,7 @@ def _item(run: Run, body: GenerateRequest, choice: Choice, start_s: float) -> Js
         "cached_tokens": choice.num_cached_prompt_tokens,
     }
     if choice.finished:
-        meta["e2e_latency"] = time.perf_counter() - start_s
+        meta["e2e_latency"] = time.perf_counter() - run.arrival_time_s
     if body.return_logprob:
         meta["output_token_logprobs"], meta["output_top_logprobs"] = _triples(choice.logprobs)
         scored, scored_top = _triples(choice.prompt_logprobs)
@@ -182,11 +183,10 @@ def _item(run: Run, body: GenerateRequest, choice: Choice, start_s: float) -> Js
 
 
 async def generate_events(run: Run, body: GenerateRequest) -> AsyncIterator[JsonObject]:
-    start_s = time.perf_counter()
     async for event in run.events():
         # Each item is cumulative: a reply needs only each sequence's last.
         if body.stream or event.choice.finished:
-            yield _item(run, body, event.choice, start_s)
+            yield _item(run, body, event.choice)
 
 
 def fold_generate(items: list[JsonObject]) -> JsonObject | list[Any]:
