@@ -120,7 +120,7 @@ def run_shell(args: ServerArgs, ns: argparse.Namespace) -> int:
         args = args.replace(port=int(sock.getsockname()[1]), log_level=SHELL_LOG_LEVEL)
     fields = {"model": served_model_name(args), **ns.shell_sampling}
     stack = ServerStack(args)
-    print(f"loading {served_model_name(args)} ...", flush=True)
+    print(f"loading {fields['model']} ...", flush=True)
     try:
         stack.start()
         stack.wait_ready()

@@ -122,8 +122,8 @@ def chat_messages(messages: list[Any]) -> list[JsonObject]:
             elif kind == "tool_result" and role == "user":
                 if not isinstance(call_id := block.get("tool_use_id"), str):
                     raise invalid_at(at, "a tool_result block needs a tool_use_id")
-                content = text_content(block.get("content", ""), at, "messages")
-                out.append({"role": "tool", "tool_call_id": call_id, "content": content})
+                result = text_content(block.get("content", ""), at, "messages")
+                out.append({"role": "tool", "tool_call_id": call_id, "content": result})
             elif kind == "thinking" and role == "assistant":
                 thought = str(block.get("thinking", ""))
                 entry["reasoning_content"] = entry.get("reasoning_content", "") + thought

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import functools
 import time
-import uuid
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
@@ -132,12 +131,6 @@ def chat_logprobs(ctx: ServingContext, logprobs: Sequence[TokenLogprob]) -> list
     ]
 
 
-def new_call_id() -> str:
-    """An OpenAI tool call id; a call gets it with its first delta, which names the function
-    and comes once per call."""
-    return f"call_{uuid.uuid4().hex[:24]}"
-
-
 def _delta_dict(delta: ChatDelta) -> JsonObject:
     out: JsonObject = {}
     if delta.reasoning:
@@ -149,8 +142,8 @@ def _delta_dict(delta: ChatDelta) -> JsonObject:
     calls: dict[int, JsonObject] = {}
     for call in delta.tool_calls:
         entry = calls.setdefault(call.index, {"index": call.index, "function": {"arguments": ""}})
-        if call.name is not None:  # a call's first delta: who is called
-            entry |= {"id": new_call_id(), "type": "function"}
+        if call.name is not None:  # a call's first delta (once per call): who is called
+            entry |= {"id": new_id("call", "_"), "type": "function"}
             entry["function"]["name"] = call.name
         entry["function"]["arguments"] += call.arguments
     if calls:
@@ -175,13 +168,12 @@ def chunk(base: JsonObject, index: int, finish: str | None = None, **part: Any) 
     return {**base, "choices": [{"index": index, **part, "finish_reason": finish}]}
 
 
-def choice_chunk(
-    run: Run, base: JsonObject, event: Event, num_calls: int = 0, **part: Any
-) -> JsonObject:
+def choice_chunk(run: Run, base: JsonObject, event: Event, **part: Any) -> JsonObject:
     """The chunk of one output, finish_reason and stop_reason set at its end."""
     finish = None
     if (reason := event.output.finish_reason) is not None:
-        finish = "tool_calls" if reason == FinishReason.STOP and num_calls else reason.value
+        called = event.choice.parser is not None and event.choice.parser.num_calls
+        finish = "tool_calls" if reason == FinishReason.STOP and called else reason.value
         part["stop_reason"] = stop_reason(run.params[0], event.output.matched_stop)
     return chunk(base, event.choice.index, finish, **part)
 
@@ -198,12 +190,11 @@ async def chat_events(run: Run, body: ChatCompletionRequest) -> AsyncIterator[Js
             yield chunk(
                 base, choice.index, delta={"role": "assistant", "content": ""}, logprobs=None
             )
-        num_calls = choice.parser.num_calls if choice.parser is not None else 0
         delta = _delta_dict(event.delta)
         scored = chat_logprobs(run.ctx, output.logprobs)
         logprobs = {"content": scored} if body.logprobs else None
         if delta or output.finish_reason is not None or scored:
-            yield choice_chunk(run, base, event, num_calls, delta=delta, logprobs=logprobs)
+            yield choice_chunk(run, base, event, delta=delta, logprobs=logprobs)
     if body.stream_usage or not body.stream:
         yield {**base, "choices": [], "usage": usage_dict(run, run.reasoning_tokens)}
 

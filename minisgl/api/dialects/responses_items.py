@@ -7,7 +7,6 @@ import copy
 from collections.abc import Mapping
 from typing import Any
 
-from minisgl.api.dialects.openai import new_call_id
 from minisgl.api.request import JsonObject, function_call, invalid_at, new_id
 from minisgl.api.sse import EventBuffer
 from minisgl.chat import CALL, REASONING
@@ -157,7 +156,7 @@ class OutputItems(EventBuffer):
         if call is not None:
             item: JsonObject = {
                 "type": "function_call",
-                "call_id": new_call_id(),
+                "call_id": new_id("call", "_"),
                 "name": call.name or "",
                 "arguments": "",
             }
