@@ -95,7 +95,7 @@ class ResponsesRequest(ChatWire):
             )
         turns = input_messages(self.input)
         if self.previous_response_id is not None:
-            previous = stored(store, self.previous_response_id, "previous_response_id")
+            previous = store.get(self.previous_response_id, "previous_response_id")
             turns = [*previous.conversation, *turns]
         system = [{"role": "system", "content": self.instructions}] if self.instructions else []
         sampling, wire_names = sampling_of(self, ALIASES)
@@ -141,9 +141,16 @@ class ResponseStore:
         ):
             self._entries.popitem(last=False)
 
-    def get(self, response_id: str) -> StoredResponse | None:
-        if (entry := self._entries.get(response_id)) is not None:
-            self._entries.move_to_end(response_id)  # a chain in use stays
+    def get(self, response_id: str, param: str = "response_id") -> StoredResponse:
+        """The stored response; a 404 naming `param` when there is none."""
+        if (entry := self._entries.get(response_id)) is None:
+            kept = "responses are kept in this server's memory while it runs, when store is true"
+            raise RequestError(
+                HTTPStatus.NOT_FOUND,
+                f"{param}: no stored response {response_id!r} ({kept})",
+                param=param,
+            )
+        self._entries.move_to_end(response_id)  # a chain in use stays
         return entry
 
     def delete(self, response_id: str) -> None:
@@ -247,18 +254,6 @@ class Turn(OutputItems):
         return self.take()
 
 
-def stored(store: ResponseStore, response_id: str, param: str = "response_id") -> StoredResponse:
-    """The stored response; a 404 when there is none."""
-    if (entry := store.get(response_id)) is None:
-        kept = "responses are kept in this server's memory while it runs, when store is true"
-        raise RequestError(
-            HTTPStatus.NOT_FOUND,
-            f"{param}: no stored response {response_id!r} ({kept})",
-            param=param,
-        )
-    return entry
-
-
 def _last_response(events: list[JsonObject]) -> JsonObject:
     return events[-1]["response"]  # the stream's last event holds the whole response
 
@@ -279,13 +274,13 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
 
 @router.get("/v1/responses/{response_id}")
 async def retrieve_response(response_id: str, request: Request) -> JsonObject:
-    return stored(request.app.state.responses, response_id).response
+    return request.app.state.responses.get(response_id).response
 
 
 @router.delete("/v1/responses/{response_id}")
 async def delete_response(response_id: str, request: Request) -> JsonObject:
     store: ResponseStore = request.app.state.responses
-    stored(store, response_id)  # a 404 if there is none
+    store.get(response_id)  # a 404 if there is none
     store.delete(response_id)
     return {"id": response_id, "object": "response", "deleted": True}
 
@@ -295,7 +290,7 @@ def list_input_items(
 ) -> JsonObject:
     """The request's input items, newest first unless order is "asc", `limit` at a time, from
     after the item `after`."""
-    items = stored(store, response_id).input_items
+    items = store.get(response_id).input_items
     items = items if order == "asc" else items[::-1]
     if after is not None:
         ids = [item["id"] for item in items]
