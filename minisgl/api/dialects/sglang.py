@@ -269,7 +269,9 @@ async def _engine_answers(ctx: ServingContext, timeout_s: float) -> bool:
         ctx.engine.abort(rid)  # a no-op once it finished, or if it was never sent
 
 
-def _server_info(request: Request) -> JsonObject:
+@router.get("/server_info")
+@router.get("/get_server_info")  # SGLang's old name too
+def server_info(request: Request) -> JsonObject:
     ctx, info = request.app.state.ctx, request.app.state.model_info
     return {
         **{key: info[key] for key in ("model_path", "tokenizer_path", "is_generation")},
@@ -285,13 +287,10 @@ def _server_info(request: Request) -> JsonObject:
     }
 
 
-def _model_info(request: Request) -> JsonObject:
+@router.get("/model_info")
+@router.get("/get_model_info")
+def get_model_info(request: Request) -> JsonObject:
     return request.app.state.model_info
-
-
-for path, handler in (("server_info", _server_info), ("model_info", _model_info)):
-    for prefix in ("/", "/get_"):  # SGLang's old names too
-        router.add_api_route(prefix + path, handler, methods=["GET"])
 
 
 @router.get("/get_load")

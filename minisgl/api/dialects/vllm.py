@@ -4,7 +4,6 @@ special tokens and chat template (what lm-evaluation-harness's remote tokenizer 
 
 from __future__ import annotations
 
-import functools
 from typing import Any, cast
 
 from fastapi import APIRouter, Request
@@ -51,10 +50,9 @@ async def tokenize(body: TokenizeRequest, request: Request) -> JsonObject:
     ctx.check_model(body.model)
     if body.prompt is not None:
         check_prompt_size([body.prompt], 0, ctx.limits, "prompt")
-        encode = functools.partial(
-            ctx.tokenizer.encode, body.prompt, add_special_tokens=body.add_special_tokens
+        ids = await ctx.on_tokenizer_thread(
+            lambda: ctx.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
         )
-        ids = await ctx.on_tokenizer_thread(encode)
     else:
         # Any tool choice but "none" renders the tools; "required" needs no --tool-call-parser.
         chat = ChatPrompt(
