@@ -91,13 +91,12 @@ class ChatCompletionRequest(OpenAISampling, ChatWire):
             raise InvalidRequestError("top_logprobs", "needs logprobs set to true")
         sampling, wire_names = sampling_of(self, CHAT_ALIASES)
         sampling["logprobs"] = (self.top_logprobs or 0) if self.logprobs else None
-        kwargs = with_reasoning_effort(self.chat_template_kwargs, self.reasoning_effort)
         prompt = ChatPrompt(
             self.messages,
             self.tools,
             self.tool_choice,
             self.parallel_tool_calls,
-            kwargs,
+            with_reasoning_effort(self.chat_template_kwargs, self.reasoning_effort),
             self.separate_reasoning,
         )
         return ApiRequest(prompt, sampling, wire_names, self.n, self.model, self.constraint_fields)

@@ -134,7 +134,6 @@ class ResponseStore:
         size = sum(len(json.dumps(part)) for part in (response, conversation, items))
         if size > self.max_chars:
             return  # larger than the whole store: keeping it would evict everything else
-        self.delete(response["id"])
         self._entries[response["id"]] = StoredResponse(response, conversation, items, size)
         while len(self._entries) > self.max_entries or (
             sum(entry.size_chars for entry in self._entries.values()) > self.max_chars
@@ -254,10 +253,6 @@ class Turn(OutputItems):
         return self.take()
 
 
-def _last_response(events: list[JsonObject]) -> JsonObject:
-    return events[-1]["response"]  # the stream's last event holds the whole response
-
-
 router = APIRouter()
 
 
@@ -267,8 +262,10 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
     api, conversation = body.to_api(store)
     run = await Run(request, api, new_id("resp", "_")).start()
     turn = Turn(body, run, conversation)
+    events = turn.wire_events(store)
+    # Not streaming: the stream's last event, which holds the whole response, is the reply.
     return await respond(
-        run, turn.wire_events(store), body.stream, _last_response, turn.error_events
+        run, events, body.stream, lambda sent: sent[-1]["response"], turn.error_events
     )
 
 

@@ -244,7 +244,7 @@ def _version() -> str:
         return "unknown"
 
 
-async def _engine_answers(ctx: ServingContext, timeout_s: float) -> bool:
+async def _engine_answers(ctx: ServingContext) -> bool:
     """True once the engine produces any output after the call, its own or another request's
     (like SGLang, output of any request proves the engine runs). A one-token greedy probe is
     submitted only to an idle engine, so probes never fill the queue (--max-queued-requests)."""
@@ -255,7 +255,7 @@ async def _engine_answers(ctx: ServingContext, timeout_s: float) -> bool:
     try:
         if not ctx.engine.num_active_requests:
             ctx.engine.submit(TokenizedRequest(rid, HEALTH_PROMPT, HEALTH_PARAMS), queue)
-        while loop.time() - sent_s < timeout_s:
+        while loop.time() - sent_s < HEALTH_GENERATE_TIMEOUT_S:
             with contextlib.suppress(asyncio.TimeoutError):
                 item = await asyncio.wait_for(queue.get(), HEALTH_GENERATE_POLL_S)
                 failed = (FinishReason.ERROR, FinishReason.ABORT)  # proves nothing
@@ -322,6 +322,6 @@ async def flush_cache(request: Request) -> Response:
 async def health_generate(request: Request) -> Response:
     return Response(
         status_code=200
-        if (await _engine_answers(request.app.state.ctx, HEALTH_GENERATE_TIMEOUT_S))
+        if (await _engine_answers(request.app.state.ctx))
         else HTTPStatus.SERVICE_UNAVAILABLE
     )
