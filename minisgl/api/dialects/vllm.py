@@ -2,12 +2,10 @@
 prompt or chat messages counted exactly as a request would cost them, ids back to text, the
 special tokens and chat template (what lm-evaluation-harness's remote tokenizer needs)."""
 
-from __future__ import annotations
-
 from typing import Any, cast
 
 from fastapi import APIRouter, Request
-from pydantic import Field, model_validator
+from pydantic import Field
 
 from minisgl.api.pipeline import Run, ServingContext
 from minisgl.api.request import ApiRequest, FailFastList, JsonObject, WireModel
@@ -29,12 +27,6 @@ class TokenizeRequest(WireModel):
     tools: list[Any] | None = None
     chat_template_kwargs: JsonObject | None = None
 
-    @model_validator(mode="after")
-    def _one_input(self) -> TokenizeRequest:
-        if (self.prompt is None) == (self.messages is None):
-            raise InvalidRequestError("prompt", "give either prompt or messages")
-        return self
-
 
 class DetokenizeRequest(WireModel):
     model: str | None = None
@@ -46,6 +38,8 @@ router = APIRouter()
 
 @router.post("/tokenize")
 async def tokenize(body: TokenizeRequest, request: Request) -> JsonObject:
+    if (body.prompt is None) == (body.messages is None):
+        raise InvalidRequestError("prompt", "give either prompt or messages")
     ctx: ServingContext = request.app.state.ctx
     ctx.check_model(body.model)
     if body.prompt is not None:
