@@ -124,11 +124,11 @@ async def completion_events(run: Run, body: CompletionRequest) -> AsyncIterator[
 
 def fold_completion(chunks: list[JsonObject], with_logprobs: bool) -> JsonObject:
     """The chunks of a completions stream as one text_completion (the non-streaming reply)."""
-    reply, choices = fold(chunks, "text_completion")
-    for choice in choices:
+    reply = fold(chunks, "text_completion")
+    for choice in reply["choices"]:
         if with_logprobs and choice["logprobs"] is None:  # a table even when no chunk had one
             choice["logprobs"] = {key: [] for key in LOGPROB_KEYS}
-    return {**reply, "choices": choices}
+    return reply
 
 
 router = APIRouter()

@@ -224,24 +224,24 @@ def accumulate(total: JsonObject, delta: JsonObject) -> JsonObject:
     return total
 
 
-def fold(chunks: list[JsonObject], kind: str) -> tuple[JsonObject, list[JsonObject]]:
-    """A stream's chunks added up: the reply's head and its choices, in index order."""
+def fold(chunks: list[JsonObject], kind: str) -> JsonObject:
+    """A stream's chunks added up: the reply, its choices in index order."""
     choices: dict[int, JsonObject] = {}
     for sent in chunks:
         for part in sent["choices"]:
             accumulate(choices.setdefault(part["index"], {"stop_reason": None}), part)
-    reply = {
+    return {
         **{key: chunks[0][key] for key in ("id", "created", "model")},
         "object": kind,
         "usage": chunks[-1]["usage"],
+        "choices": [choices[i] for i in sorted(choices)],
     }
-    return reply, [choices[i] for i in sorted(choices)]
 
 
 def fold_chat(chunks: list[JsonObject], with_reasoning: bool) -> JsonObject:
     """The chunks of a chat stream as one chat.completion (OpenAI's non-streaming reply)."""
-    reply, choices = fold(chunks, "chat.completion")
-    for choice in choices:
+    reply = fold(chunks, "chat.completion")
+    for choice in reply["choices"]:
         message = choice.pop("delta")
         for call in message.get("tool_calls", ()):
             del call["index"]
@@ -252,7 +252,7 @@ def fold_chat(chunks: list[JsonObject], with_reasoning: bool) -> JsonObject:
             reasoning = message.pop("reasoning_content", None) or None
             message["reasoning_content"] = message["reasoning"] = reasoning
         choice["message"] = message
-    return {**reply, "choices": choices}
+    return reply
 
 
 router = APIRouter()
