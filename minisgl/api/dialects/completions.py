@@ -112,7 +112,7 @@ async def completion_events(run: Run, body: CompletionRequest) -> AsyncIterator[
             echo, offsets[choice.index] = _legacy_logprobs(ctx, prompt, scored, 0)
             yield chunk(base, choice.index, text=echoed[choice.prompt_index], logprobs=echo)
         logprobs = None
-        if body.logprobs is not None and output.logprobs:
+        if output.logprobs:  # only when asked for
             ids = [lp.token_id for lp in output.logprobs]
             offset = offsets.get(choice.index, 0)
             logprobs, offsets[choice.index] = _legacy_logprobs(ctx, ids, output.logprobs, offset)
