@@ -165,7 +165,6 @@ class Turn(OutputItems):
         self._body = body
         self._run = run
         self._conversation = conversation
-        self.blocks = ReplyBlocks(self)
         params = run.params[0]  # with the model's sampling defaults applied
         self._fields: JsonObject = {
             "id": run.id,
@@ -183,14 +182,6 @@ class Turn(OutputItems):
             "truncation": "disabled",
             **{name: getattr(body, name) for name in ECHOED_FIELDS},
         }
-
-    @property
-    def status(self) -> str:
-        return (
-            "incomplete"
-            if self._run.choices[0].finish_reason == FinishReason.LENGTH
-            else "completed"
-        )
 
     def response(self, status: str, error: JsonObject | None = None) -> JsonObject:
         usage = None
@@ -223,19 +214,22 @@ class Turn(OutputItems):
         self.emit("response.in_progress", response=self.response("in_progress"))
         for wire_event in self.take():
             yield wire_event
+        blocks = ReplyBlocks(self)
         async for event in self._run.events():
-            self.blocks.feed(event.delta, chat_logprobs(self._run.ctx, event.output.logprobs))
+            blocks.feed(event.delta, chat_logprobs(self._run.ctx, event.output.logprobs))
             for wire_event in self.take():
                 yield wire_event
-        self.blocks.finish(self.status)
-        response = self.response(self.status)
+        cut = self._run.choices[0].finish_reason == FinishReason.LENGTH
+        status = "incomplete" if cut else "completed"
+        blocks.finish(status)
+        response = self.response(status)
         if self._body.store:
             store.put(
                 response,
                 [*self._conversation, self.assistant_message()],
                 input_items(self._body.input),
             )
-        self.emit(f"response.{self.status}", response=response)
+        self.emit(f"response.{status}", response=response)
         for wire_event in self.take():
             yield wire_event
 
