@@ -183,7 +183,7 @@ class ApiRequest:
 
     prompt: ChatPrompt | list[str] | list[list[int]]
     sampling: JsonObject | list[JsonObject]
-    wire_names: Mapping[str, str] = field(default_factory=dict)
+    wire_names: Mapping[str, str]
     n: int = 1
     model: str | None = None
     constraint_fields: JsonObject = field(default_factory=dict)

@@ -80,19 +80,19 @@ def _legacy_logprobs(
     return table, end
 
 
-def _echo_texts(ctx: ServingContext, run: Run) -> list[str]:
+def _echo_texts(run: Run) -> list[str]:
     """Prompt texts for echo, on the tokenizer thread: token id prompts are decoded only now,
     once every rule (the vocabulary range included) has passed."""
     given = zip(cast("list[Any]", run.req.prompt), run.prompts, strict=True)
     return [
-        text if isinstance(text, str) else str(ctx.tokenizer.decode(ids)) for text, ids in given
+        text if isinstance(text, str) else str(run.ctx.tokenizer.decode(ids)) for text, ids in given
     ]
 
 
 async def completion_events(run: Run, body: CompletionRequest) -> AsyncIterator[JsonObject]:
     ctx = run.ctx
     base = header(run, body, "text_completion")
-    echoed = await ctx.on_tokenizer_thread(_echo_texts, ctx, run) if body.echo else []
+    echoed = await ctx.on_tokenizer_thread(_echo_texts, run) if body.echo else []
     # text_offset of each choice's next token, from its first output on. Under echo with
     # logprobs the prompt's tokens come first, their offsets summed over their texts as vLLM
     # does, so the output continues from that sum (which differs from the echoed text's length

@@ -55,7 +55,7 @@ async def tokenize(body: TokenizeRequest, request: Request) -> JsonObject:
             None if body.tools is None else "required",
             template_kwargs=body.chat_template_kwargs,
         )
-        run = Run(request, ApiRequest(chat, {}))
+        run = Run(request, ApiRequest(chat, {}, {}))
         await run.tokenize()
         ids = run.prompts[0]
     token_strs = None
