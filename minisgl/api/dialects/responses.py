@@ -153,7 +153,9 @@ class ResponseStore:
         return entry
 
     def delete(self, response_id: str) -> None:
-        self._entries.pop(response_id, None)
+        """A 404 when there is none."""
+        self.get(response_id)
+        del self._entries[response_id]
 
 
 class Turn(OutputItems):
@@ -270,9 +272,7 @@ async def retrieve_response(response_id: str, request: Request) -> JsonObject:
 
 @router.delete("/v1/responses/{response_id}")
 async def delete_response(response_id: str, request: Request) -> JsonObject:
-    store: ResponseStore = request.app.state.responses
-    store.get(response_id)  # a 404 if there is none
-    store.delete(response_id)
+    request.app.state.responses.delete(response_id)
     return {"id": response_id, "object": "response", "deleted": True}
 
 
