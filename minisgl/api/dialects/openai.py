@@ -190,7 +190,7 @@ async def chat_events(run: Run, body: ChatCompletionRequest) -> AsyncIterator[Js
                 base, choice.index, delta={"role": "assistant", "content": ""}, logprobs=None
             )
         delta = _delta_dict(event.delta)
-        scored = chat_logprobs(run.ctx, output.logprobs)
+        scored = chat_logprobs(run.ctx, output.logprobs)  # empty unless the request asked
         logprobs = {"content": scored} if body.logprobs else None
         if delta or output.finish_reason is not None or scored:
             yield choice_chunk(run, base, event, delta=delta, logprobs=logprobs)

@@ -217,7 +217,7 @@ class Turn(OutputItems):
         for wire_event in self.take():
             yield wire_event
         blocks = ReplyBlocks(self)
-        async for event in self._run.events():
+        async for event in self._run.events():  # logprobs: none unless the request asked
             blocks.feed(event.delta, chat_logprobs(self._run.ctx, event.output.logprobs))
             for wire_event in self.take():
                 yield wire_event
