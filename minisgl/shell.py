@@ -47,23 +47,19 @@ def _post(server: ServerArgs, path: str, body: dict) -> Iterator[http.client.HTT
         yield response
 
 
-def reply_budget(server: ServerArgs, fields: dict, messages: list[dict[str, str]]) -> int:
-    """--shell-max-tokens, cut to what the context window leaves after this conversation (a
-    bound past the window is an error, as in vLLM, and a short --max-model-len is common)."""
-    with _post(server, "/tokenize", {"messages": messages}) as response:
-        room = (counted := json.loads(response.read()))["max_model_len"] - counted["count"]
-    if room < 1:
-        raise RuntimeError(f"the conversation fills the context window; {RESET_COMMAND} clears it")
-    return min(fields["max_tokens"], room)
-
-
 def stream_reply(
     server: ServerArgs, fields: dict, messages: list[dict[str, str]]
 ) -> Iterator[tuple[str, str | None]]:
     """Yield the assistant's reply in pieces as the server streams them, each with the finish
     reason (None until the last). Leaving early (Ctrl-C) closes the connection, which aborts the
     request on the server. `fields`: model, sampling."""
-    budget = reply_budget(server, fields, messages)
+    # --shell-max-tokens, cut to what the context window leaves after this conversation (a
+    # bound past the window is an error, as in vLLM, and a short --max-model-len is common).
+    with _post(server, "/tokenize", {"messages": messages}) as response:
+        room = (counted := json.loads(response.read()))["max_model_len"] - counted["count"]
+    if room < 1:
+        raise RuntimeError(f"the conversation fills the context window; {RESET_COMMAND} clears it")
+    budget = min(fields["max_tokens"], room)
     body = {**fields, "max_tokens": budget, "messages": messages, "stream": True}
     with _post(server, "/v1/chat/completions", body) as response:
         for raw in response:  # server-sent events, one line at a time (chunked decoding included)
@@ -120,7 +116,7 @@ def run_shell(args: ServerArgs, ns: argparse.Namespace) -> int:
         args = args.replace(port=int(sock.getsockname()[1]), log_level=SHELL_LOG_LEVEL)
     fields = {"model": served_model_name(args), **ns.shell_sampling}
     stack = ServerStack(args)
-    print(f"loading {served_model_name(args)} ...", flush=True)
+    print(f"loading {fields['model']} ...", flush=True)
     try:
         stack.start()
         stack.wait_ready()

@@ -134,7 +134,7 @@ def create_app(
                 info.max_model_len, info.vocab_size, info.kv_capacity_tokens, longest_token_chars
             ),
             chat,
-            tuple(info.eos_token_ids),
+            info.eos_token_ids,
             load_sampling_defaults(Path(model_path), args.sampling_defaults),
             pooling,
         )

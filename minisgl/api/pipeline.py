@@ -158,7 +158,7 @@ class Run:
         self.params: list[SamplingParams] = []  # one per choice
         self.choices: list[Choice] = []
         self._queue: asyncio.Queue = asyncio.Queue()
-        self._arrival_time_s = time.perf_counter()
+        self.arrival_time_s = time.perf_counter()
         # What `close` cancels: the client watcher, the timeout.
         self._pending: list[asyncio.Task | asyncio.TimerHandle] = []
 
@@ -291,7 +291,7 @@ class Run:
         metrics = self.ctx.metrics
         if output.num_new_tokens > 0:
             if choice.last_token_time_s is None:
-                metrics.time_to_first_token_s.observe(now_s - self._arrival_time_s)
+                metrics.time_to_first_token_s.observe(now_s - self.arrival_time_s)
             else:  # several tokens in one output share the gap evenly
                 gap_s = (now_s - choice.last_token_time_s) / output.num_new_tokens
                 for _ in range(output.num_new_tokens):
@@ -309,7 +309,7 @@ class Run:
             choice.finish_reason = output.finish_reason
             choice.matched_stop = output.matched_stop
             choice.error = output.error
-            metrics.e2e_request_latency_s.observe(now_s - self._arrival_time_s)
+            metrics.e2e_request_latency_s.observe(now_s - self.arrival_time_s)
             metrics.request_finished(output.finish_reason)
 
     def close(self) -> None:
@@ -321,6 +321,11 @@ class Run:
                 self.ctx.engine.abort(choice.rid)
                 choice.finish_reason = FinishReason.ABORT
                 self.ctx.metrics.request_finished(FinishReason.ABORT)
+
+    @property
+    def model_name(self) -> str:
+        """The model a reply names: as the request named it, else the one served."""
+        return self.req.model or self.ctx.served_model_name
 
     def usage(self) -> tuple[int, int, int]:
         """(prompt tokens, completion tokens, cached prompt tokens); each prompt counts once."""

@@ -48,6 +48,11 @@ def new_id(prefix: str, sep: str = "-") -> str:
     return f"{prefix}{sep}{uuid.uuid4().hex}"
 
 
+def invalid_at(where: str, message: str) -> InvalidRequestError:
+    """A broken rule in a part of a field (`messages[2].content[0]`), blamed on the field."""
+    return InvalidRequestError(where.partition("[")[0], f"{where}: {message}")
+
+
 def function_call(call_id: str, name: str, arguments: str) -> JsonObject:
     """A tool call as chat messages carry it (`tool_calls` entries)."""
     return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
@@ -178,7 +183,7 @@ class ApiRequest:
 
     prompt: ChatPrompt | list[str] | list[list[int]]
     sampling: JsonObject | list[JsonObject]
-    wire_names: Mapping[str, str] = field(default_factory=dict)
+    wire_names: Mapping[str, str]
     n: int = 1
     model: str | None = None
     constraint_fields: JsonObject = field(default_factory=dict)

@@ -45,9 +45,8 @@ def run_detokenizer_process(
             results: list[ReqOutput] = []
             for message in inbox.get_all(IDLE_POLL_TIMEOUT_S):
                 if isinstance(message, msg.TokenizedRequest):
-                    params = message.sampling_params
                     requests[message.rid] = IncrementalDetokenizer(
-                        tokenizer, message.input_ids, params
+                        tokenizer, message.input_ids, message.sampling_params
                     )
                 else:  # a step's outputs: nothing else is sent to detokenizer_in
                     results += filter(shown, message)

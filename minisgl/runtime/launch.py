@@ -94,8 +94,10 @@ class ServerStack(StopRequests):
         spawn(f"detok{suffix}", DETOKENIZER_TARGET, tokenizer_path, endpoints)
         spawn(f"api{suffix}", API_TARGET, args, endpoints, tokenizer_path, model_path)
 
-    def wait_ready(self, timeout_s: float = STARTUP_TIMEOUT_S) -> None:
-        self.children.wait(lambda child: child.ready, timeout_s, lambda: self.stop_requested)
+    def wait_ready(self) -> None:
+        self.children.wait(
+            lambda child: child.ready, STARTUP_TIMEOUT_S, lambda: self.stop_requested
+        )
 
     def ready_message(self) -> str:
         return f"minisgl serving {served_model_name(self.args)} at {self.url}"

@@ -192,9 +192,9 @@ class MessageQueue:
         assert self.kind == "push", "cannot send on a pull socket"
         self._socket.send(encode(message), copy=False)
 
-    def get(self, timeout_s: float | None = None) -> Any | None:
+    def get(self, timeout_s: float) -> Any | None:
         """Next message; None if nothing arrives within timeout_s (0: do not wait)."""
-        if timeout_s is not None and not self._socket.poll(int(timeout_s * MS_PER_S), zmq.POLLIN):
+        if not self._socket.poll(int(timeout_s * MS_PER_S), zmq.POLLIN):
             return None
         return decode(self._socket.recv())
 

@@ -20,6 +20,7 @@ from minisgl.api.request import (
     chat_tool_choice,
     chat_tools,
     function_call,
+    invalid_at,
     new_id,
     sampling_of,
 )
@@ -87,28 +88,13 @@ class CountTokensRequest(MessagesRequest):
     max_tokens: int = 1
 
 
-def _fail(where: str, message: str, param: str = "messages") -> InvalidRequestError:
-    return InvalidRequestError(param, f"{where}: {message}")
-
-
 def _tool_call(block: Mapping[str, Any], where: str) -> JsonObject:
     name, call_id, arguments = block.get("name"), block.get("id"), block.get("input", {})
     if not isinstance(name, str) or not isinstance(call_id, str):
-        raise _fail(where, "a tool_use block needs an id and a name")
+        raise invalid_at(where, "a tool_use block needs an id and a name")
     if not isinstance(arguments, Mapping):
-        raise _fail(where, "a tool_use block's input must be an object")
+        raise invalid_at(where, "a tool_use block's input must be an object")
     return function_call(call_id, name, json.dumps(arguments, ensure_ascii=False))
-
-
-def _tool_result(block: Mapping[str, Any], where: str) -> JsonObject:
-    call_id = block.get("tool_use_id")
-    if not isinstance(call_id, str):
-        raise _fail(where, "a tool_result block needs a tool_use_id")
-    return {
-        "role": "tool",
-        "tool_call_id": call_id,
-        "content": text_content(block.get("content", ""), where, "messages"),
-    }
 
 
 def chat_messages(messages: list[Any]) -> list[JsonObject]:
@@ -119,12 +105,12 @@ def chat_messages(messages: list[Any]) -> list[JsonObject]:
     for i, message in enumerate(messages):
         where = f"messages[{i}]"
         if not isinstance(message, Mapping) or message.get("role") not in ("user", "assistant"):
-            raise _fail(where, "must be an object with role user or assistant and content")
+            raise invalid_at(where, "must be an object with role user or assistant and content")
         role, content = message["role"], message.get("content")
         if isinstance(content, str):
             content = [{"type": "text", "text": content}]
         if not isinstance(content, list):
-            raise _fail(where, "content must be text or a list of content blocks")
+            raise invalid_at(where, "content must be text or a list of content blocks")
         entry: JsonObject = {"role": role, "content": ""}
         for j, block in enumerate(content):
             at = f"{where}.content[{j}]"
@@ -134,15 +120,18 @@ def chat_messages(messages: list[Any]) -> list[JsonObject]:
             elif kind == "tool_use" and role == "assistant":
                 entry.setdefault("tool_calls", []).append(_tool_call(block, at))
             elif kind == "tool_result" and role == "user":
-                out.append(_tool_result(block, at))
+                if not isinstance(call_id := block.get("tool_use_id"), str):
+                    raise invalid_at(at, "a tool_result block needs a tool_use_id")
+                result = text_content(block.get("content", ""), at, "messages")
+                out.append({"role": "tool", "tool_call_id": call_id, "content": result})
             elif kind == "thinking" and role == "assistant":
                 thought = str(block.get("thinking", ""))
                 entry["reasoning_content"] = entry.get("reasoning_content", "") + thought
             elif kind in ("image", "document"):
-                raise _fail(at, f"{kind} blocks are not supported: the model reads text")
+                raise invalid_at(at, f"{kind} blocks are not supported: the model reads text")
             # redacted_thinking: encrypted by Anthropic's models; nothing a local model can read
             elif kind != "redacted_thinking" or role != "assistant":
-                raise _fail(at, f"a {kind!r} block is not supported in a {role} message")
+                raise invalid_at(at, f"a {kind!r} block is not supported in a {role} message")
         if role == "user" and not entry["content"] and out and out[-1]["role"] == "tool":
             continue  # only tool results: they are the turn
         out.append(entry)
@@ -185,14 +174,16 @@ class BlockEvents(EventBuffer):
 
     def open(self, kind: str, call: ToolCallDelta | None) -> None:
         self._index += 1
-        block: JsonObject = _EMPTY_BLOCKS.get(kind, {})  # copied by the emit
-        if call is not None:
-            block = {
+        block = (  # copied by the emit
+            _EMPTY_BLOCKS[kind]
+            if call is None
+            else {
                 "type": "tool_use",
                 "id": new_id("toolu", "_"),
                 "name": call.name or "",
                 "input": {},
             }
+        )
         self.emit("content_block_start", index=self._index, content_block=block)
 
     def write(self, kind: str, text: str, logprobs: list[Any]) -> None:
@@ -206,18 +197,18 @@ class BlockEvents(EventBuffer):
         self.emit("content_block_stop", index=self._index)
 
 
-def stop_reason(choice: Choice, num_calls: int, stops: list[str]) -> tuple[str, str | None]:
-    """Anthropic's stop_reason and stop_sequence."""
+def stop_reason(choice: Choice, num_calls: int) -> tuple[str, str | None]:
+    """Anthropic's stop_reason and stop_sequence (stop strings are only the request's own)."""
     if choice.finish_reason == FinishReason.LENGTH:
         return "max_tokens", None
     if num_calls:
         return "tool_use", None
-    if isinstance(choice.matched_stop, str) and choice.matched_stop in stops:
+    if isinstance(choice.matched_stop, str):
         return "stop_sequence", choice.matched_stop
     return "end_turn", None
 
 
-async def message_events(run: Run, body: MessagesRequest) -> AsyncIterator[JsonObject]:
+async def message_events(run: Run) -> AsyncIterator[JsonObject]:
     sink = BlockEvents()
     blocks = ReplyBlocks(sink)
     sink.emit(
@@ -226,7 +217,7 @@ async def message_events(run: Run, body: MessagesRequest) -> AsyncIterator[JsonO
             "id": run.id,
             "type": "message",
             "role": "assistant",
-            "model": body.model or run.ctx.served_model_name,
+            "model": run.model_name,
             "content": [],
             "stop_reason": None,
             "stop_sequence": None,
@@ -239,7 +230,7 @@ async def message_events(run: Run, body: MessagesRequest) -> AsyncIterator[JsonO
         for wire_event in sink.take():
             yield wire_event
     blocks.finish()
-    reason, sequence = stop_reason(run.choices[0], blocks.num_calls, body.stop_sequences or [])
+    reason, sequence = stop_reason(run.choices[0], blocks.num_calls)
     prompt, completion, cached = run.usage()
     usage = {
         # Anthropic counts prompt tokens read from the cache apart from `input_tokens`.
@@ -287,7 +278,7 @@ router = APIRouter()
 @router.post(PATH_PREFIX)
 async def create_message(body: MessagesRequest, request: Request) -> Response:
     run = await Run(request, body.to_api(), new_id("msg", "_")).start()
-    return await respond(run, message_events(run, body), body.stream, fold_message, error_events)
+    return await respond(run, message_events(run), body.stream, fold_message, error_events)
 
 
 @router.post(f"{PATH_PREFIX}/count_tokens")

@@ -61,35 +61,38 @@ def _legacy_logprobs(
     token_ids: Sequence[int],
     scored: Sequence[TokenLogprob | None],
     offset: int,
-) -> JsonObject:
-    """The legacy completions format of `token_ids`, text offsets counted from `offset`; a token
-    `scored` leaves None or short of (a prompt's first, the rest of an aborted one) gets nulls."""
+) -> tuple[JsonObject, int]:
+    """The legacy completions format of `token_ids`, text offsets counted from `offset`, and the
+    offset after them; a token `scored` leaves None or short of (a prompt's first, the rest of an
+    aborted one) gets nulls."""
     tokens = [ctx.token_text(tid) for tid in token_ids]
     scored = [*scored, *[None] * (len(tokens) - len(scored))]
-    return {
+    *starts, end = itertools.accumulate(map(len, tokens), initial=offset)
+    table = {
         "tokens": tokens,
         "token_logprobs": [None if lp is None else lp.logprob for lp in scored],
         "top_logprobs": [
             None if lp is None else {ctx.token_text(tid): tlp for tid, tlp in lp.top}
             for lp in scored
         ],
-        "text_offset": list(itertools.accumulate(map(len, tokens), initial=offset))[:-1],
+        "text_offset": starts,
     }
+    return table, end
 
 
-def _echo_texts(ctx: ServingContext, run: Run) -> list[str]:
+def _echo_texts(run: Run) -> list[str]:
     """Prompt texts for echo, on the tokenizer thread: token id prompts are decoded only now,
     once every rule (the vocabulary range included) has passed."""
     given = zip(cast("list[Any]", run.req.prompt), run.prompts, strict=True)
     return [
-        text if isinstance(text, str) else str(ctx.tokenizer.decode(ids)) for text, ids in given
+        text if isinstance(text, str) else str(run.ctx.tokenizer.decode(ids)) for text, ids in given
     ]
 
 
 async def completion_events(run: Run, body: CompletionRequest) -> AsyncIterator[JsonObject]:
     ctx = run.ctx
     base = header(run, body, "text_completion")
-    echoed = await ctx.on_tokenizer_thread(_echo_texts, ctx, run) if body.echo else []
+    echoed = await ctx.on_tokenizer_thread(_echo_texts, run) if body.echo else []
     # text_offset of each choice's next token, from its first output on. Under echo with
     # logprobs the prompt's tokens come first, their offsets summed over their texts as vLLM
     # does, so the output continues from that sum (which differs from the echoed text's length
@@ -103,19 +106,16 @@ async def completion_events(run: Run, body: CompletionRequest) -> AsyncIterator[
             yield chunk(base, choice.index, text=echoed[choice.prompt_index], logprobs=None)
     async for event in run.events():
         choice, output = event.choice, event.output
-        if choice.index not in offsets:
-            offsets[choice.index] = 0
-            if scored_echo:
-                prompt = run.prompts[choice.prompt_index]
-                scored = _legacy_logprobs(ctx, prompt, [None, *output.prompt_logprobs], 0)
-                offsets[choice.index] = sum(map(len, scored["tokens"]))
-                text = echoed[choice.prompt_index]
-                yield chunk(base, choice.index, text=text, logprobs=scored)
+        if scored_echo and choice.index not in offsets:
+            prompt = run.prompts[choice.prompt_index]
+            scored = [None, *output.prompt_logprobs]
+            echo, offsets[choice.index] = _legacy_logprobs(ctx, prompt, scored, 0)
+            yield chunk(base, choice.index, text=echoed[choice.prompt_index], logprobs=echo)
         logprobs = None
-        if body.logprobs is not None and output.logprobs:
+        if output.logprobs:  # only when asked for
             ids = [lp.token_id for lp in output.logprobs]
-            logprobs = _legacy_logprobs(ctx, ids, output.logprobs, offsets[choice.index])
-            offsets[choice.index] += sum(map(len, logprobs["tokens"]))
+            offset = offsets.get(choice.index, 0)
+            logprobs, offsets[choice.index] = _legacy_logprobs(ctx, ids, output.logprobs, offset)
         if output.text or output.finish_reason is not None or logprobs is not None:
             yield choice_chunk(run, base, event, text=output.text, logprobs=logprobs)
     if body.stream_usage or not body.stream:
@@ -124,11 +124,11 @@ async def completion_events(run: Run, body: CompletionRequest) -> AsyncIterator[
 
 def fold_completion(chunks: list[JsonObject], with_logprobs: bool) -> JsonObject:
     """The chunks of a completions stream as one text_completion (the non-streaming reply)."""
-    reply, choices = fold(chunks, "text_completion")
-    for choice in choices:
+    reply = fold(chunks, "text_completion")
+    for choice in reply["choices"]:
         if with_logprobs and choice["logprobs"] is None:  # a table even when no chunk had one
             choice["logprobs"] = {key: [] for key in LOGPROB_KEYS}
-    return {**reply, "choices": choices}
+    return reply
 
 
 router = APIRouter()

@@ -30,13 +30,17 @@ class EmbeddingRequest(WireModel):
 
 
 async def _embeddings(run: Run, base64_format: bool) -> AsyncIterator[JsonObject]:
+    # An embedding request's one output is its end: with the vector, or aborted (the server is
+    # stopping).
     async for event in run.events():
-        if (vector := event.output.embedding) is not None:
-            data = base64.b64encode(vector).decode() if base64_format else None
-            embedding = data or np.frombuffer(vector, "<f4").tolist()
-            yield {"object": "embedding", "index": event.choice.index, "embedding": embedding}
-        elif event.output.finish_reason is not None:  # aborted: the server is stopping
+        if (vector := event.output.embedding) is None:
             raise ChoiceFailed("the request ended before its embedding was made", True)
+        embedding = (
+            base64.b64encode(vector).decode()
+            if base64_format
+            else np.frombuffer(vector, "<f4").tolist()
+        )
+        yield {"object": "embedding", "index": event.choice.index, "embedding": embedding}
 
 
 def _reply(run: Run, items: list[JsonObject]) -> JsonObject:
@@ -44,7 +48,7 @@ def _reply(run: Run, items: list[JsonObject]) -> JsonObject:
     return {
         "object": "list",
         "data": sorted(items, key=lambda item: item["index"]),
-        "model": run.req.model or run.ctx.served_model_name,
+        "model": run.model_name,
         "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens},
     }
 
@@ -56,12 +60,11 @@ router = APIRouter()
 async def create_embeddings(request: Request) -> Response:
     body = await EmbeddingRequest.from_request(request)
     ctx: ServingContext = request.app.state.ctx
-    ctx.check_model(body.model)
+    ctx.check_model(body.model)  # before any tokenizing, as Run.prepare does
     if body.dimensions is not None:
         raise InvalidRequestError("dimensions", "this model does not support Matryoshka dimensions")
-    keep_len = body.truncate_prompt_tokens
     prompts = await ctx.on_tokenizer_thread(
-        input_token_ids, body.input, ctx.tokenizer.encode, ctx.limits, keep_len
+        input_token_ids, body.input, ctx.tokenizer.encode, ctx.limits, body.truncate_prompt_tokens
     )
     sampling = {"max_tokens": 0, "pooling": ctx.pooling, "user": body.user}
     api_request = ApiRequest(prompts, sampling, {"prompt": "input"}, 1, body.model)

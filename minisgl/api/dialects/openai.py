@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import functools
 import time
-import uuid
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
@@ -92,13 +91,12 @@ class ChatCompletionRequest(OpenAISampling, ChatWire):
             raise InvalidRequestError("top_logprobs", "needs logprobs set to true")
         sampling, wire_names = sampling_of(self, CHAT_ALIASES)
         sampling["logprobs"] = (self.top_logprobs or 0) if self.logprobs else None
-        kwargs = with_reasoning_effort(self.chat_template_kwargs, self.reasoning_effort)
         prompt = ChatPrompt(
             self.messages,
             self.tools,
             self.tool_choice,
             self.parallel_tool_calls,
-            kwargs,
+            with_reasoning_effort(self.chat_template_kwargs, self.reasoning_effort),
             self.separate_reasoning,
         )
         return ApiRequest(prompt, sampling, wire_names, self.n, self.model, self.constraint_fields)
@@ -118,21 +116,18 @@ def usage_dict(run: Run, reasoning_tokens: int | None = None) -> JsonObject:
     return usage
 
 
-def chat_logprobs(ctx: ServingContext, logprobs: Sequence[TokenLogprob]) -> JsonObject:
+def chat_logprobs(ctx: ServingContext, logprobs: Sequence[TokenLogprob]) -> list[JsonObject]:
+    """Chat's `logprobs.content` (the Responses API's `logprobs`) of these tokens."""
+
     def entry(token_id: int, logprob: float) -> JsonObject:
         text = ctx.token_text(token_id)
         return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
 
-    def with_top(lp: TokenLogprob) -> JsonObject:  # lp.top: (token id, logprob) pairs
-        return {**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(*top) for top in lp.top]}
-
-    return {"content": [with_top(lp) for lp in logprobs]}
-
-
-def new_call_id() -> str:
-    """An OpenAI tool call id; a call gets it with its first delta, which names the function
-    and comes once per call."""
-    return f"call_{uuid.uuid4().hex[:24]}"
+    # lp.top: (token id, logprob) pairs
+    return [
+        {**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(*top) for top in lp.top]}
+        for lp in logprobs
+    ]
 
 
 def _delta_dict(delta: ChatDelta) -> JsonObject:
@@ -146,8 +141,8 @@ def _delta_dict(delta: ChatDelta) -> JsonObject:
     calls: dict[int, JsonObject] = {}
     for call in delta.tool_calls:
         entry = calls.setdefault(call.index, {"index": call.index, "function": {"arguments": ""}})
-        if call.name is not None:  # a call's first delta: who is called
-            entry |= {"id": new_call_id(), "type": "function"}
+        if call.name is not None:  # a call's first delta (once per call): who is called
+            entry |= {"id": new_id("call", "_"), "type": "function"}
             entry["function"]["name"] = call.name
         entry["function"]["arguments"] += call.arguments
     if calls:
@@ -160,7 +155,7 @@ def header(run: Run, body: OpenAISampling, kind: str) -> JsonObject:
         "id": run.id,
         "object": kind,
         "created": int(time.time()),
-        "model": body.model or run.ctx.served_model_name,
+        "model": run.model_name,
     }
     if body.stream_usage:
         head["usage"] = None  # OpenAI sends usage null on every chunk but the last
@@ -172,13 +167,12 @@ def chunk(base: JsonObject, index: int, finish: str | None = None, **part: Any) 
     return {**base, "choices": [{"index": index, **part, "finish_reason": finish}]}
 
 
-def choice_chunk(
-    run: Run, base: JsonObject, event: Event, num_calls: int = 0, **part: Any
-) -> JsonObject:
+def choice_chunk(run: Run, base: JsonObject, event: Event, **part: Any) -> JsonObject:
     """The chunk of one output, finish_reason and stop_reason set at its end."""
     finish = None
     if (reason := event.output.finish_reason) is not None:
-        finish = "tool_calls" if reason == FinishReason.STOP and num_calls else reason.value
+        called = event.choice.parser is not None and event.choice.parser.num_calls
+        finish = "tool_calls" if reason == FinishReason.STOP and called else reason.value
         part["stop_reason"] = stop_reason(run.params[0], event.output.matched_stop)
     return chunk(base, event.choice.index, finish, **part)
 
@@ -195,11 +189,11 @@ async def chat_events(run: Run, body: ChatCompletionRequest) -> AsyncIterator[Js
             yield chunk(
                 base, choice.index, delta={"role": "assistant", "content": ""}, logprobs=None
             )
-        num_calls = choice.parser.num_calls if choice.parser is not None else 0
         delta = _delta_dict(event.delta)
-        logprobs = chat_logprobs(run.ctx, output.logprobs) if body.logprobs else None
-        if delta or output.finish_reason is not None or (logprobs and logprobs["content"]):
-            yield choice_chunk(run, base, event, num_calls, delta=delta, logprobs=logprobs)
+        scored = chat_logprobs(run.ctx, output.logprobs)  # empty unless the request asked
+        logprobs = {"content": scored} if body.logprobs else None
+        if delta or output.finish_reason is not None or scored:
+            yield choice_chunk(run, base, event, delta=delta, logprobs=logprobs)
     if body.stream_usage or not body.stream:
         yield {**base, "choices": [], "usage": usage_dict(run, run.reasoning_tokens)}
 
@@ -230,24 +224,24 @@ def accumulate(total: JsonObject, delta: JsonObject) -> JsonObject:
     return total
 
 
-def fold(chunks: list[JsonObject], kind: str) -> tuple[JsonObject, list[JsonObject]]:
-    """A stream's chunks added up: the reply's head and its choices, in index order."""
+def fold(chunks: list[JsonObject], kind: str) -> JsonObject:
+    """A stream's chunks added up: the reply, its choices in index order."""
     choices: dict[int, JsonObject] = {}
     for sent in chunks:
         for part in sent["choices"]:
             accumulate(choices.setdefault(part["index"], {"stop_reason": None}), part)
-    reply = {
+    return {
         **{key: chunks[0][key] for key in ("id", "created", "model")},
         "object": kind,
         "usage": chunks[-1]["usage"],
+        "choices": [choices[i] for i in sorted(choices)],
     }
-    return reply, [choices[i] for i in sorted(choices)]
 
 
 def fold_chat(chunks: list[JsonObject], with_reasoning: bool) -> JsonObject:
     """The chunks of a chat stream as one chat.completion (OpenAI's non-streaming reply)."""
-    reply, choices = fold(chunks, "chat.completion")
-    for choice in choices:
+    reply = fold(chunks, "chat.completion")
+    for choice in reply["choices"]:
         message = choice.pop("delta")
         for call in message.get("tool_calls", ()):
             del call["index"]
@@ -258,7 +252,7 @@ def fold_chat(chunks: list[JsonObject], with_reasoning: bool) -> JsonObject:
             reasoning = message.pop("reasoning_content", None) or None
             message["reasoning_content"] = message["reasoning"] = reasoning
         choice["message"] = message
-    return {**reply, "choices": choices}
+    return reply
 
 
 router = APIRouter()

@@ -79,10 +79,6 @@ class ResponsesRequest(ChatWire):
     stop: str | list[str] | None = None  # an extra, as vLLM's
 
     @property
-    def wants_logprobs(self) -> bool:
-        return "message.output_text.logprobs" in (self.include or ()) or bool(self.top_logprobs)
-
-    @property
     def effort(self) -> str | None:
         return (self.reasoning or {}).get("effort")
 
@@ -99,11 +95,12 @@ class ResponsesRequest(ChatWire):
             )
         turns = input_messages(self.input)
         if self.previous_response_id is not None:
-            previous = stored(store, self.previous_response_id, "previous_response_id")
+            previous = store.get(self.previous_response_id, "previous_response_id")
             turns = [*previous.conversation, *turns]
         system = [{"role": "system", "content": self.instructions}] if self.instructions else []
         sampling, wire_names = sampling_of(self, ALIASES)
-        sampling["logprobs"] = self.top_logprobs if self.wants_logprobs else None
+        wants_logprobs = "message.output_text.logprobs" in (self.include or ()) or self.top_logprobs
+        sampling["logprobs"] = self.top_logprobs if wants_logprobs else None
         prompt = ChatPrompt(
             system + turns,
             chat_tools(self.tools, "function", FUNCTION_KEYS),
@@ -137,20 +134,28 @@ class ResponseStore:
         size = sum(len(json.dumps(part)) for part in (response, conversation, items))
         if size > self.max_chars:
             return  # larger than the whole store: keeping it would evict everything else
-        self.delete(response["id"])
         self._entries[response["id"]] = StoredResponse(response, conversation, items, size)
         while len(self._entries) > self.max_entries or (
             sum(entry.size_chars for entry in self._entries.values()) > self.max_chars
         ):
             self._entries.popitem(last=False)
 
-    def get(self, response_id: str) -> StoredResponse | None:
-        if (entry := self._entries.get(response_id)) is not None:
-            self._entries.move_to_end(response_id)  # a chain in use stays
+    def get(self, response_id: str, param: str = "response_id") -> StoredResponse:
+        """The stored response; a 404 naming `param` when there is none."""
+        if (entry := self._entries.get(response_id)) is None:
+            kept = "responses are kept in this server's memory while it runs, when store is true"
+            raise RequestError(
+                HTTPStatus.NOT_FOUND,
+                f"{param}: no stored response {response_id!r} ({kept})",
+                param=param,
+            )
+        self._entries.move_to_end(response_id)  # a chain in use stays
         return entry
 
     def delete(self, response_id: str) -> None:
-        self._entries.pop(response_id, None)
+        """A 404 when there is none."""
+        self.get(response_id)
+        del self._entries[response_id]
 
 
 class Turn(OutputItems):
@@ -162,14 +167,13 @@ class Turn(OutputItems):
         self._body = body
         self._run = run
         self._conversation = conversation
-        self.blocks = ReplyBlocks(self)
         params = run.params[0]  # with the model's sampling defaults applied
         self._fields: JsonObject = {
             "id": run.id,
             "object": "response",
             "created_at": int(time.time()),
             "background": False,
-            "model": body.model or run.ctx.served_model_name,
+            "model": run.model_name,
             "reasoning": {"effort": body.effort, "summary": None},
             "temperature": params.temperature,
             # text.format: checked by to_api (an object, or absent)
@@ -180,14 +184,6 @@ class Turn(OutputItems):
             "truncation": "disabled",
             **{name: getattr(body, name) for name in ECHOED_FIELDS},
         }
-
-    @property
-    def status(self) -> str:
-        return (
-            "incomplete"
-            if self._run.choices[0].finish_reason == FinishReason.LENGTH
-            else "completed"
-        )
 
     def response(self, status: str, error: JsonObject | None = None) -> JsonObject:
         usage = None
@@ -220,22 +216,22 @@ class Turn(OutputItems):
         self.emit("response.in_progress", response=self.response("in_progress"))
         for wire_event in self.take():
             yield wire_event
-        async for event in self._run.events():
-            logprobs = []
-            if self._body.wants_logprobs:
-                logprobs = chat_logprobs(self._run.ctx, event.output.logprobs)["content"]
-            self.blocks.feed(event.delta, logprobs)
+        blocks = ReplyBlocks(self)
+        async for event in self._run.events():  # logprobs: none unless the request asked
+            blocks.feed(event.delta, chat_logprobs(self._run.ctx, event.output.logprobs))
             for wire_event in self.take():
                 yield wire_event
-        self.blocks.finish(self.status)
-        response = self.response(self.status)
+        cut = self._run.choices[0].finish_reason == FinishReason.LENGTH
+        status = "incomplete" if cut else "completed"
+        blocks.finish(status)
+        response = self.response(status)
         if self._body.store:
             store.put(
                 response,
                 [*self._conversation, self.assistant_message()],
                 input_items(self._body.input),
             )
-        self.emit(f"response.{self.status}", response=response)
+        self.emit(f"response.{status}", response=response)
         for wire_event in self.take():
             yield wire_event
 
@@ -253,22 +249,6 @@ class Turn(OutputItems):
         return self.take()
 
 
-def stored(store: ResponseStore, response_id: str, param: str = "response_id") -> StoredResponse:
-    """The stored response; a 404 when there is none."""
-    if (entry := store.get(response_id)) is None:
-        kept = "responses are kept in this server's memory while it runs, when store is true"
-        raise RequestError(
-            HTTPStatus.NOT_FOUND,
-            f"{param}: no stored response {response_id!r} ({kept})",
-            param=param,
-        )
-    return entry
-
-
-def _last_response(events: list[JsonObject]) -> JsonObject:
-    return events[-1]["response"]  # the stream's last event holds the whole response
-
-
 router = APIRouter()
 
 
@@ -278,21 +258,21 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
     api, conversation = body.to_api(store)
     run = await Run(request, api, new_id("resp", "_")).start()
     turn = Turn(body, run, conversation)
+    events = turn.wire_events(store)
+    # Not streaming: the stream's last event, which holds the whole response, is the reply.
     return await respond(
-        run, turn.wire_events(store), body.stream, _last_response, turn.error_events
+        run, events, body.stream, lambda sent: sent[-1]["response"], turn.error_events
     )
 
 
 @router.get("/v1/responses/{response_id}")
 async def retrieve_response(response_id: str, request: Request) -> JsonObject:
-    return stored(request.app.state.responses, response_id).response
+    return request.app.state.responses.get(response_id).response
 
 
 @router.delete("/v1/responses/{response_id}")
 async def delete_response(response_id: str, request: Request) -> JsonObject:
-    store: ResponseStore = request.app.state.responses
-    stored(store, response_id)  # a 404 if there is none
-    store.delete(response_id)
+    request.app.state.responses.delete(response_id)
     return {"id": response_id, "object": "response", "deleted": True}
 
 
@@ -301,7 +281,7 @@ def list_input_items(
 ) -> JsonObject:
     """The request's input items, newest first unless order is "asc", `limit` at a time, from
     after the item `after`."""
-    items = stored(store, response_id).input_items
+    items = store.get(response_id).input_items
     items = items if order == "asc" else items[::-1]
     if after is not None:
         ids = [item["id"] for item in items]

@@ -7,8 +7,7 @@ import copy
 from collections.abc import Mapping
 from typing import Any
 
-from minisgl.api.dialects.openai import new_call_id
-from minisgl.api.request import JsonObject, function_call, new_id
+from minisgl.api.request import JsonObject, function_call, invalid_at, new_id
 from minisgl.api.sse import EventBuffer
 from minisgl.chat import CALL, REASONING
 from minisgl.chat.template import text_content
@@ -29,14 +28,10 @@ ITEM_ID_PREFIXES = {
 FUNCTION_KEYS = {"name": "name", "description": "description", "parameters": "parameters"}
 
 
-def _fail(where: str, message: str, param: str = "input") -> InvalidRequestError:
-    return InvalidRequestError(param, f"{where}: {message}")
-
-
 def _text_field(item: Mapping[str, Any], key: str, where: str) -> str:
     value = item.get(key)
     if not isinstance(value, str):
-        raise _fail(where, f"{key} must be a string")
+        raise invalid_at(where, f"{key} must be a string")
     return value
 
 
@@ -50,13 +45,13 @@ def input_messages(value: str | list[Any]) -> list[JsonObject]:
     for i, item in enumerate(value):
         where = f"input[{i}]"
         if not isinstance(item, Mapping):
-            raise _fail(where, "must be an object")
+            raise invalid_at(where, "must be an object")
         kind = item.get("type", "message")
         message: JsonObject | None = None
         if kind == "message":
             role = item.get("role")
             if role not in MESSAGE_ROLES:
-                raise _fail(where, "role must be user, system, developer or assistant")
+                raise invalid_at(where, "role must be user, system, developer or assistant")
             content = text_content(item.get("content"), where, "input", TEXT_PART_TYPES)
             message = {"role": "system" if role == "developer" else role, "content": content}
         elif kind == "function_call":
@@ -74,7 +69,7 @@ def input_messages(value: str | list[Any]) -> list[JsonObject]:
             given = item.get("content") or item.get("summary") or []
             reasoning = text_content(given, where, "input", TEXT_PART_TYPES)
         else:
-            raise _fail(
+            raise invalid_at(
                 where, f"item type {kind!r} is not supported ({', '.join(ITEM_ID_PREFIXES)})"
             )
         if message is not None:
@@ -161,7 +156,7 @@ class OutputItems(EventBuffer):
         if call is not None:
             item: JsonObject = {
                 "type": "function_call",
-                "call_id": new_call_id(),
+                "call_id": new_id("call", "_"),
                 "name": call.name or "",
                 "arguments": "",
             }

@@ -93,25 +93,23 @@ class GenerateRequest(WireModel):
         ids = self.input_ids
         return isinstance(self.text, list) or bool(ids) and isinstance(ids[0], list)  # type: ignore[index]
 
-    def prompts(self) -> list[str] | list[list[int]]:
-        given = self.text if self.text is not None else self.input_ids
-        return cast("list[str] | list[list[int]]", given if self.is_batch else [given])
-
     def to_api(self) -> ApiRequest:
         if (self.text is None) == (self.input_ids is None):
             raise InvalidRequestError("text", "give exactly one of text and input_ids")
-        if not (prompts := self.prompts()):
+        given = self.text if self.text is not None else self.input_ids
+        prompts = cast("list[str] | list[list[int]]", given if self.is_batch else [given])
+        if not prompts:
             raise InvalidRequestError("text", "must not be empty")
         if isinstance(self.rid, list) and len(self.rid) != len(prompts):
             raise InvalidRequestError("rid", "a list of ids needs one id per prompt")
         # One object per prompt, or one that every prompt shares (validated once: a batch of
         # millions of prompts is refused by its size, not after millions of validations).
-        given = self.sampling_params
-        if isinstance(given, list) and len(given) != len(prompts):
+        per_prompt = self.sampling_params
+        if isinstance(per_prompt, list) and len(per_prompt) != len(prompts):
             raise InvalidRequestError("sampling_params", "needs one object per prompt")
         rows = [
             SGLangSampling.validated(row, "sampling_params")
-            for row in (given if isinstance(given, list) else [given or {}])
+            for row in (per_prompt if isinstance(per_prompt, list) else [per_prompt or {}])
         ]
         if any(row.n != rows[0].n for row in rows):
             raise InvalidRequestError("sampling_params.n", "must be the same for every prompt")
@@ -122,16 +120,19 @@ class GenerateRequest(WireModel):
         scored = self.return_logprob and self.logprob_start_len >= 0
         sampling: list[JsonObject] = []
         for row in rows:
-            fields, _ = sampling_of(row, ALIASES, priority=self.priority)
-            fields["max_tokens"] = row.max_new_tokens  # SGLang's name decides
-            fields["logprobs"] = logprobs
             # max_new_tokens 0 without logprobs: SGLang's prefill-only request runs as one that
             # scores its prompt (the only kind that may generate nothing).
             prefill_only = 0 if row.max_new_tokens == 0 else None
-            fields["prompt_logprobs"] = self.top_logprobs_num if scored else prefill_only
-            sampling.append(fields)
+            fields, _ = sampling_of(
+                row,
+                ALIASES,
+                priority=self.priority,
+                logprobs=logprobs,
+                prompt_logprobs=self.top_logprobs_num if scored else prefill_only,
+            )
+            sampling.append({**fields, "max_tokens": row.max_new_tokens})  # SGLang's name decides
         wire_names = {**WIRE_NAMES, "prompt": "text" if self.text is not None else "input_ids"}
-        shared = sampling if isinstance(given, list) else sampling[0]
+        shared = sampling if isinstance(per_prompt, list) else sampling[0]
         return ApiRequest(prompts, shared, wire_names, rows[0].n, None, constraint_fields)
 
 
@@ -152,7 +153,7 @@ def _triples(entries: list[TokenLogprob]) -> tuple[list[list[Any]], list[list[li
     return chosen, [[[tlp, tid, None] for tid, tlp in lp.top] for lp in entries]
 
 
-def _item(run: Run, body: GenerateRequest, choice: Choice, start_s: float) -> JsonObject:
+def _item(run: Run, body: GenerateRequest, choice: Choice) -> JsonObject:
     """One sequence as SGLang reports it, so far (its text and ids are cumulative)."""
     prompt = run.prompts[choice.prompt_index]
     rid = body.rid[choice.prompt_index] if isinstance(body.rid, list) else body.rid
@@ -164,7 +165,7 @@ def _item(run: Run, body: GenerateRequest, choice: Choice, start_s: float) -> Js
         "cached_tokens": choice.num_cached_prompt_tokens,
     }
     if choice.finished:
-        meta["e2e_latency"] = time.perf_counter() - start_s
+        meta["e2e_latency"] = time.perf_counter() - run.arrival_time_s
     if body.return_logprob:
         meta["output_token_logprobs"], meta["output_top_logprobs"] = _triples(choice.logprobs)
         scored, scored_top = _triples(choice.prompt_logprobs)
@@ -182,11 +183,10 @@ def _item(run: Run, body: GenerateRequest, choice: Choice, start_s: float) -> Js
 
 
 async def generate_events(run: Run, body: GenerateRequest) -> AsyncIterator[JsonObject]:
-    start_s = time.perf_counter()
     async for event in run.events():
         # Each item is cumulative: a reply needs only each sequence's last.
         if body.stream or event.choice.finished:
-            yield _item(run, body, event.choice, start_s)
+            yield _item(run, body, event.choice)
 
 
 def fold_generate(items: list[JsonObject]) -> JsonObject | list[Any]:
@@ -244,7 +244,7 @@ def _version() -> str:
         return "unknown"
 
 
-async def _engine_answers(ctx: ServingContext, timeout_s: float) -> bool:
+async def _engine_answers(ctx: ServingContext) -> bool:
     """True once the engine produces any output after the call, its own or another request's
     (like SGLang, output of any request proves the engine runs). A one-token greedy probe is
     submitted only to an idle engine, so probes never fill the queue (--max-queued-requests)."""
@@ -255,7 +255,7 @@ async def _engine_answers(ctx: ServingContext, timeout_s: float) -> bool:
     try:
         if not ctx.engine.num_active_requests:
             ctx.engine.submit(TokenizedRequest(rid, HEALTH_PROMPT, HEALTH_PARAMS), queue)
-        while loop.time() - sent_s < timeout_s:
+        while loop.time() - sent_s < HEALTH_GENERATE_TIMEOUT_S:
             with contextlib.suppress(asyncio.TimeoutError):
                 item = await asyncio.wait_for(queue.get(), HEALTH_GENERATE_POLL_S)
                 failed = (FinishReason.ERROR, FinishReason.ABORT)  # proves nothing
@@ -269,7 +269,9 @@ async def _engine_answers(ctx: ServingContext, timeout_s: float) -> bool:
         ctx.engine.abort(rid)  # a no-op once it finished, or if it was never sent
 
 
-def _server_info(request: Request) -> JsonObject:
+@router.get("/server_info")
+@router.get("/get_server_info")  # SGLang's old name too
+def server_info(request: Request) -> JsonObject:
     ctx, info = request.app.state.ctx, request.app.state.model_info
     return {
         **{key: info[key] for key in ("model_path", "tokenizer_path", "is_generation")},
@@ -285,13 +287,10 @@ def _server_info(request: Request) -> JsonObject:
     }
 
 
-def _model_info(request: Request) -> JsonObject:
+@router.get("/model_info")
+@router.get("/get_model_info")
+def get_model_info(request: Request) -> JsonObject:
     return request.app.state.model_info
-
-
-for path, handler in (("server_info", _server_info), ("model_info", _model_info)):
-    for prefix in ("/", "/get_"):  # SGLang's old names too
-        router.add_api_route(prefix + path, handler, methods=["GET"])
 
 
 @router.get("/get_load")
@@ -323,6 +322,6 @@ async def flush_cache(request: Request) -> Response:
 async def health_generate(request: Request) -> Response:
     return Response(
         status_code=200
-        if (await _engine_answers(request.app.state.ctx, HEALTH_GENERATE_TIMEOUT_S))
+        if (await _engine_answers(request.app.state.ctx))
         else HTTPStatus.SERVICE_UNAVAILABLE
     )

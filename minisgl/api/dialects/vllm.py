@@ -2,13 +2,10 @@
 prompt or chat messages counted exactly as a request would cost them, ids back to text, the
 special tokens and chat template (what lm-evaluation-harness's remote tokenizer needs)."""
 
-from __future__ import annotations
-
-import functools
 from typing import Any, cast
 
 from fastapi import APIRouter, Request
-from pydantic import Field, model_validator
+from pydantic import Field
 
 from minisgl.api.pipeline import Run, ServingContext
 from minisgl.api.request import ApiRequest, FailFastList, JsonObject, WireModel
@@ -30,12 +27,6 @@ class TokenizeRequest(WireModel):
     tools: list[Any] | None = None
     chat_template_kwargs: JsonObject | None = None
 
-    @model_validator(mode="after")
-    def _one_input(self) -> TokenizeRequest:
-        if (self.prompt is None) == (self.messages is None):
-            raise InvalidRequestError("prompt", "give either prompt or messages")
-        return self
-
 
 class DetokenizeRequest(WireModel):
     model: str | None = None
@@ -47,14 +38,15 @@ router = APIRouter()
 
 @router.post("/tokenize")
 async def tokenize(body: TokenizeRequest, request: Request) -> JsonObject:
+    if (body.prompt is None) == (body.messages is None):
+        raise InvalidRequestError("prompt", "give either prompt or messages")
     ctx: ServingContext = request.app.state.ctx
     ctx.check_model(body.model)
     if body.prompt is not None:
         check_prompt_size([body.prompt], 0, ctx.limits, "prompt")
-        encode = functools.partial(
-            ctx.tokenizer.encode, body.prompt, add_special_tokens=body.add_special_tokens
+        ids = await ctx.on_tokenizer_thread(
+            lambda: ctx.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
         )
-        ids = await ctx.on_tokenizer_thread(encode)
     else:
         # Any tool choice but "none" renders the tools; "required" needs no --tool-call-parser.
         chat = ChatPrompt(
@@ -63,7 +55,7 @@ async def tokenize(body: TokenizeRequest, request: Request) -> JsonObject:
             None if body.tools is None else "required",
             template_kwargs=body.chat_template_kwargs,
         )
-        run = Run(request, ApiRequest(chat, {}))
+        run = Run(request, ApiRequest(chat, {}, {}))
         await run.tokenize()
         ids = run.prompts[0]
     token_strs = None
