@@ -313,15 +313,10 @@ class ServerArgs:
 @dataclass(frozen=True)
 class DataParallelArgs:
     """`--dp N`: N replicas of the server behind the SGLang Model Gateway (a launcher option, not
-    a server one: every replica is a plain server with its own ServerArgs)."""
+    a server one: every replica is a plain server with its own ServerArgs). The command line
+    checks the values (minisgl/server.py)."""
 
     dp_size: int = 1
     router_policy: str = DEFAULT_ROUTER_POLICY
     router_args: tuple[str, ...] = ()  # extra gateway flags; they override ours
     use_router: bool = True  # False: the replicas alone, for a gateway that runs elsewhere
-
-    def __post_init__(self) -> None:
-        if self.dp_size < 1:
-            raise ValueError("dp_size: must be >= 1")
-        if self.router_policy not in ROUTER_POLICIES:
-            raise ValueError(f"router_policy: must be one of {', '.join(ROUTER_POLICIES)}")

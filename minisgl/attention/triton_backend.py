@@ -208,11 +208,7 @@ def extend_attention(
 class TritonBackend(AttentionBackend):
     supports_graphs = True
 
-    def __init__(self, cfg: AttentionConfig, decode_splits: int | None = None) -> None:
-        """decode_splits: a fixed number of KV splits per decoded sequence (1 to
-        MAX_DECODE_SPLITS); None picks it from the batch size and the GPU's SM count."""
-        if decode_splits is not None and not 1 <= decode_splits <= MAX_DECODE_SPLITS:
-            raise ValueError(f"decode_splits must be in 1..{MAX_DECODE_SPLITS}")
+    def __init__(self, cfg: AttentionConfig) -> None:
         if cfg.device.type != "cuda" and not kernels.INTERPRETER:
             raise ValueError(
                 "attention_backend 'triton' runs on CUDA; on CPU only in Triton's interpreter "
@@ -225,7 +221,6 @@ class TritonBackend(AttentionBackend):
                 "capability 8.9+ (Ada, Hopper): use fp8_e5m2, or flashinfer"
             )
         self.cfg = cfg
-        self.decode_splits = decode_splits
         num_sms = (
             torch.cuda.get_device_properties(cfg.device).multi_processor_count
             if cfg.device.type == "cuda"
@@ -248,9 +243,10 @@ class TritonBackend(AttentionBackend):
     def _decodes(
         self, batch: AttentionBatch, num_seqs: int, scratch: tuple[Tensor, Tensor]
     ) -> TritonDecodeMetadata:
-        """The first `num_seqs` sequences of `batch`, each one query."""
+        """The first `num_seqs` sequences of `batch`, each one query, in KV splits picked from
+        the batch size and the GPU's SM count."""
         wanted = triton.cdiv(self._target_programs, num_seqs * self.cfg.num_kv_heads)
-        num_splits = self.decode_splits or min(MAX_DECODE_SPLITS, triton.next_power_of_2(wanted))
+        num_splits = min(MAX_DECODE_SPLITS, triton.next_power_of_2(wanted))
         return TritonDecodeMetadata(
             batch.table_rows[:num_seqs],
             batch.kv_lens[:num_seqs],
