@@ -116,8 +116,6 @@ def decode_attention(
     num_kv_heads = k_cache.shape[1]
     part_out, part_lse, num_splits = meta.part_out, meta.part_lse, meta.num_splits
     max_splits = part_lse.shape[2]
-    assert num_heads % num_kv_heads == 0 and k_cache.stride() == v_cache.stride()
-    assert q.stride(2) == out.stride(2) == k_cache.stride(2) == meta.page_table.stride(1) == 1
     assert 1 <= num_splits <= max_splits and part_out.stride(3) == part_lse.stride(2) == 1
     assert part_out.shape[0] >= num_seqs and part_lse.shape[0] >= num_seqs
     group = num_heads // num_kv_heads
@@ -174,8 +172,6 @@ def extend_attention(
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_seqs = meta.table_rows.numel()
     num_kv_heads = k_cache.shape[1]
-    assert num_heads % num_kv_heads == 0 and k_cache.stride() == v_cache.stride()
-    assert q.stride(2) == out.stride(2) == k_cache.stride(2) == meta.page_table.stride(1) == 1
     num_blocks = (meta.block_map.numel() - num_seqs) // 2
     if num_blocks == 0:
         return
@@ -301,6 +297,10 @@ class TritonBackend(AttentionBackend):
         if q.stride(-1) != 1:
             q = q.contiguous()
         out = q.new_empty(q.shape)
+        # What both kernels assume: whole GQA groups, and K, V, q, out and the page table's
+        # rows in unit stride along their last dimension (the caches' strides alike).
+        assert q.shape[1] % k_cache.shape[1] == 0 and k_cache.stride() == v_cache.stride()
+        assert k_cache.stride(2) == metadata.page_table.stride(1) == 1
         k_scale, v_scale = pool.layer_scales[layer_id]  # fp8's (else 1.0)
         scale = self.cfg.scale * k_scale
         if isinstance(metadata, TritonDecodeMetadata):
