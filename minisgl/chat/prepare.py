@@ -20,7 +20,7 @@ from minisgl.chat.reasoning import (
     initial_mode,
 )
 from minisgl.chat.requests import ToolPlan, constraint_from_fields, plan_tools
-from minisgl.chat.template import encode_prompt, load_chat_template, render_chat
+from minisgl.chat.template import load_chat_template, render_chat
 from minisgl.chat.tool_parsers import (
     HERMES_START,
     TOOL_PARSERS,
@@ -189,7 +189,9 @@ def prepare_chat(
         end_ids = tuple(tokenizer.encode(THINK_END, add_special_tokens=False))
         constraint = Constraint(constraint.kind, constraint.value, end_ids)
     return PreparedChat(
-        encode_prompt(tokenizer, text),
+        list(
+            tokenizer.encode(text, add_special_tokens=False)
+        ),  # the template wrote the special tokens
         plan,
         settings.tool_call_parser,
         parser if p.separate_reasoning else None,

@@ -139,11 +139,6 @@ def render_chat(
     return str(text)
 
 
-def encode_prompt(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
-    """Rendered chat text -> ids (the template wrote the special tokens itself)."""
-    return list(tokenizer.encode(text, add_special_tokens=False))
-
-
 def apply_chat_template(
     tokenizer: PreTrainedTokenizerBase,
     messages: Any,
@@ -153,4 +148,6 @@ def apply_chat_template(
 ) -> list[int]:
     """Render messages with the chat template, ready for the assistant's reply, as ids."""
     text = render_chat(tokenizer, messages, tools, chat_template, template_kwargs)
-    return encode_prompt(tokenizer, text)
+    return list(
+        tokenizer.encode(text, add_special_tokens=False)
+    )  # the template wrote the special tokens

@@ -76,11 +76,7 @@ class IncrementalDetokenizer:
             output.text = self.add(output.token_ids) + (self.flush() if self.done else "")
         else:
             self._ids += output.token_ids
-            skip = self._params.skip_special_tokens
-            shown = self._ids[self._read_offset :]
-            output.text = (
-                str(self._tokenizer.decode(shown, skip_special_tokens=skip)) if self.done else ""
-            )
+            output.text = self._decode(self._ids[self._read_offset :]) if self.done else ""
         if self.stop_str is not None:
             reason = finish_reason(self._params, self.stop_str, self.num_tokens)
             output.finish_reason, output.matched_stop = reason, self.stop_str
