@@ -189,9 +189,8 @@ def prepare_chat(
         end_ids = tuple(tokenizer.encode(THINK_END, add_special_tokens=False))
         constraint = Constraint(constraint.kind, constraint.value, end_ids)
     return PreparedChat(
-        list(
-            tokenizer.encode(text, add_special_tokens=False)
-        ),  # the template wrote the special tokens
+        # the template wrote the special tokens
+        list(tokenizer.encode(text, add_special_tokens=False)),
         plan,
         settings.tool_call_parser,
         parser if p.separate_reasoning else None,

@@ -148,6 +148,5 @@ def apply_chat_template(
 ) -> list[int]:
     """Render messages with the chat template, ready for the assistant's reply, as ids."""
     text = render_chat(tokenizer, messages, tools, chat_template, template_kwargs)
-    return list(
-        tokenizer.encode(text, add_special_tokens=False)
-    )  # the template wrote the special tokens
+    # the template wrote the special tokens
+    return list(tokenizer.encode(text, add_special_tokens=False))

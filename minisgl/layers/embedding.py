@@ -59,9 +59,8 @@ class ParallelLMHead(VocabParallelEmbedding):
         if self.packed is not None:
             rows, buffer = hidden.numel() // hidden.shape[-1], self._logits_buffer
             if buffer is None or buffer.shape[0] < rows or buffer.dtype != hidden.dtype:
-                grown = (
-                    0 if buffer is None else 2 * buffer.shape[0]
-                )  # batches ramp up a row at a time
+                # batches ramp up a row at a time
+                grown = 0 if buffer is None else 2 * buffer.shape[0]
                 shape = (max(rows, grown), self.packed.out_features)
                 buffer = self._logits_buffer = huge_page_zeros(shape, hidden.dtype)
             out = buffer[:rows]
