@@ -77,7 +77,7 @@ def _tool_calls(value: Any, index: int) -> list[dict[str, Any]]:
 def normalize_messages(messages: Any) -> list[dict[str, Any]]:
     """Check the shape of chat messages and return plain dicts: role, content (a string) and
     the other fields templates read, where given."""
-    if not isinstance(messages, list) or not messages:
+    if not messages:  # (a list or None: the request's schema says so)
         raise ValueError("messages: must be a non-empty list of {'role', 'content'} objects")
     normalized = []
     for index, message in enumerate(messages):
