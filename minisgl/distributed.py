@@ -40,8 +40,7 @@ def set_tp_info(rank: int, size: int) -> None:
     global _TP_INFO
     if _TP_INFO is not None and TPInfo(rank, size) != _TP_INFO:
         raise RuntimeError(f"tp info already set to {_TP_INFO}, cannot change to {rank}/{size}")
-    if not 0 <= rank < size:
-        raise ValueError(f"tp rank {rank} out of range for tp size {size}")
+    # (ranks come from ServerArgs, which checks node_rank < nnodes)
     _TP_INFO = TPInfo(rank, size)
 
 
