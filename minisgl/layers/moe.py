@@ -136,13 +136,14 @@ class Experts(nn.Module):
             for (expert, piece), p in pieces.items():
                 self._write(expert, piece, dense(p))
             return False
-        gate_up = [fp8[e, p] for e in range(num) for p in GATE_UP_PIECES]
+        # gate_up, then down: every expert's pieces stacked by rows, seen as [experts, rows, cols]
+        stacked = (
+            Fp8Tensor.cat([fp8[e, p] for e in range(num) for p in pieces], self.down_proj.device)
+            for pieces in (GATE_UP_PIECES, (DOWN_PIECE,))
+        )
         self.fp8 = tuple(
             Fp8Tensor(w.data.unflatten(0, (num, -1)), w.scale.unflatten(0, (num, -1)), FP8_GROUP)
-            for w in (
-                Fp8Tensor.cat(ws, self.down_proj.device)
-                for ws in (gate_up, [fp8[e, DOWN_PIECE] for e in range(num)])
-            )
+            for w in stacked
         )
         self.gate_up_proj, self.down_proj = freed(self.gate_up_proj), freed(self.down_proj)
         return True
