@@ -121,8 +121,7 @@ class RowParallelLinear(PackedWeight):
 
     def __init__(self, input_size: int, output_size: int, bias: bool) -> None:
         super().__init__()
-        tp = get_tp_info()
-        self.input_shard = divide(input_size, tp.size, "input size")
+        self.input_shard = divide(input_size, get_tp_info().size, "input size")
         self.weight = frozen(torch.empty(output_size, self.input_shard))
         # The bias is added once, after the reduction, so it is held whole on every rank.
         self.bias = frozen(torch.empty(output_size)) if bias else None

@@ -79,10 +79,8 @@ class Experts(nn.Module):
         self.inter_shard = divide(
             cfg.intermediate_size, get_tp_info().size, "moe_intermediate_size"
         )
-        shape_gate_up = (cfg.num_experts, 2 * self.inter_shard, hidden_size)
-        shape_down = (cfg.num_experts, hidden_size, self.inter_shard)
-        self.gate_up_proj = frozen(torch.empty(shape_gate_up))
-        self.down_proj = frozen(torch.empty(shape_down))
+        self.gate_up_proj = frozen(torch.empty(cfg.num_experts, 2 * self.inter_shard, hidden_size))
+        self.down_proj = frozen(torch.empty(cfg.num_experts, hidden_size, self.inter_shard))
         # The Triton kernel where the fused layer kernels apply (CUDA, Triton importable, not
         # MINISGL_FUSED_KERNELS=0: kernels/gpu.py); else moe_torch.
         self.use_triton = (
