@@ -93,10 +93,9 @@ class ColumnParallelLinear(PackedWeight):
         shard_sizes: list[int] | None = None,
     ) -> None:
         super().__init__()
-        tp = get_tp_info()
         self.full_sizes = output_sizes
         self.shard_sizes = shard_sizes or [
-            divide(size, tp.size, "output size") for size in output_sizes
+            divide(size, get_tp_info().size, "output size") for size in output_sizes
         ]
         self.part_names = part_names
         out = sum(self.shard_sizes)

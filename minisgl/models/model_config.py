@@ -23,7 +23,6 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2Model": "qwen2",
     "Qwen3Model": "qwen3",
 }
-GENERATION_CONFIG_FILE = "generation_config.json"
 
 # transformers' Qwen3MoeConfig defaults, for keys a config.json leaves out.
 _DEFAULT_NUM_EXPERTS = 128
@@ -81,7 +80,7 @@ def _moe_config(raw: dict[str, Any]) -> MoeConfig | None:
 
 def _generation_config(model_dir: Path) -> dict[str, Any]:
     """The checkpoint's generation_config.json (empty when it has none)."""
-    path = model_dir / GENERATION_CONFIG_FILE
+    path = model_dir / "generation_config.json"
     return json.loads(path.read_text()) if path.exists() else {}
 
 
