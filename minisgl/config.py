@@ -35,6 +35,16 @@ DEFAULT_CPU_MAX_PREFILL_TOKENS = 1024
 AUTO_ITL_DECODE_STEPS = 2.0
 AUTO_ITL_EXTRA_MS = 100.0
 
+
+def env_switch(name: str) -> bool | None:
+    """An on/off environment variable: False for 0/false/off/no, True for 1/true/on/yes, None
+    when unset or anything else (auto)."""
+    value = os.environ.get(name, "").strip().lower()
+    if value in ("0", "false", "off", "no"):
+        return False
+    return True if value in ("1", "true", "on", "yes") else None
+
+
 # Data parallelism (minisgl/runtime/dp.py): the SGLang Model Gateway's routing policies.
 ROUTER_POLICIES = ("cache_aware", "round_robin", "random", "power_of_two")
 DEFAULT_ROUTER_POLICY = "cache_aware"
@@ -286,8 +296,7 @@ class ServerArgs:
         return json.loads(self.chat_template_kwargs) if self.chat_template_kwargs else {}
 
     def overlap_enabled(self, device_type: str) -> bool:
-        env = os.environ.get(DISABLE_OVERLAP_ENV, "").strip().lower()
-        off = self.disable_overlap or env in {"1", "true", "yes", "on"} or self.overlap == "off"
+        off = self.disable_overlap or env_switch(DISABLE_OVERLAP_ENV) or self.overlap == "off"
         if off or self.speculative_algorithm is not None:
             return False
         return self.overlap == "on" or device_type == "cuda"
@@ -313,15 +322,10 @@ class ServerArgs:
 @dataclass(frozen=True)
 class DataParallelArgs:
     """`--dp N`: N replicas of the server behind the SGLang Model Gateway (a launcher option, not
-    a server one: every replica is a plain server with its own ServerArgs)."""
+    a server one: every replica is a plain server with its own ServerArgs). The command line
+    checks the values (minisgl/server.py)."""
 
     dp_size: int = 1
     router_policy: str = DEFAULT_ROUTER_POLICY
     router_args: tuple[str, ...] = ()  # extra gateway flags; they override ours
     use_router: bool = True  # False: the replicas alone, for a gateway that runs elsewhere
-
-    def __post_init__(self) -> None:
-        if self.dp_size < 1:
-            raise ValueError("dp_size: must be >= 1")
-        if self.router_policy not in ROUTER_POLICIES:
-            raise ValueError(f"router_policy: must be one of {', '.join(ROUTER_POLICIES)}")

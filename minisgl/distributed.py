@@ -40,8 +40,7 @@ def set_tp_info(rank: int, size: int) -> None:
     global _TP_INFO
     if _TP_INFO is not None and TPInfo(rank, size) != _TP_INFO:
         raise RuntimeError(f"tp info already set to {_TP_INFO}, cannot change to {rank}/{size}")
-    if not 0 <= rank < size:
-        raise ValueError(f"tp rank {rank} out of range for tp size {size}")
+    # (ranks come from ServerArgs, which checks node_rank < nnodes)
     _TP_INFO = TPInfo(rank, size)
 
 
@@ -98,13 +97,6 @@ def ranks_per_node(tp_size: int, nnodes: int) -> int:
     return tp_size // nnodes
 
 
-def parse_host_port(addr: str) -> tuple[str, int]:
-    host, sep, port = addr.rpartition(":")
-    if not sep or not host or not port.isdigit():
-        raise ValueError(f"dist_init_addr: expected 'host:port', got {addr!r}")
-    return host.strip("[]"), int(port)
-
-
 def free_loopback_addr() -> str:
     """A 'host:port' rendezvous on this machine (the OS picks a free port)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -119,12 +111,14 @@ def init_distributed(rank: int, size: int, init_addr: str, backend: str, local_r
     """
     global _CONTROL_GROUP
     set_tp_info(rank, size)
-    host, port = parse_host_port(init_addr)
+    host, sep, port = init_addr.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"dist_init_addr: expected 'host:port', got {init_addr!r}")
     if backend == "nccl":
         torch.cuda.set_device(local_rank)
     timeout = datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S)
     dist.init_process_group(
-        backend, init_method=f"tcp://{host}:{port}", rank=rank, world_size=size, timeout=timeout
+        backend, init_method=f"tcp://{init_addr}", rank=rank, world_size=size, timeout=timeout
     )
     control_timeout_s = COLLECTIVE_TIMEOUT_S if rank == 0 else FOLLOWER_CONTROL_TIMEOUT_S
     _CONTROL_GROUP = dist.new_group(

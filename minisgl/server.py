@@ -6,7 +6,6 @@ its allowed range (exit code 2), in the first second.
 """
 
 import argparse
-import dataclasses
 import importlib.metadata
 import importlib.util
 import shlex
@@ -63,11 +62,6 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
-def _help(f: dataclasses.Field) -> str:
-    shown = f.default is not None and not isinstance(f.default, bool)
-    return f.metadata["help"] + (" (default: %(default)s)" if shown else "")
-
-
 def build_arg_parser() -> argparse.ArgumentParser:
     usage = "%(prog)s [options]"
     parser = _Parser(prog="python -m minisgl.server", usage=usage, description=DESCRIPTION)
@@ -77,7 +71,9 @@ def build_arg_parser() -> argparse.ArgumentParser:
             groups[name] = parser.add_argument_group(name)
         group = groups[name]
         flags = ["--" + f.name.replace("_", "-"), *_ALIASES.get(f.name, [])]
-        kwargs: dict[str, Any] = {"dest": f.name, "default": f.default, "help": _help(f)}
+        shown = f.default is not None and not isinstance(f.default, bool)
+        help_text = f.metadata["help"] + (" (default: %(default)s)" if shown else "")
+        kwargs: dict[str, Any] = {"dest": f.name, "default": f.default, "help": help_text}
         if isinstance(f.default, bool):
             group.add_argument(*flags, action="store_true", **kwargs)
             continue
@@ -197,17 +193,6 @@ def _no_cuda_reason() -> str | None:
     return None
 
 
-def check_address(host: str, port: int, num_ports: int = 1) -> None:
-    """Before anything loads: a busy port is an error in the first second, not after the model
-    has loaded. Raises OSError naming the address."""
-    for p in range(port, port + num_ports):
-        try:
-            with socket.create_server((host, p)):
-                pass
-        except OSError as exc:
-            raise OSError(f"cannot listen on {host}:{p}: {exc.strerror or exc}") from None
-
-
 def data_parallel_args(ns: argparse.Namespace) -> DataParallelArgs:
     return DataParallelArgs(
         dp_size=ns.dp_size,
@@ -225,10 +210,14 @@ def main(argv: list[str] | None = None) -> int:
 
         return run_shell(args, namespace)
     dp = data_parallel_args(namespace)
-    try:  # in the first second, not after the model has loaded
-        check_address(args.host, args.port, dp.dp_size + (dp.dp_size > 1))
-    except OSError as exc:
-        sys.exit(f"python -m minisgl.server: error: {exc}")
+    # A busy port is an error in the first second, not after the model has loaded.
+    for port in range(args.port, args.port + dp.dp_size + (dp.dp_size > 1)):
+        try:
+            with socket.create_server((args.host, port)):
+                pass
+        except OSError as exc:
+            where = f"{args.host}:{port}: {exc.strerror or exc}"
+            sys.exit(f"python -m minisgl.server: error: cannot listen on {where}")
     from minisgl.runtime.launch import ServerStack, run_until_stopped
 
     if dp.dp_size > 1:

@@ -12,6 +12,7 @@ CUDA the variable is left alone, and the same checks run the compiled kernels on
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 import subprocess
@@ -21,9 +22,11 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from minisgl import attention
 from minisgl.attention import AttentionConfig, create_backend, resolve_backend_name
 from minisgl.attention.base import AttentionBackend, AttentionBatch
 from minisgl.attention.torch_native import TorchNativeBackend
+from minisgl.config import CHOICES
 from minisgl.kvcache.pool import KVPool, KVShape
 
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
@@ -32,7 +35,11 @@ INTERPRETED = False
 if HAVE_TRITON:
     if DEVICE.type == "cpu":
         os.environ["TRITON_INTERPRET"] = "1"
-    from minisgl.attention.triton_backend import MAX_DECODE_SPLITS, TritonBackend
+    from minisgl.attention.triton_backend import (
+        MAX_DECODE_SPLITS,
+        TritonBackend,
+        TritonDecodeMetadata,
+    )
     from minisgl.kernels import triton_attention as triton_kernels
 
     INTERPRETED = triton_kernels.INTERPRETER
@@ -115,16 +122,24 @@ def _reference(pool, batch, q, k, v) -> torch.Tensor:
     return _run(TorchNativeBackend(), pool32, batch, q.float(), k.float(), v.float())
 
 
-def _triton(s: Scenario, decode_splits: int | None = None) -> TritonBackend:
+def _triton(s: Scenario) -> TritonBackend:
     cfg = AttentionConfig(
         s.num_heads, s.num_kv_heads, s.head_dim, s.page_size, MAX_SEQ_LEN, s.dtype, DEVICE
     )
-    return TritonBackend(cfg, decode_splits)
+    return TritonBackend(cfg)
+
+
+def _split_in(backend: TritonBackend, batch: AttentionBatch, splits: int) -> TritonDecodeMetadata:
+    """The backend's metadata for a decode-only batch, with `splits` KV splits per sequence
+    (the backend picks them from the batch size)."""
+    return dataclasses.replace(backend.prepare(batch), num_splits=splits)
 
 
 def _check(s: Scenario, decode_splits: int | None = None) -> None:
     pool, batch, q, k, v = _build(s)
-    got = _run(_triton(s, decode_splits), pool, batch, q, k, v)
+    backend = _triton(s)
+    meta = None if decode_splits is None else _split_in(backend, batch, decode_splits)
+    got = _run(backend, pool, batch, q, k, v, meta)
     want = _reference(pool, batch, q, k, v)
     assert got.dtype == s.dtype and got.shape == q.shape
     atol = FP32_ATOL if s.dtype == torch.float32 else HALF_ATOL[s.dtype]
@@ -222,8 +237,8 @@ def _padded(batch: AttentionBatch, dummy_row: int, dummy_slot: int, pad: int) ->
 def test_padded_decode_leaves_real_rows_unchanged():
     s = Scenario(DECODES, page_size=16)
     pool, batch, q, k, v = _build(s)
-    backend = _triton(s, decode_splits=4)
-    plain = _run(backend, pool, batch, q, k, v)
+    backend = _triton(s)
+    plain = _run(backend, pool, batch, q, k, v, _split_in(backend, batch, 4))
     pad = 3
     # The scenario leaves table rows and pages unused: padding points at one of each.
     used_rows = batch.table_rows.tolist()
@@ -236,7 +251,7 @@ def test_padded_decode_leaves_real_rows_unchanged():
     dummy_slot = next(slot for slot in range(pool.num_slots) if slot not in used_slots)
     padded = _padded(batch, dummy_row, dummy_slot, pad)
     pq, pk, pv = (torch.cat([t, torch.randn_like(t[:pad])]) for t in (q, k, v))
-    out = _run(backend, pool, padded, pq, pk, pv)
+    out = _run(backend, pool, padded, pq, pk, pv, _split_in(backend, padded, 4))
     assert torch.equal(out[: batch.num_seqs], plain)
     assert torch.isfinite(out).all()
 
@@ -314,8 +329,8 @@ def test_auto_picks_by_device_and_installed_packages(monkeypatch):
     installed.clear()
     with pytest.raises(ValueError, match="'triton' needs the 'triton' package"):
         resolve_backend_name("triton", cuda, bf16)
-    with pytest.raises(ValueError, match="unknown 'nope'"):
-        resolve_backend_name("nope", cuda, bf16)
+    # Names come checked by ServerArgs: its choices are the registry's.
+    assert set(CHOICES["attention_backend"]) == {"auto", *attention._REGISTRY}
 
 
 @requires_triton

@@ -18,7 +18,6 @@ _REGISTRY = {
     "triton": ("minisgl.attention.triton_backend", "TritonBackend"),
     "flashinfer": ("minisgl.attention.flashinfer_backend", "FlashInferBackend"),
 }
-BACKEND_NAMES = ("auto", *_REGISTRY)
 # The CUDA backends in the order "auto" prefers them; each needs the package of its name (looked
 # up, not imported, when "auto" chooses).
 _CUDA_PREFERENCE = ("flashinfer", "triton")
@@ -29,6 +28,7 @@ def _installed(package: str) -> bool:
 
 
 def resolve_backend_name(name: str, device: torch.device, dtype: torch.dtype) -> str:
+    """`name`: one of --attention-backend's choices (ServerArgs checks them)."""
     if name == "auto":
         if device.type != "cuda":
             return "torch"
@@ -36,10 +36,6 @@ def resolve_backend_name(name: str, device: torch.device, dtype: torch.dtype) ->
         # (FlashInfer has no fp32 kernels)
         usable = (n for n in _CUDA_PREFERENCE if _installed(n) and (half or n != "flashinfer"))
         return next(usable, "torch")
-    if name not in _REGISTRY:
-        raise ValueError(
-            f"attention_backend: unknown '{name}' (choose from {', '.join(BACKEND_NAMES)})"
-        )
     if name in _CUDA_PREFERENCE and not _installed(name):
         raise ValueError(f"attention_backend '{name}' needs the '{name}' package installed")
     return name
@@ -52,7 +48,6 @@ def create_backend(name: str, cfg: AttentionConfig) -> AttentionBackend:
 
 
 __all__ = [
-    "BACKEND_NAMES",
     "AttentionBackend",
     "AttentionBatch",
     "AttentionConfig",

@@ -116,8 +116,6 @@ def decode_attention(
     num_kv_heads = k_cache.shape[1]
     part_out, part_lse, num_splits = meta.part_out, meta.part_lse, meta.num_splits
     max_splits = part_lse.shape[2]
-    assert num_heads % num_kv_heads == 0 and k_cache.stride() == v_cache.stride()
-    assert q.stride(2) == out.stride(2) == k_cache.stride(2) == meta.page_table.stride(1) == 1
     assert 1 <= num_splits <= max_splits and part_out.stride(3) == part_lse.stride(2) == 1
     assert part_out.shape[0] >= num_seqs and part_lse.shape[0] >= num_seqs
     group = num_heads // num_kv_heads
@@ -174,8 +172,6 @@ def extend_attention(
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_seqs = meta.table_rows.numel()
     num_kv_heads = k_cache.shape[1]
-    assert num_heads % num_kv_heads == 0 and k_cache.stride() == v_cache.stride()
-    assert q.stride(2) == out.stride(2) == k_cache.stride(2) == meta.page_table.stride(1) == 1
     num_blocks = (meta.block_map.numel() - num_seqs) // 2
     if num_blocks == 0:
         return
@@ -208,11 +204,7 @@ def extend_attention(
 class TritonBackend(AttentionBackend):
     supports_graphs = True
 
-    def __init__(self, cfg: AttentionConfig, decode_splits: int | None = None) -> None:
-        """decode_splits: a fixed number of KV splits per decoded sequence (1 to
-        MAX_DECODE_SPLITS); None picks it from the batch size and the GPU's SM count."""
-        if decode_splits is not None and not 1 <= decode_splits <= MAX_DECODE_SPLITS:
-            raise ValueError(f"decode_splits must be in 1..{MAX_DECODE_SPLITS}")
+    def __init__(self, cfg: AttentionConfig) -> None:
         if cfg.device.type != "cuda" and not kernels.INTERPRETER:
             raise ValueError(
                 "attention_backend 'triton' runs on CUDA; on CPU only in Triton's interpreter "
@@ -225,7 +217,6 @@ class TritonBackend(AttentionBackend):
                 "capability 8.9+ (Ada, Hopper): use fp8_e5m2, or flashinfer"
             )
         self.cfg = cfg
-        self.decode_splits = decode_splits
         num_sms = (
             torch.cuda.get_device_properties(cfg.device).multi_processor_count
             if cfg.device.type == "cuda"
@@ -248,9 +239,10 @@ class TritonBackend(AttentionBackend):
     def _decodes(
         self, batch: AttentionBatch, num_seqs: int, scratch: tuple[Tensor, Tensor]
     ) -> TritonDecodeMetadata:
-        """The first `num_seqs` sequences of `batch`, each one query."""
+        """The first `num_seqs` sequences of `batch`, each one query, in KV splits picked from
+        the batch size and the GPU's SM count."""
         wanted = triton.cdiv(self._target_programs, num_seqs * self.cfg.num_kv_heads)
-        num_splits = self.decode_splits or min(MAX_DECODE_SPLITS, triton.next_power_of_2(wanted))
+        num_splits = min(MAX_DECODE_SPLITS, triton.next_power_of_2(wanted))
         return TritonDecodeMetadata(
             batch.table_rows[:num_seqs],
             batch.kv_lens[:num_seqs],
@@ -305,6 +297,10 @@ class TritonBackend(AttentionBackend):
         if q.stride(-1) != 1:
             q = q.contiguous()
         out = q.new_empty(q.shape)
+        # What both kernels assume: whole GQA groups, and K, V, q, out and the page table's
+        # rows in unit stride along their last dimension (the caches' strides alike).
+        assert q.shape[1] % k_cache.shape[1] == 0 and k_cache.stride() == v_cache.stride()
+        assert k_cache.stride(2) == metadata.page_table.stride(1) == 1
         k_scale, v_scale = pool.layer_scales[layer_id]  # fp8's (else 1.0)
         scale = self.cfg.scale * k_scale
         if isinstance(metadata, TritonDecodeMetadata):

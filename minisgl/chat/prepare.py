@@ -20,7 +20,7 @@ from minisgl.chat.reasoning import (
     initial_mode,
 )
 from minisgl.chat.requests import ToolPlan, constraint_from_fields, plan_tools
-from minisgl.chat.template import encode_prompt, load_chat_template, render_chat
+from minisgl.chat.template import load_chat_template, render_chat
 from minisgl.chat.tool_parsers import (
     HERMES_START,
     TOOL_PARSERS,
@@ -41,19 +41,19 @@ logger = logging.getLogger(__name__)
 # not template variables, and passing one twice would change what the call returns
 # (return_dict, tokenize) or fail.
 _OWN_PARAMETERS = inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters
-RESERVED_TEMPLATE_KWARGS = frozenset(_OWN_PARAMETERS) - {"self", "kwargs"} | {"messages"}
+RESERVED_TEMPLATE_KWARGS = {*_OWN_PARAMETERS, "messages"} - {"self", "kwargs"}
 
 
-def parse_template_kwargs(value: Any, param: str = "chat_template_kwargs") -> dict[str, Any]:
-    """A JSON object (text or dict) of chat template variables."""
+def parse_template_kwargs(value: Any) -> dict[str, Any]:
+    """A JSON object (text or dict) of chat template variables (chat_template_kwargs)."""
     if value is None:
         return {}
     if isinstance(value, str):
-        value = jsontext.loads(value, param, "must be a JSON object")
+        value = jsontext.loads(value, "chat_template_kwargs", "must be a JSON object")
     if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):
-        raise InvalidRequestError(param, "must be a JSON object")
+        raise InvalidRequestError("chat_template_kwargs", "must be a JSON object")
     if reserved := sorted(RESERVED_TEMPLATE_KWARGS.intersection(value)):
-        raise InvalidRequestError(param, f"{reserved} cannot be set here")
+        raise InvalidRequestError("chat_template_kwargs", f"{reserved} cannot be set here")
     return dict(value)
 
 
@@ -139,7 +139,7 @@ def prompt_texts(prompt: ChatPrompt | list[str] | list[list[int]]) -> tuple[list
     messages): what any template renders at least, known before rendering."""
     if not isinstance(prompt, ChatPrompt):
         return [p for p in prompt if isinstance(p, str)], 0
-    messages = prompt.messages if isinstance(prompt.messages, list) else []
+    messages = prompt.messages or []  # (a list: the request's schema says so)
     contents = [m.get("content") for m in messages if isinstance(m, Mapping)]
     parts = [p for c in contents if isinstance(c, list) for p in c if isinstance(p, Mapping)]
     texts = [t for t in [*contents, *(p.get("text") for p in parts)] if isinstance(t, str)]
@@ -189,7 +189,8 @@ def prepare_chat(
         end_ids = tuple(tokenizer.encode(THINK_END, add_special_tokens=False))
         constraint = Constraint(constraint.kind, constraint.value, end_ids)
     return PreparedChat(
-        encode_prompt(tokenizer, text),
+        # the template wrote the special tokens
+        list(tokenizer.encode(text, add_special_tokens=False)),
         plan,
         settings.tool_call_parser,
         parser if p.separate_reasoning else None,

@@ -16,7 +16,6 @@ from minisgl.core import Constraint
 from minisgl.limits import MAX_TOOLS, InvalidRequestError
 
 ToolMode = Literal["none", "auto", "named", "required"]
-EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
 
 
 @dataclass(frozen=True)
@@ -28,12 +27,8 @@ class ToolPlan:
     max_calls: int | None = None  # parallel_tool_calls=false: 1
 
 
-def _check_tools(tools: Any) -> dict[str, dict[str, Any]]:
+def _check_tools(tools: list[Any]) -> dict[str, dict[str, Any]]:
     """name -> parameters schema of each tool; raises for any malformed tool."""
-    if not isinstance(tools, list):
-        raise InvalidRequestError(
-            "tools", "must be a list of {'type': 'function', 'function': ...}"
-        )
     if len(tools) > MAX_TOOLS:
         raise InvalidRequestError("tools", f"at most {MAX_TOOLS} tools")
     schemas: dict[str, dict[str, Any]] = {}
@@ -48,7 +43,7 @@ def _check_tools(tools: Any) -> dict[str, dict[str, Any]]:
             raise InvalidRequestError("tools", f"tool {i} has no function name")
         if name in schemas:
             raise InvalidRequestError("tools", f"function name {name!r} is given twice")
-        parameters = function.get("parameters", EMPTY_PARAMETERS)
+        parameters = function.get("parameters", {"type": "object", "properties": {}})
         if not isinstance(parameters, Mapping):
             raise InvalidRequestError(
                 "tools", f"function {name!r}: parameters must be a JSON schema object"
@@ -100,7 +95,10 @@ def _call_blocks(schemas: dict[str, dict[str, Any]], max_calls: int | None) -> C
 
 
 def plan_tools(
-    tools: Any, tool_choice: Any, parallel_tool_calls: bool, default_format: bool = False
+    tools: list[Any] | None,
+    tool_choice: Any,
+    parallel_tool_calls: bool,
+    default_format: bool = False,
 ) -> ToolPlan:
     """The plan for a request's tools. tool_choice naming a function or "required" is enforced
     by a grammar, as vLLM does it: the reply is the arguments object, or a JSON array of
@@ -157,9 +155,8 @@ def _text(value: Any, param: str) -> str:
     return value
 
 
-def _response_format(value: Any, param: str) -> Constraint | None:
-    if not isinstance(value, Mapping):
-        raise InvalidRequestError(param, "must be an object with a 'type'")
+def _response_format(value: Mapping[str, Any], param: str) -> Constraint | None:
+    """(An object: the request's schema says so.)"""
     kind = value.get("type")
     if kind == "text":
         return None
@@ -176,10 +173,9 @@ def _response_format(value: Any, param: str) -> Constraint | None:
     raise InvalidRequestError(param, message)
 
 
-def _structured_outputs(value: Any, param: str) -> Constraint | None:
-    """vLLM's `structured_outputs`: one of its keys, read as the guided_* field it stands for."""
-    if not isinstance(value, Mapping):
-        raise InvalidRequestError(param, "must be an object")
+def _structured_outputs(value: Mapping[str, Any], param: str) -> Constraint | None:
+    """vLLM's `structured_outputs` (an object: the request's schema says so): one of its keys,
+    read as the guided_* field it stands for."""
     given = [key for key in ("json", "regex", "grammar", "choice", "json_object") if value.get(key)]
     if len(given) > 1:
         raise InvalidRequestError(param, f"give one of json, regex, grammar, choice; got {given}")

@@ -77,7 +77,7 @@ def _tool_calls(value: Any, index: int) -> list[dict[str, Any]]:
 def normalize_messages(messages: Any) -> list[dict[str, Any]]:
     """Check the shape of chat messages and return plain dicts: role, content (a string) and
     the other fields templates read, where given."""
-    if not isinstance(messages, list) or not messages:
+    if not messages:  # (a list or None: the request's schema says so)
         raise ValueError("messages: must be a non-empty list of {'role', 'content'} objects")
     normalized = []
     for index, message in enumerate(messages):
@@ -139,11 +139,6 @@ def render_chat(
     return str(text)
 
 
-def encode_prompt(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
-    """Rendered chat text -> ids (the template wrote the special tokens itself)."""
-    return list(tokenizer.encode(text, add_special_tokens=False))
-
-
 def apply_chat_template(
     tokenizer: PreTrainedTokenizerBase,
     messages: Any,
@@ -153,4 +148,5 @@ def apply_chat_template(
 ) -> list[int]:
     """Render messages with the chat template, ready for the assistant's reply, as ids."""
     text = render_chat(tokenizer, messages, tools, chat_template, template_kwargs)
-    return encode_prompt(tokenizer, text)
+    # the template wrote the special tokens
+    return list(tokenizer.encode(text, add_special_tokens=False))

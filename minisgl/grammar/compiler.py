@@ -37,10 +37,6 @@ _KIND_NAMES = {
 _XGRAMMAR_PREFIX = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")
 
 
-def _clean(message: str) -> str:
-    return _XGRAMMAR_PREFIX.sub("", message.strip()).strip()
-
-
 class GrammarCache:
     """An LRU map of grammars, bounded in entries (GRAMMAR_CACHE_SIZE) and in the sum of
     `size_of` its values (GRAMMAR_CACHE_BYTES); the newest entry always stays. One thread uses
@@ -102,7 +98,8 @@ class GrammarCompiler:
                 return self._compiler.compile_structural_tag(value)
             return self._compiler.compile_grammar(value)
         except (RuntimeError, ValueError, TypeError) as exc:
-            message = f"invalid or unsupported {_KIND_NAMES[kind]}: {_clean(str(exc))}"
+            why = _XGRAMMAR_PREFIX.sub("", str(exc).strip()).strip()
+            message = f"invalid or unsupported {_KIND_NAMES[kind]}: {why}"
             raise InvalidRequestError("constraint", message) from None
 
     def load(self, constraint: Constraint, grammar_json: str | None) -> Any:

@@ -14,7 +14,6 @@ import shutil
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -53,17 +52,6 @@ def _compiler_version(compiler: str) -> str:
     except (OSError, subprocess.SubprocessError):
         return ""
     return result.stdout.splitlines()[0] if result.returncode == 0 and result.stdout else ""
-
-
-@contextlib.contextmanager
-def _build_lock(target: Path) -> Iterator[None]:
-    """Hold an exclusive lock on `target`'s lock file (blocking; released on exit or death)."""
-    target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    with open(target.with_suffix(".lock"), "a") as lock_file:
-        # A filesystem without locks raises: the atomic rename still keeps every process safe.
-        with contextlib.suppress(OSError):
-            fcntl.flock(lock_file, fcntl.LOCK_EX)
-        yield  # closing the file releases the lock
 
 
 def _compile(compiler: str, flags: tuple[str, ...], target: Path) -> str | None:
@@ -115,7 +103,12 @@ def build_library() -> Path:
         if failed.exists():
             errors.append(failed.read_text(errors="replace"))
             continue
-        with _build_lock(target):
+        target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        # Processes take turns on a lock file (released when it closes, or at death).
+        with open(target.with_suffix(".lock"), "a") as lock_file:
+            # A filesystem without locks raises: the atomic rename still keeps every process safe.
+            with contextlib.suppress(OSError):
+                fcntl.flock(lock_file, fcntl.LOCK_EX)
             if target.exists():  # built by another process while we waited for the lock
                 return target
             if (error := _compile(compiler, flags, target)) is None:

@@ -8,10 +8,10 @@ a failed build or check, `get()` returns None (logged once) and callers keep the
 
 import functools
 import logging
-import os
 
 import torch
 
+from minisgl.config import env_switch
 from minisgl.kernels import build, cpu_abi
 from minisgl.kernels.cpu_ops import CpuKernels
 
@@ -37,15 +37,6 @@ def _self_check(kernels: CpuKernels) -> None:
     want = torch.nn.functional.silu(gate) * up
     if not torch.allclose(kernels.silu_mul(gate_up), want, atol=SELF_CHECK_ATOL):
         raise RuntimeError("self-check failed: silu_mul differs")
-
-
-def env_switch(name: str) -> bool | None:
-    """An on/off environment variable: False for 0/false/off/no, True for 1/true/on/yes, None
-    when unset or anything else (auto)."""
-    value = os.environ.get(name, "").strip().lower()
-    if value in ("0", "false", "off", "no"):
-        return False
-    return True if value in ("1", "true", "on", "yes") else None
 
 
 @functools.cache

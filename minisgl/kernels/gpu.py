@@ -12,6 +12,7 @@ from types import ModuleType
 
 import torch
 
+from minisgl.config import env_switch
 from minisgl.kernels import cpu
 from minisgl.kernels.cpu_ops import CpuKernels
 
@@ -23,7 +24,7 @@ ENABLE_ENV = "MINISGL_FUSED_KERNELS"
 @functools.cache
 def _mode() -> bool | None:
     """False: off; True: on every device; None: auto."""
-    mode = cpu.env_switch(ENABLE_ENV)
+    mode = env_switch(ENABLE_ENV)
     if mode is False:
         logger.info("fused GPU kernels off (%s=0): torch ops only", ENABLE_ENV)
     return mode

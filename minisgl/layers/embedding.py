@@ -57,13 +57,11 @@ class ParallelLMHead(VocabParallelEmbedding):
     def compute_logits(self, hidden: Tensor) -> Tensor:
         out = None
         if self.packed is not None:
-            rows = hidden.reshape(-1, hidden.shape[-1]).shape[0]
-            out = self._logits_out(rows, self.packed.out_features, hidden.dtype)
+            rows, buffer = hidden.numel() // hidden.shape[-1], self._logits_buffer
+            if buffer is None or buffer.shape[0] < rows or buffer.dtype != hidden.dtype:
+                # batches ramp up a row at a time
+                grown = 0 if buffer is None else 2 * buffer.shape[0]
+                shape = (max(rows, grown), self.packed.out_features)
+                buffer = self._logits_buffer = huge_page_zeros(shape, hidden.dtype)
+            out = buffer[:rows]
         return all_gather_last_dim(self.matmul(hidden, None, out))[..., : self.vocab_size]
-
-    def _logits_out(self, rows: int, vocab: int, dtype: torch.dtype) -> Tensor:
-        buffer = self._logits_buffer
-        if buffer is None or buffer.shape[0] < rows or buffer.dtype != dtype:
-            grown = 0 if buffer is None else 2 * buffer.shape[0]  # batches ramp up a row at a time
-            buffer = self._logits_buffer = huge_page_zeros((max(rows, grown), vocab), dtype)
-        return buffer[:rows]

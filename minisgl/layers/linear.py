@@ -93,10 +93,9 @@ class ColumnParallelLinear(PackedWeight):
         shard_sizes: list[int] | None = None,
     ) -> None:
         super().__init__()
-        tp = get_tp_info()
         self.full_sizes = output_sizes
         self.shard_sizes = shard_sizes or [
-            divide(size, tp.size, "output size") for size in output_sizes
+            divide(size, get_tp_info().size, "output size") for size in output_sizes
         ]
         self.part_names = part_names
         out = sum(self.shard_sizes)
@@ -121,8 +120,7 @@ class RowParallelLinear(PackedWeight):
 
     def __init__(self, input_size: int, output_size: int, bias: bool) -> None:
         super().__init__()
-        tp = get_tp_info()
-        self.input_shard = divide(input_size, tp.size, "input size")
+        self.input_shard = divide(input_size, get_tp_info().size, "input size")
         self.weight = frozen(torch.empty(output_size, self.input_shard))
         # The bias is added once, after the reduction, so it is held whole on every rank.
         self.bias = frozen(torch.empty(output_size)) if bias else None

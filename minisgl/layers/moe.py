@@ -79,10 +79,8 @@ class Experts(nn.Module):
         self.inter_shard = divide(
             cfg.intermediate_size, get_tp_info().size, "moe_intermediate_size"
         )
-        shape_gate_up = (cfg.num_experts, 2 * self.inter_shard, hidden_size)
-        shape_down = (cfg.num_experts, hidden_size, self.inter_shard)
-        self.gate_up_proj = frozen(torch.empty(shape_gate_up))
-        self.down_proj = frozen(torch.empty(shape_down))
+        self.gate_up_proj = frozen(torch.empty(cfg.num_experts, 2 * self.inter_shard, hidden_size))
+        self.down_proj = frozen(torch.empty(cfg.num_experts, hidden_size, self.inter_shard))
         # The Triton kernel where the fused layer kernels apply (CUDA, Triton importable, not
         # MINISGL_FUSED_KERNELS=0: kernels/gpu.py); else moe_torch.
         self.use_triton = (
@@ -136,13 +134,14 @@ class Experts(nn.Module):
             for (expert, piece), p in pieces.items():
                 self._write(expert, piece, dense(p))
             return False
-        gate_up = [fp8[e, p] for e in range(num) for p in GATE_UP_PIECES]
+        # gate_up, then down: every expert's pieces stacked by rows, seen as [experts, rows, cols]
+        stacked = (
+            Fp8Tensor.cat([fp8[e, p] for e in range(num) for p in pieces], self.down_proj.device)
+            for pieces in (GATE_UP_PIECES, (DOWN_PIECE,))
+        )
         self.fp8 = tuple(
             Fp8Tensor(w.data.unflatten(0, (num, -1)), w.scale.unflatten(0, (num, -1)), FP8_GROUP)
-            for w in (
-                Fp8Tensor.cat(ws, self.down_proj.device)
-                for ws in (gate_up, [fp8[e, DOWN_PIECE] for e in range(num)])
-            )
+            for w in stacked
         )
         self.gate_up_proj, self.down_proj = freed(self.gate_up_proj), freed(self.down_proj)
         return True

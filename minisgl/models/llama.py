@@ -52,6 +52,7 @@ class Attention(nn.Module):
         self.o_proj = RowParallelLinear(cfg.num_heads * head_dim, cfg.hidden_size, bias=False)
         self.q_norm = RMSNorm(head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.norm_eps = cfg.rms_norm_eps
         self.rope = rope
         self.scale = head_dim**-0.5
         # q/k norm and rope in one call: the Triton kernel, the C kernels' or torch's
@@ -62,10 +63,11 @@ class Attention(nn.Module):
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden).split(self.qkv_proj.shard_sizes, dim=-1)
         q, k, v = (x.view(num_tokens, -1, self.head_dim) for x in qkv)  # [tokens, heads, D]
-        norms: tuple[Tensor | None, Tensor | None, float] = (None, None, 0.0)
-        if self.q_norm is not None and self.k_norm is not None:  # one eps: the config's
-            norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
-        q, k = self.qk_norm_rope(q, k, positions, self.rope.cos_cache, self.rope.sin_cache, *norms)
+        q_weight, k_weight = (None if n is None else n.weight for n in (self.q_norm, self.k_norm))
+        rope = self.rope
+        q, k = self.qk_norm_rope(
+            q, k, positions, rope.cos_cache, rope.sin_cache, q_weight, k_weight, self.norm_eps
+        )
         ctx = get_forward_context()
         out = ctx.backend.forward(q, k, v, self.layer_id, ctx.kv_pool, ctx.metadata)
         return self.o_proj(out.reshape(num_tokens, -1))  # [tokens, heads * head_dim]

@@ -23,8 +23,6 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2Model": "qwen2",
     "Qwen3Model": "qwen3",
 }
-_QK_NORM_FAMILIES = ("qwen3", "qwen3_moe")
-GENERATION_CONFIG_FILE = "generation_config.json"
 
 # transformers' Qwen3MoeConfig defaults, for keys a config.json leaves out.
 _DEFAULT_NUM_EXPERTS = 128
@@ -65,9 +63,7 @@ def _rope_config(raw: dict[str, Any]) -> RopeConfig:
     return RopeConfig(theta=theta, rope_type=rope_type, params=params)
 
 
-def _moe_config(family: str, raw: dict[str, Any]) -> MoeConfig | None:
-    if family != "qwen3_moe":
-        return None
+def _moe_config(raw: dict[str, Any]) -> MoeConfig | None:
     # transformers 5.x writes num_local_experts; hub checkpoints say num_experts.
     num_experts = raw.get("num_experts", raw.get("num_local_experts", _DEFAULT_NUM_EXPERTS))
     if not num_experts:
@@ -84,7 +80,7 @@ def _moe_config(family: str, raw: dict[str, Any]) -> MoeConfig | None:
 
 def _generation_config(model_dir: Path) -> dict[str, Any]:
     """The checkpoint's generation_config.json (empty when it has none)."""
-    path = model_dir / GENERATION_CONFIG_FILE
+    path = model_dir / "generation_config.json"
     return json.loads(path.read_text()) if path.exists() else {}
 
 
@@ -151,7 +147,7 @@ def load_model_config(model_dir: Path) -> ModelConfig:
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)) or arch.endswith("Model"),
         attention_bias=family == "qwen2" or bool(raw.get("attention_bias", False)),
         mlp_bias=bool(raw.get("mlp_bias", False)),
-        qk_norm=family in _QK_NORM_FAMILIES,
+        qk_norm=family in ("qwen3", "qwen3_moe"),  # per-head q/k norms
         eos_token_ids=_eos_ids(model_dir, raw),
-        moe=_moe_config(family, raw),
+        moe=_moe_config(raw) if family == "qwen3_moe" else None,
     )

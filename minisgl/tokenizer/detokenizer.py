@@ -76,11 +76,7 @@ class IncrementalDetokenizer:
             output.text = self.add(output.token_ids) + (self.flush() if self.done else "")
         else:
             self._ids += output.token_ids
-            skip = self._params.skip_special_tokens
-            shown = self._ids[self._read_offset :]
-            output.text = (
-                str(self._tokenizer.decode(shown, skip_special_tokens=skip)) if self.done else ""
-            )
+            output.text = self._decode(self._ids[self._read_offset :]) if self.done else ""
         if self.stop_str is not None:
             reason = finish_reason(self._params, self.stop_str, self.num_tokens)
             output.finish_reason, output.matched_stop = reason, self.stop_str
@@ -108,18 +104,16 @@ class IncrementalDetokenizer:
         )
         return cast(str, text)
 
-    def _decode_new(self, final: bool) -> str:
-        """Decode the window; return the new text unless it ends mid-character (until final)."""
+    def _release(self, final: bool, match: bool = True) -> str:
+        """Decode the window; hold its new text back when it ends mid-character (until final),
+        or when it may start a stop string; return the rest."""
         prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
         new_text = self._decode(self._ids[self._prefix_offset :])
         incomplete = len(new_text) <= len(prefix_text) or new_text.endswith(REPLACEMENT_CHAR)
-        if incomplete and not final:
-            return ""  # wait for the rest of the character (or for visible text)
-        self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
-        return new_text[len(prefix_text) :]
-
-    def _release(self, final: bool, match: bool = True) -> str:
-        held, stops = self._held + self._decode_new(final), self._params.stop
+        if final or not incomplete:  # else wait for the rest of the character (or visible text)
+            self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+            self._held += new_text[len(prefix_text) :]
+        held, stops = self._held, self._params.stop
         # Emitted text never holds a stop string: it was held back.
         stop_at, stop_str = find_first(held, stops) if match else (-1, None)
         if stop_str is not None:
