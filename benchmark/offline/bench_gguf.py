@@ -48,6 +48,7 @@ import sys
 import tempfile
 import time
 from collections import defaultdict
+from collections.abc import Collection
 from pathlib import Path
 
 import httpx
@@ -149,6 +150,14 @@ def gguf_file(spec: str, models_dir: Path, source: Path | None, bin_dir: Path | 
 def start(name: str, cmd: list[str], log_dir: Path) -> subprocess.Popen:
     log = open(log_dir / f"{name}.log", "w")  # noqa: SIM115 (lives as long as the server)
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def stop(procs: Collection[subprocess.Popen]) -> None:
+    """Every server asked to stop first, then each waited for: they shut down side by side."""
+    for proc in procs:
+        proc.terminate()
+    for proc in procs:
+        proc.wait(timeout=60)
 
 
 def wait_ready(url: str, proc: subprocess.Popen) -> None:
@@ -283,10 +292,7 @@ def measure_file(file: Path, args: argparse.Namespace, bin_dir: Path | None) -> 
         for name, proc in procs.items():
             figures[name]["RSS MB"] = [largest_rss_mb(proc.pid)]
     finally:
-        for proc in procs.values():
-            proc.terminate()
-        for proc in procs.values():
-            proc.wait(timeout=60)
+        stop(procs.values())
     print(f"  (load average {os.getloadavg()[0]:.2f}; logs in {log_dir})")
     return figures
 

@@ -28,7 +28,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "offline"))
 
-from bench_gguf import llama_binaries, start, wait_ready  # noqa: E402
+from bench_gguf import llama_binaries, start, stop, wait_ready  # noqa: E402
 
 from minisgl.models.default_model import default_model_gguf  # noqa: E402
 
@@ -102,10 +102,7 @@ def main() -> None:
                 rates[name].append(args.requests * args.batch / elapsed_s)
                 print(f"  round {r}: {name}: {rates[name][-1]:.2f} inputs/s", flush=True)
     finally:
-        for proc in procs.values():
-            proc.terminate()
-        for proc in procs.values():
-            proc.wait(timeout=60)
+        stop(procs.values())
     print(f"(load average {os.getloadavg()[0]:.2f}; logs in {log_dir})")
     ours_rate, theirs_rate = (statistics.median(rates[n]) for n in ("minisgl", "llama.cpp"))
     print(
