@@ -5,6 +5,7 @@ tested in tests/test_server.py, on that module's server."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -16,6 +17,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from minisgl import LLM
 from minisgl.core import SamplingParams
+from minisgl.limits import InvalidRequestError
 from minisgl.pooling import Pooling, model_pooling
 
 MIN_COSINE = 0.9999
@@ -129,7 +131,30 @@ def test_sentence_transformers_layout(plain_qwen3: Path, tmp_path: Path, mode: s
     assert torch.allclose(torch.tensor(got).norm(dim=1), want.norm(dim=1), rtol=1e-4)
 
 
+def test_matryoshka_dimensions(plain_qwen3: Path, tmp_path: Path):
+    """A model whose config.json says `is_matryoshka` (vLLM's name) embeds in fewer dimensions
+    as SentenceTransformer.encode(truncate_dim=..., normalize_embeddings=True) does: the
+    first ones, renormalised; a size past hidden_size, or any for another model, is refused."""
+    from sentence_transformers import SentenceTransformer
+
+    shutil.copytree(plain_qwen3, tmp_path, dirs_exist_ok=True)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(config | {"is_matryoshka": True}))
+    st_model = SentenceTransformer(str(tmp_path))  # a bare Qwen3 folder: last-token pooling
+    want = torch.tensor(st_model.encode(TEXTS, truncate_dim=8, normalize_embeddings=True))
+    with LLM(str(tmp_path), num_pages=256, pooling="last") as llm:
+        got = llm.embed(TEXTS, dataclasses.replace(llm.pooling, dimensions=8))
+        with pytest.raises(InvalidRequestError, match=f"1 to {config['hidden_size']}$"):
+            dataclasses.replace(llm.pooling, dimensions=config["hidden_size"] + 1)
+    assert torch.tensor(got).shape == (len(TEXTS), 8)
+    assert min(_cosines(got, want)) >= MIN_COSINE
+    assert torch.allclose(torch.tensor(got).norm(dim=1), torch.ones(len(TEXTS)), atol=1e-5)
+    with pytest.raises(InvalidRequestError, match="none"):
+        dataclasses.replace(model_pooling(plain_qwen3), dimensions=8)
+
+
 def test_unsupported_sentence_transformers_pooling(tmp_path: Path):
+    (tmp_path / "config.json").write_text("{}")  # a model folder's (models/resolve.py)
     (tmp_path / "1_Pooling").mkdir()
     modules = [{"path": "", "type": "x.Transformer"}, {"path": "1_Pooling", "type": "x.Pooling"}]
     (tmp_path / "modules.json").write_text(json.dumps(modules))
@@ -140,4 +165,5 @@ def test_unsupported_sentence_transformers_pooling(tmp_path: Path):
     old = {"pooling_mode_cls_token": False, "pooling_mode_mean_tokens": True}
     (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps(old))
     assert model_pooling(tmp_path) == Pooling("mean", normalize=False)  # no Normalize module
-    assert model_pooling(tmp_path.parent / "nothing-here") == Pooling("mean", normalize=True)
+    (tmp_path / "modules.json").unlink()  # no sentence-transformers layout: the default
+    assert model_pooling(tmp_path) == Pooling("mean", normalize=True)

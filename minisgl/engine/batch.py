@@ -104,8 +104,9 @@ class ForwardBatch:
 
 def embedding_bytes(pooling: Pooling, total: torch.Tensor, prompt_len: int) -> bytes:
     """A request's embedding from the sum of its pooled states: their mean for mean pooling,
-    L2-normalised if asked, as float32 little-endian bytes (what the API encodes as base64)."""
-    vector = total / prompt_len if pooling.mode == "mean" else total
+    its first `pooling.dimensions` if asked (Matryoshka), L2-normalised if asked, as float32
+    little-endian bytes (what the API encodes as base64)."""
+    vector = (total / prompt_len if pooling.mode == "mean" else total)[: pooling.dimensions]
     if pooling.normalize:
         vector = torch.nn.functional.normalize(vector, dim=0)
     return vector.numpy().astype("<f4").tobytes()

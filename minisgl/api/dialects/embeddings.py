@@ -3,6 +3,7 @@ sentence-transformers config says (minisgl.pooling); each input is a prompt the 
 computes and pools, sampling nothing (docs/server.md, "Embeddings")."""
 
 import base64
+import dataclasses
 import functools
 from collections.abc import AsyncIterator
 from typing import Literal
@@ -16,7 +17,6 @@ from minisgl.api.errors import ChoiceFailed
 from minisgl.api.pipeline import Run, ServingContext
 from minisgl.api.request import ApiRequest, FailFastList, JsonObject, WireModel, new_id
 from minisgl.api.sse import respond
-from minisgl.limits import InvalidRequestError
 from minisgl.pooling import input_token_ids
 
 
@@ -24,7 +24,7 @@ class EmbeddingRequest(WireModel):
     input: str | FailFastList[str] | FailFastList[int] | FailFastList[FailFastList[int]]
     model: str | None = None
     encoding_format: Literal["float", "base64"] = "float"
-    dimensions: int | None = None  # Matryoshka: no model served here declares it
+    dimensions: int | None = None  # Matryoshka: a model's config.json says which (Pooling)
     user: str | None = None
     truncate_prompt_tokens: int | None = Field(None, ge=1)  # vLLM's: keep the last N tokens
 
@@ -61,12 +61,11 @@ async def create_embeddings(request: Request) -> Response:
     body = await EmbeddingRequest.from_request(request)
     ctx: ServingContext = request.app.state.ctx
     ctx.check_model(body.model)  # before any tokenizing, as Run.prepare does
-    if body.dimensions is not None:
-        raise InvalidRequestError("dimensions", "this model does not support Matryoshka dimensions")
+    pooling = dataclasses.replace(ctx.pooling, dimensions=body.dimensions)
     prompts = await ctx.on_tokenizer_thread(
         input_token_ids, body.input, ctx.tokenizer.encode, ctx.limits, body.truncate_prompt_tokens
     )
-    sampling = {"max_tokens": 0, "pooling": ctx.pooling, "user": body.user}
+    sampling = {"max_tokens": 0, "pooling": pooling, "user": body.user}
     api_request = ApiRequest(prompts, sampling, {"prompt": "input"}, 1, body.model)
     run = await Run(request, api_request, new_id("embd")).start()
     vectors = _embeddings(run, body.encoding_format == "base64")

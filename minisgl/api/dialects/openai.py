@@ -278,7 +278,8 @@ def _model_card(ctx: ServingContext) -> JsonObject:
         "owned_by": "minisgl",
         # The longest sequence that can run: the KV pool may hold less than the context.
         "max_model_len": ctx.limits.max_seq_len,
-        "pooling": vars(ctx.pooling),  # /v1/embeddings: every model embeds (docs/server.md)
+        # /v1/embeddings: every model embeds (docs/server.md)
+        "pooling": {"mode": ctx.pooling.mode, "normalize": ctx.pooling.normalize},
     }
 
 
