@@ -31,19 +31,23 @@ class Pooling:
     mode: str = "mean"
     normalize: bool = True
     # Matryoshka: the sizes the model may be cut to (config.json's `matryoshka_dimensions`, or
-    # any up to hidden_size with `is_matryoshka`: vLLM's names), and the size this request
-    # keeps (the vector's first `dimensions`, before normalising)
-    matryoshka: Sequence[int] = range(0)
+    # any up to hidden_size with `is_matryoshka`: vLLM's names), the model's only; and the size
+    # a request keeps (the vector's first `dimensions`, before normalising)
+    matryoshka: Sequence[int] = ()
     dimensions: int | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in POOLING_MODES:
             raise InvalidRequestError("pooling", f"mode must be one of {', '.join(POOLING_MODES)}")
-        if self.dimensions is not None and self.dimensions not in self.matryoshka:
+
+    def cut(self, dimensions: int | None) -> "Pooling":
+        """A request's pooling, keeping `dimensions` (None: all) if the model may be cut so."""
+        if dimensions is not None and dimensions not in self.matryoshka:
             sizes = self.matryoshka
-            shown = f"1 to {len(sizes)}" if isinstance(sizes, range) and sizes else list(sizes)
+            shown = f"1 to {len(sizes)}" if isinstance(sizes, range) else list(sizes)
             message = f"this model's Matryoshka sizes: {shown or 'none'}"
             raise InvalidRequestError("dimensions", message)
+        return Pooling(self.mode, self.normalize, dimensions=dimensions)
 
     @property
     def reads_prefix(self) -> bool:
@@ -62,12 +66,13 @@ class Pooling:
 def model_pooling(model_dir: Path, mode: str | None = None) -> Pooling:
     """A model's pooling: `mode` (--pooling) when given, else its sentence-transformers layout's
     (modules.json, 1_Pooling/config.json), else mean. Normalised when that layout has a
-    Normalize module, or without the layout (the bundled model's, or with --pooling)."""
+    Normalize module, or without the layout (the bundled model's, or with --pooling). Its
+    Matryoshka sizes from config.json (see Pooling.matryoshka)."""
     layout = None if mode is not None else _sentence_transformers_pooling(model_dir)
     config = json.loads((model_dir / "config.json").read_text())
-    listed = config.get("matryoshka_dimensions")
-    top = config["hidden_size"] if config.get("is_matryoshka") else 0
-    sizes = tuple(listed) if listed else range(1, top + 1)
+    sizes: Sequence[int] = tuple(config.get("matryoshka_dimensions") or ())
+    if not sizes and config.get("is_matryoshka"):
+        sizes = range(1, config["hidden_size"] + 1)
     return Pooling(*(layout or (mode or "mean", True)), sizes)
 
 

@@ -5,7 +5,6 @@ tested in tests/test_server.py, on that module's server."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -19,6 +18,7 @@ from minisgl import LLM
 from minisgl.core import SamplingParams
 from minisgl.limits import InvalidRequestError
 from minisgl.pooling import Pooling, model_pooling
+from minisgl.runtime.messages import decode, encode
 
 MIN_COSINE = 0.9999
 SMALL_CHUNK_TOKENS = 16  # below the long text's length: it pools across several chunks
@@ -143,14 +143,16 @@ def test_matryoshka_dimensions(plain_qwen3: Path, tmp_path: Path):
     st_model = SentenceTransformer(str(tmp_path))  # a bare Qwen3 folder: last-token pooling
     want = torch.tensor(st_model.encode(TEXTS, truncate_dim=8, normalize_embeddings=True))
     with LLM(str(tmp_path), num_pages=256, pooling="last") as llm:
-        got = llm.embed(TEXTS, dataclasses.replace(llm.pooling, dimensions=8))
+        got = llm.embed(TEXTS, llm.pooling.cut(8))
+        # what the API sends the scheduler: the request's size, not the model's list
+        assert decode(encode(llm.pooling.cut(8))) == Pooling("last", True, (), 8)
         with pytest.raises(InvalidRequestError, match=f"1 to {config['hidden_size']}$"):
-            dataclasses.replace(llm.pooling, dimensions=config["hidden_size"] + 1)
+            llm.pooling.cut(config["hidden_size"] + 1)
     assert torch.tensor(got).shape == (len(TEXTS), 8)
     assert min(_cosines(got, want)) >= MIN_COSINE
     assert torch.allclose(torch.tensor(got).norm(dim=1), torch.ones(len(TEXTS)), atol=1e-5)
     with pytest.raises(InvalidRequestError, match="none"):
-        dataclasses.replace(model_pooling(plain_qwen3), dimensions=8)
+        model_pooling(plain_qwen3).cut(8)
 
 
 def test_unsupported_sentence_transformers_pooling(tmp_path: Path):

@@ -3,7 +3,6 @@ sentence-transformers config says (minisgl.pooling); each input is a prompt the 
 computes and pools, sampling nothing (docs/server.md, "Embeddings")."""
 
 import base64
-import dataclasses
 import functools
 from collections.abc import AsyncIterator
 from typing import Literal
@@ -61,7 +60,7 @@ async def create_embeddings(request: Request) -> Response:
     body = await EmbeddingRequest.from_request(request)
     ctx: ServingContext = request.app.state.ctx
     ctx.check_model(body.model)  # before any tokenizing, as Run.prepare does
-    pooling = dataclasses.replace(ctx.pooling, dimensions=body.dimensions)
+    pooling = ctx.pooling.cut(body.dimensions)
     prompts = await ctx.on_tokenizer_thread(
         input_token_ids, body.input, ctx.tokenizer.encode, ctx.limits, body.truncate_prompt_tokens
     )
