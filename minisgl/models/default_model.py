@@ -70,9 +70,10 @@ def write_gguf_index(gguf_file: Path, folder: Path) -> None:
     ]
     arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
     (folder / GGUF_INDEX).write_text(json.dumps({"architecture": arch, "tensors": tensors}))
-    pooling = reader.fields.get(f"{arch}.pooling_type")
-    if pooling is not None and int(pooling.parts[-1][0]) in GGUF_POOLING_MODES:
-        _write_pooling_layout(folder, GGUF_POOLING_MODES[int(pooling.parts[-1][0])])
+    pooling_type = reader.fields.get(f"{arch}.pooling_type")
+    mode = None if pooling_type is None else GGUF_POOLING_MODES.get(pooling_type.contents())
+    if mode is not None:
+        _write_pooling_layout(folder, mode)
 
 
 def _write_pooling_layout(folder: Path, mode: str) -> None:
