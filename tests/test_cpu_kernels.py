@@ -156,8 +156,9 @@ def test_paged_decode_attention_matches_sdpa(
     reference's; over an fp8 pool (its per-layer K/V scales not 1) and a 16-bit one too, the
     reference converting in torch."""
     # (prefix_len, extend_len); 1100 spans nine of the decode kernel's 128-position work items,
-    # 70 tokens several of the chunk kernel's blocks
-    seqs = [(1100, 1), (5, 1), (0, 7), (129, 1), (0, 1), (130, 70)]
+    # 70 tokens several of the chunk kernel's blocks, and its 960-position segments: the first
+    # tokens see nothing of the second segment, which the block's last ones see
+    seqs = [(1100, 1), (5, 1), (0, 7), (129, 1), (0, 1), (950, 70)]
     g = torch.Generator().manual_seed(15)
     num_pages = sum(-(-(pre + ext) // page_size) for pre, ext in seqs) + 4
     scales = torch.tensor([[1.0, 1.0], [0.6, 1.7]])
@@ -468,18 +469,19 @@ def test_rejected_native_flags_are_not_retried(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(9, 3, 64), (4, 1, 20)])
 def test_chunk_attention_does_not_depend_on_chunking_or_threads(num_heads, num_kv_heads, head_dim):
-    """A prompt's rows are bitwise the same prefilled as one chunk, as two (the second after a
-    cached prefix), and with one thread or two."""
+    """A prompt's rows are bitwise the same prefilled as one chunk (its 2,100 positions: three
+    of the kernel's segments, two waves of blocks for 9 heads), as three (each after a cached
+    prefix, one ending inside a segment), and with one thread or two."""
     k, g = _kernels(), torch.Generator().manual_seed(4)
-    n, slots = 150, torch.randperm(200, generator=g).to(torch.int32)[:150]
-    kc, vc = (torch.randn(200, num_kv_heads, head_dim, generator=g) for _ in range(2))
+    n, slots = 2100, torch.randperm(2200, generator=g).to(torch.int32)[:2100]
+    kc, vc = (torch.randn(2200, num_kv_heads, head_dim, generator=g) for _ in range(2))
     q = torch.randn(n, num_heads, head_dim, generator=g)
     whole, split = torch.empty_like(q), torch.empty_like(q)
     k.chunk_attention(q, whole, slots, kc, vc, head_dim**-0.5, (1.0, 1.0))
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        for rows in (slice(0, 67), slice(67, n)):
+        for rows in (slice(0, 67), slice(67, 1000), slice(1000, n)):
             args = (slots[: rows.stop], kc, vc, head_dim**-0.5, (1.0, 1.0))
             k.chunk_attention(q[rows], split[rows], *args)
     finally:

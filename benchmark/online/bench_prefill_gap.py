@@ -32,8 +32,13 @@ TARGET_GAP_FACTOR, TARGET_GAP_EXTRA_S = 2.0, 0.25  # the issue's bound on the la
 
 
 def body(ids: list[int], max_tokens: int) -> dict[str, Any]:
-    return {"prompt": ids, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "stream": True}  # fmt: skip
+    return {
+        "prompt": ids,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
 
 
 def prompt(rng: random.Random, length: int) -> list[int]:

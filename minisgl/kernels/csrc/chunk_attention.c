@@ -4,16 +4,22 @@
  * another KV format of common.h).
  *
  * No gather, no mask tensor, no padded copy per KV head (what SDPA over the pool needs): a work
- * unit is one KV head and a block of the chunk's tokens, together up to CHUNK_M query vectors
- * (tokens times the query heads of that KV head). It walks the positions its last token sees in
- * tiles of CHUNK_TILE as two small matrix products held in registers, with the query vectors
- * along the vector lanes: scores S = K Q^T (6 positions by 16 query vectors per pass, K rows read
- * where they lie in the pool), online softmax per query vector, O^T = O^T * correction + V^T P
- * (4 dimensions by 16 query vectors per pass).
+ * unit is one KV head, a block of the chunk's tokens, together up to CHUNK_M query vectors
+ * (tokens times the query heads of that KV head), and one segment of CHUNK_SEG positions, so
+ * that a short chunk after a long prefix (a few blocks, one per KV head) still gives every thread
+ * its share. A unit walks the segment's positions that its block's last token sees in tiles of
+ * CHUNK_TILE as two small matrix products held in registers, with the query vectors along the
+ * vector lanes: scores S = K Q^T (6 positions by 16 query vectors per pass, K rows read where
+ * they lie in the pool), online softmax per query vector, O^T = O^T * correction + V^T P (4
+ * dimensions by 16 query vectors per pass). A second pass merges each block's segments, as the
+ * decode kernel merges its splits (attention.c). Blocks go in waves of at most CHUNK_WAVE_FLOATS
+ * of segment results, so a long chunk after a long prefix needs no more memory than that.
  *
  * A token's result depends neither on the thread count nor on its block mates nor on where the
- * chunk began: tiles always start at position 0 and every sum runs over the whole tile in one
- * order (positions past a token's own, or past the block's last, add exact zeros). */
+ * chunk began: segments and tiles always start at multiples of their lengths from position 0,
+ * every sum runs over the whole tile in one order (positions past a token's own, or past the
+ * block's last, add exact zeros) and the merge adds segments in order (those a token does not
+ * see, exact zeros). */
 #include <stdlib.h>
 
 #include "common.h"
@@ -25,6 +31,8 @@
 #define CHUNK_RS 6 /* positions per score block: 12 accumulators */
 #define CHUNK_RD 4 /* head dimensions per output block: 8 accumulators */
 #define CHUNK_TILE 60 /* positions per tile, a multiple of CHUNK_RS */
+#define CHUNK_SEG (16 * CHUNK_TILE) /* positions per work unit */
+#define CHUNK_WAVE_FLOATS (1 << 21) /* segment results held at once */
 
 typedef struct {
     const float* q; /* [n, hq, D] rows ldq apart */
@@ -38,6 +46,10 @@ typedef struct {
     float scale, v_scale;
     int kv; /* the pool's element format (common.h) */
     atomic_int failed; /* a unit found no memory */
+    /* this wave: blocks [first_block, first_block + wave_blocks), each of `segments` segments;
+     * a unit's result: O^T [D][Mp], running max and sum [Mp], part_floats apart */
+    int64_t first_block, wave_blocks, segments, Mp, part_floats;
+    float* parts;
 } chunk_args;
 
 /* s in every lane (vsplat's 0 + s keeps an add: it turns -0 into +0; s - 0 is s) */
@@ -91,7 +103,9 @@ static void softmax_columns(float* st, int64_t Mp, int64_t ld, float* part_max, 
         vf tile_max = vsplat(-INFINITY);
         for (int64_t t = 0; t < CHUNK_TILE; t++) tile_max = vmax(tile_max, vload(st + t * ld + m));
         const vf old_max = vload(part_max + m), new_max = vmax(old_max, tile_max);
-        const vf scale = vexp(old_max - new_max); /* (exactly 1 where the max stays) */
+        /* (exactly 1 where the max stays; a vector that sees nothing yet keeps zeros) */
+        const vf seen = (vf)(new_max > vsplat(-INFINITY));
+        const vf scale = vselect((vi)seen, vexp(old_max - new_max), (vf){0});
         vf sum = vload(part_sum + m) * scale;
         for (int64_t t = 0; t < CHUNK_TILE; t++) {
             const vf s = vload(st + t * ld + m);
@@ -103,30 +117,34 @@ static void softmax_columns(float* st, int64_t Mp, int64_t ld, float* part_max, 
     }
 }
 
-/* The tokens_per_unit tokens from r0 of KV head kh: query vectors m = token * group + head. */
-static void chunk_unit(chunk_args* a, int64_t kh, int64_t r0) {
-    const int64_t group = a->hq / a->hk, D = a->D, T = CHUNK_TILE;
+/* The tokens_per_unit tokens from r0 of KV head kh (query vectors m = token * group + head) over
+ * segment `seg`, into `part`. */
+static void chunk_unit(chunk_args* a, int64_t kh, int64_t r0, int64_t seg, float* part) {
+    const int64_t group = a->hq / a->hk, D = a->D, T = CHUNK_TILE, Mp = a->Mp;
     const int64_t tokens = min64(a->tokens_per_unit, a->n - r0), M = tokens * group;
-    const int64_t Mp = (M + CHUNK_CM - 1) / CHUNK_CM * CHUNK_CM, elem = kv_bytes(a->kv);
-    /* Q^T and O^T [D][Mp], S [T][Mp], running max, sum and correction [Mp], K and V rows as
-     * fp32 [2 T][D] (formats other than fp32), a row of zeros [D] */
-    float* scratch = calloc((size_t)(Mp * (2 * D + T + 3) + (2 * T + 1) * D), sizeof(float));
+    const int64_t elem = kv_bytes(a->kv);
+    float *ot = part, *part_max = ot + D * Mp, *part_sum = part_max + Mp;
+    memset(part, 0, (size_t)a->part_floats * sizeof(float));
+    for (int64_t m = 0; m < Mp; m++) part_max[m] = -INFINITY;
+    /* the segment's positions that the last token sees */
+    const int64_t begin = seg * CHUNK_SEG, end = min64(begin + CHUNK_SEG, a->prefix + r0 + tokens);
+    if (begin >= end) return;
+    /* Q^T [D][Mp], S [T][Mp], correction [Mp], K and V rows as fp32 [2 T][D] (formats other
+     * than fp32), a row of zeros [D] */
+    float* scratch = calloc((size_t)(Mp * (D + T + 1) + (2 * T + 1) * D), sizeof(float));
     if (!scratch) {
         atomic_store(&a->failed, 1);
         return;
     }
-    float *qt = scratch, *ot = qt + D * Mp, *st = ot + D * Mp, *part_max = st + T * Mp;
-    float *part_sum = part_max + Mp, *correction = part_sum + Mp, *rows = correction + Mp;
+    float *qt = scratch, *st = qt + D * Mp, *correction = st + T * Mp, *rows = correction + Mp;
     const float* zeros = rows + 2 * T * D;
     for (int64_t m = 0; m < M; m++) {
         const float* src = a->q + (r0 + m / group) * a->ldq + (kh * group + m % group) * D;
         for (int64_t d = 0; d < D; d++) qt[d * Mp + m] = src[d] * a->scale;
     }
-    for (int64_t m = 0; m < Mp; m++) part_max[m] = -INFINITY;
     const float* k[CHUNK_TILE];
     const float* v[CHUNK_TILE];
-    const int64_t end = a->prefix + r0 + tokens; /* the last token's positions */
-    for (int64_t t0 = 0; t0 < end; t0 += T) {
+    for (int64_t t0 = begin; t0 < end; t0 += T) {
         for (int64_t t = 0; t < T; t++) {
             k[t] = v[t] = zeros;
             if (t0 + t >= end) continue;
@@ -159,19 +177,50 @@ static void chunk_unit(chunk_args* a, int64_t kh, int64_t r0) {
             for (int64_t d = 0; d < D; d += CHUNK_RD)
                 outputs_block(ot + d * Mp + m, v, d, st + m, correction + m, Mp);
     }
-    for (int64_t m = 0; m < M; m++) {
-        float* dst = a->out + (r0 + m / group) * a->ldo + (kh * group + m % group) * D;
-        const float inv = a->v_scale / part_sum[m];
-        for (int64_t d = 0; d < D; d++) dst[d] = ot[d * Mp + m] * inv;
-    }
     free(scratch);
 }
 
-/* Units [begin, end): the longest blocks (the chunk's last tokens) first. */
+/* The wave's block b from its longest (the chunk's last tokens), and its first token. */
+static int64_t wave_block_start(const chunk_args* a, int64_t b) {
+    return (a->blocks - 1 - (a->first_block + b)) * a->tokens_per_unit;
+}
+
+/* Units [begin, end) of the wave: KV head, then block, then segment. */
 static void chunk_units_range(const void* args, int64_t begin, int64_t end) {
     chunk_args* a = (chunk_args*)args;
-    for (int64_t u = begin; u < end; u++)
-        chunk_unit(a, u / a->blocks, (a->blocks - 1 - u % a->blocks) * a->tokens_per_unit);
+    for (int64_t u = begin; u < end; u++) {
+        const int64_t block = u / a->segments % a->wave_blocks;
+        chunk_unit(a, u / a->segments / a->wave_blocks, wave_block_start(a, block),
+                   u % a->segments, a->parts + u * a->part_floats);
+    }
+}
+
+/* Groups [begin, end) of the wave (KV head, then block): their segments merged into out. */
+static void chunk_merge_range(const void* args, int64_t begin, int64_t end) {
+    const chunk_args* a = args;
+    const int64_t group = a->hq / a->hk, D = a->D, Mp = a->Mp;
+    for (int64_t g = begin; g < end; g++) {
+        const int64_t kh = g / a->wave_blocks, r0 = wave_block_start(a, g % a->wave_blocks);
+        const int64_t M = min64(a->tokens_per_unit, a->n - r0) * group;
+        const float* parts = a->parts + g * a->segments * a->part_floats;
+        for (int64_t m = 0; m < M; m++) {
+            float* dst = a->out + (r0 + m / group) * a->ldo + (kh * group + m % group) * D;
+            float max = -INFINITY, denom = 0.0f;
+            for (int64_t s = 0; s < a->segments; s++)
+                max = fmaxf(max, parts[s * a->part_floats + D * Mp + m]);
+            memset(dst, 0, (size_t)D * sizeof(float));
+            for (int64_t s = 0; s < a->segments; s++) {
+                const float* part = parts + s * a->part_floats;
+                const float part_max = part[D * Mp + m];
+                if (part_max == -INFINITY) continue; /* (positions this token does not see) */
+                const float weight = sexp(part_max - max);
+                denom += part[D * Mp + Mp + m] * weight;
+                for (int64_t d = 0; d < D; d++) dst[d] += part[d * Mp + m] * weight;
+            }
+            const float inv = a->v_scale / denom;
+            for (int64_t d = 0; d < D; d++) dst[d] *= inv;
+        }
+    }
 }
 
 /* Returns 0, 1 for an unsupported head layout, 2 when out of memory. */
@@ -181,10 +230,21 @@ int mg_chunk_attention(const float* q, int64_t ldq, const void* k_cache, const v
                        int nthreads) {
     if (hk < 1 || hq % hk != 0 || hq / hk > CHUNK_MAX_GROUP || D % CHUNK_RD != 0) return 1;
     if (n == 0) return 0;
-    const int64_t tokens_per_unit = max64(1, CHUNK_M / (hq / hk));
+    const int64_t group = hq / hk, tokens_per_unit = min64(n, max64(1, CHUNK_M / group));
+    const int64_t Mp = (tokens_per_unit * group + CHUNK_CM - 1) / CHUNK_CM * CHUNK_CM;
     chunk_args a = {q, ldq, k_cache, v_cache, slots, prefix, n, tokens_per_unit,
                     (n + tokens_per_unit - 1) / tokens_per_unit, out, ldo, hq, hk, D, scale,
                     v_scale, kv, 0};
-    run_parallel(&a, chunk_units_range, hk * a.blocks, 1, nthreads);
+    a.segments = (prefix + n + CHUNK_SEG - 1) / CHUNK_SEG, a.Mp = Mp, a.part_floats = Mp * (D + 2);
+    const int64_t block_floats = hk * a.segments * a.part_floats;
+    a.wave_blocks = min64(a.blocks, max64(1, CHUNK_WAVE_FLOATS / block_floats));
+    a.parts = malloc((size_t)(a.wave_blocks * block_floats) * sizeof(float));
+    if (!a.parts) return 2;
+    for (a.first_block = 0; a.first_block < a.blocks; a.first_block += a.wave_blocks) {
+        a.wave_blocks = min64(a.wave_blocks, a.blocks - a.first_block);
+        run_parallel(&a, chunk_units_range, hk * a.wave_blocks * a.segments, 1, nthreads);
+        run_parallel(&a, chunk_merge_range, hk * a.wave_blocks, 1, nthreads);
+    }
+    free(a.parts);
     return atomic_load(&a.failed) ? 2 : 0;
 }
