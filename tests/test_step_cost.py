@@ -79,7 +79,7 @@ def test_step_time_counts_from_the_previous_result_under_overlap():
 def test_one_shape_of_chunk_fits_the_token_cost_alone():
     costs = StepCosts(None)
     for now_s in (1.0, 2.0, 3.0):  # the same chunk every time: the two costs are one
-        costs.observe(_batch((64, 0)), now_s, now_s + 0.64)
+        costs.observe(_batch((1, 5), (64, 0)), now_s, now_s + 0.64)
     fitted = costs.costs()
     assert (fitted.token_s, fitted.pair_s) == (pytest.approx(0.01), 0.0)
 
@@ -124,3 +124,25 @@ def test_chunks_follow_the_costs_only_while_streams_decode(tiny_qwen3):
         llm.check_page_accounting()
     finally:
         llm.shutdown()
+
+
+def test_small_chunks_after_big_ones_are_predicted_from_their_own_cost():
+    """A long prompt prefilled alone in big chunks, then small chunks beside a decode that cost
+    more per token (each streams the weights for a few rows): the fit predicts them from their
+    own cost (with the big chunks in it, it would predict under half of it)."""
+    decode_s, big_token_s, small_token_s, pair_s = 0.02, 2e-3, 5e-3, 2e-8
+    costs = StepCosts(None)
+    now_s = 0.0
+
+    def run(step_s: float, *seqs: tuple[int, int]) -> None:
+        nonlocal now_s
+        costs.observe(_batch(*seqs), now_s + 1.0, now_s + 1.0 + step_s)  # idle before each
+        now_s += 10.0
+
+    run(decode_s, (1, 40))
+    for p in range(0, 8192, 1024):  # alone: no decode in these steps
+        run(big_token_s * 1024 + pair_s * attention_pairs(1024, p), (1024, p))
+    want_s = small_token_s * 48 + pair_s * attention_pairs(48, 0)
+    for _ in range(3):
+        run(decode_s + want_s, (1, 9), (48, 0))
+    assert costs.costs().cost_s(48, 0) == pytest.approx(want_s, rel=0.1)

@@ -6,7 +6,9 @@ A step that decodes costs a decode step (the average of recent decode-only steps
 prefill chunk of n tokens after a prefix of p, `token_s * n + pair_s * pairs`, where
 pairs = n * p + n * (n + 1) / 2 are the (query, key) pairs its attention computes: a token late
 in a long prompt costs more than an early one. token_s and pair_s are a least-squares fit of
-recent prefill steps, each older step weighing DECAY times less."""
+recent steps that decode and prefill, each older step weighing DECAY times less. Steps that only
+prefill are left out: their chunks are bigger and cost less per token (a small chunk streams the
+weights for a few rows), and one such step would outweigh dozens of small ones in the fit."""
 
 import math
 from dataclasses import dataclass
@@ -75,6 +77,8 @@ class StepCosts:
         if not seqs:
             weight = DECODE_STEP_WEIGHT if self.decode_step_s else 1.0
             self.decode_step_s += weight * (step_s - self.decode_step_s)
+            return
+        if len(seqs) == len(batch.extend_lens):  # nothing decoded
             return
         x = sum(n for n, _ in seqs), sum(attention_pairs(n, p) for n, p in seqs)
         y = step_s - self.decode_step_s
