@@ -5,6 +5,7 @@ scheduler's chunks under given costs."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from types import SimpleNamespace
 
 import pytest
@@ -46,16 +47,22 @@ def _batch(*seqs: tuple[int, int]) -> SimpleNamespace:
     return SimpleNamespace(extend_lens=[n for n, _ in seqs], prefix_lens=[p for _, p in seqs])
 
 
+def _stepper(costs: StepCosts) -> Callable[..., None]:
+    """run(step_s, *seqs): costs observes a step of the batch `seqs` taking step_s, idle
+    before each (no overlap)."""
+    now_s = [0.0]
+
+    def run(step_s: float, *seqs: tuple[int, int]) -> None:
+        costs.observe(_batch(*seqs), now_s[0] + 1.0, now_s[0] + 1.0 + step_s)
+        now_s[0] += 1.0 + step_s
+
+    return run
+
+
 def test_step_costs_recover_the_costs_they_observe():
     token_s, pair_s, decode_s = 1e-3, 2e-7, 0.05
     costs = StepCosts(None)
-    now_s = 0.0
-
-    def run(step_s: float, *seqs: tuple[int, int]) -> None:
-        nonlocal now_s
-        costs.observe(_batch(*seqs), now_s + 1.0, now_s + 1.0 + step_s)  # idle before each
-        now_s += 2.0
-
+    run = _stepper(costs)
     run(decode_s, (1, 40))  # a decode-only step
     assert costs.decode_step_s == pytest.approx(decode_s)
     for n, p in ((100, 0), (100, 1000), (50, 3000), (20, 6000)):  # with the decode beside
@@ -132,13 +139,7 @@ def test_small_chunks_after_big_ones_are_predicted_from_their_own_cost():
     own cost (with the big chunks in it, it would predict under half of it)."""
     decode_s, big_token_s, small_token_s, pair_s = 0.02, 2e-3, 5e-3, 2e-8
     costs = StepCosts(None)
-    now_s = 0.0
-
-    def run(step_s: float, *seqs: tuple[int, int]) -> None:
-        nonlocal now_s
-        costs.observe(_batch(*seqs), now_s + 1.0, now_s + 1.0 + step_s)  # idle before each
-        now_s += 10.0
-
+    run = _stepper(costs)
     run(decode_s, (1, 40))
     for p in range(0, 8192, 1024):  # alone: no decode in these steps
         run(big_token_s * 1024 + pair_s * attention_pairs(1024, p), (1024, p))
