@@ -14,8 +14,8 @@ One command builds what is missing and prints the table issue 43 asks for (llama
   with `--outtype f16` / `q8_0` and quantized with `llama-quantize F16 OUT Q4_K_M`; each step
   only if its output is missing.
 - Servers: `python -m minisgl.server --model FILE` (its defaults, plus a bf16 KV pool of
-  --kv-tokens tokens) and `llama-server -m FILE -t T -tb T -np 16 -c KV_TOKENS --kv-unified`,
-  both up at once, each measurement on one then the other (the machine's speed drifts between
+  --kv-tokens tokens and --minisgl-args) and `llama-server -m FILE -t T -tb T -np 16 -c
+  KV_TOKENS --kv-unified` (plus --llama-args), both up at once, each measurement on one then the other (the machine's speed drifts between
   minutes).
 - Per round and server: batch-1 decode (--decode-tokens greedy tokens after a ~60-token prompt,
   EOS ignored; tok/s after the first token); concurrency 8 and 16 (bench_serving.py's random
@@ -207,7 +207,7 @@ def servers(file: Path, args: argparse.Namespace, bin_dir: Path | None) -> dict[
     minisgl = [sys.executable, "-m", "minisgl.server", "--model", str(file)]
     minisgl += ["--num-pages", str(args.kv_tokens), "--port", str(args.port)]
     minisgl += ["--kv-cache-dtype", "bf16"]  # llama.cpp's default K/V is f16: the same bytes/token
-    out = {"minisgl": minisgl}
+    out = {"minisgl": minisgl + shlex.split(args.minisgl_args)}
     if bin_dir is not None:
         threads = str(args.threads)
         out["llama.cpp"] = [
@@ -442,6 +442,7 @@ def main() -> None:
     p.add_argument("--kv-tokens", type=int, default=16384, help="both servers' KV capacity")
     p.add_argument("--no-workload", action="store_true", help="no concurrency runs")
     p.add_argument("--llama-args", default="", help='more llama-server flags, e.g. "--poll 0"')
+    p.add_argument("--minisgl-args", default="", help='more minisgl flags: "--target-itl-ms 0"')
     p.add_argument("--port", type=int, default=19700, help="first of two ports")
     p.add_argument("--kernels", default=None, help="batch sizes: time the linear op only")
     p.add_argument("--gguf", type=Path, default=None, help="--kernels / --int8-ab: the file")
