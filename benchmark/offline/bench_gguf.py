@@ -15,8 +15,8 @@ One command builds what is missing and prints the table issue 43 asks for (llama
   only if its output is missing.
 - Servers: `python -m minisgl.server --model FILE` (its defaults, plus a bf16 KV pool of
   --kv-tokens tokens and --minisgl-args) and `llama-server -m FILE -t T -tb T -np 16 -c
-  KV_TOKENS --kv-unified` (plus --llama-args), both up at once, each measurement on one then the other (the machine's speed drifts between
-  minutes).
+  KV_TOKENS --kv-unified` (plus --llama-args), both up at once, each measurement on one then
+  the other (the machine's speed drifts between minutes).
 - Per round and server: batch-1 decode (--decode-tokens greedy tokens after a ~60-token prompt,
   EOS ignored; tok/s after the first token); concurrency 8 and 16 (bench_serving.py's random
   chats, 2 x concurrency prompts of 160 words +-50%, 128 output tokens +-50%, temperature 0.7;
