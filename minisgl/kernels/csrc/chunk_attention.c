@@ -104,8 +104,8 @@ static void softmax_columns(float* st, int64_t Mp, int64_t ld, float* part_max, 
         for (int64_t t = 0; t < CHUNK_TILE; t++) tile_max = vmax(tile_max, vload(st + t * ld + m));
         const vf old_max = vload(part_max + m), new_max = vmax(old_max, tile_max);
         /* (exactly 1 where the max stays; a vector that sees nothing yet keeps zeros) */
-        const vf seen = (vf)(new_max > vsplat(-INFINITY));
-        const vf scale = vselect((vi)seen, vexp(old_max - new_max), (vf){0});
+        const vi seen = new_max > vsplat(-INFINITY);
+        const vf scale = vselect(seen, vexp(old_max - new_max), (vf){0});
         vf sum = vload(part_sum + m) * scale;
         for (int64_t t = 0; t < CHUNK_TILE; t++) {
             const vf s = vload(st + t * ld + m);
